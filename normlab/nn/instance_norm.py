@@ -1,0 +1,212 @@
+"""Instance normalization modules built on :func:`normlab.functional.instance_norm`.
+
+``InstanceNorm1d/2d/3d`` take the constructor arguments of ``torch.nn.InstanceNorm1d/2d/3d`` and keep their
+``state_dict`` keys (``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``), so a
+torch checkpoint loads unchanged. Differences from torch:
+
+- statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite);
+- channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel
+  returns a contiguous tensor);
+- a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
+- tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from normlab import functional as NF
+
+__all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+
+class _InstanceNorm(nn.Module):
+    """Shared implementation; subclasses set ``_spatial_dims`` (1, 2 or 3) and ``_layout``."""
+
+    _normlab_norm = True
+    _spatial_dims = 2
+    _layout = "(N, C, H, W)"
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = False,
+        track_running_stats: bool = False,
+        device=None,
+        dtype=None,
+        *,
+        center: bool | None = None,
+        scale: bool | None = None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be > 0, got {eps}")
+        if momentum is not None and not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"{name}: momentum must be in [0, 1] or None (cumulative average), got {momentum}")
+        factory = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.center = affine if center is None else bool(center)
+        self.scale = affine if scale is None else bool(scale)
+        self.affine = self.center and self.scale
+        self.track_running_stats = track_running_stats
+        if self.scale:
+            self.weight = nn.Parameter(torch.ones(num_features, **factory))
+        else:
+            self.register_parameter("weight", None)
+        if self.center:
+            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
+        else:
+            self.register_parameter("bias", None)
+        if track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.ones(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+
+    def _apply(self, fn, recurse=True):
+        """Like nn.Module._apply, but running statistics never go below float32: ``.half()`` or
+        ``.to(torch.bfloat16)`` convert the parameters and leave running_mean/running_var in float32 (a variance of
+        1e8 does not fit in float16)."""
+        before = {name: self._buffers.get(name) for name in ("running_mean", "running_var")}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                # convert from the value before the cast: no float16 rounding or overflow on the way
+                keep = old.dtype if old.dtype not in (torch.float16, torch.bfloat16) else torch.float32
+                self._buffers[name] = old.to(device=buf.device, dtype=keep)
+        return self
+
+    def reset_running_stats(self) -> None:
+        if self.track_running_stats:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, center={self.center}, "
+            f"scale={self.scale}, track_running_stats={self.track_running_stats}"
+        )
+
+    def _check_input(self, x: Tensor) -> bool:
+        """Validate ``x``; return True when it is unbatched (C, *spatial)."""
+        name = type(self).__name__
+        k = self._spatial_dims
+        if x.dim() not in (k + 1, k + 2):
+            raise ValueError(
+                f"{name}: expected {k + 2}D input {self._layout} (or {k + 1}D unbatched), got {x.dim()}D input"
+            )
+        unbatched = x.dim() == k + 1
+        channels = x.shape[0] if unbatched else x.shape[1]
+        if channels != self.num_features:
+            raise ValueError(f"{name}: expected {self.num_features} channels (num_features), got {channels}")
+        return unbatched
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (N, C, *spatial) or unbatched (C, *spatial) -> same shape, dtype and memory format."""
+        unbatched = self._check_input(x)
+        if unbatched:
+            return self.forward(x.unsqueeze(0)).squeeze(0)
+        use_input_stats = self.training or not self.track_running_stats
+        if use_input_stats:
+            spatial = x.shape[2:].numel()
+            if spatial < 2:
+                raise ValueError(
+                    f"{type(self).__name__}: expected more than 1 spatial value per channel when using instance "
+                    f"statistics, got input of shape {tuple(x.shape)}"
+                )
+            if self.training and self.track_running_stats:
+                self._update_running_stats(x)
+            return NF.instance_norm(x, self.weight, self.bias, self.eps)
+        return self._normalize_with_running_stats(x)
+
+    @torch.no_grad()
+    def _update_running_stats(self, x: Tensor) -> None:
+        """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the
+        per-instance mean / unbiased variance (momentum=None: cumulative average). A non-finite batch leaves the
+        statistics unchanged and warns."""
+        dims = tuple(range(2, x.dim()))
+        mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
+        batch_mean, batch_var = mean.mean(0), var.mean(0)
+        if not torch.compiler.is_compiling() and not bool(
+            torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
+        ):
+            warnings.warn(
+                f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            factor = 1.0 / float(self.num_batches_tracked)
+        else:
+            factor = self.momentum
+        self.running_mean.lerp_(batch_mean.to(self.running_mean.dtype), factor)
+        self.running_var.lerp_(batch_var.to(self.running_var.dtype), factor)
+
+    def _normalize_with_running_stats(self, x: Tensor) -> Tensor:
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        stats_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        scale = torch.rsqrt(self.running_var.to(stats_dtype) + self.eps)
+        shift = -self.running_mean.to(stats_dtype) * scale
+        if self.weight is not None:
+            scale = scale * self.weight.to(stats_dtype)
+            shift = shift * self.weight.to(stats_dtype)
+        if self.bias is not None:
+            shift = shift + self.bias.to(stats_dtype)
+        y = x.to(stats_dtype) * scale.reshape(shape) + shift.reshape(shape)
+        return y.to(x.dtype)
+
+
+class InstanceNorm1d(_InstanceNorm):
+    """Instance normalization over (N, C, L) inputs: per sample and channel over L.
+
+    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over L.
+    Args as ``torch.nn.InstanceNorm1d`` (``affine`` sets both ``center`` and ``scale``).
+    """
+
+    _spatial_dims = 1
+    _layout = "(N, C, L)"
+
+
+class InstanceNorm2d(_InstanceNorm):
+    """Instance normalization over (N, C, H, W) inputs: per sample and channel over H, W.
+
+    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over H, W.
+    Args as ``torch.nn.InstanceNorm2d`` (``affine`` sets both ``center`` and ``scale``). Keeps channels_last.
+    """
+
+    _spatial_dims = 2
+    _layout = "(N, C, H, W)"
+
+
+class InstanceNorm3d(_InstanceNorm):
+    """Instance normalization over (N, C, D, H, W) inputs: per sample and channel over D, H, W.
+
+    Args as ``torch.nn.InstanceNorm3d`` (``affine`` sets both ``center`` and ``scale``). Keeps channels_last_3d.
+    """
+
+    _spatial_dims = 3
+    _layout = "(N, C, D, H, W)"

@@ -1,0 +1,188 @@
+"""Switchable Normalization modules (Luo et al. 2019) built on :func:`normlab.functional.switchable_norm`.
+
+Each layer normalizes with a learned mixture of instance (IN, per sample and channel), layer (LN, per sample)
+and batch (BN, per channel) statistics: ``mean = softmax(mean_weight) . (mean_in, mean_ln, mean_bn)`` and the
+same for the variance with the separate logits ``var_weight``; then ``y = (x - mean) / sqrt(var + eps) * weight
++ bias``. Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running stats starting at 0).
+
+Momentum convention (differs from ``torch.nn.BatchNorm``!): ``momentum`` weighs the OLD value,
+``running = momentum * running + (1 - momentum) * batch``. The official default 0.9 is torch's 0.1.
+With ``using_moving_average=False`` the buffers accumulate sums of batch means and of E[x^2] instead (official
+behaviour; the caller is responsible for dividing by the number of batches before evaluation).
+
+A batch whose statistics are not finite leaves the running statistics unchanged and raises a RuntimeWarning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from normlab import functional as NF
+
+__all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
+
+
+class _SwitchableNorm(nn.Module):
+    """Shared implementation; subclasses set ``_spatial_dims`` and ``_layout``."""
+
+    _normlab_norm = True
+    _spatial_dims = 2
+    _layout = "(N, C, H, W)"
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float = 0.9,
+        using_moving_average: bool = True,
+        using_bn: bool = True,
+        last_gamma: bool = False,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        if not eps > 0:
+            raise ValueError(f"{name}: eps must be > 0, got {eps}")
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(
+                f"{name}: momentum must be in [0, 1] (it weighs the OLD running value; official default 0.9), "
+                f"got {momentum}"
+            )
+        factory = {"device": device, "dtype": dtype}
+        self.num_features = num_features
+        self.eps = eps
+        self.momentum = momentum
+        self.using_moving_average = using_moving_average
+        self.using_bn = using_bn
+        self.last_gamma = last_gamma
+        k = 3 if using_bn else 2
+        self.weight = nn.Parameter(torch.empty(num_features, **factory))
+        self.bias = nn.Parameter(torch.empty(num_features, **factory))
+        self.mean_weight = nn.Parameter(torch.ones(k, **factory))
+        self.var_weight = nn.Parameter(torch.ones(k, **factory))
+        if using_bn:
+            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
+            self.register_buffer("running_var", torch.zeros(num_features, **factory))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+        self.reset_parameters()
+
+    def _apply(self, fn, recurse=True):
+        """Like nn.Module._apply, but running statistics never go below float32: ``.half()`` or
+        ``.to(torch.bfloat16)`` convert the parameters and leave running_mean/running_var in float32 (a variance of
+        1e8 does not fit in float16)."""
+        before = {name: self._buffers.get(name) for name in ("running_mean", "running_var")}
+        super()._apply(fn, recurse)
+        for name, old in before.items():
+            buf = self._buffers.get(name)
+            if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
+                # convert from the value before the cast: no float16 rounding or overflow on the way
+                keep = old.dtype if old.dtype not in (torch.float16, torch.bfloat16) else torch.float32
+                self._buffers[name] = old.to(device=buf.device, dtype=keep)
+        return self
+
+    def reset_running_stats(self) -> None:
+        if self.using_bn:
+            self.running_mean.zero_()
+            self.running_var.zero_()
+
+    def reset_parameters(self) -> None:
+        self.reset_running_stats()
+        nn.init.constant_(self.weight, 0.0 if self.last_gamma else 1.0)
+        nn.init.zeros_(self.bias)
+        nn.init.ones_(self.mean_weight)
+        nn.init.ones_(self.var_weight)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum} (weighs old value), "
+            f"using_moving_average={self.using_moving_average}, using_bn={self.using_bn}, "
+            f"last_gamma={self.last_gamma}"
+        )
+
+    def _check_input(self, x: Tensor) -> None:
+        name = type(self).__name__
+        k = self._spatial_dims
+        if x.dim() != k + 2:
+            raise ValueError(f"{name}: expected {k + 2}D input {self._layout}, got {x.dim()}D input")
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"{name}: expected {self.num_features} channels (num_features), got {x.shape[1]}")
+        spatial = x.shape[2:].numel()
+        if spatial < 2:
+            raise ValueError(
+                f"{name}: instance statistics need more than 1 spatial value per channel, got input of shape "
+                f"{tuple(x.shape)}"
+            )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: (N, C, *spatial) -> same shape, dtype and memory format."""
+        self._check_input(x)
+        update = self.training and self.using_bn
+        if update:
+            old = (self.running_mean.clone(), self.running_var.clone())
+        y = NF.switchable_norm(
+            x,
+            self.mean_weight,
+            self.var_weight,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
+            using_bn=self.using_bn,
+            using_moving_average=self.using_moving_average,
+        )
+        if update and not torch.compiler.is_compiling():
+            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
+            if not bool(finite):
+                with torch.no_grad():
+                    self.running_mean.copy_(old[0])
+                    self.running_var.copy_(old[1])
+                warnings.warn(
+                    f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+        if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+            y = y.contiguous(memory_format=fmt)
+        return y
+
+
+class SwitchableNorm1d(_SwitchableNorm):
+    """Switchable Normalization over (N, C, L) inputs (L > 1); statistics over L per instance.
+
+    Unlike the official ``SwitchNorm1d`` (which takes (N, C) and mixes only LN and BN), this layer uses all three
+    statistics on sequences. Args: num_features, eps=1e-5, momentum=0.9 (weighs old value),
+    using_moving_average=True, using_bn=True, last_gamma=False (True initializes ``weight`` to 0).
+    """
+
+    _spatial_dims = 1
+    _layout = "(N, C, L)"
+
+
+class SwitchableNorm2d(_SwitchableNorm):
+    """Switchable Normalization over (N, C, H, W) inputs (H*W > 1). Keeps channels_last.
+
+    Parameters: weight, bias (C,); mean_weight, var_weight (3,) logits (2 with ``using_bn=False``), init ones.
+    Buffers: running_mean, running_var (C,), start at zero (as the official code).
+    """
+
+    _spatial_dims = 2
+    _layout = "(N, C, H, W)"
+
+
+class SwitchableNorm3d(_SwitchableNorm):
+    """Switchable Normalization over (N, C, D, H, W) inputs. Keeps channels_last_3d."""
+
+    _spatial_dims = 3
+    _layout = "(N, C, D, H, W)"

@@ -1,0 +1,268 @@
+"""InstanceNorm1d/2d/3d against torch.nn.InstanceNorm*d and the formula of REFERENCE.md section 4."""
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from normlab.nn.instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
+
+CLASSES = {
+    1: (InstanceNorm1d, nn.InstanceNorm1d),
+    2: (InstanceNorm2d, nn.InstanceNorm2d),
+    3: (InstanceNorm3d, nn.InstanceNorm3d),
+}
+SHAPES = {1: (3, 4, 9), 2: (3, 4, 5, 6), 3: (2, 4, 3, 4, 5)}
+
+
+def _randomize_affine(ours, ref):
+    with torch.no_grad():
+        for name in ("weight", "bias"):
+            if getattr(ours, name) is not None:
+                val = torch.randn_like(getattr(ours, name))
+                getattr(ours, name).copy_(val)
+                getattr(ref, name).copy_(val)
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+@pytest.mark.parametrize("affine", [False, True])
+def test_matches_torch_forward_backward(dim, affine):
+    torch.manual_seed(0)
+    ours_cls, ref_cls = CLASSES[dim]
+    ours, ref = ours_cls(4, affine=affine), ref_cls(4, affine=affine)
+    _randomize_affine(ours, ref)
+    x = (torch.randn(SHAPES[dim]) * 3 + 1).requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = ours(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
+    if affine:
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours.bias.grad, ref.bias.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_formula_float64():
+    torch.manual_seed(1)
+    m = InstanceNorm2d(3, affine=True, eps=1e-3).double()
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 2)
+        m.bias.normal_()
+    x = torch.randn(2, 3, 4, 5, dtype=torch.float64)
+    mean = x.mean((2, 3), keepdim=True)
+    var = ((x - mean) ** 2).mean((2, 3), keepdim=True)  # biased
+    expected = (x - mean) / torch.sqrt(var + 1e-3) * m.weight.view(1, 3, 1, 1) + m.bias.view(1, 3, 1, 1)
+    torch.testing.assert_close(m(x), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_track_running_stats_matches_torch_over_steps():
+    torch.manual_seed(2)
+    ours = InstanceNorm2d(4, affine=True, track_running_stats=True, momentum=0.3)
+    ref = nn.InstanceNorm2d(4, affine=True, track_running_stats=True, momentum=0.3)
+    _randomize_affine(ours, ref)
+    for _ in range(4):
+        x = torch.randn(3, 4, 5, 5) * 2 + 0.5
+        torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours.running_mean, ref.running_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours.running_var, ref.running_var, rtol=1e-5, atol=1e-6)
+    ours.eval()
+    ref.eval()
+    x = torch.randn(2, 4, 5, 5)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-5, atol=1e-5)
+    # a torch checkpoint loads into ours (same state_dict keys)
+    fresh = InstanceNorm2d(4, affine=True, track_running_stats=True).eval()
+    fresh.load_state_dict(ref.state_dict())
+    torch.testing.assert_close(fresh(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+def test_nonfinite_batch_does_not_poison_running_stats():
+    m = InstanceNorm2d(2, track_running_stats=True)
+    m(torch.randn(2, 2, 3, 3))
+    before = (m.running_mean.clone(), m.running_var.clone())
+    bad = torch.randn(2, 2, 3, 3)
+    bad[0, 1, 0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="InstanceNorm2d"):
+        m(bad)
+    assert torch.equal(m.running_mean, before[0]) and torch.equal(m.running_var, before[1])
+
+
+def test_center_scale_aliases():
+    m = InstanceNorm2d(3, center=True, scale=False)
+    assert m.weight is None and m.bias is not None and not m.affine
+    m = InstanceNorm2d(3, center=False, scale=True)
+    assert m.weight is not None and m.bias is None
+    m = InstanceNorm2d(3, affine=True)
+    assert m.center and m.scale
+    x = torch.randn(2, 3, 4, 4)
+    m = InstanceNorm2d(3, center=True, scale=False)
+    with torch.no_grad():
+        m.bias.copy_(torch.tensor([1.0, -2.0, 3.0]))
+    torch.testing.assert_close(m(x), nn.functional.instance_norm(x) + m.bias.view(1, 3, 1, 1))
+
+
+def test_gradcheck_float64():
+    torch.manual_seed(3)
+    m = InstanceNorm2d(3, affine=True).double()
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(2, 3, 3, 4, dtype=torch.float64, requires_grad=True)
+
+    # w.r.t. input and the affine parameters (the module's own forward, with the parameters swapped in)
+    def f(t, w, b):
+        return torch.func.functional_call(m, {"weight": w, "bias": b}, (t,))
+
+    w = m.weight.detach().clone().requires_grad_()
+    b = m.bias.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert torch.autograd.gradcheck(m, (x,))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG reported to lead: functional.moments detaches the mean, so second derivatives through instance "
+    "norm are wrong (gradient-penalty training such as WGAN-GP gets a wrong weight gradient)",
+)
+def test_double_backward_gradient_penalty_matches_torch():
+    torch.manual_seed(4)
+    inp = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    kernel = torch.randn(4, 3, 3, 3, dtype=torch.float64)
+    w_out = torch.randn(2, 4, 4, 4, dtype=torch.float64)
+
+    def penalty_grad(norm):
+        k = kernel.clone().requires_grad_()
+        x = inp.clone().requires_grad_()
+        out = (torch.tanh(norm(nn.functional.conv2d(x, k))) * w_out).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
+        (h,) = torch.autograd.grad((g.flatten(1).norm(dim=1) - 1).square().mean(), k)
+        return h
+
+    ours = penalty_grad(InstanceNorm2d(4).double())
+    ref = penalty_grad(nn.InstanceNorm2d(4).double())
+    torch.testing.assert_close(ours, ref, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("dim, fmt", [(2, torch.channels_last), (3, torch.channels_last_3d)])
+def test_channels_last_kept(dim, fmt):
+    torch.manual_seed(5)
+    ours_cls, ref_cls = CLASSES[dim]
+    x = torch.randn(SHAPES[dim]).to(memory_format=fmt)
+    y = ours_cls(4, affine=True)(x)
+    assert y.is_contiguous(memory_format=fmt)
+    y_ref = ref_cls(4, affine=True)(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    x_c = x.contiguous()
+    assert ours_cls(4)(x_c).is_contiguous()
+
+
+def test_torch_cpu_instance_norm_loses_channels_last():
+    """The defect normlab fixes (if torch ever fixes it this test tells us)."""
+    x = torch.randn(2, 4, 5, 6).to(memory_format=torch.channels_last)
+    assert not nn.InstanceNorm2d(4)(x).is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_large_values_finite(dtype):
+    torch.manual_seed(6)
+    base = torch.randn(2, 4, 8, 8, dtype=torch.float64) * 1e4 + 5e3
+    x = base.to(dtype)
+    m = InstanceNorm2d(4, affine=True).to(dtype)
+    y = m(x)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    ref = nn.functional.instance_norm(x.double())
+    tol = 2e-3 if dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol)
+    # with running stats as well (train and eval)
+    m = InstanceNorm2d(4, track_running_stats=True).to(dtype)
+    assert m.running_var.dtype == torch.float32  # buffers stay float32 after .to(half)
+    assert torch.isfinite(m(x)).all()
+    assert torch.isfinite(m.running_var).all() and m.running_var.min() > 65504
+    m.eval()
+    y = m(x)
+    assert y.dtype == dtype and torch.isfinite(y).all()
+
+
+def test_unbatched_input_like_torch():
+    torch.manual_seed(7)
+    x = torch.randn(4, 5, 6)
+    torch.testing.assert_close(InstanceNorm2d(4)(x), nn.InstanceNorm2d(4)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_state_dict_deepcopy_save_load():
+    torch.manual_seed(8)
+    m = InstanceNorm2d(4, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    m(torch.randn(3, 4, 5, 5))
+    assert set(m.state_dict()) == set(nn.InstanceNorm2d(4, affine=True, track_running_stats=True).state_dict())
+    m.eval()
+    x = torch.randn(2, 4, 5, 5)
+    y = m(x)
+    m2 = InstanceNorm2d(4, affine=True, track_running_stats=True).eval()
+    m2.load_state_dict(m.state_dict())
+    torch.testing.assert_close(m2(x), y, rtol=0, atol=0)
+    m3 = copy.deepcopy(m)
+    torch.testing.assert_close(m3(x), y, rtol=0, atol=0)
+    assert m3.running_mean.data_ptr() != m.running_mean.data_ptr()
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m4 = torch.load(buf, weights_only=False)
+    assert type(m4) is InstanceNorm2d and m4._normlab_norm
+    torch.testing.assert_close(m4(x), y, rtol=0, atol=0)
+    m5 = m.to(torch.float64)
+    assert m5.weight.dtype == torch.float64 and m5.running_var.dtype == torch.float64
+    assert m5(x.double()).dtype == torch.float64
+
+
+def test_torch_compile_same_output():
+    torch.manual_seed(9)
+    m = InstanceNorm2d(4, affine=True)
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(2, 4, 6, 6)
+    compiled = torch.compile(m)
+    torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
+
+
+def test_input_errors():
+    m = InstanceNorm2d(4)
+    with pytest.raises(ValueError, match=r"InstanceNorm2d: expected 4D input \(N, C, H, W\).*got 2D"):
+        m(torch.randn(2, 4))
+    with pytest.raises(ValueError, match="InstanceNorm2d: expected 4D.*got 5D"):
+        m(torch.randn(2, 4, 3, 3, 3))
+    with pytest.raises(ValueError, match="InstanceNorm2d: expected 4 channels.*got 3"):
+        m(torch.randn(2, 3, 5, 5))
+    with pytest.raises(ValueError, match="InstanceNorm2d: expected more than 1 spatial value"):
+        m(torch.randn(2, 4, 1, 1))
+    with pytest.raises(ValueError, match="InstanceNorm1d: expected more than 1 spatial value"):
+        InstanceNorm1d(4)(torch.randn(2, 4, 1))
+    with pytest.raises(ValueError, match="InstanceNorm3d: expected 5D"):
+        InstanceNorm3d(4)(torch.randn(2, 4, 3))
+    # with running statistics, eval on a single value per channel is fine (as torch)
+    m = InstanceNorm2d(4, track_running_stats=True).eval()
+    assert torch.isfinite(m(torch.randn(2, 4, 1, 1))).all()
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_features": 0}, "num_features"),
+        ({"num_features": 4, "eps": 0.0}, "eps"),
+        ({"num_features": 4, "momentum": 1.5}, "momentum"),
+    ],
+)
+def test_constructor_errors(kwargs, match):
+    with pytest.raises(ValueError, match=f"InstanceNorm2d: {match}"):
+        InstanceNorm2d(**kwargs)
+
+
+def test_marked_as_normlab_norm():
+    for cls in (InstanceNorm1d, InstanceNorm2d, InstanceNorm3d):
+        assert cls(2)._normlab_norm is True
