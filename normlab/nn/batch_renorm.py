@@ -1,0 +1,462 @@
+"""Batch Renormalization (Ioffe 2017, arXiv 1702.03275) as drop-in replacements for ``nn.BatchNorm*d``.
+
+Training, per channel c (``r`` and ``d`` carry no gradient)::
+
+    sigma_B = sqrt(var_B + eps)                      (biased batch variance, eps inside the sqrt)
+    sigma   = sqrt(running_var + eps)
+    r = clip(sigma_B / sigma, 1/rmax, rmax)          d = clip((mu_B - running_mean) / sigma, -dmax, dmax)
+    y = weight * ((x - mu_B) / sigma_B * r + d) + bias
+
+Inference is plain BatchNorm inference. ``rmax=1, dmax=0`` is exactly BatchNorm.
+
+API (see :class:`_BatchRenorm`):
+
+* ``BatchRenorm2d(64)``: the paper's schedule (:class:`RenormSchedule` defaults: identity for 5k steps, then
+  linear to rmax=3 at 40k and dmax=5 at 25k steps), driven by ``num_batches_tracked``.
+* ``BatchRenorm2d(64, rmax=3.0, dmax=5.0)``: constant limits (a missing one means "no correction":
+  rmax 1 or dmax 0).
+* ``BatchRenorm2d(64, schedule=RenormSchedule(warmup_steps=1000, ...))`` or any picklable callable
+  ``step -> (rmax, dmax)``.
+
+State: exactly BatchNorm's keys (``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``),
+so BatchNorm checkpoints load into BatchRenorm and back. ``running_var`` holds the unbiased variance as in BatchNorm
+and the running sigma is ``sqrt(running_var + eps)`` (the paper's moving average of sigma is not stored).
+``num_batches_tracked`` is the schedule's step counter (the step of a batch is the count before that batch).
+
+The classes derive from ``torch.nn.modules.batchnorm._NormBase``, not ``_BatchNorm``: torch's
+``SyncBatchNorm.convert_sync_batchnorm`` turns every ``_BatchNorm`` into a plain ``SyncBatchNorm`` and would
+silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batchrenorm` instead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.modules.batchnorm import _NormBase
+
+from .. import functional as NF
+
+__all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RenormSchedule:
+    """The paper's rmax/dmax schedule as a picklable callable ``step -> (rmax, dmax)``.
+
+    ``rmax = 1`` and ``dmax = 0`` for ``step <= warmup_steps``; then each rises linearly and reaches its final value
+    at ``rmax_steps`` (resp. ``dmax_steps``), constant afterwards:
+    ``rmax(step) = 1 + (rmax - 1) * clamp((step - warmup_steps) / (rmax_steps - warmup_steps), 0, 1)``
+    (if ``rmax_steps == warmup_steps`` the value jumps to ``rmax`` at that step). Same for dmax from 0.
+
+    ``step`` may be a Python int (returns floats) or an integer tensor such as ``num_batches_tracked`` (returns
+    float64 scalar tensors on its device, without a host synchronisation).
+    """
+
+    def __init__(
+        self,
+        warmup_steps: int = 5000,
+        rmax: float = 3.0,
+        rmax_steps: int = 40000,
+        dmax: float = 5.0,
+        dmax_steps: int = 25000,
+    ) -> None:
+        where = "RenormSchedule"
+        for name, value in (("warmup_steps", warmup_steps), ("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+        for name, value in (("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
+            if value < warmup_steps:
+                raise ValueError(f"{where}: {name} must be >= warmup_steps={warmup_steps}, got {value}")
+        _check_limits(where, rmax, dmax)
+        if math.isinf(rmax) or math.isinf(dmax):
+            raise ValueError(f"{where}: rmax and dmax must be finite, got rmax={rmax}, dmax={dmax}")
+        self.warmup_steps = warmup_steps
+        self.rmax = float(rmax)
+        self.rmax_steps = rmax_steps
+        self.dmax = float(dmax)
+        self.dmax_steps = dmax_steps
+
+    def _fraction(self, step, end: int):
+        span = end - self.warmup_steps
+        if isinstance(step, Tensor):
+            s = step.to(torch.float64)
+            if span == 0:
+                return (s >= end).to(torch.float64)
+            return ((s - self.warmup_steps) / span).clamp(0.0, 1.0)
+        if span == 0:
+            return 1.0 if step >= end else 0.0
+        return min(max((step - self.warmup_steps) / span, 0.0), 1.0)
+
+    def __call__(self, step: int | Tensor):
+        """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
+        rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
+        dmax = self.dmax * self._fraction(step, self.dmax_steps)
+        return rmax, dmax
+
+    def __repr__(self) -> str:
+        return (
+            f"RenormSchedule(warmup_steps={self.warmup_steps}, rmax={self.rmax}, rmax_steps={self.rmax_steps}, "
+            f"dmax={self.dmax}, dmax_steps={self.dmax_steps})"
+        )
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RenormSchedule) and vars(self) == vars(other)
+
+
+
+def _check_limits(where: str, rmax, dmax) -> None:
+    if not _is_number(rmax) or math.isnan(rmax) or rmax < 1:
+        raise ValueError(f"{where}: rmax must be a number >= 1, got {rmax!r}")
+    if not _is_number(dmax) or math.isnan(dmax) or dmax < 0:
+        raise ValueError(f"{where}: dmax must be a number >= 0, got {dmax!r}")
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Differentiable SUM all-reduce: the gradient of every rank's input is the sum of all ranks' gradients."""
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor, group) -> Tensor:
+        ctx.group = group
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+class _BatchRenorm(_NormBase):
+    """Base of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
+
+    Args (positional ones exactly as ``nn.BatchNorm*d``):
+        num_features: C, the number of channels (dim 1 of the input).
+        eps: added to the variance inside the square root.
+        momentum: running-statistics update factor (``None``: cumulative average, like BatchNorm).
+        affine, track_running_stats, device, dtype, bias: as ``nn.BatchNorm*d``.
+        rmax, dmax: constant correction limits (rmax >= 1, dmax >= 0; ``inf`` means no clipping).
+        schedule: a callable ``step -> (rmax, dmax)`` evaluated at ``num_batches_tracked``, e.g.
+            :class:`RenormSchedule`. Default (nothing given): ``RenormSchedule()``, the paper's schedule.
+            Must not be combined with ``rmax``/``dmax``. Must be picklable for whole-module ``torch.save``.
+        check_finite: after each training update, check the running statistics; if the batch had NaN/inf values
+            (or a variance that overflows), restore the running statistics and the step counter to their values
+            before the batch and raise ``ValueError``. Costs one host synchronisation per call; set False to skip
+            (then a non-finite batch poisons the running statistics, as in BatchNorm).
+
+    Without running statistics (``track_running_stats=False``) there is nothing to renormalize against and the
+    layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
+
+    Shapes: input (N, C, *) as the BatchNorm of the same dimension; output: same shape, dtype and memory format.
+    float16/bfloat16 inputs: statistics in float32 (parameters stay float32), output in the input's dtype.
+    """
+
+    _expected_dims: tuple[int, ...] = ()
+    _shape_text = ""
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+        rmax: float | None = None,
+        dmax: float | None = None,
+        schedule: Callable | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        where = type(self).__name__
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
+            raise ValueError(f"{where}: num_features must be a positive int, got {num_features!r}")
+        if not _is_number(eps) or not eps >= 0:
+            raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+        if momentum is not None and (not _is_number(momentum) or not 0 <= momentum <= 1):
+            raise ValueError(f"{where}: momentum must be in [0, 1] or None, got {momentum!r}")
+        explicit = schedule is not None or rmax is not None or dmax is not None
+        if schedule is not None:
+            if rmax is not None or dmax is not None:
+                raise ValueError(f"{where}: give either schedule or rmax/dmax, not both")
+            if not callable(schedule):
+                raise ValueError(f"{where}: schedule must be callable step -> (rmax, dmax), got {schedule!r}")
+        elif rmax is not None or dmax is not None:
+            rmax = 1.0 if rmax is None else rmax
+            dmax = 0.0 if dmax is None else dmax
+            _check_limits(where, rmax, dmax)
+            rmax, dmax = float(rmax), float(dmax)
+        else:
+            schedule = RenormSchedule()
+        if not track_running_stats and explicit and (schedule is not None or rmax > 1 or dmax > 0):
+            raise ValueError(
+                f"{where}: rmax/dmax/schedule need running statistics to renormalize against; "
+                f"got track_running_stats=False (use nn.BatchNorm or drop rmax/dmax/schedule)"
+            )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, bias=bias)
+        self.schedule = schedule
+        self.rmax = rmax
+        self.dmax = dmax
+        self.check_finite = bool(check_finite)
+
+    # ------------------------------------------------------------------ checks
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() not in self._expected_dims:
+            raise ValueError(
+                f"{type(self).__name__}: expected {self._shape_text}, got {input.dim()}D input"
+            )
+
+    def _check_input(self, input: Tensor, bn_training: bool, local: bool = True) -> None:
+        where = type(self).__name__
+        if not isinstance(input, Tensor):
+            raise TypeError(f"{where}: expected a Tensor input, got {type(input).__name__}")
+        self._check_input_dim(input)
+        if input.shape[1] != self.num_features:
+            raise ValueError(
+                f"{where}: expected input with num_features={self.num_features} channels (dim 1), "
+                f"got {input.shape[1]} channels (input shape {tuple(input.shape)})"
+            )
+        if not input.is_floating_point():
+            raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
+        if bn_training and local and input.numel() // self.num_features <= 1:
+            raise ValueError(
+                f"{where}: expected more than 1 value per channel when training, got input shape "
+                f"{tuple(input.shape)}"
+            )
+
+    # ------------------------------------------------------------------ limits
+    def renorm_limits(self, step: int | Tensor | None = None):
+        """``(rmax, dmax)`` used for the batch at ``step`` (default: the next training batch)."""
+        if self.schedule is None:
+            return self.rmax, self.dmax
+        if step is None:
+            step = self.num_batches_tracked if self.num_batches_tracked is not None else 0
+        return self.schedule(step)
+
+    def _factor(self) -> float:
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def _updating(self) -> bool:
+        return (
+            self.training
+            and self.track_running_stats
+            and self.running_mean is not None
+            and self.running_var is not None
+            and self.num_batches_tracked is not None
+        )
+
+    def _guard_failed(self, saved) -> bool:
+        """True (after restoring ``saved`` state) if the update left non-finite running statistics."""
+        with torch.no_grad():
+            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
+            if bool(finite):
+                return False
+            mean, var, steps = saved
+            self.running_mean.copy_(mean)
+            self.running_var.copy_(var)
+            self.num_batches_tracked.copy_(steps)
+        return True
+
+    def _non_finite_error(self) -> ValueError:
+        return ValueError(
+            f"{type(self).__name__}: non-finite batch statistics in training (NaN/inf in the input, or a variance "
+            f"that overflows); running_mean, running_var and num_batches_tracked were left unchanged"
+        )
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input: Tensor) -> Tensor:
+        """Input (N, C, *) -> output of the same shape, dtype and memory format."""
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        self._check_input(input, bn_training)
+        use_running = not self.training or self.track_running_stats
+        running_mean = self.running_mean if use_running else None
+        running_var = self.running_var if use_running else None
+        if not self._updating():
+            return F.batch_norm(
+                input, running_mean, running_var, self.weight, self.bias, bn_training,
+                0.0 if self.momentum is None else self.momentum, self.eps,
+            )
+        rmax, dmax = self.renorm_limits(self.num_batches_tracked)
+        saved = None
+        if self.check_finite:
+            with torch.no_grad():
+                saved = (self.running_mean.clone(), self.running_var.clone(), self.num_batches_tracked.clone())
+        self.num_batches_tracked.add_(1)
+        out = NF.batch_renorm(
+            input, running_mean, running_var, self.weight, self.bias, True, self._factor(), self.eps, rmax, dmax
+        )
+        if self.check_finite and self._guard_failed(saved):
+            raise self._non_finite_error()
+        return out
+
+    def extra_repr(self) -> str:
+        limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"
+        return f"{super().extra_repr()}, {limits}"
+
+
+class BatchRenorm1d(_BatchRenorm):
+    """Batch Renormalization over (N, C) or (N, C, L) input; drop-in for ``nn.BatchNorm1d``."""
+
+    _expected_dims = (2, 3)
+    _shape_text = "2D or 3D input (N, C) or (N, C, L)"
+
+
+class BatchRenorm2d(_BatchRenorm):
+    """Batch Renormalization over (N, C, H, W) input; drop-in for ``nn.BatchNorm2d``."""
+
+    _expected_dims = (4,)
+    _shape_text = "4D input (N, C, H, W)"
+
+
+class BatchRenorm3d(_BatchRenorm):
+    """Batch Renormalization over (N, C, D, H, W) input; drop-in for ``nn.BatchNorm3d``."""
+
+    _expected_dims = (5,)
+    _shape_text = "5D input (N, C, D, H, W)"
+
+
+class SyncBatchRenorm(_BatchRenorm):
+    """Batch Renormalization with statistics over all ranks of a ``torch.distributed`` process group.
+
+    Training with an initialized process group of more than one rank: each rank computes per-channel
+    count, sum and sum of squares (float64, from float32 two-pass local moments), one differentiable SUM
+    all-reduce merges them weighted by count (batch sizes may differ per rank), and the gradients are those of the
+    global batch (each rank receives the gradient of its own slice; parameter gradients are the rank's share, which
+    DDP then averages). r and d come from the global statistics and the running statistics before the update, so
+    they and the running statistics (unbiased with ``N_global / (N_global - 1)``) are identical on every rank.
+    Works with gloo (CPU) and NCCL. Otherwise (no process group, world size 1, eval) it is :class:`BatchRenorm2d`
+    for any (N, C, *) input.
+
+    Args: as :class:`_BatchRenorm`, plus ``process_group`` (default: the whole world), at torch's
+    ``SyncBatchNorm`` position.
+    """
+
+    _expected_dims = tuple(range(2, 9))
+    _shape_text = "at least 2D input (N, C, *)"
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        device=None,
+        dtype=None,
+        *,
+        bias: bool = True,
+        rmax: float | None = None,
+        dmax: float | None = None,
+        schedule: Callable | None = None,
+        check_finite: bool = True,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, device, dtype,
+            bias=bias, rmax=rmax, dmax=dmax, schedule=schedule, check_finite=check_finite,
+        )
+        self.process_group = process_group
+
+    def _world_size(self) -> int:
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        return dist.get_world_size(self.process_group)
+
+    def forward(self, input: Tensor) -> Tensor:
+        """Input (N, C, *) -> output of the same shape and dtype."""
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if not bn_training or self._world_size() == 1:
+            return super().forward(input)
+        self._check_input(input, bn_training, local=False)
+        c = self.num_features
+        count = input.numel() // c
+        if count > 0:
+            mean, var = NF.moments(input, (0,) + tuple(range(2, input.dim())))
+            mean, var = mean.double(), var.double()
+        else:  # an empty slice on this rank still joins the collective
+            mean = var = torch.zeros(c, dtype=torch.float64, device=input.device)
+        local = torch.cat([count * mean, count * (var + mean.square()), mean.new_full((1,), float(count))])
+        total = _AllReduceSum.apply(local, self.process_group or dist.group.WORLD)
+        n = float(total[-1].item())  # identical on every rank, so every rank raises together below
+        if n <= 1:
+            raise ValueError(
+                f"{type(self).__name__}: expected more than 1 value per channel when training, got {int(n)} "
+                f"over all ranks"
+            )
+        g_mean = total[:c] / n
+        g_var = (total[c : 2 * c] / n - g_mean.square()).clamp_min(0.0)
+        if self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all()):
+            raise self._non_finite_error()
+
+        updating = self._updating()
+        if updating:
+            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
+            r, d = NF.renorm_correction(g_mean, g_var, self.running_mean, self.running_var, self.eps, rmax, dmax)
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                f = self._factor()
+                unbiased = g_var * (n / (n - 1))
+                self.running_mean.mul_(1 - f).add_((f * g_mean).to(self.running_mean.dtype))
+                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
+        else:
+            r = d = None
+
+        # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
+        a = torch.rsqrt(g_var + self.eps)
+        b = torch.zeros_like(a) if d is None else d
+        if r is not None:
+            a = a * r
+        if self.weight is not None:
+            w = self.weight.double()
+            a, b = a * w, b * w
+        if self.bias is not None:
+            b = b + self.bias.double()
+        b = b - g_mean * a
+        comp = torch.float32 if input.dtype in _HALF else input.dtype
+        shape = (1, c) + (1,) * (input.dim() - 2)
+        out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
+        return out.to(input.dtype)
+
+    @classmethod
+    def convert_sync_batchrenorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+        """Replace every :class:`BatchRenorm1d`/``2d``/``3d`` in ``module`` by a :class:`SyncBatchRenorm`.
+
+        Like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layer takes the same settings and *shares*
+        the old one's parameter and buffer tensors (optimizers built before the conversion stay valid).
+        Returns the converted module (a new object if ``module`` itself is a BatchRenorm layer).
+        """
+        out = module
+        if isinstance(module, _BatchRenorm) and not isinstance(module, SyncBatchRenorm):
+            out = cls(
+                module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                process_group, bias=module.bias is not None, check_finite=module.check_finite,
+            )
+            out.schedule, out.rmax, out.dmax = module.schedule, module.rmax, module.dmax
+            if module.affine:
+                with torch.no_grad():
+                    out.weight = module.weight
+                    out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchrenorm(child, process_group))
+        return out
