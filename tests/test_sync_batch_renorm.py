@@ -70,14 +70,36 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         lo = sum(SPLITS[:rank])
         hi = lo + SPLITS[rank]
         result = {kind: _run(_make_module(kind, sync=True), kind, lo, hi) for kind in ("2d", "1d")}
+        result["checks"] = _edge_cases(rank)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _edge_cases(rank: int) -> dict:
+    """channels_last is kept; a NaN on one rank makes every rank raise (no deadlock) and leaves the state alone."""
+    m = _make_module("2d", sync=True)
+    x = torch.randn(SPLITS[rank], 3, 4, 3, dtype=F64).to(memory_format=torch.channels_last)
+    keeps_layout = m(x).is_contiguous(memory_format=torch.channels_last)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    if rank == 1:
+        x[0, 1, 2, 0] = float("nan")
+    try:
+        m(x)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+    return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged}
+
+
 def test_two_gloo_ranks_with_different_batch_sizes_match_single_process(tmp_path):
     mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for r in ranks:
+        assert r["checks"]["channels_last"]
+        assert "SyncBatchRenorm: non-finite batch statistics" in r["checks"]["error"]
+        assert r["checks"]["unchanged"]
     for kind in ("2d", "1d"):
         ref = _run(_make_module(kind, sync=False), kind, 0, sum(SPLITS))
         got = [r[kind] for r in ranks]
