@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 MODELS = ("plain", "resnet", "resnet_pws", "cnn1d")
+MODEL_DIMS = {"plain": 2, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}  # spatial dimensions each model takes
 
 
 def _factory():

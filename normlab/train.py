@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from normlab.data import DATASETS, get_dataset
-from normlab.models import MODELS, build_model
+from normlab.models import MODEL_DIMS, MODELS, build_model
 from normlab.utils import (
     atomic_torch_save,
     atomic_write_text,
@@ -192,8 +192,16 @@ def _summary(config_dict, history, state) -> dict:
     }
 
 
+class _RemoteAlarm:
+    """Stand-in when another DDP rank's monitor raised the alarm."""
+
+    layer, step, quantity, value, initial = "another rank", None, None, None, None
+
+
 def _alarm_dict(alarm) -> dict:
-    return to_jsonable({k: getattr(alarm, k, None) for k in ("layer", "step", "quantity", "value", "initial")})
+    """layer, step, quantity, value, initial of a monitor alarm (object or dict)."""
+    get = alarm.get if isinstance(alarm, dict) else (lambda k: getattr(alarm, k, None))
+    return to_jsonable({k: get(k) for k in ("layer", "step", "quantity", "value", "initial")})
 
 
 def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
@@ -246,6 +254,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
         raise ValueError(
             f"train: batch_size {config.batch_size} per process is larger than the {per_rank} samples each of "
             f"{world} processes gets"
+        )
+    if len(info["input_shape"]) - 1 != MODEL_DIMS[config.model]:
+        raise ValueError(
+            f"train: model {config.model!r} takes {MODEL_DIMS[config.model]}-D inputs but dataset "
+            f"{config.dataset!r} has samples of shape {tuple(info['input_shape'])}"
         )
     seed_everything(config.seed)
     raw_model = build_model(
@@ -326,7 +339,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
                           stacklevel=2)
         else:
             mon = VarianceMonitor(raw_model, every=config.monitor_every)
-    mon_written = 0
+    mon_written, mon_offset = 0, state["steps_total"]
 
     sampler = None
     if world > 1:
@@ -387,11 +400,18 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
                 if bar is not None:
                     bar.update(1)
                     bar.set_postfix(loss=f"{loss_sum / seen:.4f}", acc=f"{correct / seen:.3f}")
-                if mon is not None and config.stop_on_collapse and mon.alarm is not None:
-                    stop_alarm = mon.alarm
-                    break
+                if mon is not None and config.stop_on_collapse:
+                    alarmed = mon.alarm is not None
+                    if world > 1:  # every rank must stop at the same step
+                        alarmed = all_sum([float(alarmed)])[0] > 0
+                    if alarmed:
+                        stop_alarm = mon.alarm if mon.alarm is not None else _RemoteAlarm()
+                        break
             scheduler.step()
             loss_sum, correct, seen = all_sum([loss_sum, correct, seen])
+            if world > 1:  # BN running statistics are per process: evaluate and save rank 0's everywhere
+                for buf in raw_model.buffers():
+                    dist.broadcast(buf, 0)
             test_loss, test_acc = _evaluate(raw_model, test_ds, device)
             entry = {
                 "epoch": epoch + 1,
@@ -415,20 +435,26 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
                 and not bad_loss
             ):
                 state["epochs_to_target"] = epoch + 1
+            if mon is not None and is_main:
+                # global step numbers: the monitor counts from 0 again after a resume
+                lines = [dumps_line({**r, "step": r["step"] + mon_offset}) for r in mon.records[mon_written:]]
+                if mon.alarm is not None and state["monitor_alarm"] is None:
+                    d = {**mon.alarm.to_dict(), "step": mon.alarm.step + mon_offset}
+                    lines.append(dumps_line({"event": "alarm", **d}))
+                    state["monitor_alarm"] = _alarm_dict(d)
+                if lines:
+                    with open(monitor_path, "a") as f:
+                        f.writelines(line + "\n" for line in lines)
+                state["monitor_lines"] += len(lines)
+                mon_written = len(mon.records)
             if bad_loss or not math.isfinite(test_loss):
                 state.update(collapse_epoch=epoch + 1, collapse_reason="non_finite_loss")
             elif stop_alarm is not None:
-                state.update(collapse_epoch=epoch + 1, collapse_reason="monitor_alarm",
-                             monitor_alarm=_alarm_dict(stop_alarm))
+                state.update(collapse_epoch=epoch + 1, collapse_reason="monitor_alarm")
+                if state["monitor_alarm"] is None:  # another rank's monitor fired
+                    state["monitor_alarm"] = _alarm_dict(stop_alarm)
             stop = state["collapse_epoch"] is not None
             state["finished"] = stop or epoch + 1 == config.epochs
-            if mon is not None and is_main:
-                new = mon.records[mon_written:]
-                if new:
-                    with open(monitor_path, "a") as f:
-                        f.writelines(dumps_line(r) + "\n" for r in new)
-                state["monitor_lines"] += len(new)
-                mon_written = len(mon.records)
             if is_main:
                 if stop:  # keep the last good weights on disk; record the collapse in its history
                     good = torch.load(ckpt_path, map_location="cpu", weights_only=True)

@@ -1,0 +1,331 @@
+"""normlab.train: metrics, determinism, kill/resume, collapse handling, bad input, monitor hooks, DDP."""
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import normlab.monitor
+from normlab.models import build_model
+from normlab.train import TrainConfig, train
+from normlab.utils import make_param_groups
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine extra threads only spin (and slow tests down ~10x)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny(**kw):
+    base = dict(width=0.05, batch_size=32, epochs=2, max_steps_per_epoch=3, lr=0.05)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def without_time(history):
+    return [{k: v for k, v in h.items() if k != "time_s"} for h in history]
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def load_ckpt(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
+    cfg = tiny(epochs=3, milestones=(2,), target_acc=0.0)
+    s = train(cfg, tmp_path / "run", progress=False)
+    assert capfd.readouterr().err == ""  # progress=False: no bar
+    assert set(s) >= {"config", "final_test_acc", "best_test_acc", "collapsed", "collapse_epoch", "epochs_to_target",
+                      "step_time_s", "epochs_run", "history"}
+    assert s["epochs_run"] == 3 and not s["collapsed"] and s["collapse_epoch"] is None
+    assert s["epochs_to_target"] == 1
+    assert s["step_time_s"] > 0
+    hist = s["history"]
+    assert [h["epoch"] for h in hist] == [1, 2, 3]
+    assert [h["lr"] for h in hist] == pytest.approx([0.05, 0.05, 0.005])  # x0.1 after milestone 2
+    assert s["final_test_acc"] == hist[-1]["test_acc"] and s["best_test_acc"] == max(h["test_acc"] for h in hist)
+    for h in hist:
+        assert set(h) == {"epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "time_s"}
+        assert 0.0 <= h["train_acc"] <= 1.0 and 0.0 <= h["test_acc"] <= 1.0
+    out = tmp_path / "run"
+    assert read_jsonl(out / "metrics.jsonl") == hist
+    assert json.loads((out / "summary.json").read_text())["history"] == hist
+    assert s["config"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
+    ck = load_ckpt(out / "checkpoint.pt")
+    assert ck["state"]["finished"] and ck["state"]["epoch"] == 3
+    assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
+    # a finished run is returned as is
+    again = train(cfg, out, progress=True)
+    assert again["history"] == hist
+    # the progress bar shows epoch, loss and accuracy
+    train(tiny(epochs=1, max_steps_per_epoch=1), tmp_path / "bar", progress=True)
+    err = capfd.readouterr().err
+    assert "epoch 1/1" in err and "loss=" in err and "acc=" in err
+
+
+def test_training_learns_and_is_deterministic(tmp_path):
+    cfg = tiny(epochs=2, max_steps_per_epoch=6, width=0.1, lr=0.05)
+    a = train(cfg, tmp_path / "a", progress=False)
+    b = train(cfg, tmp_path / "b", progress=False)
+    assert without_time(a["history"]) == without_time(b["history"])
+    ka, kb = load_ckpt(tmp_path / "a" / "checkpoint.pt"), load_ckpt(tmp_path / "b" / "checkpoint.pt")
+    assert all(torch.equal(ka["model"][k], kb["model"][k]) for k in ka["model"])
+    assert a["history"][-1]["train_loss"] < a["history"][0]["train_loss"] or a["final_test_acc"] > 0.3
+    c = train(dataclasses.replace(cfg, seed=1), tmp_path / "c", progress=False)
+    assert without_time(c["history"]) != without_time(a["history"])
+
+
+def _run_in_subprocess(cfg, out_dir, threads):
+    code = textwrap.dedent(
+        f"""
+        import torch
+        torch.set_num_threads({threads})
+        from normlab.train import TrainConfig, train
+        train(TrainConfig(**{dataclasses.asdict(cfg)!r}), {str(out_dir)!r}, progress=False)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+
+
+def _kill_when(proc, predicate, timeout=120):
+    t0 = time.monotonic()
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"training subprocess ended early: {proc.stderr.read().decode()[-2000:]}")
+        if time.monotonic() - t0 > timeout:
+            proc.kill()
+            raise AssertionError("training subprocess made no progress")
+    # SIGKILL: no cleanup handlers run, exactly like an OOM kill or a power cut
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def _lines(path):
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigkill_and_resume_gives_identical_metrics(tmp_path):
+    threads = torch.get_num_threads()
+    cfg = tiny(epochs=4, max_steps_per_epoch=6, milestones=(3,), width=0.1)
+    ref = train(cfg, tmp_path / "ref", progress=False)
+
+    out = tmp_path / "killed"
+    ckpt, metrics = out / "checkpoint.pt", out / "metrics.jsonl"
+    # 1st kill: as soon as the first (pre-training) checkpoint exists
+    _kill_when(_run_in_subprocess(cfg, out, threads), ckpt.exists)
+    assert _lines(metrics) < 4
+    # 2nd kill: after two epochs were checkpointed (the run is then in its third epoch)
+    _kill_when(_run_in_subprocess(cfg, out, threads), lambda: _lines(metrics) >= 2)
+    done_before = load_ckpt(ckpt)["state"]["epoch"]
+    assert 2 <= done_before < 4, "the kill must happen mid-run for this test to mean anything"
+    resumed = train(cfg, out, progress=False)
+    assert without_time(resumed["history"]) == without_time(ref["history"])
+    assert without_time(read_jsonl(metrics)) == without_time(read_jsonl(tmp_path / "ref" / "metrics.jsonl"))
+    ka, kb = load_ckpt(ckpt), load_ckpt(tmp_path / "ref" / "checkpoint.pt")
+    assert all(torch.equal(ka["model"][k], kb["model"][k]) for k in ka["model"])
+    assert resumed["final_test_acc"] == ref["final_test_acc"]
+
+
+def test_corrupt_checkpoint_and_orphan_results_are_refused(tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny(epochs=2, max_steps_per_epoch=1)
+    train(cfg, out, progress=False)
+    metrics_before = (out / "metrics.jsonl").read_text()
+    (out / "checkpoint.pt").write_bytes(b"this is not a checkpoint")
+    with pytest.raises(RuntimeError, match=r"checkpoint\.pt.*corrupt"):
+        train(cfg, out, progress=False)
+    assert (out / "metrics.jsonl").read_text() == metrics_before  # nothing restarted over the results
+    (out / "checkpoint.pt").unlink()
+    with pytest.raises(RuntimeError, match="no checkpoint"):
+        train(cfg, out, progress=False)
+    other = tmp_path / "other"
+    train(cfg, other, progress=False)
+    with pytest.raises(ValueError, match="lr"):
+        train(dataclasses.replace(cfg, lr=0.1), other, progress=False)
+
+
+def test_divergence_is_recorded_as_collapse(tmp_path):
+    out = tmp_path / "run"
+    cfg = tiny(norm="none", lr=1e6, epochs=5, max_steps_per_epoch=4)
+    s = train(cfg, out, progress=False)
+    assert s["collapsed"] and s["collapse_reason"] == "non_finite_loss"
+    assert s["collapse_epoch"] == s["epochs_run"] < 5
+    rows = read_jsonl(out / "metrics.jsonl")  # valid JSON (no NaN tokens)
+    assert len(rows) == s["epochs_run"]
+    ck = load_ckpt(out / "checkpoint.pt")
+    assert ck["state"]["finished"] and ck["state"]["collapse_epoch"] == s["collapse_epoch"]
+    assert all(torch.isfinite(v).all() for v in ck["model"].values() if v.is_floating_point())  # last good weights
+    again = train(cfg, out, progress=False)
+    assert again["collapsed"] and again["history"] == s["history"]
+
+
+def test_bad_configurations_fail_before_training(tmp_path):
+    with pytest.raises(ValueError, match="batch_size 2000 is larger"):
+        train(tiny(batch_size=2000), tmp_path / "a", progress=False)
+    with pytest.raises(ValueError, match="2-D inputs"):  # the 2-D plain net on 1-D data
+        train(tiny(dataset="mnist1d"), tmp_path / "b", progress=False)
+    with pytest.raises(ValueError, match="unknown norm"):
+        train(tiny(norm="batchnorm"), tmp_path / "c", progress=False)
+    with pytest.raises(ValueError, match="unknown dataset"):
+        train(tiny(dataset="svhn"), tmp_path / "d", progress=False)
+    with pytest.raises(ValueError, match="lr"):
+        train(tiny(lr=-1.0), tmp_path / "e", progress=False)
+    with pytest.raises(ValueError, match="milestones"):
+        train(tiny(milestones=(3, 2)), tmp_path / "f", progress=False)
+    with pytest.raises(TypeError):
+        train({"lr": 0.1}, tmp_path / "g")
+    assert not any((tmp_path / n).exists() for n in "abcdefg")
+
+
+def test_weight_decay_skips_norm_parameters_biases_and_alpha():
+    torch.manual_seed(0)
+    m = build_model("resnet", "bn", "pws", 1, 10, (1, 8, 8), width=0.25, blocks=1)
+    groups = make_param_groups(m, 5e-4, nowd_norm_alpha=True)
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert sorted(ids) == sorted(id(p) for p in m.parameters())  # every parameter exactly once
+    wd = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    for name, p in m.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        is_norm = isinstance(m.get_submodule(name.rsplit(".", 1)[0]), torch.nn.BatchNorm2d)
+        if leaf in ("bias", "alpha") or is_norm:
+            assert wd[id(p)] == 0, name
+        else:
+            assert wd[id(p)] == 5e-4, name
+    single = make_param_groups(m, 5e-4, nowd_norm_alpha=False)
+    assert len(single) == 1 and single[0]["weight_decay"] == 5e-4
+
+
+def test_real_monitor_writes_records(tmp_path):
+    s = train(tiny(epochs=2, max_steps_per_epoch=3, monitor_every=2), tmp_path / "m", progress=False)
+    recs = read_jsonl(tmp_path / "m" / "monitor.jsonl")
+    steps = sorted({r["step"] for r in recs if "layer" in r})
+    assert steps == [0, 2, 4]  # 6 optimizer steps, recorded every 2nd
+    assert all("output_var" in r for r in recs if "layer" in r)
+    assert not s["collapsed"]
+
+
+@dataclasses.dataclass
+class FakeAlarm:
+    layer: str
+    step: int
+    quantity: str
+    value: float
+    initial: float
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+class FakeMonitor:
+    """Stands in for VarianceMonitor: records every step and raises the alarm at step ``fire_at``."""
+
+    fire_at = 4
+
+    def __init__(self, model, every=10):
+        self.model, self.every, self.current_step, self.records, self.alarm = model, every, 0, [], None
+
+    def step(self, optimizer):
+        optimizer.step()
+        self.records.append({"step": self.current_step, "layer": "x", "output_var": 1.0})
+        if self.current_step == self.fire_at:
+            self.alarm = FakeAlarm("features.0.conv", self.current_step, "shift", 1e6, 1.0)
+        self.current_step += 1
+
+    def close(self):
+        pass
+
+
+def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(normlab.monitor, "VarianceMonitor", FakeMonitor)
+    out = tmp_path / "run"
+    cfg = tiny(epochs=4, max_steps_per_epoch=3, monitor_every=1, stop_on_collapse=True)
+    s = train(cfg, out, progress=False)
+    # the alarm fires at step 4 = the 2nd step of epoch 2
+    assert s["collapsed"] and s["collapse_reason"] == "monitor_alarm" and s["collapse_epoch"] == 2
+    assert s["monitor_alarm"]["layer"] == "features.0.conv" and s["monitor_alarm"]["step"] == 4
+    assert s["epochs_run"] == 2
+    ck = load_ckpt(out / "checkpoint.pt")
+    assert ck["state"]["finished"]
+    ref = tiny(epochs=1, max_steps_per_epoch=3, monitor_every=1)
+    r = train(ref, tmp_path / "ref", progress=False)  # same first epoch without the alarm
+    kr = load_ckpt(tmp_path / "ref" / "checkpoint.pt")
+    assert all(torch.equal(ck["model"][k], kr["model"][k]) for k in kr["model"])  # weights after epoch 1
+    assert r["history"][0]["test_acc"] == s["history"][0]["test_acc"]
+    lines = read_jsonl(out / "monitor.jsonl")
+    assert [x["step"] for x in lines if "layer" in x and x.get("event") is None] == [0, 1, 2, 3, 4]
+    assert lines[-1]["event"] == "alarm"
+    # without stop_on_collapse the alarm is recorded but training goes on
+    s2 = train(dataclasses.replace(cfg, stop_on_collapse=False), tmp_path / "go", progress=False)
+    assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
+
+
+def test_cifar10_format_trains_with_augmentation(tmp_path):
+    import pickle
+
+    import numpy as np
+
+    d = tmp_path / "data" / "cifar-10-batches-py"
+    d.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        with open(d / name, "wb") as f:
+            pickle.dump({b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8),
+                         b"labels": rng.integers(0, 10, 8).tolist()}, f)
+    s = train(tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2),
+              tmp_path / "run", progress=False)
+    assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
+
+
+def _ddp_worker(rank, world, port, root, cfg_dict):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from normlab.train import TrainConfig, train
+
+    s = train(TrainConfig(**cfg_dict), Path(root) / f"rank{rank}", progress=False)
+    dist.barrier()
+    Path(root, f"summary{rank}.json").write_text(json.dumps(s))
+    dist.destroy_process_group()
+
+
+def test_ddp_two_processes(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16)
+    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), dataclasses.asdict(cfg)), nprocs=2, join=True)
+    s0 = json.loads((tmp_path / "summary0.json").read_text())
+    s1 = json.loads((tmp_path / "summary1.json").read_text())
+    assert s0["world_size"] == s1["world_size"] == 2
+    # DDP keeps the replicas identical: both evaluate to exactly the same test loss; train metrics are all-reduced
+    assert without_time(s0["history"]) == without_time(s1["history"])
+    assert s0["epochs_run"] == 2
+    # only rank 0 writes files
+    assert (tmp_path / "rank0" / "metrics.jsonl").exists() and (tmp_path / "rank0" / "checkpoint.pt").exists()
+    assert not (tmp_path / "rank1").exists()
+    assert len(read_jsonl(tmp_path / "rank0" / "metrics.jsonl")) == 2
