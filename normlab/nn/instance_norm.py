@@ -4,7 +4,9 @@
 ``state_dict`` keys (``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``), so a
 torch checkpoint loads unchanged. Differences from torch:
 
-- statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite);
+- statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
+  :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
+  channel per group (same formula, faster; see ``benchmarks/bench_norms.py``);
 - channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel
   returns a contiguous tensor);
 - a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
@@ -16,11 +18,20 @@ from __future__ import annotations
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab import functional as NF
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+
+def _channels_last_format(x: Tensor) -> torch.memory_format | None:
+    """channels_last / channels_last_3d when ``x`` is stored that way (and not also plain contiguous), else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+        return fmt
+    return None
 
 
 class _InstanceNorm(nn.Module):
@@ -138,8 +149,22 @@ class _InstanceNorm(nn.Module):
                 )
             if self.training and self.track_running_stats:
                 self._update_running_stats(x)
-            return NF.instance_norm(x, self.weight, self.bias, self.eps)
+            return self._normalize_with_instance_stats(x)
         return self._normalize_with_running_stats(x)
+
+    def _normalize_with_instance_stats(self, x: Tensor) -> Tensor:
+        """float32/float64: instance norm is group norm with one channel per group, so torch's fused
+        ``group_norm`` kernel does it (faster than torch's own instance norm on CPU, exact double backward).
+        channels_last inputs go through a contiguous copy because torch's CPU channels_last group norm computes the
+        variance as E[x^2] - E[x]^2 and loses all precision for large means; the output is returned in the input's
+        memory format. float16/bfloat16: :func:`normlab.functional.instance_norm` (statistics in float32)."""
+        if x.dtype in (torch.float16, torch.bfloat16):
+            return NF.instance_norm(x, self.weight, self.bias, self.eps)
+        fmt = _channels_last_format(x)
+        if fmt is None:
+            return F.group_norm(x, self.num_features, self.weight, self.bias, self.eps)
+        y = F.group_norm(x.contiguous(), self.num_features, self.weight, self.bias, self.eps)
+        return y.contiguous(memory_format=fmt)
 
     @torch.no_grad()
     def _update_running_stats(self, x: Tensor) -> None:
