@@ -90,7 +90,26 @@ def _edge_cases(rank: int) -> dict:
     except ValueError as e:
         error = str(e)
     unchanged = all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
-    return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged}
+    # bfloat16 with large values through the synchronized path: finite, same dtype, float32-accurate statistics
+    lo = sum(SPLITS[:rank])
+    xb = _half_batch()[lo : lo + SPLITS[rank]]
+    mb = SyncBatchRenorm(3, rmax=2.0, dmax=1.0, momentum=1.0)
+    yb = mb(xb)
+    half_ok = yb.dtype == torch.bfloat16 and bool(torch.isfinite(yb).all())
+    # a process group of one rank: exactly the local BatchRenorm2d
+    groups = [dist.new_group([r]) for r in range(WORLD)]
+    ms = _make_module("2d", sync=True)
+    ms.process_group = groups[rank]
+    ml = _make_module("2d", sync=False)
+    xs = torch.randn(SPLITS[rank], 3, 4, 3, dtype=F64)
+    solo_ok = torch.equal(ms(xs), ml(xs)) and torch.equal(ms.running_var, ml.running_var)
+    return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged, "half_ok": half_ok,
+            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok}
+
+
+def _half_batch():
+    g = torch.Generator().manual_seed(7)
+    return (torch.randn(sum(SPLITS), 3, 4, 3, generator=g) * 300 + 1e4).to(torch.bfloat16)
 
 
 def test_two_gloo_ranks_with_different_batch_sizes_match_single_process(tmp_path):
@@ -100,6 +119,10 @@ def test_two_gloo_ranks_with_different_batch_sizes_match_single_process(tmp_path
         assert r["checks"]["channels_last"]
         assert "SyncBatchRenorm: non-finite batch statistics" in r["checks"]["error"]
         assert r["checks"]["unchanged"]
+        assert r["checks"]["half_ok"] and r["checks"]["solo_ok"]
+        xf = _half_batch().float()
+        torch.testing.assert_close(r["checks"]["half_running"][0], xf.mean((0, 2, 3)), rtol=1e-6, atol=1e-3)
+        torch.testing.assert_close(r["checks"]["half_running"][1], xf.var((0, 2, 3)), rtol=1e-4, atol=1e-2)
     for kind in ("2d", "1d"):
         ref = _run(_make_module(kind, sync=False), kind, 0, sum(SPLITS))
         got = [r[kind] for r in ranks]
