@@ -296,3 +296,17 @@ def test_constructor_errors(kwargs, match):
 def test_marked_as_normlab_norm():
     for cls in (InstanceNorm1d, InstanceNorm2d, InstanceNorm3d):
         assert cls(2)._normlab_norm is True
+
+
+def test_momentum_none_is_cumulative_average():
+    """momentum=None: running stats are the plain average over batches (torch's InstanceNorm silently skips the
+    update in that case; normlab follows BatchNorm's cumulative-average meaning instead)."""
+    torch.manual_seed(12)
+    m = InstanceNorm2d(3, track_running_stats=True, momentum=None).double()
+    xs = [torch.randn(2, 3, 4, 4, dtype=torch.float64) * (k + 1) + k for k in range(3)]
+    for x in xs:
+        m(x)
+    assert int(m.num_batches_tracked) == 3
+    torch.testing.assert_close(m.running_mean, sum(x.mean((0, 2, 3)) for x in xs) / 3, rtol=1e-12, atol=1e-12)
+    expected_var = sum(x.flatten(2).var(-1).mean(0) for x in xs) / 3  # unbiased per instance, as torch
+    torch.testing.assert_close(m.running_var, expected_var, rtol=1e-12, atol=1e-12)

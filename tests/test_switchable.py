@@ -285,3 +285,17 @@ def test_torch_compile_same_output():
     torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(m_c.running_mean, m.running_mean, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(m_c.running_var, m.running_var, rtol=1e-6, atol=1e-7)
+
+
+def test_without_moving_average_buffers_accumulate_sums():
+    """using_moving_average=False (official option): running_mean sums batch means, running_var sums E[x^2]."""
+    torch.manual_seed(8)
+    m = SwitchableNorm2d(3, using_moving_average=False).double()
+    xs = [torch.randn(4, 3, 5, 5, dtype=torch.float64) * 2 + 1 for _ in range(3)]
+    for x in xs:
+        m(x)
+    sum_mean = sum(x.mean((0, 2, 3)) for x in xs)
+    # E[x^2] from the official per-instance unbiased variance: mean_n(var_in + mean_in^2)
+    sum_sq = sum((x.flatten(2).var(-1) + x.flatten(2).mean(-1) ** 2).mean(0) for x in xs)
+    torch.testing.assert_close(m.running_mean, sum_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(m.running_var, sum_sq, rtol=1e-12, atol=1e-12)

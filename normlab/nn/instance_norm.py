@@ -11,6 +11,9 @@ torch checkpoint loads unchanged. Differences from torch:
   returns a contiguous tensor);
 - a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
 - tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
+- with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
+  silently skips the update) and ``num_batches_tracked`` counts the updates; running statistics stay float32 after
+  ``.half()``, and a non-finite batch leaves them unchanged (RuntimeWarning).
 """
 
 from __future__ import annotations
