@@ -57,8 +57,10 @@ def moments(
     """Mean and variance of ``x`` over ``dims``, like ``tf.nn.moments`` (note the (mean, var) order).
 
     ``mean = E[x]``; ``var = sum((x - stop_grad(mean))^2) / (count - correction)``.
-    The detached mean changes no gradient (d var / d mean is zero at the true mean) but saves the backward work
-    through the mean. ``correction=0`` is the biased (population) variance, ``correction=1`` the unbiased one.
+    The detached mean changes no gradient (d var / d mean is zero at the true mean) and keeps the sum well
+    conditioned; a term ``(mean - stop_grad(mean))^2``, zero in value and in first derivative, is subtracted so
+    that second derivatives (double backward) are exact too.
+    ``correction=0`` is the biased (population) variance, ``correction=1`` the unbiased one.
 
     Precision: float16/bfloat16 inputs are reduced in float32 and **both results are returned in float32**, so a
     variance above the float16 maximum (65504, reached by values around 300) stays finite. Other dtypes are kept.
@@ -80,7 +82,11 @@ def moments(
         )
     y = _stats_dtype(x)
     mean = y.mean(dims, keepdim=True)
-    var = (y - mean.detach()).square().sum(dims, keepdim=True) / (count - correction)
+    shift = mean.detach()
+    var = (y - shift).square().sum(dims, keepdim=True) / (count - correction)
+    # Zero in value and in first derivative; restores the exact second derivative that the detached mean drops
+    # (var = E[(x-c)^2] - (E[x]-c)^2 holds for any constant c), so double backward (gradient penalties) is right.
+    var = var - (mean - shift).square() * (count / (count - correction))
     if not keepdim:
         mean, var = mean.squeeze(dims), var.squeeze(dims)
     return mean, var

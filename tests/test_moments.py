@@ -54,11 +54,6 @@ def test_moments_gradcheck():
     assert torch.autograd.gradcheck(f, (x,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG reported to lead: the detached mean keeps first derivatives exact but makes second derivatives "
-    "wrong (Hessian 2/n*I instead of 2/n*(I - 11^T/n)); breaks double backward, e.g. gradient penalties",
-)
 def test_moments_gradgradcheck():
     torch.manual_seed(2)
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
