@@ -179,7 +179,7 @@ def test_gradcheck_training_float64():
             state.update(weight=w, bias=b)
             return functional_call(m, state, (x,))
 
-        x = torch.randn(3, 3, 2, 2, dtype=F64, requires_grad=True)
+        x = torch.randn(2, 3, 2, 2, dtype=F64, requires_grad=True)
         w = (torch.rand(3, dtype=F64) + 0.5).requires_grad_()
         b = torch.randn(3, dtype=F64, requires_grad=True)
         assert torch.autograd.gradcheck(f, (x, w, b))
