@@ -149,13 +149,8 @@ def test_double_backward_gradient_penalty_matches_torch(fmt):
     assert torch.autograd.gradgradcheck(m, (x,))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG reported to lead: functional.moments detaches the mean, so second derivatives through "
-    "functional.instance_norm are wrong (gradient-penalty training such as WGAN-GP gets a wrong weight gradient); "
-    "the module's float32/float64 path does not use it",
-)
 def test_functional_instance_norm_double_backward():
+    """functional.instance_norm (used for half inputs) has exact second derivatives too (moments' correction term)."""
     from normlab.functional import instance_norm
 
     torch.testing.assert_close(

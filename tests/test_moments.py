@@ -36,7 +36,7 @@ def test_var_gradient_equals_naive_formula(correction):
     (gx_naive,) = torch.autograd.grad((m.squeeze(-1) * g_out_m).sum() + (naive_var * g_out_v).sum(), x)
     assert (gx - gx_naive).abs().max().item() < 1e-12
 
-    # and the detach really is there: the mean-path contribution through var, taken alone, is zero
+    # why the detach is allowed: the contribution of the mean path through var, taken alone, is zero
     m_only = x.mean(-1, keepdim=True)
     frozen = x.detach()
     (g_mean_path,) = torch.autograd.grad(((frozen - m_only).square().sum(-1) * g_out_v).sum(), x)
@@ -55,6 +55,7 @@ def test_moments_gradcheck():
 
 
 def test_moments_gradgradcheck():
+    """Second derivatives are exact too (the detached mean alone would give a Hessian 2/n*I)."""
     torch.manual_seed(2)
     x = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda t: moments(t, (1, 2))[1], (x,))
