@@ -1,0 +1,321 @@
+"""Put an existing model on another normalization, and fold weight standardization / BatchNorm for inference.
+
+* :func:`convert_norm` ``(model, to=...)``:
+
+  - ``to`` a norm name (``none``, ``bn``, ``brn``, ``gn``, ``ln``, ``in``, ``sn``): every torch BatchNorm layer
+    (``nn.BatchNorm{1,2,3}d``, ``nn.SyncBatchNorm``) is replaced by ``normlab.nn.factory.create_norm(to, C, dim)``.
+    Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size;
+    the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` (whose state
+    is BatchNorm's: ``bn -> brn`` keeps everything, including ``eps``/``momentum``/``affine``/
+    ``track_running_stats``) and ``sn`` (its BN branch estimates the same batch moments).
+    ``eps`` (and ``affine`` where the new layer takes it) follow the BatchNorm unless given in ``**kw``.
+  - ``to="pws"`` or ``"ws"``: every plain ``nn.Conv{1,2,3}d`` (exact type: subclasses, parametrized convs and
+    transposed convs are left alone) becomes the matching ``PWSConv``/``WSConv`` with the same arguments, raw
+    weight and bias; ``**kw`` go to the new conv (``gamma``, ``relative_gamma``, ``init_alpha``, ``eps`` ...).
+    The BatchNorm that *follows* the conv is replaced by ``nn.Identity`` (``remove_norm=True``).
+    "Follows" means: the next child registered in the same parent module (``named_children()`` order) is a torch
+    BatchNorm with ``num_features == out_channels``. This is the layout of ``nn.Sequential`` stacks and of
+    torchvision-style blocks (``conv1, bn1, relu, conv2, bn2``). It is a registration-order rule, not a graph
+    analysis: a model whose forward uses its children in another order must be converted by hand.
+    When the BatchNorm is removed, the new conv gets a bias (zero-initialised if the old conv had none), as in
+    the authors' PWS networks (every PWS conv has a bias).
+
+* :func:`fold_for_inference` ``(model)``: an inference copy in eval mode in which every WS/PWS conv (and every
+  conv with a weight parametrization such as ``weight_norm``) is a plain ``nn.Conv{d}d`` holding its kernel,
+  and every eval-mode BatchNorm / BatchRenorm (with running statistics) that follows a conv (same "follows"
+  rule) is folded into the conv's weight and bias and replaced by ``nn.Identity``. Folding is computed in
+  float64 and cast back. Give ``example_input`` to check that the outputs agree (relative error <= ``rtol``,
+  default 1e-5), which also catches a registration order that lies.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+__all__ = ["convert_norm", "fold_for_inference", "CONVERT_TARGETS"]
+
+_NORM_TARGETS = ("none", "bn", "brn", "gn", "ln", "in", "sn")
+_CONV_TARGETS = ("pws", "ws")
+CONVERT_TARGETS = _NORM_TARGETS + _CONV_TARGETS
+_PLAIN_CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+_BN_DIMS = {nn.BatchNorm1d: 1, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3, nn.SyncBatchNorm: 2}
+
+
+# ------------------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------------------
+def _is_torch_bn(m: nn.Module) -> bool:
+    return isinstance(m, nn.modules.batchnorm._BatchNorm)
+
+
+def _is_batch_renorm(m: nn.Module) -> bool:
+    try:
+        from normlab.nn.batch_renorm import _BatchRenorm
+    except ImportError:  # pragma: no cover - the family is optional at import time
+        return type(m).__name__ in ("BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm")
+    return isinstance(m, _BatchRenorm)
+
+
+def _foldable_norm(m: nn.Module, channels: int) -> bool:
+    """BatchNorm / BatchRenorm in eval mode with running statistics, over ``channels`` channels."""
+    if not (_is_torch_bn(m) or _is_batch_renorm(m)):
+        return False
+    return (
+        not m.training
+        and getattr(m, "running_mean", None) is not None
+        and getattr(m, "running_var", None) is not None
+        and getattr(m, "num_features", None) == channels
+    )
+
+
+def _conv_kwargs(conv: nn.Module) -> dict:
+    return dict(
+        in_channels=conv.in_channels,
+        out_channels=conv.out_channels,
+        kernel_size=conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        padding_mode=conv.padding_mode,
+        device=conv.weight.device,
+        dtype=conv.weight.dtype,
+    )
+
+
+def _norm_class(to: str, dim: int):
+    """The class create_norm builds for ``to`` (for its signature), or None."""
+    if to in ("gn", "ln"):
+        return nn.GroupNorm
+    if to == "bn":
+        return getattr(nn, f"BatchNorm{dim}d")
+    names = {"brn": "BatchRenorm", "in": "InstanceNorm", "sn": "SwitchableNorm"}
+    if to not in names:
+        return None
+    from normlab import nn as nlnn
+
+    return getattr(nlnn, f"{names[to]}{dim}d", None)
+
+
+def _create_norm(to: str, channels: int, dim: int, kw: dict) -> nn.Module:
+    try:
+        from normlab.nn.factory import create_norm
+    except ImportError as err:  # pragma: no cover - fallback if the factory is missing
+        if to == "none":
+            return nn.Identity()
+        if to in ("gn", "ln"):
+            return nn.GroupNorm(1 if to == "ln" else _largest_divisor(channels, 32), channels, **kw)
+        if to == "bn":
+            return getattr(nn, f"BatchNorm{dim}d")(channels, **kw)
+        raise ValueError(f"convert_norm: to={to!r} needs normlab.nn.factory.create_norm (not importable)") from err
+    return create_norm(to, channels, dim=dim, **kw)
+
+
+def _largest_divisor(c: int, at_most: int) -> int:
+    return next(g for g in range(min(at_most, c), 0, -1) if c % g == 0)
+
+
+def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> None:
+    with torch.no_grad():
+        for name in names:
+            a, b = getattr(src, name, None), getattr(dst, name, None)
+            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.numel() == b.numel():
+                b.copy_(a.reshape(b.shape).to(b.dtype))
+
+
+def _replace_bn(bn: nn.Module, to: str, kw: dict) -> nn.Module:
+    dim = next((d for cls, d in _BN_DIMS.items() if type(bn) is cls), 2)
+    channels = bn.num_features
+    if to == "none":
+        return nn.Identity()
+    derived = {"eps": bn.eps, "affine": bn.affine}
+    if to in ("brn", "bn"):
+        derived.update(momentum=bn.momentum, track_running_stats=bn.track_running_stats)
+    cls = _norm_class(to, dim)
+    if cls is not None:
+        accepted = inspect.signature(cls.__init__).parameters
+        derived = {k: v for k, v in derived.items() if k in accepted}
+    new = _create_norm(to, channels, dim, {**derived, **kw})
+    names = ("weight", "bias")
+    if to in ("brn", "bn", "sn"):
+        names += ("running_mean", "running_var", "num_batches_tracked")
+    _copy_matching(bn, new, names)
+    ref = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
+    if ref is not None:
+        new.to(device=ref.device, dtype=ref.dtype)
+    return new.train(bn.training)
+
+
+def _make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> nn.Module:
+    from normlab.nn import weight_std
+
+    cls = getattr(weight_std, f"{'PWS' if to == 'pws' else 'WS'}Conv{dim}d")
+    args = _conv_kwargs(conv)
+    new = cls(**args, **{"bias": bias, **kw})
+    with torch.no_grad():
+        new.weight.copy_(conv.weight)
+        if new.bias is not None:
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+            else:
+                new.bias.zero_()
+    return new.train(conv.training)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# convert_norm
+# ------------------------------------------------------------------------------------------------------------
+def convert_norm(model: nn.Module, to: str = "pws", *, remove_norm: bool = True, **kw) -> nn.Module:
+    """Swap the normalization of ``model`` in place (see the module docstring for the rules).
+
+    Args:
+        model: any module (modified in place; if ``model`` itself is replaced, the new module is returned).
+        to: one of ``none, bn, brn, gn, ln, in, sn`` (replace BatchNorm layers) or ``pws, ws`` (replace plain
+            convs, drop the BatchNorm that follows each).
+        remove_norm: for ``pws``/``ws``: replace the following BatchNorm by ``nn.Identity`` (default True).
+        **kw: constructor arguments for the new layers (``num_groups`` for gn, ``rmax`` for brn,
+            ``gamma``/``init_alpha`` for pws, ...).
+
+    Returns:
+        The converted model (the same object unless ``model`` itself was a BatchNorm or conv).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_norm: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(to, str) or to.lower() not in CONVERT_TARGETS:
+        raise ValueError(f"convert_norm: unknown to={to!r}; expected one of {', '.join(CONVERT_TARGETS)}")
+    to = to.lower()
+    if to in _NORM_TARGETS:
+        if _is_torch_bn(model):
+            return _replace_bn(model, to, kw)
+        for name, child in list(model.named_children()):
+            setattr(model, name, convert_norm(child, to, **kw))
+        return model
+    if type(model) in _PLAIN_CONVS:
+        return _make_std_conv(model, to, _PLAIN_CONVS[type(model)], kw.pop("bias", True), kw)
+    _convert_convs(model, to, remove_norm, kw)
+    return model
+
+
+def _convert_convs(parent: nn.Module, to: str, remove_norm: bool, kw: dict) -> None:
+    children = list(parent.named_children())
+    for i, (name, child) in enumerate(children):
+        dim = _PLAIN_CONVS.get(type(child))
+        if dim is None:
+            _convert_convs(child, to, remove_norm, kw)
+            continue
+        nxt = children[i + 1] if i + 1 < len(children) else None
+        drop = (
+            remove_norm and nxt is not None and _is_torch_bn(nxt[1]) and nxt[1].num_features == child.out_channels
+        )
+        bias = kw.get("bias", child.bias is not None or drop)
+        setattr(parent, name, _make_std_conv(child, to, dim, bias, {k: v for k, v in kw.items() if k != "bias"}))
+        if drop:
+            setattr(parent, nxt[0], nn.Identity())
+
+
+# ------------------------------------------------------------------------------------------------------------
+# fold_for_inference
+# ------------------------------------------------------------------------------------------------------------
+def _conv_dim(m: nn.Module) -> int | None:
+    from normlab.nn.weight_std import _StdConvMixin
+
+    for cls, d in _PLAIN_CONVS.items():
+        if type(m) is cls:
+            return d
+        if isinstance(m, cls) and (isinstance(m, _StdConvMixin) or parametrize.is_parametrized(m, "weight")):
+            return d  # WS/PWS conv, or a conv with a weight parametrization (e.g. weight_norm): fold its kernel
+    return None
+
+
+def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
+    """A plain nn.Conv{dim}d equal to ``conv`` (effective kernel) followed by the eval-mode ``norm``."""
+    with torch.no_grad():
+        weight = conv.effective_weight() if hasattr(conv, "effective_weight") else conv.weight
+        w = weight.detach().double()
+        b = conv.bias.detach().double() if conv.bias is not None else None
+        if norm is not None:
+            inv_std = torch.rsqrt(norm.running_var.double() + norm.eps)
+            scale = inv_std if norm.weight is None else norm.weight.double() * inv_std
+            shift = -norm.running_mean.double() * scale
+            if norm.bias is not None:
+                shift = shift + norm.bias.double()
+            w = w * scale.reshape((-1,) + (1,) * (w.dim() - 1))
+            b = shift if b is None else b * scale + shift
+        out = _PLAIN_CONVS_BY_DIM[dim](**{**_conv_kwargs(conv), "bias": b is not None})
+        out.weight.copy_(w.to(weight.dtype))
+        if b is not None:
+            out.bias.copy_(b.to(out.bias.dtype))
+    return out.eval()
+
+
+_PLAIN_CONVS_BY_DIM = {d: cls for cls, d in _PLAIN_CONVS.items()}
+
+
+def _fold(parent: nn.Module) -> None:
+    children = list(parent.named_children())
+    skip = set()
+    for i, (name, child) in enumerate(children):
+        if name in skip:
+            continue
+        dim = _conv_dim(child)
+        if dim is None:
+            _fold(child)
+            continue
+        nxt = children[i + 1] if i + 1 < len(children) else None
+        norm = nxt[1] if nxt is not None and _foldable_norm(nxt[1], child.out_channels) else None
+        if norm is None and type(child) in _PLAIN_CONVS:
+            continue  # a plain conv with nothing to fold: leave it as it is
+        setattr(parent, name, _plain_conv(child, dim, norm))
+        if norm is not None:
+            setattr(parent, nxt[0], nn.Identity())
+            skip.add(nxt[0])
+
+
+def fold_for_inference(
+    model: nn.Module, example_input: Tensor | None = None, *, inplace: bool = False, rtol: float = 1e-5
+) -> nn.Module:
+    """An eval-mode model without WS/PWS kernels to recompute and without BatchNorm after convs.
+
+    Args:
+        model: any module. Put in eval mode first (a copy unless ``inplace``).
+        example_input: optional input; if given, the folded model's output is compared with the original's
+            (eval mode) and ``RuntimeError`` is raised when ``max|diff| > rtol * max|y|``.
+        inplace: modify ``model`` itself instead of a deep copy.
+        rtol: tolerance of the check.
+
+    Returns:
+        The folded model, in eval mode. Model outputs are equal to the eval-mode original up to rounding.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fold_for_inference: model must be an nn.Module, got {type(model).__name__}")
+    was_training = model.training
+    model.eval()
+    reference = None
+    if example_input is not None:
+        with torch.no_grad():
+            reference = model(example_input)
+    folded = model if inplace else copy.deepcopy(model)
+    if not inplace:
+        model.train(was_training)
+    dim = _conv_dim(folded)
+    if dim is not None and type(folded) not in _PLAIN_CONVS:
+        folded = _plain_conv(folded, dim, None)
+    else:
+        _fold(folded)
+    folded.eval()
+    if reference is not None:
+        with torch.no_grad():
+            out = folded(example_input)
+        err = (out.double() - reference.double()).abs().max().item()
+        scale = reference.double().abs().max().item()
+        if not err <= rtol * max(scale, 1e-30):
+            raise RuntimeError(
+                f"fold_for_inference: folded output differs from the original by {err:.3g} (max |y| {scale:.3g}); "
+                "a BatchNorm registered after a conv may not be applied to that conv's output"
+            )
+    return folded

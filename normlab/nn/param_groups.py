@@ -1,0 +1,98 @@
+"""Optimizer parameter groups without weight decay on PWS alpha, normalization parameters and (optionally) biases.
+
+A module counts as a normalization layer when it is an instance of one of torch's norm classes
+(``_NormBase``: BatchNorm*, SyncBatchNorm, InstanceNorm* and their subclasses; ``GroupNorm``, ``LayerNorm``,
+``LocalResponseNorm``, ``RMSNorm``) **or** its class defines ``_normlab_norm = True``.
+
+Convention: every normlab normalization layer (BatchRenorm*, InstanceNorm*, SwitchableNorm*, ...) sets the class
+attribute ``_normlab_norm = True``, and so can any user-defined norm layer that should be treated the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["param_groups", "is_norm_layer", "NO_DECAY_KINDS"]
+
+NO_DECAY_KINDS = ("alpha", "norm", "bias")
+
+_TORCH_NORMS: tuple[type, ...] = (
+    nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*, and subclasses (BatchRenorm*)
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    """True for torch normalization layers and for classes that define ``_normlab_norm = True``."""
+    return isinstance(module, _TORCH_NORMS) or bool(getattr(type(module), "_normlab_norm", False))
+
+
+def _is_pws(module: nn.Module) -> bool:
+    from normlab.nn.weight_std import _PWSConvNd
+
+    return isinstance(module, _PWSConvNd)
+
+
+def _kinds(module: nn.Module, name: str) -> set[str]:
+    kinds = set()
+    if name == "alpha" and _is_pws(module):
+        kinds.add("alpha")
+    if is_norm_layer(module):
+        kinds.add("norm")
+    if name == "bias":
+        kinds.add("bias")
+    return kinds
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    no_decay: Iterable[str] = NO_DECAY_KINDS,
+    trainable_only: bool = True,
+) -> list[dict]:
+    """Split ``model``'s parameters into a decayed and a non-decayed optimizer group.
+
+    Args:
+        model: any module.
+        weight_decay: weight decay of the decayed group (>= 0).
+        no_decay: which parameters get ``weight_decay=0``: any of ``"alpha"`` (PWS per-channel gains),
+            ``"norm"`` (every parameter of a normalization layer, see :func:`is_norm_layer`) and ``"bias"``
+            (every parameter named ``bias``). Default: all three (the PWS authors' setting).
+        trainable_only: skip parameters with ``requires_grad=False``.
+
+    Returns:
+        ``[{"params": [...], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [...], "weight_decay": 0.0, "name": "no_decay"}]`` without empty groups (one empty decay group
+        is returned for a model without parameters). Each parameter appears exactly once, even when shared
+        between modules (its first occurrence in ``model.named_modules()`` decides).
+        Pass it directly to an optimizer: ``torch.optim.SGD(param_groups(model, 5e-4), lr=0.1)``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"param_groups: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
+        raise ValueError(f"param_groups: weight_decay must be a number >= 0, got {weight_decay!r}")
+    if isinstance(no_decay, str):
+        no_decay = (no_decay,)
+    no_decay = set(no_decay)
+    unknown = no_decay - set(NO_DECAY_KINDS)
+    if unknown:
+        raise ValueError(
+            f"param_groups: unknown no_decay kind(s) {sorted(unknown)}; expected any of {', '.join(NO_DECAY_KINDS)}"
+        )
+    decay, keep = [], []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            if p is None or id(p) in seen or (trainable_only and not p.requires_grad):
+                continue
+            seen.add(id(p))
+            (keep if _kinds(module, name) & no_decay else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": float(weight_decay), "name": "decay"},
+        {"params": keep, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+    return [g for g in groups if g["params"]] or groups[:1]

@@ -1,0 +1,350 @@
+"""Tests for normlab.convert (convert_norm, fold_for_inference) and normlab.nn.param_groups."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from normlab.convert import CONVERT_TARGETS, convert_norm, fold_for_inference
+from normlab.nn.param_groups import is_norm_layer, param_groups
+from normlab.nn.weight_std import PWSConv1d, PWSConv2d, WSConv2d
+
+
+# ----------------------------------------------------------------------------------------------------------
+# a small torchvision-style ResNet (BasicBlock: conv1, bn1, relu, conv2, bn2, downsample)
+# ----------------------------------------------------------------------------------------------------------
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x):
+        idt = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + idt)
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, width=8, classes=5):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.layer1 = nn.Sequential(BasicBlock(width, width), BasicBlock(width, width))
+        self.layer2 = nn.Sequential(BasicBlock(width, 2 * width, stride=2))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer2(self.layer1(x))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def trained_resnet(seed=0):
+    """A TinyResNet whose BatchNorms have non-trivial running statistics and affine parameters."""
+    torch.manual_seed(seed)
+    model = TinyResNet()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+        model.train()
+        for _ in range(3):
+            model(torch.randn(8, 3, 12, 12) * 2 + 0.5)
+    return model.eval()
+
+
+def count(model, cls):
+    return sum(type(m) is cls for m in model.modules())
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# convert_norm
+# ----------------------------------------------------------------------------------------------------------
+def test_convert_to_pws_replaces_convs_and_removes_following_bn():
+    model = trained_resnet()
+    convs = {n: m for n, m in model.named_modules() if isinstance(m, nn.Conv2d)}
+    out = convert_norm(model, "pws", gamma=1e-4)
+    assert out is model
+    assert count(model, nn.Conv2d) == 0 and count(model, nn.BatchNorm2d) == 0
+    new = dict(model.named_modules())
+    for name, old in convs.items():
+        c = new[name]
+        assert type(c) is PWSConv2d and c.gamma == 1e-4
+        assert (c.stride, c.padding, c.kernel_size, c.in_channels, c.out_channels) == (
+            old.stride, old.padding, old.kernel_size, old.in_channels, old.out_channels)
+        assert torch.equal(c.weight, old.weight)  # same raw weights
+        assert c.bias is not None and torch.equal(c.bias, torch.zeros_like(c.bias))  # bias takes BN's shift role
+    assert isinstance(model.bn1, nn.Identity) and isinstance(model.layer2[0].downsample[1], nn.Identity)
+    model.train()
+    y = model(torch.randn(2, 3, 12, 12))
+    assert y.shape == (2, 5) and torch.isfinite(y).all()
+
+
+def test_convert_to_ws_keeps_norm_when_asked_and_handles_1d():
+    torch.manual_seed(1)
+    seq = nn.Sequential(nn.Conv1d(3, 4, 3, bias=False), nn.BatchNorm1d(4), nn.ReLU(), nn.Conv1d(4, 2, 1))
+    ws = convert_norm(seq, "ws", remove_norm=False, eps=1e-4)
+    assert type(ws[0]).__name__ == "WSConv1d" and ws[0].eps == 1e-4 and ws[0].bias is None
+    assert type(ws[1]) is nn.BatchNorm1d
+    seq2 = nn.Sequential(nn.Conv1d(3, 4, 3), nn.BatchNorm1d(4), nn.ReLU(), nn.Conv1d(4, 2, 1))
+    pws = convert_norm(seq2, "pws")
+    assert type(pws[0]) is PWSConv1d and type(pws[3]) is PWSConv1d and isinstance(pws[1], nn.Identity)
+    assert pws(torch.randn(2, 3, 9)).shape == (2, 2, 7)
+    # a conv given directly is returned converted
+    assert type(convert_norm(nn.Conv2d(3, 4, 3), "pws")) is PWSConv2d
+
+
+@pytest.mark.parametrize("to", ["gn", "ln", "in", "sn", "brn", "bn", "none"])
+def test_convert_bn_to_other_norms(to):
+    model = trained_resnet()
+    bns = {n: m for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    convert_norm(model, to)
+    assert count(model, nn.BatchNorm2d) == (len(bns) if to == "bn" else 0)
+    new = dict(model.named_modules())
+    for name, bn in bns.items():
+        m = new[name]
+        if to == "none":
+            assert isinstance(m, nn.Identity)
+            continue
+        assert is_norm_layer(m)
+        if getattr(m, "weight", None) is not None:  # affine copied where the layer has per-channel parameters
+            assert torch.equal(m.weight.reshape(-1), bn.weight.reshape(-1))
+            assert torch.equal(m.bias.reshape(-1), bn.bias.reshape(-1))
+        if to in ("brn", "bn"):
+            assert torch.equal(m.running_mean, bn.running_mean) and torch.equal(m.running_var, bn.running_var)
+            assert int(m.num_batches_tracked) == int(bn.num_batches_tracked)
+            assert m.eps == bn.eps and m.momentum == bn.momentum
+        if to == "gn":
+            assert isinstance(m, nn.GroupNorm) and m.num_groups == bn.num_features  # <= 32 and divides C
+        if to == "ln":
+            assert isinstance(m, nn.GroupNorm) and m.num_groups == 1
+    assert not model.training  # training mode preserved (eval)
+    y = model(torch.randn(2, 3, 12, 12))
+    assert y.shape == (2, 5) and torch.isfinite(y).all()
+
+
+def test_bn_to_brn_keeps_eval_outputs_exactly():
+    model = trained_resnet()
+    x = torch.randn(3, 3, 12, 12)
+    with torch.no_grad():
+        y = model(x)
+        brn = convert_norm(model, "brn")
+        assert count(brn, nn.BatchNorm2d) == 0
+        torch.testing.assert_close(brn(x), y, rtol=1e-6, atol=1e-6)
+
+
+def test_convert_norm_bad_target():
+    with pytest.raises(ValueError, match=r"convert_norm: unknown to='batch'; expected one of none, bn"):
+        convert_norm(TinyResNet(), "batch")
+    assert set(CONVERT_TARGETS) >= {"pws", "ws", "gn", "brn", "sn", "in", "ln", "none"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fold_for_inference
+# ----------------------------------------------------------------------------------------------------------
+def test_fold_bn_resnet_equals_eval_model():
+    model = trained_resnet()
+    model.train()  # fold_for_inference puts it (a copy) in eval mode and restores the original's mode
+    x = torch.randn(4, 3, 12, 12)
+    folded = fold_for_inference(model, example_input=x)
+    assert model.training and count(model, nn.BatchNorm2d) == 8  # original untouched
+    assert count(folded, nn.BatchNorm2d) == 0 and not folded.training
+    assert all(m.bias is not None for m in folded.modules() if isinstance(m, nn.Conv2d))
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5
+
+
+def test_fold_pws_and_ws_models():
+    torch.manual_seed(3)
+    model = trained_resnet()
+    pws = convert_norm(model, "pws", init_alpha=True)
+    pws.train()
+    pws(torch.randn(8, 3, 12, 12))  # data-dependent alpha init
+    with torch.no_grad():
+        for m in pws.modules():
+            if isinstance(m, PWSConv2d):
+                m.alpha.mul_(torch.rand_like(m.alpha) + 0.5)
+                m.bias.uniform_(-0.1, 0.1)
+    x = torch.randn(4, 3, 12, 12)
+    folded = fold_for_inference(pws)
+    assert count(folded, PWSConv2d) == 0 and count(folded, nn.Conv2d) == 8
+    pws.eval()
+    with torch.no_grad():
+        assert rel_err(folded(x), pws(x)) < 1e-5
+    # WS conv followed by BatchNorm: both the standardization and the BN go into one plain conv
+    ws = convert_norm(trained_resnet(), "ws", remove_norm=False)
+    assert count(ws, WSConv2d) == 8 and count(ws, nn.BatchNorm2d) == 8
+    folded = fold_for_inference(ws.eval(), example_input=x)
+    assert count(folded, WSConv2d) == 0 and count(folded, nn.BatchNorm2d) == 0
+    with torch.no_grad():
+        assert rel_err(folded(x), ws(x)) < 1e-5
+
+
+def test_fold_batch_renorm_and_weight_norm():
+    torch.manual_seed(4)
+    brn_model = convert_norm(trained_resnet(), "brn")
+    x = torch.randn(4, 3, 12, 12)
+    folded = fold_for_inference(brn_model)
+    assert not any(is_norm_layer(m) for m in folded.modules())
+    with torch.no_grad():
+        assert rel_err(folded(x), brn_model.eval()(x)) < 1e-5
+    wn = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Conv2d(3, 4, 3)), nn.BatchNorm2d(4)).eval()
+    with torch.no_grad():
+        wn[1].running_mean.uniform_(-1, 1)
+        wn[1].running_var.uniform_(0.5, 2)
+    folded = fold_for_inference(wn, example_input=x)
+    assert type(folded[0]) is nn.Conv2d and isinstance(folded[1], nn.Identity)
+
+
+def test_fold_pws_with_every_conv_argument_is_a_plain_conv():
+    torch.manual_seed(5)
+    conv = PWSConv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2,
+                     padding_mode="circular", dtype=torch.float64)
+    bn = nn.BatchNorm2d(6, dtype=torch.float64)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        bn.weight.uniform_(0.5, 2)
+        bn.bias.uniform_(-1, 1)
+    seq = nn.Sequential(conv, bn).eval()
+    x = torch.randn(2, 4, 7, 8, dtype=torch.float64)
+    folded = fold_for_inference(seq)
+    f = folded[0]
+    assert type(f) is nn.Conv2d and f.padding_mode == "circular" and f.groups == 2 and f.dilation == (1, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), seq(x), rtol=1e-12, atol=1e-12)
+    # a single PWS conv folds into a plain conv too
+    single = fold_for_inference(conv)
+    assert type(single) is nn.Conv2d
+    with torch.no_grad():
+        torch.testing.assert_close(single(x), conv.eval()(x), rtol=1e-12, atol=1e-12)
+
+
+def test_fold_check_catches_registration_order_that_lies():
+    class BnBeforeConv(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 1)
+            self.bn = nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.conv(self.bn(x))  # BN is registered after the conv but applied before it
+
+    torch.manual_seed(6)
+    m = BnBeforeConv().eval()
+    with torch.no_grad():
+        m.bn.running_mean.uniform_(1, 2)
+        m.bn.running_var.uniform_(2, 3)
+    with pytest.raises(RuntimeError, match="fold_for_inference: folded output differs"):
+        fold_for_inference(m, example_input=torch.randn(2, 4, 5, 5))
+
+
+def test_fold_leaves_training_mode_bn_without_running_stats():
+    seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False))
+    folded = fold_for_inference(seq)
+    assert type(folded[1]) is nn.BatchNorm2d  # uses batch statistics even in eval: cannot be folded
+
+
+# ----------------------------------------------------------------------------------------------------------
+# param_groups
+# ----------------------------------------------------------------------------------------------------------
+class MyNorm(nn.Module):
+    _normlab_norm = True
+
+    def __init__(self, c):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(c))
+
+    def forward(self, x):
+        return x * self.scale.reshape(1, -1, 1, 1)
+
+
+def group_model():
+    torch.manual_seed(7)
+    m = nn.Sequential(
+        PWSConv2d(3, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.Conv2d(4, 4, 1),
+        nn.BatchNorm2d(4),
+        MyNorm(4),
+        nn.LayerNorm(4),
+        nn.Flatten(),
+        nn.Linear(4 * 4 * 4, 3),
+    )
+    m.append(nn.Linear(3, 3, bias=False))
+    m.append(nn.Linear(3, 3))
+    m[-1].weight = m[-2].weight  # shared parameter
+    return m
+
+
+def ids(ps):
+    return [id(p) for p in ps]
+
+
+def test_param_groups_each_param_once_and_no_decay_on_alpha_and_norms():
+    m = group_model()
+    groups = param_groups(m, 5e-4)
+    assert [g["weight_decay"] for g in groups] == [5e-4, 0.0]
+    decay, keep = ids(groups[0]["params"]), ids(groups[1]["params"])
+    all_ids = decay + keep
+    assert len(all_ids) == len(set(all_ids)) == len({id(p) for p in m.parameters()})  # each param exactly once
+    expected_keep = [m[0].alpha, m[0].bias, m[1].weight, m[1].bias, m[2].bias, m[3].weight, m[3].bias,
+                     m[4].scale, m[5].weight, m[5].bias, m[7].bias, m[9].bias]
+    assert set(keep) == set(ids(expected_keep))
+    assert set(decay) == set(ids([m[0].weight, m[2].weight, m[7].weight, m[8].weight]))
+
+
+def test_param_groups_bias_configurable_and_frozen_params():
+    m = group_model()
+    groups = param_groups(m, 0.1, no_decay=("alpha", "norm"))
+    decay, keep = ids(groups[0]["params"]), ids(groups[1]["params"])
+    assert id(m[0].bias) in decay and id(m[2].bias) in decay and id(m[7].bias) in decay
+    assert id(m[3].bias) in keep and id(m[0].alpha) in keep  # norm biases stay with the norm
+    m[0].alpha.requires_grad_(False)
+    assert id(m[0].alpha) not in ids(p for g in param_groups(m, 0.1) for p in g["params"])
+    with pytest.raises(ValueError, match="param_groups: unknown no_decay kind"):
+        param_groups(m, 0.1, no_decay=("alphas",))
+    with pytest.raises(ValueError, match="param_groups: weight_decay must be a number >= 0"):
+        param_groups(m, -1.0)
+
+
+def test_param_groups_with_sgd_decays_only_the_decay_group():
+    m = group_model()
+    before = {id(p): p.detach().clone() for p in m.parameters()}
+    opt = torch.optim.SGD(param_groups(m, 0.5), lr=1.0)
+    for p in m.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    decay = set(ids(opt.param_groups[0]["params"]))
+    for p in m.parameters():
+        if id(p) in decay:
+            torch.testing.assert_close(p.detach(), before[id(p)] * 0.5)
+        else:
+            assert torch.equal(p.detach(), before[id(p)])
+
+
+def test_is_norm_layer_covers_torch_and_normlab_norms():
+    from normlab.nn.batch_renorm import BatchRenorm2d
+    from normlab.nn.instance_norm import InstanceNorm2d
+
+    for mod in (nn.BatchNorm1d(3), nn.SyncBatchNorm(3), nn.InstanceNorm2d(3), nn.GroupNorm(1, 3), nn.LayerNorm(3),
+                BatchRenorm2d(3), InstanceNorm2d(3), MyNorm(3)):
+        assert is_norm_layer(mod), type(mod).__name__
+    for mod in (nn.Conv2d(3, 3, 1), PWSConv2d(3, 3, 1), nn.Linear(3, 3)):
+        assert not is_norm_layer(mod)
