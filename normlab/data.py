@@ -227,7 +227,10 @@ def download_cifar10(data_dir: str | os.PathLike) -> Path:
         raise ValueError(f"get_dataset('cifar10'): md5 of {tar_path} is {digest}, expected {CIFAR10_MD5}")
     with tarfile.open(tar_path, "r:gz") as tf:
         members = [m for m in tf.getmembers() if m.name.startswith(CIFAR10_DIRNAME + "/") and m.isfile()]
-        tf.extractall(root, members=members)
+        try:
+            tf.extractall(root, members=members, filter="data")  # refuse links/absolute paths (py >= 3.11.4)
+        except TypeError:  # pragma: no cover - older Pythons without extraction filters
+            tf.extractall(root, members=members)
     return root / CIFAR10_DIRNAME
 
 

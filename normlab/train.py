@@ -60,8 +60,15 @@ _RESUME_FREE = ("num_workers", "data_dir")
 
 @dataclass
 class TrainConfig:
-    """Everything that defines a training run (see module docstring). ``model_kwargs`` go to
-    :func:`normlab.models.build_model` (e.g. ``{"blocks": 2}`` for the ResNets)."""
+    """Everything that defines a training run (see module docstring).
+
+    ``batch_size`` is per process under DDP; ``milestones`` are epochs after which the LR is multiplied by
+    ``lr_gamma``; ``target_acc`` is a test-accuracy fraction for ``epochs_to_target``; ``max_steps_per_epoch``
+    caps the optimizer steps per epoch (quick runs); ``monitor_every > 0`` attaches a VarianceMonitor.
+    ``num_workers`` is accepted for API compatibility: all data sets are in-memory tensors and batches are
+    gathered by index in the main process, so no loader workers are used. ``model_kwargs`` (an addition to
+    the common contract) go to :func:`normlab.models.build_model`, e.g. ``{"blocks": 2}`` for the ResNets.
+    """
 
     dataset: str = "digits"
     model: str = "plain"
@@ -127,14 +134,18 @@ class TrainConfig:
         return to_jsonable(dataclasses.asdict(self))
 
 
-def _dist_info():
+def _dist_setup(device: torch.device):
+    """(world_size, rank, device): joins the torchrun process group when WORLD_SIZE > 1 (gloo on CPU, nccl on
+    CUDA, one GPU per process chosen by LOCAL_RANK)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
-        return 1, 0
+        return 1, 0, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() and os.environ.get("NORMLAB_BACKEND") != "gloo" else "gloo"
-        dist.init_process_group(backend=backend)
-    return dist.get_world_size(), dist.get_rank()
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_world_size(), dist.get_rank(), device
 
 
 def _evaluate(model, ds, device, batch_size=512):
@@ -217,8 +228,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
     config.validate()
     out_dir = Path(out_dir)
     cfg = config.to_dict()
-    device = resolve_device(config.device)
-    world, rank = _dist_info()
+    world, rank, device = _dist_setup(resolve_device(config.device))
     is_main = rank == 0
 
     ckpt_path = out_dir / "checkpoint.pt"
@@ -268,7 +278,7 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
     model = raw_model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(
-            raw_model, device_ids=[device.index or 0] if device.type == "cuda" else None
+            raw_model, device_ids=[device.index] if device.type == "cuda" else None
         )
     optimizer = torch.optim.SGD(
         make_param_groups(raw_model, config.weight_decay, config.nowd_norm_alpha),

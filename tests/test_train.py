@@ -329,3 +329,12 @@ def test_ddp_two_processes(tmp_path):
     assert (tmp_path / "rank0" / "metrics.jsonl").exists() and (tmp_path / "rank0" / "checkpoint.pt").exists()
     assert not (tmp_path / "rank1").exists()
     assert len(read_jsonl(tmp_path / "rank0" / "metrics.jsonl")) == 2
+
+
+def test_mnist1d_cnn1d_and_resnet_model_kwargs(tmp_path):
+    s = train(tiny(dataset="mnist1d", model="cnn1d", width=0.2, epochs=1, max_steps_per_epoch=3), tmp_path / "a",
+              progress=False)
+    assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
+    s = train(tiny(model="resnet_pws", norm="none", conv="pws", width=0.125, epochs=1, max_steps_per_epoch=2,
+                   model_kwargs={"blocks": 1}), tmp_path / "b", progress=False)
+    assert s["config"]["model_kwargs"] == {"blocks": 1} and s["history"][0]["train_loss"] is not None
