@@ -153,7 +153,8 @@ class _BatchRenorm(_NormBase):
         check_finite: after each training update, check the running statistics; if the batch had NaN/inf values
             (or a variance that overflows), restore the running statistics and the step counter to their values
             before the batch and raise ``ValueError``. Costs one host synchronisation per call; set False to skip
-            (then a non-finite batch poisons the running statistics, as in BatchNorm).
+            (then a non-finite batch poisons the running statistics, as in BatchNorm). Without running statistics
+            nothing can be poisoned and a non-finite batch simply gives a non-finite output, as in BatchNorm.
 
     Without running statistics (``track_running_stats=False``) there is nothing to renormalize against and the
     layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
