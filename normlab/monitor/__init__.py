@@ -1,0 +1,39 @@
+"""Variance-transmission monitor (REFERENCE.md section 2): hooks, pure statistics, SPPs, collapse warning, plots.
+
+    from normlab.monitor import VarianceMonitor
+    with VarianceMonitor(model, every=10) as mon:
+        for x, y in loader:
+            loss_fn(model(x), y).backward()
+            mon.step(optimizer)            # performs optimizer.step() and records on every 10th step
+            optimizer.zero_grad()
+            if mon.should_stop:            # collapse early warning: mon.alarm.layer / .step / .quantity
+                break
+        mon.to_jsonl("monitor.jsonl")      # then: normlab monitor monitor.jsonl --out plots/
+"""
+
+from normlab.monitor import stats
+from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+from normlab.monitor.hooks import VarianceMonitor, effective_weight, supported_layers, unwrap_model
+from normlab.monitor.spp import signal_propagation
+
+
+def render_monitor_plots(jsonl_path, out_dir):
+    """Render the paper's Figures 1a, 1b, 2, 6, output variance and SPP from a monitor JSONL log -> PNG paths.
+
+    Imported lazily so that importing the monitor does not import matplotlib."""
+    from normlab.monitor.plots import render_monitor_plots as _render
+
+    return _render(jsonl_path, out_dir)
+
+
+__all__ = [
+    "VarianceMonitor",
+    "CollapseAlarm",
+    "CollapseDetector",
+    "signal_propagation",
+    "render_monitor_plots",
+    "effective_weight",
+    "supported_layers",
+    "unwrap_model",
+    "stats",
+]

@@ -1,0 +1,369 @@
+"""VarianceMonitor: forward hooks that record how variance travels through a network (REFERENCE.md section 2).
+
+Two lines in a training loop::
+
+    mon = VarianceMonitor(model, every=10)
+    ...
+    loss.backward()
+    mon.step(optimizer)          # instead of optimizer.step()
+    if mon.should_stop: ...      # collapse early warning (mon.alarm says which layer, step and quantity)
+
+Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values).
+Hooks are attached only while a recording step is pending and only read detached tensors under ``torch.no_grad``:
+outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
+
+Per layer and recorded step (one dict in ``mon.records``; keys absent where they do not apply):
+    step, layer (module name), index (forward order), type (class name), kind ("conv" | "linear" | "norm"),
+    output_var            Var[Y_l] of the layer output (biased, all entries)
+    input_mean_sq         E^2[X] of the layer input            (paper Fig. 6a)
+    input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1)))
+    input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over channels
+  conv / linear only, on the EFFECTIVE kernel (``module.effective_weight()`` if present, else ``module.weight``):
+    fan_in, out_channels,
+    weight_var / _min / _max   Var[W_o] per filter: mean, min, max over filters   (Fig. 2)
+    shift                 Var_o[n_l mean(W_o)]                                    (Fig. 1b, right)
+    shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS)
+  conv / linear, when ``step(optimizer)`` was given an optimizer (dW = W_before - W_after of that step):
+    update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over filters   (Fig. 1a)
+    mean_update_mean / _std / _absmax   mean(dW_o) over filters: mean, spread (std), max |.|  (Fig. 1b)
+Weight quantities are taken on the kernel the recorded forward used (before the optimizer step).
+
+Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped; hooks sit on the local
+replica, so each rank records its own shard of the batch) and ``torch.compile`` (``._orig_mod`` is unwrapped).
+Compiled models: create the monitor BEFORE the first call of the compiled model. Compiled code does not see hooks
+registered after it was compiled; the monitor then records only the weight-side quantities and warns once. With a
+compiled model the hooks stay attached for the monitor's whole life (adding/removing them would force
+recompiles); dynamo runs them with graph breaks, so a monitored compiled step is slower than an unmonitored one.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from normlab.monitor import stats
+from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+
+__all__ = ["VarianceMonitor", "unwrap_model", "supported_layers", "effective_weight"]
+
+_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_NORM_TYPES = (
+    nn.modules.batchnorm._BatchNorm,
+    nn.modules.instancenorm._InstanceNorm,
+    nn.GroupNorm,
+    nn.LayerNorm,
+    nn.LocalResponseNorm,
+)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """Strip DDP/DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers, in any nesting."""
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
+    return model
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    for _ in range(16):
+        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            return True
+        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
+            model = model.module
+        else:
+            return False
+    return False
+
+
+def _layer_kind(module: nn.Module) -> str | None:
+    if isinstance(module, _CONV_TYPES):
+        return "conv"
+    if isinstance(module, nn.Linear):
+        return "linear"
+    if isinstance(module, _NORM_TYPES):
+        return "norm"
+    # normlab's own norm layers (BatchRenorm, SwitchableNorm, ...) need not subclass torch's.
+    name = type(module).__name__
+    if type(module).__module__.startswith("normlab.nn") and "Norm" in name:
+        return "norm"
+    return None
+
+
+def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[str, nn.Module, str]]:
+    """(name, module, kind) of every monitored layer in registration order; kind in conv/linear/norm."""
+    out = []
+    for name, mod in unwrap_model(model).named_modules():
+        kind = _layer_kind(mod)
+        if kind is None or (kind == "norm" and not include_norm):
+            continue
+        out.append((name or type(mod).__name__, mod, kind))
+    return out
+
+
+@torch.no_grad()
+def effective_weight(module: nn.Module) -> Tensor:
+    """The kernel the layer actually applies, detached: ``module.effective_weight()`` if the module has it
+    (normlab WS/PWS convs), else ``module.weight`` (a weight_norm parametrization already yields it there)."""
+    fn = getattr(module, "effective_weight", None)
+    w = fn() if callable(fn) else module.weight
+    return w.detach()
+
+
+def _finite_or_none(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class VarianceMonitor:
+    """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps.
+
+    Args:
+        model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
+        every: record on steps 0, every, 2*every, ... (int >= 1).
+        explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
+            first recorded value (or any watched quantity becomes non-finite).
+        watch: record keys checked by the collapse warning.
+        min_initial: floor for initial values in the growth test (see CollapseDetector).
+        on_alarm: optional callable(alarm) called once, when the first alarm fires.
+        include_norm: also monitor normalization layers (output variance, input ratio).
+        record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
+            evaluation pass inside a recording step does not replace the training statistics).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        every: int = 10,
+        explode_factor: float = 100.0,
+        watch: Sequence[str] = ("output_var", "shift"),
+        min_initial: float = 1e-6,
+        on_alarm: Callable[[CollapseAlarm], None] | None = None,
+        include_norm: bool = True,
+        record_eval: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
+        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
+            raise ValueError(f"VarianceMonitor: every must be a positive int (record every N steps), got {every!r}")
+        self.model = unwrap_model(model)
+        self.compiled = _is_compiled(model)
+        self.every = every
+        self.include_norm = include_norm
+        self.record_eval = record_eval
+        self.on_alarm = on_alarm
+        self.detector = CollapseDetector(explode_factor, watch, min_initial)
+        self.layers = supported_layers(self.model, include_norm=include_norm)
+        if not self.layers:
+            raise ValueError(
+                f"VarianceMonitor: model {type(self.model).__name__} has no supported layers "
+                "(expected nn.Conv1d/2d/3d, nn.Linear or normalization layers among its modules)"
+            )
+        self.current_step = 0
+        self.records: list[dict] = []
+        self.alarm: CollapseAlarm | None = None
+        self.spp: dict | None = None
+        self.closed = False
+        self._order: dict[str, int] = {}
+        self._pending: dict[str, dict] = {}
+        self._handles: list = []
+        self._warned_compiled = False
+        self._sync_hooks()
+
+    # ----------------------------------------------------------------- hooks
+    @property
+    def is_recording(self) -> bool:
+        """True when the current step (forward + ``step``) is recorded."""
+        return not self.closed and self.current_step % self.every == 0
+
+    @property
+    def should_stop(self) -> bool:
+        """True once the collapse warning has fired (the training loop may stop and keep its last checkpoint)."""
+        return self.alarm is not None
+
+    def _sync_hooks(self) -> None:
+        want = not self.closed and (self.compiled or self.is_recording)
+        if want and not self._handles:
+            for name, mod, kind in self.layers:
+                self._handles.append(mod.register_forward_hook(self._make_hook(name, kind)))
+        elif not want and self._handles:
+            self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _make_hook(self, name: str, kind: str):
+        def hook(module: nn.Module, args, output) -> None:
+            if not self.is_recording or name in self._pending:
+                return
+            if not (module.training or self.record_eval):
+                return
+            with torch.no_grad():
+                self._pending[name] = self._activation_stats(kind, args, output)
+            if name not in self._order:
+                self._order[name] = len(self._order)
+
+        return hook
+
+    @staticmethod
+    def _activation_stats(kind: str, args, output) -> dict:
+        out: dict[str, float] = {}
+        names, values = [], []
+        if isinstance(output, Tensor) and output.numel() > 0:
+            names.append("output_var")
+            values.append(stats.output_variance(output))
+        x = args[0] if args and isinstance(args[0], Tensor) else None
+        if x is not None and x.numel() > 0:
+            xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
+            m, sq = xf.mean(), xf.square().mean()
+            names += ["input_mean_sq", "input_ratio"]
+            values += [m.square(), m.square() / sq]
+            if x.dim() >= 2:
+                ch_dim = -1 if kind == "linear" else 1
+                r = stats.channel_input_ratio(xf, ch_dim)
+                names += ["input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"]
+                values += [r.mean(), r.min(), r.max()]
+        if values:
+            out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
+        return out
+
+    # ------------------------------------------------------------------ step
+    def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None):
+        """Perform ``optimizer.step(closure)`` (if given) and advance the step counter.
+
+        On a recording step, also snapshots the effective kernels before and after the optimizer step, writes
+        this step's records and runs the collapse check. Returns what ``optimizer.step`` returned.
+        """
+        recording = self.is_recording
+        before = None
+        if recording:
+            before = {name: effective_weight(m).clone() for name, m, kind in self.layers if kind != "norm"}
+        result = optimizer.step(closure) if optimizer is not None else None
+        if recording:
+            self._finalize(before, optimizer is not None)
+        self.current_step += 1
+        self._sync_hooks()
+        return result
+
+    @torch.no_grad()
+    def _finalize(self, before: dict[str, Tensor], stepped: bool) -> None:
+        step_records = []
+        next_index = len(self._order)
+        for name, mod, kind in self.layers:
+            rec: dict = {"step": self.current_step, "layer": name}
+            if name in self._order:
+                rec["index"] = self._order[name]
+            else:  # layer not run in a recorded forward: order it after those that ran
+                rec["index"] = next_index
+                next_index += 1
+            rec["type"] = type(mod).__name__
+            rec["kind"] = kind
+            rec.update(self._pending.get(name, {}))
+            if kind != "norm":
+                rec.update(self._weight_stats(before[name], effective_weight(mod) if stepped else None))
+            step_records.append(rec)
+        if self.compiled and not self._pending and not self._warned_compiled:
+            self._warned_compiled = True
+            warnings.warn(
+                "VarianceMonitor: no forward hook fired during recording step "
+                f"{self.current_step} of a torch.compile'd model; compiled code ignores hooks registered after "
+                "its first call: create the monitor before calling the compiled model. Only weight-side "
+                "statistics are recorded.",
+                stacklevel=3,
+            )
+        self._pending = {}
+        step_records.sort(key=lambda r: r["index"])
+        self.records.extend(step_records)
+        alarm = self.detector.check(self.current_step, step_records)
+        if alarm is not None and self.alarm is None:
+            self.alarm = alarm
+            if self.on_alarm is not None:
+                self.on_alarm(alarm)
+
+    @staticmethod
+    def _weight_stats(w: Tensor, after: Tensor | None) -> dict:
+        wf = stats.filters(w)
+        names = ["weight_var", "weight_var_min", "weight_var_max", "shift", "shift_scale_free"]
+        vo = stats.weight_variance(w)
+        values = [vo.mean(), vo.min(), vo.max(), stats.shift_of_average(w), stats.shift_scale_free(w)]
+        if after is not None:
+            ratio = stats.update_ratio(w, after)
+            mu = stats.filter_mean_update(w, after)
+            names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
+                      "mean_update_mean", "mean_update_std", "mean_update_absmax"]
+            values += [ratio.mean(), ratio.min(), ratio.max(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]
+        out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
+        out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
+        return out
+
+    # ---------------------------------------------------------------- extras
+    def add_signal_propagation(self, input_shape: Sequence[int], **kwargs) -> dict:
+        """Compute ``signal_propagation(model, input_shape, **kwargs)``, keep it in ``self.spp`` (exported by
+        ``to_jsonl`` and plotted by ``normlab monitor``) and return it."""
+        from normlab.monitor.spp import signal_propagation
+
+        self.spp = signal_propagation(self.model, input_shape, **kwargs)
+        return self.spp
+
+    def to_jsonl(self, path: str | Path) -> Path:
+        """Write one JSON object per record (non-finite values as null), then {"event": "alarm", ...} if an
+        alarm fired and {"event": "spp", ...} if signal-propagation data was added."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as f:
+            for rec in self.records:
+                f.write(json.dumps({k: _finite_or_none(v) for k, v in rec.items()}) + "\n")
+            if self.alarm is not None:
+                d = self.alarm.to_dict()
+                d["flagged"] = [{k: _finite_or_none(v) for k, v in x.items()} for x in d["flagged"]]
+                f.write(json.dumps({"event": "alarm", **{k: _finite_or_none(v) for k, v in d.items()}}) + "\n")
+            if self.spp is not None:
+                f.write(json.dumps({"event": "spp", **self.spp}) + "\n")
+        return path
+
+    def to_csv(self, path: str | Path) -> Path:
+        """Write the records as CSV, one row per layer and step; an empty cell means "not applicable" and
+        non-finite values are written as nan/inf."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        columns: list[str] = []
+        for rec in self.records:
+            for k in rec:
+                if k not in columns:
+                    columns.append(k)
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=columns, restval="")
+            writer.writeheader()
+            writer.writerows(self.records)
+        return path
+
+    def close(self) -> None:
+        """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""
+        self.closed = True
+        self._pending = {}
+        self._remove_hooks()
+
+    def __enter__(self) -> VarianceMonitor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"VarianceMonitor({type(self.model).__name__}, every={self.every}, layers={len(self.layers)}, "
+                f"step={self.current_step}, records={len(self.records)}, alarm={self.alarm})")

@@ -1,0 +1,130 @@
+"""Signal propagation plots data (Brock et al. 2021, NF-Nets), computed at the current weights (usually init).
+
+For each block (or layer) output x of shape (N, C, *) on an N(0, 1) input:
+    avg_sq_mean  = mean_c( mean_{N,spatial}(x)^2 )     average channel squared mean
+    avg_var      = mean_c( var_{N,spatial}(x) )        average channel variance (biased)
+    residual_var = avg_var of the block's residual-branch output (None where no branch is identified)
+For (N, F) outputs the channels are the F features.
+
+Block convention: a module is a residual block when it has an nn.Module attribute named ``residual_branch`` or
+``branch``; that attribute is the residual branch (the block output is then shortcut + branch). If the model has
+such blocks, one entry per block (forward order); otherwise one entry per conv/linear/norm layer (or per module
+named in ``modules``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from normlab.monitor.hooks import supported_layers, unwrap_model
+
+__all__ = ["signal_propagation", "channel_signal_stats", "BRANCH_ATTRS"]
+
+BRANCH_ATTRS = ("residual_branch", "branch")
+
+
+def channel_signal_stats(x: Tensor) -> tuple[float, float]:
+    """(mean_c(mean(x_c)^2), mean_c(var(x_c))) with channels on dim 1; x (N, C, *) or (N, F)."""
+    if x.dim() < 2:
+        raise ValueError(f"channel_signal_stats: expected (N, C, *) with >= 2 dims, got {x.dim()}D")
+    x = x.detach().double()
+    xc = x.movedim(1, 0).reshape(x.shape[1], -1)
+    mean = xc.mean(dim=1)
+    var = xc.var(dim=1, unbiased=False)
+    return float(mean.square().mean()), float(var.mean())
+
+
+def _branch_of(module: nn.Module) -> nn.Module | None:
+    for attr in BRANCH_ATTRS:
+        b = getattr(module, attr, None)
+        if isinstance(b, nn.Module):
+            return b
+    return None
+
+
+@torch.no_grad()
+def signal_propagation(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    *,
+    seed: int = 0,
+    training: bool = True,
+    modules: Sequence[str] | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> dict:
+    """Run one N(0, 1) batch of ``input_shape`` (batch dim included) through a deep copy of ``model``.
+
+    Args:
+        training: run the copy in train mode (BN uses batch statistics, as in NF-Nets SPPs). The model itself
+            is never modified (running statistics included).
+        modules: names of the modules to report (overrides the block/layer convention).
+    Returns:
+        {"input_shape": [...], "mode": "blocks" | "layers" | "modules", "entries": [{"name", "type",
+        "avg_sq_mean", "avg_var", "residual_var"}, ...]} in forward order.
+    """
+    shape = tuple(int(s) for s in input_shape)
+    if len(shape) < 2 or any(s <= 0 for s in shape):
+        raise ValueError(
+            f"signal_propagation: input_shape must be (N, C, ...) with positive sizes, got {tuple(input_shape)}"
+        )
+    net = copy.deepcopy(unwrap_model(model))
+    net.train(training)
+    if device is None:
+        p = next(net.parameters(), None)
+        device = p.device if p is not None else torch.device("cpu")
+    named = dict(net.named_modules())
+    if modules is not None:
+        missing = [m for m in modules if m not in named]
+        if missing:
+            raise ValueError(f"signal_propagation: modules {missing} not found in {type(net).__name__}")
+        targets = [(m, named[m]) for m in modules]
+        mode = "modules"
+    else:
+        targets = [(n, m) for n, m in named.items() if n and _branch_of(m) is not None]
+        mode = "blocks"
+        if not targets:
+            targets = [(n, m) for n, m, _ in supported_layers(net)]
+            mode = "layers"
+    if not targets:
+        raise ValueError(f"signal_propagation: {type(net).__name__} has no blocks or supported layers to report")
+
+    entries: dict[str, dict] = {}
+    branch_var: dict[str, float] = {}
+    handles = []
+
+    def out_hook(name: str, mod: nn.Module):
+        def hook(_m, _args, out):
+            if isinstance(out, Tensor) and out.dim() >= 2 and name not in entries:
+                sq, var = channel_signal_stats(out)
+                entries[name] = {"name": name, "type": type(mod).__name__, "avg_sq_mean": sq, "avg_var": var,
+                                 "residual_var": None}
+        return hook
+
+    def branch_hook(name: str):
+        def hook(_m, _args, out):
+            if isinstance(out, Tensor) and out.dim() >= 2 and name not in branch_var:
+                branch_var[name] = channel_signal_stats(out)[1]
+        return hook
+
+    try:
+        for name, mod in targets:
+            handles.append(mod.register_forward_hook(out_hook(name, mod)))
+            branch = _branch_of(mod) if mode == "blocks" else None
+            if branch is not None:
+                handles.append(branch.register_forward_hook(branch_hook(name)))
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(shape, generator=gen, dtype=dtype).to(device)
+        net.to(device=device, dtype=dtype)
+        net(x)
+    finally:
+        for h in handles:
+            h.remove()
+    for name, v in branch_var.items():
+        if name in entries:
+            entries[name]["residual_var"] = v
+    return {"input_shape": list(shape), "mode": mode, "entries": list(entries.values())}

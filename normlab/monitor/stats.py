@@ -1,0 +1,140 @@
+"""Pure statistics of variance transmission (REFERENCE.md section 2, PWS paper section 3).
+
+Notation for a conv/linear layer l with weight W of shape (N_l, C_in/groups, *k) (Linear: (N_l, n_l)):
+filter o is the row ``W[o]``, ``n_l = fan_in = W[o].numel()``. All variances are biased (population) variances.
+
+For i.i.d. input X (mean E[X], variance Var[X]) the output variance decomposes as::
+
+    Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]
+
+where E[W^2] is the second moment of all weight entries (it equals Var[W] when the entries have zero overall mean,
+which is the paper's assumption). The second term is the "shift": it grows with the spread of the filter means.
+
+Every function takes tensors and returns float32/float64 tensors (no Python floats), never changes its inputs and
+never builds an autograd graph.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "fan_in",
+    "filters",
+    "weight_variance",
+    "shift_of_average",
+    "shift_scale_free",
+    "update_ratio",
+    "filter_mean_update",
+    "input_ratio",
+    "channel_input_ratio",
+    "output_variance",
+    "channel_moments",
+]
+
+
+def _check_weight(weight: Tensor, fn: str) -> None:
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"{fn}: expected a weight tensor, got {type(weight).__name__}")
+    if weight.dim() < 2:
+        raise ValueError(f"{fn}: expected a weight of shape (out, in, *kernel) with >= 2 dims, got {weight.dim()}D")
+
+
+def _as_float(t: Tensor) -> Tensor:
+    t = t.detach()
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def fan_in(weight: Tensor) -> int:
+    """n_l = number of inputs of one filter: prod(weight.shape[1:]) (= C_in/groups * prod(kernel))."""
+    _check_weight(weight, "fan_in")
+    return math.prod(weight.shape[1:])
+
+
+def filters(weight: Tensor) -> Tensor:
+    """View the weight as filters: (N_l, n_l), detached, float32 (float64 kept)."""
+    _check_weight(weight, "filters")
+    return _as_float(weight).reshape(weight.shape[0], -1)
+
+
+def weight_variance(weight: Tensor) -> Tensor:
+    """Per-filter biased variance Var[W_o] (paper Fig. 2). weight (N_l, ...) -> (N_l,)."""
+    return filters(weight).var(dim=1, unbiased=False)
+
+
+def shift_of_average(weight: Tensor) -> Tensor:
+    """Shift of the average: Var_o[n_l * mean(W_o)], biased variance over output filters. Scalar tensor.
+
+    This is the quantity the PWS authors log. It is 0 for a zero-mean-filter kernel (WS/PWS effective weight)
+    and about n_l Var[W] for an i.i.d. random init.
+    """
+    w = filters(weight)
+    n = w.shape[1]
+    return (n * w.mean(dim=1)).var(unbiased=False)
+
+
+def shift_scale_free(weight: Tensor) -> Tensor:
+    """Scale-free shift: Var_o[n_l mean(W_o)] / (n_l Var[W]), Var[W] = biased variance of all entries.
+
+    About 1 for an i.i.d. random init, 0 for zero-mean filters; grows when the filter means drift apart.
+    Multiplied by E^2[X]/Var[X] it is the ratio of the shift term to the variance term of Var[Y].
+    Returns 0 when Var[W] == 0 (all entries equal: no spread, nothing to compare).
+    """
+    w = filters(weight)
+    n = w.shape[1]
+    denom = n * w.var(unbiased=False)
+    shift = (n * w.mean(dim=1)).var(unbiased=False)
+    return torch.where(denom == 0, torch.zeros_like(shift), shift / denom)
+
+
+def update_ratio(before: Tensor, after: Tensor) -> Tensor:
+    """Per-filter update ratio Var[W_o - dW_o] / Var[W_o] (paper Fig. 1a). (N_l, ...) x2 -> (N_l,).
+
+    ``before`` is W before the optimizer step, ``after`` after it; with the paper's dW = W_before - W_after (for
+    plain SGD dW = lr * grad), W_o - dW_o is W_after. Momentum and weight decay are therefore included.
+    Filters with Var[W_o] == 0 give inf (or nan if they stay constant).
+    """
+    if before.shape != after.shape:
+        raise ValueError(f"update_ratio: before {tuple(before.shape)} and after {tuple(after.shape)} differ in shape")
+    return weight_variance(after) / weight_variance(before)
+
+
+def filter_mean_update(before: Tensor, after: Tensor) -> Tensor:
+    """Per-filter mean update mean(dW_o), dW = W_before - W_after (paper Fig. 1b). (N_l, ...) x2 -> (N_l,)."""
+    if before.shape != after.shape:
+        raise ValueError(
+            f"filter_mean_update: before {tuple(before.shape)} and after {tuple(after.shape)} differ in shape"
+        )
+    return (filters(before) - filters(after)).mean(dim=1)
+
+
+def input_ratio(x: Tensor) -> Tensor:
+    """Global E^2[X] / E[X^2] over all entries of x (paper Fig. 6b); 1/pi for ReLU of N(0, 1). Scalar.
+
+    Returns nan for an all-zero input.
+    """
+    x = _as_float(x)
+    return x.mean().square() / x.square().mean()
+
+
+def channel_moments(x: Tensor, channel_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and E[X^2] over every other dim. x (N, C, *) -> two (C,) tensors (channel_dim=1)."""
+    x = _as_float(x)
+    if x.dim() < 2:
+        raise ValueError(f"channel_moments: expected an input with a batch and a channel dim, got {x.dim()}D")
+    xc = x.movedim(channel_dim, 0).reshape(x.shape[channel_dim], -1)
+    return xc.mean(dim=1), xc.square().mean(dim=1)
+
+
+def channel_input_ratio(x: Tensor, channel_dim: int = 1) -> Tensor:
+    """Per-channel E_c^2[X] / E_c[X^2] (moments over batch and spatial dims). (N, C, *) -> (C,)."""
+    mean, sq = channel_moments(x, channel_dim)
+    return mean.square() / sq
+
+
+def output_variance(y: Tensor) -> Tensor:
+    """Var[Y_l]: biased variance over all entries of the layer output. Scalar."""
+    return _as_float(y).var(unbiased=False)

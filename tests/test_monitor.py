@@ -1,0 +1,487 @@
+"""Tests of normlab.monitor against hand-computed values and the variance decomposition (REFERENCE.md section 2)."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from normlab.monitor import VarianceMonitor, signal_propagation, stats
+from normlab.monitor.alarm import CollapseDetector
+from normlab.monitor.spp import channel_signal_stats
+
+
+def small_cnn(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(2, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
+        nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
+    )
+
+
+def train_steps(model, mon, n_steps, lr=0.1, momentum=0.9, wd=5e-4, seed=1):
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(n_steps):
+        x = torch.randn(8, 2, 4, 4, generator=gen)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        if mon is None:
+            opt.step()
+        else:
+            mon.step(opt)
+    return opt
+
+
+# ------------------------------------------------------------------------------------------ pure statistics
+W = torch.tensor([[1.0, 2.0], [3.0, 5.0]])  # 2 filters, fan_in 2
+
+
+def test_shift_of_average_hand_computed():
+    # n * mean(W_o) = [3, 8]; biased variance = 2.5^2 = 6.25
+    assert stats.fan_in(W) == 2
+    assert stats.shift_of_average(W).item() == pytest.approx(6.25)
+    # Var[W] over all entries [1, 2, 3, 5] = 2.1875; n Var[W] = 4.375
+    assert stats.shift_scale_free(W).item() == pytest.approx(6.25 / 4.375)
+    torch.testing.assert_close(stats.weight_variance(W), torch.tensor([0.25, 1.0]))
+    # conv weight (2, 1, 1, 2) has the same filters
+    assert stats.shift_of_average(W.view(2, 1, 1, 2)).item() == pytest.approx(6.25)
+    # zero-mean filters -> no shift
+    assert stats.shift_of_average(W - W.mean(dim=1, keepdim=True)).item() == pytest.approx(0.0, abs=1e-12)
+
+
+def test_update_ratio_and_mean_update_hand_computed():
+    after = torch.tensor([[1.0, 3.0], [3.0, 4.0]])
+    torch.testing.assert_close(stats.update_ratio(W, after), torch.tensor([4.0, 0.25]))
+    # dW = before - after = [[0, -1], [0, 1]]
+    torch.testing.assert_close(stats.filter_mean_update(W, after), torch.tensor([-0.5, 0.5]))
+    with pytest.raises(ValueError, match="update_ratio"):
+        stats.update_ratio(W, after[:1])
+
+
+def test_input_ratio_hand_computed():
+    assert stats.input_ratio(torch.tensor([1.0, 3.0])).item() == pytest.approx(4.0 / 5.0)
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # (N=2, C=2)
+    torch.testing.assert_close(stats.channel_input_ratio(x), torch.tensor([4.0 / 5.0, 9.0 / 10.0]))
+    # ReLU of a Gaussian: 1/pi
+    g = torch.Generator().manual_seed(0)
+    r = stats.input_ratio(torch.relu(torch.randn(400_000, generator=g))).item()
+    assert r == pytest.approx(1 / math.pi, rel=0.01)
+    assert stats.output_variance(torch.tensor([1.0, 3.0])).item() == pytest.approx(1.0)
+
+
+def test_random_init_scale_free_shift_is_about_one():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(4096, 64, generator=g)
+    assert stats.shift_scale_free(w).item() == pytest.approx(1.0, rel=0.05)
+
+
+# ---------------------------------------------------------------------------------------- decomposition
+@pytest.mark.parametrize("layer", ["linear", "conv1x1"])
+def test_variance_decomposition_on_iid_input(layer):
+    """Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]] on i.i.d. input; tolerance 5% (seeded)."""
+    torch.manual_seed(0)
+    n, out, samples = 32, 64, 20_000
+    w = torch.randn(out, n) * math.sqrt(1.0 / n)
+    w += torch.randn(out, 1) * 0.1  # per-filter shifts ...
+    w -= w.mean()  # ... with zero overall mean, so E[W^2] = Var[W]
+    if layer == "linear":
+        mod = nn.Linear(n, out, bias=False)
+        mod.weight.data.copy_(w)
+        x = 1.0 + torch.randn(samples, n)  # E[X] = 1, Var[X] = 1
+    else:
+        mod = nn.Conv2d(n, out, 1, bias=False)
+        mod.weight.data.copy_(w.view(out, n, 1, 1))
+        x = 1.0 + torch.randn(samples // 16, n, 4, 4)
+    with VarianceMonitor(mod, every=1) as mon:
+        mod(x)
+        mon.step()
+    (rec,) = mon.records
+    e2x = rec["input_mean_sq"] / rec["input_ratio"]
+    var_x = e2x - rec["input_mean_sq"]
+    # E[W^2] = mean_o Var[W_o] + mean_o mean(W_o)^2 = weight_var + shift / n^2 (filter means average to 0)
+    second_moment = rec["weight_var"] + rec["shift"] / n**2
+    variance_term = n * second_moment * var_x
+    shift_term = rec["input_mean_sq"] * rec["shift"]
+    assert shift_term > 0.5 * variance_term  # the shift term matters here: omitting it fails the test
+    assert rec["output_var"] == pytest.approx(variance_term + shift_term, rel=0.05)
+    assert rec["shift"] == pytest.approx(stats.shift_of_average(w).item(), rel=1e-5)
+
+
+# -------------------------------------------------------------------------------------- monitor behaviour
+def test_update_ratio_matches_hand_made_sgd_step():
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4)
+    x = torch.randn(10, 6)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.3)
+    w0 = lin.weight.detach().clone()
+    with VarianceMonitor(lin, every=1) as mon:
+        lin(x).pow(2).sum().backward()
+        g = lin.weight.grad.clone()
+        mon.step(opt)
+    (rec,) = mon.records
+    w1 = w0 - 0.3 * g
+    ratio = w1.var(dim=1, unbiased=False) / w0.var(dim=1, unbiased=False)
+    mean_update = (0.3 * g).mean(dim=1)
+    assert rec["update_ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-5)
+    assert rec["update_ratio_min"] == pytest.approx(ratio.min().item(), rel=1e-5)
+    assert rec["update_ratio_max"] == pytest.approx(ratio.max().item(), rel=1e-5)
+    assert rec["mean_update_mean"] == pytest.approx(mean_update.mean().item(), rel=1e-4, abs=1e-7)
+    assert rec["mean_update_std"] == pytest.approx(mean_update.std(unbiased=False).item(), rel=1e-4)
+    assert rec["mean_update_absmax"] == pytest.approx(mean_update.abs().max().item(), rel=1e-5)
+    assert rec["weight_var"] == pytest.approx(w0.var(dim=1, unbiased=False).mean().item(), rel=1e-5)
+
+
+def test_update_includes_momentum_and_weight_decay():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3, bias=False)
+    xs = [torch.randn(7, 5) for _ in range(2)]
+    lr, m, wd = 0.1, 0.9, 0.01
+    opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=m, weight_decay=wd)
+    mon = VarianceMonitor(lin, every=2)
+    w = lin.weight.detach().clone()
+    buf = None
+    for x in xs:
+        opt.zero_grad()
+        lin(x).sum().backward()
+        d = lin.weight.grad + wd * lin.weight.detach()
+        buf = d if buf is None else m * buf + d
+        w_before = w
+        w = w - lr * buf
+        mon.step(opt)
+    assert [r["step"] for r in mon.records] == [0]  # step 1 is not a recording step with every=2
+    # record the third step (step 2) and compare with the hand-made momentum update
+    opt.zero_grad()
+    lin(xs[0]).sum().backward()
+    d = lin.weight.grad + wd * lin.weight.detach()
+    buf = m * buf + d
+    w_before, w = w, w - lr * buf
+    mon.step(opt)
+    rec = mon.records[-1]
+    assert rec["step"] == 2
+    expected = (w_before - w).mean(dim=1)
+    assert rec["mean_update_std"] == pytest.approx(expected.std(unbiased=False).item(), rel=1e-4)
+    assert rec["mean_update_absmax"] == pytest.approx(expected.abs().max().item(), rel=1e-4)
+    torch.testing.assert_close(lin.weight.detach(), w)
+
+
+def test_records_only_on_recording_steps_and_hooks_detached_between():
+    model = small_cnn()
+    mon = VarianceMonitor(model, every=3)
+    conv = model[0]
+    counts = []
+    for _ in range(7):
+        counts.append(len(conv._forward_hooks))
+        train_steps(model, mon, 1)
+    assert counts == [1, 0, 0, 1, 0, 0, 1]
+    assert sorted({r["step"] for r in mon.records}) == [0, 3, 6]
+    assert mon.current_step == 7
+    # 4 layers: conv, bn, conv, linear; in forward order
+    assert [r["layer"] for r in mon.records if r["step"] == 0] == ["0", "1", "3", "6"]
+    assert [r["kind"] for r in mon.records if r["step"] == 0] == ["conv", "norm", "conv", "linear"]
+    mon.close()
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+
+
+def test_hooks_removed_leave_outputs_bit_identical():
+    model = small_cnn()
+    x = torch.randn(4, 2, 4, 4)
+    model.eval()
+    ref = model(x)
+    with VarianceMonitor(model, every=1, record_eval=True) as mon:
+        during = model(x)
+        mon.step()
+    after = model(x)
+    assert len(mon.records) == 4
+    assert torch.equal(ref, during) and torch.equal(ref, after)
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+
+
+def test_gradients_and_parameters_identical_with_and_without_monitor():
+    a, b = small_cnn(), small_cnn()
+    x = torch.randn(8, 2, 4, 4)
+    for mod in (a, b):
+        mod(x).square().mean().backward()
+    mon = VarianceMonitor(b, every=1)
+    a.zero_grad()
+    b.zero_grad()
+    a(x).square().mean().backward()
+    b(x).square().mean().backward()
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
+    # a few full steps (BN running stats included) stay bit-identical
+    train_steps(a, None, 3)
+    train_steps(b, mon, 3)
+    for ta, tb in zip(a.state_dict().values(), b.state_dict().values()):
+        assert torch.equal(ta, tb)
+    mon.close()
+
+
+def test_eval_forward_not_recorded_by_default():
+    model = small_cnn()
+    mon = VarianceMonitor(model, every=1)
+    model.eval()
+    model(torch.randn(2, 2, 4, 4))
+    mon.step()
+    assert all("output_var" not in r for r in mon.records)
+    assert all("shift" in r for r in mon.records if r["kind"] != "norm")
+
+
+# ------------------------------------------------------------------------------------ effective weights
+class ZeroMeanLinear(nn.Linear):
+    """Applies zero-mean filters, like WS/PWS: effective_weight() is the kernel really used."""
+
+    def effective_weight(self):
+        return self.weight - self.weight.mean(dim=1, keepdim=True)
+
+    def forward(self, x):
+        return F.linear(x, self.effective_weight(), self.bias)
+
+
+def test_effective_weight_is_used_for_shift():
+    torch.manual_seed(0)
+    lin = ZeroMeanLinear(8, 6)
+    with torch.no_grad():
+        lin.weight += torch.arange(6.0).view(6, 1)  # raw filters far apart
+    assert stats.shift_of_average(lin.weight).item() > 100
+    with VarianceMonitor(lin, every=1) as mon:
+        lin(torch.randn(4, 8))
+        mon.step()
+    assert mon.records[0]["shift"] == pytest.approx(0.0, abs=1e-9)
+    assert mon.records[0]["shift_scale_free"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_pws_conv_shift_is_zero():
+    nlnn = pytest.importorskip("normlab.nn.weight_std", reason="normlab WS/PWS layers not available")
+    conv = nlnn.PWSConv2d(3, 8, 3, padding=1)
+    with torch.no_grad():
+        conv.weight += torch.linspace(-1, 1, 8).view(8, 1, 1, 1)
+    with VarianceMonitor(conv, every=1) as mon:
+        conv(torch.randn(2, 3, 5, 5))
+        mon.step()
+    assert mon.records[0]["shift"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_weight_norm_parametrization_uses_effective_weight():
+    torch.manual_seed(0)
+    lin = nn.utils.parametrizations.weight_norm(nn.Linear(5, 4))
+    with torch.no_grad():
+        lin.parametrizations.weight.original0.mul_(3.0)
+    with VarianceMonitor(lin, every=1) as mon:
+        lin(torch.randn(3, 5))
+        mon.step()
+    assert mon.records[0]["shift"] == pytest.approx(stats.shift_of_average(lin.weight).item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------ alarm
+class TwoLayers(nn.Module):
+    """`late` is registered first but runs second: the alarm must follow forward order."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(8, 8)
+        self.early = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.late(torch.relu(self.early(x)))
+
+
+def test_alarm_names_first_exploding_layer_in_forward_order():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    fired = []
+    mon = VarianceMonitor(model, every=2, explode_factor=50.0, on_alarm=fired.append)
+    x = torch.randn(32, 8)
+    for step in range(6):
+        if step == 3:  # explode the first layer: both outputs grow by 1e4 (early) and more (late)
+            with torch.no_grad():
+                model.early.weight.mul_(100.0)
+        model(x)
+        mon.step()
+        if step == 2:
+            assert mon.alarm is None and not mon.should_stop
+    assert mon.alarm is not None and mon.should_stop
+    assert mon.alarm.layer == "early" and mon.alarm.step == 4
+    assert mon.alarm.quantity in ("output_var", "shift")
+    assert mon.alarm.value > 50 * mon.alarm.initial
+    assert {f["layer"] for f in mon.alarm.flagged} == {"early", "late"}
+    assert fired == [mon.alarm]  # callback called exactly once
+
+
+def test_alarm_on_shift_growth_and_non_finite():
+    torch.manual_seed(0)
+    model = TwoLayers()
+    mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch=("shift",))
+    x = torch.randn(16, 8)
+    model(x)
+    mon.step()
+    with torch.no_grad():  # spread the filter means of `late` apart: shift grows, no other change
+        model.late.weight += torch.linspace(-3, 3, 8).view(8, 1)
+    model(x)
+    mon.step()
+    assert mon.alarm.layer == "late" and mon.alarm.quantity == "shift" and mon.alarm.step == 1
+
+    model2 = TwoLayers()
+    mon2 = VarianceMonitor(model2, every=1)
+    model2(x)
+    mon2.step()
+    with torch.no_grad():
+        model2.early.weight[0, 0] = float("inf")
+    model2(x)
+    mon2.step()
+    assert mon2.alarm.layer == "early" and mon2.alarm.reason == "non-finite"
+
+
+def test_detector_ignores_round_off_on_zero_initial_shift():
+    det = CollapseDetector(factor=10.0, quantities=("shift",), min_initial=1e-6)
+    assert det.check(0, [{"layer": "a", "index": 0, "shift": 1e-15}]) is None
+    assert det.check(1, [{"layer": "a", "index": 0, "shift": 1e-12}]) is None
+    assert det.check(2, [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
+
+
+# ------------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize("every", [0, -3, 1.5, True, "10"])
+def test_bad_every_raises(every):
+    with pytest.raises(ValueError, match="every"):
+        VarianceMonitor(nn.Linear(2, 2), every=every)
+
+
+def test_model_without_supported_layers_raises():
+    with pytest.raises(ValueError, match="no supported layers"):
+        VarianceMonitor(nn.Sequential(nn.ReLU(), nn.Flatten()))
+    with pytest.raises(TypeError, match="nn.Module"):
+        VarianceMonitor("model")
+    with pytest.raises(ValueError, match="factor"):
+        VarianceMonitor(nn.Linear(2, 2), explode_factor=0.5)
+
+
+# --------------------------------------------------------------------------------------------- wrappers
+def test_ddp_wrapped_model(tmp_path):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = small_cnn()
+        ref = small_cnn()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        mon = VarianceMonitor(ddp, every=1)
+        assert mon.model is model
+        train_steps(ddp, mon, 2)
+        train_steps(ref, None, 2)
+        assert len(mon.records) == 8
+        for ta, tb in zip(ref.state_dict().values(), model.state_dict().values()):
+            assert torch.equal(ta, tb)
+        mon.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_model_records_same_values():
+    model = small_cnn()
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(4, 2, 4, 4)
+    ref = VarianceMonitor(small_cnn(), every=1)
+    ref.model(x)
+    ref.step()
+    ref.close()
+    mon = VarianceMonitor(compiled, every=1)
+    assert mon.model is model and mon.compiled
+    compiled(x)
+    mon.step()
+    mon.close()
+    assert len(mon.records) == len(ref.records) == 4
+    for a, b in zip(mon.records, ref.records):
+        assert a["output_var"] == pytest.approx(b["output_var"], rel=1e-6)
+        assert a["input_ratio"] == pytest.approx(b["input_ratio"], rel=1e-6)
+
+
+# -------------------------------------------------------------------------------------- export and plots
+def test_export_jsonl_csv_and_plots(tmp_path):
+    from normlab.monitor.cli import main as cli_main
+    from normlab.monitor.plots import load_log, render_monitor_plots
+
+    model = small_cnn()
+    mon = VarianceMonitor(model, every=2)
+    train_steps(model, mon, 5)
+    mon.records[0]["output_var"] = float("nan")  # exported as null
+    mon.add_signal_propagation((4, 2, 4, 4))
+    jl = mon.to_jsonl(tmp_path / "log.jsonl")
+    cv = mon.to_csv(tmp_path / "log.csv")
+    lines = [json.loads(s) for s in jl.read_text().splitlines()]
+    assert len(lines) == len(mon.records) + 1 and lines[-1]["event"] == "spp"
+    assert lines[0]["output_var"] is None and lines[1]["output_var"] == mon.records[1]["output_var"]
+    rows = list(csv.DictReader(open(cv)))
+    assert len(rows) == len(mon.records)
+    assert float(rows[1]["output_var"]) == pytest.approx(mon.records[1]["output_var"])
+    assert rows[1]["shift"] == ""  # BN layer has no weight-side quantities
+    records, alarm, spp = load_log(jl)
+    assert len(records) == len(mon.records) and alarm is None and len(spp["entries"]) == 4
+    assert cli_main(["monitor", str(jl), "--out", str(tmp_path / "cli")]) == 0
+    paths = sorted((tmp_path / "cli").iterdir())
+    assert [p.name for p in paths] == sorted(["fig1a_update_ratio.png", "fig1b_mean_update.png",
+                                              "fig2_weight_var.png", "fig6_input_ratio.png", "output_var.png",
+                                              "spp.png"])
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    with pytest.raises(ValueError, match="no monitor records"):
+        (tmp_path / "empty.jsonl").write_text("")
+        render_monitor_plots(tmp_path / "empty.jsonl", tmp_path / "y")
+    assert cli_main(["monitor", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+
+
+# ------------------------------------------------------------------------------------- signal propagation
+class Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.branch = nn.Sequential(nn.ReLU(), nn.Conv2d(c, c, 1))
+
+    def forward(self, x):
+        return x + self.branch(x)
+
+
+def test_signal_propagation_matches_hand_computed_and_keeps_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), Block(4), Block(4))
+    state = copy.deepcopy(model.state_dict())
+    data = signal_propagation(model, (8, 3, 5, 5), seed=3)
+    assert data["mode"] == "blocks" and [e["name"] for e in data["entries"]] == ["2", "3"]
+    # the same computation by hand (train mode: BN uses batch statistics)
+    x = torch.randn((8, 3, 5, 5), generator=torch.Generator().manual_seed(3))
+    net = copy.deepcopy(model).train()
+    with torch.no_grad():
+        h = net[1](net[0](x))
+        r1 = net[2].branch(h)
+        h1 = h + r1
+        h2 = net[3](h1)
+    xc = h1.transpose(0, 1).reshape(4, -1)
+    assert data["entries"][0]["avg_sq_mean"] == pytest.approx(xc.mean(1).square().mean().item(), rel=1e-5)
+    assert data["entries"][0]["avg_var"] == pytest.approx(xc.var(1, unbiased=False).mean().item(), rel=1e-5)
+    assert data["entries"][0]["residual_var"] == pytest.approx(channel_signal_stats(r1)[1], rel=1e-5)
+    assert data["entries"][1]["avg_var"] == pytest.approx(channel_signal_stats(h2)[1], rel=1e-5)
+    for k, v in model.state_dict().items():  # running stats untouched
+        assert torch.equal(v, state[k])
+    plain = signal_propagation(small_cnn(), (4, 2, 4, 4))
+    assert plain["mode"] == "layers" and len(plain["entries"]) == 4
+    with pytest.raises(ValueError, match="input_shape"):
+        signal_propagation(model, (0, 3))
+
+
+def test_compiled_model_attached_late_warns_and_keeps_weight_stats():
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(5, 3)
+    compiled(x)  # compiled before the hooks exist: compiled code will not run them
+    mon = VarianceMonitor(compiled, every=1)
+    compiled(x)
+    with pytest.warns(UserWarning, match="before calling the compiled model"):
+        mon.step()
+    assert all("output_var" not in r and "shift" in r for r in mon.records)
+    mon.close()
