@@ -349,7 +349,10 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
                           stacklevel=2)
         else:
             mon = VarianceMonitor(raw_model, every=config.monitor_every)
-    mon_written, mon_offset = 0, state["steps_total"]
+            # after a resume, continue the global step count (records land on the same steps as without the
+            # interruption; the collapse detector's baseline is then the first step recorded after the resume)
+            mon.current_step = state["steps_total"]
+    mon_written = 0
 
     sampler = None
     if world > 1:
@@ -446,12 +449,10 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
             ):
                 state["epochs_to_target"] = epoch + 1
             if mon is not None and is_main:
-                # global step numbers: the monitor counts from 0 again after a resume
-                lines = [dumps_line({**r, "step": r["step"] + mon_offset}) for r in mon.records[mon_written:]]
+                lines = [dumps_line(r) for r in mon.records[mon_written:]]
                 if mon.alarm is not None and state["monitor_alarm"] is None:
-                    d = {**mon.alarm.to_dict(), "step": mon.alarm.step + mon_offset}
-                    lines.append(dumps_line({"event": "alarm", **d}))
-                    state["monitor_alarm"] = _alarm_dict(d)
+                    lines.append(dumps_line({"event": "alarm", **mon.alarm.to_dict()}))
+                    state["monitor_alarm"] = _alarm_dict(mon.alarm)
                 if lines:
                     with open(monitor_path, "a") as f:
                         f.writelines(line + "\n" for line in lines)

@@ -218,13 +218,26 @@ def test_weight_decay_skips_norm_parameters_biases_and_alpha():
     assert len(single) == 1 and single[0]["weight_decay"] == 5e-4
 
 
-def test_real_monitor_writes_records(tmp_path):
-    s = train(tiny(epochs=2, max_steps_per_epoch=3, monitor_every=2), tmp_path / "m", progress=False)
+def test_real_monitor_writes_records_and_continues_after_resume(tmp_path):
+    cfg = tiny(epochs=3, max_steps_per_epoch=3, monitor_every=2)
+    s = train(cfg, tmp_path / "m", progress=False)
     recs = read_jsonl(tmp_path / "m" / "monitor.jsonl")
     steps = sorted({r["step"] for r in recs if "layer" in r})
-    assert steps == [0, 2, 4]  # 6 optimizer steps, recorded every 2nd
+    assert steps == [0, 2, 4, 6, 8]  # 9 optimizer steps, recorded every 2nd
     assert all("output_var" in r for r in recs if "layer" in r)
     assert not s["collapsed"]
+    # interrupted after epoch 1 (simulated: the first epoch's checkpoint), then resumed: same record steps
+    part = tmp_path / "part"
+    train(dataclasses.replace(cfg, epochs=1), part, progress=False)
+    ck = load_ckpt(part / "checkpoint.pt")
+    ck["config"]["epochs"], ck["state"]["finished"] = 3, False
+    torch.save(ck, part / "checkpoint.pt")
+    with open(part / "monitor.jsonl", "a") as f:  # a record written after the checkpoint must be dropped
+        f.write(json.dumps({"step": 99, "layer": "stale"}) + "\n")
+    train(cfg, part, progress=False)
+    recs2 = read_jsonl(part / "monitor.jsonl")
+    assert [(r["step"], r["layer"]) for r in recs2] == [(r["step"], r["layer"]) for r in recs]
+    assert recs2 == recs  # deterministic training: the very same statistics
 
 
 @dataclasses.dataclass
