@@ -180,6 +180,11 @@ def batch_renorm(
     use_renorm = training and running_mean is not None and running_var is not None
     if not use_renorm:
         return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum or 0.0, eps)
+    if momentum is None:
+        raise ValueError(
+            "batch_renorm: momentum must be a float in training with running statistics "
+            "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
+        )
     dims = (0,) + tuple(range(2, x.dim()))
     batch_mean, batch_var = moments(x.detach(), dims)
     r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
@@ -236,8 +241,8 @@ def switchable_norm(
         raise ValueError(
             f"switchable_norm: instance statistics need more than 1 spatial value per channel, got {spatial}"
         )
-    y = _stats_dtype(x).reshape(n, c, -1)
-    mean_in, var_in = moments(y, 2, keepdim=True, correction=1)  # (N, C, 1)
+    xs = _stats_dtype(x)
+    mean_in, var_in = moments(xs, tuple(range(2, x.dim())), correction=1)  # (N, C)
     second = var_in + mean_in.square()
     mean_ln = mean_in.mean(1, keepdim=True)
     var_ln = second.mean(1, keepdim=True) - mean_ln.square()
@@ -255,20 +260,23 @@ def switchable_norm(
                         running_mean.add_(mean_bn.reshape(c).to(running_mean))
                         running_var.add_((mean_bn.square() + var_bn).reshape(c).to(running_var))
         else:
-            mean_bn = running_mean.reshape(1, c, 1).to(y.dtype)
-            var_bn = running_var.reshape(1, c, 1).to(y.dtype)
+            mean_bn = running_mean.reshape(1, c).to(xs.dtype)
+            var_bn = running_var.reshape(1, c).to(xs.dtype)
         means.append(mean_bn)
         variances.append(var_bn)
-    mw = torch.softmax(mean_weight.to(y.dtype), 0)
-    vw = torch.softmax(var_weight.to(y.dtype), 0)
+    mw = torch.softmax(mean_weight.to(xs.dtype), 0)
+    vw = torch.softmax(var_weight.to(xs.dtype), 0)
     mean = sum(w * m for w, m in zip(mw, means))
     var = sum(w * v for w, v in zip(vw, variances))
-    out = (y - mean) * torch.rsqrt(var + eps)
+    # Normalize once as x * scale + shift with (N, C) coefficients: one pass, keeps x's memory format.
+    scale = torch.rsqrt(var + eps)
     if weight is not None:
-        out = out * weight.reshape(1, c, 1).to(out.dtype)
+        scale = scale * weight.to(xs.dtype)
+    shift = -mean * scale
     if bias is not None:
-        out = out + bias.reshape(1, c, 1).to(out.dtype)
-    return out.reshape(x.shape).to(x.dtype)
+        shift = shift + bias.to(xs.dtype)
+    shape = (n, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.reshape(shape), xs, scale.reshape(shape)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ _EXPORTS = {
     "instance_norm": ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"),
     "switchable": ("SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"),
     "weight_std": ("WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"),
-    "capsules": ("PrimaryCapsules", "RoutingCapsules", "margin_loss"),
+    "capsules": ("PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss"),
     "param_groups": ("param_groups",),
     "factory": ("create_norm", "create_conv", "NORM_NAMES", "CONV_KINDS"),
 }
