@@ -72,6 +72,12 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
     assert s["config"] == json.loads(json.dumps(dataclasses.asdict(cfg)))
     ck = load_ckpt(out / "checkpoint.pt")
     assert ck["state"]["finished"] and ck["state"]["epoch"] == 3
+    # SGD momentum 0.9; weight decay only on the kernels (conv weights are the only >1-D parameters here)
+    groups = ck["optimizer"]["param_groups"]
+    assert all(g["momentum"] == 0.9 for g in groups)
+    n_kernels = sum(v.dim() > 1 for k, v in ck["model"].items() if k.endswith("weight"))
+    assert sorted((g["weight_decay"], len(g["params"])) for g in groups) == [
+        (0.0, len(groups[0]["params"]) + len(groups[1]["params"]) - n_kernels), (5e-4, n_kernels)]
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
     # a finished run is returned as is
     again = train(cfg, out, progress=True)
