@@ -308,6 +308,22 @@ def test_cache_is_used_in_eval_and_not_in_training():
     assert m.weight.grad is not None and m.alpha.grad is not None
 
 
+def test_cache_under_inference_mode():
+    m = _eval_pws()
+    x = torch.randn(2, 4, 5, 5)
+    with torch.inference_mode():
+        y1, y2 = m(x), m(x)
+    assert m._weight_cache is not None and torch.equal(y1, y2)
+    with torch.no_grad():
+        m.weight.mul_(0.5)
+        m.alpha.mul_(2.0)
+    with torch.inference_mode():
+        y3 = m(x)
+        torch.testing.assert_close(y3.double(), _ref_out(m, x), rtol=1e-5, atol=1e-6)
+        created_inside = PWSConv2d(4, 6, 3, padding=1).eval()  # inference-tensor parameters: no cache, still correct
+        torch.testing.assert_close(created_inside(x).double(), _ref_out(created_inside, x), rtol=1e-5, atol=1e-6)
+
+
 def test_cache_not_stale_after_load_state_dict_in_eval():
     m = _eval_pws()
     x = torch.randn(2, 4, 5, 5)
@@ -321,7 +337,7 @@ def test_cache_not_stale_after_load_state_dict_in_eval():
         torch.testing.assert_close(m(x).double(), _ref_out(other, x), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("edit", ["no_grad_inplace", "data_inplace", "alpha_inplace", "data_assign", "copy_"])
+@pytest.mark.parametrize("edit", ["no_grad_inplace", "data_inplace", "alpha_inplace", "data_assign", "copy_", "kernel"])
 def test_cache_not_stale_after_weight_edit_in_eval(edit):
     m = _eval_pws()
     x = torch.randn(2, 4, 5, 5)
@@ -335,10 +351,13 @@ def test_cache_not_stale_after_weight_edit_in_eval(edit):
             m.alpha.data[2] = 3.0
         elif edit == "data_assign":
             m.weight.data = torch.randn_like(m.weight)
+        elif edit == "kernel":  # a caller modifies the returned (cached) kernel in place
+            m.effective_weight().mul_(3.0)
         else:
             m.weight.copy_(torch.randn_like(m.weight))
         after = m(x)
-    assert not torch.allclose(before, after)
+    if edit != "kernel":
+        assert not torch.allclose(before, after)
     torch.testing.assert_close(after.double(), _ref_out(m, x), rtol=1e-5, atol=1e-6)
 
 

@@ -29,13 +29,14 @@ Choices (documented deviations/precisions of REFERENCE.md):
   initialized). A loaded alpha is therefore never overwritten.
 * Inference cache: in eval mode, when no gradient is needed, the kernel is computed once and reused while the
   weight (and alpha) are unchanged. The cache key is the tensors' identity (data_ptr, ``_version``, dtype,
-  device, shape, stride) plus the hyper-parameters, *and* the cached entry keeps a copy of weight/alpha that is
-  compared with ``torch.equal`` on every hit, so even edits through ``.data`` (which bypass the autograd version
-  counter) invalidate it. The cache is a plain attribute: not a buffer, not in the state_dict, built under
-  ``no_grad`` (no autograd graph), dropped by ``.to()``/``.double()``/``.half()``/``.cuda()`` (``_apply``), by
-  pickling (torch.save of the whole module) and deepcopy. Training, TorchScript tracing and torch.compile never
-  use it. ``forward`` is an ordinary class method (nothing bound on the instance), so DataParallel replicas
-  and deepcopies run with their own parameters.
+  device, shape, stride) plus the hyper-parameters; on a key hit the stored copies of weight/alpha are also
+  compared with ``torch.equal``, because edits through ``.data`` bypass the autograd version counter. An
+  in-place edit of the returned kernel invalidates it too. The cost of a hit is one comparison pass over the
+  weight; the memory cost is the kernel plus one copy of weight/alpha. The cache is a plain attribute: not a
+  buffer, not in the state_dict, built under ``no_grad`` (no autograd graph), dropped by ``.to()``/``.double()``/
+  ``.half()``/``.cuda()`` (``_apply``), by pickling (torch.save of the whole module) and by deepcopy. Training,
+  TorchScript tracing and torch.compile never use it. ``forward`` is an ordinary class method (nothing bound on
+  the instance), so DataParallel replicas and deepcopies run with their own parameters.
 * TorchScript: ``torch.jit.script`` is deprecated in torch 2.x and ``normlab.functional`` is not scriptable;
   ``torch.compile`` (and ``torch.jit.trace``) are supported and tested instead.
 """
@@ -72,7 +73,7 @@ class _StdConvMixin:
     ``_cache_params() -> tuple`` (the hyper-parameters it depends on).
     """
 
-    _weight_cache: tuple | None = None  # (key, reference copies, kernel); instance attribute once set
+    _weight_cache: tuple | None = None  # (key, reference copies, kernel, kernel version); set per instance
     _spatial_dims: int = 2
 
     # -- the kernel ------------------------------------------------------------------------------------
@@ -88,20 +89,29 @@ class _StdConvMixin:
         return self._cached_weight(tensors)
 
     def _cached_weight(self, tensors: tuple[Tensor, ...]) -> Tensor:
+        """Return the cached kernel if it is provably current, else recompute and cache it (no graph).
+
+        Valid only if (1) the identities (data_ptr, _version) and metadata (dtype, device, shape, stride) of
+        weight/alpha and the hyper-parameters equal the recorded ones, (2) the cached kernel was not modified in
+        place, and (3) the values still equal the stored copies (edits through ``.data`` keep data_ptr and
+        _version, so identity alone cannot see them).
+        """
+        if any([t.is_inference() for t in tensors]):  # parameters created under inference_mode: no versions
+            return self._compute_weight()
         key = (tuple(_tensor_key(t) for t in tensors), self._cache_params())
         entry = self._weight_cache
         if entry is not None:
-            (old_tensor_keys, old_params), refs, kernel = entry
-            same_meta = old_params == key[1] and all(a[2:] == b[2:] for a, b in zip(old_tensor_keys, key[0]))
-            # identity (data_ptr, _version) is the fast path; the value check also catches `.data` edits
-            if same_meta and all(torch.equal(r, t.detach()) for r, t in zip(refs, tensors)):
-                if entry[0] != key:  # same values behind new identities: refresh the key only
-                    self._weight_cache = (key, refs, kernel)
+            old_key, refs, kernel, kernel_version = entry
+            if (
+                old_key == key
+                and kernel._version == kernel_version
+                and all(torch.equal(r, t.detach()) for r, t in zip(refs, tensors))
+            ):
                 return kernel
-        with torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad():  # normal tensors (with versions) even in inference_mode
             kernel = self._compute_weight().detach()
             refs = tuple(t.detach().clone() for t in tensors)
-        self._weight_cache = (key, refs, kernel)
+        self._weight_cache = (key, refs, kernel, kernel._version)
         return kernel
 
     def clear_weight_cache(self) -> None:
