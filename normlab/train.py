@@ -129,6 +129,15 @@ class TrainConfig:
             bad("target_acc", "None or a fraction in [0, 1]")
         if not isinstance(self.num_workers, int) or self.num_workers < 0:
             bad("num_workers", "an int >= 0")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            bad("seed", "an int >= 0")
+        if not isinstance(self.model_kwargs, dict):
+            bad("model_kwargs", "a dict")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                bad("device", "a torch device string such as 'cpu', 'cuda', 'cuda:1' or 'auto'")
 
     def to_dict(self) -> dict:
         return to_jsonable(dataclasses.asdict(self))

@@ -160,10 +160,13 @@ def test_corrupt_checkpoint_and_orphan_results_are_refused(tmp_path):
     cfg = tiny(epochs=2, max_steps_per_epoch=1)
     train(cfg, out, progress=False)
     metrics_before = (out / "metrics.jsonl").read_text()
-    (out / "checkpoint.pt").write_bytes(b"this is not a checkpoint")
-    with pytest.raises(RuntimeError, match=r"checkpoint\.pt.*corrupt"):
-        train(cfg, out, progress=False)
-    assert (out / "metrics.jsonl").read_text() == metrics_before  # nothing restarted over the results
+    raw = (out / "checkpoint.pt").read_bytes()
+    for broken in (b"this is not a checkpoint", raw[: len(raw) // 2]):  # garbage, truncated file
+        (out / "checkpoint.pt").write_bytes(broken)
+        with pytest.raises(RuntimeError, match=r"checkpoint\.pt.*corrupt"):
+            train(cfg, out, progress=False)
+        assert (out / "metrics.jsonl").read_text() == metrics_before  # nothing restarted over the results
+        assert (out / "checkpoint.pt").read_bytes() == broken
     (out / "checkpoint.pt").unlink()
     with pytest.raises(RuntimeError, match="no checkpoint"):
         train(cfg, out, progress=False)
@@ -203,7 +206,11 @@ def test_bad_configurations_fail_before_training(tmp_path):
         train(tiny(milestones=(3, 2)), tmp_path / "f", progress=False)
     with pytest.raises(TypeError):
         train({"lr": 0.1}, tmp_path / "g")
-    assert not any((tmp_path / n).exists() for n in "abcdefg")
+    with pytest.raises(ValueError, match="device"):
+        train(tiny(device="gpu0"), tmp_path / "h", progress=False)
+    with pytest.raises(ValueError, match="seed"):
+        train(tiny(seed=-1), tmp_path / "i", progress=False)
+    assert not any((tmp_path / n).exists() for n in "abcdefghi")
 
 
 def test_weight_decay_skips_norm_parameters_biases_and_alpha():
