@@ -100,7 +100,7 @@ def test_training_learns_and_is_deterministic(tmp_path):
     assert without_time(c["history"]) != without_time(a["history"])
 
 
-def _run_in_subprocess(cfg, out_dir, threads):
+def _run_in_subprocess(cfg, out_dir, threads, log):
     code = textwrap.dedent(
         f"""
         import torch
@@ -110,15 +110,17 @@ def _run_in_subprocess(cfg, out_dir, threads):
         """
     )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
+                            stderr=open(log, "wb"))  # a file, not a pipe: a full pipe would block the child
+    proc.log = log
+    return proc
 
 
 def _kill_when(proc, predicate, timeout=120):
     t0 = time.monotonic()
     while not predicate():
         if proc.poll() is not None:
-            raise AssertionError(f"training subprocess ended early: {proc.stderr.read().decode()[-2000:]}")
+            raise AssertionError(f"training subprocess ended early: {Path(proc.log).read_text()[-2000:]}")
         if time.monotonic() - t0 > timeout:
             proc.kill()
             raise AssertionError("training subprocess made no progress")
@@ -141,10 +143,10 @@ def test_sigkill_and_resume_gives_identical_metrics(tmp_path):
     out = tmp_path / "killed"
     ckpt, metrics = out / "checkpoint.pt", out / "metrics.jsonl"
     # 1st kill: as soon as the first (pre-training) checkpoint exists
-    _kill_when(_run_in_subprocess(cfg, out, threads), ckpt.exists)
+    _kill_when(_run_in_subprocess(cfg, out, threads, tmp_path / "log1.txt"), ckpt.exists)
     assert _lines(metrics) < 4
     # 2nd kill: after two epochs were checkpointed (the run is then in its third epoch)
-    _kill_when(_run_in_subprocess(cfg, out, threads), lambda: _lines(metrics) >= 2)
+    _kill_when(_run_in_subprocess(cfg, out, threads, tmp_path / "log2.txt"), lambda: _lines(metrics) >= 2)
     done_before = load_ckpt(ckpt)["state"]["epoch"]
     assert 2 <= done_before < 4, "the kill must happen mid-run for this test to mean anything"
     resumed = train(cfg, out, progress=False)
@@ -344,7 +346,13 @@ def test_ddp_two_processes(tmp_path):
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16)
-    mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), dataclasses.asdict(cfg)), nprocs=2, join=True)
+    ctx = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), dataclasses.asdict(cfg)), nprocs=2, join=False)
+    deadline = time.monotonic() + 240
+    while not ctx.join(timeout=1):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise AssertionError("DDP workers did not finish (hung process group?)")
     s0 = json.loads((tmp_path / "summary0.json").read_text())
     s1 = json.loads((tmp_path / "summary1.json").read_text())
     assert s0["world_size"] == s1["world_size"] == 2
