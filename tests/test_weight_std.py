@@ -534,3 +534,31 @@ def test_autocast_bfloat16_matches_reference():
     ref = F.conv2d(x.double(), ref_pws_kernel(m.weight.double(), m.alpha.double(), m.gamma, m.fan).detach(),
                    m.bias.double(), padding=1)
     torch.testing.assert_close(y.double(), ref.detach(), rtol=3e-2, atol=3e-2 * ref.abs().max().item())
+
+
+def _ddp_init_alpha_worker(rank, world, init_file, out_dir):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        m = PWSConv2d(3, 4, 3, init_alpha=True)  # same weights on every rank
+        g = torch.Generator().manual_seed(100 + rank)
+        x = torch.randn(4, 3, 6, 6, generator=g) * (1.0 + 2.0 * rank)  # different data per rank
+        m(x)
+        torch.save({"alpha": m.alpha.detach(), "x": x, "weight": m.weight.detach()}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_init_alpha_pools_variance_over_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_ddp_init_alpha_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert torch.equal(r0["alpha"], r1["alpha"])  # identical alpha on every rank
+    k = ref_pws_kernel(r0["weight"].double(), torch.ones(4, dtype=F64), 1e-3, 27)
+    ys = [F.conv2d(r["x"].double(), k) for r in (r0, r1)]
+    pooled = torch.cat([y.reshape(-1) for y in ys]).var(unbiased=False)  # equal batch sizes
+    torch.testing.assert_close(r0["alpha"].double(), torch.full((4,), math.sqrt(2 / pooled.item()), dtype=F64),
+                               rtol=1e-5, atol=0)
