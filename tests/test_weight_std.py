@@ -324,6 +324,21 @@ def test_cache_under_inference_mode():
         torch.testing.assert_close(created_inside(x).double(), _ref_out(created_inside, x), rtol=1e-5, atol=1e-6)
 
 
+def test_eval_under_vmap_ensemble():
+    """torch.func ensembles (stacked parameters, vmap) in eval: tensors without storage bypass the cache."""
+    from torch.func import stack_module_state, vmap
+
+    torch.manual_seed(18)
+    models = [PWSConv2d(3, 4, 3).eval() for _ in range(3)]
+    params, buffers = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        y = vmap(lambda p, b, x: functional_call(base, (p, b), (x,)), in_dims=(0, 0, None))(params, buffers, x)
+        for i, m in enumerate(models):
+            torch.testing.assert_close(y[i], m(x))
+
+
 def test_cache_not_stale_after_load_state_dict_in_eval():
     m = _eval_pws()
     x = torch.randn(2, 4, 5, 5)

@@ -98,7 +98,10 @@ class _StdConvMixin:
         """
         if any([t.is_inference() for t in tensors]):  # parameters created under inference_mode: no versions
             return self._compute_weight()
-        key = (tuple(_tensor_key(t) for t in tensors), self._cache_params())
+        try:
+            key = (tuple(_tensor_key(t) for t in tensors), self._cache_params())
+        except RuntimeError:  # tensors without storage (torch.func transforms such as vmap): no cache
+            return self._compute_weight()
         entry = self._weight_cache
         if entry is not None:
             old_key, refs, kernel, kernel_version = entry
