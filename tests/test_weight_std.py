@@ -146,6 +146,15 @@ def test_pws_init():
     assert mo.fan == 8 // 4 * 9
 
 
+@pytest.mark.parametrize("cls", [PWSConv3d, WSConv1d])
+def test_device_and_dtype_arguments(cls):
+    m = cls(2, 4, 3, device="meta", dtype=torch.float64)
+    assert all(t.device.type == "meta" for t in list(m.parameters()) + list(m.buffers()))
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    if cls is PWSConv3d:
+        assert m.alpha.shape == (4,) and m.alpha_initialized.dtype == torch.bool
+
+
 # ----------------------------------------------------------------------------------------------------------
 # a folded PWS conv is a plain conv, for every conv argument
 # ----------------------------------------------------------------------------------------------------------
