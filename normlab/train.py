@@ -250,6 +250,12 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
     if ckpt_path.exists():
         ck = _load_checkpoint(ckpt_path)
         _check_same_config(ck["config"], cfg, ckpt_path)
+        saved_world = ck["state"].get("world_size", 1)
+        if saved_world != world and not ck["state"]["finished"]:
+            raise ValueError(
+                f"train: {ckpt_path} was written by {saved_world} process(es), now {world}: the data order would "
+                f"differ; resume with the same number of processes"
+            )
         if ck["state"]["finished"]:
             summary = _summary(cfg, ck["history"], ck["state"])
             if is_main:

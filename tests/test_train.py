@@ -176,6 +176,11 @@ def test_corrupt_checkpoint_and_orphan_results_are_refused(tmp_path):
     train(cfg, other, progress=False)
     with pytest.raises(ValueError, match="lr"):
         train(dataclasses.replace(cfg, lr=0.1), other, progress=False)
+    ck = load_ckpt(other / "checkpoint.pt")  # an unfinished run of 2 DDP processes cannot resume in 1
+    ck["state"].update(world_size=2, finished=False)
+    torch.save(ck, other / "checkpoint.pt")
+    with pytest.raises(ValueError, match="same number of processes"):
+        train(cfg, other, progress=False)
 
 
 def test_divergence_is_recorded_as_collapse(tmp_path):
