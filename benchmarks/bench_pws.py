@@ -4,8 +4,10 @@ All candidates run in one process, interleaved (every repeat times each candidat
 median over repeats is reported with its ratio to nn.Conv2d.
 
 * ``train``: forward + backward (gradients for input, weight, bias and alpha), parameters' grads reset each step.
-* ``eval``: forward under ``torch.no_grad()`` in eval mode. ``PWSConv2d`` then uses its inference kernel cache;
-  ``PWSConv2d (no cache)`` recomputes the kernel every call (what training mode and torch.compile do).
+* ``eval``: forward under ``torch.no_grad()`` in eval mode. ``PWSConv2d`` then uses its inference kernel cache
+  (default ``weight_cache="auto"``: verified by a value comparison on CPU, off on other devices);
+  ``(identity)`` trusts the tensor identity/version key only; ``(no cache)`` recomputes the kernel every call
+  (what training mode and torch.compile do).
 * ``official-style PWS``: the authors' layout re-implemented (square integer kernel, kernel recomputed from
   ``weight.view(C_out, -1)`` statistics on every call, no cache).
 
@@ -49,17 +51,13 @@ class OfficialStylePWSConv(nn.Module):
         return F.conv2d(x, w, self.bias, padding=self.padding)
 
 
-class PWSNoCache(PWSConv2d):
-    def effective_weight(self) -> torch.Tensor:
-        return self._compute_weight()
-
-
 def _candidates(c_in: int, c_out: int, k: int, device) -> dict[str, nn.Module]:
     pad = k // 2
     mods = {
         "nn.Conv2d": nn.Conv2d(c_in, c_out, k, padding=pad),
         "PWSConv2d": PWSConv2d(c_in, c_out, k, padding=pad),
-        "PWSConv2d (no cache)": PWSNoCache(c_in, c_out, k, padding=pad),
+        "PWSConv2d (no cache)": PWSConv2d(c_in, c_out, k, padding=pad, weight_cache="off"),
+        "PWSConv2d (identity)": PWSConv2d(c_in, c_out, k, padding=pad, weight_cache="identity"),
         "official-style PWS": OfficialStylePWSConv(c_in, c_out, k, pad),
     }
     return {name: m.to(device) for name, m in mods.items()}
@@ -104,7 +102,7 @@ def run(shape, c_out: int, k: int, repeats: int, iters: int, warmup: int, device
     grad = torch.randn_like(y0)
     rows = []
     for mode, timer in (("train", _time_train), ("eval", _time_eval)):
-        names = [nm for nm in mods if not (mode == "train" and nm == "PWSConv2d (no cache)")]
+        names = [nm for nm in mods if not (mode == "train" and nm.startswith("PWSConv2d ("))]
         for nm in names:
             timer(mods[nm], x, grad, warmup, device)
         times = {nm: [] for nm in names}

@@ -348,6 +348,38 @@ def test_eval_under_vmap_ensemble():
             torch.testing.assert_close(y[i], m(x))
 
 
+def test_weight_cache_modes():
+    x = torch.randn(2, 4, 5, 5)
+    with pytest.raises(ValueError, match=r"PWSConv2d: weight_cache must be one of auto, verified, identity, off"):
+        PWSConv2d(4, 6, 3, weight_cache="always")
+    off = _eval_pws(weight_cache="off")
+    with torch.no_grad():
+        off(x)
+    assert off._weight_cache is None
+    # identity: tracked edits (no_grad in-place, load_state_dict) are seen, `.data` edits are not (documented)
+    ident = _eval_pws(weight_cache="identity")
+    with torch.no_grad():
+        ident(x)
+        ident.weight.mul_(-1.0)
+        torch.testing.assert_close(ident(x).double(), _ref_out(ident, x), rtol=1e-5, atol=1e-6)
+        ident.weight.data[0].mul_(3.0)
+        assert not torch.allclose(ident(x).double(), _ref_out(ident, x), rtol=1e-5, atol=1e-6)
+        ident.clear_weight_cache()
+        torch.testing.assert_close(ident(x).double(), _ref_out(ident, x), rtol=1e-5, atol=1e-6)
+        ident(x)
+        ident.weight.data[1].mul_(3.0)
+        ident.weight_cache = "verified"  # switching mode never reuses an unverified entry
+        torch.testing.assert_close(ident(x).double(), _ref_out(ident, x), rtol=1e-5, atol=1e-6)
+    # auto: verified on CPU, off elsewhere (checked on the meta device)
+    assert _eval_pws().weight_cache == "auto"
+    meta = PWSConv2d(4, 6, 3, device="meta").eval()
+    with torch.no_grad():
+        assert meta(torch.empty(2, 4, 5, 5, device="meta")).shape == (2, 6, 3, 3)
+    assert meta._weight_cache is None
+    ws = WSConv2d(4, 6, 3, weight_cache="identity").eval()
+    assert ws.weight_cache == "identity"
+
+
 def test_cache_not_stale_after_load_state_dict_in_eval():
     m = _eval_pws()
     x = torch.randn(2, 4, 5, 5)

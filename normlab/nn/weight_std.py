@@ -27,12 +27,17 @@ Choices (documented deviations/precisions of REFERENCE.md):
   it is True from construction when ``init_alpha=False``, True after the data-dependent init, and True after
   loading any state_dict that carries an ``alpha`` (a foreign checkpoint without the flag counts as
   initialized). A loaded alpha is therefore never overwritten.
-* Inference cache: in eval mode, when no gradient is needed, the kernel is computed once and reused while the
-  weight (and alpha) are unchanged. The cache key is the tensors' identity (data_ptr, ``_version``, dtype,
-  device, shape, stride) plus the hyper-parameters; on a key hit the stored copies of weight/alpha are also
-  compared with ``torch.equal``, because edits through ``.data`` bypass the autograd version counter. An
-  in-place edit of the returned kernel invalidates it too. The cost of a hit is one comparison pass over the
-  weight; the memory cost is the kernel plus one copy of weight/alpha. The cache is a plain attribute: not a
+* Inference cache (``weight_cache`` keyword / attribute): in eval mode, when no gradient is needed, the kernel
+  is computed once and reused while the weight (and alpha) are unchanged. The cache key is the tensors' identity
+  (data_ptr, ``_version``, dtype, device, shape, stride) plus the hyper-parameters; an in-place edit of the
+  returned kernel invalidates it too. Modes: ``"verified"``: on a key hit the stored copies of weight/alpha are
+  also compared with ``torch.equal``, because edits through ``.data`` bypass the autograd version counter
+  (cost of a hit: one comparison pass; memory: kernel + one copy of weight/alpha; on an accelerator this would
+  be a host synchronisation per layer). ``"identity"``: key only (no comparison, no sync; an edit through
+  ``.data`` is NOT seen: call :meth:`clear_weight_cache` after one). ``"off"``: always recompute.
+  ``"auto"`` (default): ``"verified"`` for CPU weights, ``"off"`` on other devices (recomputing the kernel
+  there is a few asynchronous kernels, cheaper than a sync). For deployment, :func:`normlab.convert.
+  fold_for_inference` turns the layer into a plain conv (no overhead at all). The cache is a plain attribute: not a
   buffer, not in the state_dict, built under ``no_grad`` (no autograd graph), dropped by ``.to()``/``.double()``/
   ``.half()``/``.cuda()`` (``_apply``), by pickling (torch.save of the whole module) and by deepcopy. Training,
   TorchScript tracing and torch.compile never use it. ``forward`` is an ordinary class method (nothing bound on
@@ -54,6 +59,13 @@ from normlab.functional import pws_weight, standardize_weight
 __all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"]
 
 _FAN_MODES = ("fan_in", "fan_out")
+WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
+
+
+def _check_cache_mode(where: str, mode: str) -> str:
+    if mode not in WEIGHT_CACHE_MODES:
+        raise ValueError(f"{where}: weight_cache must be one of {', '.join(WEIGHT_CACHE_MODES)}, got {mode!r}")
+    return mode
 
 
 def _tensor_key(t: Tensor) -> tuple:
@@ -75,6 +87,7 @@ class _StdConvMixin:
 
     _weight_cache: tuple | None = None  # (key, reference copies, kernel, kernel version); set per instance
     _spatial_dims: int = 2
+    weight_cache: str = "auto"  # see the module docstring; settable per instance
 
     # -- the kernel ------------------------------------------------------------------------------------
     def effective_weight(self) -> Tensor:
@@ -84,17 +97,20 @@ class _StdConvMixin:
         """
         tensors = self._cache_tensors()
         needs_grad = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
-        if self.training or needs_grad or torch.jit.is_scripting() or _skip_cache():
+        mode = self.weight_cache
+        if mode == "auto":
+            mode = "verified" if tensors[0].device.type == "cpu" else "off"
+        if self.training or needs_grad or mode == "off" or torch.jit.is_scripting() or _skip_cache():
             return self._compute_weight()
-        return self._cached_weight(tensors)
+        return self._cached_weight(tensors, verify=mode == "verified")
 
-    def _cached_weight(self, tensors: tuple[Tensor, ...]) -> Tensor:
-        """Return the cached kernel if it is provably current, else recompute and cache it (no graph).
+    def _cached_weight(self, tensors: tuple[Tensor, ...], verify: bool = True) -> Tensor:
+        """Return the cached kernel if it is current, else recompute and cache it (no graph).
 
         Valid only if (1) the identities (data_ptr, _version) and metadata (dtype, device, shape, stride) of
         weight/alpha and the hyper-parameters equal the recorded ones, (2) the cached kernel was not modified in
-        place, and (3) the values still equal the stored copies (edits through ``.data`` keep data_ptr and
-        _version, so identity alone cannot see them).
+        place, and (3) with ``verify``, the values still equal the stored copies (edits through ``.data`` keep
+        data_ptr and _version, so identity alone cannot see them).
         """
         if any([t.is_inference() for t in tensors]):  # parameters created under inference_mode: no versions
             return self._compute_weight()
@@ -108,12 +124,12 @@ class _StdConvMixin:
             if (
                 old_key == key
                 and kernel._version == kernel_version
-                and all(torch.equal(r, t.detach()) for r, t in zip(refs, tensors))
+                and (not verify or (len(refs) == len(tensors) and all(map(torch.equal, refs, tensors))))
             ):
                 return kernel
         with torch.inference_mode(False), torch.no_grad():  # normal tensors (with versions) even in inference_mode
             kernel = self._compute_weight().detach()
-            refs = tuple(t.detach().clone() for t in tensors)
+            refs = tuple(t.detach().clone() for t in tensors) if verify else ()
         self._weight_cache = (key, refs, kernel, kernel._version)
         return kernel
 
@@ -156,7 +172,8 @@ class _StdConvMixin:
 # Weight Standardization
 # ------------------------------------------------------------------------------------------------------------
 class _WSConvNd(_StdConvMixin):
-    def _init_ws(self, eps: float) -> None:
+    def _init_ws(self, eps: float, weight_cache: str) -> None:
+        self.weight_cache = _check_cache_mode(type(self).__name__, weight_cache)
         if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
             raise ValueError(f"{type(self).__name__}: eps must be a finite number > 0, got {eps!r}")
         self.eps = float(eps)
@@ -178,7 +195,8 @@ def _ws_class(base: type[nn.Module], d: int) -> type:
     class WSConv(_WSConvNd, base):
         __doc__ = f"""Weight-standardized ``nn.Conv{d}d``: ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)``.
 
-        Takes every ``nn.Conv{d}d`` argument plus ``eps`` (keyword, default 1e-5). Raw weight/bias init is
+        Takes every ``nn.Conv{d}d`` argument plus keyword-only ``eps`` (default 1e-5) and ``weight_cache``
+        (inference cache mode: auto, verified, identity, off; see the module docstring). Raw weight/bias init is
         ``nn.Conv{d}d``'s. Input (N, C_in, *{d} spatial) -> (N, C_out, *spatial').
         """
         _spatial_dims = d
@@ -198,8 +216,9 @@ def _ws_class(base: type[nn.Module], d: int) -> type:
             dtype=None,
             *,
             eps: float = 1e-5,
+            weight_cache: str = "auto",
         ) -> None:
-            self._init_ws(eps)
+            self._init_ws(eps, weight_cache)
             super().__init__(
                 in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                 groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype,
@@ -213,8 +232,9 @@ def _ws_class(base: type[nn.Module], d: int) -> type:
 # Parametric Weight Standardization
 # ------------------------------------------------------------------------------------------------------------
 class _PWSConvNd(_StdConvMixin):
-    def _init_pws(self, gamma, relative_gamma, fan_mode, init_alpha) -> None:
+    def _init_pws(self, gamma, relative_gamma, fan_mode, init_alpha, weight_cache) -> None:
         name = type(self).__name__
+        self.weight_cache = _check_cache_mode(name, weight_cache)
         if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma <= 0:
             raise ValueError(f"{name}: gamma must be a finite number > 0, got {gamma!r}")
         if fan_mode not in _FAN_MODES:
@@ -299,7 +319,8 @@ def _pws_class(base: type[nn.Module], d: int) -> type:
         ``W_hat_o = sqrt(2/n) * alpha_o * (W_o - mean(W_o)) / sqrt(var(W_o) + g)``, ``y = conv(x, W_hat) + b``.
         Takes every ``nn.Conv{d}d`` argument (bias=True by default) plus keyword-only ``gamma`` (1e-3, > 0),
         ``relative_gamma`` (g = gamma * 2/n), ``fan_mode`` ("fan_in" or "fan_out": n) and ``init_alpha``
-        (data-dependent alpha at the first training forward). Parameters: ``weight`` (C_out, C_in/groups,
+        (data-dependent alpha at the first training forward) and ``weight_cache`` (inference cache mode: auto,
+        verified, identity, off; see the module docstring). Parameters: ``weight`` (C_out, C_in/groups,
         *kernel), ``bias`` (C_out,), ``alpha`` (C_out,); buffer ``alpha_initialized`` (bool scalar).
         Input (N, C_in, *{d} spatial) -> (N, C_out, *spatial').
         """
@@ -323,8 +344,9 @@ def _pws_class(base: type[nn.Module], d: int) -> type:
             relative_gamma: bool = False,
             fan_mode: str = "fan_in",
             init_alpha: bool = False,
+            weight_cache: str = "auto",
         ) -> None:
-            self._init_pws(gamma, relative_gamma, fan_mode, init_alpha)
+            self._init_pws(gamma, relative_gamma, fan_mode, init_alpha, weight_cache)
             super().__init__(
                 in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                 groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype,
