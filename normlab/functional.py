@@ -75,7 +75,7 @@ def moments(
         ``(mean, var)``, each of ``x``'s shape without ``dims`` (or with size-1 ``dims`` if ``keepdim``).
     """
     dims = _normalize_dims(dims, x.dim(), "moments")
-    count = math.prod(x.shape[d] for d in dims)
+    count = math.prod([x.shape[d] for d in dims])
     if count - correction <= 0:
         raise ValueError(
             f"moments: need more than correction={correction} elements over dims {dims}, got {count}"

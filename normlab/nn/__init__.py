@@ -13,7 +13,7 @@ _EXPORTS = {
     "switchable": ("SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"),
     "weight_std": ("WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"),
     "capsules": ("PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss"),
-    "param_groups": ("param_groups",),
+    "param_groups": ("param_groups", "is_norm_layer"),
     "factory": ("create_norm", "create_conv", "NORM_NAMES", "CONV_KINDS"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

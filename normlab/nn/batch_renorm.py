@@ -163,6 +163,7 @@ class _BatchRenorm(_NormBase):
     float16/bfloat16 inputs: statistics in float32 (parameters stay float32), output in the input's dtype.
     """
 
+    _normlab_norm = True  # marks a normalization layer (no weight decay in normlab.nn.param_groups)
     _expected_dims: tuple[int, ...] = ()
     _shape_text = ""
 
