@@ -618,3 +618,22 @@ def test_init_alpha_pools_variance_over_ranks(tmp_path):
     pooled = torch.cat([y.reshape(-1) for y in ys]).var(unbiased=False)  # equal batch sizes
     torch.testing.assert_close(r0["alpha"].double(), torch.full((4,), math.sqrt(2 / pooled.item()), dtype=F64),
                                rtol=1e-5, atol=0)
+
+
+def test_ws_pws_kernels_have_exact_second_derivatives():
+    """Double backward (gradient penalties, Hessian-vector products) through the standardized kernel is exact."""
+    from normlab.functional import pws_weight, standardize_weight
+
+    torch.manual_seed(11)
+    w = torch.randn(3, 2, 3, 3, dtype=torch.float64, requires_grad=True)
+    a = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda w, a: pws_weight(w, a, gamma=1e-3), (w, a))
+    assert torch.autograd.gradgradcheck(lambda w: standardize_weight(w), (w,))
+
+
+def test_pws_conv_compiles_fullgraph():
+    torch.manual_seed(12)
+    conv = PWSConv2d(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 6, 6)
+    compiled = torch.compile(conv, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), conv(x))
