@@ -47,10 +47,12 @@ def run_one(norm: str, conv: str, args, out_dir: Path) -> dict:
     model = build(norm, conv, args.width, info["in_channels"], info["input_shape"], args.seed, args.init)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     mon = VarianceMonitor(model, every=args.every, explode_factor=args.factor)
+    mon.add_signal_propagation((64, *info["input_shape"]))  # SPP at init
     n = len(train_ds)
     gen = torch.Generator().manual_seed(args.seed)
     steps_per_epoch = math.ceil(n / args.batch_size)
     history, nonfinite_epoch, alarm_epoch, nonfinite_step = [], None, None, None
+    diverged_step = diverged_epoch = None
     t0 = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         perm = torch.randperm(n, generator=gen)
@@ -64,6 +66,8 @@ def run_one(norm: str, conv: str, args, out_dir: Path) -> dict:
             losses.append(loss.item())
             if not math.isfinite(losses[-1]) and nonfinite_step is None:
                 nonfinite_step = mon.current_step - 1
+            if not (losses[-1] < args.diverge_loss) and diverged_step is None:
+                diverged_step, diverged_epoch = mon.current_step - 1, epoch
             if mon.alarm is not None and alarm_epoch is None:
                 alarm_epoch = epoch
         mean_loss = sum(losses) / len(losses)
@@ -75,12 +79,12 @@ def run_one(norm: str, conv: str, args, out_dir: Path) -> dict:
         if not finite and nonfinite_epoch is None:
             nonfinite_epoch = epoch
             break
-    mon.add_signal_propagation((16, *info["input_shape"]))
     log = mon.to_jsonl(out_dir / f"monitor_{norm}_{conv}.jsonl")
     mon.to_csv(out_dir / f"monitor_{norm}_{conv}.csv")
     mon.close()
     result = {"norm": norm, "conv": conv, "lr": args.lr, "steps_per_epoch": steps_per_epoch,
               "epochs_run": len(history), "nonfinite_epoch": nonfinite_epoch, "nonfinite_step": nonfinite_step,
+              "diverged_step": diverged_step, "diverged_epoch": diverged_epoch,
               "alarm": None,
               "alarm_epoch": alarm_epoch, "history": history, "log": str(log), "time_s": time.perf_counter() - t0}
     if mon.alarm is not None:
@@ -114,6 +118,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--every", type=int, default=5)
     p.add_argument("--factor", type=float, default=100.0)
+    p.add_argument("--diverge-loss", type=float, default=10.0,
+                   help="a step whose training loss is >= this (or non-finite) counts as diverged")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", choices=("he", "default"), default="he",
                    help="he: kaiming normal fan_in (the paper's init); default: the model's own init")
@@ -133,19 +139,29 @@ def main(argv=None) -> int:
             print(f"skipping {norm}/{conv}: {e}")
     print(f"\nplain net width {args.width}, digits 16x16, SGD lr {args.lr} m0.9 wd5e-4 bs {args.batch_size}, "
           f"monitor every {args.every}, factor {args.factor:g}")
-    print(f"{'norm/conv':<12}{'epochs':>7}{'loss non-finite':>17}{'warning epoch':>15}{'warn step':>10}"
-          f"  layer / quantity / growth")
+    print("steps are global optimizer steps (0-based); epochs 1-based; "
+          f"{results[0]['steps_per_epoch'] if results else '?'} steps per epoch")
+    print(f"{'norm/conv':<12}{'epochs':>7}{'warning step (ep)':>19}{'diverged step (ep)':>20}"
+          f"{'non-finite step (ep)':>22}  layer / quantity / growth")
     for r in results:
         a = r["alarm"]
         desc = f"{a['layer']} / {a['quantity']} / {a['growth']:.3g}x" if a else "no warning"
-        print(f"{r['norm'] + '/' + r['conv']:<12}{r['epochs_run']:>7}{str(r['nonfinite_epoch']):>17}"
-              f"{str(r['alarm_epoch']):>15}{str(a['step'] if a else None):>10}  {desc}")
+        warn = f"{a['step']} ({r['alarm_epoch']})" if a else "-"
+        div = f"{r['diverged_step']} ({r['diverged_epoch']})" if r["diverged_step"] is not None else "-"
+        nf = f"{r['nonfinite_step']} ({r['nonfinite_epoch']})" if r["nonfinite_step"] is not None else "-"
+        print(f"{r['norm'] + '/' + r['conv']:<12}{r['epochs_run']:>7}{warn:>19}{div:>20}{nf:>22}  {desc}")
         if a:
             for tag, d in r["layer_terms"].items():
                 print(f"    {tag:<8} step {d['step']:>5}: Var[Y] {d['output_var']:.4g}  shift {d['shift']:.4g}  "
                       f"scale-free {d['shift_scale_free']:.4g}  n*Var[W] {d['fan_in'] * d['weight_var']:.4g}  "
                       f"E^2[X] {d['input_mean_sq']:.4g}  variance term {d.get('variance_term', float('nan')):.4g}"
                       f"  shift term {d.get('shift_term', float('nan')):.4g}")
+            i, w = r["layer_terms"]["init"], r["layer_terms"]["warning"]
+            if "shift_term" in i and "shift_term" in w:
+                print(f"    growth init -> warning: Var[Y] x{w['output_var'] / i['output_var']:.3g}, "
+                      f"shift x{w['shift'] / i['shift']:.3g}, "
+                      f"variance term x{w['variance_term'] / i['variance_term']:.3g}, "
+                      f"shift term x{w['shift_term'] / i['shift_term']:.3g}")
         print("    loss per epoch: " + " ".join(f"{h['train_loss']:.3g}" for h in r["history"]))
         if args.plots:
             from normlab.monitor.plots import render_monitor_plots

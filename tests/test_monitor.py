@@ -346,6 +346,19 @@ def test_detector_ignores_round_off_on_zero_initial_shift():
     assert det.check(2, [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
 
 
+def test_detector_per_quantity_factors_and_forward_order():
+    det = CollapseDetector(factor={"output_var": 1000.0, "shift": 10.0})
+    init = [{"layer": "b", "index": 1, "output_var": 1.0, "shift": 1.0},
+            {"layer": "a", "index": 0, "output_var": 1.0, "shift": 1.0}]
+    assert det.check(0, init) is None
+    grown = [{"layer": "b", "index": 1, "output_var": 1.0, "shift": 20.0},
+             {"layer": "a", "index": 0, "output_var": 500.0, "shift": 1.0}]
+    alarm = det.check(5, grown)  # a's 500x stays under its 1000x factor; b's shift 20x exceeds 10x
+    assert (alarm.layer, alarm.quantity, alarm.step, alarm.growth) == ("b", "shift", 5, 20.0)
+    with pytest.raises(ValueError, match="factor for 'shift'"):
+        CollapseDetector(factor={"shift": 1.0})
+
+
 # ------------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("every", [0, -3, 1.5, True, "10"])
 def test_bad_every_raises(every):
@@ -484,4 +497,19 @@ def test_compiled_model_attached_late_warns_and_keeps_weight_stats():
     with pytest.warns(UserWarning, match="before calling the compiled model"):
         mon.step()
     assert all("output_var" not in r and "shift" in r for r in mon.records)
+    mon.close()
+
+
+def test_copies_of_monitored_model_do_not_record():
+    model = small_cnn()
+    mon = VarianceMonitor(model, every=1)
+    twin = copy.deepcopy(model)  # carries the hooks (EMA copies, signal_propagation's copy)
+    twin(torch.randn(4, 2, 4, 4) * 100)
+    mon.add_signal_propagation((4, 2, 4, 4))
+    x = torch.randn(4, 2, 4, 4)
+    model(x)
+    mon.step()
+    with torch.no_grad():
+        expected = stats.output_variance(model[0](x)).item()
+    assert mon.records[0]["output_var"] == pytest.approx(expected, rel=1e-6)
     mon.close()

@@ -44,7 +44,8 @@ class CollapseDetector:
     """Stateful checker over per-layer records.
 
     Args:
-        factor: growth factor over the initial value that raises the alarm (> 1).
+        factor: growth factor over the initial value that raises the alarm (> 1); a float for every watched
+            quantity or a mapping {quantity: factor} (quantities missing from it use 100).
         quantities: record keys to watch.
         min_initial: initial values below this are replaced by it (a zero shift, e.g. PWS, must not make
             float round-off look like infinite growth).
@@ -52,18 +53,20 @@ class CollapseDetector:
 
     def __init__(
         self,
-        factor: float = 100.0,
+        factor: float | Mapping[str, float] = 100.0,
         quantities: Sequence[str] = ("output_var", "shift"),
         min_initial: float = 1e-6,
     ) -> None:
-        if not (isinstance(factor, int | float) and factor > 1 and math.isfinite(factor)):
-            raise ValueError(f"CollapseDetector: factor must be a finite number > 1, got {factor!r}")
+        if isinstance(quantities, str) or not quantities:
+            raise ValueError(f"CollapseDetector: quantities must be a sequence of record keys, got {quantities!r}")
+        self.quantities = tuple(quantities)
+        per = dict(factor) if isinstance(factor, Mapping) else {q: factor for q in self.quantities}
+        for q, f in per.items():
+            if isinstance(f, bool) or not (isinstance(f, int | float) and f > 1 and math.isfinite(f)):
+                raise ValueError(f"CollapseDetector: factor for {q!r} must be a finite number > 1, got {f!r}")
         if min_initial < 0:
             raise ValueError(f"CollapseDetector: min_initial must be >= 0, got {min_initial!r}")
-        if not quantities:
-            raise ValueError("CollapseDetector: quantities must name at least one record key")
-        self.factor = float(factor)
-        self.quantities = tuple(quantities)
+        self.factors = {q: float(per.get(q, 100.0)) for q in self.quantities}
         self.min_initial = float(min_initial)
         self.initial: dict[tuple[str, str], float] = {}
 
@@ -91,14 +94,14 @@ class CollapseDetector:
                     continue
                 init = self.initial[key]
                 ref = max(abs(init), self.min_initial)
-                if value > self.factor * ref:
+                if value > self.factors[q] * ref:
                     flagged.append(dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q,
                                         value=float(value), initial=init, growth=value / ref,
-                                        reason=f"grew {value / ref:.3g}x > factor {self.factor:g}"))
+                                        reason=f"grew {value / ref:.3g}x > factor {self.factors[q]:g}"))
         if not flagged:
             return None
         first_index = min(f["index"] for f in flagged)
         first = [f for f in flagged if f["index"] == first_index]
-        top = max(first, key=lambda f: f["growth"])
+        top = max(first, key=lambda f: f["growth"] / self.factors[f["quantity"]])
         return CollapseAlarm(layer=top["layer"], step=int(step), quantity=top["quantity"], value=top["value"],
                              initial=top["initial"], growth=top["growth"], reason=top["reason"], flagged=flagged)

@@ -42,7 +42,7 @@ import csv
 import json
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -135,7 +135,8 @@ class VarianceMonitor:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
         every: record on steps 0, every, 2*every, ... (int >= 1).
         explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
-            first recorded value (or any watched quantity becomes non-finite).
+            first recorded value (or any watched quantity becomes non-finite); a float, or a mapping
+            {quantity: factor}, e.g. {"output_var": 1e3, "shift": 100}.
         watch: record keys checked by the collapse warning.
         min_initial: floor for initial values in the growth test (see CollapseDetector).
         on_alarm: optional callable(alarm) called once, when the first alarm fires.
@@ -148,7 +149,7 @@ class VarianceMonitor:
         self,
         model: nn.Module,
         every: int = 10,
-        explode_factor: float = 100.0,
+        explode_factor: float | Mapping[str, float] = 100.0,
         watch: Sequence[str] = ("output_var", "shift"),
         min_initial: float = 1e-6,
         on_alarm: Callable[[CollapseAlarm], None] | None = None,
@@ -198,7 +199,7 @@ class VarianceMonitor:
         want = not self.closed and (self.compiled or self.is_recording)
         if want and not self._handles:
             for name, mod, kind in self.layers:
-                self._handles.append(mod.register_forward_hook(self._make_hook(name, kind)))
+                self._handles.append(mod.register_forward_hook(self._make_hook(name, mod, kind)))
         elif not want and self._handles:
             self._remove_hooks()
 
@@ -207,9 +208,10 @@ class VarianceMonitor:
             h.remove()
         self._handles = []
 
-    def _make_hook(self, name: str, kind: str):
+    def _make_hook(self, name: str, target: nn.Module, kind: str):
         def hook(module: nn.Module, args, output) -> None:
-            if not self.is_recording or name in self._pending:
+            # `module is not target`: a deepcopy of the model (EMA copy, signal_propagation) carries the hook too
+            if module is not target or not self.is_recording or name in self._pending:
                 return
             if not (module.training or self.record_eval):
                 return

@@ -57,16 +57,16 @@ def _series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[fl
 
 
 def _positive(values: list[float]) -> bool:
-    finite = [v for v in values if math.isfinite(v)]
-    return bool(finite) and min(finite) > 0
+    """Any finite positive value (a log axis then masks the non-positive ones)."""
+    return any(math.isfinite(v) and v > 0 for v in values)
 
 
 def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
     series = _series(records, key)
     for name, (steps, vals) in series.items():
         ax.plot(steps, vals, label=name, linewidth=1.2)
-    if log and series and all(_positive(v) for _, v in series.values()):
-        ax.set_yscale("log")
+    if log and any(_positive(v) for _, v in series.values()):
+        ax.set_yscale("log", nonpositive="mask")
     if hline is not None:
         ax.axhline(hline[0], color="k", linestyle=":", linewidth=1, label=hline[1])
     if alarm is not None and alarm.get("step") is not None:
@@ -140,7 +140,7 @@ def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Pa
             ax.plot([i for i, _ in res], [v for _, v in res], "^-", label="residual-branch variance")
         vals = [e["avg_sq_mean"] for e in entries] + [e["avg_var"] for e in entries]
         if _positive(vals):
-            ax.set_yscale("log")
+            ax.set_yscale("log", nonpositive="mask")
         ax.set_xticks(x)
         ax.set_xticklabels([e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
         ax.set_xlabel(f"{spp.get('mode', 'layer')} (forward order)")
