@@ -1,0 +1,118 @@
+"""The ``normlab`` command line: help, bad input refused with exit code 2 and a one-line reason, a tiny run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from normlab.cli import main
+
+
+def test_python_m_normlab_help():
+    r = subprocess.run([sys.executable, "-m", "normlab", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    for cmd in ("demo", "train", "compare", "report", "monitor", "bench"):
+        assert cmd in r.stdout
+
+
+@pytest.mark.parametrize("cmd", ["demo", "train", "compare", "report"])
+def test_subcommand_help(cmd, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    assert e.value.code == 0
+    assert "usage: normlab " + cmd in capsys.readouterr().out
+
+
+def _refused(argv, capsys):
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, must_list",
+    [
+        (["train", "--norm", "batchnorm"], ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")),
+        (["train", "--norm", "bn", "--conv", "fancy"], ("conv", "wn", "ws", "pws")),
+        (["train", "--model", "vgg"], ("plain", "resnet", "resnet_pws", "cnn1d")),
+        (["train", "--dataset", "imagenet"], ("digits", "mnist1d", "cifar10")),
+        (["compare", "--norms", "bn,layernorm2"], ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")),
+        (["compare", "--norms", "bn", "--model", "vgg"], ("plain", "resnet", "cnn1d")),
+        (["compare", "--norms", "bn", "--dataset", "svhn"], ("digits", "mnist1d", "cifar10")),
+    ],
+)
+def test_unknown_names_list_valid_ones(argv, must_list, capsys, tmp_path):
+    err = _refused(argv + ["--out", str(tmp_path / "o")], capsys)
+    for name in must_list:
+        assert name in err
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+
+
+def test_batch_size_larger_than_dataset_refused(capsys, tmp_path):
+    err = _refused(["train", "--batch-size", "5000", "--out", str(tmp_path / "o")], capsys)
+    assert "5000" in err and "larger" in err
+    err = _refused(["compare", "--norms", "bn,gn", "--batch-sizes", "64,4096", "--out", str(tmp_path / "c")], capsys)
+    assert "4096" in err
+    assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
+
+
+def test_input_too_small_for_model_refused(capsys, tmp_path):
+    # the plain net needs at least 12x12 inputs; mnist1d samples are 1-D, digits are 2-D
+    err = _refused(["train", "--dataset", "mnist1d", "--model", "plain", "--out", str(tmp_path / "o")], capsys)
+    assert "plain" in err
+    err = _refused(["train", "--dataset", "digits", "--model", "cnn1d", "--out", str(tmp_path / "o")], capsys)
+    assert "cnn1d" in err
+
+
+def test_bad_list_argument_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--lrs", "0.1,fast"])
+    assert e.value.code == 2
+    assert "learning rates" in capsys.readouterr().err
+
+
+def test_report_without_results_refused(capsys, tmp_path):
+    err = _refused(["report", str(tmp_path)], capsys)
+    assert "results.json" in err
+
+
+def test_train_tiny_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = main(["train", "--norm", "pws", "--width", "0.125", "--epochs", "1", "--max-steps-per-epoch", "2",
+               "--batch-size", "16", "--out", str(out), "--quiet", "--threads", "1"])
+    assert rc == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["norm"] == "none" and s["config"]["conv"] == "pws"
+    assert s["config"]["batch_size"] == 16 and s["epochs_run"] == 1
+    assert "final test acc" in capsys.readouterr().out
+
+
+def test_bench_prints_instructions(capsys):
+    assert main(["bench"]) == 0
+    assert "benchmarks" in capsys.readouterr().out
+
+
+def test_no_command_prints_help(capsys):
+    assert main([]) == 2
+    assert "demo" in capsys.readouterr().out
+
+
+def test_monitor_subcommand_is_wired(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["monitor", "--help"])
+    assert e.value.code == 0
+    assert "usage: normlab monitor" in capsys.readouterr().out
+
+
+def test_bench_steps_times_each_norm(capsys):
+    rc = main(["bench", "--steps", "--norms", "bn,pws", "--width", "0.125", "--batch-size", "8", "--repeats", "2",
+               "--iters", "1"])
+    assert rc == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| bn") or r.startswith("| pws")]
+    assert len(rows) == 2 and rows[1].endswith("| 1.00x |")
+    assert _refused(["bench", "--steps", "--norms", "bn,nope"], capsys)

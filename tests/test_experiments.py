@@ -1,0 +1,258 @@
+"""Comparison grids: expansion, running, resuming, results files, report re-rendering, effect judgement."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from normlab.experiments import GridSpec, expand_grid, load_results, resolve_norm, run_grid
+from normlab.report import headline_effects, markdown_table, render_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------ names and grid expansion
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [("none", ("none", "conv")), ("bn", ("bn", "conv")), ("brn", ("brn", "conv")), ("gn", ("gn", "conv")),
+     ("sn", ("sn", "conv")), ("wn", ("none", "wn")), ("ws", ("none", "ws")), ("pws", ("none", "pws")),
+     ("ws+gn", ("gn", "ws")), ("gn+ws", ("gn", "ws")), ("PWS", ("none", "pws"))],
+)
+def test_resolve_norm(name, expected):
+    assert resolve_norm(name) == expected
+
+
+@pytest.mark.parametrize("bad", ["batchnorm", "ws+pws", "bn+gn", "", "ws+gn+bn"])
+def test_resolve_norm_unknown_lists_valid_names(bad):
+    with pytest.raises(ValueError) as e:
+        resolve_norm(bad)
+    msg = str(e.value)
+    for valid in ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws"):
+        assert valid in msg
+
+
+def test_expand_grid_product():
+    spec = GridSpec(norms=("none", "pws", "ws+gn"), lrs=(0.01, 0.1), batch_sizes=(2, 64), seeds=(0, 1, 2), epochs=3)
+    cells = expand_grid(spec)
+    assert len(cells) == 3 * 2 * 2 * 3
+    assert len({c.cell_id for c in cells}) == len(cells)
+    got = {(c.name, c.lr, c.batch_size, c.seed) for c in cells}
+    assert got == {(n, lr, b, s) for n in spec.norms for lr in spec.lrs for b in spec.batch_sizes for s in spec.seeds}
+    for c in cells:
+        assert (c.config["norm"], c.config["conv"]) == resolve_norm(c.name)
+        assert c.config["lr"] == c.lr and c.config["batch_size"] == c.batch_size and c.config["seed"] == c.seed
+        assert c.config["epochs"] == 3 and c.config["dataset"] == "digits"
+
+
+def test_expand_grid_cross_and_lr_scaling():
+    spec = GridSpec(norms=("bn",), lrs=(0.01, 0.1, 1.0), batch_sizes=(64, 8, 2), seeds=(0,), layout="cross",
+                    base_lr=0.1, lr_scaling="linear")
+    pts = {(c.lr, c.batch_size) for c in expand_grid(spec)}
+    # lr sweep at the base batch size (first in the list) + batch-size sweep at the base lr, no duplicates
+    assert pts == {(0.01, 64), (0.1, 64), (1.0, 64), (0.1, 8), (0.1, 2)}
+    by_pt = {(c.lr, c.batch_size): c.config["lr"] for c in expand_grid(spec)}
+    assert math.isclose(by_pt[(0.1, 2)], 0.1 * 2 / 64)
+    assert math.isclose(by_pt[(1.0, 64)], 1.0)
+
+
+@pytest.mark.parametrize("kw", [dict(norms=()), dict(lrs=(0.1, 0.1)), dict(lrs=(-1.0,)), dict(batch_sizes=(0,)),
+                                dict(layout="diagonal"), dict(layout="cross", base_lr=0.3), dict(epochs=0),
+                                dict(norms=("bn", "xyz"))])
+def test_gridspec_rejects_bad_input(kw):
+    with pytest.raises(ValueError, match="GridSpec|resolve_norm"):
+        GridSpec(**kw)
+
+
+# ------------------------------------------------------------------ running a tiny grid (real training)
+
+def _tiny_spec(**kw):
+    base = dict(norms=("bn", "pws"), lrs=(0.05, 0.2), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
+                max_steps_per_epoch=2, target_acc=0.5)
+    base.update(kw)
+    return GridSpec(**base)
+
+
+@pytest.fixture(scope="module")
+def tiny_grid(tmp_path_factory):
+    out = tmp_path_factory.mktemp("grid")
+    results = run_grid(_tiny_spec(), out, workers=1, progress=False, threads=1)
+    return out, results
+
+
+def test_run_grid_writes_results_table_and_plots(tiny_grid):
+    out, results = tiny_grid
+    cells = expand_grid(_tiny_spec())
+    for c in cells:
+        assert (out / "runs" / c.cell_id / "summary.json").is_file()
+    on_disk = load_results(out)
+    assert on_disk["spec"]["norms"] == ["bn", "pws"]
+    assert len(on_disk["cells"]) == len(cells) == 4
+    assert len(on_disk["groups"]) == 4  # one seed per (norm, lr, batch size)
+    # aggregated numbers are the per-cell summaries' numbers (one seed: mean = value, std = 0)
+    for g in on_disk["groups"]:
+        c = next(c for c in cells if (c.name, c.lr, c.batch_size) == (g["name"], g["lr"], g["batch_size"]))
+        s = json.loads((out / "runs" / c.cell_id / "summary.json").read_text())
+        assert g["final_mean"] == pytest.approx(s["final_test_acc"]) and g["final_std"] == 0.0
+        assert g["best_mean"] == pytest.approx(s["best_test_acc"])
+        assert g["collapsed_count"] == int(bool(s["collapsed"]))
+        assert g["step_time_s"] == pytest.approx(s["step_time_s"])
+    md = (out / "results.md").read_text()
+    assert "| bn | 0.05 | 16 | 1 |" in md and "| pws | 0.2 | 16 | 1 |" in md
+    assert "Headline effects" in md
+    for png in ("acc_vs_lr.png", "training_curves.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    # a single batch size: no batch-size plot to draw
+    assert not (out / "acc_vs_batch_size.png").exists()
+
+
+def test_resume_skips_finished_cells(tiny_grid, tmp_path):
+    import shutil
+
+    src, _ = tiny_grid
+    out = tmp_path / "grid"
+    shutil.copytree(src, out)
+    cells = expand_grid(_tiny_spec())
+    done, redo = cells[0], cells[1]
+    # mark a finished cell with a sentinel value: if it were rerun, the sentinel would be overwritten
+    p = out / "runs" / done.cell_id / "summary.json"
+    s = json.loads(p.read_text())
+    s["final_test_acc"] = 0.123456
+    p.write_text(json.dumps(s))
+    # a cell of the partial grid that never finished
+    shutil.rmtree(out / "runs" / redo.cell_id)
+    mtimes = {c.cell_id: (out / "runs" / c.cell_id / "summary.json").stat().st_mtime_ns for c in cells[2:]}
+
+    results = run_grid(_tiny_spec(), out, workers=1, progress=False, threads=1)
+    rec = {c["cell"]: c for c in results["cells"]}
+    assert rec[done.cell_id]["final_test_acc"] == 0.123456
+    assert (out / "runs" / redo.cell_id / "summary.json").is_file()
+    for cid, t in mtimes.items():
+        assert (out / "runs" / cid / "summary.json").stat().st_mtime_ns == t
+    # the rerun cell is the same deterministic run as before
+    old = json.loads((src / "runs" / redo.cell_id / "summary.json").read_text())
+    assert rec[redo.cell_id]["final_test_acc"] == pytest.approx(old["final_test_acc"])
+
+
+def test_cell_with_other_config_is_refused(tiny_grid, tmp_path):
+    import shutil
+
+    src, _ = tiny_grid
+    out = tmp_path / "grid"
+    shutil.copytree(src, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    spec = _tiny_spec(epochs=2)  # same cell ids, different config: never overwrite existing results
+    with pytest.raises(ValueError, match="different config.*epochs: 1 -> 2"):
+        run_grid(spec, out, workers=1, progress=False, threads=1)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_report_rerenders_from_results_json(tiny_grid, tmp_path):
+    import shutil
+
+    from normlab.cli import main
+
+    src, _ = tiny_grid
+    out = tmp_path / "grid"
+    shutil.copytree(src, out)
+    before = (out / "results.md").read_text()
+    for f in ["results.md", "acc_vs_lr.png", "training_curves.png"]:
+        (out / f).unlink()
+    assert main(["report", str(out)]) == 0
+    assert (out / "results.md").read_text() == before
+    assert (out / "acc_vs_lr.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_parallel_workers(tmp_path):
+    spec = _tiny_spec(norms=("gn", "ws"), lrs=(0.05,), max_steps_per_epoch=1)
+    results = run_grid(spec, tmp_path, workers=2, progress=False, render=False)
+    assert sorted(c["name"] for c in results["cells"]) == ["gn", "ws"]
+    for c in expand_grid(spec):
+        assert (tmp_path / "runs" / c.cell_id / "summary.json").is_file()
+
+
+# ------------------------------------------------------------------ judging the headline effects
+
+def _group(name, lr, bs, final, n=3, collapsed=0, std=0.01, step=0.01):
+    return {"name": name, "lr": lr, "batch_size": bs, "n_seeds": n, "final_mean": final, "final_std": std,
+            "best_mean": final, "best_std": std, "collapsed_count": collapsed, "target_reached": 0,
+            "epochs_to_target_mean": None, "step_time_s": step}
+
+
+def _results(groups, norms=("none", "bn", "brn", "gn", "pws")):
+    spec = GridSpec(norms=norms, lrs=(0.05, 0.5), batch_sizes=(64, 2), seeds=(0, 1, 2), layout="cross").to_dict()
+    return {"spec": spec, "num_classes": 10, "groups": groups, "cells": []}
+
+
+def _base_groups(none_hi=0.10, none_collapsed=3, bn_hi=0.95, pws_hi=0.93, bn_small=0.60, gn_small=0.94):
+    g = [_group("none", 0.05, 64, 0.90), _group("none", 0.5, 64, none_hi, collapsed=none_collapsed)]
+    for n, hi in (("bn", bn_hi), ("brn", 0.94), ("gn", 0.95), ("pws", pws_hi)):
+        g.append(_group(n, 0.05, 64, 0.96))
+        g.append(_group(n, 0.5, 64, hi))
+    for n, small in (("bn", bn_small), ("brn", 0.95), ("gn", gn_small), ("pws", 0.95), ("none", 0.9)):
+        g.append(_group(n, 0.05, 2, small))
+    return g
+
+
+def test_effects_appear_when_numbers_show_them():
+    e = headline_effects(_results(_base_groups()))
+    assert e[0]["appeared"] is True and "0.5" in e[0]["text"]
+    assert e[1]["appeared"] is True and "batch size 2" in e[1]["text"]
+
+
+def test_effects_do_not_appear_when_numbers_do_not_show_them():
+    # the unnormalized net trains at the high lr: effect 1 absent
+    e = headline_effects(_results(_base_groups(none_hi=0.9, none_collapsed=0)))
+    assert e[0]["appeared"] is False and "did not fail" in e[0]["text"]
+    # the unnormalized net fails but BN does not train either
+    e = headline_effects(_results(_base_groups(bn_hi=0.3)))
+    assert e[0]["appeared"] is False
+    # the unnormalized net fails at every lr: not a learning-rate effect
+    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
+    groups += [_group("none", 0.05, 64, 0.1), _group("none", 0.5, 64, 0.1, collapsed=3)]
+    e = headline_effects(_results(groups))
+    assert e[0]["appeared"] is False and "every learning rate" in e[0]["text"]
+    # BN holds at batch size 2: effect 2 absent
+    e = headline_effects(_results(_base_groups(bn_small=0.95)))
+    assert e[1]["appeared"] is False and "BN did not degrade" in e[1]["text"]
+    # BN degrades but so does GN: only partly
+    e = headline_effects(_results(_base_groups(gn_small=0.5)))
+    assert e[1]["appeared"] is False and "GN" in e[1]["text"].split("also degraded:")[1]
+
+
+def test_effects_not_testable_without_the_norms():
+    groups = [g for g in _base_groups() if g["name"] in ("bn", "gn")]
+    e = headline_effects(_results(groups, norms=("bn", "gn")))
+    assert e[0]["appeared"] is None and e[1]["appeared"] is None
+
+
+def test_markdown_table_mean_std_and_collapse_count():
+    res = _results([_group("none", 0.5, 64, 0.1, collapsed=2, std=0.0234), _group("bn", 0.5, 64, 0.9512)])
+    md = markdown_table(res)
+    assert "| none | 0.5 | 64 | 3 | 10.0 ± 2.3 |" in md and "yes (2/3)" in md
+    assert "| bn | 0.5 | 64 | 3 | 95.1 ± 1.0 |" in md and "no (0/3)" in md
+
+
+def test_render_report_on_synthetic_results(tmp_path):
+    res = _results(_base_groups())
+    paths = render_report(res, tmp_path)
+    names = {p.name for p in paths}
+    assert {"results.md", "acc_vs_lr.png", "acc_vs_batch_size.png"} <= names
+    md = (tmp_path / "results.md").read_text()
+    assert md.count("**yes**") >= 2
+
+
+def test_identical_norms_reported():
+    def cell(name, accs, seed=0):
+        return {"name": name, "lr": 0.05, "batch_size": 64, "seed": seed,
+                "history": [{"test_acc": a} for a in accs]}
+
+    res = _results(_base_groups())
+    res["cells"] = [cell("bn", [0.5, 0.9]), cell("brn", [0.5, 0.9]), cell("gn", [0.5, 0.8]),
+                    cell("none", [0.1, 0.1]), cell("pws", [0.1, 0.1])]
+    text = [e["text"] for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
+    assert len(text) == 1 and text[0].startswith("bn = brn (")  # none/pws both stuck at chance: not listed
+    res["cells"][1] = cell("brn", [0.5, 0.91])
+    assert not [e for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
