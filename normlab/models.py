@@ -18,6 +18,8 @@
 
 Every residual block exposes its residual branch as the attribute ``branch`` (used by signal
 propagation plots). Width multipliers scale every hidden channel count (rounded, at least 1).
+Convs start from the paper's He initialization (:func:`he_init_`), not torch's default (``n Var[W] = 1/3``, under
+which a deep net without normalization shrinks its signal ~6x per layer and cannot train).
 """
 
 from __future__ import annotations
@@ -32,11 +34,31 @@ MODEL_DIMS = {"plain": 2, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}  # spatial d
 
 
 def _factory():
-    try:
-        from normlab.nn import factory
-    except ImportError as e:  # pragma: no cover - only while the package is being assembled
-        raise ImportError("normlab.models: normlab.nn.factory (create_norm/create_conv) is not available") from e
+    from normlab.nn import factory
+
     return factory
+
+
+@torch.no_grad()
+def he_init_(model: nn.Module) -> nn.Module:
+    """The paper's initialization: He normal (fan_in, ReLU gain, ``n Var[W] = 2``) and zero bias for every conv.
+
+    Plain convs get ``kaiming_normal_``; weight-normed convs get it on ``v`` with ``g = |v|`` per filter (so the
+    effective kernel is the He kernel); WS/PWS convs (they have ``effective_weight``) standardize their kernel
+    themselves and keep their own init. Returns ``model``.
+    """
+    for m in model.modules():
+        if not isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) or hasattr(m, "effective_weight"):
+            continue
+        if nn.utils.parametrize.is_parametrized(m, "weight"):
+            g, v = m.parametrizations.weight.original0, m.parametrizations.weight.original1
+            nn.init.kaiming_normal_(v, mode="fan_in", nonlinearity="relu")
+            g.copy_(v.flatten(1).norm(dim=1).reshape(g.shape))
+        else:
+            nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
+        if m.bias is not None:
+            m.bias.zero_()
+    return model
 
 
 def _ch(c: int, width: float) -> int:
@@ -270,17 +292,17 @@ def build_model(
             raise ValueError(
                 f"build_model('cnn1d'): input length {length} is too small (the three strided convs leave nothing)"
             )
-        return CNN1d(norm, conv, in_channels, num_classes, length=length, width=width, **kw)
+        return he_init_(CNN1d(norm, conv, in_channels, num_classes, length=length, width=width, **kw))
     hw = _spatial(name, input_shape, in_channels, 2)
     if name == "plain":
         PlainNet.check_input(hw)
-        return PlainNet(norm, conv, in_channels, num_classes, width)
+        return he_init_(PlainNet(norm, conv, in_channels, num_classes, width))
     if name == "resnet":
-        return PreActResNet(norm, conv, in_channels, num_classes, width, **kw)
+        return he_init_(PreActResNet(norm, conv, in_channels, num_classes, width, **kw))
     # resnet_pws: the layout fixes its norm layers (GroupNorm(1) at stem and head).
     if norm not in ("none", "ln"):
         raise ValueError(
             f"build_model('resnet_pws'): the official PWS layout has fixed GroupNorm(1) layers; norm must be "
             f"'none' or 'ln', got {norm!r}"
         )
-    return PWSResNet(conv, in_channels, num_classes, width, **kw)
+    return he_init_(PWSResNet(conv, in_channels, num_classes, width, **kw))

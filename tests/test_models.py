@@ -183,3 +183,16 @@ def test_same_seed_same_init():
     b = build_model("resnet", "bn", "pws", 1, 10, (1, 8, 8), width=0.25, blocks=1)
     for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert ka == kb and torch.equal(va, vb)
+
+
+@pytest.mark.parametrize("conv", ["conv", "wn"])
+def test_convs_start_from_he_init(conv):
+    """n Var[W_effective] = 2 for every plain / weight-normed conv, biases zero (the paper's initialization)."""
+    torch.manual_seed(0)
+    model = build_model("plain", norm="none", conv=conv, in_channels=1, num_classes=10, input_shape=(16, 16), width=0.5)
+    convs = [m for m in model.modules() if isinstance(m, nn.Conv2d)]
+    assert len(convs) == 10
+    for m in convs[:-1]:
+        n = m.weight[0].numel()
+        assert 1.6 < n * m.weight.var().item() < 2.4, (m, n * m.weight.var().item())
+        assert m.bias is None or torch.count_nonzero(m.bias) == 0
