@@ -513,3 +513,14 @@ def test_copies_of_monitored_model_do_not_record():
         expected = stats.output_variance(model[0](x)).item()
     assert mon.records[0]["output_var"] == pytest.approx(expected, rel=1e-6)
     mon.close()
+
+
+def test_normlab_norm_layers_are_monitored():
+    from normlab.monitor.hooks import supported_layers
+    from normlab.nn import BatchRenorm2d, InstanceNorm2d, SwitchableNorm2d
+
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), BatchRenorm2d(4), nn.Conv2d(4, 4, 1), SwitchableNorm2d(4), InstanceNorm2d(4, affine=True)
+    )
+    kinds = {name: kind for name, _, kind in supported_layers(model)}
+    assert kinds == {"0": "conv", "1": "norm", "2": "conv", "3": "norm", "4": "norm"}

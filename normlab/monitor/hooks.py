@@ -95,9 +95,9 @@ def _layer_kind(module: nn.Module) -> str | None:
         return "linear"
     if isinstance(module, _NORM_TYPES):
         return "norm"
-    # normlab's own norm layers (BatchRenorm, SwitchableNorm, ...) need not subclass torch's.
-    name = type(module).__name__
-    if type(module).__module__.startswith("normlab.nn") and "Norm" in name:
+    # normlab's own norm layers (BatchRenorm, SwitchableNorm, ...) need not subclass torch's: they carry the
+    # `_normlab_norm` class marker.
+    if getattr(type(module), "_normlab_norm", False):
         return "norm"
     return None
 
