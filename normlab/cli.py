@@ -168,6 +168,7 @@ def build_parser(with_monitor: bool = False) -> argparse.ArgumentParser:
                    help="scale each cell's lr with batch_size / base batch size (default none)")
     _add_common_data_args(c)
     _add_optim_args(c)
+    c.add_argument("--download", action="store_true", help="download the data set first (cifar10 only)")
     c.add_argument("--out", default="runs/compare", help="output directory (default runs/compare); rerun to resume")
     c.add_argument("--workers", type=int, default=0,
                    help="parallel worker processes, 1 torch thread each (default 0: one per usable core)")
@@ -285,6 +286,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling, target_acc=args.target_acc,
         max_steps_per_epoch=args.max_steps_per_epoch, train_kwargs=_train_kwargs(args),
     )
+    if args.download:
+        from normlab import data as nl_data
+
+        _validated(nl_data.get_dataset, args.dataset, data_dir=args.data_dir, download=True)
     _validated(check_grid, spec)
     out = Path(args.out)
     results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
@@ -297,6 +302,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from normlab.experiments import check_grid, demo_spec, run_grid
 
     spec = demo_spec(quick=args.quick)
+    if args.download:
+        from normlab import data as nl_data
+
+        _validated(nl_data.get_dataset, args.dataset, data_dir=args.data_dir, download=True)
     _validated(check_grid, spec)
     out = Path(args.out)
     print(f"normlab demo: {len(spec.norms)} normalizations on {spec.dataset}, lrs {list(spec.lrs)} at batch size "
