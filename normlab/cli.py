@@ -23,6 +23,22 @@ class UsageError(Exception):
     """Invalid user input: reported as one line on stderr, exit code 2."""
 
 
+class RunError(Exception):
+    """A run that cannot go on (e.g. a corrupt checkpoint): one line on stderr, exit code 1."""
+
+
+def _guarded(fn, *a, **kw):
+    """Run training; the runner's own refusals (messages starting with ``train:`` / ``run_grid:``: corrupt
+    checkpoint, results of another config in the output directory) become one-line errors, not tracebacks."""
+    try:
+        return fn(*a, **kw)
+    except (RuntimeError, ValueError) as e:
+        msg = str(e).strip()
+        if msg.startswith(("train:", "run_grid:")):
+            raise (UsageError if isinstance(e, ValueError) else RunError)(msg) from None
+        raise
+
+
 # --------------------------------------------------------------------------------------------------
 # Argument types
 # --------------------------------------------------------------------------------------------------
@@ -256,7 +272,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    summary = train(TrainConfig(**cfg), args.out, progress=not args.quiet)
+    summary = _guarded(train, TrainConfig(**cfg), args.out, progress=not args.quiet)
     acc = summary.get("final_test_acc")
     msg = f"final test acc {100 * acc:.2f} %" if acc is not None else "no test accuracy"
     if summary.get("collapsed"):
@@ -292,7 +308,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         _validated(nl_data.get_dataset, args.dataset, data_dir=args.data_dir, download=True)
     _validated(check_grid, spec)
     out = Path(args.out)
-    results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
+    results = _guarded(run_grid, spec, out, workers=args.workers, progress=not args.no_progress, check=False,
                        threads=args.threads)
     _finish(results, out)
     return 0
@@ -311,7 +327,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"normlab demo: {len(spec.norms)} normalizations on {spec.dataset}, lrs {list(spec.lrs)} at batch size "
           f"{spec.base_batch_size}, batch sizes {list(spec.batch_sizes)} at lr {spec.base_lr:g}, "
           f"seeds {list(spec.seeds)}, {spec.epochs} epochs -> {out}", file=sys.stderr)
-    results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
+    results = _guarded(run_grid, spec, out, workers=args.workers, progress=not args.no_progress, check=False,
                        threads=args.threads)
     _finish(results, out)
     return 0
@@ -388,6 +404,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         print(f"normlab {args.command}: error: {msg}", file=sys.stderr)
         return EXIT_USAGE
+    except RunError as e:
+        print(f"normlab {args.command}: error: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"normlab {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
         return 130

@@ -116,3 +116,32 @@ def test_bench_steps_times_each_norm(capsys):
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| bn") or r.startswith("| pws")]
     assert len(rows) == 2 and rows[1].endswith("| 1.00x |")
     assert _refused(["bench", "--steps", "--norms", "bn,nope"], capsys)
+
+
+def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
+    # one cell of a grid holds a corrupt checkpoint: compare stops with a one-line error and leaves it alone
+    from normlab.experiments import GridSpec, expand_grid
+
+    spec = GridSpec(norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
+                    max_steps_per_epoch=1)
+    (cell,) = expand_grid(spec)
+    ck = tmp_path / "runs" / cell.cell_id / "checkpoint.pt"
+    ck.parent.mkdir(parents=True)
+    ck.write_bytes(b"not a checkpoint")
+    rc = main(["compare", "--norms", "bn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--epochs", "1",
+               "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1",
+               "--no-progress", "--out", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 1
+    assert err[-1].startswith("normlab compare: error: train:") and "corrupt" in err[-1]
+    assert ck.read_bytes() == b"not a checkpoint"
+    assert not (ck.parent / "summary.json").exists()
+
+
+def test_grid_of_another_config_in_out_dir_refused(tmp_path, capsys):
+    args = ["compare", "--norms", "gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--width", "0.125",
+            "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    assert main(args + ["--epochs", "1"]) == 0
+    capsys.readouterr()
+    err = _refused(args + ["--epochs", "2"], capsys)
+    assert "different config" in err and "epochs: 1 -> 2" in err
