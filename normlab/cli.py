@@ -318,10 +318,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from normlab.experiments import check_grid, demo_spec, run_grid
 
     spec = demo_spec(quick=args.quick)
-    if args.download:
-        from normlab import data as nl_data
-
-        _validated(nl_data.get_dataset, args.dataset, data_dir=args.data_dir, download=True)
     _validated(check_grid, spec)
     out = Path(args.out)
     print(f"normlab demo: {len(spec.norms)} normalizations on {spec.dataset}, lrs {list(spec.lrs)} at batch size "

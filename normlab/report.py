@@ -130,11 +130,12 @@ def headline_effects(results: dict[str, Any]) -> list[dict[str, Any]]:
             effects.append({"effect": e1, "appeared": bool(ok_lrs), "text": head + ". " + "; ".join(parts)})
 
     # (2) small batch: BN degrades while GN, BRN and PWS hold.
-    e2 = "At batch size 2, BN degrades while GN, BRN and PWS hold"
     holders = ("gn", "brn", "pws")
     bss = sorted({bs for (n, lr, bs) in G if n == "bn" and lr == base_lr})
     need = [n for n in ("bn",) + holders if n not in names]
     small = bss[0] if bss else None
+    shown = small if small is not None and small < base_bs else 2
+    e2 = f"At batch size {shown}, BN degrades while GN, BRN and PWS hold"
     if need or small is None or small >= base_bs:
         effects.append({"effect": e2, "appeared": None,
                         "text": f"not testable: the grid lacks {', '.join(need) or 'a batch size below the base'}"})

@@ -145,3 +145,13 @@ def test_grid_of_another_config_in_out_dir_refused(tmp_path, capsys):
     capsys.readouterr()
     err = _refused(args + ["--epochs", "2"], capsys)
     assert "different config" in err and "epochs: 1 -> 2" in err
+
+
+def test_demo_quick_writes_report(tmp_path, capsys):
+    rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| norm | lr | batch |" in out and "At batch size" in out
+    assert (tmp_path / "results.md").is_file() and (tmp_path / "acc_vs_lr.png").is_file()
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert {c["name"] for c in res["cells"]} == {"none", "bn", "gn", "pws"}
