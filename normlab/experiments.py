@@ -403,8 +403,13 @@ def run_grid(
     bar = tqdm(total=len(cells), initial=len(summaries), desc="grid", unit="run", disable=not progress,
                file=sys.stderr, dynamic_ncols=True)
 
+    n_classes = _num_classes(spec)
+
     def _done(c: Cell, s: dict[str, Any]) -> None:
         summaries[c.cell_id] = s
+        # partial results after every cell, so `normlab report DIR` works while the grid runs or after a kill
+        finished = [(x, summaries[x.cell_id]) for x in cells if x.cell_id in summaries]
+        write_results(collect_results(spec, finished, n_classes, complete=False), out)
         bar.update(1)
         flag = " COLLAPSED" if s.get("collapsed") else ""
         bar.set_postfix_str(f"last {c.cell_id}: acc {s.get('final_test_acc', float('nan')):.3f}{flag}")
@@ -435,7 +440,7 @@ def run_grid(
         say(f"normlab compare: ran {len(todo)} cells with {n_workers} worker(s) in "
             f"{time.perf_counter() - t0:.1f} s")
 
-    results = collect_results(spec, [(c, summaries[c.cell_id]) for c in cells])
+    results = collect_results(spec, [(c, summaries[c.cell_id]) for c in cells], n_classes)
     write_results(results, out)
     if render:
         from normlab.report import render_report
@@ -469,8 +474,13 @@ def _num_classes(spec: GridSpec) -> int | None:
         return None
 
 
-def collect_results(spec: GridSpec, pairs: Sequence[tuple[Cell, dict[str, Any]]]) -> dict[str, Any]:
-    """Aggregate per-cell summaries over seeds into groups keyed by (name, lr, batch size)."""
+def collect_results(
+    spec: GridSpec, pairs: Sequence[tuple[Cell, dict[str, Any]]], num_classes: int | None = None, complete: bool = True
+) -> dict[str, Any]:
+    """Aggregate per-cell summaries over seeds into groups keyed by (name, lr, batch size).
+
+    ``complete=False`` marks a grid still running (results.json is rewritten after every finished cell).
+    """
     cells_out = []
     groups: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
     for c, s in pairs:
@@ -509,7 +519,8 @@ def collect_results(spec: GridSpec, pairs: Sequence[tuple[Cell, dict[str, Any]]]
     return {
         "version": RESULTS_VERSION,
         "spec": spec.to_dict(),
-        "num_classes": _num_classes(spec),
+        "num_classes": num_classes if num_classes is not None else _num_classes(spec),
+        "complete": complete,
         "groups": group_out,
         "cells": cells_out,
     }

@@ -270,6 +270,9 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         + (f", at most {spec['max_steps_per_epoch']} steps per epoch" if spec.get("max_steps_per_epoch") else "")
         + (f"; chance level {100 * chance:.0f} %." if chance else "."),
         "Accuracies are percent, mean ± sample std over seeds. A run *collapsed* if its loss became non-finite.",
+        *([] if results.get("complete", True) else [
+            "", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
+                f"complete the grid."]),
         "",
         "## Headline effects (computed from the table below)",
         "",

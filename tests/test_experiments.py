@@ -256,3 +256,30 @@ def test_identical_norms_reported():
     assert len(text) == 1 and text[0].startswith("bn = brn (")  # none/pws both stuck at chance: not listed
     res["cells"][1] = cell("brn", [0.5, 0.91])
     assert not [e for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
+
+
+def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
+    # the grid dies in its second cell: results.json already holds the first one and renders as partial
+    import normlab.experiments as ex
+    from normlab.cli import main
+
+    real = ex._run_cell
+    calls = []
+
+    def dying(config, out_dir):
+        calls.append(out_dir)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(config, out_dir)
+
+    monkeypatch.setattr(ex, "_run_cell", dying)
+    spec = _tiny_spec(norms=("bn",), lrs=(0.05, 0.2), max_steps_per_epoch=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
+    res = load_results(tmp_path)
+    assert res["complete"] is False and len(res["cells"]) == 1
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Partial results" in (tmp_path / "results.md").read_text()
+    monkeypatch.setattr(ex, "_run_cell", real)
+    res = run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
+    assert res["complete"] is True and len(res["cells"]) == 2
