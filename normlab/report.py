@@ -18,7 +18,8 @@ TRAIN_FRACTION = 0.80   # "trains": no seed collapsed and final acc >= chance + 
 DEGRADE_DROP = 0.05     # "degrades": final acc at the small batch is >= 5 points below the base batch size
 CRITERIA = (
     f"A setting *failed* if most seeds collapsed (non-finite loss) or its mean final test accuracy is at most "
-    f"chance + {FAIL_MARGIN:.2f}. It *trains* if no seed collapsed and its mean final accuracy is at least "
+    f"chance + {FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final "
+    f"accuracy is at least "
     f"chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A norm *degrades* at a "
     f"small batch if it failed there or its mean final accuracy is >= {DEGRADE_DROP * 100:.0f} points below its "
     f"accuracy at the base batch size (same learning rate); otherwise it *holds*."
@@ -96,23 +97,24 @@ def headline_effects(results: dict[str, Any]) -> list[dict[str, Any]]:
                         "text": f"not testable: the grid lacks {', '.join(need) or 'a learning-rate sweep'}"})
     else:
         bad = [lr for lr in lrs if failed(G.get(("none", lr, base_bs)), chance)]
-        good = [lr for lr in lrs if trains(G.get(("none", lr, base_bs)), chance, best)]
-        if bad and not good:
-            every = len(bad) == len(lrs)
-            where = ", ".join(f"{x:g}: {_acc(G.get(('none', x, base_bs)))}" for x in lrs)
-            effects.append({"effect": e1, "appeared": False, "text": (
-                f"did not appear: without normalization the plain net "
-                f"{'failed at every learning rate' if every else 'did not train at any learning rate'} in the "
-                f"grid (batch size {base_bs}; lr {where}), so there is no learning rate at which it trains and "
-                f"a higher one at which it collapses")})
-        elif not bad:
+        learns = [lr for lr in lrs if lr not in bad]
+        # a learning-rate effect: the net learns at some lr and fails at a higher one
+        bad_above = [lr for lr in bad if any(x < lr for x in learns)]
+        where = ", ".join(f"{x:g}: {_acc(G.get(('none', x, base_bs)))}" for x in lrs)
+        if not bad:
             effects.append({"effect": e1, "appeared": False, "text": (
                 f"did not appear: without normalization the plain net did not fail at any learning rate in "
-                f"the grid (up to {max(lrs):g} at batch size {base_bs}; final accuracy there "
-                f"{_acc(G.get(('none', max(lrs), base_bs)))})")})
+                f"the grid (batch size {base_bs}; lr {where})")})
+        elif not bad_above:
+            effects.append({"effect": e1, "appeared": False, "text": (
+                f"did not appear: without normalization the plain net "
+                f"{'failed at every learning rate' if not learns else 'failed already at the lowest learning rates'}"
+                f" in the grid (batch size {base_bs}; lr {where}), so there is no learning rate at which it learns "
+                f"and a higher one at which it fails")})
         else:
-            parts, ok_lrs = [f"none trains at lr {', '.join(f'{x:g}' for x in good)} "
-                             f"({_acc(G.get(('none', good[-1], base_bs)))} at {good[-1]:g})"], []
+            bad = bad_above
+            parts, ok_lrs = [f"without normalization the plain net learns at lr {', '.join(f'{x:g}' for x in learns)}"
+                             f" and fails at {', '.join(f'{x:g}' for x in bad)} (lr {where})"], []
             for lr in bad:
                 gb, gp = G.get(("bn", lr, base_bs)), G.get(("pws", lr, base_bs))
                 tb, tp = trains(gb, chance, best), trains(gp, chance, best)
@@ -126,7 +128,10 @@ def headline_effects(results: dict[str, Any]) -> list[dict[str, Any]]:
             if ok_lrs:
                 head = f"appeared at lr {', '.join(f'{x:g}' for x in ok_lrs)}"
             else:
-                head = "did not appear: the unnormalized net failed, but BN and PWS did not both train there"
+                lr = bad[0]
+                miss = [n.upper() for n in ("bn", "pws") if not trains(G.get((n, lr, base_bs)), chance, best)]
+                head = (f"did not appear: at lr {lr:g}{' (and above)' if len(bad) > 1 else ''} the unnormalized net "
+                        f"fails, but {' and '.join(miss)} {'does' if len(miss) == 1 else 'do'} not train there either")
             effects.append({"effect": e1, "appeared": bool(ok_lrs), "text": head + ". " + "; ".join(parts)})
 
     # (2) small batch: BN degrades while GN, BRN and PWS hold.

@@ -214,6 +214,16 @@ def test_effects_do_not_appear_when_numbers_do_not_show_them():
     groups += [_group("none", 0.05, 64, 0.1), _group("none", 0.5, 64, 0.1, collapsed=3)]
     e = headline_effects(_results(groups))
     assert e[0]["appeared"] is False and "every learning rate" in e[0]["text"]
+    # the unnormalized net learns (slowly, 40 %) at the low lr and fails at the high one: a learning-rate effect
+    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
+    groups += [_group("none", 0.05, 64, 0.4), _group("none", 0.5, 64, 0.15)]
+    e = headline_effects(_results(groups))
+    assert e[0]["appeared"] is True and "learns at lr 0.05 and fails at 0.5" in e[0]["text"]
+    # ... but fails at the low lr and learns at the high one: not this effect
+    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
+    groups += [_group("none", 0.05, 64, 0.1), _group("none", 0.5, 64, 0.6)]
+    e = headline_effects(_results(groups))
+    assert e[0]["appeared"] is False and "lowest learning rates" in e[0]["text"]
     # BN holds at batch size 2: effect 2 absent
     e = headline_effects(_results(_base_groups(bn_small=0.95)))
     assert e[1]["appeared"] is False and "BN did not degrade" in e[1]["text"]
