@@ -7,9 +7,10 @@ cross-entropy. Accuracies are fractions in [0, 1] (``target_acc`` too).
 Files in ``out_dir`` (only rank 0 writes):
 
 - ``checkpoint.pt``: model, optimizer, scheduler, RNG states (torch global + the data-order generator),
-  history and counters; written atomically (temp file + ``os.replace``) before training and after every
-  epoch. Calling ``train`` again with the same ``out_dir`` resumes from it and ends with exactly the same
-  metrics as an uninterrupted run (CPU); a finished run just returns its summary.
+  history and counters, and the monitor's state (step count, collapse baselines, alarm) when it is on;
+  written atomically (temp file + ``os.replace``) before training and after every epoch. Calling ``train``
+  again with the same ``out_dir`` resumes from it and ends with exactly the same metrics (and monitor alarm) as
+  an uninterrupted run (CPU); a finished run just returns its summary.
 - ``metrics.jsonl``: one JSON line per epoch (``epoch, train_loss, train_acc, test_loss, test_acc, lr,
   time_s``), rewritten atomically from the checkpointed history.
 - ``monitor.jsonl``: the :class:`normlab.monitor.VarianceMonitor` records when ``monitor_every > 0``.
@@ -316,6 +317,16 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
         "world_size": world,
     }
 
+    mon = None
+    if config.monitor_every > 0:
+        try:
+            from normlab.monitor import VarianceMonitor
+        except ImportError as e:
+            warnings.warn(f"train: monitor_every={config.monitor_every} but normlab.monitor is unavailable ({e})",
+                          stacklevel=2)
+        else:
+            mon = VarianceMonitor(raw_model, every=config.monitor_every)
+
     def snapshot():
         return {
             "format": CHECKPOINT_FORMAT,
@@ -328,6 +339,8 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "history": copy.deepcopy(history),
             "state": dict(state),
+            # optional key: checkpoints without it (older runs, no monitor) still load
+            "monitor": mon.state_dict() if mon is not None and hasattr(mon, "state_dict") else None,
         }
 
     def write_metrics():
@@ -344,6 +357,14 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
         history = list(ck["history"])
         state.update(ck["state"])
         state["world_size"] = world
+        if mon is not None:
+            if ck.get("monitor") is not None and hasattr(mon, "load_state_dict"):
+                # step count, collapse baselines and a fired alarm: the same alarms as without the interruption
+                mon.load_state_dict(ck["monitor"])
+            else:
+                # checkpoint without monitor state (older run): records land on the same steps, but the collapse
+                # baseline restarts from the first step recorded after the resume
+                mon.current_step = state["steps_total"]
         if is_main:
             write_metrics()
             if monitor_path.exists():  # drop monitor records written after the checkpoint
@@ -355,18 +376,6 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
             monitor_path.unlink()
         atomic_torch_save(snapshot(), ckpt_path)
 
-    mon = None
-    if config.monitor_every > 0:
-        try:
-            from normlab.monitor import VarianceMonitor
-        except ImportError as e:
-            warnings.warn(f"train: monitor_every={config.monitor_every} but normlab.monitor is unavailable ({e})",
-                          stacklevel=2)
-        else:
-            mon = VarianceMonitor(raw_model, every=config.monitor_every)
-            # after a resume, continue the global step count (records land on the same steps as without the
-            # interruption; the collapse detector's baseline is then the first step recorded after the resume)
-            mon.current_step = state["steps_total"]
     mon_written = 0
 
     sampler = None

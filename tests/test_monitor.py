@@ -359,6 +359,84 @@ def test_detector_per_quantity_factors_and_forward_order():
         CollapseDetector(factor={"shift": 1.0})
 
 
+def test_detector_baseline_window_takes_max_of_first_records():
+    rec = lambda v: [{"layer": "a", "index": 0, "shift": v}]  # noqa: E731
+    one = CollapseDetector(factor=10.0, quantities=("shift",))
+    three = CollapseDetector(factor=10.0, quantities=("shift",), baseline_records=3)
+    # an early transient (1 -> 5 -> 8) then a 60x value: with a 1-record baseline (1.0) the transient already fires
+    assert one.check(0, rec(1.0)) is None
+    assert one.check(1, rec(15.0)).growth == 15.0
+    for step, v in enumerate([1.0, 5.0, 8.0]):
+        assert three.check(step, rec(v)) is None  # no growth test while the baseline is collected
+    assert three.initial[("a", "shift")] == 8.0
+    assert three.check(3, rec(79.0)) is None  # 9.9x the max of the window
+    alarm = three.check(4, rec(81.0))
+    assert alarm.initial == 8.0 and alarm.growth == pytest.approx(81.0 / 8.0)
+    assert three.check(5, rec(float("nan"))).reason == "non-finite"
+    with pytest.raises(ValueError, match="baseline_records"):
+        CollapseDetector(baseline_records=0)
+
+
+def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
+    """A monitor restored from state_dict() mid-run raises the alarm the uninterrupted monitor raises."""
+
+    def run(model, mon, steps, x, grow_at=6):
+        for step in steps:
+            if step == grow_at:
+                with torch.no_grad():
+                    model.late.weight += torch.linspace(-2, 2, 8).view(8, 1)  # shift of `late` grows
+            model(x)
+            mon.step()
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    ref_model = TwoLayers()
+    model = copy.deepcopy(ref_model)
+    kw = dict(every=2, explode_factor=10.0, watch=("shift",), baseline_records=2)
+    ref = VarianceMonitor(ref_model, **kw)
+    run(ref_model, ref, range(10), x)
+    assert ref.alarm is not None and (ref.alarm.layer, ref.alarm.step) == ("late", 6)
+
+    first = VarianceMonitor(model, **kw)
+    run(model, first, range(4), x)  # steps 0 and 2 form the baseline
+    state = first.state_dict()
+    first.close()
+    torch.save(state, tmp_path / "mon.pt")
+    state = torch.load(tmp_path / "mon.pt", weights_only=True)  # plain types only
+    resumed = VarianceMonitor(model, **kw)
+    resumed.load_state_dict(state)
+    assert resumed.current_step == 4 and resumed.is_recording
+    run(model, resumed, range(4, 10), x)
+    a, b = resumed.alarm, ref.alarm
+    assert (a.layer, a.step, a.quantity, a.value, a.initial) == (b.layer, b.step, b.quantity, b.value, b.initial)
+    # without the state, the baseline would be the (already grown) value at step 6: no alarm at all
+    fresh_model = copy.deepcopy(ref_model)
+    run(fresh_model, VarianceMonitor(fresh_model, **kw), range(4), x)
+    lost = VarianceMonitor(fresh_model, **kw)
+    lost.current_step = 4
+    run(fresh_model, lost, range(4, 10), x)
+    assert lost.alarm is None
+    # an alarm that already fired is restored (and on_alarm is not called again)
+    again = VarianceMonitor(ref_model, **kw, on_alarm=lambda a: pytest.fail("on_alarm called twice"))
+    again.load_state_dict(ref.state_dict())
+    assert again.alarm == ref.alarm and again.should_stop
+
+
+def test_monitor_load_state_dict_refuses_mismatched_state():
+    mon = VarianceMonitor(TwoLayers(), every=2)
+    state = mon.state_dict()
+    with pytest.raises(ValueError, match="every=2"):
+        VarianceMonitor(TwoLayers(), every=3).load_state_dict(state)
+    with pytest.raises(ValueError, match="current_step"):
+        mon.load_state_dict({**state, "current_step": -1})
+    with pytest.raises(ValueError, match="does not have"):
+        mon.load_state_dict({**state, "order": {"nope": 0}})
+    with pytest.raises(ValueError, match="expected a dict"):
+        mon.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="baseline_records"):
+        VarianceMonitor(TwoLayers(), every=2, baseline_records=4).load_state_dict(state)
+
+
 # ------------------------------------------------------------------------------------------------ errors
 @pytest.mark.parametrize("every", [0, -3, 1.5, True, "10"])
 def test_bad_every_raises(every):

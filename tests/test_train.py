@@ -377,3 +377,41 @@ def test_mnist1d_cnn1d_and_resnet_model_kwargs(tmp_path):
     s = train(tiny(model="resnet_pws", norm="none", conv="pws", width=0.125, epochs=1, max_steps_per_epoch=2,
                    model_kwargs={"blocks": 1}), tmp_path / "b", progress=False)
     assert s["config"]["model_kwargs"] == {"blocks": 1} and s["history"][0]["train_loss"] is not None
+
+
+def _resume_after_first_epoch(cfg, out, strip_monitor=False):
+    """Run epoch 1 only, turn its checkpoint into the checkpoint of an interrupted ``cfg`` run, resume it."""
+    train(dataclasses.replace(cfg, epochs=1), out, progress=False)
+    ck = load_ckpt(out / "checkpoint.pt")
+    ck["config"]["epochs"], ck["state"]["finished"] = cfg.epochs, False
+    if strip_monitor:  # a checkpoint written before the monitor state was saved
+        del ck["monitor"]
+    torch.save(ck, out / "checkpoint.pt")
+    return train(cfg, out, progress=False)
+
+
+def test_resume_restores_monitor_baselines_and_gives_the_same_alarm(tmp_path):
+    # plain net without normalization at a rate where a layer's shift explodes in epoch 2 (steps 2-3)
+    cfg = tiny(norm="none", lr=0.3, epochs=3, max_steps_per_epoch=2, monitor_every=1)
+    ref = train(cfg, tmp_path / "ref", progress=False)
+    alarm = ref["monitor_alarm"]
+    assert alarm is not None and alarm["step"] >= 2, "the alarm must fire after the interruption to test anything"
+    key = lambda a: (a["layer"], a["step"], a["quantity"])  # noqa: E731
+
+    ck = load_ckpt(tmp_path / "ref" / "checkpoint.pt")
+    mon_state = ck["monitor"]  # plain types: loads with weights_only=True
+    assert mon_state["current_step"] == 6 and mon_state["alarm"]["step"] == alarm["step"]
+    assert len(mon_state["detector"]["baselines"]) > 0
+
+    resumed = _resume_after_first_epoch(cfg, tmp_path / "part")
+    assert key(resumed["monitor_alarm"]) == key(alarm)
+    got = resumed["monitor_alarm"]
+    assert (got["value"], got["initial"]) == (alarm["value"], alarm["initial"])
+    assert without_time(resumed["history"]) == without_time(ref["history"])
+    assert read_jsonl(tmp_path / "part" / "monitor.jsonl") == read_jsonl(tmp_path / "ref" / "monitor.jsonl")
+
+    # an old checkpoint without monitor state still resumes (same metrics); its baseline restarts after the resume,
+    # which changes the alarm here: the saved state is what makes the resumed alarm right
+    old = _resume_after_first_epoch(cfg, tmp_path / "old", strip_monitor=True)
+    assert without_time(old["history"]) == without_time(ref["history"])
+    assert old["monitor_alarm"] is None or key(old["monitor_alarm"]) != key(alarm)

@@ -53,6 +53,9 @@ from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
 
 __all__ = ["VarianceMonitor", "unwrap_model", "supported_layers", "effective_weight"]
 
+# Default growth factors of the collapse warning (see VarianceMonitor, CollapseDetector).
+DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
+
 _CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _NORM_TYPES = (
     nn.modules.batchnorm._BatchNorm,
@@ -135,10 +138,14 @@ class VarianceMonitor:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
         every: record on steps 0, every, 2*every, ... (int >= 1).
         explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
-            first recorded value (or any watched quantity becomes non-finite); a float, or a mapping
-            {quantity: factor}, e.g. {"output_var": 1e3, "shift": 100}.
+            baseline (or any watched quantity becomes non-finite); a float, or a mapping {quantity: factor}.
+            Default ``DEFAULT_EXPLODE_FACTOR`` = {"output_var": 1e3, "shift": 100}: the classifier's logit variance
+            grows ~100-200x in healthy training (the net becomes confident), so 100x on output_var is no warning.
         watch: record keys checked by the collapse warning.
-        min_initial: floor for initial values in the growth test (see CollapseDetector).
+        min_initial: floor for baselines in the growth test (see CollapseDetector).
+        baseline_records: the baseline of each (layer, quantity) is the maximum of its first
+            ``baseline_records`` recorded finite values (recorded steps 0, every, ..., (baseline_records-1)*every);
+            no growth alarm before that (non-finite values are flagged at once). See CollapseDetector.
         on_alarm: optional callable(alarm) called once, when the first alarm fires.
         include_norm: also monitor normalization layers (output variance, input ratio).
         record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
@@ -149,9 +156,10 @@ class VarianceMonitor:
         self,
         model: nn.Module,
         every: int = 10,
-        explode_factor: float | Mapping[str, float] = 100.0,
+        explode_factor: float | Mapping[str, float] | None = None,
         watch: Sequence[str] = ("output_var", "shift"),
         min_initial: float = 1e-6,
+        baseline_records: int = 1,
         on_alarm: Callable[[CollapseAlarm], None] | None = None,
         include_norm: bool = True,
         record_eval: bool = False,
@@ -166,7 +174,9 @@ class VarianceMonitor:
         self.include_norm = include_norm
         self.record_eval = record_eval
         self.on_alarm = on_alarm
-        self.detector = CollapseDetector(explode_factor, watch, min_initial)
+        if explode_factor is None:
+            explode_factor = dict(DEFAULT_EXPLODE_FACTOR)
+        self.detector = CollapseDetector(explode_factor, watch, min_initial, baseline_records)
         self.layers = supported_layers(self.model, include_norm=include_norm)
         if not self.layers:
             raise ValueError(
@@ -312,6 +322,53 @@ class VarianceMonitor:
         out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
         out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
         return out
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """What decides future records and alarms, as plain Python types (safe for ``torch.load(weights_only=True)``):
+        ``{"every", "current_step", "order", "detector", "alarm"}``. ``records`` are not included (export them with
+        :meth:`to_jsonl`); the state is small and constant in the length of training."""
+        return {
+            "every": self.every,
+            "current_step": self.current_step,
+            "order": dict(self._order),
+            "detector": self.detector.state_dict(),
+            "alarm": None if self.alarm is None else self.alarm.to_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict` (e.g. when resuming training): step counter, forward order, collapse baselines
+        and an alarm that already fired (``on_alarm`` is not called again for it).
+
+        Raises ValueError when ``state`` is malformed, was made with another ``every``, or names layers this model
+        does not have."""
+        if not isinstance(state, Mapping) or not {"every", "current_step", "detector"} <= set(state):
+            raise ValueError(
+                "VarianceMonitor.load_state_dict: expected a dict from VarianceMonitor.state_dict() with 'every', "
+                f"'current_step' and 'detector', got {type(state).__name__}"
+            )
+        if state["every"] != self.every:
+            raise ValueError(
+                f"VarianceMonitor.load_state_dict: state was recorded with every={state['every']}, this monitor "
+                f"uses every={self.every}"
+            )
+        step = state["current_step"]
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"VarianceMonitor.load_state_dict: current_step must be an int >= 0, got {step!r}")
+        names = {name for name, _, _ in self.layers}
+        order = dict(state.get("order") or {})
+        unknown = sorted((set(order) | {row[0] for row in state["detector"].get("baselines", [])}) - names)
+        if unknown:
+            raise ValueError(
+                f"VarianceMonitor.load_state_dict: state names layers this model does not have: {unknown[:5]}"
+            )
+        self.detector.load_state_dict(state["detector"])
+        alarm = state.get("alarm")
+        self.alarm = None if alarm is None else CollapseAlarm(**alarm)
+        self._order = {str(k): int(v) for k, v in order.items()}
+        self._pending = {}
+        self.current_step = step
+        self._sync_hooks()
 
     # ---------------------------------------------------------------- extras
     def add_signal_propagation(self, input_shape: Sequence[int], **kwargs) -> dict:
