@@ -577,8 +577,8 @@ def demo_spec(quick: bool = False) -> GridSpec:
     Plain net at width 0.25 (24/48 channels), 2 epochs, seeds 0 and 1, layout "cross":
     a learning-rate sweep 0.01 / 0.03 / 0.1 at batch size 64 (effect 1: which nets fail at a high lr), and
     batch sizes 64 and 2 at lr 0.01 with the same hyperparameters (effect 2: batch-size robustness), for
-    none, BN, BRN, GN, SN, WN, WS and PWS. Measured cost: about 250-300 CPU seconds, i.e. 2-3 minutes on two
-    idle cores. ``quick=True`` is a seconds-long smoke version that only checks the pipeline.
+    none, BN, BRN, GN, SN, WN, WS and PWS. Measured with ``make demo``: 180 CPU seconds, 3 minutes wall on two
+    cores shared with other jobs. ``quick=True`` is a seconds-long smoke version that only checks the pipeline.
     """
     if quick:
         return GridSpec(norms=("none", "bn", "gn", "pws"), lrs=(0.01, 0.1), batch_sizes=(64, 8), seeds=(0,),
