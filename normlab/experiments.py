@@ -412,7 +412,8 @@ def run_grid(
         write_results(collect_results(spec, finished, n_classes, complete=False), out)
         bar.update(1)
         flag = " COLLAPSED" if s.get("collapsed") else ""
-        bar.set_postfix_str(f"last {c.cell_id}: acc {s.get('final_test_acc', float('nan')):.3f}{flag}")
+        acc = s.get("final_test_acc")
+        bar.set_postfix_str(f"last {c.cell_id}: acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}")
 
     import torch
 
@@ -431,8 +432,14 @@ def run_grid(
             with ProcessPoolExecutor(max_workers=n_workers, mp_context=ctx, initializer=_init_worker,
                                      initargs=(int(threads or 1),)) as pool:
                 futs = {pool.submit(_run_cell, c.config, str(runs / c.cell_id)): c for c in todo}
-                for f in as_completed(futs):
-                    _done(futs[f], f.result())
+                try:
+                    for f in as_completed(futs):
+                        _done(futs[f], f.result())
+                except BaseException:
+                    # a failed cell (or Ctrl-C) stops the grid now: queued cells are cancelled instead of all
+                    # being run before the error shows; cells already running finish (or resume next time)
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
     finally:
         torch.set_num_threads(saved_threads)
         bar.close()
