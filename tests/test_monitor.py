@@ -297,7 +297,7 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     torch.manual_seed(0)
     model = TwoLayers()
     fired = []
-    mon = VarianceMonitor(model, every=2, explode_factor=50.0, on_alarm=fired.append)
+    mon = VarianceMonitor(model, every=2, explode_factor=50.0, on_alarm=fired.append, watch_output_layer=True)
     x = torch.randn(32, 8)
     for step in range(6):
         if step == 3:  # explode the first layer: both outputs grow by 1e4 (early) and more (late)
@@ -318,7 +318,7 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
 def test_alarm_on_shift_growth_and_non_finite():
     torch.manual_seed(0)
     model = TwoLayers()
-    mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch=("shift",))
+    mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch=("shift",), watch_output_layer=True)
     x = torch.randn(16, 8)
     model(x)
     mon.step()
@@ -339,11 +339,45 @@ def test_alarm_on_shift_growth_and_non_finite():
     assert mon2.alarm.layer == "early" and mon2.alarm.reason == "non-finite"
 
 
+def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
+    torch.manual_seed(0)
+    x = torch.randn(16, 8)
+    for watch_output, expected in ((False, None), (True, "late")):
+        model = TwoLayers()  # `late` is the output layer (last in forward order)
+        mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch_output_layer=watch_output)
+        model(x)
+        mon.step()
+        with torch.no_grad():  # the classifier's logits and class offsets grow: confident, not collapsing
+            model.late.weight.mul_(10.0).add_(torch.linspace(-3, 3, 8).view(8, 1))
+        model(x)
+        mon.step()
+        assert (mon.alarm.layer if mon.alarm else None) == expected
+        with torch.no_grad():
+            model.late.weight[0, 0] = float("nan")
+        model(x)
+        mon.step()
+        assert mon.alarm.layer == "late" and (watch_output or mon.alarm.reason == "non-finite")
+
+
 def test_detector_ignores_round_off_on_zero_initial_shift():
     det = CollapseDetector(factor=10.0, quantities=("shift",), min_initial=1e-6)
     assert det.check(0, [{"layer": "a", "index": 0, "shift": 1e-15}]) is None
     assert det.check(1, [{"layer": "a", "index": 0, "shift": 1e-12}]) is None
     assert det.check(2, [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
+
+
+def test_detector_floor_is_a_minimum_absolute_level():
+    det = CollapseDetector(factor=1000.0, quantities=("output_var",), min_initial={"output_var": 1.0})
+    rec = lambda v: [{"layer": "a", "index": 0, "output_var": v}]  # noqa: E731
+    assert det.check(0, rec(0.01)) is None  # a layer whose signal starts tiny
+    assert det.check(1, rec(50.0)) is None  # 5000x its start, but only 50x unit variance
+    alarm = det.check(2, rec(1500.0))
+    assert alarm.initial == 0.01 and alarm.growth == 1500.0  # growth is measured against the floor
+    with pytest.raises(ValueError, match="min_initial for 'shift'"):
+        CollapseDetector(min_initial={"shift": -1.0})
+    mon = VarianceMonitor(nn.Linear(2, 2))  # monitor defaults: unit-variance floor for output_var
+    assert mon.detector.min_initial == {"output_var": 1.0, "shift": 1e-6}
+    assert mon.detector.factors == {"output_var": 1e3, "shift": 100.0}
 
 
 def test_detector_per_quantity_factors_and_forward_order():
@@ -392,7 +426,7 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
     x = torch.randn(16, 8)
     ref_model = TwoLayers()
     model = copy.deepcopy(ref_model)
-    kw = dict(every=2, explode_factor=10.0, watch=("shift",), baseline_records=2)
+    kw = dict(every=2, explode_factor=10.0, watch=("shift",), baseline_records=2, watch_output_layer=True)
     ref = VarianceMonitor(ref_model, **kw)
     run(ref_model, ref, range(10), x)
     assert ref.alarm is not None and (ref.alarm.layer, ref.alarm.step) == ("late", 6)

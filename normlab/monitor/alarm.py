@@ -9,7 +9,7 @@ Baseline: the MAXIMUM of the first ``baseline_records`` finite values of each (l
 flagged). One record (the default) takes the value at step 0, when the shift of a freshly initialised net is at
 its smallest: a fast re-arrangement of the filter means during the first steps of a run that then trains well would
 then look like a collapse. A window of a few records absorbs such a transient, but the default stays 1: on the plain
-net / cnn1d without normalization (He init, digits and mnist1d, 38 runs) the shift jump within the first 5-20
+net / cnn1d without normalization (He init, digits and mnist1d, ~40 runs) the shift jump within the first 5-20
 steps was the collapse itself (nets that then died at chance), and every window of >= 2 records (every=5) hid it,
 while no healthy run was flagged by an early shift jump.
 
@@ -20,7 +20,7 @@ and restored by :meth:`CollapseDetector.load_state_dict`, so a resumed run raise
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["CollapseAlarm", "CollapseDetector"]
@@ -59,7 +59,9 @@ class CollapseDetector:
             quantity or a mapping {quantity: factor} (quantities missing from it use 100).
         quantities: record keys to watch.
         min_initial: baselines below this are replaced by it (a zero shift, e.g. PWS, must not make
-            float round-off look like infinite growth).
+            float round-off look like infinite growth); a float for every quantity or a mapping {quantity: floor}
+            (quantities missing from it use 1e-6). A floor is also a minimum absolute level: with floor f and
+            factor k a quantity is flagged only above k * f.
         baseline_records: how many first finite records of each (layer, quantity) form its baseline (their
             maximum); int >= 1.
     """
@@ -68,7 +70,7 @@ class CollapseDetector:
         self,
         factor: float | Mapping[str, float] = 100.0,
         quantities: Sequence[str] = ("output_var", "shift"),
-        min_initial: float = 1e-6,
+        min_initial: float | Mapping[str, float] = 1e-6,
         baseline_records: int = 1,
     ) -> None:
         if isinstance(quantities, str) or not quantities:
@@ -78,12 +80,14 @@ class CollapseDetector:
         for q, f in per.items():
             if isinstance(f, bool) or not (isinstance(f, int | float) and f > 1 and math.isfinite(f)):
                 raise ValueError(f"CollapseDetector: factor for {q!r} must be a finite number > 1, got {f!r}")
-        if min_initial < 0:
-            raise ValueError(f"CollapseDetector: min_initial must be >= 0, got {min_initial!r}")
+        floors = dict(min_initial) if isinstance(min_initial, Mapping) else {q: min_initial for q in self.quantities}
+        for q, f in floors.items():
+            if isinstance(f, bool) or not (isinstance(f, int | float) and f >= 0 and math.isfinite(f)):
+                raise ValueError(f"CollapseDetector: min_initial for {q!r} must be a finite number >= 0, got {f!r}")
         if isinstance(baseline_records, bool) or not isinstance(baseline_records, int) or baseline_records < 1:
             raise ValueError(f"CollapseDetector: baseline_records must be an int >= 1, got {baseline_records!r}")
         self.factors = {q: float(per.get(q, 100.0)) for q in self.quantities}
-        self.min_initial = float(min_initial)
+        self.min_initial = {q: float(floors.get(q, 1e-6)) for q in self.quantities}
         self.baseline_records = baseline_records
         self.initial: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
         self.seen: dict[tuple[str, str], int] = {}  # finite values that went into the baseline
@@ -117,8 +121,9 @@ class CollapseDetector:
                 ) from e
         self.initial, self.seen = initial, seen
 
-    def check(self, step: int, records: Iterable[Mapping]) -> CollapseAlarm | None:
+    def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = ()) -> CollapseAlarm | None:
         """Check one recorded step. ``records`` are dicts with 'layer', 'index' (forward order) and quantities.
+        Layers named in ``growth_exempt`` keep their baselines but are only flagged when non-finite.
 
         Updates the baselines (max of the first ``baseline_records`` finite values per layer and quantity) and
         returns an alarm for the first flagged layer in forward order, or None.
@@ -141,8 +146,10 @@ class CollapseDetector:
                     self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
                     self.seen[key] = n_seen + 1
                     continue
+                if rec["layer"] in growth_exempt:
+                    continue
                 init = self.initial[key]
-                ref = max(abs(init), self.min_initial)
+                ref = max(abs(init), self.min_initial[q])
                 if value > self.factors[q] * ref:
                     flagged.append(dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q,
                                         value=float(value), initial=init, growth=value / ref,
