@@ -84,24 +84,11 @@ def dumps_line(obj) -> str:
     return json.dumps(to_jsonable(obj), allow_nan=False)
 
 
-def param_groups_nowd(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two SGD groups: weight decay on conv/linear kernels; none on vectors (biases, norm affine
-    parameters, PWS ``alpha``, switchable-norm importance weights) - every parameter with ndim <= 1."""
-    decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def make_param_groups(model: nn.Module, weight_decay: float, nowd_norm_alpha: bool = True) -> list[dict]:
-    """Optimizer groups: with ``nowd_norm_alpha`` use ``normlab.nn.param_groups`` when the package provides
-    it (else :func:`param_groups_nowd`); otherwise one group with ``weight_decay`` on everything."""
+    """Optimizer groups: with ``nowd_norm_alpha``, :func:`normlab.nn.param_groups` (no weight decay on norm
+    parameters, PWS alpha and biases); otherwise one group with ``weight_decay`` on everything."""
     if not nowd_norm_alpha:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
-    try:
-        from normlab.nn import param_groups
-    except (ImportError, AttributeError):
-        return param_groups_nowd(model, weight_decay)
+    from normlab.nn import param_groups
+
     return param_groups(model, weight_decay)

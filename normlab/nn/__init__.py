@@ -1,32 +1,24 @@
 """normlab layers: modules that hold parameters and buffers and call :mod:`normlab.functional`.
 
-Every name is exported lazily (PEP 562), so importing one family does not import the others.
+One file per family: ``batch_renorm.py``, ``instance_norm.py``, ``switchable.py``, ``weight_std.py``,
+``capsules.py``; ``factory.py`` maps names ("bn", "brn", "pws", ...) to layers; ``param_groups.py`` builds
+optimizer groups without weight decay on norm parameters and PWS ``alpha``.
 """
 
-from __future__ import annotations
+from .batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, RenormSchedule, SyncBatchRenorm
+from .capsules import PrimaryCapsules, RoutingCapsules, dynamic_routing, margin_loss
+from .factory import CONV_KINDS, NORM_NAMES, create_conv, create_norm
+from .instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
+from .param_groups import is_norm_layer, param_groups
+from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
+from .weight_std import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
-import importlib
-
-_EXPORTS = {
-    "batch_renorm": ("BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "RenormSchedule"),
-    "instance_norm": ("InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"),
-    "switchable": ("SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"),
-    "weight_std": ("WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"),
-    "capsules": ("PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss"),
-    "param_groups": ("param_groups", "is_norm_layer"),
-    "factory": ("create_norm", "create_conv", "NORM_NAMES", "CONV_KINDS"),
-}
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'normlab.nn' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__ = [
+    "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "RenormSchedule", "SyncBatchRenorm",
+    "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d",
+    "SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d",
+    "WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d",
+    "PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss",
+    "create_norm", "create_conv", "NORM_NAMES", "CONV_KINDS",
+    "param_groups", "is_norm_layer",
+]

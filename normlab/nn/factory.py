@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import batch_renorm, instance_norm, switchable, weight_std
+
 __all__ = ["NORM_NAMES", "CONV_KINDS", "create_norm", "create_conv", "default_groups"]
 
 NORM_NAMES = ("none", "bn", "brn", "gn", "ln", "in", "sn")
@@ -67,14 +69,12 @@ def create_norm(name: str, num_channels: int, dim: int = 2, **kwargs) -> nn.Modu
     if name in ("gn", "ln"):
         groups = 1 if name == "ln" else kwargs.pop("num_groups", default_groups(num_channels))
         return nn.GroupNorm(groups, num_channels, **kwargs)
-    from normlab import nn as nlnn
-
     if name == "brn":
-        return getattr(nlnn, f"BatchRenorm{dim}d")(num_channels, **kwargs)
+        return getattr(batch_renorm, f"BatchRenorm{dim}d")(num_channels, **kwargs)
     if name == "in":
         kwargs.setdefault("affine", True)
-        return getattr(nlnn, f"InstanceNorm{dim}d")(num_channels, **kwargs)
-    return getattr(nlnn, f"SwitchableNorm{dim}d")(num_channels, **kwargs)
+        return getattr(instance_norm, f"InstanceNorm{dim}d")(num_channels, **kwargs)
+    return getattr(switchable, f"SwitchableNorm{dim}d")(num_channels, **kwargs)
 
 
 def create_conv(
@@ -83,7 +83,8 @@ def create_conv(
     """Build a ``dim``-D convolution of kind ``kind`` (conv, wn, ws, pws).
 
     ``kwargs`` are the usual ``nn.Conv{dim}d`` arguments (stride, padding, dilation, groups, bias, padding_mode)
-    plus the kind's own (``eps`` for ws; ``gamma``, ``relative_gamma``, ``init_alpha`` for pws).
+    plus the kind's own (``eps``, ``weight_cache`` for ws; ``gamma``, ``relative_gamma``, ``fan_mode``,
+    ``init_alpha``, ``weight_cache`` for pws).
     Input: (N, in_channels, *spatial); output: (N, out_channels, *spatial').
     """
     kind = _check("create_conv", kind, CONV_KINDS, in_channels, dim)
@@ -94,7 +95,5 @@ def create_conv(
         if kind == "wn":
             conv = nn.utils.parametrizations.weight_norm(conv, name="weight", dim=0)
         return conv
-    from normlab import nn as nlnn
-
     prefix = "WS" if kind == "ws" else "PWS"
-    return getattr(nlnn, f"{prefix}Conv{dim}d")(in_channels, out_channels, kernel_size, **kwargs)
+    return getattr(weight_std, f"{prefix}Conv{dim}d")(in_channels, out_channels, kernel_size, **kwargs)
