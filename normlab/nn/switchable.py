@@ -22,10 +22,12 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from ._float32_stats import Float32StatsModule
+
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
 
 
-class _SwitchableNorm(nn.Module):
+class _SwitchableNorm(Float32StatsModule):
     """Shared implementation; subclasses set ``_spatial_dims`` and ``_layout``."""
 
     _normlab_norm = True
@@ -73,20 +75,6 @@ class _SwitchableNorm(nn.Module):
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
         self.reset_parameters()
-
-    def _apply(self, fn, recurse=True):
-        """Like nn.Module._apply, but running statistics never go below float32: ``.half()`` or
-        ``.to(torch.bfloat16)`` convert the parameters and leave running_mean/running_var in float32 (a variance of
-        1e8 does not fit in float16)."""
-        before = {name: self._buffers.get(name) for name in ("running_mean", "running_var")}
-        super()._apply(fn, recurse)
-        for name, old in before.items():
-            buf = self._buffers.get(name)
-            if buf is not None and buf.dtype in (torch.float16, torch.bfloat16):
-                # convert from the value before the cast: no float16 rounding or overflow on the way
-                keep = old.dtype if old.dtype not in (torch.float16, torch.bfloat16) else torch.float32
-                self._buffers[name] = old.to(device=buf.device, dtype=keep)
-        return self
 
     def reset_running_stats(self) -> None:
         if self.using_bn:
