@@ -111,6 +111,10 @@ def _add_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--milestones", type=_list_of(int, "epochs"), default=[],
                    help="epochs after which the lr is multiplied by --lr-gamma, e.g. 100,150,180")
     p.add_argument("--lr-gamma", type=float, default=0.1, help="lr decay factor at milestones (default 0.1)")
+    p.add_argument("--brn-schedule", choices=("run", "paper"), default="run",
+                   help="rmax/dmax schedule of BatchRenorm layers: 'run' (default: the paper's schedule compressed "
+                        "to reach rmax 3 / dmax 5 halfway through the run) or 'paper' (5k-step warm-up, rmax 3 at "
+                        "40k, dmax 5 at 25k steps)")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--num-workers", type=int, default=0, help="data loader workers (default 0)")
     p.add_argument("--threads", type=_positive_int, default=None,
@@ -228,7 +232,7 @@ def _train_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(
         momentum=args.momentum, weight_decay=args.weight_decay, nowd_norm_alpha=not args.wd_norm_alpha,
         milestones=tuple(args.milestones), lr_gamma=args.lr_gamma, device=args.device,
-        num_workers=args.num_workers,
+        num_workers=args.num_workers, brn_schedule=args.brn_schedule,
     )
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir

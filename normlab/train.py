@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from normlab.data import DATASETS, get_dataset
 from normlab.models import MODEL_DIMS, MODELS, build_model
+from normlab.nn import RenormSchedule
 from normlab.utils import (
     atomic_torch_save,
     atomic_write_text,
@@ -69,6 +70,10 @@ class TrainConfig:
     ``num_workers`` is accepted for API compatibility: all data sets are in-memory tensors and batches are
     gathered by index in the main process, so no loader workers are used. ``model_kwargs`` (an addition to
     the common contract) go to :func:`normlab.models.build_model`, e.g. ``{"blocks": 2}`` for the ResNets.
+    ``brn_schedule`` sets the rmax/dmax schedule of every BatchRenorm layer: ``"paper"`` (identity for 5k steps,
+    rmax 3 at 40k, dmax 5 at 25k: a short run never leaves the warm-up and BRN is BN) or ``"run"`` (default: the
+    same schedule compressed so the final limits are reached halfway through this run,
+    :meth:`normlab.nn.RenormSchedule.scaled`).
     """
 
     dataset: str = "digits"
@@ -93,6 +98,7 @@ class TrainConfig:
     max_steps_per_epoch: int | None = None
     num_workers: int = 0
     model_kwargs: dict = field(default_factory=dict)
+    brn_schedule: str = "run"
 
     def validate(self) -> None:
         """Raise ValueError naming the field for values that cannot work."""
@@ -104,6 +110,8 @@ class TrainConfig:
             raise ValueError(f"TrainConfig: unknown dataset {self.dataset!r}; valid names: {', '.join(DATASETS)}")
         if self.model not in MODELS:
             raise ValueError(f"TrainConfig: unknown model {self.model!r}; valid names: {', '.join(MODELS)}")
+        if self.brn_schedule not in ("paper", "run"):
+            bad("brn_schedule", "'paper' or 'run'")
         for name in ("batch_size", "epochs"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -225,6 +233,13 @@ def _alarm_dict(alarm) -> dict:
     return to_jsonable({k: get(k) for k in ("layer", "step", "quantity", "value", "initial")})
 
 
+def _set_renorm_schedule(model: torch.nn.Module, schedule: RenormSchedule) -> None:
+    """Give every BatchRenorm layer that runs on a RenormSchedule (not on constant limits) ``schedule``."""
+    for m in model.modules():
+        if isinstance(getattr(m, "schedule", None), RenormSchedule):
+            m.schedule = schedule
+
+
 def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
     """Train (or resume / return the finished run in ``out_dir``) and return the summary dict:
 
@@ -291,6 +306,11 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
         config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], info["input_shape"],
         config.width, **config.model_kwargs,
     ).to(device)
+    if config.brn_schedule == "run":
+        steps_per_epoch = per_rank // config.batch_size
+        if config.max_steps_per_epoch is not None:
+            steps_per_epoch = min(steps_per_epoch, config.max_steps_per_epoch)
+        _set_renorm_schedule(raw_model, RenormSchedule.scaled(config.epochs * steps_per_epoch // 2))
     model = raw_model
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(

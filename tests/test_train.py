@@ -415,3 +415,25 @@ def test_resume_restores_monitor_baselines_and_gives_the_same_alarm(tmp_path):
     old = _resume_after_first_epoch(cfg, tmp_path / "old", strip_monitor=True)
     assert without_time(old["history"]) == without_time(ref["history"])
     assert old["monitor_alarm"] is None or key(old["monitor_alarm"]) != key(alarm)
+
+
+def test_batch_renorm_schedule_follows_the_run(tmp_path):
+    """With brn_schedule="paper" a short run never leaves the 5k-step warm-up (BRN == BN, bit for bit);
+    the default "run" compresses the schedule to the run, so r and d act and the results differ."""
+    kw = dict(epochs=2, max_steps_per_epoch=8, batch_size=8, width=0.1)
+    bn = train(tiny(norm="bn", **kw), tmp_path / "bn", progress=False)
+    paper = train(tiny(norm="brn", brn_schedule="paper", **kw), tmp_path / "paper", progress=False)
+    run = train(tiny(norm="brn", **kw), tmp_path / "run", progress=False)
+    assert without_time(paper["history"]) == without_time(bn["history"])
+    assert without_time(run["history"]) != without_time(bn["history"])
+    with pytest.raises(ValueError, match="brn_schedule"):
+        tiny(norm="brn", brn_schedule="linear").validate()
+
+
+def test_renorm_schedule_scaled_keeps_paper_proportions():
+    from normlab.nn import RenormSchedule
+
+    assert RenormSchedule.scaled(40000) == RenormSchedule()
+    s = RenormSchedule.scaled(16)
+    assert (s.warmup_steps, s.dmax_steps, s.rmax_steps) == (2, 10, 16)
+    assert s(2) == (1.0, 0.0) and s(16) == (3.0, 5.0)

@@ -86,6 +86,18 @@ class RenormSchedule:
         self.dmax = float(dmax)
         self.dmax_steps = dmax_steps
 
+    @classmethod
+    def scaled(cls, end_step: int, rmax: float = 3.0, dmax: float = 5.0) -> RenormSchedule:
+        """The paper's schedule compressed to reach its final limits at ``end_step`` instead of 40k steps.
+
+        Keeps the paper's proportions: warm-up until ``end_step / 8`` (5k of 40k), dmax reached at
+        ``5/8 * end_step`` (25k of 40k), rmax at ``end_step``. ``scaled(40000)`` is the paper's schedule.
+        For short runs (the experiment runner uses half the run's steps).
+        """
+        if not isinstance(end_step, int) or isinstance(end_step, bool) or end_step < 0:
+            raise ValueError(f"RenormSchedule.scaled: end_step must be a non-negative int, got {end_step!r}")
+        return cls(end_step // 8, rmax, end_step, dmax, (5 * end_step) // 8)
+
     def _fraction(self, step, end: int):
         span = end - self.warmup_steps
         if isinstance(step, Tensor):
