@@ -12,13 +12,7 @@ from normlab.nn.factory import CONV_KINDS, NORM_NAMES
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine extra threads only spin (and slow tests down ~10x)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def convs(model):
