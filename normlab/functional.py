@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "moments",
     "instance_norm",
+    "batch_moments",
     "renorm_correction",
     "batch_renorm",
     "switchable_norm",
@@ -123,6 +124,19 @@ def instance_norm(
 # --------------------------------------------------------------------------------------------------
 # Batch renormalization
 # --------------------------------------------------------------------------------------------------
+def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-channel batch mean and biased variance of ``x`` (N, C, *) over all dims but 1, without gradient.
+
+    Uses the statistics kernel behind BatchNorm (one fused pass, any memory format), which is several times faster
+    on CPU than a generic reduction. Half inputs are reduced in float32; results are float32 (or float64) (C,).
+    """
+    with torch.no_grad():
+        xs = _stats_dtype(x.detach())
+        if hasattr(torch, "batch_norm_update_stats"):
+            return torch.batch_norm_update_stats(xs, None, None, 0.0)
+        return moments(xs, (0,) + tuple(range(2, x.dim())))
+
+
 def renorm_correction(
     batch_mean: Tensor,
     batch_var: Tensor,
@@ -185,8 +199,7 @@ def batch_renorm(
             "batch_renorm: momentum must be a float in training with running statistics "
             "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
         )
-    dims = (0,) + tuple(range(2, x.dim()))
-    batch_mean, batch_var = moments(x.detach(), dims)
+    batch_mean, batch_var = batch_moments(x)
     r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
     affine_dtype = weight.dtype if weight is not None else r.dtype
     r, d = r.to(affine_dtype), d.to(affine_dtype)
