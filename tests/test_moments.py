@@ -100,3 +100,30 @@ def test_moments_errors(dims, correction, match):
     with pytest.raises(ValueError, match=match) as info:
         moments(x, dims, correction=correction)
     assert "moments" in str(info.value)
+
+
+@pytest.mark.parametrize("shape", [(5, 3), (4, 3, 7), (2, 3, 4, 5), (2, 3, 2, 3, 4)])
+def test_batch_moments_per_channel_biased_and_without_grad(shape):
+    from normlab.functional import batch_moments
+
+    torch.manual_seed(7)
+    x = (torch.randn(shape, dtype=torch.float64) * 3 + 2).requires_grad_()
+    mean, var = batch_moments(x)
+    dims = (0,) + tuple(range(2, x.dim()))
+    ref_var, ref_mean = torch.var_mean(x.detach(), dims, correction=0)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(var, ref_var, rtol=1e-12, atol=1e-12)
+    assert not mean.requires_grad and not var.requires_grad
+    if x.dim() == 4:
+        cl = x.detach().contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(batch_moments(cl)[1], ref_var, rtol=1e-12, atol=1e-12)
+
+
+def test_batch_moments_half_large_values():
+    from normlab.functional import batch_moments
+
+    x = (torch.randn(8, 4, 5, 5, dtype=torch.float64) * 1e4).half()
+    mean, var = batch_moments(x)
+    assert mean.dtype == var.dtype == torch.float32 and torch.isfinite(var).all() and var.min() > 65504
+    ref_var, _ = torch.var_mean(x.double(), (0, 2, 3), correction=0)
+    torch.testing.assert_close(var.double(), ref_var, rtol=1e-5, atol=0)
