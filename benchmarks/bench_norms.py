@@ -4,6 +4,8 @@ Pairs, each timed in the same process with interleaved repeats (every repeat run
 order), median over repeats:
 
 - InstanceNorm2d (normlab, affine) vs nn.InstanceNorm2d (affine)          -> the speed ratio that matters
+- SwitchableNorm2d (normlab) vs an eager SN written the way the official code computes it (reshape to (N, C, HW),
+  x.mean / x.var per instance, LN and BN statistics from them, normalize the reshaped tensor) -> the SN ratio
 - SwitchableNorm2d (normlab) vs nn.BatchNorm2d and nn.GroupNorm(32)       -> reference points (SN does more work)
 
 each with contiguous and channels_last inputs. Also records whether each output keeps channels_last.
@@ -29,12 +31,47 @@ from normlab.nn.switchable import SwitchableNorm2d
 FORMATS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 
 
+class EagerSwitchableNorm2d(nn.Module):
+    """The reference: switchable normalization computed step by step in the style of the official code."""
+
+    def __init__(self, c: int, eps: float = 1e-5, momentum: float = 0.9) -> None:
+        super().__init__()
+        self.eps, self.momentum = eps, momentum
+        self.weight = nn.Parameter(torch.ones(1, c, 1, 1))
+        self.bias = nn.Parameter(torch.zeros(1, c, 1, 1))
+        self.mean_weight = nn.Parameter(torch.ones(3))
+        self.var_weight = nn.Parameter(torch.ones(3))
+        self.register_buffer("running_mean", torch.zeros(1, c, 1))
+        self.register_buffer("running_var", torch.zeros(1, c, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, c, h, w = x.shape
+        x = x.view(n, c, -1)
+        mean_in = x.mean(-1, keepdim=True)
+        var_in = x.var(-1, keepdim=True)
+        mean_ln = mean_in.mean(1, keepdim=True)
+        second = var_in + mean_in**2
+        var_ln = second.mean(1, keepdim=True) - mean_ln**2
+        mean_bn = mean_in.mean(0, keepdim=True)
+        var_bn = second.mean(0, keepdim=True) - mean_bn**2
+        with torch.no_grad():
+            self.running_mean.mul_(self.momentum).add_((1 - self.momentum) * mean_bn)
+            self.running_var.mul_(self.momentum).add_((1 - self.momentum) * var_bn)
+        mw = torch.softmax(self.mean_weight, 0)
+        vw = torch.softmax(self.var_weight, 0)
+        mean = mw[0] * mean_in + mw[1] * mean_ln + mw[2] * mean_bn
+        var = vw[0] * var_in + vw[1] * var_ln + vw[2] * var_bn
+        x = (x - mean) / (var + self.eps).sqrt()
+        return x.view(n, c, h, w) * self.weight + self.bias
+
+
 def make_layers(c: int, device: str) -> dict[str, nn.Module]:
     groups = 32 if c % 32 == 0 else 1
     return {
         "normlab.InstanceNorm2d": InstanceNorm2d(c, affine=True),
         "nn.InstanceNorm2d": nn.InstanceNorm2d(c, affine=True),
         "normlab.SwitchableNorm2d": SwitchableNorm2d(c),
+        "eager SwitchableNorm2d (official style)": EagerSwitchableNorm2d(c),
         "nn.BatchNorm2d": nn.BatchNorm2d(c),
         f"nn.GroupNorm({groups})": nn.GroupNorm(groups, c),
     }
@@ -103,6 +140,7 @@ def run(shape: tuple[int, ...], repeats: int, warmup: int, inner: int, device: s
     for fmt in FORMATS:
         for cand, ref in (
             ("normlab.InstanceNorm2d", "nn.InstanceNorm2d"),
+            ("normlab.SwitchableNorm2d", "eager SwitchableNorm2d (official style)"),
             ("normlab.SwitchableNorm2d", "nn.BatchNorm2d"),
             ("normlab.SwitchableNorm2d", gn_name),
             ("normlab.SwitchableNorm2d", "nn.InstanceNorm2d"),
