@@ -13,23 +13,37 @@ at ONE learning rate, then reads ``monitor.jsonl`` / ``summary.json`` of each ru
     .venv/bin/python benchmarks/collapse_demo.py --out runs/collapse_demo     # defaults below, ~1 min, 1 thread
 
 Defaults: digits, width 0.25, SGD lr 0.2 momentum 0.9 wd 5e-4, batch 256 (5 steps/epoch), 15 epochs, monitor every
-step, seeds 0,1,2. "non-finite ep" is the epoch where train() saw a non-finite train or test loss.
+step, seeds 0,1,2. "non-finite ep" is the epoch where train() saw a non-finite train or test loss; "lead" is the number
+of steps from the alarm to the first non-finite loss (exact with --every 1: the step after the last recorded one, or
+the end of the epoch when only the test loss was non-finite). The target column gives the issue's reading (alarm in an
+earlier epoch) and says whether the lead is also >= one epoch of steps.
 
-Measured 2026-11-30 (CPU, 1 thread, 54 s), default detector:
-- none/conv: seed 0 flagged at step 2 (epoch 1) in features.8.conv, quantity shift (120x; shift term 0.82 -> 6.4 while
-  the variance term went 0.95 -> 0.44), loss non-finite in epoch 2 (>= 3 steps later): target met, but only because an
-  epoch is 5 steps. Seed 1: shift flag at step 3, then dead at chance with a FINITE loss. Seed 2: loss non-finite at
-  step 1 (Var[Y] 10.8 already at init), output_var flag in the same epoch: not met.
-- bn/conv: no flag for any seed (test acc 0.99-1.0).
-- none/pws: the PWS plain net without a norm itself diverges at this rate (non-finite in epoch 3 for every seed) and is
-  flagged on output_var (the variance term; its shift term is 0) in the same epoch: "no flag with PWS" is not met
-  because PWS does not survive the rate. It diverged at every rate >= 0.05 tried (batch 64 and 256); it trains at 0.03.
-The issue's target is therefore NOT met as stated. On these small data sets the unnormalized plain net either trains
-(lr <= 0.045 at batch 64), dies at chance with a finite loss (lr 0.05-0.14; at 0.1-0.14 after a shift blow-up in
-the first 5-10 steps, which the monitor flags; at 0.05-0.07 with no flag), or goes non-finite within the first ~20
-steps (lr >= 0.15, or width 0.5/1 from lr 0.05-0.07). cnn1d on mnist1d at lr 0.25-0.3 drifts up over several epochs
-but ends at chance with a finite loss. No setting tried (lr 0.005-1, width 0.25/0.5/1, wd 0/5e-4, batch 64/256,
-digits plain and mnist1d cnn1d, seeds 0-2) showed a loss drifting up over epochs to non-finite.
+Measured 2026-11-30 (CPU, 1 thread, 53 s), default detector, defaults:
+- none/conv: seed 0 shift flag at step 2 (epoch 1, features.8.conv, 120x; shift term 0.82 -> 6.4 while the variance
+  term went 0.95 -> 0.44), loss non-finite at step 7 (epoch 2), lead 5 steps: met. Seed 1: shift flag at step 3, then
+  dead at chance with a FINITE loss. Seed 2: output_var flag at step 1, non-finite in epoch 1 (lead 2): not met.
+- bn/conv: no flag (test acc 0.99-1.0). none/pws: diverges itself in epoch 3 (flagged on output_var 2 steps
+  before; its shift term is 0): "no flag with PWS" not met.
+
+Search for a setting that meets the target (2026-11-30, ~130 runs of train() with the default detector, seeds 0-2):
+digits plain net width 0.25/0.5/0.75/1.0, lr 0.02-2.5, batch 64/128/256, momentum 0/0.9, wd 0/5e-4; resnet
+(norm none, blocks 1-2); cnn1d on mnist1d; PWS with the data-dependent init_alpha. None met it for >= 2 of 3 seeds
+with BN and PWS both surviving the same rate. The closest, at the paper's width 1.0 (5.2 min):
+
+    .venv/bin/python benchmarks/collapse_demo.py --width 1.0 --lr 0.045 --epochs 10 --out runs/collapse_demo_w1
+
+  none/conv: every seed flagged on the shift of features.8.conv (121-132x; at the alarm the shift term is 5-11x the
+  variance term, e.g. seed 2: shift term 1.97 -> 163, variance term 2.52 -> 15.2); non-finite in epoch 2 / 5 / 2,
+  leads 5 / 20 / 4 steps: met for seeds 1, 2 (epoch reading), seed 0 flagged at the first step of the epoch whose
+  test loss went non-finite. bn/conv: no flag, test acc 0.99-1.0. none/pws: seed 1 trains (0.97, no flag); seeds 0
+  and 2 diverge in epoch 8 (late catapult after the loss had fallen to ~1; flagged on output_var 2-3 steps before).
+What the search showed: the unnormalized net fails in one of three ways depending on the seed, at any one rate:
+non-finite within the first ~10 steps, death at chance with a finite loss (dead ReLUs, after a shift blow-up the
+monitor flags), or, less often, a shift flag followed by a non-finite loss epochs later (width 0.5 lr 0.06-0.07 batch
+128/256, width 1.0 lr 0.04-0.045 batch 256). The PWS plain net without any norm has its own ceiling, lower for narrow
+nets (width 0.25: diverges from lr 0.05; 0.5: from 0.06 at batch 128, 0.07 at 256; 1.0: from 0.045-0.05 at batch
+256) and it lies at or below the rates where the plain net goes non-finite slowly. An alarm >= 1 epoch ahead on this
+data set is in any case only a few steps (1437 training images, 5-22 steps per epoch).
 
 Runs are kept in ``--out/<norm>_<conv>_s<seed>`` (delete them to rerun; ``train`` resumes/returns finished runs)
 and a JSON summary in ``--out/collapse_demo.json``. ``--plots`` renders each monitor log as PNGs.
@@ -83,9 +97,16 @@ def run_variant(norm: str, conv: str, seed: int, args) -> dict:
             chance = h["epoch"]
         else:
             break
+    # first step whose loss was non-finite: train() stops before mon.step on it, so (every=1) it is the step after
+    # the last recorded one; when the train loss of that epoch stayed finite, it was the test loss after the epoch
+    nonfinite_step = None
+    if nonfinite is not None and args.every == 1 and recs:
+        last = max(r["step"] for r in recs)
+        nonfinite_step = last + 1 if hist[-1]["train_loss"] is None else nonfinite * steps_per_epoch
     res = {"norm": norm, "conv": conv, "seed": seed, "name": f"{norm}/{conv} s{seed}",
            "steps_per_epoch": steps_per_epoch, "epochs_run": s["epochs_run"],
-           "nonfinite_epoch": nonfinite, "chance_from_epoch": chance, "final_test_acc": s["final_test_acc"],
+           "nonfinite_epoch": nonfinite,
+           "nonfinite_step": nonfinite_step, "chance_from_epoch": chance, "final_test_acc": s["final_test_acc"],
            "train_loss": [h["train_loss"] for h in hist], "alarm": s["monitor_alarm"],
            "time_s": time.perf_counter() - t0, "dir": str(out)}
     a = s["monitor_alarm"]
@@ -108,8 +129,11 @@ def _g(v, fmt=".3g"):
 
 
 def _lead(r: dict) -> str:
-    a, e = r["alarm"], r["nonfinite_epoch"]
-    return "-" if a is None or e is None else str((e - 1) * r["steps_per_epoch"] - a["step"])
+    """Steps from the alarm to the first non-finite loss (exact with --every 1, else a lower bound marked '>=')."""
+    a, e, k = r["alarm"], r["nonfinite_epoch"], r.get("nonfinite_step")
+    if a is None or e is None:
+        return "-"
+    return str(k - a["step"]) if k is not None else ">=" + str((e - 1) * r["steps_per_epoch"] - a["step"])
 
 
 def _target(r: dict) -> str:
@@ -119,7 +143,11 @@ def _target(r: dict) -> str:
         return "met (no flag)" if a is None else "NOT met (flag)"
     if e is None:
         return "n/a (loss stayed finite)"
-    return "met" if a is not None and r["alarm_epoch"] < e else "NOT met"
+    if a is None or r["alarm_epoch"] >= e:
+        return "NOT met"
+    k = r.get("nonfinite_step")
+    strict = k is not None and k - a["step"] >= r["steps_per_epoch"]
+    return "met (epochs; lead >= 1 epoch of steps too)" if strict else "met (epochs only; lead < 1 epoch of steps)"
 
 
 def main(argv=None) -> int:
@@ -148,15 +176,16 @@ def main(argv=None) -> int:
     print(f"\n{args.model} net width {args.width}, {args.dataset}, SGD lr {args.lr} momentum 0.9 wd "
           f"{args.weight_decay:g} batch {args.batch_size} ({spe} steps/epoch), {args.epochs} epochs, monitor every "
           f"{args.every}\ndefault detector: output_var x1e3 over max(step-0 value, 1), shift x100 over its step-0 "
-          f"value; the output layer (classifier) only when non-finite.\nlead = steps from the alarm to the first step "
-          f"of the epoch whose loss went non-finite (a lower bound); target = alarm at least 1 epoch earlier")
+          f"value; the output layer (classifier) only when non-finite.\nlead = steps from the alarm to the "
+          f"first non-finite loss; target = alarm in an earlier epoch than the non-finite loss "
+          f"(strict: lead >= {spe} steps)")
     print(f"{'norm/conv':<13}{'alarm step':>11}{'ep':>4}  {'layer':<17}{'quantity':<11}{'growth':>9}"
-          f"{'non-finite ep':>15}{'lead':>6}{'chance from ep':>16}{'test acc':>10}  target")
+          f"{'non-finite ep':>15}{'lead':>7}{'chance from ep':>16}{'test acc':>10}  target")
     for r in results:
         a = r["alarm"]
         print(f"{r['name']:<13}{(a['step'] if a else '-'):>11}{r.get('alarm_epoch', '-'):>4}  "
               f"{(a['layer'] if a else 'no flag'):<17}{(a['quantity'] if a else '-'):<11}{_g(r.get('growth')):>9}"
-              f"{(r['nonfinite_epoch'] or 'never'):>15}{_lead(r):>6}{(r['chance_from_epoch'] or 'never'):>16}"
+              f"{(r['nonfinite_epoch'] or 'never'):>15}{_lead(r):>7}{(r['chance_from_epoch'] or 'never'):>16}"
               f"{_g(r['final_test_acc']):>10}  {_target(r)}")
     print("\nflagged layer, decomposition terms (variance term n Var[W] Var[X], shift term E^2[X] Var_o[n E[W_o]]):")
     for r in results:
