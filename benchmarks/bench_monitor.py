@@ -25,35 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from normlab.monitor import VarianceMonitor
-
-
-def local_plain_net(norm: str, in_channels: int, width: float, num_classes: int = 10) -> nn.Module:
-    """REFERENCE.md section 1 plain net (used only if normlab.models is unavailable)."""
-    c1, c2 = max(1, round(96 * width)), max(1, round(192 * width))
-
-    def block(cin, cout, k, pad):
-        layers = [nn.Conv2d(cin, cout, k, padding=pad)]
-        if norm == "bn":
-            layers.append(nn.BatchNorm2d(cout))
-        return layers + [nn.ReLU()]
-
-    return nn.Sequential(
-        *block(in_channels, c1, 3, 1), *block(c1, c1, 3, 1), *block(c1, c1, 3, 1), nn.MaxPool2d(2),
-        *block(c1, c2, 3, 1), *block(c2, c2, 3, 1), *block(c2, c2, 3, 1), nn.MaxPool2d(2),
-        *block(c2, c2, 3, 0), *block(c2, c2, 1, 0), *block(c2, c2, 1, 0),
-        nn.AdaptiveAvgPool2d(1), nn.Conv2d(c2, num_classes, 1), nn.Flatten(),
-    )
+from normlab.runner.models import build_model
 
 
 def make_model(norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str]:
-    try:
-        from normlab.models import build_model
-
-        model = build_model("plain", norm=norm, conv="conv", in_channels=in_channels, num_classes=10,
-                            input_shape=(in_channels, size, size), width=width)
-        return model, "normlab.models.build_model('plain')"
-    except ImportError:
-        return local_plain_net(norm, in_channels, width), "local plain net (REFERENCE.md section 1)"
+    model = build_model("plain", norm=norm, conv="conv", in_channels=in_channels, num_classes=10,
+                        input_shape=(in_channels, size, size), width=width)
+    return model, "normlab.runner.models.build_model('plain')"
 
 
 def main(argv=None) -> int:

@@ -78,8 +78,9 @@ def terms(rec: dict) -> dict:
 
 
 def run_variant(norm: str, conv: str, seed: int, args) -> dict:
-    from normlab.data import get_dataset
-    from normlab.train import TrainConfig, train
+    from normlab.runner.config import TrainConfig
+    from normlab.runner.data import get_dataset
+    from normlab.runner.train import train
 
     out = args.out / f"{norm}_{conv}_s{seed}"
     cfg = TrainConfig(dataset=args.dataset, model=args.model, norm=norm, conv=conv, width=args.width, lr=args.lr,

@@ -3,7 +3,7 @@
 * :func:`convert_norm` ``(model, to=...)``:
 
   - ``to`` a norm name (``none``, ``bn``, ``brn``, ``gn``, ``ln``, ``in``, ``sn``): every torch BatchNorm layer
-    (``nn.BatchNorm{1,2,3}d``, ``nn.SyncBatchNorm``) is replaced by ``normlab.nn.factory.create_norm(to, C, dim)``.
+    (``nn.BatchNorm{1,2,3}d``, ``nn.SyncBatchNorm``) is replaced by :func:`normlab.nn.create_norm` ``(to, C, dim)``.
     Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size;
     the running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` (whose state
     is BatchNorm's: ``bn -> brn`` keeps everything, including ``eps``/``momentum``/``affine``/
@@ -12,7 +12,8 @@
   - ``to="pws"`` or ``"ws"``: every plain ``nn.Conv{1,2,3}d`` (exact type: subclasses, parametrized convs and
     transposed convs are left alone) becomes the matching ``PWSConv``/``WSConv`` with the same arguments, raw
     weight and bias; ``**kw`` go to the new conv (``gamma``, ``relative_gamma``, ``init_alpha``, ``eps`` ...).
-    The BatchNorm that *follows* the conv is replaced by ``nn.Identity`` (``remove_norm=True``).
+    With ``remove_norm`` (default for ``pws``, not for ``ws``) the BatchNorm that *follows* the conv is replaced by
+    ``nn.Identity``.
     "Follows" means: the next child registered in the same parent module (``named_children()`` order) is a torch
     BatchNorm with ``num_features == out_channels``. This is the layout of ``nn.Sequential`` stacks and of
     torchvision-style blocks (``conv1, bn1, relu, conv2, bn2``). It is a registration-order rule, not a graph
@@ -32,17 +33,21 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from normlab.nn.batch_renorm import _BatchRenorm
+from normlab.nn.registry import CONV_CLASSES, NORM_NAMES, create_norm, get_conv_class, get_norm_class
+from normlab.nn.weight_std import _StdConvNd
+
 __all__ = ["convert_norm", "fold_for_inference", "CONVERT_TARGETS"]
 
-_NORM_TARGETS = ("none", "bn", "brn", "gn", "ln", "in", "sn")
 _CONV_TARGETS = ("pws", "ws")
-CONVERT_TARGETS = _NORM_TARGETS + _CONV_TARGETS
-_PLAIN_CONVS = {nn.Conv1d: 1, nn.Conv2d: 2, nn.Conv3d: 3}
+CONVERT_TARGETS = NORM_NAMES + _CONV_TARGETS
+_PLAIN_CONVS = {cls: d for d, cls in CONV_CLASSES["conv"].items()}
 _BN_DIMS = {nn.BatchNorm1d: 1, nn.BatchNorm2d: 2, nn.BatchNorm3d: 3, nn.SyncBatchNorm: 2}
 
 
@@ -53,17 +58,9 @@ def _is_torch_bn(m: nn.Module) -> bool:
     return isinstance(m, nn.modules.batchnorm._BatchNorm)
 
 
-def _is_batch_renorm(m: nn.Module) -> bool:
-    try:
-        from normlab.nn.batch_renorm import _BatchRenorm
-    except ImportError:  # pragma: no cover - the family is optional at import time
-        return type(m).__name__ in ("BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm")
-    return isinstance(m, _BatchRenorm)
-
-
 def _foldable_norm(m: nn.Module, channels: int) -> bool:
     """BatchNorm / BatchRenorm in eval mode with running statistics, over ``channels`` channels."""
-    if not (_is_torch_bn(m) or _is_batch_renorm(m)):
+    if not (_is_torch_bn(m) or isinstance(m, _BatchRenorm)):
         return False
     return (
         not m.training
@@ -88,38 +85,6 @@ def _conv_kwargs(conv: nn.Module) -> dict:
     )
 
 
-def _norm_class(to: str, dim: int):
-    """The class create_norm builds for ``to`` (for its signature), or None."""
-    if to in ("gn", "ln"):
-        return nn.GroupNorm
-    if to == "bn":
-        return getattr(nn, f"BatchNorm{dim}d")
-    names = {"brn": "BatchRenorm", "in": "InstanceNorm", "sn": "SwitchableNorm"}
-    if to not in names:
-        return None
-    from normlab import nn as nlnn
-
-    return getattr(nlnn, f"{names[to]}{dim}d", None)
-
-
-def _create_norm(to: str, channels: int, dim: int, kw: dict) -> nn.Module:
-    try:
-        from normlab.nn.factory import create_norm
-    except ImportError as err:  # pragma: no cover - fallback if the factory is missing
-        if to == "none":
-            return nn.Identity()
-        if to in ("gn", "ln"):
-            return nn.GroupNorm(1 if to == "ln" else _largest_divisor(channels, 32), channels, **kw)
-        if to == "bn":
-            return getattr(nn, f"BatchNorm{dim}d")(channels, **kw)
-        raise ValueError(f"convert_norm: to={to!r} needs normlab.nn.factory.create_norm (not importable)") from err
-    return create_norm(to, channels, dim=dim, **kw)
-
-
-def _largest_divisor(c: int, at_most: int) -> int:
-    return next(g for g in range(min(at_most, c), 0, -1) if c % g == 0)
-
-
 def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> None:
     with torch.no_grad():
         for name in names:
@@ -136,11 +101,9 @@ def _replace_bn(bn: nn.Module, to: str, kw: dict) -> nn.Module:
     derived = {"eps": bn.eps, "affine": bn.affine}
     if to in ("brn", "bn"):
         derived.update(momentum=bn.momentum, track_running_stats=bn.track_running_stats)
-    cls = _norm_class(to, dim)
-    if cls is not None:
-        accepted = inspect.signature(cls.__init__).parameters
-        derived = {k: v for k, v in derived.items() if k in accepted}
-    new = _create_norm(to, channels, dim, {**derived, **kw})
+    accepted = inspect.signature(get_norm_class(to, dim).__init__).parameters
+    derived = {k: v for k, v in derived.items() if k in accepted}
+    new = create_norm(to, channels, dim=dim, **{**derived, **kw})
     names = ("weight", "bias")
     if to in ("brn", "bn", "sn"):
         names += ("running_mean", "running_var", "num_batches_tracked")
@@ -152,9 +115,7 @@ def _replace_bn(bn: nn.Module, to: str, kw: dict) -> nn.Module:
 
 
 def _make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> nn.Module:
-    from normlab.nn import weight_std
-
-    cls = getattr(weight_std, f"{'PWS' if to == 'pws' else 'WS'}Conv{dim}d")
+    cls = get_conv_class(to, dim)
     args = _conv_kwargs(conv)
     new = cls(**args, **{"bias": bias, **kw})
     with torch.no_grad():
@@ -170,31 +131,48 @@ def _make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> 
 # ------------------------------------------------------------------------------------------------------------
 # convert_norm
 # ------------------------------------------------------------------------------------------------------------
-def convert_norm(model: nn.Module, to: str = "pws", *, remove_norm: bool = True, **kw) -> nn.Module:
+def convert_norm(model: nn.Module, to: str = "pws", *, remove_norm: bool | None = None, **kw) -> nn.Module:
     """Swap the normalization of ``model`` in place (see the module docstring for the rules).
 
     Args:
         model: any module (modified in place; if ``model`` itself is replaced, the new module is returned).
         to: one of ``none, bn, brn, gn, ln, in, sn`` (replace BatchNorm layers) or ``pws, ws`` (replace plain
-            convs, drop the BatchNorm that follows each).
-        remove_norm: for ``pws``/``ws``: replace the following BatchNorm by ``nn.Identity`` (default True).
+            convs).
+        remove_norm: for ``pws``/``ws``: replace the BatchNorm that follows each converted conv by
+            ``nn.Identity``. Default: True for ``pws`` (it is meant to train without output normalization) and
+            False for ``ws`` (WS kernels have unit variance per entry, so without a norm every layer multiplies
+            the activation variance by its fan-in; ``remove_norm=True`` with ``ws`` warns).
         **kw: constructor arguments for the new layers (``num_groups`` for gn, ``rmax`` for brn,
             ``gamma``/``init_alpha`` for pws, ...).
 
     Returns:
         The converted model (the same object unless ``model`` itself was a BatchNorm or conv).
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+        >>> convert_norm(model, to="pws")   # Sequential(PWSConv2d(3, 8, 3), Identity(), ReLU())
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norm: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(to, str) or to.lower() not in CONVERT_TARGETS:
         raise ValueError(f"convert_norm: unknown to={to!r}; expected one of {', '.join(CONVERT_TARGETS)}")
     to = to.lower()
-    if to in _NORM_TARGETS:
+    if to in NORM_NAMES:
         if _is_torch_bn(model):
             return _replace_bn(model, to, kw)
         for name, child in list(model.named_children()):
             setattr(model, name, convert_norm(child, to, **kw))
         return model
+    if remove_norm is None:
+        remove_norm = to == "pws"
+    elif remove_norm and to == "ws":
+        warnings.warn(
+            "convert_norm(to='ws', remove_norm=True): WS kernels have unit variance per entry, so without an output "
+            "normalization every layer multiplies the activation variance by its fan-in (overflow in deep nets); "
+            "keep the norm (the default) or convert to 'pws'",
+            UserWarning,
+            stacklevel=2,
+        )
     if type(model) in _PLAIN_CONVS:
         return _make_std_conv(model, to, _PLAIN_CONVS[type(model)], kw.pop("bias", True), kw)
     _convert_convs(model, to, remove_norm, kw)
@@ -222,12 +200,10 @@ def _convert_convs(parent: nn.Module, to: str, remove_norm: bool, kw: dict) -> N
 # fold_for_inference
 # ------------------------------------------------------------------------------------------------------------
 def _conv_dim(m: nn.Module) -> int | None:
-    from normlab.nn.weight_std import _StdConvMixin
-
     for cls, d in _PLAIN_CONVS.items():
         if type(m) is cls:
             return d
-        if isinstance(m, cls) and (isinstance(m, _StdConvMixin) or parametrize.is_parametrized(m, "weight")):
+        if isinstance(m, cls) and (isinstance(m, _StdConvNd) or parametrize.is_parametrized(m, "weight")):
             return d  # WS/PWS conv, or a conv with a weight parametrization (e.g. weight_norm): fold its kernel
     return None
 

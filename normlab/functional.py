@@ -1,8 +1,8 @@
 """Pure tensor functions behind the normlab layers (the ``torch.nn.functional`` of normlab).
 
 Every function here is stateless except where it takes running-statistics buffers explicitly and updates
-them in place (as ``torch.nn.functional.batch_norm`` does). Formulas and defaults follow
-``shared/REFERENCE.md``; each function's docstring states the formula it implements.
+them in place (as ``torch.nn.functional.batch_norm`` does). Each docstring states the formula it implements;
+``docs/design.md`` gives the sources.
 
 Shapes use N = batch, C = channels, ``*`` = any number of spatial dimensions.
 """

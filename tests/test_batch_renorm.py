@@ -1,6 +1,6 @@
 """Tests for normlab.nn.batch_renorm (BatchRenorm1d/2d/3d, RenormSchedule, SyncBatchRenorm without a process group).
 
-References: REFERENCE.md section 3 (Ioffe 2017) implemented directly in float64 below, and torch's nn.BatchNorm*d.
+References: docs/design.md section 3 (Ioffe 2017) implemented directly in float64 below, and torch's nn.BatchNorm*d.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _randomize(m: nn.Module, seed: int = 0) -> None:
 
 
 def reference_renorm(x, gamma, beta, running_mean, running_var, eps, rmax, dmax):
-    """REFERENCE.md section 3 written out in float64: returns (y, new_running_mean, new_running_var) for momentum 0.1.
+    """docs/design.md section 3 written out in float64: returns (y, new_running_mean, new_running_var) for momentum 0.1.
 
     sigma = sqrt(running_var + eps) (BatchNorm-compatible state); r, d detached; running var unbiased over N*spatial.
     """
@@ -239,6 +239,11 @@ def test_default_is_paper_schedule_and_api_errors():
         BatchRenorm2d(4, rmax=2.0, track_running_stats=False)
     with pytest.raises(ValueError, match="BatchRenorm2d: num_features"):
         BatchRenorm2d(0)
+    for eps in (0, 0.0, -1e-5, float("nan"), float("inf")):  # eps=0 used to be accepted, then fail in training
+        with pytest.raises(ValueError, match="BatchRenorm2d: eps must be a finite number > 0"):
+            BatchRenorm2d(3, eps=eps)
+    with pytest.raises(ValueError, match="SyncBatchRenorm: eps must be a finite number > 0"):
+        SyncBatchRenorm(3, eps=0)
     with pytest.raises(ValueError, match="BatchRenorm2d: momentum"):
         BatchRenorm2d(4, momentum=1.5)
 

@@ -1,4 +1,4 @@
-"""Capsules with dynamic routing against REFERENCE.md section 6 (Sabour et al. 2017)."""
+"""Capsules with dynamic routing against docs/design.md section 6 (Sabour et al. 2017)."""
 
 import pytest
 import torch

@@ -120,7 +120,7 @@ def test_bench_steps_times_each_norm(capsys):
 
 def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     # one cell of a grid holds a corrupt checkpoint: compare stops with a one-line error and leaves it alone
-    from normlab.experiments import GridSpec, expand_grid
+    from normlab.runner.grid import GridSpec, expand_grid
 
     spec = GridSpec(norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
                     max_steps_per_epoch=1)

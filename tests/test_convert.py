@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from normlab.convert import CONVERT_TARGETS, convert_norm, fold_for_inference
-from normlab.nn.param_groups import is_norm_layer, param_groups
+from normlab.nn import is_norm_layer, param_groups
 from normlab.nn.weight_std import PWSConv1d, PWSConv2d, WSConv2d
 
 
@@ -107,6 +107,23 @@ def test_convert_to_ws_keeps_norm_when_asked_and_handles_1d():
     assert pws(torch.randn(2, 3, 9)).shape == (2, 2, 7)
     # a conv given directly is returned converted
     assert type(convert_norm(nn.Conv2d(3, 4, 3), "pws")) is PWSConv2d
+
+
+def test_convert_to_ws_keeps_output_norms_by_default():
+    # WS kernels have unit variance per entry (n Var[W_hat] = fan_in): without the norms a deep net's activations
+    # grow by ~fan_in per layer (a ResNet-like stack overflowed float32 when they were removed by default)
+    torch.manual_seed(2)
+    layers = []
+    for _ in range(12):
+        layers += [nn.Conv2d(16, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU()]
+    model = convert_norm(nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), *layers), "ws")
+    assert count(model, nn.BatchNorm2d) == 12 and count(model, WSConv2d) == 13
+    y = model(torch.randn(2, 3, 8, 8))
+    assert torch.isfinite(y).all() and y.abs().max() < 100
+    with pytest.warns(UserWarning, match="fan-in"):
+        stripped = convert_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "ws", remove_norm=True)
+    assert isinstance(stripped[1], nn.Identity)
+    assert count(convert_norm(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)), "pws"), nn.BatchNorm2d) == 0
 
 
 @pytest.mark.parametrize("to", ["gn", "ln", "in", "sn", "brn", "bn", "none"])

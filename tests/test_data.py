@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from normlab import data
-from normlab.data import DATASETS, ArrayDataset, flip_crop, get_dataset
+from normlab.runner import data
+from normlab.runner.data import DATASETS, ArrayDataset, flip_crop, get_dataset
 
 
 def test_unknown_name_lists_valid_ones():

@@ -7,8 +7,11 @@ import math
 
 import pytest
 
-from normlab.experiments import GridSpec, expand_grid, load_results, resolve_norm, run_grid
-from normlab.report import headline_effects, markdown_table, render_report
+from normlab.nn import resolve_comparison as resolve_norm
+from normlab.runner.grid import GridSpec, expand_grid, run_grid
+from normlab.runner.report import markdown_table, render_report
+from normlab.runner.results import load_results
+from normlab.runner.verdicts import headline_effects
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -42,9 +45,9 @@ def test_expand_grid_product():
     got = {(c.name, c.lr, c.batch_size, c.seed) for c in cells}
     assert got == {(n, lr, b, s) for n in spec.norms for lr in spec.lrs for b in spec.batch_sizes for s in spec.seeds}
     for c in cells:
-        assert (c.config["norm"], c.config["conv"]) == resolve_norm(c.name)
-        assert c.config["lr"] == c.lr and c.config["batch_size"] == c.batch_size and c.config["seed"] == c.seed
-        assert c.config["epochs"] == 3 and c.config["dataset"] == "digits"
+        assert (c.config.norm, c.config.conv) == resolve_norm(c.name)
+        assert c.config.lr == c.lr and c.config.batch_size == c.batch_size and c.config.seed == c.seed
+        assert c.config.epochs == 3 and c.config.dataset == "digits"
 
 
 def test_expand_grid_cross_and_lr_scaling():
@@ -53,7 +56,7 @@ def test_expand_grid_cross_and_lr_scaling():
     pts = {(c.lr, c.batch_size) for c in expand_grid(spec)}
     # lr sweep at the base batch size (first in the list) + batch-size sweep at the base lr, no duplicates
     assert pts == {(0.01, 64), (0.1, 64), (1.0, 64), (0.1, 8), (0.1, 2)}
-    by_pt = {(c.lr, c.batch_size): c.config["lr"] for c in expand_grid(spec)}
+    by_pt = {(c.lr, c.batch_size): c.config.lr for c in expand_grid(spec)}
     assert math.isclose(by_pt[(0.1, 2)], 0.1 * 2 / 64)
     assert math.isclose(by_pt[(1.0, 64)], 1.0)
 
@@ -62,7 +65,7 @@ def test_expand_grid_cross_and_lr_scaling():
                                 dict(layout="diagonal"), dict(layout="cross", base_lr=0.3), dict(epochs=0),
                                 dict(norms=("bn", "xyz"))])
 def test_gridspec_rejects_bad_input(kw):
-    with pytest.raises(ValueError, match="GridSpec|resolve_norm"):
+    with pytest.raises(ValueError, match="GridSpec|resolve_comparison"):
         GridSpec(**kw)
 
 
@@ -270,7 +273,7 @@ def test_identical_norms_reported():
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     # the grid dies in its second cell: results.json already holds the first one and renders as partial
-    import normlab.experiments as ex
+    import normlab.runner.grid as ex
     from normlab.cli import main
 
     real = ex._run_cell

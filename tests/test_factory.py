@@ -1,11 +1,10 @@
-"""The create_norm / create_conv registry: every name builds the right layer and bad names are refused."""
+"""The layer registry: every name builds the right class for every dim, classes are explicit, bad names refused."""
 
 import pytest
 import torch
 from torch import nn
 
-from normlab.nn import CONV_KINDS, NORM_NAMES, create_conv, create_norm
-from normlab.nn.factory import default_groups
+from normlab.nn import CONV_KINDS, NORM_NAMES, create_conv, create_norm, default_groups
 
 
 @pytest.mark.parametrize("name", NORM_NAMES)
@@ -67,3 +66,52 @@ def test_weight_norm_conv_is_parametrized_per_output_channel():
 def test_bad_names_and_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_get_class_is_the_class_create_builds(dim):
+    from normlab.nn import get_conv_class, get_norm_class
+
+    for name in NORM_NAMES:
+        assert type(create_norm(name, 8, dim=dim)) is get_norm_class(name, dim)
+    for kind in CONV_KINDS:  # wn: torch's parametrization makes a subclass of the plain conv
+        conv = create_conv(kind, 3, 4, 3, dim=dim)
+        assert type(conv) is get_conv_class(kind, dim) or (kind == "wn" and isinstance(conv, get_conv_class(kind, dim)))
+    with pytest.raises(ValueError, match="get_norm_class: unknown name 'bnx'"):
+        get_norm_class("bnx", dim)
+    with pytest.raises(ValueError, match="get_conv_class: dim must be 1, 2 or 3"):
+        get_conv_class("pws", 4)
+
+
+def test_comparison_names_resolve_through_the_registry():
+    from normlab.nn import comparison_names, resolve_comparison
+
+    assert comparison_names() == NORM_NAMES + ("wn", "ws", "pws")
+    assert resolve_comparison("ws+gn") == ("gn", "ws") and resolve_comparison("PWS") == ("none", "pws")
+
+
+@pytest.mark.parametrize("name", ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"])
+def test_weight_std_classes_are_explicit_and_pickle(name):
+    import inspect
+    import io
+    import pickle
+
+    import normlab.nn as nlnn
+    from normlab.nn import weight_std
+
+    cls = getattr(nlnn, name)
+    assert cls.__name__ == cls.__qualname__ == name and cls.__module__ == "normlab.nn.weight_std"
+    assert getattr(weight_std, name) is cls  # found by its name in its module (IDEs, autodoc, pickle)
+    base = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[int(name[-2])]
+    assert issubclass(cls, base) and "class " + name in inspect.getsource(weight_std)
+    torch.manual_seed(0)
+    m = cls(3, 4, 3, padding=1)
+    x = torch.randn((2, 3) + (5,) * int(name[-2]))
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    again = torch.load(buf, weights_only=False)
+    assert type(again) is cls and set(again.state_dict()) == set(m.state_dict())
+    torch.testing.assert_close(again(x), m(x), rtol=0, atol=0)
+    assert type(pickle.loads(pickle.dumps(m))) is cls
+

@@ -1,4 +1,4 @@
-"""InstanceNorm1d/2d/3d against torch.nn.InstanceNorm*d and the formula of REFERENCE.md section 4."""
+"""InstanceNorm1d/2d/3d against torch.nn.InstanceNorm*d and the formula of docs/design.md section 4."""
 
 import copy
 import io

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from normlab.models import MODELS, PreActBottleneck, PWSBottleneck, build_model
-from normlab.nn.factory import CONV_KINDS, NORM_NAMES
+from normlab.nn.registry import CONV_KINDS, NORM_NAMES
+from normlab.runner.models import MODELS, PreActBottleneck, PWSBottleneck, build_model
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -20,7 +20,7 @@ def convs(model):
 
 
 def test_models_tuple():
-    assert MODELS == ("plain", "resnet", "resnet_pws", "cnn1d")
+    assert MODELS == ("plain", "plain1d", "resnet", "resnet_pws", "cnn1d")
 
 
 def test_plain_net_layout_matches_the_paper():
@@ -141,7 +141,7 @@ def test_cnn1d_mnist1d_paper_cnn():
 
 
 @pytest.mark.parametrize("name,shape,kw", [("plain", (1, 16, 16), {}), ("resnet", (1, 16, 16), {"blocks": 1}),
-                                           ("cnn1d", (1, 40), {})])
+                                           ("plain1d", (1, 40), {}), ("cnn1d", (1, 40), {})])
 def test_every_norm_and_conv_kind_trains_a_step(name, shape, kw):
     for norm in NORM_NAMES:
         for conv in CONV_KINDS:
@@ -156,7 +156,7 @@ def test_every_norm_and_conv_kind_trains_a_step(name, shape, kw):
 
 
 def test_bad_names_and_arguments():
-    with pytest.raises(ValueError, match="plain, resnet, resnet_pws, cnn1d"):
+    with pytest.raises(ValueError, match="plain, plain1d, resnet, resnet_pws, cnn1d"):
         build_model("vgg", "bn", "conv", 3, 10, (3, 32, 32))
     with pytest.raises(ValueError, match="unknown norm"):
         build_model("plain", "batchnorm", "conv", 3, 10, (3, 32, 32))

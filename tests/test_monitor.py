@@ -1,4 +1,4 @@
-"""Tests of normlab.monitor against hand-computed values and the variance decomposition (REFERENCE.md section 2)."""
+"""Tests of normlab.monitor against hand-computed values and the variance decomposition (docs/design.md section 2)."""
 
 from __future__ import annotations
 
@@ -531,7 +531,7 @@ def test_compiled_model_records_same_values():
 
 # -------------------------------------------------------------------------------------- export and plots
 def test_export_jsonl_csv_and_plots(tmp_path):
-    from normlab.monitor.cli import main as cli_main
+    from normlab.cli import main as cli_main
     from normlab.monitor.plots import load_log, render_monitor_plots
 
     model = small_cnn()
@@ -636,3 +636,21 @@ def test_normlab_norm_layers_are_monitored():
     )
     kinds = {name: kind for name, _, kind in supported_layers(model)}
     assert kinds == {"0": "conv", "1": "norm", "2": "conv", "3": "norm", "4": "norm"}
+
+
+def test_every_layer_is_norm_layer_counts_is_recorded_as_a_norm():
+    # is_norm_layer (weight decay) and the monitor share one definition: RMSNorm was counted but not recorded
+    from normlab.nn import is_norm_layer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.ReLU(), nn.Linear(6, 3), nn.LayerNorm(3))
+    norms = [n for n, m in model.named_modules() if is_norm_layer(m)]
+    assert norms == ["1", "4"]
+    mon = VarianceMonitor(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    mon.step(opt)
+    recorded = {r["layer"]: r for r in mon.records}
+    assert set(recorded) == {"0", "1", "3", "4"}
+    assert recorded["1"]["kind"] == "norm" and recorded["1"]["output_var"] > 0
+

@@ -1,4 +1,4 @@
-"""SwitchableNorm1d/2d/3d against a direct float64 re-implementation of REFERENCE.md section 5."""
+"""SwitchableNorm1d/2d/3d against a direct float64 re-implementation of docs/design.md section 5."""
 
 import copy
 import io

@@ -1,4 +1,4 @@
-"""normlab.train: metrics, determinism, kill/resume, collapse handling, bad input, monitor hooks, DDP."""
+"""normlab.runner.train: metrics, determinism, kill/resume, collapse handling, bad input, monitor hooks, DDP."""
 
 import dataclasses
 import json
@@ -16,9 +16,11 @@ import torch
 import torch.multiprocessing as mp
 
 import normlab.monitor
-from normlab.models import build_model
-from normlab.train import TrainConfig, train
-from normlab.utils import make_param_groups
+import normlab.runner.train
+from normlab.nn import param_groups
+from normlab.runner.config import TrainConfig
+from normlab.runner.models import build_model
+from normlab.runner.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,7 +101,8 @@ def _run_in_subprocess(cfg, out_dir, threads, log):
         f"""
         import torch
         torch.set_num_threads({threads})
-        from normlab.train import TrainConfig, train
+        from normlab.runner.config import TrainConfig
+        from normlab.runner.train import train
         train(TrainConfig(**{dataclasses.asdict(cfg)!r}), {str(out_dir)!r}, progress=False)
         """
     )
@@ -217,7 +220,7 @@ def test_bad_configurations_fail_before_training(tmp_path):
 def test_weight_decay_skips_norm_parameters_biases_and_alpha():
     torch.manual_seed(0)
     m = build_model("resnet", "bn", "pws", 1, 10, (1, 8, 8), width=0.25, blocks=1)
-    groups = make_param_groups(m, 5e-4, nowd_norm_alpha=True)
+    groups = param_groups(m, 5e-4)
     ids = [id(p) for g in groups for p in g["params"]]
     assert sorted(ids) == sorted(id(p) for p in m.parameters())  # every parameter exactly once
     wd = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
@@ -228,7 +231,7 @@ def test_weight_decay_skips_norm_parameters_biases_and_alpha():
             assert wd[id(p)] == 0, name
         else:
             assert wd[id(p)] == 5e-4, name
-    single = make_param_groups(m, 5e-4, nowd_norm_alpha=False)
+    single = param_groups(m, 5e-4, no_decay=())
     assert len(single) == 1 and single[0]["weight_decay"] == 5e-4
 
 
@@ -281,12 +284,15 @@ class FakeMonitor:
             self.alarm = FakeAlarm("features.0.conv", self.current_step, "shift", 1e6, 1.0)
         self.current_step += 1
 
+    def state_dict(self):
+        return {"current_step": self.current_step}
+
     def close(self):
         pass
 
 
 def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(normlab.monitor, "VarianceMonitor", FakeMonitor)
+    monkeypatch.setattr(normlab.runner.train, "VarianceMonitor", FakeMonitor)
     out = tmp_path / "run"
     cfg = tiny(epochs=4, max_steps_per_epoch=3, monitor_every=1, stop_on_collapse=True)
     s = train(cfg, out, progress=False)
@@ -332,7 +338,8 @@ def _ddp_worker(rank, world, port, root, cfg_dict):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from normlab.train import TrainConfig, train
+    from normlab.runner.config import TrainConfig
+    from normlab.runner.train import train
 
     s = train(TrainConfig(**cfg_dict), Path(root) / f"rank{rank}", progress=False)
     dist.barrier()
@@ -431,3 +438,21 @@ def test_renorm_schedule_scaled_keeps_paper_proportions():
     s = RenormSchedule.scaled(16)
     assert (s.warmup_steps, s.dmax_steps, s.rmax_steps) == (2, 10, 16)
     assert s(2) == (1.0, 0.0) and s(16) == (3.0, 5.0)
+
+
+def test_resume_accepts_another_device_spelling(tmp_path):
+    # the fields that may change between a run and its resumption are defined once (they used to differ between
+    # train and the grid: a half-trained cell refused a new --device that a finished one accepted)
+    from normlab.runner.config import RESUME_FREE
+
+    assert {"device", "data_dir", "num_workers"} <= set(RESUME_FREE)
+    cfg = tiny(epochs=1, max_steps_per_epoch=1)
+    train(cfg, tmp_path / "r", progress=False)
+    assert train(dataclasses.replace(cfg, device="auto"), tmp_path / "r", progress=False)["epochs_run"] == 1
+    ck = load_ckpt(tmp_path / "r" / "checkpoint.pt")
+    ck["state"]["finished"] = False  # as if killed after its last epoch's checkpoint
+    torch.save(ck, tmp_path / "r" / "checkpoint.pt")
+    assert train(dataclasses.replace(cfg, device="auto"), tmp_path / "r", progress=False)["epochs_run"] == 1
+    with pytest.raises(ValueError, match="different config .*lr"):
+        train(dataclasses.replace(cfg, lr=0.5), tmp_path / "r", progress=False)
+

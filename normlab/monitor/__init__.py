@@ -1,4 +1,4 @@
-"""Variance-transmission monitor (REFERENCE.md section 2): hooks, pure statistics, SPPs, collapse warning, plots.
+"""Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, collapse warning, plots.
 
     from normlab.monitor import VarianceMonitor
     with VarianceMonitor(model, every=10) as mon:
@@ -13,7 +13,8 @@
 
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
-from normlab.monitor.hooks import VarianceMonitor, effective_weight, supported_layers, unwrap_model
+from normlab.monitor.hooks import VarianceMonitor
+from normlab.monitor.layers import effective_weight, supported_layers, unwrap_model
 from normlab.monitor.spp import signal_propagation
 
 

@@ -1,4 +1,4 @@
-"""VarianceMonitor: forward hooks that record how variance travels through a network (REFERENCE.md section 2).
+"""VarianceMonitor: forward hooks that record how variance travels through a network (docs/design.md section 2).
 
 Two lines in a training loop::
 
@@ -50,81 +50,14 @@ from torch import Tensor, nn
 
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+from normlab.monitor.layers import effective_weight, is_compiled, supported_layers, unwrap_model
+from normlab.monitor.spp import signal_propagation
 
-__all__ = ["VarianceMonitor", "unwrap_model", "supported_layers", "effective_weight"]
+__all__ = ["VarianceMonitor"]
 
 # Default growth factors of the collapse warning (see VarianceMonitor, CollapseDetector).
 DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
 DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
-
-_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_NORM_TYPES = (
-    nn.modules.batchnorm._BatchNorm,
-    nn.modules.instancenorm._InstanceNorm,
-    nn.GroupNorm,
-    nn.LayerNorm,
-    nn.LocalResponseNorm,
-)
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DataParallel (``.module``) and torch.compile (``._orig_mod``) wrappers, in any nesting."""
-    seen = 0
-    while seen < 16:
-        seen += 1
-        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-    return model
-
-
-def _is_compiled(model: nn.Module) -> bool:
-    for _ in range(16):
-        if isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            return True
-        if isinstance(model, nn.parallel.DistributedDataParallel | nn.DataParallel):
-            model = model.module
-        else:
-            return False
-    return False
-
-
-def _layer_kind(module: nn.Module) -> str | None:
-    if isinstance(module, _CONV_TYPES):
-        return "conv"
-    if isinstance(module, nn.Linear):
-        return "linear"
-    if isinstance(module, _NORM_TYPES):
-        return "norm"
-    # normlab's own norm layers (BatchRenorm, SwitchableNorm, ...) need not subclass torch's: they carry the
-    # `_normlab_norm` class marker.
-    if getattr(type(module), "_normlab_norm", False):
-        return "norm"
-    return None
-
-
-def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[str, nn.Module, str]]:
-    """(name, module, kind) of every monitored layer in registration order; kind in conv/linear/norm."""
-    out = []
-    for name, mod in unwrap_model(model).named_modules():
-        kind = _layer_kind(mod)
-        if kind is None or (kind == "norm" and not include_norm):
-            continue
-        out.append((name or type(mod).__name__, mod, kind))
-    return out
-
-
-@torch.no_grad()
-def effective_weight(module: nn.Module) -> Tensor:
-    """The kernel the layer actually applies, detached: ``module.effective_weight()`` if the module has it
-    (normlab WS/PWS convs), else ``module.weight`` (a weight_norm parametrization already yields it there)."""
-    fn = getattr(module, "effective_weight", None)
-    w = fn() if callable(fn) else module.weight
-    return w.detach()
-
 
 def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -179,7 +112,7 @@ class VarianceMonitor:
         if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
             raise ValueError(f"VarianceMonitor: every must be a positive int (record every N steps), got {every!r}")
         self.model = unwrap_model(model)
-        self.compiled = _is_compiled(model)
+        self.compiled = is_compiled(model)
         self.every = every
         self.include_norm = include_norm
         self.watch_output_layer = watch_output_layer
@@ -392,8 +325,6 @@ class VarianceMonitor:
     def add_signal_propagation(self, input_shape: Sequence[int], **kwargs) -> dict:
         """Compute ``signal_propagation(model, input_shape, **kwargs)``, keep it in ``self.spp`` (exported by
         ``to_jsonl`` and plotted by ``normlab monitor``) and return it."""
-        from normlab.monitor.spp import signal_propagation
-
         self.spp = signal_propagation(self.model, input_shape, **kwargs)
         return self.spp
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from normlab.monitor.hooks import supported_layers, unwrap_model
+from normlab.monitor.layers import supported_layers, unwrap_model
 
 __all__ = ["signal_propagation", "channel_signal_stats", "BRANCH_ATTRS"]
 
@@ -44,6 +44,23 @@ def _branch_of(module: nn.Module) -> nn.Module | None:
         if isinstance(b, nn.Module):
             return b
     return None
+
+
+def _targets(net: nn.Module, modules: Sequence[str] | None) -> tuple[list[tuple[str, nn.Module]], str]:
+    """The modules to report and the mode: named ``modules``, else residual blocks, else every watched layer."""
+    named = dict(net.named_modules())
+    if modules is not None:
+        missing = [m for m in modules if m not in named]
+        if missing:
+            raise ValueError(f"signal_propagation: modules {missing} not found in {type(net).__name__}")
+        return [(m, named[m]) for m in modules], "modules"
+    blocks = [(n, m) for n, m in named.items() if n and _branch_of(m) is not None]
+    if blocks:
+        return blocks, "blocks"
+    layers = [(n, m) for n, m, _ in supported_layers(net)]
+    if not layers:
+        raise ValueError(f"signal_propagation: {type(net).__name__} has no blocks or supported layers to report")
+    return layers, "layers"
 
 
 @torch.no_grad()
@@ -77,22 +94,7 @@ def signal_propagation(
     if device is None:
         p = next(net.parameters(), None)
         device = p.device if p is not None else torch.device("cpu")
-    named = dict(net.named_modules())
-    if modules is not None:
-        missing = [m for m in modules if m not in named]
-        if missing:
-            raise ValueError(f"signal_propagation: modules {missing} not found in {type(net).__name__}")
-        targets = [(m, named[m]) for m in modules]
-        mode = "modules"
-    else:
-        targets = [(n, m) for n, m in named.items() if n and _branch_of(m) is not None]
-        mode = "blocks"
-        if not targets:
-            targets = [(n, m) for n, m, _ in supported_layers(net)]
-            mode = "layers"
-    if not targets:
-        raise ValueError(f"signal_propagation: {type(net).__name__} has no blocks or supported layers to report")
-
+    targets, mode = _targets(net, modules)
     entries: dict[str, dict] = {}
     branch_var: dict[str, float] = {}
     handles = []

@@ -1,4 +1,4 @@
-"""Pure statistics of variance transmission (REFERENCE.md section 2, PWS paper section 3).
+"""Pure statistics of variance transmission (docs/design.md section 2, PWS paper section 3).
 
 Notation for a conv/linear layer l with weight W of shape (N_l, C_in/groups, *k) (Linear: (N_l, n_l)):
 filter o is the row ``W[o]``, ``n_l = fan_in = W[o].numel()``. All variances are biased (population) variances.

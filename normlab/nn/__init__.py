@@ -1,15 +1,26 @@
 """normlab layers: modules that hold parameters and buffers and call :mod:`normlab.functional`.
 
-One file per family: ``batch_renorm.py``, ``instance_norm.py``, ``switchable.py``, ``weight_std.py``,
-``capsules.py``; ``factory.py`` maps names ("bn", "brn", "pws", ...) to layers; ``param_groups.py`` builds
-optimizer groups without weight decay on norm parameters and PWS ``alpha``.
+One file per family (``batch_renorm``, ``instance_norm``, ``switchable``, ``weight_std``, ``capsules``);
+``registry`` maps names (``bn``, ``brn``, ``pws``, ...) to classes for every dimension; ``param_groups`` builds
+optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases.
 """
 
 from .batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, RenormSchedule, SyncBatchRenorm
 from .capsules import PrimaryCapsules, RoutingCapsules, dynamic_routing, margin_loss
-from .factory import CONV_KINDS, NORM_NAMES, create_conv, create_norm
 from .instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
-from .param_groups import is_norm_layer, param_groups
+from .param_groups import param_groups
+from .registry import (
+    CONV_KINDS,
+    NORM_NAMES,
+    comparison_names,
+    create_conv,
+    create_norm,
+    default_groups,
+    get_conv_class,
+    get_norm_class,
+    is_norm_layer,
+    resolve_comparison,
+)
 from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
 from .weight_std import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
@@ -19,6 +30,7 @@ __all__ = [
     "SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d",
     "WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d",
     "PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss",
-    "create_norm", "create_conv", "NORM_NAMES", "CONV_KINDS",
+    "create_norm", "create_conv", "get_norm_class", "get_conv_class", "default_groups",
+    "NORM_NAMES", "CONV_KINDS", "comparison_names", "resolve_comparison",
     "param_groups", "is_norm_layer",
 ]

@@ -155,7 +155,8 @@ class _BatchRenorm(_NormBase):
 
     Args (positional ones exactly as ``nn.BatchNorm*d``):
         num_features: C, the number of channels (dim 1 of the input).
-        eps: added to the variance inside the square root.
+        eps: added to the variance inside the square root (> 0: a channel with constant values must not divide by
+            zero).
         momentum: running-statistics update factor (``None``: cumulative average, like BatchNorm).
         affine, track_running_stats, device, dtype, bias: as ``nn.BatchNorm*d``.
         rmax, dmax: constant correction limits (rmax >= 1, dmax >= 0; ``inf`` means no clipping).
@@ -198,8 +199,8 @@ class _BatchRenorm(_NormBase):
         where = type(self).__name__
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
             raise ValueError(f"{where}: num_features must be a positive int, got {num_features!r}")
-        if not _is_number(eps) or not eps >= 0:
-            raise ValueError(f"{where}: eps must be a number >= 0, got {eps!r}")
+        if not _is_number(eps) or not (eps > 0 and math.isfinite(eps)):
+            raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
         if momentum is not None and (not _is_number(momentum) or not 0 <= momentum <= 1):
             raise ValueError(f"{where}: momentum must be in [0, 1] or None, got {momentum!r}")
         explicit = schedule is not None or rmax is not None or dmax is not None

@@ -1,11 +1,6 @@
-"""Optimizer parameter groups without weight decay on PWS alpha, normalization parameters and (optionally) biases.
+"""Optimizer parameter groups without weight decay on PWS ``alpha``, normalization parameters and biases.
 
-A module counts as a normalization layer when it is an instance of one of torch's norm classes
-(``_NormBase``: BatchNorm*, SyncBatchNorm, InstanceNorm* and their subclasses; ``GroupNorm``, ``LayerNorm``,
-``LocalResponseNorm``, ``RMSNorm``) **or** its class defines ``_normlab_norm = True``.
-
-Convention: every normlab normalization layer (BatchRenorm*, InstanceNorm*, SwitchableNorm*, ...) sets the class
-attribute ``_normlab_norm = True``, and so can any user-defined norm layer that should be treated the same way.
+A module is a normalization layer when :func:`normlab.nn.registry.is_norm_layer` says so.
 """
 
 from __future__ import annotations
@@ -14,32 +9,17 @@ from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["param_groups", "is_norm_layer", "NO_DECAY_KINDS"]
+from .registry import is_norm_layer
+from .weight_std import _PWSConvNd
+
+__all__ = ["param_groups", "NO_DECAY_KINDS"]
 
 NO_DECAY_KINDS = ("alpha", "norm", "bias")
-
-_TORCH_NORMS: tuple[type, ...] = (
-    nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*, and subclasses (BatchRenorm*)
-    nn.GroupNorm,
-    nn.LayerNorm,
-    nn.LocalResponseNorm,
-) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
-
-
-def is_norm_layer(module: nn.Module) -> bool:
-    """True for torch normalization layers and for classes that define ``_normlab_norm = True``."""
-    return isinstance(module, _TORCH_NORMS) or bool(getattr(type(module), "_normlab_norm", False))
-
-
-def _is_pws(module: nn.Module) -> bool:
-    from normlab.nn.weight_std import _PWSConvNd
-
-    return isinstance(module, _PWSConvNd)
 
 
 def _kinds(module: nn.Module, name: str) -> set[str]:
     kinds = set()
-    if name == "alpha" and _is_pws(module):
+    if name == "alpha" and isinstance(module, _PWSConvNd):
         kinds.add("alpha")
     if is_norm_layer(module):
         kinds.add("norm")

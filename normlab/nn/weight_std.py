@@ -1,49 +1,9 @@
-"""Weight-standardized convolutions: ``WSConv{1,2,3}d`` and ``PWSConv{1,2,3}d``.
+"""Weight-standardized convolutions: :class:`WSConv1d`/``2d``/``3d`` and :class:`PWSConv1d`/``2d``/``3d``.
 
-Both are subclasses of ``nn.Conv{1,2,3}d`` that take every constructor argument of their parent (stride,
-padding incl. ``'same'``/``'valid'``, dilation, groups, bias, padding_mode incl. reflect/replicate/circular,
-tuple kernels, device, dtype). They only change the kernel handed to the parent's
-``_conv_forward(input, weight, bias)``; :meth:`effective_weight` returns that kernel.
-
-* WS (Qiao et al. 2019): ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)``
-  (:func:`normlab.functional.standardize_weight`).
-* PWS (Liu et al., AAAI 2021, REFERENCE.md section 1):
-  ``W_hat_o = sqrt(2/n) * alpha_o * (W_o - mean(W_o)) / sqrt(var(W_o) + g)``, ``n`` = fan (fan_in by default),
-  ``g = gamma`` or ``gamma * 2/n`` (``relative_gamma``) (:func:`normlab.functional.pws_weight`).
-
-Choices (documented deviations/precisions of REFERENCE.md):
-
-* Raw PWS weight init: ``W ~ N(0, 2/n)`` with ``n`` the layer's fan, i.e. exactly
-  ``nn.init.kaiming_normal_(W, mode="fan_in", nonlinearity="relu")`` for the default ``fan_mode="fan_in"``
-  (the authors' ``pws_init``). ``fan_in = C_in/groups * prod(kernel)``; ``fan_out = C_out/groups * prod(kernel)``
-  (the number of outputs one input value reaches; torch's own fan_out ignores ``groups``). The same ``n`` is used
-  in the ``sqrt(2/n)`` scale and in the relative gamma. Note that the raw scale matters: with ``Var(W) = 2/n``
-  and the absolute ``gamma=1e-3`` the kernel's norm is shrunk by ``sqrt(var/(var+gamma))`` (0.88 for n = 576).
-* ``init_alpha`` ("initalpha"): at the first *training* forward (whenever it happens, also after ``.eval()``
-  forwards) every alpha of the layer is set to ``sqrt(2 / Var(y))`` where ``y = conv(x, W_hat(alpha=1))``
-  *without bias* and Var is the biased variance over all output values of that batch (under torch.distributed,
-  pooled over all ranks), so that the output variance is 2 on that batch (exactly, as bias is 0 at init).
-  The buffer ``alpha_initialized`` (bool, in the state_dict) records that alpha holds meaningful values:
-  it is True from construction when ``init_alpha=False``, True after the data-dependent init, and True after
-  loading any state_dict that carries an ``alpha`` (a foreign checkpoint without the flag counts as
-  initialized). A loaded alpha is therefore never overwritten.
-* Inference cache (``weight_cache`` keyword / attribute): in eval mode, when no gradient is needed, the kernel
-  is computed once and reused while the weight (and alpha) are unchanged. The cache key is the tensors' identity
-  (data_ptr, ``_version``, dtype, device, shape, stride) plus the hyper-parameters; an in-place edit of the
-  returned kernel invalidates it too. Modes: ``"verified"``: on a key hit the stored copies of weight/alpha are
-  also compared with ``torch.equal``, because edits through ``.data`` bypass the autograd version counter
-  (cost of a hit: one comparison pass; memory: kernel + one copy of weight/alpha; on an accelerator this would
-  be a host synchronisation per layer). ``"identity"``: key only (no comparison, no sync; an edit through
-  ``.data`` is NOT seen: call :meth:`clear_weight_cache` after one). ``"off"``: always recompute.
-  ``"auto"`` (default): ``"verified"`` for CPU weights, ``"off"`` on other devices (recomputing the kernel
-  there is a few asynchronous kernels, cheaper than a sync). For deployment, :func:`normlab.convert.
-  fold_for_inference` turns the layer into a plain conv (no overhead at all). The cache is a plain attribute: not a
-  buffer, not in the state_dict, built under ``no_grad`` (no autograd graph), dropped by ``.to()``/``.double()``/
-  ``.half()``/``.cuda()`` (``_apply``), by pickling (torch.save of the whole module) and by deepcopy. Training,
-  TorchScript tracing and torch.compile never use it. ``forward`` is an ordinary class method (nothing bound on
-  the instance), so DataParallel replicas and deepcopies run with their own parameters.
-* TorchScript: ``torch.jit.script`` is deprecated in torch 2.x and ``normlab.functional`` is not scriptable;
-  ``torch.compile`` (and ``torch.jit.trace``) are supported and tested instead.
+Each class is the ``nn.Conv{1,2,3}d`` it stands beside, with the same constructor arguments and state, that hands
+a standardized kernel to the parent's ``_conv_forward``. The logic lives once in :class:`_StdConvNd` (forward,
+input checks, inference cache) and in :class:`_WSConvNd` / :class:`_PWSConvNd` (the kernel); the six public classes
+only name the dimension. Design notes (the inference cache, ``init_alpha``): ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -56,10 +16,16 @@ from torch import Tensor, nn
 
 from normlab.functional import pws_weight, standardize_weight
 
-__all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d"]
+__all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d", "WEIGHT_CACHE_MODES"]
 
-_FAN_MODES = ("fan_in", "fan_out")
+FAN_MODES = ("fan_in", "fan_out")
 WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
+
+
+def _check_positive(where: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _check_cache_mode(where: str, mode: str) -> str:
@@ -72,61 +38,62 @@ def _tensor_key(t: Tensor) -> tuple:
     return (t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape), t.stride())
 
 
-def _skip_cache() -> bool:
+def _capturing_graph() -> bool:
     """True while a graph is being captured (trace/compile): captured graphs must recompute the kernel."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.jit.is_scripting()
 
 
-class _StdConvMixin:
-    """Shared forward, input checks and the inference weight cache of the WS/PWS convolutions.
+class _StdConvNd:
+    """Forward, input checks and inference kernel cache shared by the WS and PWS convolutions.
 
-    Subclasses implement ``_compute_weight() -> Tensor`` (the kernel, with autograd),
-    ``_cache_tensors() -> tuple[Tensor, ...]`` (the parameters the kernel depends on) and
-    ``_cache_params() -> tuple`` (the hyper-parameters it depends on).
+    Subclasses (placed before ``nn.Conv{d}d`` in the bases) define ``_compute_weight()`` (the kernel, with
+    autograd), ``_cache_tensors()`` (the parameters the kernel depends on) and ``_cache_params()`` (the
+    hyper-parameters it depends on).
     """
 
     _weight_cache: tuple | None = None  # (key, reference copies, kernel, kernel version); set per instance
-    _spatial_dims: int = 2
-    weight_cache: str = "auto"  # see the module docstring; settable per instance
+    weight_cache: str = "auto"
 
-    # -- the kernel ------------------------------------------------------------------------------------
     def effective_weight(self) -> Tensor:
-        """The kernel passed to ``F.conv{d}d``: shape (C_out, C_in/groups, *kernel_size), dtype of ``weight``.
+        """The kernel passed to ``F.conv{d}d``: (C_out, C_in/groups, *kernel_size), in ``weight``'s dtype.
 
-        With autograd in training (or whenever a gradient is needed); from the inference cache otherwise.
+        Computed with autograd whenever training or a gradient is needed; otherwise from the inference cache.
         """
         tensors = self._cache_tensors()
-        needs_grad = torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         mode = self.weight_cache
         if mode == "auto":
             mode = "verified" if tensors[0].device.type == "cpu" else "off"
-        if self.training or needs_grad or mode == "off" or torch.jit.is_scripting() or _skip_cache():
+        if self.training or needs_grad or mode == "off" or _capturing_graph():
             return self._compute_weight()
         return self._cached_weight(tensors, verify=mode == "verified")
 
-    def _cached_weight(self, tensors: tuple[Tensor, ...], verify: bool = True) -> Tensor:
-        """Return the cached kernel if it is current, else recompute and cache it (no graph).
-
-        Valid only if (1) the identities (data_ptr, _version) and metadata (dtype, device, shape, stride) of
-        weight/alpha and the hyper-parameters equal the recorded ones, (2) the cached kernel was not modified in
-        place, and (3) with ``verify``, the values still equal the stored copies (edits through ``.data`` keep
-        data_ptr and _version, so identity alone cannot see them).
-        """
-        if any([t.is_inference() for t in tensors]):  # parameters created under inference_mode: no versions
-            return self._compute_weight()
+    def _cache_key(self, tensors: tuple[Tensor, ...]) -> tuple | None:
+        if any(t.is_inference() for t in tensors):  # parameters created under inference_mode have no versions
+            return None
         try:
-            key = (tuple(_tensor_key(t) for t in tensors), self._cache_params())
-        except RuntimeError:  # tensors without storage (torch.func transforms such as vmap): no cache
+            return tuple(_tensor_key(t) for t in tensors), self._cache_params()
+        except RuntimeError:  # tensors without storage (torch.func transforms such as vmap)
+            return None
+
+    def _cache_hit(self, key: tuple, tensors: tuple[Tensor, ...], verify: bool) -> Tensor | None:
+        if self._weight_cache is None:
+            return None
+        old_key, refs, kernel, kernel_version = self._weight_cache
+        if old_key != key or kernel._version != kernel_version:
+            return None
+        if verify and not (len(refs) == len(tensors) and all(map(torch.equal, refs, tensors))):
+            return None  # an edit through .data keeps data_ptr and _version: only the values show it
+        return kernel
+
+    def _cached_weight(self, tensors: tuple[Tensor, ...], verify: bool = True) -> Tensor:
+        """The cached kernel if the parameters are unchanged (and, with ``verify``, equal by value), else a new one."""
+        key = self._cache_key(tensors)
+        if key is None:
             return self._compute_weight()
-        entry = self._weight_cache
-        if entry is not None:
-            old_key, refs, kernel, kernel_version = entry
-            if (
-                old_key == key
-                and kernel._version == kernel_version
-                and (not verify or (len(refs) == len(tensors) and all(map(torch.equal, refs, tensors))))
-            ):
-                return kernel
+        kernel = self._cache_hit(key, tensors, verify)
+        if kernel is not None:
+            return kernel
         with torch.inference_mode(False), torch.no_grad():  # normal tensors (with versions) even in inference_mode
             kernel = self._compute_weight().detach()
             refs = tuple(t.detach().clone() for t in tensors) if verify else ()
@@ -137,18 +104,17 @@ class _StdConvMixin:
         """Drop the inference cache (never needed for correctness; frees its memory)."""
         self._weight_cache = None
 
-    # -- module plumbing ----------------------------------------------------------------------------------
-    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), .half(), .cuda(), ...
+    def _apply(self, fn, *args, **kwargs):  # .to(), .double(), .half(), .cuda(): the cache is dropped
         self._weight_cache = None
         return super()._apply(fn, *args, **kwargs)
 
-    def __getstate__(self):  # torch.save(module) / pickle / deepcopy: the cache is dropped
+    def __getstate__(self):  # torch.save(module), pickle, deepcopy: the cache is dropped
         state = super().__getstate__().copy()
         state["_weight_cache"] = None
         return state
 
     def _check_input(self, input: Tensor) -> None:
-        d = self._spatial_dims
+        d = len(self.kernel_size)
         name = type(self).__name__
         if input.dim() not in (d + 1, d + 2):
             raise ValueError(
@@ -159,7 +125,7 @@ class _StdConvMixin:
             raise ValueError(f"{name}: expected input with {self.in_channels} channels, got {channels}")
 
     def forward(self, input: Tensor) -> Tensor:
-        """input (N, C_in, *spatial) or (C_in, *spatial) -> output (N, C_out, *spatial')."""
+        """input (N, C_in, *spatial) or (C_in, *spatial) -> (N, C_out, *spatial') or (C_out, *spatial')."""
         self._check_input(input)
         self._before_forward(input)
         return self._conv_forward(input, self.effective_weight(), self.bias)
@@ -168,15 +134,31 @@ class _StdConvMixin:
         pass
 
 
-# ------------------------------------------------------------------------------------------------------------
-# Weight Standardization
-# ------------------------------------------------------------------------------------------------------------
-class _WSConvNd(_StdConvMixin):
-    def _init_ws(self, eps: float, weight_cache: str) -> None:
-        self.weight_cache = _check_cache_mode(type(self).__name__, weight_cache)
-        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
-            raise ValueError(f"{type(self).__name__}: eps must be a finite number > 0, got {eps!r}")
-        self.eps = float(eps)
+class _WSConvNd(_StdConvNd):
+    r"""Weight Standardization (Qiao et al. 2019): a convolution whose filters are standardized on the fly.
+
+    .. math::
+        \hat W_o = \frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + \epsilon}}, \qquad
+        y = \mathrm{conv}(x, \hat W) + b
+
+    with the biased variance over all entries of filter o. Gradients flow through the mean and the variance.
+    WS keeps unit variance per kernel entry (``n Var[W_hat] = n``): use it with an output normalization (GN).
+
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype: as ``nn.Conv{d}d`` (weight and bias start as ``nn.Conv{d}d``'s).
+        eps: added to the variance inside the square root (keyword-only, > 0). Default: 1e-5.
+        weight_cache: inference kernel cache, one of ``auto`` (default), ``verified``, ``identity``, ``off``.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
+                 eps: float = 1e-5, weight_cache: str = "auto") -> None:
+        where = type(self).__name__
+        self.weight_cache = _check_cache_mode(where, weight_cache)
+        self.eps = _check_positive(where, "eps", eps)
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, device, dtype)
 
     def _compute_weight(self) -> Tensor:
         return standardize_weight(self.weight, self.eps)
@@ -191,73 +173,56 @@ class _WSConvNd(_StdConvMixin):
         return super().extra_repr() + f", eps={self.eps}"
 
 
-def _ws_class(base: type[nn.Module], d: int) -> type:
-    class WSConv(_WSConvNd, base):
-        __doc__ = f"""Weight-standardized ``nn.Conv{d}d``: ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)``.
+class _PWSConvNd(_StdConvNd):
+    r"""Parametric Weight Standardization (Liu et al., AAAI 2021): standardized filters with a He gain and ``alpha``.
 
-        Takes every ``nn.Conv{d}d`` argument plus keyword-only ``eps`` (default 1e-5) and ``weight_cache``
-        (inference cache mode: auto, verified, identity, off; see the module docstring). Raw weight/bias init is
-        ``nn.Conv{d}d``'s. Input (N, C_in, *{d} spatial) -> (N, C_out, *spatial').
-        """
-        _spatial_dims = d
+    .. math::
+        \hat W_o = \sqrt{2/n}\;\alpha_o\,\frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + g}}, \qquad
+        y = \mathrm{conv}(x, \hat W) + b
 
-        def __init__(
-            self,
-            in_channels: int,
-            out_channels: int,
-            kernel_size,
-            stride=1,
-            padding=0,
-            dilation=1,
-            groups: int = 1,
-            bias: bool = True,
-            padding_mode: str = "zeros",
-            device=None,
-            dtype=None,
-            *,
-            eps: float = 1e-5,
-            weight_cache: str = "auto",
-        ) -> None:
-            self._init_ws(eps, weight_cache)
-            super().__init__(
-                in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
-                groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype,
-            )
+    with the biased variance over the filter, ``n`` the fan (``fan_in = C_in/groups * prod(kernel)`` by default)
+    and ``g = gamma`` (absolute) or ``g = gamma * 2/n`` (``relative_gamma``). Mean and variance are
+    differentiated through, so the gradient reaching ``weight`` has zero mean per filter. In eval mode the kernel
+    is constant: :func:`normlab.convert.fold_for_inference` turns the layer into a plain convolution.
 
-    WSConv.__name__ = WSConv.__qualname__ = f"WSConv{d}d"
-    return WSConv
+    Args:
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
+            dtype: as ``nn.Conv{d}d``.
+        gamma: added to the filter variance inside the square root (keyword-only, > 0). Default: 1e-3.
+        relative_gamma: use ``gamma * 2/n`` (the authors' "equiv" mode). Default: False.
+        fan_mode: ``"fan_in"`` (default) or ``"fan_out"`` (``C_out/groups * prod(kernel)``): the ``n`` above.
+        init_alpha: at the first training forward, set every alpha to ``sqrt(2 / Var(conv(x, W_hat(alpha=1))))``
+            (unbiased variance of the batch's outputs without bias, pooled over ranks), as the authors'
+            ``initalpha``. A loaded ``alpha`` is never overwritten (buffer ``alpha_initialized``).
+        weight_cache: inference kernel cache, one of ``auto`` (default), ``verified``, ``identity``, ``off``.
 
+    Parameters: ``weight`` (C_out, C_in/groups, *kernel), initialised N(0, 2/n); ``bias`` (C_out,), zeros;
+    ``alpha`` (C_out,), ones (no weight decay in :func:`normlab.nn.param_groups`). Buffer: ``alpha_initialized``.
+    """
 
-# ------------------------------------------------------------------------------------------------------------
-# Parametric Weight Standardization
-# ------------------------------------------------------------------------------------------------------------
-class _PWSConvNd(_StdConvMixin):
-    def _init_pws(self, gamma, relative_gamma, fan_mode, init_alpha, weight_cache) -> None:
-        name = type(self).__name__
-        self.weight_cache = _check_cache_mode(name, weight_cache)
-        if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not math.isfinite(gamma) or gamma <= 0:
-            raise ValueError(f"{name}: gamma must be a finite number > 0, got {gamma!r}")
-        if fan_mode not in _FAN_MODES:
-            raise ValueError(f"{name}: fan_mode must be one of {', '.join(_FAN_MODES)}, got {fan_mode!r}")
-        self.gamma = float(gamma)
+    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
+                 gamma: float = 1e-3, relative_gamma: bool = False, fan_mode: str = "fan_in",
+                 init_alpha: bool = False, weight_cache: str = "auto") -> None:
+        where = type(self).__name__
+        self.weight_cache = _check_cache_mode(where, weight_cache)
+        self.gamma = _check_positive(where, "gamma", gamma)
+        if fan_mode not in FAN_MODES:
+            raise ValueError(f"{where}: fan_mode must be one of {', '.join(FAN_MODES)}, got {fan_mode!r}")
         self.relative_gamma = bool(relative_gamma)
         self.fan_mode = fan_mode
         self.init_alpha = bool(init_alpha)
-
-    def _finish_init(self, factory_kwargs: dict) -> None:
-        k = math.prod(self.kernel_size)
-        fan_in = self.in_channels // self.groups * k
-        fan_out = self.out_channels // self.groups * k
-        self.fan = fan_in if self.fan_mode == "fan_in" else fan_out
-        self.alpha = nn.Parameter(torch.ones(self.out_channels, **factory_kwargs))
-        self.register_buffer(
-            "alpha_initialized", torch.tensor(not self.init_alpha, device=factory_kwargs.get("device"))
-        )
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+                         padding_mode, device, dtype)
+        per_filter = self.in_channels if fan_mode == "fan_in" else self.out_channels
+        self.fan = per_filter // self.groups * math.prod(self.kernel_size)
+        self.alpha = nn.Parameter(torch.ones(self.out_channels, device=device, dtype=dtype))
+        self.register_buffer("alpha_initialized", torch.tensor(not self.init_alpha, device=device))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Raw weight ~ N(0, 2/fan) (Kaiming normal, ReLU gain), bias 0, alpha 1; data init re-armed."""
-        if "alpha" not in self._parameters:  # called by nn.ConvNd.__init__ before alpha exists
+        """Raw weight ~ N(0, 2/n) (Kaiming normal, ReLU gain), bias 0, alpha 1; the data-dependent init re-armed."""
+        if "alpha" not in self._parameters:  # nn.ConvNd.__init__ calls this before alpha exists
             return
         nn.init.normal_(self.weight, 0.0, math.sqrt(2.0 / self.fan))
         if self.bias is not None:
@@ -281,14 +246,14 @@ class _PWSConvNd(_StdConvMixin):
 
     @torch.no_grad()
     def _data_init_alpha(self, input: Tensor) -> None:
-        """Set every alpha to sqrt(2 / Var(conv(x, W_hat(alpha=1)))) so the batch's output variance is 2."""
+        """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance."""
         kernel = pws_weight(self.weight, None, self.gamma, self.relative_gamma, fan=self.fan)
-        y = self._conv_forward(input, kernel, None).float()
-        stats = torch.stack([y.mean(), y.square().mean()]).double()
+        y = self._conv_forward(input, kernel, None).double()
+        stats = torch.stack([y.sum(), y.square().sum(), y.new_tensor(float(y.numel()))])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
-            stats /= dist.get_world_size()
-        var = (stats[1] - stats[0].square()).clamp_min(1e-12)
+        total, total_sq, count = stats
+        var = ((total_sq - total.square() / count) / (count - 1).clamp_min(1)).clamp_min(1e-12)
         self.alpha.fill_(float(torch.sqrt(2.0 / var)))
         self.alpha_initialized.fill_(True)
 
@@ -312,54 +277,77 @@ class _PWSConvNd(_StdConvMixin):
         return s
 
 
-def _pws_class(base: type[nn.Module], d: int) -> type:
-    class PWSConv(_PWSConvNd, base):
-        __doc__ = f"""Parametric Weight Standardization ``nn.Conv{d}d`` (Liu et al., AAAI 2021).
+class WSConv1d(_WSConvNd, nn.Conv1d):
+    """Weight-standardized ``nn.Conv1d`` (see :class:`_WSConvNd` for the formula and arguments).
 
-        ``W_hat_o = sqrt(2/n) * alpha_o * (W_o - mean(W_o)) / sqrt(var(W_o) + g)``, ``y = conv(x, W_hat) + b``.
-        Takes every ``nn.Conv{d}d`` argument (bias=True by default) plus keyword-only ``gamma`` (1e-3, > 0),
-        ``relative_gamma`` (g = gamma * 2/n), ``fan_mode`` ("fan_in" or "fan_out": n) and ``init_alpha``
-        (data-dependent alpha at the first training forward) and ``weight_cache`` (inference cache mode: auto,
-        verified, identity, off; see the module docstring). Parameters: ``weight`` (C_out, C_in/groups,
-        *kernel), ``bias`` (C_out,), ``alpha`` (C_out,); buffer ``alpha_initialized`` (bool scalar).
-        Input (N, C_in, *{d} spatial) -> (N, C_out, *spatial').
-        """
-        _spatial_dims = d
+    Shape:
+        Input (N, C_in, L) or (C_in, L); output (N, C_out, L_out).
 
-        def __init__(
-            self,
-            in_channels: int,
-            out_channels: int,
-            kernel_size,
-            stride=1,
-            padding=0,
-            dilation=1,
-            groups: int = 1,
-            bias: bool = True,
-            padding_mode: str = "zeros",
-            device=None,
-            dtype=None,
-            *,
-            gamma: float = 1e-3,
-            relative_gamma: bool = False,
-            fan_mode: str = "fan_in",
-            init_alpha: bool = False,
-            weight_cache: str = "auto",
-        ) -> None:
-            self._init_pws(gamma, relative_gamma, fan_mode, init_alpha, weight_cache)
-            super().__init__(
-                in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
-                groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype,
-            )
-            self._finish_init({"device": device, "dtype": dtype})
-
-    PWSConv.__name__ = PWSConv.__qualname__ = f"PWSConv{d}d"
-    return PWSConv
+    Example:
+        >>> conv = WSConv1d(16, 32, 3, padding=1)
+        >>> conv(torch.randn(8, 16, 40)).shape
+        torch.Size([8, 32, 40])
+    """
 
 
-WSConv1d = _ws_class(nn.Conv1d, 1)
-WSConv2d = _ws_class(nn.Conv2d, 2)
-WSConv3d = _ws_class(nn.Conv3d, 3)
-PWSConv1d = _pws_class(nn.Conv1d, 1)
-PWSConv2d = _pws_class(nn.Conv2d, 2)
-PWSConv3d = _pws_class(nn.Conv3d, 3)
+class WSConv2d(_WSConvNd, nn.Conv2d):
+    """Weight-standardized ``nn.Conv2d`` (see :class:`_WSConvNd` for the formula and arguments).
+
+    Shape:
+        Input (N, C_in, H, W) or (C_in, H, W); output (N, C_out, H_out, W_out).
+
+    Example:
+        >>> model = nn.Sequential(WSConv2d(3, 64, 3, padding=1), nn.GroupNorm(32, 64), nn.ReLU())
+        >>> model(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 64, 32, 32])
+    """
+
+
+class WSConv3d(_WSConvNd, nn.Conv3d):
+    """Weight-standardized ``nn.Conv3d`` (see :class:`_WSConvNd` for the formula and arguments).
+
+    Shape:
+        Input (N, C_in, D, H, W) or (C_in, D, H, W); output (N, C_out, D_out, H_out, W_out).
+
+    Example:
+        >>> WSConv3d(4, 8, 3)(torch.randn(2, 4, 6, 6, 6)).shape
+        torch.Size([2, 8, 4, 4, 4])
+    """
+
+
+class PWSConv1d(_PWSConvNd, nn.Conv1d):
+    """Parametric Weight Standardization ``nn.Conv1d`` (see :class:`_PWSConvNd` for the formula and arguments).
+
+    Shape:
+        Input (N, C_in, L) or (C_in, L); output (N, C_out, L_out).
+
+    Example:
+        >>> conv = PWSConv1d(16, 32, 3, padding=1, gamma=1e-3)
+        >>> conv(torch.randn(8, 16, 40)).shape
+        torch.Size([8, 32, 40])
+    """
+
+
+class PWSConv2d(_PWSConvNd, nn.Conv2d):
+    """Parametric Weight Standardization ``nn.Conv2d`` (see :class:`_PWSConvNd` for the formula and arguments).
+
+    Shape:
+        Input (N, C_in, H, W) or (C_in, H, W); output (N, C_out, H_out, W_out).
+
+    Example:
+        >>> model = nn.Sequential(PWSConv2d(3, 64, 3, padding=1), nn.ReLU(), PWSConv2d(64, 10, 1))
+        >>> model(torch.randn(2, 3, 32, 32)).shape
+        torch.Size([2, 10, 32, 32])
+    """
+
+
+class PWSConv3d(_PWSConvNd, nn.Conv3d):
+    """Parametric Weight Standardization ``nn.Conv3d`` (see :class:`_PWSConvNd` for the formula and arguments).
+
+    Shape:
+        Input (N, C_in, D, H, W) or (C_in, D, H, W); output (N, C_out, D_out, H_out, W_out).
+
+    Example:
+        >>> PWSConv3d(4, 8, 3, padding=1)(torch.randn(2, 4, 6, 6, 6)).shape
+        torch.Size([2, 8, 6, 6, 6])
+    """

@@ -33,7 +33,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DATASETS = ("digits", "mnist1d", "cifar10")
+from .errors import UsageError
+
+DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
+DATASETS = tuple(DATASET_CLASSES)
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
@@ -118,7 +121,7 @@ def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None,
     and ``description``.
     """
     if name not in DATASETS:
-        raise ValueError(f"get_dataset: unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+        raise UsageError(f"get_dataset: unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     if name == "digits":
         train_ds, test_ds, desc = _digits()
         classes = tuple(str(i) for i in range(10))
@@ -265,7 +268,7 @@ def _read_cifar_batch(path: Path):
 
 def _cifar10(data_dir, download):
     if data_dir is None:
-        raise ValueError("get_dataset('cifar10'): data_dir is required (directory holding cifar-10-batches-py)")
+        raise UsageError("get_dataset('cifar10'): data_dir is required (directory holding cifar-10-batches-py)")
     if download:
         download_cifar10(data_dir)
     d = _find_cifar_dir(data_dir)

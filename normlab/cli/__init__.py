@@ -1,0 +1,68 @@
+"""The ``normlab`` command line: ``demo | train | compare | report | monitor | bench``.
+
+Each command is one module here with ``add_parser(subparsers)`` (which sets ``run``) and ``run(args) -> int``.
+A refusal of the runner (:class:`~normlab.runner.errors.RunnerError`) is printed as one line with its exit code
+(2 for bad input); Ctrl-C or SIGTERM stops with exit code 130 and leaves every finished result on disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from normlab.runner.errors import RunnerError
+
+from . import bench, compare, demo, monitor, report, train
+
+__all__ = ["main", "build_parser", "COMMANDS"]
+
+COMMANDS = (demo, train, compare, report, monitor, bench)
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="normlab",
+        description="Normalization layers, a variance-transmission monitor and an experiment runner that compares "
+                    "normalizations (none, BN, BRN, GN, SN, WN, WS, PWS) across learning rates and batch sizes.",
+        epilog="Start with `normlab demo`. `normlab <command> --help` for details.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if in_main else None
+    try:
+        return int(args.run(args) or 0)
+    except RunnerError as e:
+        print(f"normlab {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"normlab {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)

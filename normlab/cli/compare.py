@@ -1,0 +1,76 @@
+"""``normlab compare``: a grid of normalizations x learning rates x batch sizes x seeds."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from normlab.runner.checks import check_grid
+from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, run_grid
+from normlab.runner.report import print_summary
+
+from .args import (
+    add_data_args,
+    add_optim_args,
+    add_out_arg,
+    finite_float,
+    list_of,
+    load_data,
+    names,
+    positive_int,
+    train_kwargs,
+)
+
+NAME = "compare"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    g = GridSpec()
+    p = sub.add_parser(NAME, help="run a grid of normalizations x learning rates x batch sizes x seeds",
+                       description="Run (or resume) a comparison grid; each cell is one training run in "
+                                   "OUT/runs/<cell>. Writes OUT/results.json, OUT/results.md and PNG plots.")
+    p.add_argument("--norms", type=names, default=list(DEFAULT_NORMS),
+                   help="comma-separated comparison names: none,bn,brn,gn,ln,in,sn (output norms), wn,ws,pws "
+                        "(weight reparametrizations, no output norm), or e.g. ws+gn "
+                        f"(default {','.join(DEFAULT_NORMS)})")
+    p.add_argument("--lrs", type=list_of(finite_float, "learning rates"), default=list(g.lrs),
+                   help="comma-separated learning rates (default 0.05)")
+    p.add_argument("--batch-sizes", type=list_of(int, "batch sizes"), default=list(g.batch_sizes),
+                   help="comma-separated batch sizes (default 64)")
+    p.add_argument("--seeds", type=list_of(int, "seeds"), default=[0, 1, 2],
+                   help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--epochs", type=positive_int, default=g.epochs, help=f"epochs per run (default {g.epochs})")
+    p.add_argument("--layout", choices=LAYOUTS, default=g.layout,
+                   help="product: every lr x batch size; cross: lr sweep at the base batch size plus batch-size sweep "
+                        "at the base lr (default product)")
+    p.add_argument("--base-lr", type=finite_float, default=None,
+                   help="lr of the batch-size sweep (default: first of --lrs)")
+    p.add_argument("--base-batch-size", type=int, default=None,
+                   help="batch size of the lr sweep and of the lr scaling (default: first of --batch-sizes)")
+    p.add_argument("--lr-scaling", choices=LR_SCALINGS, default=g.lr_scaling,
+                   help="scale each cell's lr with batch_size / base batch size (default none)")
+    add_data_args(p)
+    add_optim_args(p)
+    add_out_arg(p, "runs/compare")
+    p.add_argument("--workers", type=int, default=0,
+                   help="parallel worker processes, 1 torch thread each (default 0: one per usable core)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = GridSpec(
+        norms=args.norms, lrs=args.lrs, batch_sizes=args.batch_sizes, seeds=args.seeds, epochs=args.epochs,
+        dataset=args.dataset, model=args.model, width=args.width, layout=args.layout, base_lr=args.base_lr,
+        base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling, target_acc=args.target_acc,
+        max_steps_per_epoch=args.max_steps_per_epoch, train_kwargs=train_kwargs(args),
+    )
+    if args.download:
+        load_data(args)
+    check_grid(expand_grid(spec))
+    out = Path(args.out)
+    results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
+                       threads=args.threads)
+    print_summary(results, out)
+    return 0

@@ -1,0 +1,38 @@
+"""``normlab monitor LOG.jsonl --out DIR``: render the plots of a variance-monitor log."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from normlab.monitor import render_monitor_plots
+from normlab.monitor.plots import load_log
+from normlab.runner.errors import UsageError
+
+NAME = "monitor"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser(NAME, help="render variance-transmission plots from a monitor JSONL log",
+                       description="Render PNG plots (PWS paper Figs. 1a, 1b, 2, 6, output variance, signal "
+                                   "propagation) from a JSONL log written by VarianceMonitor.to_jsonl or by "
+                                   "`normlab train --monitor-every N`.")
+    p.add_argument("log", type=Path, help="monitor log (JSON lines)")
+    p.add_argument("--out", type=Path, default=None, help="output folder (default: LOG's folder / monitor_plots)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out if args.out is not None else args.log.parent / "monitor_plots"
+    try:
+        _, alarm, _ = load_log(args.log)
+        paths = render_monitor_plots(args.log, out)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
+    if alarm is not None:
+        print(f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"
+              f" (value {alarm.get('value')}, initial {alarm.get('initial')})")
+    for p in paths:
+        print(p)
+    return 0

@@ -1,0 +1,82 @@
+"""``normlab train``: one training run (options mirror :class:`normlab.runner.config.TrainConfig`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from normlab.nn import CONV_KINDS, comparison_names
+from normlab.runner.checks import check_feasible
+from normlab.runner.config import TrainConfig
+from normlab.runner.errors import UsageError
+from normlab.runner.train import train
+
+from .args import (
+    DEFAULTS,
+    add_data_args,
+    add_optim_args,
+    add_out_arg,
+    finite_float,
+    load_data,
+    positive_int,
+    resolve_name,
+    train_kwargs,
+)
+
+NAME = "train"
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    d = DEFAULTS
+    p = sub.add_parser(NAME, help="train one network",
+                       description="Train one network. Killing it and rerunning with the same --out resumes from the "
+                                   "last checkpoint.")
+    add_data_args(p)
+    p.add_argument("--norm", default=d.norm,
+                   help=f"output normalization or comparison name: {', '.join(comparison_names())} or e.g. ws+gn; "
+                        f"a weight reparametrization (wn, ws, pws) sets --conv and no output norm (default {d.norm})")
+    p.add_argument("--conv", default=None, help=f"conv kind: {', '.join(CONV_KINDS)} (default {d.conv})")
+    p.add_argument("--lr", type=finite_float, default=d.lr, help=f"learning rate (default {d.lr})")
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help=f"batch size (default {d.batch_size})")
+    p.add_argument("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
+    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
+    p.add_argument("--monitor-every", type=int, default=d.monitor_every,
+                   help="record variance-monitor statistics every N steps (0: off)")
+    p.add_argument("--stop-on-collapse", action="store_true", help="stop when the monitor raises its alarm")
+    add_optim_args(p)
+    add_out_arg(p, "runs/train")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+    return p
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    if args.conv is None:
+        norm, conv = resolve_name(args.norm)
+    elif args.conv not in CONV_KINDS:
+        raise UsageError(f"--conv: unknown conv kind {args.conv!r}; valid conv kinds: {', '.join(CONV_KINDS)}")
+    else:
+        norm, conv = args.norm, args.conv
+    return TrainConfig(
+        dataset=args.dataset, model=args.model, norm=norm, conv=conv, width=args.width, lr=args.lr,
+        batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, monitor_every=args.monitor_every,
+        stop_on_collapse=args.stop_on_collapse, target_acc=args.target_acc,
+        max_steps_per_epoch=args.max_steps_per_epoch, **train_kwargs(args),
+    ).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    check_feasible(cfg, data=load_data(args))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    summary = train(cfg, args.out, progress=not args.quiet)
+    acc = summary.get("final_test_acc")
+    msg = f"final test acc {100 * acc:.2f} %" if acc is not None else "no test accuracy"
+    if summary.get("collapsed"):
+        msg += f"; COLLAPSED at epoch {summary.get('collapse_epoch')}"
+    print(f"normlab train: {msg}; best {100 * (summary.get('best_test_acc') or 0):.2f} %; "
+          f"summary in {Path(args.out) / 'summary.json'}")
+    return 0

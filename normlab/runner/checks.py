@@ -1,0 +1,53 @@
+"""Refuse impossible runs before any training: unknown names, a batch larger than the data, a model that cannot
+run on the data's input shape. Each refusal is a one-line :class:`~normlab.runner.errors.UsageError`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from .config import TrainConfig
+from .data import get_dataset
+from .errors import UsageError
+from .models import build_model
+
+__all__ = ["check_feasible", "check_grid"]
+
+
+def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
+    """Validate ``config`` and build its model on the data's input shape; a dry forward pass catches whatever
+    else cannot run. ``data`` may pass an already loaded ``(train_ds, test_ds, info)``."""
+    config.validate()
+    train_ds, _test_ds, info = data if data is not None else get_dataset(config.dataset, config.data_dir)
+    if config.batch_size > len(train_ds):
+        raise UsageError(f"batch size {config.batch_size} is larger than the {config.dataset} training set "
+                         f"({len(train_ds)} examples)")
+    shape = tuple(info["input_shape"])
+    net = build_model(config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], shape,
+                      config.width, **config.model_kwargs).eval()
+    try:
+        with torch.no_grad():
+            out = net(torch.zeros(2, *shape))
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"model {config.model!r} (norm={config.norm}, conv={config.conv}, width={config.width}) "
+                         f"cannot run on {config.dataset} input of shape {shape}: {first}") from None
+    if out.shape[-1] != info["num_classes"]:
+        raise UsageError(f"model {config.model!r} outputs {out.shape[-1]} classes, {config.dataset} has "
+                         f"{info['num_classes']}")
+
+
+def check_grid(cells: Iterable) -> None:
+    """:func:`check_feasible` once per distinct (dataset, norm, conv, batch size) among ``cells``."""
+    seen, data = set(), {}
+    for c in cells:
+        cfg = c.config
+        key = (cfg.dataset, cfg.norm, cfg.conv, cfg.batch_size, cfg.model, cfg.width)
+        if key in seen:
+            continue
+        seen.add(key)
+        cfg.validate()
+        if cfg.dataset not in data:
+            data[cfg.dataset] = get_dataset(cfg.dataset, cfg.data_dir)
+        check_feasible(cfg, data=data[cfg.dataset])

@@ -1,0 +1,29 @@
+"""The runner's exceptions: what the command line reports as one line instead of a traceback.
+
+``UsageError``: a request the runner refuses (an option value that cannot work, an impossible combination, an
+output directory that holds another run); exit code 2. ``RunError``: a run that cannot go on for a reason the
+user must look at (an unreadable checkpoint); exit code 1. The library (``normlab.nn``, ``normlab.functional``,
+...) raises plain ``ValueError``/``TypeError``; the runner checks its input at its boundary and raises these.
+"""
+
+from __future__ import annotations
+
+__all__ = ["RunnerError", "UsageError", "RunError"]
+
+
+class RunnerError(Exception):
+    """Base of the runner's refusals; ``exit_code`` is what the command line returns."""
+
+    exit_code = 1
+
+
+class UsageError(RunnerError, ValueError):
+    """Bad user input: the message names the option and what was expected (exit code 2)."""
+
+    exit_code = 2
+
+
+class RunError(RunnerError, RuntimeError):
+    """A run that cannot go on (e.g. a corrupt checkpoint); nothing was overwritten (exit code 1)."""
+
+    exit_code = 1

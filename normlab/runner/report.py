@@ -1,0 +1,251 @@
+"""Render a grid's ``results.json`` as a markdown report and PNG plots.
+
+Everything is computed from the results dict (:mod:`normlab.runner.results`), so ``normlab report DIR`` re-renders
+the same report without training; the verdicts come from :mod:`normlab.runner.verdicts`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .io import atomic_write_text
+from .verdicts import CRITERIA, chance_level, headline_effects
+
+# --------------------------------------------------------------------------------------------------
+# Markdown
+# --------------------------------------------------------------------------------------------------
+
+def _pm(m: float | None, s: float | None, n: int, scale: float = 100.0, fmt: str = ".1f") -> str:
+    if m is None:
+        return "n/a"
+    if n > 1 and s is not None:
+        return f"{scale * m:{fmt}} ± {scale * s:{fmt}}"
+    return f"{scale * m:{fmt}}"
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    """One row per (norm, lr, batch size): accuracies as mean ± std over seeds (percent)."""
+    spec = results["spec"]
+    order = {n: i for i, n in enumerate(spec["norms"])}
+    target = spec.get("target_acc")
+    tgt = f"epochs to {100 * target:.0f} %" if target else "epochs to target"
+    head = ["norm", "lr", "batch", "seeds", "final test acc %", "best test acc %", "collapsed", tgt,
+            "step time ms"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    groups = sorted(results["groups"], key=lambda g: (order.get(g["name"], 99), g["batch_size"], g["lr"]))
+    for g in groups:
+        n = g["n_seeds"]
+        coll = f"{'yes' if g['collapsed_count'] else 'no'} ({g['collapsed_count']}/{n})"
+        if not target:
+            ett = "-"
+        elif g["target_reached"]:
+            ett = f"{g['epochs_to_target_mean']:.1f} ({g['target_reached']}/{n})"
+        else:
+            ett = f"not reached (0/{n})"
+        step = f"{1000 * g['step_time_s']:.1f}" if g["step_time_s"] else "n/a"
+        rows.append("| " + " | ".join([
+            g["name"], f"{g['lr']:g}", str(g["batch_size"]), str(n),
+            _pm(g["final_mean"], g["final_std"], n), _pm(g["best_mean"], g["best_std"], n), coll, ett, step,
+        ]) + " |")
+    return "\n".join(rows)
+
+
+def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
+    spec = results["spec"]
+    chance = chance_level(results)
+    lines = [
+        "# normlab comparison report",
+        "",
+        f"Dataset `{spec['dataset']}`, model `{spec['model']}` (width {spec['width']:g}), {spec['epochs']} epochs, "
+        f"seeds {', '.join(str(s) for s in spec['seeds'])}, layout `{spec['layout']}` "
+        f"(base lr {spec['base_lr']:g}, base batch size {spec['base_batch_size']}, "
+        f"lr scaling `{spec.get('lr_scaling', 'none')}`)"
+        + (f", at most {spec['max_steps_per_epoch']} steps per epoch" if spec.get("max_steps_per_epoch") else "")
+        + (f"; chance level {100 * chance:.0f} %." if chance else "."),
+        "Accuracies are percent, mean ± sample std over seeds. A run *collapsed* if its loss became non-finite.",
+        *([] if results.get("complete", True) else [
+            "", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
+                f"complete the grid."]),
+        "",
+        "## Headline effects (computed from the table below)",
+        "",
+    ]
+    for e in headline_effects(results):
+        mark = {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
+        lines.append(f"- {e['effect']}: {mark}. {e['text']}")
+    lines += ["", f"Criteria: {CRITERIA}", "", "## Results", "", markdown_table(results), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Plots
+# --------------------------------------------------------------------------------------------------
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+_STYLES = ("-", "--", "-.", ":")
+
+
+def _style(i: int) -> dict[str, Any]:
+    """Distinct marker and line style per norm, so curves that coincide (e.g. BN and BRN) stay visible."""
+    return {"marker": _MARKERS[i % len(_MARKERS)], "linestyle": _STYLES[i % len(_STYLES)], "markersize": 5,
+            "markerfacecolor": "none" if i % 2 else None}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _sweep_plot(results: dict[str, Any], path: Path, axis: str) -> Path | None:
+    """Final test accuracy vs ``axis`` ("lr" or "batch_size"), one line per norm, one panel per other value."""
+    other = "batch_size" if axis == "lr" else "lr"
+    spec = results["spec"]
+    by_other: dict[float, dict[str, list[dict[str, Any]]]] = {}
+    for g in results["groups"]:
+        by_other.setdefault(g[other], {}).setdefault(g["name"], []).append(g)
+    panels = {o: d for o, d in by_other.items() if any(len(v) > 1 for v in d.values())}
+    if not panels:
+        return None
+    chance = chance_level(results)
+    plt = _plt()
+    keys = sorted(panels)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
+    for ax, o in zip(axes[0], keys):
+        for i, name in enumerate(spec["norms"]):
+            gs = sorted(panels[o].get(name, []), key=lambda g: g[axis])
+            gs = [g for g in gs if g["final_mean"] is not None]
+            if not gs:
+                continue
+            xs = [g[axis] for g in gs]
+            ys = [100 * g["final_mean"] for g in gs]
+            es = [100 * (g["final_std"] or 0.0) for g in gs]
+            ax.errorbar(xs, ys, yerr=es, capsize=3, label=name, **_style(i))
+            for g in gs:  # mark collapsed settings
+                if g["collapsed_count"]:
+                    ax.plot([g[axis]], [100 * g["final_mean"]], "kx", markersize=9)
+        if chance:
+            ax.axhline(100 * chance, color="0.5", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log", base=10 if axis == "lr" else 2)
+        xs_all = sorted({g[axis] for d in (panels[o],) for v in d.values() for g in v})
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([f"{x:g}" for x in xs_all])
+        ax.minorticks_off()
+        ax.set_xlabel("learning rate" if axis == "lr" else "batch size")
+        ax.set_ylabel("final test accuracy (%)")
+        ax.set_title(f"{other.replace('_', ' ')} = {o:g}" if axis == "lr" else f"lr = {o:g}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    fig.suptitle(f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
+                 f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
+                 f"dotted: chance)", fontsize=10)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _curves_plot(results: dict[str, Any], path: Path) -> Path | None:
+    """Test accuracy per epoch (mean over seeds) per norm at the base point, highest lr and smallest batch."""
+    spec = results["spec"]
+    base_lr, base_bs = float(spec["base_lr"]), int(spec["base_batch_size"])
+    pts = {(float(c["lr"]), int(c["batch_size"])) for c in results["cells"]}
+    panels = [(base_lr, base_bs)] if (base_lr, base_bs) in pts else sorted(pts)[:1]
+    hi = max((lr for lr, bs in pts if bs == base_bs), default=None)
+    lo = min((bs for lr, bs in pts if lr == base_lr), default=None)
+    if hi is not None and (hi, base_bs) not in panels:
+        panels.append((hi, base_bs))
+    if lo is not None and (base_lr, lo) not in panels:
+        panels.append((base_lr, lo))
+    if not panels:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
+    for ax, (lr, bs) in zip(axes[0], panels):
+        for k, name in enumerate(spec["norms"]):
+            runs = [c for c in results["cells"]
+                    if c["name"] == name and float(c["lr"]) == lr and int(c["batch_size"]) == bs and c["history"]]
+            if not runs:
+                continue
+            n_ep = max(len(c["history"]) for c in runs)
+            xs, ys = [], []
+            for i in range(n_ep):
+                vals = [c["history"][i]["test_acc"] for c in runs
+                        if i < len(c["history"]) and c["history"][i].get("test_acc") is not None]
+                if vals:
+                    xs.append(runs[0]["history"][min(i, len(runs[0]["history"]) - 1)]["epoch"] or i + 1)
+                    ys.append(100 * sum(vals) / len(vals))
+            ax.plot(xs, ys, label=name, **_style(k))
+        if chance_level(results):
+            ax.axhline(100 * chance_level(results), color="0.5", linewidth=0.8, linestyle=":")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel("test accuracy (%)")
+        ax.set_title(f"lr {lr:g}, batch size {bs}")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3)
+    _legend(fig, axes)
+    fig.suptitle("test accuracy per epoch (mean over seeds; a collapsed run stops; dotted: chance)", fontsize=10)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _legend(fig, axes) -> None:
+    """One legend for the figure, right of the panels (no curve hidden under it)."""
+    handles, labels = [], []
+    for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    fig.tight_layout(rect=(0, 0, 1 - 0.9 / fig.get_figwidth(), 0.9))
+    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
+
+
+def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """Write acc_vs_lr.png, acc_vs_batch_size.png and training_curves.png (those the grid supports)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    made = [
+        _sweep_plot(results, out / "acc_vs_lr.png", "lr"),
+        _sweep_plot(results, out / "acc_vs_batch_size.png", "batch_size"),
+        _curves_plot(results, out / "training_curves.png"),
+    ]
+    return [p for p in made if p is not None]
+
+
+def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """Write results.md and the PNG plots into ``out_dir``; returns the paths written."""
+    out = Path(out_dir)
+    plots = render_plots(results, out)
+    md = out / "results.md"
+    atomic_write_text(md, markdown_report(results, [p.name for p in plots]))
+    return [md, *plots]
+
+
+def summary_lines(results: dict[str, Any]) -> list[str]:
+    """Short console summary: the headline effects, one line each."""
+    out = []
+    for e in headline_effects(results):
+        mark = {True: "YES", False: "NO", None: "info"}[e["appeared"]]
+        out.append(f"[{mark}] {e['effect']}: {e['text']}")
+    return out
+
+
+def print_summary(results: dict[str, Any], out_dir: str | os.PathLike) -> None:
+    """Print the table, the judged effects and where the report and plots are."""
+    out = Path(out_dir)
+    print(markdown_table(results))
+    print()
+    for line in summary_lines(results):
+        print(line)
+    print(f"\nreport: {out / 'results.md'}  plots: {', '.join(str(p) for p in sorted(out.glob('*.png')))}")

@@ -1,0 +1,95 @@
+"""A grid's results: per-cell summaries aggregated over seeds, written as ``results.json``."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .data import DATASET_CLASSES
+from .errors import UsageError
+from .io import atomic_write_json
+
+__all__ = ["collect_results", "write_results", "load_results", "mean_std", "RESULTS_VERSION"]
+
+RESULTS_VERSION = 1
+_HISTORY_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc")
+
+
+def mean_std(xs: Sequence[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample standard deviation of the finite values (std 0 for one value; None, None for none)."""
+    xs = [float(x) for x in xs if x is not None and math.isfinite(float(x))]
+    if not xs:
+        return None, None
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, 0.0
+    return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "cell": cell.cell_id, "name": cell.name, "lr": cell.lr, "batch_size": cell.batch_size, "seed": cell.seed,
+        "norm": cell.config.norm, "conv": cell.config.conv, "train_lr": cell.config.lr,
+        "final_test_acc": summary.get("final_test_acc"), "best_test_acc": summary.get("best_test_acc"),
+        "collapsed": bool(summary.get("collapsed")), "collapse_epoch": summary.get("collapse_epoch"),
+        "epochs_to_target": summary.get("epochs_to_target"), "step_time_s": summary.get("step_time_s"),
+        "epochs_run": summary.get("epochs_run"),
+        "history": [{k: h.get(k) for k in _HISTORY_KEYS} for h in summary.get("history", [])],
+    }
+
+
+def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> dict[str, Any]:
+    fm, fs = mean_std([r["final_test_acc"] for r in recs])
+    bm, bsd = mean_std([r["best_test_acc"] for r in recs])
+    ett = [r["epochs_to_target"] for r in recs if r["epochs_to_target"] is not None]
+    return {
+        "name": name, "lr": lr, "batch_size": bs, "n_seeds": len(recs),
+        "final_mean": fm, "final_std": fs, "best_mean": bm, "best_std": bsd,
+        "collapsed_count": sum(r["collapsed"] for r in recs),
+        "target_reached": len(ett), "epochs_to_target_mean": mean_std(ett)[0],
+        "step_time_s": mean_std([r["step_time_s"] for r in recs])[0],
+    }
+
+
+def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True) -> dict[str, Any]:
+    """Aggregate ``(cell, summary)`` pairs over seeds into groups keyed by (name, lr, batch size).
+
+    A collapsed run's final accuracy counts as recorded (usually chance level). ``complete=False`` marks a grid
+    that is still running (results.json is rewritten after every finished cell).
+    """
+    cells = [_cell_record(c, s) for c, s in pairs]
+    groups: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
+    for rec in cells:
+        groups.setdefault((rec["name"], rec["lr"], rec["batch_size"]), []).append(rec)
+    return {
+        "version": RESULTS_VERSION,
+        "spec": spec.to_dict(),
+        "num_classes": DATASET_CLASSES.get(spec.dataset),
+        "complete": complete,
+        "groups": [_group_record(*key, recs) for key, recs in groups.items()],
+        "cells": cells,
+    }
+
+
+def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> Path:
+    """Write ``results.json`` atomically (strict JSON: a diverged run's non-finite loss becomes null)."""
+    return atomic_write_json(Path(out_dir) / "results.json", results)
+
+
+def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Read ``results.json`` of a compare/demo output directory; a one-line error if missing or malformed."""
+    path = Path(out_dir) / "results.json"
+    if not path.is_file():
+        raise UsageError(f"no results.json in {Path(out_dir)} (run `normlab compare` first)")
+    try:
+        results = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is not valid JSON: {e}") from None
+    if not (isinstance(results, dict) and isinstance(results.get("spec"), dict)
+            and isinstance(results.get("groups"), list) and isinstance(results.get("cells"), list)):
+        raise UsageError(f"{path} is not a normlab results file (expected an object with spec, groups and cells)")
+    return results

@@ -1,0 +1,238 @@
+"""The PWS paper's headline effects, judged from a grid's results by the explicit criteria in :data:`CRITERIA`.
+
+Nothing here is hard-coded: every verdict is computed from ``results.json`` (``normlab report DIR`` re-judges it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Criteria for the headline effects (absolute accuracy, fractions in [0, 1]).
+FAIL_MARGIN = 0.10      # "failed": collapsed in most seeds, or final accuracy <= chance + FAIL_MARGIN
+TRAIN_FRACTION = 0.80   # "trains": no seed collapsed and final acc >= chance + 0.8 * (best acc in grid - chance)
+DEGRADE_DROP = 0.05     # "degrades": final acc at the small batch is >= 5 points below the base batch size
+CRITERIA = (
+    f"A setting *failed* if most seeds collapsed (non-finite loss) or its mean final test accuracy is at most "
+    f"chance + {FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final "
+    f"accuracy is at least "
+    f"chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A norm *degrades* at a "
+    f"small batch if it failed there or its mean final accuracy is >= {DEGRADE_DROP * 100:.0f} points below its "
+    f"accuracy at the base batch size (same learning rate); otherwise it *holds*."
+)
+
+
+# --------------------------------------------------------------------------------------------------
+# Lookups
+# --------------------------------------------------------------------------------------------------
+
+def _groups(results: dict[str, Any]) -> dict[tuple[str, float, int], dict[str, Any]]:
+    return {(g["name"], float(g["lr"]), int(g["batch_size"])): g for g in results["groups"]}
+
+
+def chance_level(results: dict[str, Any]) -> float:
+    n = results.get("num_classes")
+    return 1.0 / n if n else 0.0
+
+
+def _best_final(results: dict[str, Any]) -> float:
+    vals = [g["final_mean"] for g in results["groups"] if g["final_mean"] is not None]
+    return max(vals) if vals else 0.0
+
+
+def failed(g: dict[str, Any] | None, chance: float) -> bool:
+    """Most seeds collapsed, or mean final accuracy at most chance + FAIL_MARGIN."""
+    if g is None:
+        return False
+    if 2 * g["collapsed_count"] > g["n_seeds"]:
+        return True
+    return g["final_mean"] is None or g["final_mean"] <= chance + FAIL_MARGIN
+
+
+def trains(g: dict[str, Any] | None, chance: float, best: float) -> bool:
+    """No seed collapsed and mean final accuracy close to the best of the grid (see CRITERIA)."""
+    if g is None or g["collapsed_count"] > 0 or g["final_mean"] is None:
+        return False
+    return g["final_mean"] >= chance + TRAIN_FRACTION * (best - chance)
+
+
+def _acc(g: dict[str, Any] | None) -> str:
+    if g is None or g["final_mean"] is None:
+        return "n/a"
+    s = f"{100 * g['final_mean']:.1f}"
+    if g["n_seeds"] > 1:
+        s += f" ± {100 * g['final_std']:.1f}"
+    s += " %"
+    if g["collapsed_count"]:
+        s += f" (collapsed {g['collapsed_count']}/{g['n_seeds']})"
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# Headline effects
+# --------------------------------------------------------------------------------------------------
+
+def headline_effects(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Judge the PWS paper's headline effects from the numbers.
+
+    Returns ``[{"effect", "appeared": True | False | None (not testable / information), "text"}, ...]``.
+    """
+    spec = results["spec"]
+    ctx = _Context(results, _groups(results), chance_level(results), _best_final(results), list(spec["norms"]),
+                   float(spec["base_lr"]), int(spec["base_batch_size"]))
+    effects = [_effect_high_lr(ctx), _effect_small_batch(ctx), _effect_top_lr(ctx), _effect_identical(ctx),
+               _effect_cost(ctx)]
+    return [e for e in effects if e is not None]
+
+
+@dataclass
+class _Context:
+    results: dict[str, Any]
+    groups: dict[tuple[str, float, int], dict[str, Any]]
+    chance: float
+    best: float
+    names: list[str]
+    base_lr: float
+    base_bs: int
+
+    def get(self, name: str, lr: float, bs: int | None = None) -> dict[str, Any] | None:
+        return self.groups.get((name, lr, self.base_bs if bs is None else bs))
+
+    def trains(self, name: str, lr: float, bs: int | None = None) -> bool:
+        return trains(self.get(name, lr, bs), self.chance, self.best)
+
+
+def _lrs(xs) -> str:
+    return ", ".join(f"{x:g}" for x in xs)
+
+
+def _effect_high_lr(ctx: _Context) -> dict[str, Any]:
+    """(1) At a learning rate where the unnormalized plain net fails, BN and PWS still train."""
+    effect = "At a learning rate where the plain net without normalization collapses, BN and PWS still train"
+    need = [n for n in ("none", "bn", "pws") if n not in ctx.names]
+    lrs = sorted({lr for (n, lr, bs) in ctx.groups if n == "none" and bs == ctx.base_bs})
+    if need or not lrs:
+        return {"effect": effect, "appeared": None,
+                "text": f"not testable: the grid lacks {', '.join(need) or 'a learning-rate sweep'}"}
+    bad = [lr for lr in lrs if failed(ctx.get("none", lr), ctx.chance)]
+    learns = [lr for lr in lrs if lr not in bad]
+    bad_above = [lr for lr in bad if any(x < lr for x in learns)]  # learns at some lr, fails at a higher one
+    where = ", ".join(f"{x:g}: {_acc(ctx.get('none', x))}" for x in lrs)
+    if not bad_above:
+        why = ("did not fail at any learning rate" if not bad else "failed at every learning rate" if not learns
+               else "failed already at the lowest learning rates")
+        return {"effect": effect, "appeared": False, "text": (
+            f"did not appear: without normalization the plain net {why} in the grid (batch size {ctx.base_bs}; "
+            f"lr {where}), so there is no learning rate at which it learns and a higher one at which it fails")}
+    parts = [f"without normalization the plain net learns at lr {_lrs(learns)} and fails at {_lrs(bad_above)} "
+             f"(lr {where})"]
+    ok = [lr for lr in bad_above if ctx.trains("bn", lr) and ctx.trains("pws", lr)]
+    for lr in bad_above:
+        parts.append(f"lr {lr:g}: none {_acc(ctx.get('none', lr))} (failed); " + "; ".join(
+            f"{n.upper()} {_acc(ctx.get(n, lr))} ({'trains' if ctx.trains(n, lr) else 'does not train'})"
+            for n in ("bn", "pws")))
+    if ok:
+        head = f"appeared at lr {_lrs(ok)}"
+    else:
+        lr = bad_above[0]
+        miss = [n.upper() for n in ("bn", "pws") if not ctx.trains(n, lr)]
+        head = (f"did not appear: at lr {lr:g}{' (and above)' if len(bad_above) > 1 else ''} the unnormalized net "
+                f"fails, but {' and '.join(miss)} {'does' if len(miss) == 1 else 'do'} not train there either")
+    return {"effect": effect, "appeared": bool(ok), "text": head + ". " + "; ".join(parts)}
+
+
+def _degrades(ctx: _Context, name: str, small: int) -> tuple[bool | None, str]:
+    g0, g1 = ctx.get(name, ctx.base_lr), ctx.get(name, ctx.base_lr, small)
+    if g0 is None or g1 is None or g0["final_mean"] is None:
+        return None, f"{name.upper()} n/a"
+    drop = g0["final_mean"] - (g1["final_mean"] if g1["final_mean"] is not None else 0.0)
+    deg = failed(g1, ctx.chance) or drop >= DEGRADE_DROP
+    return deg, f"{name.upper()} {_acc(g0)} -> {_acc(g1)} ({'degrades' if deg else 'holds'})"
+
+
+def _effect_small_batch(ctx: _Context) -> dict[str, Any]:
+    """(2) At a small batch, BN degrades while GN, BRN and PWS hold."""
+    holders = ("gn", "brn", "pws")
+    bss = sorted({bs for (n, lr, bs) in ctx.groups if n == "bn" and lr == ctx.base_lr})
+    need = [n for n in ("bn",) + holders if n not in ctx.names]
+    small = bss[0] if bss else None
+    effect = f"At batch size {small if small is not None and small < ctx.base_bs else 2}, BN degrades while GN, " \
+             f"BRN and PWS hold"
+    if need or small is None or small >= ctx.base_bs:
+        return {"effect": effect, "appeared": None,
+                "text": f"not testable: the grid lacks {', '.join(need) or 'a batch size below the base'}"}
+    judged = {n: _degrades(ctx, n, small) for n in ("bn",) + holders}
+    status = {n: v[0] for n, v in judged.items()}
+    appeared = status["bn"] is True and all(status[h] is False for h in holders)
+    if appeared:
+        head = f"appeared at batch size {small}"
+    elif status["bn"] is False:
+        head = f"did not appear: BN did not degrade at batch size {small}"
+    else:
+        held = [h.upper() for h in holders if status[h] is False]
+        fell = [h.upper() for h in holders if status[h] is not False]
+        head = (f"partly: BN degraded at batch size {small}; held: {', '.join(held) or 'none'}; "
+                f"also degraded: {', '.join(fell)}")
+    return {"effect": effect, "appeared": appeared, "text": head + f" (lr {ctx.base_lr:g}, base batch size "
+            f"{ctx.base_bs}). " + "; ".join(v[1] for v in judged.values())}
+
+
+def _effect_top_lr(ctx: _Context) -> dict[str, Any] | None:
+    """(3) Which norms do not train at the highest learning rate (paper: PWS and WN at lr 0.1)."""
+    lrs = sorted({lr for (n, lr, bs) in ctx.groups if bs == ctx.base_bs})
+    if len(lrs) < 2:
+        return None
+    top = lrs[-1]
+    bad = [n for n in ctx.names if ctx.get(n, top) is not None and not ctx.trains(n, top)]
+    return {"effect": f"Norms that do not train at the highest learning rate ({top:g})", "appeared": None,
+            "text": ", ".join(bad) if bad else "every norm in the grid trains there"}
+
+
+def _effect_identical(ctx: _Context) -> dict[str, Any] | None:
+    """Norms that behaved identically in every cell (e.g. BRN in its rmax = 1, dmax = 0 warm-up is BN)."""
+    same = _identical_norms(ctx.results)
+    if not same:
+        return None
+    return {"effect": "Norms with identical results in every cell", "appeared": None,
+            "text": "; ".join(" = ".join(grp) for grp in same)
+            + " (same test accuracy every epoch of every run: these settings did not differ in this grid, e.g. "
+              "Batch Renorm before its rmax/dmax schedule leaves warm-up is exactly BN)"}
+
+
+def _effect_cost(ctx: _Context) -> dict[str, Any] | None:
+    """(4) Step time of PWS against the output normalizations at the base point."""
+    st = {n: g["step_time_s"] for n in ctx.names if (g := ctx.get(n, ctx.base_lr)) is not None and g["step_time_s"]}
+    others = [n for n in ("bn", "brn", "gn", "sn") if n in st]
+    if "pws" not in st or not others:
+        return None
+    ratios = ", ".join(f"{n.upper()} {st[n] / st['pws']:.2f}x" for n in others)
+    return {"effect": "PWS step is cheaper than output normalization (CPU, this model)",
+            "appeared": all(st[n] >= st["pws"] for n in others),
+            "text": f"step time relative to PWS ({1000 * st['pws']:.1f} ms): {ratios} (mean step times of runs made "
+                    f"at different moments, noisy on a shared machine; `normlab bench --steps` times them side by "
+                    f"side)"}
+
+
+def _identical_norms(results: dict[str, Any]) -> list[list[str]]:
+    """Groups of comparison names whose runs have exactly the same test-accuracy history in every cell."""
+    runs: dict[str, dict[tuple, tuple]] = {}
+    for c in results.get("cells", []):
+        key = (float(c["lr"]), int(c["batch_size"]), int(c["seed"]))
+        runs.setdefault(c["name"], {})[key] = tuple(h.get("test_acc") for h in c.get("history", []))
+    chance = chance_level(results)
+
+    def learned(n: str) -> bool:  # two nets stuck at chance predict alike without being the same method
+        return any(a is not None and a > chance + FAIL_MARGIN for h in runs[n].values() for a in h)
+
+    names = [n for n in results["spec"]["norms"] if n in runs and runs[n] and learned(n)]
+    groups: list[list[str]] = []
+    for n in names:
+        for grp in groups:
+            if runs[grp[0]] == runs[n]:
+                grp.append(n)
+                break
+        else:
+            groups.append([n])
+    return [g for g in groups if len(g) > 1]
+
+
