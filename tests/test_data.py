@@ -1,7 +1,8 @@
-"""normlab.data: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
+"""normlab.runner.data: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
 
 import hashlib
 import io
+import os
 import pickle
 import tarfile
 
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from normlab.runner import data
+from normlab.runner import cifar10, mnist1d
 from normlab.runner.data import DATASETS, ArrayDataset, flip_crop, get_dataset
 
 
@@ -57,7 +58,7 @@ def test_digits_split_shapes_and_normalisation():
 def test_mnist1d_generated_cached_and_rng_untouched(tmp_path):
     np.random.seed(123)
     before = np.random.get_state()[1].copy()
-    tr, te, info = get_dataset("mnist1d", data_dir=tmp_path)
+    tr, te, info = get_dataset("mnist1d", data_dir=tmp_path, num_samples=5000)
     assert np.array_equal(np.random.get_state()[1], before), "make_dataset must not leak its global seeding"
     assert tr.x.shape == (4000, 1, 40) and te.x.shape == (1000, 1, 40)
     assert tr.x.dtype == torch.float32 and tr.y.dtype == torch.int64
@@ -65,11 +66,32 @@ def test_mnist1d_generated_cached_and_rng_untouched(tmp_path):
     assert set(tr.y.unique().tolist()) == set(range(10))
     cached = list(tmp_path.glob("mnist1d_*.npz"))
     assert len(cached) == 1
-    tr2, te2, _ = get_dataset("mnist1d", data_dir=tmp_path)  # from the cache
+    mnist1d._memory.clear()
+    tr2, te2, _ = get_dataset("mnist1d", data_dir=tmp_path, num_samples=5000)  # from the cache
     assert torch.equal(tr2.x, tr.x) and torch.equal(te2.y, te.y)
-    cached[0].write_bytes(b"not a zip file")
-    with pytest.raises(ValueError, match="corrupt"):
-        get_dataset("mnist1d", data_dir=tmp_path)
+    mnist1d._memory.clear()
+    cached[0].write_bytes(b"not a zip file")  # a damaged cache is regenerated, not trusted
+    tr3, _, _ = get_dataset("mnist1d", data_dir=tmp_path, num_samples=5000)
+    assert torch.equal(tr3.x, tr.x)
+    small, _, _ = get_dataset("mnist1d", data_dir=tmp_path, num_samples=5000, num_train=300)
+    assert torch.equal(small.x, tr.x[:300])
+
+
+def test_mnist1d_generation_is_deterministic_for_its_arguments(tmp_path):
+    args = mnist1d.generation_args(2000)
+    assert args["num_samples"] == 2000 and args["train_split"] == 0.8
+    assert mnist1d.cache_key(args) != mnist1d.cache_key(mnist1d.generation_args(2010))
+    first = mnist1d._generate(args)
+    again = mnist1d._generate(dict(args))
+    assert mnist1d.arrays_checksum(first) == mnist1d.arrays_checksum(again)
+    assert mnist1d.arrays_checksum(first) != mnist1d.arrays_checksum(mnist1d._generate({**args, "seed": 43}))
+    assert first["x"].shape == (1600, 40) and first["x_test"].shape == (400, 40)
+    with pytest.raises(ValueError, match="num_samples must be an integer >= 50"):
+        mnist1d.generation_args(10)
+    with pytest.raises(ValueError, match="num_samples applies to generated data sets"):
+        get_dataset("digits", num_samples=100)
+    with pytest.raises(ValueError, match=r"num_train must be an integer in \[1, 1437\]"):
+        get_dataset("digits", num_train=5000)
 
 
 def _write_cifar(root, n_per_file=3, seed=0, skip=()):
@@ -98,7 +120,7 @@ def test_cifar10_reads_python_batches(tmp_path):
     assert tr.y.tolist() == y_raw
     xb, yb = tr.batch(torch.arange(15))  # no generator: no augmentation
     # row-major 3072 = 3 x 32 x 32 (channel planes), scaled to [0, 1], per-channel standardisation
-    mean, std = np.array(data.CIFAR10_MEAN), np.array(data.CIFAR10_STD)
+    mean, std = np.array(cifar10.CIFAR10_MEAN), np.array(cifar10.CIFAR10_STD)
     want = (x_raw.reshape(15, 3, 32, 32) / 255.0 - mean[:, None, None]) / std[:, None, None]
     np.testing.assert_allclose(xb.numpy(), want, rtol=1e-5, atol=1e-5)
     assert tr.augment and not te.augment
@@ -113,17 +135,17 @@ def test_cifar10_reads_python_batches(tmp_path):
 
 def test_cifar10_missing_and_corrupt_files_name_the_path(tmp_path):
     d, _ = _write_cifar(tmp_path, skip=("data_batch_3",))
-    with pytest.raises(FileNotFoundError, match="data_batch_3"):
+    with pytest.raises(ValueError, match="data_batch_3"):
         get_dataset("cifar10", data_dir=tmp_path)
     _write_cifar(tmp_path)
     (d / "test_batch").write_bytes(b"\x80\x04garbage")
-    with pytest.raises(ValueError, match=r"test_batch.*corrupt"):
+    with pytest.raises(ValueError, match=r"test_batch is not a CIFAR-10 python batch"):
         get_dataset("cifar10", data_dir=tmp_path)
     with open(d / "test_batch", "wb") as f:  # valid pickle, wrong shape
         pickle.dump({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, f)
-    with pytest.raises(ValueError, match="corrupt"):
+    with pytest.raises(ValueError, match=r"shape \(2, 100\)"):
         get_dataset("cifar10", data_dir=tmp_path)
-    with pytest.raises(ValueError, match="data_dir"):
+    with pytest.raises(ValueError, match="--data-dir is required"):
         get_dataset("cifar10")
 
 
@@ -137,21 +159,41 @@ def test_cifar10_download_verifies_md5(tmp_path, monkeypatch):
     payload = buf.getvalue()
     calls = []
 
-    def fake_urlretrieve(url, filename):
+    def fake_urlopen(url):
         calls.append(url)
-        with open(filename, "wb") as f:
-            f.write(payload)
+        return io.BytesIO(payload)
 
-    monkeypatch.setattr(data.urllib.request, "urlretrieve", fake_urlretrieve)
+    monkeypatch.setattr(cifar10.urllib.request, "urlopen", fake_urlopen)
     dest = tmp_path / "dest"
-    with pytest.raises(ValueError, match="md5"):
+    with pytest.raises(RuntimeError, match="md5"):
         get_dataset("cifar10", data_dir=dest, download=True)
-    assert calls == [data.CIFAR10_URL]
+    assert calls == [cifar10.CIFAR10_URL]
     assert not (dest / "cifar-10-batches-py").exists()
     # with the expected checksum set to this payload's md5 the same archive is extracted and loaded
-    monkeypatch.setattr(data, "CIFAR10_MD5", hashlib.md5(payload).hexdigest())
+    monkeypatch.setattr(cifar10, "CIFAR10_MD5", hashlib.md5(payload).hexdigest())
     tr, te, _ = get_dataset("cifar10", data_dir=dest, download=True)
     assert len(tr) == 15 and len(te) == 3
+
+
+class _Exploit:
+    """Unpickling this runs os.system: a crafted data_batch must never get that far."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_cifar10_crafted_pickle_is_refused_without_running_code(tmp_path):
+    d, _ = _write_cifar(tmp_path)
+    marker = tmp_path / "pwned"
+    with open(d / "data_batch_2", "wb") as f:
+        pickle.dump({b"data": _Exploit(marker), b"labels": [0]}, f)
+    with pytest.raises(ValueError, match=r"data_batch_2 is not a CIFAR-10 python batch \(refusing to load "
+                                         r"posix.system"):
+        get_dataset("cifar10", data_dir=tmp_path)
+    assert not marker.exists()
 
 
 def test_flip_crop_is_a_flip_and_shift_of_the_padded_image():

@@ -60,7 +60,7 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
     assert [h["lr"] for h in hist] == pytest.approx([0.05, 0.05, 0.005])  # x0.1 after milestone 2
     assert s["final_test_acc"] == hist[-1]["test_acc"] and s["best_test_acc"] == max(h["test_acc"] for h in hist)
     for h in hist:
-        assert set(h) == {"epoch", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "time_s"}
+        assert set(h) == {"epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "lr", "time_s"}
         assert 0.0 <= h["train_acc"] <= 1.0 and 0.0 <= h["test_acc"] <= 1.0
     out = tmp_path / "run"
     assert read_jsonl(out / "metrics.jsonl") == hist
@@ -274,7 +274,7 @@ class FakeMonitor:
 
     fire_at = 4
 
-    def __init__(self, model, every=10):
+    def __init__(self, model, every=10, dense_steps=0, dense_every=1):
         self.model, self.every, self.current_step, self.records, self.alarm = model, every, 0, [], None
 
     def step(self, optimizer):
@@ -455,4 +455,41 @@ def test_resume_accepts_another_device_spelling(tmp_path):
     assert train(dataclasses.replace(cfg, device="auto"), tmp_path / "r", progress=False)["epochs_run"] == 1
     with pytest.raises(ValueError, match="different config .*lr"):
         train(dataclasses.replace(cfg, lr=0.5), tmp_path / "r", progress=False)
+
+
+def test_evaluations_within_an_epoch_make_curves(tmp_path):
+    s = train(tiny(epochs=2, max_steps_per_epoch=6, evals_per_epoch=3), tmp_path / "c", progress=False)
+    hist = s["history"]
+    assert [h["epoch"] for h in hist] == [0.3333, 0.6667, 1, 1.3333, 1.6667, 2]
+    assert [h["step"] for h in hist] == [2, 4, 6, 8, 10, 12]
+    assert s["epochs_run"] == 2 and s["steps_run"] == 12
+    assert read_jsonl(tmp_path / "c" / "metrics.jsonl") == hist
+
+
+def test_train_mode_accuracy_is_reported_and_equals_eval_mode_without_batch_statistics(tmp_path):
+    from normlab.runner.data import get_dataset
+    from normlab.runner.evaluation import evaluate, evaluate_train_mode
+
+    s = train(tiny(norm="gn", epochs=1, max_steps_per_epoch=4, eval_train_mode=True), tmp_path / "g",
+              progress=False)
+    assert s["final_test_acc_train_mode"] is not None
+    _, test, _ = get_dataset("digits")
+    torch.manual_seed(0)
+    for norm in ("none", "gn", "ln"):
+        m = build_model("plain", norm, "conv", 1, 10, (1, 16, 16), width=0.1)
+        first = type(test)(test.x[:352], test.y[:352])  # 11 whole batches of 32 (the first 352 test samples)
+        assert evaluate_train_mode(m, test, torch.device("cpu"), 32) == evaluate(m, first, torch.device("cpu"))[1]
+    bn = build_model("plain", "bn", "conv", 1, 10, (1, 16, 16), width=0.1)
+    before = {k: v.clone() for k, v in bn.state_dict().items()}
+    evaluate_train_mode(bn, test, torch.device("cpu"), 2)
+    assert all(torch.equal(before[k], v) for k, v in bn.state_dict().items())  # running stats untouched
+
+
+def test_dead_network_is_a_collapse_with_a_finite_loss(tmp_path):
+    # lr 1e-7: the loss never leaves chance level; after >= 4 loss windows the run counts as a dead network
+    s = train(tiny(lr=1e-7, epochs=3, max_steps_per_epoch=44, width=0.05), tmp_path / "d", progress=False)
+    assert s["collapsed"] and s["collapse_reason"] == "never_left_chance" and s["collapse_step"] is None
+    assert s["epochs_run"] == 3 and s["history"][-1]["train_loss"] is not None
+    trace = json.loads((tmp_path / "d" / "loss_trace.json").read_text())
+    assert trace["window"] == 32 and len(trace["losses"]) == 132
 

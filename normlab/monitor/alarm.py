@@ -64,6 +64,9 @@ class CollapseDetector:
             factor k a quantity is flagged only above k * f.
         baseline_records: how many first finite records of each (layer, quantity) form its baseline (their
             maximum); int >= 1.
+        shrink_factor: {quantity: factor} for the *implosion* test: a layer is also flagged when a watched quantity
+            falls below its baseline divided by the factor (e.g. {"output_var": 100}: the output variance of a
+            layer whose ReLUs died); None or {} for no implosion test.
     """
 
     def __init__(
@@ -72,6 +75,7 @@ class CollapseDetector:
         quantities: Sequence[str] = ("output_var", "shift"),
         min_initial: float | Mapping[str, float] = 1e-6,
         baseline_records: int = 1,
+        shrink_factor: Mapping[str, float] | None = None,
     ) -> None:
         if isinstance(quantities, str) or not quantities:
             raise ValueError(f"CollapseDetector: quantities must be a sequence of record keys, got {quantities!r}")
@@ -86,6 +90,13 @@ class CollapseDetector:
                 raise ValueError(f"CollapseDetector: min_initial for {q!r} must be a finite number >= 0, got {f!r}")
         if isinstance(baseline_records, bool) or not isinstance(baseline_records, int) or baseline_records < 1:
             raise ValueError(f"CollapseDetector: baseline_records must be an int >= 1, got {baseline_records!r}")
+        shrink = dict(shrink_factor or {})
+        for q, f in shrink.items():
+            if q not in self.quantities or isinstance(f, bool) or not (isinstance(f, int | float) and f > 1
+                                                                       and math.isfinite(f)):
+                raise ValueError(f"CollapseDetector: shrink_factor for {q!r} must be a finite number > 1 for a "
+                                 f"watched quantity, got {f!r}")
+        self.shrink = {q: float(f) for q, f in shrink.items()}
         self.factors = {q: float(per.get(q, 100.0)) for q in self.quantities}
         self.min_initial = {q: float(floors.get(q, 1e-6)) for q in self.quantities}
         self.baseline_records = baseline_records
@@ -121,6 +132,32 @@ class CollapseDetector:
                 ) from e
         self.initial, self.seen = initial, seen
 
+    def _judge(self, rec: Mapping, q: str, exempt: bool) -> dict | None:
+        """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
+        value = rec.get(q)
+        key = (rec["layer"], q)
+        flag = dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q, initial=self.initial.get(key, math.nan))
+        if value is None or not math.isfinite(value):
+            return {**flag, "value": math.nan if value is None else float(value), "growth": math.inf,
+                    "severity": math.inf, "reason": "non-finite"}
+        n_seen = self.seen.get(key, 0)
+        if n_seen < self.baseline_records:  # still collecting the baseline: no growth test
+            self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
+            self.seen[key] = n_seen + 1
+            return None
+        if exempt:
+            return None
+        init = self.initial[key]
+        ref = max(abs(init), self.min_initial[q])
+        if value > self.factors[q] * ref:
+            return {**flag, "value": float(value), "growth": value / ref, "severity": value / ref / self.factors[q],
+                    "reason": f"grew {value / ref:.3g}x > factor {self.factors[q]:g}"}
+        if q in self.shrink and init > 0 and value * self.shrink[q] < init:
+            ratio = value / init
+            return {**flag, "value": float(value), "growth": ratio, "severity": 1 / (ratio * self.shrink[q]),
+                    "reason": f"fell to {ratio:.3g}x < 1/{self.shrink[q]:g} of its baseline"}
+        return None
+
     def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = ()) -> CollapseAlarm | None:
         """Check one recorded step. ``records`` are dicts with 'layer', 'index' (forward order) and quantities.
         Layers named in ``growth_exempt`` keep their baselines but are only flagged when non-finite.
@@ -131,33 +168,16 @@ class CollapseDetector:
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
             for q in self.quantities:
-                value = rec.get(q)
-                if value is None and q not in rec:
+                if rec.get(q) is None and q not in rec:
                     continue  # layer does not have this quantity (e.g. norm layers have no shift)
-                key = (rec["layer"], q)
-                if value is None or not math.isfinite(value):
-                    init = self.initial.get(key, float("nan"))
-                    flagged.append(dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q,
-                                        value=float("nan") if value is None else float(value), initial=init,
-                                        growth=math.inf, reason="non-finite"))
-                    continue
-                n_seen = self.seen.get(key, 0)
-                if n_seen < self.baseline_records:  # still collecting the baseline: no growth test
-                    self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
-                    self.seen[key] = n_seen + 1
-                    continue
-                if rec["layer"] in growth_exempt:
-                    continue
-                init = self.initial[key]
-                ref = max(abs(init), self.min_initial[q])
-                if value > self.factors[q] * ref:
-                    flagged.append(dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q,
-                                        value=float(value), initial=init, growth=value / ref,
-                                        reason=f"grew {value / ref:.3g}x > factor {self.factors[q]:g}"))
+                flag = self._judge(rec, q, rec["layer"] in growth_exempt)
+                if flag is not None:
+                    flagged.append(flag)
         if not flagged:
             return None
         first_index = min(f["index"] for f in flagged)
-        first = [f for f in flagged if f["index"] == first_index]
-        top = max(first, key=lambda f: f["growth"] / self.factors[f["quantity"]])
+        top = max((f for f in flagged if f["index"] == first_index), key=lambda f: f["severity"])
+        for f in flagged:
+            f.pop("severity")
         return CollapseAlarm(layer=top["layer"], step=int(step), quantity=top["quantity"], value=top["value"],
                              initial=top["initial"], growth=top["growth"], reason=top["reason"], flagged=flagged)

@@ -58,6 +58,7 @@ __all__ = ["VarianceMonitor"]
 # Default growth factors of the collapse warning (see VarianceMonitor, CollapseDetector).
 DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
 DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
+DEFAULT_IMPLODE_FACTOR: dict[str, float] = {}
 
 def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -71,6 +72,8 @@ class VarianceMonitor:
     Args:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
         every: record on steps 0, every, 2*every, ... (int >= 1).
+        dense_steps, dense_every: also record every ``dense_every`` steps during the first ``dense_steps`` steps
+            (the first steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
         explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
             baseline (or any watched quantity becomes non-finite); a float, or a mapping {quantity: factor}.
             Default ``DEFAULT_EXPLODE_FACTOR`` = {"output_var": 1e3, "shift": 100}: the classifier's logit variance
@@ -84,6 +87,8 @@ class VarianceMonitor:
         baseline_records: the baseline of each (layer, quantity) is the maximum of its first
             ``baseline_records`` recorded finite values (recorded steps 0, every, ..., (baseline_records-1)*every);
             no growth alarm before that (non-finite values are flagged at once). See CollapseDetector.
+        implode_factor: {quantity: factor}: also warn when a watched quantity falls below its baseline divided by
+            the factor (the output variance of layers whose ReLUs died); default ``DEFAULT_IMPLODE_FACTOR``.
         watch_output_layer: also apply the growth test to the output layer (the last conv/linear layer in forward
             order, i.e. the classifier). Off by default: in healthy training its logit variance and the spread of
             its filter means (per-class offsets) grow 100-2000x as the net becomes confident (measured on the plain
@@ -98,7 +103,10 @@ class VarianceMonitor:
         self,
         model: nn.Module,
         every: int = 10,
+        dense_steps: int = 0,
+        dense_every: int = 1,
         explode_factor: float | Mapping[str, float] | None = None,
+        implode_factor: Mapping[str, float] | None = None,
         watch: Sequence[str] = ("output_var", "shift"),
         min_initial: float | Mapping[str, float] | None = None,
         baseline_records: int = 1,
@@ -109,11 +117,14 @@ class VarianceMonitor:
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
-        if isinstance(every, bool) or not isinstance(every, int) or every <= 0:
-            raise ValueError(f"VarianceMonitor: every must be a positive int (record every N steps), got {every!r}")
+        for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
         self.model = unwrap_model(model)
         self.compiled = is_compiled(model)
         self.every = every
+        self.dense_steps = dense_steps
+        self.dense_every = dense_every
         self.include_norm = include_norm
         self.watch_output_layer = watch_output_layer
         self.record_eval = record_eval
@@ -122,7 +133,9 @@ class VarianceMonitor:
             explode_factor = dict(DEFAULT_EXPLODE_FACTOR)
         if min_initial is None:
             min_initial = dict(DEFAULT_MIN_INITIAL)
-        self.detector = CollapseDetector(explode_factor, watch, min_initial, baseline_records)
+        if implode_factor is None:
+            implode_factor = {q: f for q, f in DEFAULT_IMPLODE_FACTOR.items() if q in watch}
+        self.detector = CollapseDetector(explode_factor, watch, min_initial, baseline_records, implode_factor)
         self.layers = supported_layers(self.model, include_norm=include_norm)
         if not self.layers:
             raise ValueError(
@@ -144,7 +157,9 @@ class VarianceMonitor:
     @property
     def is_recording(self) -> bool:
         """True when the current step (forward + ``step``) is recorded."""
-        return not self.closed and self.current_step % self.every == 0
+        step = self.current_step
+        dense = step < self.dense_steps and step % self.dense_every == 0
+        return not self.closed and (dense or step % self.every == 0)
 
     @property
     def should_stop(self) -> bool:
@@ -277,10 +292,11 @@ class VarianceMonitor:
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """What decides future records and alarms, as plain Python types (safe for ``torch.load(weights_only=True)``):
-        ``{"every", "current_step", "order", "detector", "alarm"}``. ``records`` are not included (export them with
-        :meth:`to_jsonl`); the state is small and constant in the length of training."""
+        ``{"every", "dense", "current_step", "order", "detector", "alarm"}``. ``records`` are not included (export
+        them with :meth:`to_jsonl`); the state is small and constant in the length of training."""
         return {
             "every": self.every,
+            "dense": [self.dense_steps, self.dense_every],
             "current_step": self.current_step,
             "order": dict(self._order),
             "detector": self.detector.state_dict(),
@@ -298,11 +314,12 @@ class VarianceMonitor:
                 "VarianceMonitor.load_state_dict: expected a dict from VarianceMonitor.state_dict() with 'every', "
                 f"'current_step' and 'detector', got {type(state).__name__}"
             )
-        if state["every"] != self.every:
-            raise ValueError(
-                f"VarianceMonitor.load_state_dict: state was recorded with every={state['every']}, this monitor "
-                f"uses every={self.every}"
-            )
+        saved = "every={}, dense_steps={}, dense_every={}".format(
+            state["every"], *state.get("dense", [self.dense_steps, self.dense_every]))
+        mine = f"every={self.every}, dense_steps={self.dense_steps}, dense_every={self.dense_every}"
+        if saved != mine:
+            raise ValueError(f"VarianceMonitor.load_state_dict: state was recorded with {saved}, this monitor uses "
+                             f"{mine}")
         step = state["current_step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"VarianceMonitor.load_state_dict: current_step must be an int >= 0, got {step!r}")

@@ -11,10 +11,10 @@ import torch
 
 from normlab.nn import CONV_KINDS, NORM_NAMES
 
-from .data import DATASETS
+from .data import DATASET_DIMS, DATASETS
 from .errors import UsageError
 from .io import to_jsonable
-from .models import MODELS
+from .models import MODEL_DIMS, MODELS
 
 __all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device"]
 
@@ -59,7 +59,13 @@ class TrainConfig:
     for ``epochs_to_target``); ``max_steps_per_epoch`` (quick runs); ``num_workers`` (accepted for compatibility:
     data sets are in-memory tensors); ``model_kwargs`` (``blocks``, ``channels`` for
     :func:`~normlab.runner.models.build_model`); ``brn_schedule``: ``"run"`` (the paper's BatchRenorm schedule
-    compressed to reach its final limits halfway through the run) or ``"paper"`` (5k-step warm-up).
+    compressed to reach its final limits halfway through the run) or ``"paper"`` (5k-step warm-up);
+    ``conv_kwargs`` (extra arguments of every conv of kind ``conv``, e.g. ``{"gamma": 1e-2}`` for pws);
+    ``num_samples`` (mnist1d: samples generated, default 25,000) and ``num_train`` (keep the first N training
+    samples); ``evals_per_epoch`` (test evaluations per epoch, for curves); ``eval_train_mode`` (also evaluate with
+    batch statistics at the training batch size, see :func:`~normlab.runner.evaluation.evaluate_train_mode`);
+    ``monitor_dense_steps`` / ``monitor_dense_every`` (the monitor also records every ``monitor_dense_every``
+    steps during the first ``monitor_dense_steps``).
     """
 
     dataset: str = "digits"
@@ -85,6 +91,13 @@ class TrainConfig:
     num_workers: int = 0
     model_kwargs: dict = field(default_factory=dict)
     brn_schedule: str = "run"
+    conv_kwargs: dict = field(default_factory=dict)
+    num_samples: int | None = None
+    num_train: int | None = None
+    evals_per_epoch: int = 1
+    eval_train_mode: bool = False
+    monitor_dense_steps: int = 0
+    monitor_dense_every: int = 1
 
     def __post_init__(self) -> None:
         self.milestones = tuple(self.milestones)
@@ -104,6 +117,10 @@ class TrainConfig:
                             ("brn_schedule", BRN_SCHEDULES)):
             if getattr(self, name) not in valid:
                 raise UsageError(f"unknown {name} {getattr(self, name)!r}; valid names: {', '.join(valid)}")
+        if MODEL_DIMS[self.model] != DATASET_DIMS[self.dataset]:
+            raise UsageError(f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs but dataset "
+                             f"{self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
+                             f"{', '.join(m for m, d in MODEL_DIMS.items() if d == 1)}")
 
     def _check_numbers(self) -> None:
         for name in ("batch_size", "epochs"):
@@ -134,8 +151,15 @@ class TrainConfig:
             self._bad("target_acc", "None or a fraction in [0, 1]")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             self._bad("num_workers", "an integer >= 0")
-        if not isinstance(self.model_kwargs, dict):
-            self._bad("model_kwargs", "a dict")
+        for name in ("model_kwargs", "conv_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                self._bad(name, "a dict")
+        for name in ("num_samples", "num_train"):
+            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
+                self._bad(name, "None or an integer >= 1")
+        for name, low in (("evals_per_epoch", 1), ("monitor_dense_steps", 0), ("monitor_dense_every", 1)):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < low:
+                self._bad(name, f"an integer >= {low}")
         resolve_device(self.device)
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,52 +1,38 @@
 """Data sets that work offline: ``digits`` (default), ``mnist1d`` and ``cifar10``.
 
-``get_dataset(name, data_dir=None, download=False) -> (train_ds, test_ds, info)``
+``get_dataset(name, data_dir=None, download=False, num_samples=None, num_train=None) -> (train, test, info)``
 
-All three live in memory as tensors inside an :class:`ArrayDataset`. The training loop asks for whole
-batches with :meth:`ArrayDataset.batch` (fast: no per-sample Python calls) and passes a ``torch.Generator``
-so that augmentation is reproducible; ``__getitem__`` is also there for ``torch.utils.data`` users.
+All three live in memory as tensors inside an :class:`ArrayDataset`; the training loop asks for whole batches
+with :meth:`ArrayDataset.batch` and passes a ``torch.Generator`` so that augmentation is reproducible.
 
-- ``digits``: scikit-learn's bundled 8x8 handwritten digits (1,797 images). A fixed stratified split
-  (seed 0): 1,437 train / 360 test. Pixels (0..16) are scaled to [0, 1] and standardised with the
-  training mean and std. Each image is upsampled to 16x16 by nearest neighbour (every pixel becomes a
-  2x2 block): the paper's plain net needs at least 12x12 (two 2x2 max-pools, then a valid 3x3 conv).
-- ``mnist1d``: generated locally with ``mnist1d.data.make_dataset(get_dataset_args())`` (4,000 train /
-  1,000 test, length 40, shape (1, 40)); the arrays are cached in ``data_dir`` when given.
-- ``cifar10``: the standard python pickle batches (``cifar-10-batches-py/data_batch_1..5``,
-  ``test_batch``) from ``data_dir``; ``download=True`` fetches the official tarball and checks its md5.
-  Training batches are augmented with a random horizontal flip and a random 32x32 crop of the image
-  zero-padded by 4 (done in torch).
+- ``digits``: scikit-learn's bundled 8x8 handwritten digits (1,797 images), a fixed stratified split (seed 0) of
+  1,437 train / 360 test, standardised with the training mean and std and upsampled to 16x16 by nearest
+  neighbour (the paper's plain net needs at least 12x12).
+- ``mnist1d``: MNIST-1D generated locally (:mod:`normlab.runner.mnist1d`), ``num_samples`` in all (default
+  25,000: 20,000 train / 5,000 test), shape (1, 40), cached in ``data_dir``.
+- ``cifar10``: the python batches in ``data_dir`` (:mod:`normlab.runner.cifar10`); ``download=True`` fetches the
+  official tarball. Training batches are augmented with a random flip and a random crop of the image padded by 4.
+
+``num_train`` keeps only the first ``num_train`` training samples (the test set is unchanged).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import pickle
-import tarfile
-import tempfile
-import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import cifar10, mnist1d
 from .errors import UsageError
 
-DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
-DATASETS = tuple(DATASET_CLASSES)
+__all__ = ["DATASETS", "DATASET_CLASSES", "DATASET_DIMS", "ArrayDataset", "flip_crop", "get_dataset"]
 
-CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
-CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
-CIFAR10_DIRNAME = "cifar-10-batches-py"
-CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
-CIFAR10_TEST_FILE = "test_batch"
-CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-# Per-channel statistics of the CIFAR-10 training set (pixels scaled to [0, 1]).
-CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
-CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
+DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}  # spatial dimensions of a sample
+DATASETS = tuple(DATASET_CLASSES)
 
 
 def flip_crop(x: torch.Tensor, generator: torch.Generator | None = None, pad: int = 4) -> torch.Tensor:
@@ -113,39 +99,7 @@ class ArrayDataset(torch.utils.data.Dataset):
         return x, self.y[i]
 
 
-def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None, download: bool = False):
-    """Load a data set by name: returns ``(train_ds, test_ds, info)``.
-
-    info: dict with ``name``, ``in_channels``, ``num_classes``, ``input_shape`` (per-sample shape without
-    the batch dimension, channels first, e.g. (1, 16, 16)), ``num_train``, ``num_test``, ``classes``
-    and ``description``.
-    """
-    if name not in DATASETS:
-        raise UsageError(f"get_dataset: unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
-    if name == "digits":
-        train_ds, test_ds, desc = _digits()
-        classes = tuple(str(i) for i in range(10))
-    elif name == "mnist1d":
-        train_ds, test_ds, desc = _mnist1d(data_dir)
-        classes = tuple(str(i) for i in range(10))
-    else:
-        train_ds, test_ds, desc = _cifar10(data_dir, download)
-        classes = CIFAR10_CLASSES
-    input_shape = tuple(train_ds.x.shape[1:])
-    info = {
-        "name": name,
-        "in_channels": input_shape[0],
-        "num_classes": len(classes),
-        "input_shape": input_shape,
-        "num_train": len(train_ds),
-        "num_test": len(test_ds),
-        "classes": classes,
-        "description": desc,
-    }
-    return train_ds, test_ds, info
-
-
-def _digits():
+def _digits() -> tuple[ArrayDataset, ArrayDataset, str]:
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -159,124 +113,61 @@ def _digits():
         t = torch.from_numpy((a - mean) / std).unsqueeze(1)  # (N, 1, 8, 8)
         return t.repeat_interleave(2, dim=2).repeat_interleave(2, dim=3).contiguous()  # (N, 1, 16, 16)
 
-    train = ArrayDataset(prep(x_tr), torch.from_numpy(y_tr))
-    test = ArrayDataset(prep(x_te), torch.from_numpy(y_te))
     desc = "sklearn digits, 8x8 upsampled to 16x16 (nearest), standardised; stratified split seed 0"
-    return train, test, desc
+    return ArrayDataset(prep(x_tr), torch.from_numpy(y_tr)), ArrayDataset(prep(x_te), torch.from_numpy(y_te)), desc
 
 
-def _mnist1d(data_dir):
-    try:
-        from mnist1d.data import get_dataset_args, make_dataset
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("get_dataset('mnist1d'): needs the 'mnist1d' package (pip install mnist1d)") from e
-    args = get_dataset_args()
-    key = hashlib.md5(repr(sorted(vars(args).items())).encode()).hexdigest()[:10]
-    cache = Path(data_dir) / f"mnist1d_{key}.npz" if data_dir is not None else None
-    arrays = None
-    if cache is not None and cache.exists():
-        try:
-            with np.load(cache) as z:
-                arrays = {k: z[k] for k in ("x", "y", "x_test", "y_test")}
-        except Exception as e:
-            raise ValueError(f"get_dataset('mnist1d'): cache file {cache} is corrupt ({e}); delete it") from e
-    if arrays is None:
-        # make_dataset seeds numpy's and python's global RNGs; restore them so callers are unaffected.
-        import random
-
-        np_state, py_state = np.random.get_state(), random.getstate()
-        try:
-            d = make_dataset(args)
-        finally:
-            np.random.set_state(np_state)
-            random.setstate(py_state)
-        arrays = {k: np.asarray(d[k]) for k in ("x", "y", "x_test", "y_test")}
-        if cache is not None:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=cache.parent, suffix=".npz")
-            os.close(fd)
-            np.savez(tmp, **arrays)
-            os.replace(tmp, cache)
+def _mnist1d(data_dir, num_samples: int | None) -> tuple[ArrayDataset, ArrayDataset, str]:
+    n = mnist1d.DEFAULT_SAMPLES if num_samples is None else num_samples
+    a = mnist1d.load_mnist1d(n, data_dir)
 
     def mk(x, y):
-        return ArrayDataset(torch.from_numpy(x.astype(np.float32)).unsqueeze(1), torch.from_numpy(y.astype(np.int64)))
+        return ArrayDataset(torch.from_numpy(x).unsqueeze(1), torch.from_numpy(y))
 
-    desc = "MNIST-1D generated locally with make_dataset(get_dataset_args()), length 40"
-    return mk(arrays["x"], arrays["y"]), mk(arrays["x_test"], arrays["y_test"]), desc
-
-
-def _md5(path: Path) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    desc = f"MNIST-1D generated locally ({len(a['y'])} train / {len(a['y_test'])} test, length 40)"
+    return mk(a["x"], a["y"]), mk(a["x_test"], a["y_test"]), desc
 
 
-def download_cifar10(data_dir: str | os.PathLike) -> Path:
-    """Fetch the official CIFAR-10 python tarball into ``data_dir``, verify its md5 and extract it."""
-    root = Path(data_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    tar_path = root / "cifar-10-python.tar.gz"
-    if not tar_path.exists() or _md5(tar_path) != CIFAR10_MD5:
-        tmp = tar_path.with_suffix(".part")
-        try:
-            urllib.request.urlretrieve(CIFAR10_URL, tmp)
-        except OSError as e:
-            raise RuntimeError(f"get_dataset('cifar10'): download of {CIFAR10_URL} failed: {e}") from e
-        os.replace(tmp, tar_path)
-    digest = _md5(tar_path)
-    if digest != CIFAR10_MD5:
-        raise ValueError(f"get_dataset('cifar10'): md5 of {tar_path} is {digest}, expected {CIFAR10_MD5}")
-    with tarfile.open(tar_path, "r:gz") as tf:
-        members = [m for m in tf.getmembers() if m.name.startswith(CIFAR10_DIRNAME + "/") and m.isfile()]
-        try:
-            tf.extractall(root, members=members, filter="data")  # refuse links/absolute paths (py >= 3.11.4)
-        except TypeError:  # pragma: no cover - older Pythons without extraction filters
-            tf.extractall(root, members=members)
-    return root / CIFAR10_DIRNAME
+def _cifar10(data_dir, download: bool) -> tuple[ArrayDataset, ArrayDataset, str]:
+    x_tr, y_tr, x_te, y_te = cifar10.load_cifar10(data_dir, download)
+    mean, std = cifar10.CIFAR10_MEAN, cifar10.CIFAR10_STD
+    train = ArrayDataset(torch.from_numpy(x_tr), torch.from_numpy(y_tr), mean, std, augment=True)
+    test = ArrayDataset(torch.from_numpy(x_te), torch.from_numpy(y_te), mean, std)
+    return train, test, f"CIFAR-10 python batches from {data_dir}; train: random flip + pad-4 crop"
 
 
-def _find_cifar_dir(data_dir) -> Path:
-    root = Path(data_dir)
-    if (root / CIFAR10_TEST_FILE).exists():
-        return root
-    return root / CIFAR10_DIRNAME
+def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None, download: bool = False,
+                num_samples: int | None = None, num_train: int | None = None):
+    """Load a data set by name: returns ``(train_ds, test_ds, info)``.
 
+    Args:
+        name: ``digits``, ``mnist1d`` or ``cifar10``.
+        data_dir: cifar10: the directory holding the python batches; mnist1d: where the generated arrays are cached.
+        download: cifar10 only: fetch the official tarball into ``data_dir`` first.
+        num_samples: mnist1d only: samples to generate (train + test, 80/20; default 25,000).
+        num_train: keep only the first ``num_train`` training samples.
 
-def _read_cifar_batch(path: Path):
-    if not path.exists():
-        raise FileNotFoundError(
-            f"get_dataset('cifar10'): missing file {path}; expected the python batches "
-            f"({', '.join(CIFAR10_TRAIN_FILES)}, {CIFAR10_TEST_FILE}); use download=True (CLI --download)"
-        )
-    try:
-        with open(path, "rb") as f:
-            d = pickle.load(f, encoding="bytes")
-        data = np.asarray(d[b"data"], dtype=np.uint8)
-        labels = np.asarray(d[b"labels"], dtype=np.int64)
-        if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
-            raise ValueError(f"data shape {data.shape}, labels shape {labels.shape}")
-        if labels.size and (labels.min() < 0 or labels.max() > 9):
-            raise ValueError("labels outside 0..9")
-    except Exception as e:
-        raise ValueError(
-            f"get_dataset('cifar10'): file {path} is corrupt or not a CIFAR-10 python batch ({e})"
-        ) from e
-    return data.reshape(-1, 3, 32, 32), labels
-
-
-def _cifar10(data_dir, download):
-    if data_dir is None:
-        raise UsageError("get_dataset('cifar10'): data_dir is required (directory holding cifar-10-batches-py)")
-    if download:
-        download_cifar10(data_dir)
-    d = _find_cifar_dir(data_dir)
-    parts = [_read_cifar_batch(d / f) for f in CIFAR10_TRAIN_FILES]
-    x_tr = np.concatenate([p[0] for p in parts])
-    y_tr = np.concatenate([p[1] for p in parts])
-    x_te, y_te = _read_cifar_batch(d / CIFAR10_TEST_FILE)
-    train = ArrayDataset(torch.from_numpy(x_tr), torch.from_numpy(y_tr), CIFAR10_MEAN, CIFAR10_STD, augment=True)
-    test = ArrayDataset(torch.from_numpy(x_te), torch.from_numpy(y_te), CIFAR10_MEAN, CIFAR10_STD)
-    desc = f"CIFAR-10 python batches from {d}; train: random flip + pad-4 crop"
-    return train, test, desc
+    Returns:
+        ``info`` holds ``name``, ``in_channels``, ``num_classes``, ``input_shape`` (per sample, channels first),
+        ``num_train``, ``num_test``, ``classes`` and ``description``.
+    """
+    if name not in DATASETS:
+        raise UsageError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
+    if num_samples is not None and name != "mnist1d":
+        raise UsageError(f"num_samples applies to generated data sets (mnist1d), not to {name}")
+    if name == "digits":
+        train_ds, test_ds, desc = _digits()
+    elif name == "mnist1d":
+        train_ds, test_ds, desc = _mnist1d(data_dir, num_samples)
+    else:
+        train_ds, test_ds, desc = _cifar10(data_dir, download)
+    if num_train is not None:
+        if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
+            raise UsageError(f"num_train must be an integer in [1, {len(train_ds)}] for {name}, got {num_train!r}")
+        train_ds = ArrayDataset(train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std,
+                                train_ds.augment)
+    input_shape = tuple(train_ds.x.shape[1:])
+    classes = cifar10.CIFAR10_CLASSES if name == "cifar10" else tuple(str(i) for i in range(10))
+    info = {"name": name, "in_channels": input_shape[0], "num_classes": len(classes), "input_shape": input_shape,
+            "num_train": len(train_ds), "num_test": len(test_ds), "classes": classes, "description": desc}
+    return train_ds, test_ds, info

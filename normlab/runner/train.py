@@ -41,13 +41,15 @@ import torch.nn.functional as F
 from normlab.monitor import VarianceMonitor
 from normlab.nn import RenormSchedule, param_groups
 
+from .collapse import CollapseTracker, loss_window
 from .config import TrainConfig, resolve_device
-from .data import ArrayDataset, get_dataset
+from .data import get_dataset
 from .errors import RunError, UsageError
+from .evaluation import evaluate, evaluate_train_mode
 from .io import append_lines, atomic_torch_save, atomic_write_json, atomic_write_text, json_line, remove_stale_temps
-from .models import MODEL_DIMS, build_model
+from .models import build_model
 
-__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "evaluate", "seed_everything"]
+__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "seed_everything", "eval_marks"]
 
 CHECKPOINT_FORMAT = 1
 
@@ -59,6 +61,7 @@ class TrainState:
     epoch: int = 0
     finished: bool = False
     collapse_epoch: int | None = None
+    collapse_step: int | None = None
     collapse_reason: str | None = None
     monitor_alarm: dict | None = None
     epochs_to_target: int | None = None
@@ -77,13 +80,25 @@ class TrainState:
 
 
 @dataclass
-class _EpochResult:
+class _Window:
+    """Training loss and accuracy since the last evaluation; why the epoch stopped early, if it did."""
+
     loss_sum: float = 0.0
     correct: float = 0.0
     seen: float = 0.0
-    bad_loss: bool = False
+    collapse: str | None = None
     alarm: dict | None = None
     started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @property
+    def stopped(self) -> bool:
+        return self.collapse is not None or self.alarm is not None
+
+
+def eval_marks(n_steps: int, evals_per_epoch: int) -> list[int]:
+    """Steps of an epoch (counted from 1) after which the test set is evaluated; the last is ``n_steps``."""
+    k = max(1, min(evals_per_epoch, n_steps))
+    return sorted({max(1, round(n_steps * j / k)) for j in range(1, k + 1)})
 
 
 def seed_everything(seed: int) -> None:
@@ -91,20 +106,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, ds: ArrayDataset, device: torch.device, batch_size: int = 512):
-    """Mean cross-entropy and accuracy of ``model`` in eval mode on all of ``ds``."""
-    model.eval()
-    loss_sum, correct = 0.0, 0
-    for start in range(0, len(ds), batch_size):
-        x, y = ds.batch(torch.arange(start, min(start + batch_size, len(ds))))
-        out = model(x.to(device))
-        y = y.to(device)
-        loss_sum += F.cross_entropy(out, y, reduction="sum").item()
-        correct += (out.argmax(1) == y).sum().item()
-    return loss_sum / len(ds), correct / len(ds)
 
 
 def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
@@ -164,6 +165,7 @@ class Trainer:
         self.is_main = self.rank == 0
         self.state = TrainState(world_size=self.world)
         self.history: list[dict] = []
+        self.losses: list[float | None] = []  # training loss of every step (None: not finite)
         self.monitor: VarianceMonitor | None = None
         self._monitor_written = 0
 
@@ -230,15 +232,14 @@ class Trainer:
     # -- set-up --------------------------------------------------------------------------------------------
     def _load_data(self):
         cfg = self.config
-        self.train_ds, self.test_ds, info = get_dataset(cfg.dataset, cfg.data_dir)
+        cache = cfg.data_dir if cfg.data_dir is not None or cfg.dataset != "mnist1d" else self.out / "data"
+        self.train_ds, self.test_ds, info = get_dataset(cfg.dataset, cache, num_samples=cfg.num_samples,
+                                                        num_train=cfg.num_train)
         self.per_rank = len(self.train_ds) // self.world
         if cfg.batch_size > self.per_rank:
             where = "training set" if self.world == 1 else f"share of each of {self.world} processes"
             raise UsageError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} {where} "
                              f"({self.per_rank} samples)")
-        if len(info["input_shape"]) - 1 != MODEL_DIMS[cfg.model]:
-            raise UsageError(f"model {cfg.model!r} takes {MODEL_DIMS[cfg.model]}-D inputs but dataset "
-                             f"{cfg.dataset!r} has samples of shape {tuple(info['input_shape'])}")
         return info
 
     def steps_per_epoch(self) -> int:
@@ -257,7 +258,7 @@ class Trainer:
         seed_everything(cfg.seed)
         self.raw_model = build_model(
             cfg.model, cfg.norm, cfg.conv, info["in_channels"], info["num_classes"], info["input_shape"], cfg.width,
-            norm_kwargs=self._norm_kwargs(), **cfg.model_kwargs,
+            norm_kwargs=self._norm_kwargs(), conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs,
         ).to(self.device)
         self.model = self.raw_model
         if self.world > 1:
@@ -268,8 +269,10 @@ class Trainer:
         self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.tracker = CollapseTracker(info["num_classes"], loss_window(cfg.batch_size))
         if cfg.monitor_every > 0:
-            self.monitor = VarianceMonitor(self.raw_model, every=cfg.monitor_every)
+            self.monitor = VarianceMonitor(self.raw_model, every=cfg.monitor_every,
+                                           dense_steps=cfg.monitor_dense_steps, dense_every=cfg.monitor_dense_every)
 
     def _snapshot(self) -> dict:
         return {
@@ -282,6 +285,7 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
             "history": copy.deepcopy(self.history),
+            "losses": list(self.losses),
             "state": self.state.to_dict(),
             "monitor": self.monitor.state_dict() if self.monitor is not None else None,
         }
@@ -301,6 +305,9 @@ class Trainer:
         if ck["cuda_rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["cuda_rng"])
         self.history = list(ck["history"])
+        self.losses = list(ck.get("losses", []))
+        for value in self.losses:  # the collapse tracker is a function of the loss trace
+            self.tracker.update(value)
         self.state = TrainState.from_dict({**ck["state"], "world_size": self.world})
         if self.monitor is not None:
             if ck.get("monitor") is not None:
@@ -334,21 +341,25 @@ class Trainer:
         return t.tolist()
 
     def _step(self, x: torch.Tensor, y: torch.Tensor):
-        """One SGD step; returns the outputs and the loss, or None when the loss is not finite (on any rank)."""
+        """One SGD step; returns (outputs, loss value), or (None, None) when the loss is not finite on any rank.
+
+        Under DDP the loss value is the mean over ranks, so every rank judges collapse alike."""
         out = self.model(x)
         loss = F.cross_entropy(out, y)
-        finite = bool(torch.isfinite(loss))
+        value = loss.item()
         if self.world > 1:
-            finite = self._all_sum([0.0 if finite else 1.0])[0] == 0
-        if not finite:
-            return None
+            finite = math.isfinite(value)
+            total, bad = self._all_sum([value if finite else 0.0, 0.0 if finite else 1.0])
+            value = total / self.world if bad == 0 else math.nan
+        if not math.isfinite(value):
+            return None, None
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.monitor is not None:
             self.monitor.step(self.optimizer)
         else:
             self.optimizer.step()
-        return out, loss
+        return out, value
 
     def _alarm_stops(self) -> dict | None:
         """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
@@ -361,52 +372,68 @@ class Trainer:
             return None
         return _alarm_dict(self.monitor.alarm) if self.monitor.alarm is not None else {"layer": "another rank"}
 
-    def _train_epoch(self, epoch: int) -> _EpochResult:
-        cfg, res = self.config, _EpochResult()
+    def _train_step(self, batch, win: _Window) -> None:
+        """One step of training on ``batch``: losses, collapse tracking, the window's sums."""
+        t0 = time.perf_counter()
+        x, y = (t.to(self.device) for t in batch)
+        out, value = self._step(x, y)
+        self.losses.append(value)
+        win.collapse = self.tracker.update(value)
+        if out is None:
+            return
+        self.state.step_time_total += time.perf_counter() - t0
+        self.state.steps_total += 1
+        win.loss_sum += value * len(y)
+        win.correct += (out.argmax(1) == y).sum().item()
+        win.seen += len(y)
+        win.alarm = self._alarm_stops()
+
+    def _train_epoch(self, epoch: int) -> _Window:
+        """Train one epoch, evaluating at :func:`eval_marks`; returns the window since the last evaluation."""
+        cfg, win = self.config, _Window()
         self.model.train()
         order, gen = self._epoch_order(epoch)
         n_steps = self.steps_per_epoch()
+        marks = set(eval_marks(n_steps, cfg.evals_per_epoch)) - {n_steps}
         bar = _progress_bar(n_steps, f"epoch {epoch + 1}/{cfg.epochs}", self.progress and self.is_main)
         for step in range(n_steps):
-            t0 = time.perf_counter()
-            x, y = self.train_ds.batch(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], gen)
-            x, y = x.to(self.device), y.to(self.device)
-            stepped = self._step(x, y)
-            if stepped is None:
-                res.bad_loss = True
-                break
-            out, loss = stepped
-            self.state.step_time_total += time.perf_counter() - t0
-            self.state.steps_total += 1
-            res.loss_sum += loss.item() * len(y)
-            res.correct += (out.argmax(1) == y).sum().item()
-            res.seen += len(y)
+            self._train_step(self.train_ds.batch(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], gen), win)
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{res.loss_sum / res.seen:.4f}", acc=f"{res.correct / res.seen:.3f}")
-            res.alarm = self._alarm_stops()
-            if res.alarm is not None:
+                if win.seen:
+                    bar.set_postfix(loss=f"{win.loss_sum / win.seen:.4f}", acc=f"{win.correct / win.seen:.3f}")
+            if win.stopped:
                 break
+            if step + 1 in marks:
+                self.history.append(self._eval_entry(epoch + (step + 1) / n_steps, win))
+                self.model.train()
+                win = _Window()
         if bar is not None:
             bar.close()
-        return res
+        return win
 
-    # -- end of an epoch -----------------------------------------------------------------------------------
-    def _epoch_entry(self, epoch: int, res: _EpochResult, lr: float) -> dict:
-        res.loss_sum, res.correct, res.seen = self._all_sum([res.loss_sum, res.correct, res.seen])
+    # -- evaluation and the end of an epoch ----------------------------------------------------------------
+    def _eval_entry(self, epoch: float, win: _Window) -> dict:
+        """Evaluate on the test set (eval mode, and train mode when asked) and describe the window."""
+        win.loss_sum, win.correct, win.seen = self._all_sum([win.loss_sum, win.correct, win.seen])
         if self.world > 1:  # running statistics are per process: evaluate and save rank 0's everywhere
             for buf in self.raw_model.buffers():
                 dist.broadcast(buf, 0)
         test_loss, test_acc = evaluate(self.raw_model, self.test_ds, self.device)
-        return {
-            "epoch": epoch + 1,
-            "train_loss": res.loss_sum / res.seen if res.seen and not res.bad_loss else None,
-            "train_acc": res.correct / res.seen if res.seen else None,
+        entry = {
+            "epoch": round(epoch, 4) if epoch != int(epoch) else int(epoch),
+            "step": self.state.steps_total,
+            "train_loss": win.loss_sum / win.seen if win.seen and win.collapse != "non_finite" else None,
+            "train_acc": win.correct / win.seen if win.seen else None,
             "test_loss": test_loss if math.isfinite(test_loss) else None,
             "test_acc": test_acc,
-            "lr": lr,
-            "time_s": time.perf_counter() - res.started,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "time_s": time.perf_counter() - win.started,
         }
+        if self.config.eval_train_mode:
+            entry["test_acc_train_mode"] = evaluate_train_mode(self.raw_model, self.test_ds, self.device,
+                                                               self.config.batch_size)
+        return entry
 
     def _flush_monitor(self) -> None:
         """Append the monitor records of this epoch (and a first alarm) to monitor.jsonl."""
@@ -421,27 +448,35 @@ class Trainer:
         self.state.monitor_lines += len(lines)
         self._monitor_written = len(mon.records)
 
-    def _end_epoch(self, epoch: int, res: _EpochResult) -> bool:
+    def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> None:
+        st = self.state
+        if win.collapse is None and entry["test_loss"] is None:
+            win.collapse, self.tracker.kind, self.tracker.step = "non_finite", "non_finite", st.steps_total
+        if win.collapse is None and win.alarm is None and last_epoch:
+            win.collapse = self.tracker.finish()
+        if win.collapse is not None:
+            reason = "non_finite_loss" if win.collapse == "non_finite" else win.collapse
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, self.tracker.step, reason
+        elif win.alarm is not None:
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, win.alarm.get("step"), "monitor_alarm"
+            st.monitor_alarm = st.monitor_alarm or win.alarm
+
+    def _end_epoch(self, epoch: int, win: _Window) -> bool:
         """Evaluate, record, checkpoint; True when training stops here (collapse or alarm)."""
-        lr = self.optimizer.param_groups[0]["lr"]
+        entry = self._eval_entry(epoch + 1, win)
         self.scheduler.step()
-        entry = self._epoch_entry(epoch, res, lr)
         self.history.append(entry)
         st = self.state
         st.epoch = epoch + 1
         target = self.config.target_acc
-        if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not res.bad_loss:
+        if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not win.stopped:
             st.epochs_to_target = epoch + 1
         self._flush_monitor()
-        if res.bad_loss or entry["test_loss"] is None:
-            st.collapse_epoch, st.collapse_reason = epoch + 1, "non_finite_loss"
-        elif res.alarm is not None:
-            st.collapse_epoch, st.collapse_reason = epoch + 1, "monitor_alarm"
-            st.monitor_alarm = st.monitor_alarm or res.alarm
+        self._mark_collapse(epoch, entry, win, epoch + 1 == self.config.epochs)
         stop = st.collapse_epoch is not None
         st.finished = stop or epoch + 1 == self.config.epochs
         if self.is_main:
-            self._save_epoch(keep_last_good=stop)
+            self._save_epoch(keep_last_good=stop and win.collapse != "never_left_chance")
         if self.world > 1:
             dist.barrier()
         return stop
@@ -450,6 +485,7 @@ class Trainer:
         if keep_last_good:  # keep the last good weights on disk; record the collapse in their history
             good = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
             good["history"], good["state"] = copy.deepcopy(self.history), self.state.to_dict()
+            good["losses"] = list(self.losses)
             atomic_torch_save(good, self.checkpoint_path)
         else:
             atomic_torch_save(self._snapshot(), self.checkpoint_path)
@@ -457,6 +493,8 @@ class Trainer:
 
     def _write_metrics(self) -> None:
         atomic_write_text(self.metrics_path, "".join(json_line(h) + "\n" for h in self.history))
+        atomic_write_json(self.out / "loss_trace.json", {"window": self.tracker.window, "losses": self.losses},
+                          indent=None)
 
     def _write_summary(self) -> dict:
         st, hist = self.state, self.history
@@ -467,11 +505,14 @@ class Trainer:
             "best_test_acc": max(accs) if accs else None,
             "collapsed": st.collapse_epoch is not None,
             "collapse_epoch": st.collapse_epoch,
+            "collapse_step": st.collapse_step,
             "collapse_reason": st.collapse_reason,
             "monitor_alarm": st.monitor_alarm,
             "epochs_to_target": st.epochs_to_target,
             "step_time_s": st.step_time_total / st.steps_total if st.steps_total else None,
-            "epochs_run": len(hist),
+            "final_test_acc_train_mode": hist[-1].get("test_acc_train_mode") if hist else None,
+            "steps_run": st.steps_total,
+            "epochs_run": st.epoch,
             "world_size": st.world_size,
             "history": hist,
         }

@@ -1,0 +1,108 @@
+"""MNIST-1D (Greydanus 2020) generated locally at any size, cached on disk under a checksum of its arguments.
+
+``mnist1d.data.make_dataset`` builds the data set from ten templates with random shifts, scaling, shear and noise
+(length 40). Generating 25,000 samples takes about 10 s, so the arrays are cached as
+``<cache_dir>/mnist1d_<key>.npz``, where ``key`` is a SHA-256 of the generation arguments; each file also holds a
+SHA-256 of its arrays and is regenerated when that does not match. Generation is deterministic for a given set of
+arguments (mnist1d seeds its generators from ``seed``; normlab restores python's and numpy's global generators
+afterwards).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+
+from .errors import UsageError
+from .io import atomic_write
+
+__all__ = ["DEFAULT_SAMPLES", "TRAIN_SPLIT", "generation_args", "cache_key", "load_mnist1d", "arrays_checksum"]
+
+DEFAULT_SAMPLES = 25_000  # 20,000 train / 5,000 test
+TRAIN_SPLIT = 0.8
+_KEYS = ("x", "y", "x_test", "y_test")
+_memory: dict[str, dict[str, np.ndarray]] = {}  # per process: cells of a grid in one worker load once
+
+
+def generation_args(num_samples: int = DEFAULT_SAMPLES) -> dict:
+    """mnist1d's generation arguments with ``num_samples`` (train + test, split 80/20)."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 50:
+        raise UsageError(f"mnist1d: num_samples must be an integer >= 50, got {num_samples!r}")
+    from mnist1d.data import get_dataset_args
+
+    args = get_dataset_args(as_dict=True)
+    args.pop("url", None)
+    args.update(num_samples=num_samples, train_split=TRAIN_SPLIT)
+    return args
+
+
+def cache_key(args: dict) -> str:
+    """SHA-256 (16 hex digits) of the generation arguments."""
+    return hashlib.sha256(json.dumps(args, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def arrays_checksum(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 of the data arrays (dtype, shape and bytes)."""
+    h = hashlib.sha256()
+    for k in _KEYS:
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}:{a.dtype}:{a.shape}".encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _generate(args: dict) -> dict[str, np.ndarray]:
+    from mnist1d.data import make_dataset
+    from mnist1d.utils import ObjectView
+
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = make_dataset(ObjectView(dict(args)))
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    return {"x": d["x"].astype(np.float32), "y": d["y"].astype(np.int64),
+            "x_test": d["x_test"].astype(np.float32), "y_test": d["y_test"].astype(np.int64)}
+
+
+def _read_cache(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays if the file is readable and its checksum matches, else None."""
+    try:
+        with np.load(path) as z:
+            arrays = {k: z[k] for k in _KEYS}
+            stored = str(z["checksum"])
+    except (OSError, KeyError, ValueError, EOFError):
+        return None
+    return arrays if stored == arrays_checksum(arrays) else None
+
+
+def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    buf = io.BytesIO()
+    np.savez(buf, checksum=np.array(arrays_checksum(arrays)), **arrays)
+    atomic_write(path, lambda f: f.write(buf.getvalue()))
+
+
+def load_mnist1d(num_samples: int = DEFAULT_SAMPLES, cache_dir: str | os.PathLike | None = None):
+    """``{"x", "y", "x_test", "y_test"}``: float32 (N, 40) signals and int64 labels, 80/20 split.
+
+    Read from ``cache_dir`` when a valid cache file exists there, else generated (and cached when ``cache_dir``
+    is given).
+    """
+    args = generation_args(num_samples)
+    key = cache_key(args)
+    if key in _memory:
+        return _memory[key]
+    path = Path(cache_dir) / f"mnist1d_{key}.npz" if cache_dir is not None else None
+    arrays = _read_cache(path) if path is not None and path.is_file() else None
+    if arrays is None:
+        arrays = _generate(args)
+        if path is not None:
+            _write_cache(path, arrays)
+    _memory[key] = arrays
+    return arrays

@@ -1,0 +1,63 @@
+"""The collapse definition on synthetic loss traces: non-finite, back to chance, never left chance, healthy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from normlab.runner.collapse import CHANCE, LEARNED, CollapseTracker, classify_trace, loss_window
+
+LN10 = math.log(10)
+
+
+def test_healthy_run_is_not_a_collapse():
+    losses = [LN10 * (1 - 0.9 * t / 200) for t in range(200)]
+    assert classify_trace(losses, 10, window=10) == (None, None)
+
+
+def test_non_finite_loss_is_a_collapse_at_its_step():
+    losses = [2.0] * 5 + [float("nan")] + [2.0] * 5
+    assert classify_trace(losses, 10) == ("non_finite", 5)
+    assert classify_trace([1.0, None], 10) == ("non_finite", 1)
+    assert classify_trace([1.0, float("inf")], 10) == ("non_finite", 1)
+
+
+def test_return_to_chance_after_learning():
+    learned = [0.5 * LN10] * 30
+    back = [1.0 * LN10] * 30
+    kind, step = classify_trace(learned + back, 10, window=10)
+    assert kind == "returned_to_chance"
+    # the window mean crosses 0.95 ln C at step 30 + 9 (10 x ln C... mean over the window); the collapse is dated
+    # at the first step of that window
+    means = [sum((learned + back)[i - 9:i + 1]) / 10 for i in range(9, 60)]
+    crossing = next(i for i, m in zip(range(9, 60), means) if m >= CHANCE * LN10)
+    assert step == crossing - 9
+    # worse than chance (a finite loss far above ln C) also counts
+    assert classify_trace(learned + [5 * LN10] * 10, 10, window=10)[0] == "returned_to_chance"
+    # never below LEARNED x ln C before: a wobble near chance is not a return
+    assert classify_trace([0.85 * LN10] * 30 + back, 10, window=10) == (None, None)
+
+
+def test_never_leaving_chance_is_a_dead_network_once_the_run_is_long_enough():
+    dead = [LN10 * 1.001] * 40
+    assert classify_trace(dead, 10, window=10) == ("never_left_chance", None)
+    assert classify_trace(dead[:39], 10, window=10) == (None, None)  # under 4 windows: too short to judge
+    assert classify_trace(dead, 10, window=10, finished=False) == (None, None)
+    slow = [LN10 * 0.93] * 40  # below 0.95 ln C: it left chance, slowly
+    assert classify_trace(slow, 10, window=10) == (None, None)
+
+
+def test_tracker_reports_the_first_collapse_only_and_checks_its_arguments():
+    t = CollapseTracker(10, window=2)
+    assert t.update(0.1) is None and t.update(0.1) is None
+    assert t.update(LN10) is None  # window mean (0.1 + ln10) / 2 < 0.95 ln 10
+    assert t.update(LN10) == "returned_to_chance" and (t.kind, t.step) == ("returned_to_chance", 2)
+    assert t.update(float("nan")) is None and t.kind == "returned_to_chance"
+    assert LEARNED < CHANCE
+    with pytest.raises(ValueError, match="num_classes >= 2"):
+        CollapseTracker(1)
+
+
+def test_loss_window_is_about_a_thousand_samples():
+    assert loss_window(128) == 10 and loss_window(64) == 16 and loss_window(2) == 512 and loss_window(4096) == 10
