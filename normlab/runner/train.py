@@ -9,12 +9,16 @@ Files in ``out_dir`` (only rank 0 writes, every file atomically):
 - ``checkpoint.pt``: model, optimizer, scheduler, RNG states, history, :class:`TrainState` and the monitor's state;
   written before training and after every epoch. ``train`` again with the same ``out_dir`` resumes from it and
   ends with exactly the metrics (and monitor alarm) of an uninterrupted run; a finished run returns its summary.
-- ``metrics.jsonl``: one line per epoch (``epoch, train_loss, train_acc, test_loss, test_acc, lr, time_s``).
+- ``metrics.jsonl``: one line per evaluation (``evals_per_epoch`` per epoch): ``epoch`` (fractional within an
+  epoch), ``step``, ``train_loss``/``train_acc`` since the previous evaluation, ``test_loss``, ``test_acc``
+  (eval mode), ``test_acc_train_mode`` (with ``eval_train_mode``), ``lr``, ``time_s``.
+- ``loss_trace.json``: the training loss of every step and the window of the smoothed loss.
 - ``monitor.jsonl``: the :class:`~normlab.monitor.VarianceMonitor` records when ``monitor_every > 0``.
 - ``summary.json``: the returned summary.
 
-A non-finite loss marks the run collapsed at that epoch and stops it; with ``stop_on_collapse`` a monitor alarm
-does the same. The checkpoint then keeps the last good weights.
+Collapse (:mod:`normlab.runner.collapse`): a non-finite loss stops the run and the checkpoint keeps the last good
+weights; a return of the loss to chance level is recorded and training goes on; a net that never left chance is
+judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
 
 DDP: under ``torchrun`` (``WORLD_SIZE > 1``) the loop joins a gloo (CPU) / nccl (CUDA) process group, shards each
 epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the model in
@@ -378,7 +382,8 @@ class Trainer:
         x, y = (t.to(self.device) for t in batch)
         out, value = self._step(x, y)
         self.losses.append(value)
-        win.collapse = self.tracker.update(value)
+        if self.tracker.update(value) == "non_finite":
+            win.collapse = "non_finite"
         if out is None:
             return
         self.state.step_time_total += time.perf_counter() - t0
@@ -448,18 +453,24 @@ class Trainer:
         self.state.monitor_lines += len(lines)
         self._monitor_written = len(mon.records)
 
-    def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> None:
-        st = self.state
-        if win.collapse is None and entry["test_loss"] is None:
-            win.collapse, self.tracker.kind, self.tracker.step = "non_finite", "non_finite", st.steps_total
-        if win.collapse is None and win.alarm is None and last_epoch:
-            win.collapse = self.tracker.finish()
-        if win.collapse is not None:
-            reason = "non_finite_loss" if win.collapse == "non_finite" else win.collapse
-            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, self.tracker.step, reason
-        elif win.alarm is not None:
+    def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:
+        """Record the first collapse (see :mod:`normlab.runner.collapse`); True when training must stop.
+
+        A non-finite loss stops the run (and an alarm with ``stop_on_collapse``); a return to chance is recorded and
+        the run goes on (nets at a high learning rate sometimes recover); a dead net is judged at the end.
+        """
+        st, tracker = self.state, self.tracker
+        if tracker.kind is None and entry["test_loss"] is None:
+            tracker.kind, tracker.step = "non_finite", st.steps_total
+        if tracker.kind is None and last_epoch:
+            tracker.finish()
+        if tracker.kind is not None and st.collapse_reason is None:
+            reason = "non_finite_loss" if tracker.kind == "non_finite" else tracker.kind
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, tracker.step, reason
+        if win.alarm is not None and st.collapse_reason is None:
             st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, win.alarm.get("step"), "monitor_alarm"
             st.monitor_alarm = st.monitor_alarm or win.alarm
+        return tracker.kind == "non_finite" or win.alarm is not None
 
     def _end_epoch(self, epoch: int, win: _Window) -> bool:
         """Evaluate, record, checkpoint; True when training stops here (collapse or alarm)."""
@@ -472,11 +483,10 @@ class Trainer:
         if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not win.stopped:
             st.epochs_to_target = epoch + 1
         self._flush_monitor()
-        self._mark_collapse(epoch, entry, win, epoch + 1 == self.config.epochs)
-        stop = st.collapse_epoch is not None
+        stop = self._mark_collapse(epoch, entry, win, epoch + 1 == self.config.epochs)
         st.finished = stop or epoch + 1 == self.config.epochs
         if self.is_main:
-            self._save_epoch(keep_last_good=stop and win.collapse != "never_left_chance")
+            self._save_epoch(keep_last_good=stop)
         if self.world > 1:
             dist.barrier()
         return stop
