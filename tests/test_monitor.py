@@ -654,3 +654,20 @@ def test_every_layer_is_norm_layer_counts_is_recorded_as_a_norm():
     assert set(recorded) == {"0", "1", "3", "4"}
     assert recorded["1"]["kind"] == "norm" and recorded["1"]["output_var"] > 0
 
+
+
+def test_records_carry_the_two_terms_of_the_output_variance():
+    # 1x1 conv (no padding) on i.i.d. ReLU(N(0, 1)) input with filter means spread apart: the shift term matters
+    torch.manual_seed(3)
+    conv = nn.Conv2d(64, 32, 1, bias=False)
+    with torch.no_grad():
+        conv.weight.normal_(0, (2 / 64) ** 0.5).add_(torch.randn(32, 1, 1, 1) * 0.05)
+    mon = VarianceMonitor(nn.Sequential(conv), every=1, include_norm=False)
+    conv(torch.relu(torch.randn(64, 64, 8, 8)))
+    mon.step()
+    (rec,) = mon.records
+    assert rec["shift_term"] > 0.3 * rec["variance_term"]
+    assert (rec["variance_term"] + rec["shift_term"]) == pytest.approx(rec["output_var"], rel=0.05)
+    w = conv.weight.detach()
+    assert rec["weight_sq_mean"] == pytest.approx(w.square().mean().item(), rel=1e-5)
+    assert rec["weight_norm"] == pytest.approx(w.norm().item(), rel=1e-5)

@@ -12,7 +12,7 @@ from normlab.runner.errors import UsageError
 from normlab.runner.models import MODELS
 
 __all__ = ["list_of", "names", "fraction", "positive_int", "finite_float", "add_data_args", "add_optim_args",
-           "add_out_arg", "train_kwargs", "resolve_name", "load_data", "DEFAULTS"]
+           "add_out_arg", "add_run_args", "train_kwargs", "resolve_name", "load_data", "DEFAULTS"]
 
 DEFAULTS = TrainConfig()
 
@@ -93,6 +93,26 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--download", action="store_true", help="download the data set first (cifar10 only)")
 
 
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """Options of what one run records and on how much data: shared by ``train`` and ``compare``."""
+    d = DEFAULTS
+    p.add_argument("--num-samples", type=positive_int, default=None,
+                   help="mnist1d: samples to generate, train + test split 80/20 (default 25000)")
+    p.add_argument("--num-train", type=positive_int, default=None,
+                   help="use only the first N training samples (default: all)")
+    p.add_argument("--evals-per-epoch", type=positive_int, default=d.evals_per_epoch,
+                   help=f"test evaluations per epoch, for training curves (default {d.evals_per_epoch})")
+    p.add_argument("--eval-train-mode", action="store_true",
+                   help="also report test accuracy with batch statistics (train mode) at the training batch size")
+    p.add_argument("--monitor-every", type=int, default=d.monitor_every,
+                   help="record variance-monitor statistics every N steps (0: off)")
+    p.add_argument("--monitor-dense-steps", type=int, default=d.monitor_dense_steps,
+                   help="also record every --monitor-dense-every steps during the first N steps (default 0)")
+    p.add_argument("--monitor-dense-every", type=positive_int, default=d.monitor_dense_every,
+                   help=f"see --monitor-dense-steps (default {d.monitor_dense_every})")
+    p.add_argument("--stop-on-collapse", action="store_true", help="stop a run when the monitor raises its alarm")
+
+
 def add_optim_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     p.add_argument("--momentum", type=finite_float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
@@ -120,7 +140,10 @@ def train_kwargs(args: argparse.Namespace) -> dict:
     """The TrainConfig fields the optimisation and data options set."""
     kw = dict(momentum=args.momentum, weight_decay=args.weight_decay, nowd_norm_alpha=not args.wd_norm_alpha,
               milestones=tuple(args.milestones), lr_gamma=args.lr_gamma, device=args.device,
-              num_workers=args.num_workers, brn_schedule=args.brn_schedule)
+              num_workers=args.num_workers, brn_schedule=args.brn_schedule, num_samples=args.num_samples,
+              num_train=args.num_train, evals_per_epoch=args.evals_per_epoch, eval_train_mode=args.eval_train_mode,
+              monitor_every=args.monitor_every, monitor_dense_steps=args.monitor_dense_steps,
+              monitor_dense_every=args.monitor_dense_every, stop_on_collapse=args.stop_on_collapse)
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir
     return kw

@@ -13,6 +13,7 @@ from .args import (
     add_data_args,
     add_optim_args,
     add_out_arg,
+    add_run_args,
     finite_float,
     list_of,
     load_data,
@@ -50,6 +51,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--lr-scaling", choices=LR_SCALINGS, default=g.lr_scaling,
                    help="scale each cell's lr with batch_size / base batch size (default none)")
     add_data_args(p)
+    add_run_args(p)
     add_optim_args(p)
     add_out_arg(p, "runs/compare")
     p.add_argument("--workers", type=int, default=0,

@@ -18,6 +18,7 @@ from .args import (
     add_data_args,
     add_optim_args,
     add_out_arg,
+    add_run_args,
     finite_float,
     load_data,
     positive_int,
@@ -42,9 +43,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help=f"batch size (default {d.batch_size})")
     p.add_argument("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
     p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
-    p.add_argument("--monitor-every", type=int, default=d.monitor_every,
-                   help="record variance-monitor statistics every N steps (0: off)")
-    p.add_argument("--stop-on-collapse", action="store_true", help="stop when the monitor raises its alarm")
+    add_run_args(p)
     add_optim_args(p)
     add_out_arg(p, "runs/train")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -61,8 +60,7 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         norm, conv = args.norm, args.conv
     return TrainConfig(
         dataset=args.dataset, model=args.model, norm=norm, conv=conv, width=args.width, lr=args.lr,
-        batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, monitor_every=args.monitor_every,
-        stop_on_collapse=args.stop_on_collapse, target_acc=args.target_acc,
+        batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, target_acc=args.target_acc,
         max_steps_per_epoch=args.max_steps_per_epoch, **train_kwargs(args),
     ).validate()
 

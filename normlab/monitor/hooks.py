@@ -16,13 +16,16 @@ Per layer and recorded step (one dict in ``mon.records``; keys absent where they
     step, layer (module name), index (forward order), type (class name), kind ("conv" | "linear" | "norm"),
     output_var            Var[Y_l] of the layer output (biased, all entries)
     input_mean_sq         E^2[X] of the layer input            (paper Fig. 6a)
+    input_var             Var[X] of the layer input (all entries)
     input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1)))
     input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over channels
   conv / linear only, on the EFFECTIVE kernel (``module.effective_weight()`` if present, else ``module.weight``):
     fan_in, out_channels,
     weight_var / _min / _max   Var[W_o] per filter: mean, min, max over filters   (Fig. 2)
+    weight_sq_mean, weight_norm   E[W^2] over all entries, ||W|| (Frobenius)
     shift                 Var_o[n_l mean(W_o)]                                    (Fig. 1b, right)
     shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS)
+    variance_term, shift_term   n E[W^2] Var[X] and E^2[X] shift: the two terms of Var[Y] (stats.variance_terms)
   conv / linear, when ``step(optimizer)`` was given an optimizer (dW = W_before - W_after of that step):
     update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over filters   (Fig. 1a)
     mean_update_mean / _std / _absmax   mean(dW_o) over filters: mean, spread (std), max |.|  (Fig. 1b)
@@ -204,8 +207,8 @@ class VarianceMonitor:
         if x is not None and x.numel() > 0:
             xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
             m, sq = xf.mean(), xf.square().mean()
-            names += ["input_mean_sq", "input_ratio"]
-            values += [m.square(), m.square() / sq]
+            names += ["input_mean_sq", "input_var", "input_ratio"]
+            values += [m.square(), sq - m.square(), m.square() / sq]
             if x.dim() >= 2:
                 ch_dim = -1 if kind == "linear" else 1
                 r = stats.channel_input_ratio(xf, ch_dim)
@@ -249,6 +252,7 @@ class VarianceMonitor:
             rec.update(self._pending.get(name, {}))
             if kind != "norm":
                 rec.update(self._weight_stats(before[name], effective_weight(mod) if stepped else None))
+                rec.update(stats.variance_terms(rec))
             step_records.append(rec)
         if self.compiled and not self._pending and not self._warned_compiled:
             self._warned_compiled = True
@@ -276,9 +280,11 @@ class VarianceMonitor:
     @staticmethod
     def _weight_stats(w: Tensor, after: Tensor | None) -> dict:
         wf = stats.filters(w)
-        names = ["weight_var", "weight_var_min", "weight_var_max", "shift", "shift_scale_free"]
+        names = ["weight_var", "weight_var_min", "weight_var_max", "weight_sq_mean", "weight_norm", "shift",
+                 "shift_scale_free"]
         vo = stats.weight_variance(w)
-        values = [vo.mean(), vo.min(), vo.max(), stats.shift_of_average(w), stats.shift_scale_free(w)]
+        values = [vo.mean(), vo.min(), vo.max(), wf.square().mean(), wf.norm(), stats.shift_of_average(w),
+                  stats.shift_scale_free(w)]
         if after is not None:
             ratio = stats.update_ratio(w, after)
             mu = stats.filter_mean_update(w, after)

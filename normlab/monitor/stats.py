@@ -33,6 +33,7 @@ __all__ = [
     "channel_input_ratio",
     "output_variance",
     "channel_moments",
+    "variance_terms",
 ]
 
 
@@ -138,3 +139,18 @@ def channel_input_ratio(x: Tensor, channel_dim: int = 1) -> Tensor:
 def output_variance(y: Tensor) -> Tensor:
     """Var[Y_l]: biased variance over all entries of the layer output. Scalar."""
     return _as_float(y).var(unbiased=False)
+
+
+def variance_terms(record: dict) -> dict:
+    """The two terms of ``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` from one monitor record.
+
+    ``variance_term = fan_in * weight_sq_mean * input_var`` and ``shift_term = input_mean_sq * shift``; empty when the
+    record lacks a quantity (e.g. the layer did not run in the recorded forward). The decomposition assumes i.i.d.
+    inputs; with zero padding and correlated activations it is an approximation (``docs/design.md`` section 2).
+    """
+    need = ("fan_in", "weight_sq_mean", "input_var", "input_mean_sq", "shift")
+    if any(record.get(k) is None for k in need):
+        return {}
+    return {"variance_term": record["fan_in"] * record["weight_sq_mean"] * record["input_var"],
+            "shift_term": record["input_mean_sq"] * record["shift"]}
+

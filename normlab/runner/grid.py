@@ -189,6 +189,13 @@ def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
     return summary
 
 
+def _with_data_cache(cells: list[Cell], out: Path) -> list[Cell]:
+    """Generated data sets (mnist1d) without a --data-dir are cached once for the grid, in ``out/data``."""
+    cache = str(out / "data")
+    return [dataclasses.replace(c, config=dataclasses.replace(c.config, data_dir=cache))
+            if c.config.dataset == "mnist1d" and c.config.data_dir is None else c for c in cells]
+
+
 def _init_worker(threads: int) -> None:
     torch.set_num_threads(threads)
 
@@ -277,7 +284,7 @@ def run_grid(
     """
     out = Path(out_dir)
     runs = out / "runs"
-    cells = expand_grid(spec)
+    cells = _with_data_cache(expand_grid(spec), out)
     say = log or (lambda s: print(s, file=sys.stderr))
     if check:
         check_grid(cells)

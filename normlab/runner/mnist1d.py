@@ -96,13 +96,13 @@ def load_mnist1d(num_samples: int = DEFAULT_SAMPLES, cache_dir: str | os.PathLik
     """
     args = generation_args(num_samples)
     key = cache_key(args)
-    if key in _memory:
-        return _memory[key]
     path = Path(cache_dir) / f"mnist1d_{key}.npz" if cache_dir is not None else None
-    arrays = _read_cache(path) if path is not None and path.is_file() else None
+    arrays = _memory.get(key)
+    if arrays is None and path is not None and path.is_file():
+        arrays = _read_cache(path)
     if arrays is None:
         arrays = _generate(args)
-        if path is not None:
-            _write_cache(path, arrays)
+    if path is not None and not path.is_file():
+        _write_cache(path, arrays)
     _memory[key] = arrays
     return arrays
