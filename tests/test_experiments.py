@@ -8,7 +8,8 @@ import math
 import pytest
 
 from normlab.nn import resolve_comparison as resolve_norm
-from normlab.runner.grid import GridSpec, expand_grid, run_grid
+from normlab.runner.execute import run_grid
+from normlab.runner.grid import GridSpec, expand_grid
 from normlab.runner.report import markdown_table, render_report
 from normlab.runner.results import load_results
 from normlab.runner.verdicts import headline_effects
@@ -273,7 +274,7 @@ def test_identical_norms_reported():
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     # the grid dies in its second cell: results.json already holds the first one and renders as partial
-    import normlab.runner.grid as ex
+    import normlab.runner.execute as ex
     from normlab.cli import main
 
     real = ex._run_cell

@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from normlab.runner.checks import check_grid
-from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, run_grid
+from normlab.runner.execute import run_grid
+from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid
 from normlab.runner.report import print_summary
 
 from .args import (

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from normlab.runner.checks import check_grid
 from normlab.runner.demo import demo_spec
-from normlab.runner.grid import expand_grid, run_grid
+from normlab.runner.execute import run_grid
+from normlab.runner.grid import expand_grid
 from normlab.runner.report import print_summary
 
 from .args import add_out_arg, positive_int

@@ -24,8 +24,11 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
         raise UsageError(f"batch size {config.batch_size} is larger than the {config.dataset} training set "
                          f"({len(train_ds)} examples)")
     shape = tuple(info["input_shape"])
-    net = build_model(config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], shape,
-                      config.width, **config.model_kwargs).eval()
+    try:
+        net = build_model(config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], shape,
+                          config.width, conv_kwargs=config.conv_kwargs, **config.model_kwargs).eval()
+    except (ValueError, TypeError) as e:  # a layer refusing its arguments (e.g. a PWS gamma <= 0)
+        raise UsageError(str(e).strip().splitlines()[0]) from None
     try:
         with torch.no_grad():
             out = net(torch.zeros(2, *shape))
