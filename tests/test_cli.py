@@ -151,7 +151,16 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| norm | lr | batch |" in out and "At batch size" in out
-    assert (tmp_path / "results.md").is_file() and (tmp_path / "acc_vs_lr.png").is_file()
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert {c["name"] for c in res["cells"]} == {"none", "bn", "gn", "pws"}
+    for section in ("## (a) Learning rate", "## (b) Batch size", "## (c) Collapse diagnosis", "## (d) Cost"):
+        assert section in out
+    assert "Claim 1" in out and "Mechanism" in out and "Monitor target" in out and "false alarms" in out
+    demo = json.loads((tmp_path / "demo.json").read_text())
+    assert set(demo["sections"]) == {"lr_sweep", "batch_size"}
+    assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}
+    for png in ("a_acc_vs_lr.png", "a_training_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the batch-size section reports train-mode accuracy; every run of the demo is monitored
+    assert all(c["final_test_acc_train_mode"] is not None for c in demo["sections"]["batch_size"]["cells"])
+    assert all(c["monitored"] for sec in demo["sections"].values() for c in sec["cells"])
+    (tmp_path / "report.md").unlink()
+    assert main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.md").is_file()

@@ -39,16 +39,19 @@ def step_times(
     repeats: int = 7,
     iters: int = 5,
     threads: int | None = 1,
+    data_dir: str | None = None,
+    num_samples: int | None = None,
 ) -> dict[str, dict[str, float]]:
     """Seconds per SGD training step (forward, backward, update) of ``model`` with each norm, interleaved.
 
     Every repeat times ``iters`` steps of every norm in an order rotated by one per repeat, so slow phases of a
     shared machine hit all norms alike. Returns ``{name: {"median_s", "min_s", "ratio_to_pws"?}}`` (median over
-    repeats). The same batch is used for every step (data loading is not timed).
+    repeats). The same batch is used for every step (data loading is not timed). ``data_dir`` and ``num_samples``
+    are passed to :func:`~normlab.runner.data.get_dataset` (the mnist1d cache and size).
     """
     if threads:
         torch.set_num_threads(int(threads))
-    train_ds, _test, info = get_dataset(dataset)
+    train_ds, _test, info = get_dataset(dataset, data_dir, num_samples=num_samples)
     if batch_size > len(train_ds):
         raise UsageError(f"batch size {batch_size} is larger than the {dataset} training set ({len(train_ds)})")
     x, y = train_ds.batch(torch.arange(batch_size))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .io import atomic_write_text
-from .verdicts import CRITERIA, chance_level, headline_effects
+from .verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
 
 # --------------------------------------------------------------------------------------------------
 # Markdown
@@ -76,7 +76,7 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     for e in headline_effects(results):
         mark = {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
         lines.append(f"- {e['effect']}: {mark}. {e['text']}")
-    lines += ["", f"Criteria: {CRITERIA}", "", "## Results", "", markdown_table(results), ""]
+    lines += ["", f"Criteria: {CRITERIA} {DEGRADE_CRITERION}", "", "## Results", "", markdown_table(results), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -96,7 +96,7 @@ def _style(i: int) -> dict[str, Any]:
             "markerfacecolor": "none" if i % 2 else None}
 
 
-def _plt():
+def plt():
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -105,7 +105,7 @@ def _plt():
     return plt
 
 
-def _sweep_plot(results: dict[str, Any], path: Path, axis: str) -> Path | None:
+def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     """Final test accuracy vs ``axis`` ("lr" or "batch_size"), one line per norm, one panel per other value."""
     other = "batch_size" if axis == "lr" else "lr"
     spec = results["spec"]
@@ -116,9 +116,9 @@ def _sweep_plot(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     if not panels:
         return None
     chance = chance_level(results)
-    plt = _plt()
+    pyplot = plt()
     keys = sorted(panels)
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
+    fig, axes = pyplot.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
     for ax, o in zip(axes[0], keys):
         for i, name in enumerate(spec["norms"]):
             gs = sorted(panels[o].get(name, []), key=lambda g: g[axis])
@@ -149,11 +149,11 @@ def _sweep_plot(results: dict[str, Any], path: Path, axis: str) -> Path | None:
                  f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
                  f"dotted: chance)", fontsize=10)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pyplot.close(fig)
     return path
 
 
-def _curves_plot(results: dict[str, Any], path: Path) -> Path | None:
+def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
     """Test accuracy per epoch (mean over seeds) per norm at the base point, highest lr and smallest batch."""
     spec = results["spec"]
     base_lr, base_bs = float(spec["base_lr"]), int(spec["base_batch_size"])
@@ -167,8 +167,8 @@ def _curves_plot(results: dict[str, Any], path: Path) -> Path | None:
         panels.append((base_lr, lo))
     if not panels:
         return None
-    plt = _plt()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
+    pyplot = plt()
+    fig, axes = pyplot.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
     for ax, (lr, bs) in zip(axes[0], panels):
         for k, name in enumerate(spec["norms"]):
             runs = [c for c in results["cells"]
@@ -195,7 +195,7 @@ def _curves_plot(results: dict[str, Any], path: Path) -> Path | None:
     _legend(fig, axes)
     fig.suptitle("test accuracy per epoch (mean over seeds; a collapsed run stops; dotted: chance)", fontsize=10)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    pyplot.close(fig)
     return path
 
 
@@ -216,9 +216,9 @@ def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Pa
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     made = [
-        _sweep_plot(results, out / "acc_vs_lr.png", "lr"),
-        _sweep_plot(results, out / "acc_vs_batch_size.png", "batch_size"),
-        _curves_plot(results, out / "training_curves.png"),
+        plot_sweep(results, out / "acc_vs_lr.png", "lr"),
+        plot_sweep(results, out / "acc_vs_batch_size.png", "batch_size"),
+        plot_curves(results, out / "training_curves.png"),
     ]
     return [p for p in made if p is not None]
 

@@ -16,7 +16,7 @@ from .io import atomic_write_json
 __all__ = ["collect_results", "write_results", "load_results", "mean_std", "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
-_HISTORY_KEYS = ("epoch", "train_loss", "train_acc", "test_loss", "test_acc")
+_HISTORY_KEYS = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "test_acc_train_mode")
 
 
 def mean_std(xs: Sequence[float | None]) -> tuple[float | None, float | None]:
@@ -36,9 +36,12 @@ def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
         "norm": cell.config.norm, "conv": cell.config.conv, "train_lr": cell.config.lr,
         "final_test_acc": summary.get("final_test_acc"), "best_test_acc": summary.get("best_test_acc"),
         "collapsed": bool(summary.get("collapsed")), "collapse_epoch": summary.get("collapse_epoch"),
+        "collapse_reason": summary.get("collapse_reason"), "collapse_step": summary.get("collapse_step"),
+        "alarm": summary.get("monitor_alarm"), "monitored": bool(cell.config.monitor_every),
+        "final_test_acc_train_mode": summary.get("final_test_acc_train_mode"),
         "epochs_to_target": summary.get("epochs_to_target"), "step_time_s": summary.get("step_time_s"),
-        "epochs_run": summary.get("epochs_run"),
-        "history": [{k: h.get(k) for k in _HISTORY_KEYS} for h in summary.get("history", [])],
+        "epochs_run": summary.get("epochs_run"), "steps_run": summary.get("steps_run"),
+        "history": [{k: h.get(k) for k in _HISTORY_KEYS if k in h} for h in summary.get("history", [])],
     }
 
 
@@ -46,10 +49,17 @@ def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> 
     fm, fs = mean_std([r["final_test_acc"] for r in recs])
     bm, bsd = mean_std([r["best_test_acc"] for r in recs])
     ett = [r["epochs_to_target"] for r in recs if r["epochs_to_target"] is not None]
+    tm, ts = mean_std([r["final_test_acc_train_mode"] for r in recs])
+    kinds: dict[str, int] = {}
+    for r in recs:
+        if r["collapsed"]:
+            kinds[r["collapse_reason"]] = kinds.get(r["collapse_reason"], 0) + 1
     return {
         "name": name, "lr": lr, "batch_size": bs, "n_seeds": len(recs),
         "final_mean": fm, "final_std": fs, "best_mean": bm, "best_std": bsd,
-        "collapsed_count": sum(r["collapsed"] for r in recs),
+        "collapsed_count": sum(r["collapsed"] for r in recs), "collapse_kinds": kinds,
+        "alarm_count": sum(r["alarm"] is not None for r in recs),
+        "train_mode_mean": tm, "train_mode_std": ts,
         "target_reached": len(ett), "epochs_to_target_mean": mean_std(ett)[0],
         "step_time_s": mean_std([r["step_time_s"] for r in recs])[0],
     }

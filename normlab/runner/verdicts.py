@@ -13,12 +13,16 @@ FAIL_MARGIN = 0.10      # "failed": collapsed in most seeds, or final accuracy <
 TRAIN_FRACTION = 0.80   # "trains": no seed collapsed and final acc >= chance + 0.8 * (best acc in grid - chance)
 DEGRADE_DROP = 0.05     # "degrades": final acc at the small batch is >= 5 points below the base batch size
 CRITERIA = (
-    f"A setting *failed* if most seeds collapsed (non-finite loss) or its mean final test accuracy is at most "
-    f"chance + {FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final "
-    f"accuracy is at least "
-    f"chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A norm *degrades* at a "
-    f"small batch if it failed there or its mean final accuracy is >= {DEGRADE_DROP * 100:.0f} points below its "
-    f"accuracy at the base batch size (same learning rate); otherwise it *holds*."
+    f"A setting *failed* if most seeds collapsed or its mean final test accuracy is at most chance + "
+    f"{FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final accuracy is at "
+    f"least chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A run has *collapsed* "
+    f"when its training loss became non-finite, returned to within 5 % of ln(C) after having been below 80 % of "
+    f"it, or never left ln(C) (a dead network; normlab.runner.collapse)."
+)
+DEGRADE_CRITERION = (
+    f"A norm *degrades* at a small batch if it failed there or its mean final accuracy is >= "
+    f"{DEGRADE_DROP * 100:.0f} points below its accuracy at the base batch size (same learning rate); otherwise it "
+    f"*holds*."
 )
 
 
@@ -56,7 +60,7 @@ def trains(g: dict[str, Any] | None, chance: float, best: float) -> bool:
     return g["final_mean"] >= chance + TRAIN_FRACTION * (best - chance)
 
 
-def _acc(g: dict[str, Any] | None) -> str:
+def format_acc(g: dict[str, Any] | None) -> str:
     if g is None or g["final_mean"] is None:
         return "n/a"
     s = f"{100 * g['final_mean']:.1f}"
@@ -117,7 +121,7 @@ def _effect_high_lr(ctx: _Context) -> dict[str, Any]:
     bad = [lr for lr in lrs if failed(ctx.get("none", lr), ctx.chance)]
     learns = [lr for lr in lrs if lr not in bad]
     bad_above = [lr for lr in bad if any(x < lr for x in learns)]  # learns at some lr, fails at a higher one
-    where = ", ".join(f"{x:g}: {_acc(ctx.get('none', x))}" for x in lrs)
+    where = ", ".join(f"{x:g}: {format_acc(ctx.get('none', x))}" for x in lrs)
     if not bad_above:
         why = ("did not fail at any learning rate" if not bad else "failed at every learning rate" if not learns
                else "failed already at the lowest learning rates")
@@ -128,8 +132,8 @@ def _effect_high_lr(ctx: _Context) -> dict[str, Any]:
              f"(lr {where})"]
     ok = [lr for lr in bad_above if ctx.trains("bn", lr) and ctx.trains("pws", lr)]
     for lr in bad_above:
-        parts.append(f"lr {lr:g}: none {_acc(ctx.get('none', lr))} (failed); " + "; ".join(
-            f"{n.upper()} {_acc(ctx.get(n, lr))} ({'trains' if ctx.trains(n, lr) else 'does not train'})"
+        parts.append(f"lr {lr:g}: none {format_acc(ctx.get('none', lr))} (failed); " + "; ".join(
+            f"{n.upper()} {format_acc(ctx.get(n, lr))} ({'trains' if ctx.trains(n, lr) else 'does not train'})"
             for n in ("bn", "pws")))
     if ok:
         head = f"appeared at lr {_lrs(ok)}"
@@ -147,7 +151,7 @@ def _degrades(ctx: _Context, name: str, small: int) -> tuple[bool | None, str]:
         return None, f"{name.upper()} n/a"
     drop = g0["final_mean"] - (g1["final_mean"] if g1["final_mean"] is not None else 0.0)
     deg = failed(g1, ctx.chance) or drop >= DEGRADE_DROP
-    return deg, f"{name.upper()} {_acc(g0)} -> {_acc(g1)} ({'degrades' if deg else 'holds'})"
+    return deg, f"{name.upper()} {format_acc(g0)} -> {format_acc(g1)} ({'degrades' if deg else 'holds'})"
 
 
 def _effect_small_batch(ctx: _Context) -> dict[str, Any]:
