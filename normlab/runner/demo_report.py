@@ -7,6 +7,8 @@ it) and the monitored runs' files under ``out/lr_sweep/runs``.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,37 @@ def _lr_claims(results: dict) -> list[str]:
     lines.append(f"- Claim 5 (at the highest learning rate, {top:g}, PWS and WN suffer): {_mark(len(suffer) == 2)}; "
                  f"do not train there: {', '.join(n for n in spec['norms'] if not ok[n][top]) or 'none'}.")
     return lines
+
+
+def _smoothed(losses: list, window: int) -> list[float]:
+    out, recent = [], []
+    for v in losses:
+        recent = (recent + [math.nan if v is None else v])[-window:]
+        out.append(sum(recent) / len(recent))
+    return out
+
+
+def _loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
+    """Smoothed training loss per step, one panel per learning rate, one colour per norm (a line per seed)."""
+    lrs = sorted(results["spec"]["lrs"])
+    fig, axes = plt().subplots(1, len(lrs), figsize=(6.5 * len(lrs), 4.2), squeeze=False)
+    colors = {n: f"C{i % 10}" for i, n in enumerate(results["spec"]["norms"])}
+    for ax, lr in zip(axes[0], lrs):
+        for c in (c for c in results["cells"] if float(c["lr"]) == lr):
+            trace = grid_dir / "runs" / c["cell"] / "loss_trace.json"
+            if trace.is_file():
+                t = json.loads(trace.read_text())
+                ax.plot(_smoothed(t["losses"], t["window"]), color=colors[c["name"]], linewidth=0.9,
+                        label=c["name"] if c["seed"] == min(results["spec"]["seeds"]) else None)
+        ax.axhline(math.log(10), color="0.4", linestyle=":", linewidth=1)
+        ax.set_ylim(0, 3.5)
+        ax.set(xlabel="step", ylabel="training loss (smoothed)", title=f"lr {lr:g} (dotted: ln 10, chance)")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt().close(fig)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------ (b) batch size
@@ -238,6 +271,7 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     out = Path(out_dir)
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
     plots = [plot_sweep(a, out / "a_acc_vs_lr.png", "lr"), plot_curves(a, out / "a_training_curves.png"),
+             _loss_curves_plot(a, out / "lr_sweep", out / "a_loss_curves.png"),
              _batch_plot(b, out / "b_acc_vs_batch_size.png")]
     diag_lines, picks = _diagnosis_section(out, demo)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))
@@ -245,7 +279,8 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     md = _md_header(demo)
     epochs = demo["protocol"]["lr_epochs"]
     md += [f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {epochs} epoch(s))", "", *_lr_table(a), "",
-           *_lr_claims(a), "", "![](a_acc_vs_lr.png)", "", "![](a_training_curves.png)", ""]
+           *_lr_claims(a), "", "![](a_acc_vs_lr.png)", "", "![](a_loss_curves.png)", "",
+           "![](a_training_curves.png)", ""]
     md += [f"## (b) Batch size (lr scaled linearly from batch {b['spec']['base_batch_size']}, equal epochs)",
            "", *_batch_table(b), "",
            *_batch_claims(b), "", "![](b_acc_vs_batch_size.png)", ""]

@@ -114,7 +114,8 @@ def _panel(ax, series: dict, title: str, ylabel: str, log: bool, alarm: dict | N
 
 def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int | None = 100) -> Path | None:
     """One row per (label, run dir): loss, Fig. 1(a) update ratio, Fig. 1(b) spread of the per-filter mean update,
-    and output variance per layer over the first ``max_step`` steps; the red dashed line is the alarm."""
+    the shift of the average and the output variance per layer over the first ``max_step`` steps; the red dashed
+    line is the alarm."""
     runs = [(label, Path(d)) for label, d in runs if (Path(d) / "monitor.jsonl").is_file()]
     if not runs:
         return None
@@ -123,7 +124,7 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 4, figsize=(18, 3.2 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 5, figsize=(22, 3.2 * len(runs)), squeeze=False)
     for row, (label, run_dir) in zip(axes, runs):
         records, _ = load_records(run_dir)
         alarm = diagnose_run(run_dir)["alarm"]
@@ -135,8 +136,10 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
                False, alarm)
         _panel(row[2], _series(records, "mean_update_std", max_step), "Fig. 1(b): spread of mean(dW_o) over filters",
                "std", True, alarm)
-        _panel(row[3], _series(records, "output_var", max_step), "output variance per layer", "Var[Y]", True, alarm)
-    handles, labels = axes[0][3].get_legend_handles_labels()
+        _panel(row[3], _series(records, "shift", max_step), "shift of the average: Var_o[n mean(W_o)]", "shift", True,
+               alarm)
+        _panel(row[4], _series(records, "output_var", max_step), "output variance per layer", "Var[Y]", True, alarm)
+    handles, labels = axes[0][4].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer")
     fig.tight_layout(rect=(0, 0, 0.92, 1))
     fig.savefig(path, dpi=90)
