@@ -128,11 +128,13 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel batch mean and biased variance of ``x`` (N, C, *) over all dims but 1, without gradient.
 
     Uses the statistics kernel behind BatchNorm (one fused pass, any memory format), which is several times faster
-    on CPU than a generic reduction. Half inputs are reduced in float32; results are float32 (or float64) (C,).
+    on CPU than a generic reduction; under torch.compile (that kernel has no fake-tensor implementation) the
+    two-pass :func:`moments`, which the compiler fuses. Half inputs are reduced in float32; results are float32
+    (or float64) (C,).
     """
     with torch.no_grad():
         xs = _stats_dtype(x.detach())
-        if hasattr(torch, "batch_norm_update_stats"):
+        if hasattr(torch, "batch_norm_update_stats") and not torch.compiler.is_compiling():
             return torch.batch_norm_update_stats(xs, None, None, 0.0)
         return moments(xs, (0,) + tuple(range(2, x.dim())))
 
@@ -151,18 +153,119 @@ def renorm_correction(
     ``sigma_B = sqrt(batch_var + eps)``, ``sigma = sqrt(running_var + eps)``,
     ``r = clip(sigma_B / sigma, 1/rmax, rmax)``, ``d = clip((batch_mean - running_mean) / sigma, -dmax, dmax)``.
     ``batch_var`` is the biased batch variance. All inputs are (C,); results are float32 (or float64) (C,).
+    ``rmax``/``dmax`` may be Python numbers or scalar tensors (a schedule evaluated on a step tensor).
     """
     with torch.no_grad():
         dtype = torch.promote_types(batch_mean.dtype, torch.float32)
-        sigma = (running_var.to(dtype) + eps).sqrt()
-        sigma_b = (batch_var.detach().to(dtype) + eps).sqrt()
-        rmax_t = torch.as_tensor(rmax, dtype=dtype, device=sigma.device)
-        dmax_t = torch.as_tensor(dmax, dtype=dtype, device=sigma.device)
-        r = torch.minimum(torch.maximum(sigma_b / sigma, 1.0 / rmax_t), rmax_t)
-        d = torch.minimum(
-            torch.maximum((batch_mean.detach().to(dtype) - running_mean.to(dtype)) / sigma, -dmax_t), dmax_t
+        inv_sigma = torch.rsqrt(running_var.to(dtype) + eps)
+        r = torch.sqrt(batch_var.detach().to(dtype) + eps).mul_(inv_sigma)
+        d = torch.sub(batch_mean.detach().to(dtype), running_mean.to(dtype)).mul_(inv_sigma)
+        return _clip(r, rmax, inverse=True), _clip(d, dmax, inverse=False)
+
+
+def _clip(t: Tensor, limit: float | Tensor, inverse: bool) -> Tensor:
+    """``t`` clipped in place to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
+    if isinstance(limit, Tensor):
+        limit = limit.to(t)
+        return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    return t.clamp_(1.0 / limit if inverse else -limit, limit)
+
+
+def _is_identity(rmax: float | Tensor, dmax: float | Tensor) -> bool:
+    """True when the limits are the numbers rmax=1, dmax=0 (then r = 1, d = 0: the layer is BatchNorm)."""
+    return not isinstance(rmax, Tensor) and not isinstance(dmax, Tensor) and rmax == 1 and dmax == 0
+
+
+def _param_dtype(x: Tensor) -> torch.dtype:
+    """dtype of the per-channel parameters the fused kernels take with input ``x`` (float32 for half inputs)."""
+    return torch.float32 if x.dtype in _HALF else x.dtype
+
+
+def _as_param(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype`` (a module converted with ``.half()`` has half weights; the kernels want float32)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _fused_device(x: Tensor) -> bool:
+    """Eager CPU/CUDA tensors take the fused paths; torch.compile and other devices take the composite one."""
+    return x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+
+
+class _BatchNormWithAffine(torch.autograd.Function):
+    """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
+
+    Forward: ``y = (x - mean) * invstd * (weight * r) + (bias + weight * d)`` in one pass of BatchNorm's own
+    normalize kernel. Backward: BatchNorm's backward kernel (``native_batch_norm_backward`` with the saved mean and
+    inverse std, as in BatchNorm training), then ``dL/dweight = dL/dscale * r + dL/dshift * d``, ``dL/dbias =
+    dL/dshift``. r and d are constants (no gradient). The backward is built from differentiable ops, so double
+    backward works as for BatchNorm.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
+        if weight is None:
+            scale, shift = r, d if bias is None else bias + d
+        else:
+            scale = weight * r
+            shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+        ctx.save_for_backward(x, weight, mean, invstd, r, d)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+        return _channel_affine(x, mean, invstd * scale, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, invstd, r, d = ctx.saved_tensors
+        scale = r if weight is None else weight * r
+        need_affine = weight is not None or ctx.has_bias
+        mask = [ctx.needs_input_grad[0], need_affine, need_affine]
+        gx, gscale, gshift = torch.ops.aten.native_batch_norm_backward(
+            grad, x, scale, None, None, mean, invstd, True, ctx.eps, mask
         )
-    return r, d
+        gw = None if weight is None else torch.addcmul(gscale * r, gshift, d).to(weight.dtype)
+        gb = gshift if ctx.has_bias else None
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Tensor:
+    """``(x - mean) * alpha + shift`` per channel, with BatchNorm's inference kernel where it is exact.
+
+    BatchNorm's normalize step is ``x * a + (shift - mean * a)`` with ``a = invstd * weight``; its inference kernel
+    with ``running_var = 1`` and ``eps = 0`` computes exactly that for ``weight = a`` (same kernel, same rounding as
+    BatchNorm training, any memory format). CUDA: the same native kernel (cuDNN is bypassed).
+    """
+    ones = torch.ones_like(mean)
+    return torch.native_batch_norm(x, alpha, shift, mean, ones, False, 0.0, 0.0)[0]
+
+
+def _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None):
+    """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
+    statistics, exactly as BatchNorm does), r and d from ``prior`` (the running statistics before this batch; cloned
+    here when not given), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few in-place
+    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm."""
+    with torch.no_grad():
+        if prior is None:
+            prior = (running_mean.clone(), running_var.clone())
+        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+        # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
+        # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
+        invstd = var.double().add_(eps).rsqrt_().to(var.dtype)
+        inv_sigma = torch.rsqrt(prior[1] + eps)
+        r = _clip(inv_sigma.div(invstd), rmax, inverse=True)
+        d = _clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
+    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps)
+
+
+def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax):
+    """The same step from public ops (statistics, then ``F.batch_norm`` with the folded affine): torch.compile
+    traces this one, and it is the reference the fused path is tested against."""
+    batch_mean, batch_var = batch_moments(x)
+    r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
+    if weight is None:
+        scale, shift = r, d if bias is None else bias + d
+    else:
+        scale = weight * r
+        shift = weight * d if bias is None else bias + weight * d
+    return F.batch_norm(x, running_mean, running_var, scale, shift, True, momentum, eps)
 
 
 def batch_renorm(
@@ -176,6 +279,7 @@ def batch_renorm(
     eps: float = 1e-5,
     rmax: float | Tensor = 1.0,
     dmax: float | Tensor = 0.0,
+    fused: bool | None = None,
 ) -> Tensor:
     """Batch Renormalization (Ioffe 2017), with BatchNorm's buffers and momentum convention.
 
@@ -183,14 +287,21 @@ def batch_renorm(
     (computed from the running statistics *before* this batch updates them, no gradient through r or d).
     Inference (or ``training`` with no running statistics): plain BatchNorm, ``y = weight * (x - mu) / sigma + bias``.
 
-    Implementation: r and d are folded into the affine (``weight * r``, ``bias + weight * d``) and the fused
-    ``F.batch_norm`` kernel does the rest, so the forward, every gradient, the running-statistics update
-    (``running_var`` tracks the unbiased variance, exactly as BatchNorm) and channels_last are BatchNorm's own.
-    With ``rmax=1, dmax=0`` the result is identical to ``F.batch_norm``. The running sigma is
+    Implementation: r and d are per-channel constants, so a training step is one BatchNorm step with weight
+    ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
+    statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
+    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (:class:`_BatchNormWithAffine`).
+    The composite path (``fused=False``, and always under torch.compile) calls ``F.batch_norm`` with the folded
+    affine after a separate statistics pass. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
+    directly. Either way ``rmax=1, dmax=0`` gives exactly ``F.batch_norm``. The running sigma is
     ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
+    Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
+    output has x's dtype.
 
     Shapes: x (N, C, *); running_mean, running_var, weight, bias (C,) or None. Returns x's shape and dtype.
     """
+    pdtype = _param_dtype(x)
+    weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
     use_renorm = training and running_mean is not None and running_var is not None
     if not use_renorm:
         return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum or 0.0, eps)
@@ -199,16 +310,21 @@ def batch_renorm(
             "batch_renorm: momentum must be a float in training with running statistics "
             "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
         )
-    batch_mean, batch_var = batch_moments(x)
-    r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
-    affine_dtype = weight.dtype if weight is not None else r.dtype
-    r, d = r.to(affine_dtype), d.to(affine_dtype)
-    if weight is None:
-        scale, shift = r, d if bias is None else bias + d
-    else:
-        scale = weight * r
-        shift = weight * d if bias is None else bias + weight * d
-    return F.batch_norm(x, running_mean, running_var, scale, shift, True, momentum, eps)
+    return _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, fused=fused)
+
+
+def _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None, fused=None):
+    """One training step of :func:`batch_renorm` with running statistics (the modules call this directly and pass
+    ``prior``, their copy of the running statistics before the step)."""
+    pdtype = _param_dtype(x)
+    weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
+    if _is_identity(rmax, dmax):
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    if fused is None:
+        fused = _fused_device(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
+    if fused:
+        return _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)
+    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
 
 
 # --------------------------------------------------------------------------------------------------
