@@ -1,9 +1,17 @@
 """Run every side-by-side benchmark in this folder and collect their JSON into one directory.
 
-Usage: python benchmarks/run_all.py [--out runs/bench] [--only bench_pws,bench_batch_renorm]
+Usage: python benchmarks/run_all.py [--device cpu|cuda] [--quick] [--out runs/bench] [--only bench_table,...]
+       [--results benchmarks/RESULTS.md]
 
 Each ``bench_*.py`` script times normlab's code and its reference in the same process, interleaved, and reports
-ratios; this runner only calls them one after the other (never in parallel: they would disturb each other).
+ratios; this runner only calls them one after the other (never in parallel: they would disturb each other), on one
+CPU thread. ``bench_table`` is the issue-10 table (layers, convolutions, whole networks, peak memory,
+torch.compile) and rewrites this device's section of ``--results``.
+
+- ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws) on the GPU; the CPU-only
+  ones (bench_batch_renorm, bench_monitor) are skipped. bench_table alone takes under 5 minutes on a GPU.
+- ``--quick``: only ``bench_table --quick`` (small shapes, 3 rounds, no torch.compile, seconds), results to
+  ``--out`` only: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
@@ -14,12 +22,31 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+TAKES_DEVICE = {"bench_table", "bench_norms", "bench_pws"}
+TAKES_THREADS = {"bench_table", "bench_norms", "bench_pws", "bench_batch_renorm", "bench_monitor"}
+
+
+def _command(script: Path, args, out: Path) -> list[str] | None:
+    name = script.stem
+    if args.device != "cpu" and name not in TAKES_DEVICE:
+        return None
+    cmd = [sys.executable, str(script), "--out", str(out / f"{name}.json")]
+    if name in TAKES_DEVICE:
+        cmd += ["--device", args.device]
+    if name in TAKES_THREADS and args.device == "cpu":
+        cmd += ["--threads", "1"]
+    if name == "bench_table":
+        cmd += ["--quick"] if args.quick else (["--results", args.results] if args.results else [])
+    return cmd
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/bench", help="directory for the JSON results")
     parser.add_argument("--only", default="", help="comma-separated script names (without .py)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--quick", action="store_true", help="bench_table --quick only (a smoke test)")
+    parser.add_argument("--results", default="benchmarks/RESULTS.md", help="Markdown table bench_table rewrites")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -30,11 +57,16 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unknown benchmark(s) {sorted(unknown)}; available: {[s.stem for s in scripts]}")
         scripts = [s for s in scripts if s.stem in wanted]
+    if args.quick:
+        scripts = [s for s in scripts if s.stem == "bench_table"]
     failed = []
     for script in scripts:
+        cmd = _command(script, args, out)
+        if cmd is None:
+            print(f"== {script.stem}: skipped (CPU only)", flush=True)
+            continue
         print(f"== {script.stem}", flush=True)
-        rc = subprocess.call([sys.executable, str(script), "--out", str(out / f"{script.stem}.json")])
-        if rc != 0:
+        if subprocess.call(cmd) != 0:
             failed.append(script.stem)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)

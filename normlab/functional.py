@@ -128,11 +128,13 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel batch mean and biased variance of ``x`` (N, C, *) over all dims but 1, without gradient.
 
     Uses the statistics kernel behind BatchNorm (one fused pass, any memory format), which is several times faster
-    on CPU than a generic reduction. Half inputs are reduced in float32; results are float32 (or float64) (C,).
+    on CPU than a generic reduction; under torch.compile (that kernel has no fake-tensor implementation) the
+    two-pass :func:`moments`, which the compiler fuses. Half inputs are reduced in float32; results are float32
+    (or float64) (C,).
     """
     with torch.no_grad():
         xs = _stats_dtype(x.detach())
-        if hasattr(torch, "batch_norm_update_stats"):
+        if hasattr(torch, "batch_norm_update_stats") and not torch.compiler.is_compiling():
             return torch.batch_norm_update_stats(xs, None, None, 0.0)
         return moments(xs, (0,) + tuple(range(2, x.dim())))
 
@@ -151,18 +153,119 @@ def renorm_correction(
     ``sigma_B = sqrt(batch_var + eps)``, ``sigma = sqrt(running_var + eps)``,
     ``r = clip(sigma_B / sigma, 1/rmax, rmax)``, ``d = clip((batch_mean - running_mean) / sigma, -dmax, dmax)``.
     ``batch_var`` is the biased batch variance. All inputs are (C,); results are float32 (or float64) (C,).
+    ``rmax``/``dmax`` may be Python numbers or scalar tensors (a schedule evaluated on a step tensor).
     """
     with torch.no_grad():
         dtype = torch.promote_types(batch_mean.dtype, torch.float32)
-        sigma = (running_var.to(dtype) + eps).sqrt()
-        sigma_b = (batch_var.detach().to(dtype) + eps).sqrt()
-        rmax_t = torch.as_tensor(rmax, dtype=dtype, device=sigma.device)
-        dmax_t = torch.as_tensor(dmax, dtype=dtype, device=sigma.device)
-        r = torch.minimum(torch.maximum(sigma_b / sigma, 1.0 / rmax_t), rmax_t)
-        d = torch.minimum(
-            torch.maximum((batch_mean.detach().to(dtype) - running_mean.to(dtype)) / sigma, -dmax_t), dmax_t
+        inv_sigma = torch.rsqrt(running_var.to(dtype) + eps)
+        r = torch.sqrt(batch_var.detach().to(dtype) + eps).mul_(inv_sigma)
+        d = torch.sub(batch_mean.detach().to(dtype), running_mean.to(dtype)).mul_(inv_sigma)
+        return _clip(r, rmax, inverse=True), _clip(d, dmax, inverse=False)
+
+
+def _clip(t: Tensor, limit: float | Tensor, inverse: bool) -> Tensor:
+    """``t`` clipped in place to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
+    if isinstance(limit, Tensor):
+        limit = limit.to(t)
+        return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    return t.clamp_(1.0 / limit if inverse else -limit, limit)
+
+
+def _is_identity(rmax: float | Tensor, dmax: float | Tensor) -> bool:
+    """True when the limits are the numbers rmax=1, dmax=0 (then r = 1, d = 0: the layer is BatchNorm)."""
+    return not isinstance(rmax, Tensor) and not isinstance(dmax, Tensor) and rmax == 1 and dmax == 0
+
+
+def _param_dtype(x: Tensor) -> torch.dtype:
+    """dtype of the per-channel parameters the fused kernels take with input ``x`` (float32 for half inputs)."""
+    return torch.float32 if x.dtype in _HALF else x.dtype
+
+
+def _as_param(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype`` (a module converted with ``.half()`` has half weights; the kernels want float32)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def _fused_device(x: Tensor) -> bool:
+    """Eager CPU/CUDA tensors take the fused paths; torch.compile and other devices take the composite one."""
+    return x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
+
+
+class _BatchNormWithAffine(torch.autograd.Function):
+    """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
+
+    Forward: ``y = (x - mean) * invstd * (weight * r) + (bias + weight * d)`` in one pass of BatchNorm's own
+    normalize kernel. Backward: BatchNorm's backward kernel (``native_batch_norm_backward`` with the saved mean and
+    inverse std, as in BatchNorm training), then ``dL/dweight = dL/dscale * r + dL/dshift * d``, ``dL/dbias =
+    dL/dshift``. r and d are constants (no gradient). The backward is built from differentiable ops, so double
+    backward works as for BatchNorm.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
+        if weight is None:
+            scale, shift = r, d if bias is None else bias + d
+        else:
+            scale = weight * r
+            shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+        ctx.save_for_backward(x, weight, mean, invstd, r, d)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+        return _channel_affine(x, mean, invstd * scale, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, invstd, r, d = ctx.saved_tensors
+        scale = r if weight is None else weight * r
+        need_affine = weight is not None or ctx.has_bias
+        mask = [ctx.needs_input_grad[0], need_affine, need_affine]
+        gx, gscale, gshift = torch.ops.aten.native_batch_norm_backward(
+            grad, x, scale, None, None, mean, invstd, True, ctx.eps, mask
         )
-    return r, d
+        gw = None if weight is None else torch.addcmul(gscale * r, gshift, d).to(weight.dtype)
+        gb = gshift if ctx.has_bias else None
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Tensor:
+    """``(x - mean) * alpha + shift`` per channel, with BatchNorm's inference kernel where it is exact.
+
+    BatchNorm's normalize step is ``x * a + (shift - mean * a)`` with ``a = invstd * weight``; its inference kernel
+    with ``running_var = 1`` and ``eps = 0`` computes exactly that for ``weight = a`` (same kernel, same rounding as
+    BatchNorm training, any memory format). CUDA: the same native kernel (cuDNN is bypassed).
+    """
+    ones = torch.ones_like(mean)
+    return torch.native_batch_norm(x, alpha, shift, mean, ones, False, 0.0, 0.0)[0]
+
+
+def _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None):
+    """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
+    statistics, exactly as BatchNorm does), r and d from ``prior`` (the running statistics before this batch; cloned
+    here when not given), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few in-place
+    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm."""
+    with torch.no_grad():
+        if prior is None:
+            prior = (running_mean.clone(), running_var.clone())
+        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+        # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
+        # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
+        invstd = var.double().add_(eps).rsqrt_().to(var.dtype)
+        inv_sigma = torch.rsqrt(prior[1] + eps)
+        r = _clip(inv_sigma.div(invstd), rmax, inverse=True)
+        d = _clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
+    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps)
+
+
+def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax):
+    """The same step from public ops (statistics, then ``F.batch_norm`` with the folded affine): torch.compile
+    traces this one, and it is the reference the fused path is tested against."""
+    batch_mean, batch_var = batch_moments(x)
+    r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
+    if weight is None:
+        scale, shift = r, d if bias is None else bias + d
+    else:
+        scale = weight * r
+        shift = weight * d if bias is None else bias + weight * d
+    return F.batch_norm(x, running_mean, running_var, scale, shift, True, momentum, eps)
 
 
 def batch_renorm(
@@ -176,6 +279,7 @@ def batch_renorm(
     eps: float = 1e-5,
     rmax: float | Tensor = 1.0,
     dmax: float | Tensor = 0.0,
+    fused: bool | None = None,
 ) -> Tensor:
     """Batch Renormalization (Ioffe 2017), with BatchNorm's buffers and momentum convention.
 
@@ -183,14 +287,21 @@ def batch_renorm(
     (computed from the running statistics *before* this batch updates them, no gradient through r or d).
     Inference (or ``training`` with no running statistics): plain BatchNorm, ``y = weight * (x - mu) / sigma + bias``.
 
-    Implementation: r and d are folded into the affine (``weight * r``, ``bias + weight * d``) and the fused
-    ``F.batch_norm`` kernel does the rest, so the forward, every gradient, the running-statistics update
-    (``running_var`` tracks the unbiased variance, exactly as BatchNorm) and channels_last are BatchNorm's own.
-    With ``rmax=1, dmax=0`` the result is identical to ``F.batch_norm``. The running sigma is
+    Implementation: r and d are per-channel constants, so a training step is one BatchNorm step with weight
+    ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
+    statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
+    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (:class:`_BatchNormWithAffine`).
+    The composite path (``fused=False``, and always under torch.compile) calls ``F.batch_norm`` with the folded
+    affine after a separate statistics pass. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
+    directly. Either way ``rmax=1, dmax=0`` gives exactly ``F.batch_norm``. The running sigma is
     ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
+    Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
+    output has x's dtype.
 
     Shapes: x (N, C, *); running_mean, running_var, weight, bias (C,) or None. Returns x's shape and dtype.
     """
+    pdtype = _param_dtype(x)
+    weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
     use_renorm = training and running_mean is not None and running_var is not None
     if not use_renorm:
         return F.batch_norm(x, running_mean, running_var, weight, bias, training, momentum or 0.0, eps)
@@ -199,21 +310,290 @@ def batch_renorm(
             "batch_renorm: momentum must be a float in training with running statistics "
             "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
         )
-    batch_mean, batch_var = batch_moments(x)
-    r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
-    affine_dtype = weight.dtype if weight is not None else r.dtype
-    r, d = r.to(affine_dtype), d.to(affine_dtype)
-    if weight is None:
-        scale, shift = r, d if bias is None else bias + d
-    else:
-        scale = weight * r
-        shift = weight * d if bias is None else bias + weight * d
-    return F.batch_norm(x, running_mean, running_var, scale, shift, True, momentum, eps)
+    return _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, fused=fused)
+
+
+def _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None, fused=None):
+    """One training step of :func:`batch_renorm` with running statistics (the modules call this directly and pass
+    ``prior``, their copy of the running statistics before the step)."""
+    pdtype = _param_dtype(x)
+    weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
+    if _is_identity(rmax, dmax):
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    if fused is None:
+        fused = _fused_device(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
+    if fused:
+        return _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)
+    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
 
 
 # --------------------------------------------------------------------------------------------------
 # Switchable normalization
 # --------------------------------------------------------------------------------------------------
+def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor, bn_stats):
+    """Mixed (N, C) mean and variance of switchable normalization from the instance statistics.
+
+    ``bn_stats``: None (batch statistics, derived here), False (no BN component) or ``(mean_bn, var_bn)`` (1, C)
+    (the running statistics in eval). Returns ``(mean, var, parts)`` with ``parts = (means, variances, mw, vw)``:
+    the component statistics (IN, LN[, BN]) and the softmax weights.
+    """
+    second = var_in + mu.square()
+    mean_ln = mu.mean(1, keepdim=True)
+    var_ln = second.mean(1, keepdim=True) - mean_ln.square()
+    means, variances = [mu, mean_ln], [var_in, var_ln]
+    if bn_stats is not False:
+        if bn_stats is None:
+            mean_bn = mu.mean(0, keepdim=True)
+            bn_stats = (mean_bn, second.mean(0, keepdim=True) - mean_bn.square())
+        means.append(bn_stats[0])
+        variances.append(bn_stats[1])
+    mw = torch.softmax(mean_weight.to(mu.dtype), 0)
+    vw = torch.softmax(var_weight.to(mu.dtype), 0)
+    if torch.is_grad_enabled() or mw.device.type != "cpu":  # differentiable (composite path) / no host sync
+        mean = sum(w * m for w, m in zip(mw, means))
+        var = sum(w * v for w, v in zip(vw, variances))
+    else:  # inside the fused Function: the same sums with Python-float weights (fewer dispatched ops)
+        a, b = mw.tolist(), vw.tolist()
+        mean, var = means[0] * a[0], variances[0] * b[0]
+        for k in range(1, len(means)):
+            mean.add_(means[k], alpha=a[k])
+            var.add_(variances[k], alpha=b[k])
+    return mean, var, (means, variances, mw, vw)
+
+
+def _scalars(w: Tensor):
+    """The softmax weights as Python floats on CPU (scalar arithmetic dispatches fewer ops), 0-dim tensors elsewhere
+    (no device synchronisation)."""
+    return w.tolist() if w.device.type == "cpu" else w.unbind()
+
+
+def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
+    """Backward of :func:`_sn_mix`: gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed
+    mean and variance (all (N, C) but the logits).
+
+    With the softmax weights a (means) and b (variances), ``rows(X)`` the mean over channels (N, 1) and ``cols(X)``
+    the mean over the batch (1, C): ``mean = a0 mu + a1 rows(mu) + a2 cols(mu)`` is self-adjoint in mu, and
+    ``var = b0 q + b1 rows(q) + b2 cols(q) - (b0 mu^2 + b1 rows(mu)^2 + b2 cols(mu)^2)`` with
+    ``q = var_in + mu^2``, so::
+
+        d var_in = b0 d_var + b1 rows(d_var) + b2 cols(d_var)
+        d mu     = a0 d_mean + a1 rows(d_mean) + a2 cols(d_mean)
+                   + 2 b1 (mu - mean_ln) rows(d_var) + 2 b2 (mu - mean_bn) cols(d_var)
+        d logits = softmax backward of g_k = sum(d_mean * mean_k)  (resp. d_var, variances)
+
+    The BN terms only with batch statistics (``batch_bn``); running statistics are constants.
+    """
+    means, variances, mw, vw = parts
+    mu = means[0]
+    a, b = _scalars(mw), _scalars(vw)
+    rows_m, rows_v = d_mean.mean(1, keepdim=True), d_var.mean(1, keepdim=True)
+    d_var_in = torch.add(d_var * b[0], rows_v, alpha=b[1])
+    d_mu = torch.add(d_mean * a[0], rows_m, alpha=a[1]).addcmul_(mu - means[1], rows_v, value=2 * b[1])
+    if batch_bn:
+        cols_m, cols_v = d_mean.mean(0, keepdim=True), d_var.mean(0, keepdim=True)
+        d_var_in.add_(cols_v, alpha=b[2])
+        d_mu.add_(cols_m, alpha=a[2]).addcmul_(mu - means[2], cols_v, value=2 * b[2])
+    n, c = mu.shape
+    reduced_m, reduced_v = [d_mean, rows_m * c], [d_var, rows_v * c]
+    if len(means) == 3:
+        reduced_m.append(d_mean.sum(0, keepdim=True))
+        reduced_v.append(d_var.sum(0, keepdim=True))
+    # g_k = sum(d_mean * mean_k) with the broadcast summed first: (N, C) . (N, C), (N, 1) . (N, 1), (1, C) . (1, C)
+    g_mw = torch.stack([torch.vdot(r.flatten(), m.flatten()) for r, m in zip(reduced_m, means)])
+    g_vw = torch.stack([torch.vdot(r.flatten(), v.flatten()) for r, v in zip(reduced_v, variances)])
+    d_mw = torch._softmax_backward_data(g_mw, mw, 0, mw.dtype)
+    d_vw = torch._softmax_backward_data(g_vw, vw, 0, vw.dtype)
+    return d_mu, d_var_in, d_mw, d_vw
+
+
+@torch.no_grad()
+def _sn_update_running(running_mean, running_var, batch, momentum: float, using_moving_average: bool) -> None:
+    """Official convention: ``running = momentum * running + (1 - momentum) * batch`` (or sums without moving
+    average: batch means and E[x^2])."""
+    c = running_mean.numel()
+    mean_bn, var_bn = (t.detach().reshape(c) for t in batch)
+    if using_moving_average:
+        running_mean.mul_(momentum).add_((1 - momentum) * mean_bn.to(running_mean))
+        running_var.mul_(momentum).add_((1 - momentum) * var_bn.to(running_var))
+    else:
+        running_mean.add_(mean_bn.to(running_mean))
+        running_var.add_((mean_bn.square() + var_bn).to(running_var))
+
+
+def _sn_bn_stats(using_bn, training, running_mean, running_var, c: int, dtype):
+    """What :func:`_sn_mix` takes as ``bn_stats`` (see there)."""
+    if not using_bn:
+        return False
+    if training or running_mean is None or running_var is None:
+        return None
+    return running_mean.reshape(1, c).to(dtype), running_var.reshape(1, c).to(dtype)
+
+
+def _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps):
+    """Switchable normalization from differentiable torch ops (the reference for the fused path, what
+    torch.compile traces, and what double backward differentiates). Returns ``(y in float32/64, batch BN stats or
+    None)``."""
+    xs = _stats_dtype(x)
+    mu, var_in = moments(xs, tuple(range(2, x.dim())), correction=1)  # (N, C)
+    mean, var, (means, variances, _, _) = _sn_mix(mu, var_in, mean_weight, var_weight, bn_stats)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight.to(xs.dtype)
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias.to(xs.dtype)
+    shape = x.shape[:2] + (1,) * (x.dim() - 2)
+    # One pass as x * scale + shift with (N, C) coefficients; keeps x's memory format.
+    batch = (means[2], variances[2]) if bn_stats is None else None
+    return torch.addcmul(shift.reshape(shape), xs, scale.reshape(shape)), batch
+
+
+def _instance_layout(x: Tensor) -> str:
+    """Which kernels compute per-(n, c) statistics of ``x`` fastest: ``rows`` (CPU, contiguous: each (n, c) is one
+    contiguous row, BatchNorm's kernels on the (1, N*C, L) view), ``samples`` (CPU, channels_last: BatchNorm's
+    kernels per sample), ``generic`` (any other device or layout: plain reductions)."""
+    if x.device.type != "cpu":
+        return "generic"
+    if x.is_contiguous():
+        return "rows"
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return "samples" if fmt is not None and x.is_contiguous(memory_format=fmt) else "generic"
+
+
+def _instance_stats(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """Per-(n, c) mean and biased variance of ``x`` (N, C, *) over the spatial dims, both (N, C), two-pass."""
+    n, c = x.shape[:2]
+    if layout == "samples":  # BatchNorm's channels_last statistics kernel, one sample at a time
+        stats = [torch.batch_norm_update_stats(x[i : i + 1], None, None, 0.0) for i in range(n)]
+        return torch.stack([m for m, _ in stats]), torch.stack([v for _, v in stats])
+    dims = tuple(range(2, x.dim()))
+    if layout == "generic" and x.device.type != "cpu":
+        var, mu = torch.var_mean(x, dims, correction=0)
+        return mu, var
+    mu = x.mean(dims)
+    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
+    var = torch.linalg.vector_norm(centered, dim=dims).square_().div_(x[0, 0].numel())
+    return mu, var
+
+
+def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """Per-(n, c) sums ``sum(g)`` and ``sum(g * (x - mu))`` over the spatial dims, both (N, C). On CPU this is
+    BatchNorm's backward reduction (centred dot product and sum in one pass, no temporary)."""
+    n, c = x.shape[:2]
+    mask = [False, True, True]
+    if layout == "rows":
+        ones = torch.ones(n * c, dtype=mu.dtype)
+        _, dot, total = torch.ops.aten.native_batch_norm_backward(
+            g.reshape(1, n * c, -1), x.reshape(1, n * c, -1), None, None, None, mu.reshape(-1), ones, True, 0.0, mask
+        )
+        return total.reshape(n, c), dot.reshape(n, c)
+    if layout == "samples":
+        ones = torch.ones(c, dtype=mu.dtype)
+        parts = [torch.ops.aten.native_batch_norm_backward(
+            g[i : i + 1], x[i : i + 1], None, None, None, mu[i], ones, True, 0.0, mask) for i in range(n)]
+        return torch.stack([p[2] for p in parts]), torch.stack([p[1] for p in parts])
+    dims = tuple(range(2, x.dim()))
+    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
+    return g.sum(dims), (g * centered).sum(dims)
+
+
+def _instance_affine(x: Tensor, scale: Tensor, shift: Tensor, layout: str) -> Tensor:
+    """``x * scale + shift`` with (N, C) coefficients, in x's memory format (CPU rows: BatchNorm's normalize
+    kernel on the (1, N*C, L) view, with running_var 1 and eps 0 it is exactly this affine)."""
+    n, c = x.shape[:2]
+    if layout == "rows":
+        zeros = torch.zeros(n * c, dtype=scale.dtype)
+        ones = torch.ones(n * c, dtype=scale.dtype)
+        y = torch.native_batch_norm(
+            x.reshape(1, n * c, -1), scale.reshape(-1), shift.reshape(-1), zeros, ones, False, 0.0, 0.0
+        )[0]
+        return y.reshape(x.shape)
+    shape = (n, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+
+
+def _same_layout(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` in ``x``'s memory format (the fused kernels read both with the same strides)."""
+    if x.is_contiguous():
+        return g.contiguous()
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    return g.contiguous(memory_format=fmt) if fmt is not None else g
+
+
+class _SwitchableNormFn(torch.autograd.Function):
+    """Switchable normalization with an explicit backward (see :func:`switchable_norm` for the formula).
+
+    Forward: one statistics pass for the per-(n, c) mean and variance (LN and BN statistics are their averages), the
+    (N, C)-sized mixture, one normalize pass ``x * scale + shift``. Backward, with ``G1 = sum_hw(g)`` and
+    ``G2 = sum_hw(g * (x - mu))`` from one reduction pass (``s = rsqrt(var + eps)``, ``scale = s * weight``)::
+
+        dL/dscale = G2 + (mu - mean) * G1        dL/dmean = -scale * G1        dL/dbias = sum_n(G1)
+        dL/dweight = sum_n(dL/dscale * s)        dL/dvar = -dL/dscale * weight * s^3 / 2
+        (dL/dmu, dL/dvar_in, dL/dlogits) = _sn_mix_backward(dL/dmean, dL/dvar)
+        dL/dx = g * scale + dL/dmu / S + dL/dvar_in * 2 (x - mu) / (S - 1)        (one pass)
+
+    Double backward (``create_graph=True``) differentiates the composite formula instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg):
+        eps, using_bn, running, momentum, moving = cfg
+        xs, layout = _stats_dtype(x), _instance_layout(x)
+        mu, var = _instance_stats(xs, layout)
+        count = x[0, 0].numel()
+        bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
+        mean, var_mix, parts = _sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
+        s = torch.rsqrt(var_mix.add_(eps))
+        scale = s if weight is None else s * weight.to(xs.dtype)
+        if running is not None and bn_stats is None:
+            _sn_update_running(*running, (parts[0][2], parts[1][2]), momentum, moving)
+        shift = torch.mul(mean, scale).neg_()
+        if bias is not None:
+            shift = shift.add_(bias.to(xs.dtype))
+        ctx.save_for_backward(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var)
+        ctx.stats = (mean, s, scale, parts, bn_stats is None)
+        ctx.cfg, ctx.layout = cfg, layout
+        return _instance_affine(xs, scale, shift, layout).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            return _switchable_double_backward(ctx, grad)
+        x, mean_weight, var_weight, weight, bias = ctx.saved_tensors[:5]
+        mean, s, scale, parts, batch_bn = ctx.stats
+        mu, layout, count = parts[0][0], ctx.layout, x[0, 0].numel()
+        xs = _stats_dtype(x)
+        g = _same_layout(grad, x).to(xs.dtype)
+        g1, g2 = _instance_dots(g, xs, mu, layout)
+        d_scale = torch.addcmul(g2, mu - mean, g1)
+        d_mean = torch.mul(scale, g1).neg_()
+        d_s = d_scale if weight is None else d_scale * weight.to(xs.dtype)
+        d_var = d_s.mul_(s.pow(3)).mul_(-0.5)
+        d_mu, d_var_in, d_mw, d_vw = _sn_mix_backward(d_mean, d_var, parts, batch_bn)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            a = d_var_in.mul_(2.0 / (count - 1))
+            b = torch.addcmul(d_mu.div_(count), a, mu, value=-1.0)
+            spatial = (1,) * (x.dim() - 2)
+            gx = _instance_affine(xs, a, b, layout).addcmul_(g, scale.reshape(scale.shape + spatial)).to(x.dtype)
+        d_w = None if weight is None else (d_scale * s).sum(0).to(weight.dtype)
+        d_b = None if bias is None else g1.sum(0).to(bias.dtype)
+        return gx, d_mw.to(mean_weight.dtype), d_vw.to(var_weight.dtype), d_w, d_b, None, None, None
+
+
+def _switchable_double_backward(ctx, grad):
+    """Backward with ``create_graph=True``: the gradient of the composite formula, itself differentiable."""
+    x, mean_weight, var_weight, weight, bias, bn_mean, bn_var = ctx.saved_tensors
+    eps, using_bn = ctx.cfg[:2]
+    bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
+    inputs = [t for t in (x, mean_weight, var_weight, weight, bias) if t is not None and t.requires_grad]
+    y, _ = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
+    found = torch.autograd.grad(y.to(x.dtype), inputs, grad, create_graph=True, allow_unused=True)
+    by_id = {id(t): g for t, g in zip(inputs, found)}
+    return tuple(by_id.get(id(t)) if t is not None else None for t in (x, mean_weight, var_weight, weight, bias)) + (
+        None, None, None)
+
+
 def switchable_norm(
     x: Tensor,
     mean_weight: Tensor,
@@ -227,6 +607,7 @@ def switchable_norm(
     eps: float = 1e-5,
     using_bn: bool = True,
     using_moving_average: bool = True,
+    fused: bool | None = None,
 ) -> Tensor:
     """Switchable Normalization (Luo et al. 2019): a learned mixture of IN, LN and BN statistics.
 
@@ -242,7 +623,12 @@ def switchable_norm(
     BN statistics: in training the batch's, and (with ``using_moving_average``) the running buffers are updated
     in place as ``running = momentum * running + (1 - momentum) * batch`` (official convention: ``momentum`` weighs
     the *old* value); without moving average the buffers accumulate sums. In eval the running buffers are used.
-    Statistics are computed in float32 for half inputs; the output keeps x's dtype.
+    Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
+
+    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward
+    (:class:`_SwitchableNormFn`): one statistics pass and one normalize pass forward, one reduction pass and one
+    final pass backward, BatchNorm's CPU kernels doing the passes. ``fused=False`` (and torch.compile) use the
+    composite formula from differentiable ops.
 
     Shapes: x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,).
     """
@@ -254,42 +640,19 @@ def switchable_norm(
         raise ValueError(
             f"switchable_norm: instance statistics need more than 1 spatial value per channel, got {spatial}"
         )
-    xs = _stats_dtype(x)
-    mean_in, var_in = moments(xs, tuple(range(2, x.dim())), correction=1)  # (N, C)
-    second = var_in + mean_in.square()
-    mean_ln = mean_in.mean(1, keepdim=True)
-    var_ln = second.mean(1, keepdim=True) - mean_ln.square()
-    means, variances = [mean_in, mean_ln], [var_in, var_ln]
-    if using_bn:
-        if training or running_mean is None or running_var is None:
-            mean_bn = mean_in.mean(0, keepdim=True)
-            var_bn = second.mean(0, keepdim=True) - mean_bn.square()
-            if training and running_mean is not None and running_var is not None:
-                with torch.no_grad():
-                    if using_moving_average:
-                        running_mean.mul_(momentum).add_((1 - momentum) * mean_bn.reshape(c).to(running_mean))
-                        running_var.mul_(momentum).add_((1 - momentum) * var_bn.reshape(c).to(running_var))
-                    else:
-                        running_mean.add_(mean_bn.reshape(c).to(running_mean))
-                        running_var.add_((mean_bn.square() + var_bn).reshape(c).to(running_var))
-        else:
-            mean_bn = running_mean.reshape(1, c).to(xs.dtype)
-            var_bn = running_var.reshape(1, c).to(xs.dtype)
-        means.append(mean_bn)
-        variances.append(var_bn)
-    mw = torch.softmax(mean_weight.to(xs.dtype), 0)
-    vw = torch.softmax(var_weight.to(xs.dtype), 0)
-    mean = sum(w * m for w, m in zip(mw, means))
-    var = sum(w * v for w, v in zip(vw, variances))
-    # Normalize once as x * scale + shift with (N, C) coefficients: one pass, keeps x's memory format.
-    scale = torch.rsqrt(var + eps)
-    if weight is not None:
-        scale = scale * weight.to(xs.dtype)
-    shift = -mean * scale
-    if bias is not None:
-        shift = shift + bias.to(xs.dtype)
-    shape = (n, c) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.reshape(shape), xs, scale.reshape(shape)).to(x.dtype)
+    has_running = running_mean is not None and running_var is not None
+    running = (running_mean, running_var) if training and using_bn and has_running else None
+    bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, c, _stats_dtype(x).dtype)
+    if fused is None:
+        fused = _fused_device(x) and x.numel() > 0
+    if not fused:
+        y, batch = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
+        if running is not None and batch is not None:
+            _sn_update_running(*running, batch, momentum, using_moving_average)
+        return y.to(x.dtype)
+    bn_mean, bn_var = bn_stats if isinstance(bn_stats, tuple) else (None, None)
+    cfg = (eps, using_bn, running, momentum, using_moving_average)
+    return _SwitchableNormFn.apply(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -452,3 +452,179 @@ def test_convert_sync_batchrenorm_and_single_process_fallback():
     assert isinstance(single, SyncBatchRenorm) and single.schedule == RenormSchedule()
     with pytest.raises(ValueError, match="SyncBatchRenorm: expected at least 2D input"):
         single(torch.randn(3))
+
+
+# ---------------------------------------------------------------------------------------------- fused path
+def _bn_step_pair(dim, shape, dtype, fmt, kw, seed=0):
+    """nn.BatchNorm*d and normlab's fused functional (identity limits given as tensors, so nothing short-circuits
+    to F.batch_norm) on the same batch: outputs, gradients and running statistics."""
+    from normlab import functional as NF
+
+    torch.manual_seed(seed)
+    bn = BN[dim](shape[1], dtype=dtype, **kw)
+    _randomize(bn, seed)
+    rm, rv = bn.running_mean.clone(), bn.running_var.clone()
+    x = (torch.randn(shape, dtype=dtype) * 3 + 2).contiguous(memory_format=fmt)
+    g = torch.randn(shape, dtype=dtype)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y1 = bn(x1)
+    (y1 * g).sum().backward()
+    params = [None if p is None else p.detach().clone().requires_grad_() for p in (bn.weight, bn.bias)]
+    one, zero = torch.tensor(1.0), torch.tensor(0.0)
+    y2 = NF.batch_renorm(x2, rm, rv, *params, training=True, momentum=0.1, eps=1e-5, rmax=one, dmax=zero, fused=True)
+    (y2 * g).sum().backward()
+    return bn, (y1, x1.grad, bn.running_mean, bn.running_var), (y2, x2.grad, rm, rv), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize(
+    "dim,shape,fmt",
+    [(1, (6, 4), torch.contiguous_format), (1, (5, 4, 7), torch.contiguous_format),
+     (2, (8, 16, 9, 7), torch.contiguous_format), (2, (8, 16, 9, 7), torch.channels_last),
+     (2, (2, 64, 8, 8), torch.channels_last), (3, (3, 4, 3, 2, 4), torch.contiguous_format),
+     (3, (3, 4, 3, 2, 4), torch.channels_last_3d)],
+)
+@pytest.mark.parametrize("kw", [{}, {"affine": False}, {"bias": False}])
+def test_fused_path_with_identity_limits_is_batchnorm_bit_for_bit(dim, shape, fmt, dtype, kw):
+    """One statistics pass, BatchNorm's normalize and backward kernels: with r = 1 and d = 0 every number (output,
+    input gradient, parameter gradients, running statistics) is BatchNorm's, in float32 too, in any layout."""
+    bn, ref, got, params = _bn_step_pair(dim, shape, dtype, fmt, kw)
+    for a, b in zip(ref, got):
+        assert torch.equal(a, b)
+    assert got[0].is_contiguous(memory_format=fmt) and got[1].is_contiguous(memory_format=fmt)
+    for p_bn, p in zip((bn.weight, bn.bias), params):
+        if p is not None:
+            assert torch.equal(p.grad, p_bn.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("kw", [{}, {"affine": False}, {"bias": False}])
+def test_fused_path_equals_composite_path_when_clipping(dtype, fmt, kw):
+    from normlab import functional as NF
+
+    torch.manual_seed(9)
+    c = 6
+    x = (torch.randn(5, c, 4, 3, dtype=dtype) * 1.3 + 0.4).contiguous(memory_format=fmt)
+    g = torch.randn_like(x)
+    results = []
+    for fused in (True, False):
+        rm, rv = torch.linspace(-1, 1, c, dtype=dtype), torch.linspace(0.1, 4, c, dtype=dtype)
+        w = torch.linspace(0.5, 1.5, c, dtype=dtype).requires_grad_() if kw.get("affine", True) else None
+        b = torch.linspace(-1, 1, c, dtype=dtype).requires_grad_() if w is not None and kw.get("bias", True) else None
+        xx = x.clone().requires_grad_()
+        y = NF.batch_renorm(xx, rm, rv, w, b, True, 0.1, 1e-3, 1.5, 0.5, fused=fused)
+        (y * g).sum().backward()
+        results.append([y, xx.grad, rm, rv] + [p.grad for p in (w, b) if p is not None])
+    r, _ = NF.renorm_correction(*NF.batch_moments(x), torch.linspace(-1, 1, c, dtype=dtype),
+                                torch.linspace(0.1, 4, c, dtype=dtype), 1e-3, 1.5, 0.5)
+    assert ((r == 1.5) | (r == 1 / 1.5)).any() and ((r < 1.5) & (r > 1 / 1.5)).any()  # clipping active and not
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert results[0][0].is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("kw", [{}, {"bias": False}, {"affine": False}])
+def test_fused_path_gradgradcheck_float64(kw):
+    """Double backward through the fused path (BatchNorm's backward is differentiable; r and d are constants)."""
+    from torch.func import functional_call
+
+    torch.manual_seed(10)
+    m = _clipped_module(**kw) if kw.get("affine", True) else BatchRenorm2d(3, dtype=F64, rmax=1.2, dmax=0.3, **kw)
+    with torch.no_grad():
+        m.running_mean.copy_(torch.tensor([5.0, -5.0, 5.0], dtype=F64))
+        m.running_var.copy_(torch.tensor([100.0, 0.01, 100.0], dtype=F64))
+    buffers = {k: v.clone() for k, v in m.named_buffers()}
+    names = [n for n, _ in m.named_parameters()]
+
+    def f(x, *ps):
+        state = {k: v.clone() for k, v in buffers.items()}
+        state.update(zip(names, ps))
+        return functional_call(m, state, (x,))
+
+    x = torch.randn(2, 3, 2, 2, dtype=F64, requires_grad=True)
+    ps = [(p.detach() + torch.rand(p.shape, dtype=F64)).requires_grad_() for p in m.parameters()]
+    assert torch.autograd.gradcheck(f, (x, *ps))
+    assert torch.autograd.gradgradcheck(f, (x, *ps))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(11)
+    m = BatchRenorm2d(3, rmax=1.5, dmax=0.5, check_finite=False)
+    with torch.no_grad():
+        m.running_var.fill_(4.0)
+        m.running_mean.fill_(0.5)
+    eager = copy.deepcopy(m)
+    x = torch.randn(4, 3, 4, 4).to(memory_format=torch.channels_last)
+    xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = torch.compile(m, fullgraph=True)(xc)
+    y.sum().backward()
+    ye = eager(xe)
+    ye.sum().backward()
+    torch.testing.assert_close(y, ye, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.running_var, eager.running_var, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- .half() modules
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    "cls,shape",
+    [(BatchRenorm1d, (16, 3)), (BatchRenorm1d, (8, 3, 5)), (BatchRenorm2d, (8, 3, 4, 4)),
+     (BatchRenorm3d, (4, 3, 2, 3, 4)), (SyncBatchRenorm, (8, 3, 4, 4))],
+)
+def test_half_module_keeps_float32_running_stats_on_1e4_inputs(cls, shape, dtype):
+    """Issue 9: a module converted with .half() (or bfloat16) keeps running statistics in float32, so a running
+    variance of ~1e5 (above float16's 65504) is held; weights stay half, outputs and gradients in the input dtype."""
+    torch.manual_seed(12)
+    m = cls(3, rmax=3.0, dmax=5.0, momentum=0.5)
+    with torch.no_grad():
+        m.running_mean.fill_(1e4)
+        m.running_var.fill_(9e4)
+    ref = copy.deepcopy(m).double()
+    m = m.to(dtype)
+    assert m.weight.dtype == dtype and m.running_var.dtype == torch.float32 and m.running_mean.dtype == torch.float32
+    assert m.num_batches_tracked.dtype == torch.long
+    x = (torch.randn(shape) * 300 + 1e4).to(dtype).requires_grad_()
+    y = m(x)
+    y.float().sum().backward()
+    y_ref = ref(x.detach().double())
+    tol = 1e-2 if dtype == torch.float16 else 5e-2
+    assert y.dtype == dtype and torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+    assert m.weight.grad.dtype == dtype and torch.isfinite(m.weight.grad).all()
+    torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
+    assert m.running_var.min() > 65504
+    torch.testing.assert_close(m.running_var.double(), ref.running_var, rtol=1e-4, atol=0)
+    torch.testing.assert_close(m.running_mean.double(), ref.running_mean, rtol=1e-5, atol=0)
+    m.eval()
+    ref.eval()
+    torch.testing.assert_close(m(x).double(), ref(x.detach().double()), rtol=tol, atol=tol)
+    sd = m.state_dict()
+    assert sd["running_var"].dtype == torch.float32 and sd["weight"].dtype == dtype
+    back = cls(3).to(dtype)
+    back.load_state_dict(sd)
+    assert back.running_var.dtype == torch.float32 and torch.equal(back.running_var, m.running_var)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_training_step_runs_only_batchnorms_kernels_over_the_activations(fmt):
+    """The dispatcher check of issue 10: in an eager CPU training step (clipping active) the only aten ops that read
+    or write activation-sized tensors are BatchNorm's statistics, normalize and backward kernels, once each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = BatchRenorm2d(8, rmax=2.0, dmax=1.0)
+    with torch.no_grad():
+        m.running_var.fill_(9.0)
+    shape = [4, 8, 5, 6]
+    x = torch.randn(shape).contiguous(memory_format=fmt).requires_grad_()
+    g = torch.randn(shape).contiguous(memory_format=fmt)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        y = m(x)
+        y.backward(g)
+    bookkeeping = {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::detach", "detach",
+                   "torch::autograd::AccumulateGrad", "_BatchNormWithAffine", "_BatchNormWithAffineBackward"}
+    big = [e.name for e in prof.events() if shape in [list(s) for s in e.input_shapes if isinstance(s, list)]]
+    compute = sorted(n for n in big if n not in bookkeeping)
+    assert compute == ["aten::batch_norm_update_stats", "aten::native_batch_norm", "aten::native_batch_norm_backward"]
+    assert y.is_contiguous(memory_format=fmt) and x.grad.is_contiguous(memory_format=fmt)

@@ -299,3 +299,87 @@ def test_without_moving_average_buffers_accumulate_sums():
     sum_sq = sum((x.flatten(2).var(-1) + x.flatten(2).mean(-1) ** 2).mean(0) for x in xs)
     torch.testing.assert_close(m.running_mean, sum_mean, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(m.running_var, sum_sq, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- fused path
+def _sn_functional_step(x, fused, training, using_bn, affine, seed=1):
+    """One forward+backward of normlab.functional.switchable_norm; returns everything it computes or updates."""
+    from normlab import functional as NF
+
+    c, k = x.shape[1], 3 if using_bn else 2
+    g = torch.Generator().manual_seed(seed)
+    dt = x.dtype if x.dtype == torch.float64 else torch.float32
+    mw = torch.randn(k, generator=g, dtype=dt).requires_grad_()
+    vw = torch.randn(k, generator=g, dtype=dt).requires_grad_()
+    w = (torch.rand(c, generator=g, dtype=dt) + 0.5).requires_grad_() if affine else None
+    b = torch.randn(c, generator=g, dtype=dt).requires_grad_() if affine else None
+    rm, rv = torch.randn(c, generator=g, dtype=dt), torch.rand(c, generator=g, dtype=dt) + 0.5
+    xx = x.clone().requires_grad_()
+    y = NF.switchable_norm(xx, mw, vw, w, b, rm, rv, training=training, using_bn=using_bn, fused=fused)
+    y.backward(torch.randn(y.shape, generator=g, dtype=y.dtype))
+    return y, [y, xx.grad, mw.grad, vw.grad, rm, rv] + ([w.grad, b.grad] if affine else [])
+
+
+LAYOUTS = {
+    "nchw": lambda dt: torch.randn(4, 3, 5, 6, dtype=dt) * 2 + 1,
+    "channels_last": lambda dt: (torch.randn(4, 3, 5, 6, dtype=dt) * 2 + 1).to(memory_format=torch.channels_last),
+    "ncdhw": lambda dt: torch.randn(3, 3, 2, 3, 4, dtype=dt) * 2 + 1,
+    "channels_last_3d": lambda dt: (torch.randn(3, 3, 2, 3, 4, dtype=dt) * 2 + 1).to(
+        memory_format=torch.channels_last_3d),
+    "ncl": lambda dt: torch.randn(4, 3, 7, dtype=dt) * 2 + 1,
+    "strided": lambda dt: (torch.randn(4, 3, 6, 5, dtype=dt) * 2 + 1).transpose(2, 3),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("using_bn,affine", [(True, True), (False, True), (True, False)])
+def test_fused_backward_equals_autograd_of_the_formula(layout, dtype, training, using_bn, affine):
+    """The explicit backward (and the one-pass forward) against the composite implementation differentiated by
+    autograd (the implementation before the fused path): outputs, every gradient, running statistics."""
+    torch.manual_seed(0)
+    x = LAYOUTS[layout](dtype)
+    y, fused = _sn_functional_step(x, True, training, using_bn, affine)
+    _, reference = _sn_functional_step(x, False, training, using_bn, affine)
+    tol = 1e-10 if dtype == torch.float64 else 2e-5
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    if layout.startswith("channels_last"):
+        fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+        assert y.is_contiguous(memory_format=fmt)
+
+
+@pytest.mark.parametrize("fmt", [torch.contiguous_format, torch.channels_last])
+def test_fused_gradcheck_and_gradgradcheck_float64(fmt):
+    torch.manual_seed(9)
+    m = SwitchableNorm2d(3).double()
+    _random_params(m)
+    names = [n for n, _ in m.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in m.parameters()]
+
+    def f(t, *ps):
+        return torch.func.functional_call(m, dict(zip(names, ps)), (t,))
+
+    x = torch.randn(3, 3, 3, 2, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
+    assert torch.autograd.gradcheck(f, (x, *params))
+    assert torch.autograd.gradgradcheck(f, (x, *params))
+    m.eval()
+    m.running_var.fill_(1.5)
+    assert torch.autograd.gradgradcheck(f, (x, *params))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(10)
+    m = SwitchableNorm2d(4)
+    _random_params(m)
+    m_c = copy.deepcopy(m)
+    x = torch.randn(3, 4, 6, 6).to(memory_format=torch.channels_last)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y = torch.compile(m_c, fullgraph=True)(xa)
+    y.sum().backward()
+    ye = m(xb)
+    ye.sum().backward()
+    torch.testing.assert_close(y, ye, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(m_c.running_var, m.running_var, rtol=1e-6, atol=1e-7)

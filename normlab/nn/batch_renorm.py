@@ -7,7 +7,9 @@ Training, per channel c (``r`` and ``d`` carry no gradient)::
     r = clip(sigma_B / sigma, 1/rmax, rmax)          d = clip((mu_B - running_mean) / sigma, -dmax, dmax)
     y = weight * ((x - mu_B) / sigma_B * r + d) + bias
 
-Inference is plain BatchNorm inference. ``rmax=1, dmax=0`` is exactly BatchNorm.
+Inference is plain BatchNorm inference. ``rmax=1, dmax=0`` is exactly BatchNorm. r and d are per-channel constants,
+so a training step is one BatchNorm step with weight ``weight * r`` and bias ``bias + weight * d``: one statistics
+pass, BatchNorm's normalize kernel, BatchNorm's backward kernel.
 
 API (see :class:`_BatchRenorm`):
 
@@ -35,11 +37,11 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
+from ._float32_stats import Float32StatsModule
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
 
@@ -150,7 +152,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class _BatchRenorm(_NormBase):
+class _BatchRenorm(Float32StatsModule, _NormBase):
     """Base of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
 
     Args (positional ones exactly as ``nn.BatchNorm*d``):
@@ -173,7 +175,12 @@ class _BatchRenorm(_NormBase):
     layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
 
     Shapes: input (N, C, *) as the BatchNorm of the same dimension; output: same shape, dtype and memory format.
-    float16/bfloat16 inputs: statistics in float32 (parameters stay float32), output in the input's dtype.
+    float16/bfloat16 inputs: statistics in float32, output in the input's dtype. A module converted with ``.half()``
+    or ``.to(torch.bfloat16)`` keeps ``running_mean``/``running_var`` in float32 (a running variance above 65504
+    fits) and its half weights are applied in float32.
+
+    Cost: a training step is one BatchNorm step (one statistics pass, BatchNorm's normalize and backward kernels;
+    see :func:`normlab.functional.batch_renorm`) plus per-channel arithmetic for r and d.
     """
 
     _normlab_norm = True  # marks a normalization layer (no weight decay in normlab.nn.param_groups)
@@ -275,16 +282,19 @@ class _BatchRenorm(_NormBase):
             and self.num_batches_tracked is not None
         )
 
-    def _guard_failed(self, saved) -> bool:
-        """True (after restoring ``saved`` state) if the update left non-finite running statistics."""
+    def _guard_failed(self, prior) -> bool:
+        """True (after restoring the running statistics to ``prior`` and taking back the step) if the update left
+        non-finite running statistics. One fused check first (a sum is non-finite if any entry is); only if it fails
+        (or overflows) are the entries checked one by one."""
         with torch.no_grad():
+            if math.isfinite(torch.add(self.running_mean, self.running_var).sum().item()):
+                return False
             finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
             if bool(finite):
                 return False
-            mean, var, steps = saved
-            self.running_mean.copy_(mean)
-            self.running_var.copy_(var)
-            self.num_batches_tracked.copy_(steps)
+            self.running_mean.copy_(prior[0])
+            self.running_var.copy_(prior[1])
+            self.num_batches_tracked.sub_(1)
         return True
 
     def _non_finite_error(self) -> ValueError:
@@ -302,22 +312,33 @@ class _BatchRenorm(_NormBase):
         running_mean = self.running_mean if use_running else None
         running_var = self.running_var if use_running else None
         if not self._updating():
-            return F.batch_norm(
+            return NF.batch_renorm(
                 input, running_mean, running_var, self.weight, self.bias, bn_training,
                 0.0 if self.momentum is None else self.momentum, self.eps,
             )
-        rmax, dmax = self.renorm_limits(self.num_batches_tracked)
-        saved = None
+        rmax, dmax = self._step_limits(input)
+        prior = None
         if self.check_finite:
             with torch.no_grad():
-                saved = (self.running_mean.clone(), self.running_var.clone(), self.num_batches_tracked.clone())
+                prior = (self.running_mean.clone(), self.running_var.clone())
         self.num_batches_tracked.add_(1)
-        out = NF.batch_renorm(
-            input, running_mean, running_var, self.weight, self.bias, True, self._factor(), self.eps, rmax, dmax
+        out = NF._batch_renorm_step(
+            input, running_mean, running_var, self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
         )
-        if self.check_finite and self._guard_failed(saved):
+        if self.check_finite and self._guard_failed(prior):
             raise self._non_finite_error()
         return out
+
+    def _step_limits(self, input: Tensor):
+        """``(rmax, dmax)`` for this training batch. Eager on CPU the step is read as a Python int (no device
+        synchronisation there), so the limits are numbers: cheaper arithmetic, and the warm-up is exactly BatchNorm's
+        own call. Elsewhere (CUDA, torch.compile) the schedule gets the step tensor and returns tensors."""
+        if self.schedule is None:
+            return self.rmax, self.dmax
+        step = self.num_batches_tracked
+        if input.device.type == "cpu" and step.device.type == "cpu" and not torch.compiler.is_compiling():
+            step = int(step)
+        return self.schedule(step)
 
     def extra_repr(self) -> str:
         limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"

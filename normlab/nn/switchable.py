@@ -15,6 +15,7 @@ A batch whose statistics are not finite leaves the running statistics unchanged 
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -109,6 +110,13 @@ class _SwitchableNorm(Float32StatsModule):
                 f"{tuple(x.shape)}"
             )
 
+    def _running_stats_finite(self) -> bool:
+        """One fused check (a sum is non-finite if any entry is); entry by entry only if it fails or overflows."""
+        with torch.no_grad():
+            if math.isfinite(torch.add(self.running_mean, self.running_var).sum().item()):
+                return True
+            return bool(torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all())
+
     def forward(self, x: Tensor) -> Tensor:
         """x: (N, C, *spatial) -> same shape, dtype and memory format."""
         self._check_input(x)
@@ -129,17 +137,15 @@ class _SwitchableNorm(Float32StatsModule):
             using_bn=self.using_bn,
             using_moving_average=self.using_moving_average,
         )
-        if update and not torch.compiler.is_compiling():
-            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
-            if not bool(finite):
-                with torch.no_grad():
-                    self.running_mean.copy_(old[0])
-                    self.running_var.copy_(old[1])
-                warnings.warn(
-                    f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+        if update and not torch.compiler.is_compiling() and not self._running_stats_finite():
+            with torch.no_grad():
+                self.running_mean.copy_(old[0])
+                self.running_var.copy_(old[1])
+            warnings.warn(
+                f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
         if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
             y = y.contiguous(memory_format=fmt)

@@ -1,0 +1,54 @@
+"""Smoke test of benchmarks/bench_table.py (the issue-10 table) and run_all's device handling: no timing assertions,
+the GPU path is exercised on CPU with small sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_quick_table_runs_and_rewrites_its_results_section(tmp_path, one_thread):
+    table = _load("bench_table")
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n\nintro kept\n")
+    args = ["--quick", "--block-ms", "0.2", "--out", str(tmp_path / "t.json"), "--results", str(results)]
+    data = table.main(args)
+    groups = {row["group"] for row in data["rows"]}
+    assert groups == {"layers", "convolutions", "whole step"}
+    assert data["fused_check"] == "ok"
+    layer_pairs = {(r["candidate"], r["reference"]) for r in data["rows"] if r["group"] == "layers"}
+    assert ("SwitchableNorm2d", "nn.BatchNorm2d") in layer_pairs and ("BatchRenorm2d", "nn.BatchNorm2d") in layer_pairs
+    for row in data["rows"]:
+        if "ratio_median" in row:
+            assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+    nets = [r for r in data["rows"] if r["group"] == "whole step"]
+    assert {(r["model"], r["norm"]) for r in nets} == {(m, n) for m in ("plain", "resnet") for n in ("bn", "gn", "pws")}
+    assert json.loads((tmp_path / "t.json").read_text())["rows"] == json.loads(json.dumps(data["rows"]))
+    table.main(args)  # a second run replaces the section instead of appending another
+    text = results.read_text()
+    assert text.startswith("# Benchmark results\n\nintro kept\n")
+    assert text.count("<!-- bench_table:cpu-quick:start -->") == 1 and "| BatchRenorm2d | nn.BatchNorm2d |" in text
+
+
+def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
+    run_all = _load("run_all")
+    args = type("A", (), {"device": "cuda", "quick": False, "results": "benchmarks/RESULTS.md"})()
+    assert run_all._command(BENCH / "bench_batch_renorm.py", args, tmp_path) is None
+    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    assert cmd[cmd.index("--device") + 1] == "cuda" and "--results" in cmd and "--threads" not in cmd
+    args.device, args.quick = "cpu", True
+    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    assert "--quick" in cmd and "--results" not in cmd and cmd[cmd.index("--threads") + 1] == "1"
