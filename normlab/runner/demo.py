@@ -2,14 +2,15 @@
 
 Four sections, each a grid under ``<out>/<section>/`` (the training runs of all sections share one process pool):
 
-a. ``lr_sweep``: the paper's plain net in 1-D at batch 128 with none / BN / BRN / GN / SN / WN / WS+GN / PWS across
-   learning rates, the monitor recording every other step over the first 100 steps (and every 10th after);
+a. ``lr_sweep``: the paper's plain net in 1-D at batch 128 with none / BN / BRN / GN / SN / WN / WS+GN / PWS (with
+   the default gamma 1e-3 and with gamma 1e-2) across learning rates, the monitor recording every 10th step;
 b. ``batch_size``: BN / BRN / GN / SN / PWS at batch 128, 4 and 2 with the learning rate scaled linearly with the
    batch size and equal epochs, test accuracy with running statistics (eval mode) next to batch statistics
    (train mode);
-c. the collapse diagnosis: the monitor's records of the section-(a) runs at the collapsing learning rate (alarm,
-   lead time in steps, the two terms of the output variance, Figures 1(a), 1(b) and the output variance per layer)
-   and the false-alarm count over every monitored run of the demo;
+c. ``collapse``: the collapse diagnosis at the paper's width, the monitor recording every step of the first steps
+   of none / BN / PWS at the collapsing learning rate (alarm, lead time in steps, the two terms of the output
+   variance, Figures 1(a), 1(b), the shift and the output variance per layer) and the false-alarm count over every
+   monitored run of the demo;
 d. the cost of one training step per normalization, timed side by side.
 
 The protocol (:data:`PROTOCOL`) was fixed from pilot runs on other seeds before the demo's own seeds ran;
@@ -21,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,62 +40,66 @@ class DemoProtocol:
     """Every number of the demo in one place (printed at the top of its report)."""
 
     num_samples: int = 25_000  # MNIST-1D: 20,000 train / 5,000 test
-    width: float = 0.25
     seeds: tuple[int, ...] = (0, 1, 2)
+    # (a) learning-rate sweep at batch 128
+    lr_width: float = 0.25
     lr_norms: tuple[str, ...] = ("none", "bn", "brn", "gn", "sn", "wn", "ws+gn", "pws", "pws:gamma=0.01")
-    lrs: tuple[float, ...] = (0.02, 0.1)
-    lr_epochs: int = 1
-    lr_evals_per_epoch: int = 4
-    collapse_lr: float = 0.1
+    lrs: tuple[float, ...] = (0.02, 0.1, 0.2)
+    lr_steps: int = 120
+    lr_evals: int = 3
     monitor_every: int = 10
-    monitor_dense_steps: int = 100
-    monitor_dense_every: int = 2
+    # (c) collapse diagnosis: the paper's width, monitor every step over the first steps
+    collapse_width: float = 0.5
+    collapse_norms: tuple[str, ...] = ("none", "bn", "pws", "pws:gamma=0.01")
+    collapse_lr: float = 0.1
+    collapse_steps: int = 100
+    # (b) batch size, lr scaled linearly, equal epochs on a subset
+    batch_width: float = 0.25
     batch_norms: tuple[str, ...] = ("bn", "brn", "gn", "sn", "pws")
     batch_sizes: tuple[int, ...] = (128, 4, 2)
     base_lr: float = 0.05
-    batch_num_train: int = 4000
-    batch_epochs: int = 1
-    batch_evals_per_epoch: int = 4
+    batch_num_train: int = 3000
     batch_monitor_every: int = 50
-    cost_batch_size: int = 128
-    cost_repeats: int = 5
-    cost_iters: int = 3
-    max_steps_per_epoch: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # (d) cost of a training step
+    cost_batch_sizes: tuple[int, ...] = (128, 2)
+    cost_repeats: int = 3
+    cost_iters: int = 6
 
 
 PROTOCOL = DemoProtocol()
 QUICK_PROTOCOL = DemoProtocol(
-    num_samples=2000, width=0.125, seeds=(0,), lr_norms=("none", "bn", "pws"), lrs=(0.02, 0.1), lr_evals_per_epoch=2,
-    monitor_dense_steps=6, batch_norms=("bn", "gn"), batch_sizes=(64, 4), batch_num_train=256,
-    batch_evals_per_epoch=2, cost_batch_size=32, cost_repeats=1, cost_iters=1, max_steps_per_epoch=8,
+    num_samples=2000, seeds=(0,), lr_width=0.125, lr_norms=("none", "bn", "pws"), lrs=(0.02, 0.1), lr_steps=8,
+    lr_evals=2, collapse_width=0.125, collapse_norms=("none", "pws"), collapse_steps=6, batch_width=0.125,
+    batch_norms=("bn", "gn"), batch_sizes=(64, 4), batch_num_train=128, cost_batch_sizes=(32,), cost_repeats=1,
+    cost_iters=1,
 )
 
 
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
-    """The grids of sections (a) and (b)."""
-    common = {"num_samples": p.num_samples, "evals_per_epoch": p.lr_evals_per_epoch, "monitor_every":
-              p.monitor_every, "monitor_dense_steps": p.monitor_dense_steps,
-              "monitor_dense_every": p.monitor_dense_every}
-    lr_sweep = GridSpec(norms=p.lr_norms, lrs=p.lrs, batch_sizes=(128,), seeds=p.seeds, epochs=p.lr_epochs,
-                        dataset="mnist1d", model="plain1d", width=p.width, max_steps_per_epoch=p.max_steps_per_epoch,
-                        train_kwargs=common)
-    batch = GridSpec(norms=p.batch_norms, lrs=(p.base_lr,), batch_sizes=p.batch_sizes, seeds=p.seeds,
-                     epochs=p.batch_epochs, dataset="mnist1d", model="plain1d", width=p.width, layout="cross",
-                     lr_scaling="linear", max_steps_per_epoch=p.max_steps_per_epoch,
-                     train_kwargs={**common, "num_train": p.batch_num_train, "eval_train_mode": True,
-                                   "evals_per_epoch": p.batch_evals_per_epoch, "monitor_every": p.batch_monitor_every,
-                                   "monitor_dense_steps": 0})
-    return {"lr_sweep": lr_sweep, "batch_size": batch}
+    """The grids of sections (a), (c) and (b), all on MNIST-1D with the plain net in 1-D."""
+    data = {"num_samples": p.num_samples}
+    lr_sweep = GridSpec(norms=p.lr_norms, lrs=p.lrs, batch_sizes=(128,), seeds=p.seeds, epochs=1,
+                        dataset="mnist1d", model="plain1d", width=p.lr_width, max_steps_per_epoch=p.lr_steps,
+                        train_kwargs={**data, "evals_per_epoch": p.lr_evals, "monitor_every": p.monitor_every})
+    collapse = GridSpec(norms=p.collapse_norms, lrs=(p.collapse_lr,), batch_sizes=(128,), seeds=p.seeds, epochs=1,
+                        dataset="mnist1d", model="plain1d", width=p.collapse_width,
+                        max_steps_per_epoch=p.collapse_steps,
+                        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1})
+    batch = GridSpec(norms=p.batch_norms, lrs=(p.base_lr,), batch_sizes=p.batch_sizes, seeds=p.seeds, epochs=1,
+                     dataset="mnist1d", model="plain1d", width=p.batch_width, layout="cross", lr_scaling="linear",
+                     train_kwargs={**data, "num_train": p.batch_num_train, "eval_train_mode": True,
+                                   "evals_per_epoch": 1, "monitor_every": p.batch_monitor_every})
+    return {"lr_sweep": lr_sweep, "collapse": collapse, "batch_size": batch}
 
 
 def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:
+    """Seconds per training step of every norm of section (a), timed side by side, at each cost batch size."""
     norms = tuple(dict.fromkeys(n.split(":")[0] for n in p.lr_norms))
-    times = step_times(norms, dataset="mnist1d", model="plain1d", width=p.width, batch_size=p.cost_batch_size,
-                       repeats=p.cost_repeats, iters=p.cost_iters, threads=1, data_dir=out / "data",
-                       num_samples=p.num_samples)
-    result = {"batch_size": p.cost_batch_size, "width": p.width, "repeats": p.cost_repeats, "iters": p.cost_iters,
-              "times": times}
+    result = {"width": p.lr_width, "repeats": p.cost_repeats, "iters": p.cost_iters, "by_batch": {}}
+    for bs in p.cost_batch_sizes:
+        result["by_batch"][str(bs)] = step_times(
+            norms, dataset="mnist1d", model="plain1d", width=p.lr_width, batch_size=bs, repeats=p.cost_repeats,
+            iters=p.cost_iters, threads=1, data_dir=str(out / "data"), num_samples=p.num_samples)
     atomic_write_json(out / "step_cost.json", result)
     return result
 
@@ -111,7 +116,7 @@ def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | 
     grids: dict[str, GridRun] = {k: prepare_grid(spec, out / k, data_cache=out / "data")
                                  for k, spec in demo_sections(p).items()}
     print(f"normlab demo: {sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
-          f"({p.num_samples} samples), plain1d width {p.width:g}, seeds {list(p.seeds)} -> {out}", file=sys.stderr)
+          f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}", file=sys.stderr)
     run_cells(list(grids.values()), workers=workers, threads=threads, progress=progress)
     demo = {"protocol": dataclasses.asdict(p), "quick": quick,
             "sections": {k: g.finish(render=False) for k, g in grids.items()}, "cost": _step_cost(p, out)}

@@ -12,7 +12,7 @@ from .data import ArrayDataset
 
 __all__ = ["evaluate", "evaluate_train_mode", "TRAIN_MODE_SAMPLES"]
 
-TRAIN_MODE_SAMPLES = 1000  # test samples of the train-mode evaluation (it runs at the training batch size)
+TRAIN_MODE_SAMPLES = 500  # test samples of the train-mode evaluation (it runs at the training batch size)
 
 
 @torch.no_grad()
