@@ -119,7 +119,7 @@ def fraction(s: str) -> float:
     return v
 
 
-positive_int = integer(1, what="a positive integer")
+positive_int = integer(1)
 finite_float = number(what="a finite number")
 threads_int = integer(1, MAX_THREADS, what="a number of threads")
 width_float = number(0, MAX_WIDTH, low_open=True, what="a width multiplier")
