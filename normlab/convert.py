@@ -22,11 +22,17 @@
     the authors' PWS networks (every PWS conv has a bias).
 
 * :func:`fold_for_inference` ``(model)``: an inference copy in eval mode in which every WS/PWS conv (and every
-  conv with a weight parametrization such as ``weight_norm``) is a plain ``nn.Conv{d}d`` holding its kernel,
-  and every eval-mode BatchNorm / BatchRenorm (with running statistics) that follows a conv (same "follows"
-  rule) is folded into the conv's weight and bias and replaced by ``nn.Identity``. Folding is computed in
-  float64 and cast back. Give ``example_input`` to check that the outputs agree (relative error <= ``rtol``,
-  default 1e-5), which also catches a registration order that lies.
+  conv with a weight parametrization such as ``weight_norm``) is a plain ``nn.Conv{d}d`` holding its kernel
+  (always exact), and every eval-mode BatchNorm / BatchRenorm (with running statistics) whose only input is a
+  conv's output is folded into the conv's weight and bias and replaced by ``nn.Identity``. Unlike
+  :func:`convert_norm`, folding follows the real dataflow, never the registration order: it is established by a
+  ``torch.fx`` symbolic trace, or when that fails (data-dependent control flow) by hooks on one forward of
+  ``example_input`` (or of a default input built from the first conv's ``in_channels``); see
+  :mod:`normlab._dataflow`. A pair is folded only when the BN's only input is that conv's output, the conv's
+  output has no other consumer, both run once per forward, nothing else reads their parameters and neither has
+  hooks; every other conv/BN pair is left unfolded with a warning that lists it and says why. When the dataflow
+  cannot be established no BatchNorm is folded (warning). Folding is computed in float64 and cast back. Give
+  ``example_input`` to check that the outputs agree (relative error <= ``rtol``, default 1e-5).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from normlab._dataflow import Flow, fx_flow, hook_flow
 from normlab.nn.batch_renorm import _BatchRenorm
 from normlab.nn.registry import CONV_CLASSES, NORM_NAMES, create_norm, get_conv_class, get_norm_class
 from normlab.nn.weight_std import _StdConvNd
@@ -232,40 +239,137 @@ def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
 _PLAIN_CONVS_BY_DIM = {d: cls for cls, d in _PLAIN_CONVS.items()}
 
 
-def _fold(parent: nn.Module) -> None:
+# sizes tried for a default example input, per spatial dimension (a model may accept only one)
+_DEFAULT_SIZES = {1: (40, 64, 32, 128, 256), 2: (32, 28, 16, 64, 224), 3: (16, 32, 8)}
+
+
+def _unique_modules(model: nn.Module, keep) -> list[nn.Module]:
+    return list({id(m): m for m in model.modules() if keep(m)}.values())
+
+
+def _registration_pairs(parent: nn.Module, out: list) -> list[tuple[nn.Module, nn.Module]]:
+    """(conv, BN) pairs that are neighbours in registration order: what the old "follows" rule folded."""
     children = list(parent.named_children())
-    skip = set()
-    for i, (name, child) in enumerate(children):
-        if name in skip:
-            continue
-        dim = _conv_dim(child)
-        if dim is None:
-            _fold(child)
-            continue
-        nxt = children[i + 1] if i + 1 < len(children) else None
-        norm = nxt[1] if nxt is not None and _foldable_norm(nxt[1], child.out_channels) else None
-        if norm is None and type(child) in _PLAIN_CONVS:
-            continue  # a plain conv with nothing to fold: leave it as it is
-        setattr(parent, name, _plain_conv(child, dim, norm))
-        if norm is not None:
-            setattr(parent, nxt[0], nn.Identity())
-            skip.add(nxt[0])
+    for i, (_, child) in enumerate(children):
+        if _conv_dim(child) is not None and i + 1 < len(children):
+            nxt = children[i + 1][1]
+            if _foldable_norm(nxt, child.out_channels):
+                out.append((child, nxt))
+        elif _conv_dim(child) is None:
+            _registration_pairs(child, out)
+    return out
+
+
+def _default_inputs(convs: list[nn.Module]):
+    """Example inputs for the first conv (registration order): batch 2, a few sizes per spatial dimension."""
+    first = convs[0]
+    dim = _conv_dim(first)
+    gen = torch.Generator().manual_seed(0)
+    for size in _DEFAULT_SIZES.get(dim, ()):
+        x = torch.randn(2, first.in_channels, *([size] * dim), generator=gen, dtype=first.weight.dtype)
+        yield x.to(first.weight.device)
+
+
+def _trace(model: nn.Module, convs, norms, example_input) -> tuple[Flow | None, Tensor | None, Tensor | None, str]:
+    """(flow, input, output) of the first trace that works; input/output only for a hook trace on a default
+    input (to check the result with); and what failed."""
+    try:
+        return fx_flow(model, convs, norms), None, None, ""
+    except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: try the hooks
+        why = f"torch.fx: {type(e).__name__}"
+    inputs = [example_input] if example_input is not None else _default_inputs(convs)
+    last = "no input to try"
+    for x in inputs:
+        try:
+            flow, out = hook_flow(model, convs, norms, x)
+            return flow, (None if example_input is not None else x), out, why
+        except Exception as e:  # noqa: BLE001 - the model refuses this input: try the next size
+            last = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    given = "example_input" if example_input is not None else "a default input"
+    return None, None, None, f"{why}; forward on {given} failed ({last})"
+
+
+def _fold_plan(model: nn.Module, example_input: Tensor | None):
+    """Decide the conv -> BN pairs to fold: (pairs, [(conv name, BN name, why not)], default input, its output)."""
+    names = {id(m): n or "<model>" for n, m in model.named_modules()}
+    convs = _unique_modules(model, lambda m: _conv_dim(m) is not None)
+    norms = _unique_modules(model, lambda m: _foldable_norm(m, getattr(m, "num_features", None)))
+    if not convs or not norms:
+        return [], [], None, None
+    flow, x, y, why = _trace(model, convs, norms, example_input)
+    by_id = {id(c): c for c in convs}
+    pairs, skipped = [], []
+    old = {id(b): c for c, b in _registration_pairs(model, [])}
+    for bn in norms:
+        conv = by_id.get(flow.source(bn)) if flow is not None else None
+        if conv is None and id(bn) not in old:
+            continue  # not fed by a conv, and nothing suggested it was: nothing to report
+        conv = conv if conv is not None else old[id(bn)]
+        reason = f"dataflow unknown ({why})" if flow is None else flow.verdict(conv, bn)
+        if reason is None and conv.out_channels != bn.num_features:
+            reason = "channel counts differ"
+        if reason is None and (conv._forward_hooks or conv._forward_pre_hooks or bn._forward_hooks
+                               or bn._forward_pre_hooks):
+            reason = "a module has hooks"
+        if reason is None and any(conv is c for c, _ in pairs):
+            reason = "the conv already folds another BatchNorm"
+        if reason is None:
+            pairs.append((conv, bn))
+        else:
+            skipped.append((names[id(conv)], names[id(bn)], reason))
+    return pairs, skipped, x, y
+
+
+def _replace_everywhere(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` wherever ``old`` is registered under ``root`` (every alias)."""
+    for m in _unique_modules(root, lambda _: True):
+        for name, child in list(m._modules.items()):
+            if child is old:
+                setattr(m, name, new)
+
+
+def _apply_fold(model: nn.Module, pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Fold each (conv, BN) pair, then turn the remaining WS/PWS/parametrized convs into plain convs."""
+    for conv, bn in pairs:
+        _replace_everywhere(model, conv, _plain_conv(conv, _conv_dim(conv), bn))
+        _replace_everywhere(model, bn, nn.Identity())
+    for conv in _unique_modules(model, lambda m: _conv_dim(m) is not None and type(m) not in _PLAIN_CONVS):
+        _replace_everywhere(model, conv, _plain_conv(conv, _conv_dim(conv), None))
+
+
+def _check_outputs(folded: nn.Module, x: Tensor, reference: Tensor, rtol: float) -> None:
+    with torch.no_grad():
+        out = folded(x)
+    err = (out.double() - reference.double()).abs().max().item()
+    scale = reference.double().abs().max().item()
+    if not err <= rtol * max(scale, 1e-30):
+        raise RuntimeError(
+            f"fold_for_inference: folded output differs from the original by {err:.3g} (max |y| {scale:.3g}); "
+            "a folded BatchNorm may not be applied to its conv's output on every path (data-dependent control flow)"
+        )
 
 
 def fold_for_inference(
     model: nn.Module, example_input: Tensor | None = None, *, inplace: bool = False, rtol: float = 1e-5
 ) -> nn.Module:
-    """An eval-mode model without WS/PWS kernels to recompute and without BatchNorm after convs.
+    """An eval-mode model without WS/PWS kernels to recompute and without the BatchNorms that only normalize a
+    conv's output (see the module docstring for the dataflow rule).
 
     Args:
         model: any module. Put in eval mode first (a copy unless ``inplace``).
-        example_input: optional input; if given, the folded model's output is compared with the original's
-            (eval mode) and ``RuntimeError`` is raised when ``max|diff| > rtol * max|y|``.
+        example_input: optional input; if given, it is used for the hook trace when ``torch.fx`` cannot trace the
+            model, and the folded model's output is compared with the original's (eval mode): ``RuntimeError``
+            when ``max|diff| > rtol * max|y|``. Without it a hook trace runs on a default input and is checked
+            the same way.
         inplace: modify ``model`` itself instead of a deep copy.
         rtol: tolerance of the check.
 
     Returns:
         The folded model, in eval mode. Model outputs are equal to the eval-mode original up to rounding.
+
+    Warns:
+        UserWarning: listing each conv -> BatchNorm pair left unfolded and why (the conv's output has another
+        consumer, the BN is shared, an activation sits in between, the dataflow could not be established, ...).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold_for_inference: model must be an nn.Module, got {type(model).__name__}")
@@ -282,16 +386,14 @@ def fold_for_inference(
     if dim is not None and type(folded) not in _PLAIN_CONVS:
         folded = _plain_conv(folded, dim, None)
     else:
-        _fold(folded)
+        pairs, skipped, x, y = _fold_plan(folded, example_input)
+        _apply_fold(folded, pairs)
+        if skipped:
+            warnings.warn("fold_for_inference: left unfolded: " + "; ".join(
+                f"{c} -> {b} ({why})" for c, b, why in skipped), UserWarning, stacklevel=2)
+        if x is not None:
+            _check_outputs(folded.eval(), x, y, rtol)
     folded.eval()
     if reference is not None:
-        with torch.no_grad():
-            out = folded(example_input)
-        err = (out.double() - reference.double()).abs().max().item()
-        scale = reference.double().abs().max().item()
-        if not err <= rtol * max(scale, 1e-30):
-            raise RuntimeError(
-                f"fold_for_inference: folded output differs from the original by {err:.3g} (max |y| {scale:.3g}); "
-                "a BatchNorm registered after a conv may not be applied to that conv's output"
-            )
+        _check_outputs(folded, example_input, reference, rtol)
     return folded

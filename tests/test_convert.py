@@ -253,7 +253,7 @@ def test_fold_pws_with_every_conv_argument_is_a_plain_conv():
         torch.testing.assert_close(single(x), conv.eval()(x), rtol=1e-12, atol=1e-12)
 
 
-def test_fold_check_catches_registration_order_that_lies():
+def test_fold_follows_dataflow_not_registration_order():
     class BnBeforeConv(nn.Module):
         def __init__(self):
             super().__init__()
@@ -265,11 +265,150 @@ def test_fold_check_catches_registration_order_that_lies():
 
     torch.manual_seed(6)
     m = BnBeforeConv().eval()
+    randomize_bns(m)
+    x = torch.randn(2, 4, 5, 5)
+    with pytest.warns(UserWarning, match=r"conv -> bn \(its input is not the conv's output\)"):
+        folded = fold_for_inference(m, example_input=x)
+    assert type(folded.bn) is nn.BatchNorm2d
     with torch.no_grad():
-        m.bn.running_mean.uniform_(1, 2)
-        m.bn.running_var.uniform_(2, 3)
+        assert rel_err(folded(x), m(x)) < 1e-6
+
+
+def test_fold_check_catches_a_wrong_fold(monkeypatch):
+    import normlab.convert as conv_mod
+
+    real = conv_mod._plain_conv
+
+    def off_by_one(conv, dim, norm):
+        out = real(conv, dim, norm)
+        with torch.no_grad():
+            out.bias.add_(1.0)
+        return out
+
+    monkeypatch.setattr(conv_mod, "_plain_conv", off_by_one)
+    seq = randomize_bns(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval())
     with pytest.raises(RuntimeError, match="fold_for_inference: folded output differs"):
-        fold_for_inference(m, example_input=torch.randn(2, 4, 5, 5))
+        fold_for_inference(seq, example_input=torch.randn(2, 3, 6, 6))
+
+
+# ---------------------------------------------------------------- models whose forward is not the registration
+def randomize_bns(model):
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+class ActBetween(nn.Module):  # registered conv, bn; applied bn(relu(conv(x)))
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(torch.relu(self.conv(x)))
+
+
+class Residual(nn.Module):  # conv's output feeds its BN and the skip; a second, clean pair after it
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv(x)
+        return self.bn2(self.conv2(self.bn(y) + y))
+
+
+class ConvTwice(nn.Module):  # one conv applied twice
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.conv(self.conv(x)))
+
+
+class SharedBN(nn.Module):  # one BN on two paths
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn, self.conv2 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Conv2d(3, 4, 1)
+
+    def forward(self, x):
+        return self.bn(self.conv1(x)) + self.bn(self.conv2(x))
+
+
+class BranchOnData(nn.Module):  # torch.fx cannot trace it: folded through the hook trace on a default input
+    def __init__(self, act=False):
+        super().__init__()
+        self.act = act
+        self.conv, self.bn = WSConv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+
+    def forward(self, x):
+        y = self.conv(x)
+        y = self.bn(torch.relu(y) if self.act else y)
+        if y.mean() > 100:  # data-dependent control flow
+            y = -y
+        return self.head(y)
+
+
+class Unrunnable(nn.Module):  # fx fails and no default input fits (the first registered conv is not the stem)
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Conv2d(4, 2, 1)
+        self.stem, self.bn = WSConv2d(5, 4, 3), nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.bn(self.stem(x))
+        return self.head(y if y.sum() > -1e9 else -y)
+
+
+@pytest.mark.parametrize("model_cls, cin, unfolded, why", [
+    (ActBetween, 3, {"bn"}, "its input is not the conv's output"),
+    (Residual, 4, {"bn"}, "also used elsewhere"),
+    (ConvTwice, 4, {"bn"}, "runs 2 times"),
+    (SharedBN, 3, {"bn"}, "runs 2 times"),
+    (lambda: BranchOnData(act=True), 3, {"bn"}, "its input is not the conv's output"),
+])
+def test_fold_leaves_pairs_the_forward_does_not_chain(model_cls, cin, unfolded, why):
+    torch.manual_seed(8)
+    model = randomize_bns(model_cls()).eval()
+    x = torch.randn(3, cin, 8, 8)
+    with pytest.warns(UserWarning, match=f"fold_for_inference: left unfolded: .*{why}"):
+        folded = fold_for_inference(model)
+    left = {n for n, m in folded.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    assert left == unfolded
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5  # the old registration-order rule missed by up to 0.18
+
+
+def test_fold_through_hooks_when_fx_cannot_trace():
+    torch.manual_seed(9)
+    model = randomize_bns(BranchOnData()).eval()
+    folded = fold_for_inference(model)  # no warning: both pairs fold
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
+    assert type(folded.conv) is nn.Conv2d
+    x = torch.randn(2, 3, 11, 11)
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5
+
+
+def test_fold_without_dataflow_folds_no_bn_but_still_plain_convs():
+    torch.manual_seed(10)
+    model = randomize_bns(Unrunnable()).eval()
+    with pytest.warns(UserWarning, match="stem -> bn \\(dataflow unknown"):
+        folded = fold_for_inference(model)
+    assert type(folded.bn) is nn.BatchNorm2d and type(folded.stem) is nn.Conv2d  # WS kernel folded: exact
+    x = torch.randn(2, 5, 7, 7)
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5
+    # with an input that fits, the hook trace establishes the dataflow and the pair folds
+    folded = fold_for_inference(model, example_input=x)
+    assert type(folded.bn) is nn.Identity
 
 
 def test_fold_leaves_training_mode_bn_without_running_stats():

@@ -1,8 +1,12 @@
 """The ``normlab`` command line: ``demo | train | compare | report | monitor | bench``.
 
 Each command is one module here with ``add_parser(subparsers)`` (which sets ``run``) and ``run(args) -> int``.
-A refusal of the runner (:class:`~normlab.runner.errors.RunnerError`) is printed as one line with its exit code
-(2 for bad input); Ctrl-C or SIGTERM stops with exit code 130 and leaves every finished result on disk.
+Every user error is one line, ``normlab <command>: error: <option>: <what was expected>``: option values are
+checked where they are parsed (:class:`~normlab.cli.args.OneLineParser`, exit code 2), the rest before anything is
+written; a refusal of the runner (:class:`~normlab.runner.errors.RunnerError`) is printed as one line with its
+exit code (2 for bad input). Commands that write into ``--out`` hold its lock
+(:func:`normlab.runner.lock.out_lock`). Ctrl-C or SIGTERM stops with exit code 130, stops the worker processes
+and leaves every finished result on disk.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 from normlab.runner.errors import RunnerError
 
 from . import bench, compare, demo, monitor, report, train
+from .args import OneLineParser
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
@@ -25,7 +30,7 @@ EXIT_INTERRUPTED = 130
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="normlab",
         description="Normalization layers, a variance-transmission monitor and an experiment runner that compares "
                     "normalizations (none, BN, BRN, GN, SN, WN, WS, PWS) across learning rates and batch sizes.",

@@ -1,4 +1,9 @@
-"""Argument types and the option groups shared by several commands; defaults come from the runner's configs."""
+"""Argument types and the option groups shared by several commands; defaults come from the runner's configs.
+
+Every option value is checked where it is parsed: a bad value ends the command with one line naming the option
+and what was expected (exit code 2), before anything is written. The runner's own checks
+(:meth:`~normlab.runner.config.TrainConfig.validate`, :class:`~normlab.runner.grid.GridSpec`) stay as a second net.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +11,88 @@ import argparse
 import math
 
 from normlab.nn import resolve_comparison
-from normlab.runner.config import BRN_SCHEDULES, TrainConfig
+from normlab.runner.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
 from normlab.runner.data import DATASETS, get_dataset
 from normlab.runner.errors import UsageError
+from normlab.runner.io import check_dir_option
+from normlab.runner.mnist1d import DEFAULT_SAMPLES
 from normlab.runner.models import MODELS
 
-__all__ = ["list_of", "names", "fraction", "positive_int", "finite_float", "add_data_args", "add_optim_args",
-           "add_out_arg", "add_run_args", "train_kwargs", "resolve_name", "load_data", "DEFAULTS"]
+__all__ = ["OneLineParser", "list_of", "names", "fraction", "positive_int", "finite_float", "number", "integer",
+           "device", "add_data_args", "add_optim_args", "add_out_arg", "add_run_args", "train_kwargs",
+           "resolve_name", "check_name", "check_paths", "load_data", "DEFAULTS", "MAX_WIDTH", "MAX_WORKERS",
+           "MAX_SEED"]
 
 DEFAULTS = TrainConfig()
+MAX_WIDTH = 16.0  # the plain net at width 16 already has about 2 GB of weights
+MAX_WORKERS = 256
+MAX_SEED = 2**32 - 1
+MIN_SAMPLES = 50  # mnist1d generation needs a few per class
 
 
-def list_of(kind, what: str):
-    """A comma-separated list of ``kind`` values (at least one)."""
+class OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``normlab <command>: error: ...`` (exit code 2) instead of
+    a usage block; ``--help`` is unchanged. Subparsers inherit the class."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+
+
+def _interval(low, high, low_open: bool, high_open: bool) -> str:
+    if high is None:
+        return f"> {low:g}" if low_open else f">= {low:g}"
+    return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+
+def number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
+           high_open: bool = False, what: str = "a number"):
+    """A finite float in the given interval (None: unbounded on that side)."""
+    rng = "" if low is None else " " + _interval(low, high, low_open, high_open)
+
+    def parse(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            v = math.nan
+        ok = math.isfinite(v) and (low is None or (v > low if low_open else v >= low)) and (
+            high is None or (v < high if high_open else v <= high))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {what}{rng}, got {s!r}")
+        return v
+
+    return parse
+
+
+def integer(low: int, high: int | None = None, what: str = "an integer"):
+    """An integer in [low, high] (high None: no upper bound)."""
+    rng = f">= {low}" if high is None else f"in [{low}, {high}]"
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} {rng}, got {s!r}") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {what} {rng}, got {s!r}")
+        return v
+
+    return parse
+
+
+def list_of(kind, what: str, increasing: bool = False):
+    """A comma-separated list of ``kind`` values (at least one; strictly increasing if asked)."""
 
     def parse(s: str):
         try:
-            vals = [kind(x) for x in s.split(",") if x.strip()]
-        except (ValueError, argparse.ArgumentTypeError):
+            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}: {e}") from None
+        except ValueError:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {s!r}") from None
         if not vals:
-            raise argparse.ArgumentTypeError(f"expected at least one of {what}")
+            raise argparse.ArgumentTypeError(f"expected at least one of {what}, got {s!r}")
+        if increasing and any(a >= b for a, b in zip(vals, vals[1:])):
+            raise argparse.ArgumentTypeError(f"expected increasing {what}, got {s!r}")
         return vals
 
     return parse
@@ -36,7 +102,7 @@ def names(s: str) -> list[str]:
     """A comma-separated list of names, lower-cased."""
     vals = [x.strip().lower() for x in s.split(",") if x.strip()]
     if not vals:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of names")
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {s!r}")
     return vals
 
 
@@ -53,24 +119,26 @@ def fraction(s: str) -> float:
     return v
 
 
-def positive_int(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {s!r}")
-    return v
+positive_int = integer(1)
+finite_float = number(what="a finite number")
+threads_int = integer(1, MAX_THREADS, what="a number of threads")
+width_float = number(0, MAX_WIDTH, low_open=True, what="a width multiplier")
 
 
-def finite_float(s: str) -> float:
+def device(s: str) -> str:
+    """A torch device that exists here (cpu, cuda, cuda:N, mps, xpu) or ``auto``."""
     try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {s!r}") from None
-    if not math.isfinite(v):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {s!r}")
-    return v
+        resolve_device(s)
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return s
+
+
+def check_name(value: str, valid, option: str, what: str) -> str:
+    """``value`` if it is one of ``valid``, else a one-line refusal naming ``option`` and the valid names."""
+    if value not in valid:
+        raise UsageError(f"{option}: unknown {what} {value!r}; expected one of {', '.join(valid)}")
+    return value
 
 
 def add_out_arg(p: argparse.ArgumentParser, default: str, what: str = "output directory") -> None:
@@ -83,8 +151,8 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
                         f"cifar10 reads the python batches in --data-dir)")
     p.add_argument("--model", default=DEFAULTS.model,
                    help=f"network: {', '.join(MODELS)} (default {DEFAULTS.model})")
-    p.add_argument("--width", type=finite_float, default=DEFAULTS.width,
-                   help=f"channel width multiplier (default {DEFAULTS.width})")
+    p.add_argument("--width", type=width_float, default=DEFAULTS.width,
+                   help=f"channel width multiplier in (0, {MAX_WIDTH:g}] (default {DEFAULTS.width})")
     p.add_argument("--data-dir", default=None, help="directory with the data set files (cifar10) or its cache")
     p.add_argument("--max-steps-per-epoch", type=positive_int, default=None,
                    help="cap on training steps per epoch (quick runs)")
@@ -96,17 +164,17 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Options of what one run records and on how much data: shared by ``train`` and ``compare``."""
     d = DEFAULTS
-    p.add_argument("--num-samples", type=positive_int, default=None,
-                   help="mnist1d: samples to generate, train + test split 80/20 (default 25000)")
+    p.add_argument("--num-samples", type=integer(MIN_SAMPLES, what="a number of samples"), default=None,
+                   help=f"mnist1d: samples to generate, train + test split 80/20 (default {DEFAULT_SAMPLES})")
     p.add_argument("--num-train", type=positive_int, default=None,
                    help="use only the first N training samples (default: all)")
     p.add_argument("--evals-per-epoch", type=positive_int, default=d.evals_per_epoch,
                    help=f"test evaluations per epoch, for training curves (default {d.evals_per_epoch})")
     p.add_argument("--eval-train-mode", action="store_true",
                    help="also report test accuracy with batch statistics (train mode) at the training batch size")
-    p.add_argument("--monitor-every", type=int, default=d.monitor_every,
+    p.add_argument("--monitor-every", type=integer(0), default=d.monitor_every,
                    help="record variance-monitor statistics every N steps (0: off)")
-    p.add_argument("--monitor-dense-steps", type=int, default=d.monitor_dense_steps,
+    p.add_argument("--monitor-dense-steps", type=integer(0), default=d.monitor_dense_steps,
                    help="also record every --monitor-dense-every steps during the first N steps (default 0)")
     p.add_argument("--monitor-dense-every", type=positive_int, default=d.monitor_dense_every,
                    help=f"see --monitor-dense-steps (default {d.monitor_dense_every})")
@@ -115,25 +183,28 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def add_optim_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--momentum", type=finite_float, default=d.momentum, help=f"SGD momentum (default {d.momentum})")
-    p.add_argument("--weight-decay", type=finite_float, default=d.weight_decay,
-                   help=f"weight decay (default {d.weight_decay})")
+    p.add_argument("--momentum", type=number(0, 1, high_open=True), default=d.momentum,
+                   help=f"SGD momentum in [0, 1) (default {d.momentum})")
+    p.add_argument("--weight-decay", type=number(0), default=d.weight_decay,
+                   help=f"weight decay >= 0 (default {d.weight_decay})")
     p.add_argument("--wd-norm-alpha", action="store_true",
                    help="also apply weight decay to norm parameters, biases and PWS alpha (default: not)")
-    p.add_argument("--milestones", type=list_of(int, "epochs"), default=list(d.milestones),
+    p.add_argument("--milestones", type=list_of(positive_int, "epochs", increasing=True), default=list(d.milestones),
                    help="epochs after which the lr is multiplied by --lr-gamma, e.g. 100,150,180")
-    p.add_argument("--lr-gamma", type=finite_float, default=d.lr_gamma,
-                   help=f"lr decay factor at milestones (default {d.lr_gamma})")
+    p.add_argument("--lr-gamma", type=number(0, low_open=True), default=d.lr_gamma,
+                   help=f"lr decay factor at milestones, > 0 (default {d.lr_gamma})")
     p.add_argument("--brn-schedule", choices=BRN_SCHEDULES, default=d.brn_schedule,
                    help="rmax/dmax schedule of BatchRenorm layers: 'run' (default: the paper's schedule compressed to "
                         "reach rmax 3 / dmax 5 halfway through the run) or 'paper' (5k-step warm-up, rmax 3 at 40k, "
                         "dmax 5 at 25k steps)")
-    p.add_argument("--device", default=d.device, help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})")
-    p.add_argument("--num-workers", type=int, default=d.num_workers,
+    p.add_argument("--device", type=device, default=d.device,
+                   help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})")
+    p.add_argument("--num-workers", type=integer(0), default=d.num_workers,
                    help="accepted for compatibility (data sets are in-memory tensors)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads per training process (default: torch's choice for one process, 1 per worker "
-                        "when several run in parallel; 1 is often fastest for these small models)")
+    p.add_argument("--threads", type=threads_int, default=None,
+                   help=f"torch threads per training process, 1 to {MAX_THREADS} (default: torch's choice for one "
+                        f"process, 1 per worker when several run in parallel; 1 is often fastest for these small "
+                        f"models)")
 
 
 def train_kwargs(args: argparse.Namespace) -> dict:
@@ -149,14 +220,43 @@ def train_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def resolve_name(name: str) -> tuple[str, str]:
-    """:func:`normlab.nn.resolve_comparison` with its refusal as a :class:`UsageError`."""
+def resolve_name(name: str, option: str = "--norm") -> tuple[str, str]:
+    """:func:`normlab.nn.resolve_comparison` with its refusal as a :class:`UsageError` naming ``option``."""
     try:
         return resolve_comparison(name)
     except ValueError as e:
-        raise UsageError(str(e)) from None
+        raise UsageError(f"{option}: {str(e).removeprefix('resolve_comparison: ')}") from None
 
 
-def load_data(args: argparse.Namespace):
-    """Load (and with ``--download`` fetch) the data set named by ``--dataset``."""
-    return get_dataset(args.dataset, data_dir=args.data_dir, download=args.download)
+def check_paths(args: argparse.Namespace) -> None:
+    """Refuse a bad ``--out`` / ``--data-dir`` and options that do not fit ``--dataset`` before anything is
+    written (also checks the names of ``--dataset`` and ``--model``)."""
+    check_dir_option(args.out, "--out")
+    check_name(args.dataset, DATASETS, "--dataset", "data set")
+    check_name(args.model, MODELS, "--model", "model")
+    if args.data_dir is not None:
+        check_dir_option(args.data_dir, "--data-dir", writable=args.dataset == "mnist1d" or args.download)
+    if args.num_samples is not None and args.dataset != "mnist1d":
+        raise UsageError(f"--num-samples applies to --dataset mnist1d (generated data), not to {args.dataset}")
+    if args.download and args.dataset != "cifar10":
+        raise UsageError(f"--download applies to --dataset cifar10, not to {args.dataset}")
+
+
+def load_data(args: argparse.Namespace, batch_sizes=()):
+    """Load (and with ``--download`` fetch) the data set of ``--dataset`` with ``--num-samples``/``--num-train``;
+    refuse a ``--num-train`` or a batch size larger than its training set."""
+    data_dir = args.data_dir if args.data_dir is not None or args.dataset != "mnist1d" else None
+    kw = dict(data_dir=data_dir, download=args.download, num_samples=args.num_samples)
+    data = get_dataset(args.dataset, **kw)
+    n = len(data[0])
+    if args.num_train is not None and args.num_train > n:
+        raise UsageError(f"--num-train: expected at most {n} (the {args.dataset} training set), got {args.num_train}")
+    if args.num_train is not None:
+        data = get_dataset(args.dataset, **{**kw, "download": False}, num_train=args.num_train)
+        n = args.num_train
+    for b in batch_sizes:
+        if b > n:
+            opt = "--batch-size" if len(batch_sizes) == 1 else "--batch-sizes"
+            raise UsageError(f"{opt}: batch size {b} is larger than the {args.dataset} training set ({n} samples)")
+    return data
+

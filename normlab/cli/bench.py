@@ -6,9 +6,11 @@ import argparse
 from pathlib import Path
 
 from normlab.runner.bench import step_times
+from normlab.runner.data import DATASETS
 from normlab.runner.grid import DEFAULT_NORMS
+from normlab.runner.models import MODELS
 
-from .args import finite_float, names, positive_int, resolve_name
+from .args import check_name, names, positive_int, resolve_name, threads_int, width_float
 
 NAME = "bench"
 
@@ -23,11 +25,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"comparison names (default {','.join(DEFAULT_NORMS)})")
     p.add_argument("--dataset", default="digits", help="data set (default digits)")
     p.add_argument("--model", default="plain", help="model (default plain)")
-    p.add_argument("--width", type=finite_float, default=0.25, help="width multiplier (default 0.25)")
+    p.add_argument("--width", type=width_float, default=0.25, help="width multiplier (default 0.25)")
     p.add_argument("--batch-size", type=positive_int, default=64, help="batch size (default 64)")
     p.add_argument("--repeats", type=positive_int, default=7, help="interleaved repeats (default 7)")
     p.add_argument("--iters", type=positive_int, default=5, help="steps per timing (default 5)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch threads (default 1)")
+    p.add_argument("--threads", type=threads_int, default=1, help="torch threads (default 1)")
     p.set_defaults(run=run)
     return p
 
@@ -45,7 +47,9 @@ def _print_steps(args: argparse.Namespace, res: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.steps:
         for n in args.norms:
-            resolve_name(n)
+            resolve_name(n, "--norms")
+        check_name(args.dataset, DATASETS, "--dataset", "data set")
+        check_name(args.model, MODELS, "--model", "model")
         res = step_times(args.norms, dataset=args.dataset, model=args.model, width=args.width,
                          batch_size=args.batch_size, repeats=args.repeats, iters=args.iters, threads=args.threads)
         _print_steps(args, res)

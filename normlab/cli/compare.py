@@ -6,22 +6,30 @@ import argparse
 from pathlib import Path
 
 from normlab.runner.checks import check_grid
+from normlab.runner.errors import UsageError
 from normlab.runner.execute import run_grid
-from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid
+from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
+from normlab.runner.lock import out_lock
 from normlab.runner.report import print_summary
 
 from .args import (
+    MAX_SEED,
+    MAX_WORKERS,
     add_data_args,
     add_optim_args,
     add_out_arg,
     add_run_args,
-    finite_float,
+    check_paths,
+    integer,
     list_of,
     load_data,
     names,
+    number,
     positive_int,
     train_kwargs,
 )
+
+_LR = number(0, low_open=True, what="a learning rate")
 
 NAME = "compare"
 
@@ -35,19 +43,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="comma-separated comparison names: none,bn,brn,gn,ln,in,sn (output norms), wn,ws,pws "
                         "(weight reparametrizations, no output norm), or e.g. ws+gn "
                         f"(default {','.join(DEFAULT_NORMS)})")
-    p.add_argument("--lrs", type=list_of(finite_float, "learning rates"), default=list(g.lrs),
-                   help="comma-separated learning rates (default 0.05)")
-    p.add_argument("--batch-sizes", type=list_of(int, "batch sizes"), default=list(g.batch_sizes),
+    p.add_argument("--lrs", type=list_of(_LR, "learning rates"), default=list(g.lrs),
+                   help="comma-separated learning rates > 0 (default 0.05)")
+    p.add_argument("--batch-sizes", type=list_of(positive_int, "batch sizes"), default=list(g.batch_sizes),
                    help="comma-separated batch sizes (default 64)")
-    p.add_argument("--seeds", type=list_of(int, "seeds"), default=[0, 1, 2],
+    p.add_argument("--seeds", type=list_of(integer(0, MAX_SEED, what="a seed"), "seeds"), default=[0, 1, 2],
                    help="comma-separated seeds (default 0,1,2)")
     p.add_argument("--epochs", type=positive_int, default=g.epochs, help=f"epochs per run (default {g.epochs})")
     p.add_argument("--layout", choices=LAYOUTS, default=g.layout,
                    help="product: every lr x batch size; cross: lr sweep at the base batch size plus batch-size sweep "
                         "at the base lr (default product)")
-    p.add_argument("--base-lr", type=finite_float, default=None,
+    p.add_argument("--base-lr", type=_LR, default=None,
                    help="lr of the batch-size sweep (default: first of --lrs)")
-    p.add_argument("--base-batch-size", type=int, default=None,
+    p.add_argument("--base-batch-size", type=positive_int, default=None,
                    help="batch size of the lr sweep and of the lr scaling (default: first of --batch-sizes)")
     p.add_argument("--lr-scaling", choices=LR_SCALINGS, default=g.lr_scaling,
                    help="scale each cell's lr with batch_size / base batch size (default none)")
@@ -55,25 +63,49 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_run_args(p)
     add_optim_args(p)
     add_out_arg(p, "runs/compare")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=integer(0, MAX_WORKERS, what="a number of workers"), default=0,
                    help="parallel worker processes, 1 torch thread each (default 0: one per usable core)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
     return p
 
 
-def run(args: argparse.Namespace) -> int:
-    spec = GridSpec(
+def _check_norms(norms: list[str]) -> None:
+    for name in norms:
+        try:
+            parse_variant(name)
+        except UsageError as e:
+            raise UsageError(f"--norms: {str(e).removeprefix('resolve_comparison: ')}") from None
+
+
+def _spec(args: argparse.Namespace) -> GridSpec:
+    _check_norms(args.norms)
+    for opt, vals in (("--lrs", args.lrs), ("--batch-sizes", args.batch_sizes), ("--seeds", args.seeds),
+                      ("--norms", args.norms)):
+        if len(set(vals)) != len(vals):
+            raise UsageError(f"{opt}: expected distinct values, got duplicates in {','.join(map(str, vals))}")
+    if args.layout == "cross" and args.base_lr is not None and args.base_lr not in args.lrs:
+        raise UsageError(f"--base-lr: expected one of --lrs ({','.join(map(str, args.lrs))}) with --layout cross, "
+                         f"got {args.base_lr:g}")
+    if args.layout == "cross" and args.base_batch_size is not None and args.base_batch_size not in args.batch_sizes:
+        raise UsageError(f"--base-batch-size: expected one of --batch-sizes ({','.join(map(str, args.batch_sizes))})"
+                         f" with --layout cross, got {args.base_batch_size}")
+    return GridSpec(
         norms=args.norms, lrs=args.lrs, batch_sizes=args.batch_sizes, seeds=args.seeds, epochs=args.epochs,
         dataset=args.dataset, model=args.model, width=args.width, layout=args.layout, base_lr=args.base_lr,
         base_batch_size=args.base_batch_size, lr_scaling=args.lr_scaling, target_acc=args.target_acc,
         max_steps_per_epoch=args.max_steps_per_epoch, train_kwargs=train_kwargs(args),
     )
-    if args.download:
-        load_data(args)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_paths(args)
+    spec = _spec(args)
+    load_data(args, batch_sizes=args.batch_sizes)
     check_grid(expand_grid(spec))
     out = Path(args.out)
-    results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
-                       threads=args.threads)
+    with out_lock(out, NAME):
+        results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
+                           threads=args.threads)
     print_summary(results, out)
     return 0

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from normlab.runner.demo import run_demo
+from normlab.runner.io import check_dir_option, remove_stale_temps
+from normlab.runner.lock import out_lock
 
-from .args import add_out_arg, positive_int
+from .args import MAX_WORKERS, add_out_arg, integer, threads_int
 
 NAME = "demo"
 
@@ -20,8 +21,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "of a training step. Writes OUT/report.md with its plots; rerun to resume.")
     add_out_arg(p, "runs/demo")
     p.add_argument("--quick", action="store_true", help="tiny version (seconds), only to check the pipeline works")
-    p.add_argument("--workers", type=int, default=0, help="worker processes (default 0: one per usable core)")
-    p.add_argument("--threads", type=positive_int, default=None,
+    p.add_argument("--workers", type=integer(0, MAX_WORKERS, what="a number of workers"), default=0,
+                   help="worker processes (default 0: one per usable core)")
+    p.add_argument("--threads", type=threads_int, default=None,
                    help="torch threads per worker (default 1 when several workers run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
@@ -29,7 +31,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    run_demo(out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress)
+    out = check_dir_option(args.out, "--out")
+    with out_lock(out, NAME):
+        for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
+            remove_stale_temps(d)
+        run_demo(out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress)
     print((out / "report.md").read_text())
     return 0

@@ -8,6 +8,7 @@ from pathlib import Path
 from normlab.monitor import render_monitor_plots
 from normlab.monitor.plots import load_log
 from normlab.runner.errors import UsageError
+from normlab.runner.io import check_dir_option
 
 NAME = "monitor"
 
@@ -18,18 +19,21 @@ def add_parser(sub) -> argparse.ArgumentParser:
                                    "propagation) from a JSONL log written by VarianceMonitor.to_jsonl or by "
                                    "`normlab train --monitor-every N`.")
     p.add_argument("log", type=Path, help="monitor log (JSON lines)")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: LOG's folder / monitor_plots)")
+    p.add_argument("--out", default=None, help="output folder (default: LOG's folder / monitor_plots)")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    out = args.out if args.out is not None else args.log.parent / "monitor_plots"
+    out = check_dir_option(args.out if args.out is not None else args.log.parent / "monitor_plots", "--out")
     try:
         _, alarm, _ = load_log(args.log)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UsageError(f"LOG: {e}") from None
+    try:
         paths = render_monitor_plots(args.log, out)
-    except (FileNotFoundError, ValueError) as e:
-        raise UsageError(str(e)) from None
+    except ValueError as e:  # a log without records
+        raise UsageError(f"LOG: {e}") from None
     if alarm is not None:
         print(f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"
               f" (value {alarm.get('value')}, initial {alarm.get('initial')})")

@@ -8,10 +8,13 @@ from pathlib import Path
 
 from normlab.runner.demo_report import render_demo_report
 from normlab.runner.errors import UsageError
+from normlab.runner.lock import out_lock
 from normlab.runner.report import render_report, summary_lines
 from normlab.runner.results import load_results
 
 NAME = "report"
+# what rendering a record of the wrong shape raises: the record is the user's input, so it is a usage error
+_SHAPE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -26,19 +29,38 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _render_demo(path: Path) -> list[Path]:
     try:
         demo = json.loads(path.read_text())
+        if not isinstance(demo, dict):
+            raise TypeError(f"expected a JSON object, got {type(demo).__name__}")
         return render_demo_report(demo, path.parent)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UsageError(f"{path} is not a normlab demo record ({type(e).__name__}: {e})") from None
+    except (OSError, UnicodeDecodeError, *_SHAPE_ERRORS) as e:
+        raise UsageError(f"{path} is not a normlab demo record ({type(e).__name__}: {_first_line(e)})") from None
+
+
+def _render_grid(d: Path) -> tuple[dict, list[Path]]:
+    results = load_results(d)
+    try:
+        return results, render_report(results, d)
+    except _SHAPE_ERRORS as e:
+        raise UsageError(f"{d / 'results.json'} is not a normlab results file ({type(e).__name__}: "
+                         f"{_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def run(args: argparse.Namespace) -> int:
-    demo = Path(args.dir) / "demo.json"
-    if demo.is_file():
-        paths = _render_demo(demo)
-    else:
-        results = load_results(args.dir)
-        paths = render_report(results, args.dir)
-        for line in summary_lines(results):
-            print(line)
+    d = Path(args.dir)
+    if not d.is_dir():
+        raise UsageError(f"DIR {args.dir!r}: expected the output directory of `normlab compare` or `normlab demo`"
+                         f"{', got a file' if d.exists() else ' (it does not exist)'}")
+    with out_lock(d, NAME, option="DIR"):
+        if (d / "demo.json").is_file():
+            paths = _render_demo(d / "demo.json")
+        else:
+            results, paths = _render_grid(d)
+            for line in summary_lines(results):
+                print(line)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

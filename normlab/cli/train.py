@@ -3,24 +3,30 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import torch
 
-from normlab.nn import CONV_KINDS, comparison_names
+from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names
 from normlab.runner.checks import check_feasible
 from normlab.runner.config import TrainConfig
 from normlab.runner.errors import UsageError
+from normlab.runner.io import remove_stale_temps
+from normlab.runner.lock import out_lock
 from normlab.runner.train import train
 
 from .args import (
     DEFAULTS,
+    MAX_SEED,
     add_data_args,
     add_optim_args,
     add_out_arg,
     add_run_args,
-    finite_float,
+    check_paths,
+    integer,
     load_data,
+    number,
     positive_int,
     resolve_name,
     train_kwargs,
@@ -39,10 +45,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help=f"output normalization or comparison name: {', '.join(comparison_names())} or e.g. ws+gn; "
                         f"a weight reparametrization (wn, ws, pws) sets --conv and no output norm (default {d.norm})")
     p.add_argument("--conv", default=None, help=f"conv kind: {', '.join(CONV_KINDS)} (default {d.conv})")
-    p.add_argument("--lr", type=finite_float, default=d.lr, help=f"learning rate (default {d.lr})")
+    p.add_argument("--lr", type=number(0, low_open=True, what="a learning rate"), default=d.lr,
+                   help=f"learning rate > 0 (default {d.lr})")
     p.add_argument("--batch-size", type=positive_int, default=d.batch_size, help=f"batch size (default {d.batch_size})")
     p.add_argument("--epochs", type=positive_int, default=d.epochs, help=f"epochs (default {d.epochs})")
-    p.add_argument("--seed", type=int, default=d.seed, help=f"random seed (default {d.seed})")
+    p.add_argument("--seed", type=integer(0, MAX_SEED, what="a seed"), default=d.seed,
+                   help=f"random seed (default {d.seed})")
     add_run_args(p)
     add_optim_args(p)
     add_out_arg(p, "runs/train")
@@ -56,6 +64,9 @@ def _config(args: argparse.Namespace) -> TrainConfig:
         norm, conv = resolve_name(args.norm)
     elif args.conv not in CONV_KINDS:
         raise UsageError(f"--conv: unknown conv kind {args.conv!r}; valid conv kinds: {', '.join(CONV_KINDS)}")
+    elif args.norm not in NORM_NAMES:
+        raise UsageError(f"--norm: unknown output normalization {args.norm!r} with --conv; expected one of "
+                         f"{', '.join(NORM_NAMES)}")
     else:
         norm, conv = args.norm, args.conv
     return TrainConfig(
@@ -66,11 +77,17 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_paths(args)
     cfg = _config(args)
-    check_feasible(cfg, data=load_data(args))
+    check_feasible(cfg, data=load_data(args, batch_sizes=(args.batch_size,)))
     if args.threads:
         torch.set_num_threads(args.threads)
-    summary = train(cfg, args.out, progress=not args.quiet)
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 holds the lock and writes every file
+        summary = train(cfg, args.out, progress=not args.quiet)
+    else:
+        with out_lock(args.out, NAME) as out:
+            remove_stale_temps(out)  # left by a writer killed in an earlier run; no live writer holds the lock
+            summary = train(cfg, out, progress=not args.quiet)
     acc = summary.get("final_test_acc")
     msg = f"final test acc {100 * acc:.2f} %" if acc is not None else "no test accuracy"
     if summary.get("collapsed"):

@@ -42,6 +42,7 @@ recompiles); dynamo runs them with graph breaks, so a monitored compiled step is
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import warnings
@@ -51,6 +52,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
 from normlab.monitor.layers import effective_weight, is_compiled, supported_layers, unwrap_model
@@ -353,35 +355,31 @@ class VarianceMonitor:
 
     def to_jsonl(self, path: str | Path) -> Path:
         """Write one JSON object per record (non-finite values as null), then {"event": "alarm", ...} if an
-        alarm fired and {"event": "spp", ...} if signal-propagation data was added."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            for rec in self.records:
-                f.write(json.dumps({k: _finite_or_none(v) for k, v in rec.items()}) + "\n")
-            if self.alarm is not None:
-                d = self.alarm.to_dict()
-                d["flagged"] = [{k: _finite_or_none(v) for k, v in x.items()} for x in d["flagged"]]
-                f.write(json.dumps({"event": "alarm", **{k: _finite_or_none(v) for k, v in d.items()}}) + "\n")
-            if self.spp is not None:
-                f.write(json.dumps({"event": "spp", **self.spp}) + "\n")
-        return path
+        alarm fired and {"event": "spp", ...} if signal-propagation data was added. The file is replaced
+        atomically (a link at ``path`` is replaced, not followed)."""
+        lines = [json.dumps({k: _finite_or_none(v) for k, v in rec.items()}) for rec in self.records]
+        if self.alarm is not None:
+            d = self.alarm.to_dict()
+            d["flagged"] = [{k: _finite_or_none(v) for k, v in x.items()} for x in d["flagged"]]
+            lines.append(json.dumps({"event": "alarm", **{k: _finite_or_none(v) for k, v in d.items()}}))
+        if self.spp is not None:
+            lines.append(json.dumps({"event": "spp", **self.spp}))
+        text = "".join(line + "\n" for line in lines)
+        return atomic_write(path, lambda f: f.write(text.encode("utf-8")))
 
     def to_csv(self, path: str | Path) -> Path:
         """Write the records as CSV, one row per layer and step; an empty cell means "not applicable" and
-        non-finite values are written as nan/inf."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        non-finite values are written as nan/inf. The file is replaced atomically (a link is not followed)."""
         columns: list[str] = []
         for rec in self.records:
             for k in rec:
                 if k not in columns:
                     columns.append(k)
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns, restval="")
-            writer.writeheader()
-            writer.writerows(self.records)
-        return path
+        buf = io.StringIO(newline="")
+        writer = csv.DictWriter(buf, fieldnames=columns, restval="")
+        writer.writeheader()
+        writer.writerows(self.records)
+        return atomic_write(path, lambda f: f.write(buf.getvalue().encode("utf-8")))
 
     def close(self) -> None:
         """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""

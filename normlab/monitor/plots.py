@@ -9,19 +9,58 @@ from pathlib import Path
 
 import matplotlib
 
+from normlab._files import atomic_savefig
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 __all__ = ["load_log", "render_monitor_plots"]
 
 
+_PLOTTED = ("update_ratio_mean", "mean_update_std", "shift", "weight_var", "shift_scale_free", "input_mean_sq",
+            "input_ratio", "output_var")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check_record(obj: dict, where: str) -> None:
+    """A layer record must have a string ``layer``, an integer ``step`` and numbers (or null) where plotted."""
+    if not isinstance(obj["layer"], str) or not isinstance(obj["step"], int) or isinstance(obj["step"], bool):
+        raise ValueError(f"load_log: {where}: expected a string 'layer' and an integer 'step', got "
+                         f"{obj['layer']!r} and {obj['step']!r}")
+    if not (obj.get("index") is None or _is_number(obj.get("index"))):
+        raise ValueError(f"load_log: {where}: 'index' must be a number, got {obj.get('index')!r}")
+    for key in _PLOTTED:
+        if key in obj and not (obj[key] is None or _is_number(obj[key])):
+            raise ValueError(f"load_log: {where}: {key!r} must be a number or null, got {obj[key]!r}")
+
+
+def _check_spp(obj: dict, where: str) -> None:
+    """A signal-propagation event: a list of entries with a name and the two averages."""
+    entries = obj.get("entries", [])
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict) and isinstance(e.get("name"), str) and _is_number(e.get("avg_sq_mean"))
+        and _is_number(e.get("avg_var")) and (e.get("residual_var") is None or _is_number(e.get("residual_var")))
+        for e in entries)
+    if not ok:
+        raise ValueError(f"load_log: {where}: 'entries' of an spp event must be objects with a name, avg_sq_mean "
+                         f"and avg_var")
+
+
 def load_log(path: str | Path) -> tuple[list[dict], dict | None, dict | None]:
-    """Read a monitor JSONL file -> (layer records, alarm dict or None, spp dict or None)."""
+    """Read a monitor JSONL file -> (layer records, alarm dict or None, spp dict or None).
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: a line that is not a JSON object, or a layer record with values of the wrong type.
+    """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"load_log: monitor log {path} does not exist")
+        raise FileNotFoundError(f"load_log: monitor log {path} does not exist or is not a file")
     records, alarm, spp = [], None, None
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
             if not line:
@@ -30,12 +69,16 @@ def load_log(path: str | Path) -> tuple[list[dict], dict | None, dict | None]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"load_log: {path}:{lineno} is not valid JSON ({e.msg})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"load_log: {path}:{lineno} is not a JSON object (got {type(obj).__name__})")
             event = obj.get("event")
             if event == "alarm":
                 alarm = obj
             elif event == "spp":
+                _check_spp(obj, f"{path}:{lineno}")
                 spp = obj
             elif "layer" in obj and "step" in obj:
+                _check_record(obj, f"{path}:{lineno}")
                 records.append(obj)
     return records, alarm, spp
 
@@ -84,9 +127,12 @@ def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
 
 
 def _save(fig, path: Path) -> Path:
+    """Save ``fig`` as ``path`` (atomically, replacing a link there instead of following it) and close it."""
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_savefig(fig, path, dpi=110)
+    finally:
+        plt.close(fig)
     return path
 
 

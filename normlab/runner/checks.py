@@ -19,7 +19,7 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
     """Validate ``config`` and build its model on the data's input shape; a dry forward pass catches whatever
     else cannot run. ``data`` may pass an already loaded ``(train_ds, test_ds, info)``."""
     config.validate()
-    train_ds, _test_ds, info = data if data is not None else get_dataset(config.dataset, config.data_dir)
+    train_ds, _test_ds, info = data if data is not None else _load(config)
     if config.batch_size > len(train_ds):
         raise UsageError(f"batch size {config.batch_size} is larger than the {config.dataset} training set "
                          f"({len(train_ds)} examples)")
@@ -41,16 +41,22 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
                          f"{info['num_classes']}")
 
 
+def _load(config: TrainConfig):
+    """The data set as the run will see it (generated size, first ``num_train`` training samples)."""
+    return get_dataset(config.dataset, config.data_dir, num_samples=config.num_samples, num_train=config.num_train)
+
+
 def check_grid(cells: Iterable) -> None:
-    """:func:`check_feasible` once per distinct (dataset, norm, conv, batch size) among ``cells``."""
+    """:func:`check_feasible` once per distinct (data, norm, conv, batch size, model, width) among ``cells``."""
     seen, data = set(), {}
     for c in cells:
         cfg = c.config
-        key = (cfg.dataset, cfg.norm, cfg.conv, cfg.batch_size, cfg.model, cfg.width)
+        source = (cfg.dataset, cfg.data_dir, cfg.num_samples, cfg.num_train)
+        key = (source, cfg.norm, cfg.conv, cfg.batch_size, cfg.model, cfg.width, str(cfg.conv_kwargs))
         if key in seen:
             continue
         seen.add(key)
         cfg.validate()
-        if cfg.dataset not in data:
-            data[cfg.dataset] = get_dataset(cfg.dataset, cfg.data_dir)
-        check_feasible(cfg, data=data[cfg.dataset])
+        if source not in data:
+            data[source] = _load(cfg)
+        check_feasible(cfg, data=data[source])

@@ -4,16 +4,31 @@
 cells that are already done (a ``summary.json`` written by the same configuration); :func:`run_cells` runs the
 remaining cells of any number of prepared grids through one pool, the most expensive first, writing each grid's
 ``results.json`` after every finished cell; :meth:`GridRun.finish` writes the final results and the report.
-:func:`run_grid` does all three for one grid.
+:func:`run_grid` does all three for one grid, holding the lock of the output directory
+(:func:`normlab.runner.lock.out_lock`); callers of :func:`prepare_grid` hold it themselves.
+
+**One output directory, one grid (the union).** ``grid.json`` records the grid of an output directory and the
+cells ever requested there. A later run with other names, learning rates, batch sizes or seeds but the same
+settings otherwise (epochs, data, model, width, layout, run options) adds to that grid: its cells are trained,
+and ``results.json``/``results.md`` hold every requested cell finished so far, so rerunning with a subset never
+drops finished cells from the report. A run with other settings is refused in one line: use another directory.
+
+**Workers die with their parent.** Each worker asks the kernel for SIGKILL when its parent dies
+(``PR_SET_PDEATHSIG`` on Linux) and also polls its parent (everywhere); it ignores SIGINT, which the parent handles:
+on Ctrl-C, SIGTERM or a failed cell the parent terminates its workers before it exits, and a resumed run (which
+takes the directory's lock) never trains a cell that another live process is training.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -24,17 +39,20 @@ from typing import Any
 import torch
 
 from .checks import check_grid
-from .config import TrainConfig
+from .config import RESUME_FREE, TrainConfig
 from .errors import UsageError
 from .grid import Cell, GridSpec, expand_grid
-from .io import atomic_write_json
+from .io import atomic_write_json, remove_stale_temps, to_jsonable
+from .lock import out_lock
 from .report import render_report
 from .results import collect_results, write_results
 from .train import train
 
-__all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers"]
+__all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid"]
 
 _TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
+_LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in the same directory may change
+_PR_SET_PDEATHSIG = 1
 
 
 def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
@@ -69,15 +87,25 @@ def _cost(cell: Cell) -> float:
 
 @dataclass
 class GridRun:
-    """A prepared grid: its spec, output directory, cells and the summaries of the finished ones."""
+    """A prepared grid: its spec, output directory, cells and the summaries of the finished ones.
+
+    ``cells`` are every cell requested in ``out`` (see the module docstring); ``wanted`` the ids this run is asked
+    to train (None: all of them).
+    """
 
     spec: GridSpec
     out: Path
     cells: list[Cell]
     summaries: dict[str, dict[str, Any]]
+    wanted: frozenset[str] | None = None
+
+    def missing(self) -> list[Cell]:
+        """Cells without a finished summary."""
+        return [c for c in self.cells if c.cell_id not in self.summaries]
 
     def todo(self) -> list[Cell]:
-        return [c for c in self.cells if c.cell_id not in self.summaries]
+        """Unfinished cells that this run trains."""
+        return [c for c in self.missing() if self.wanted is None or c.cell_id in self.wanted]
 
     def cell_dir(self, cell: Cell) -> Path:
         return self.out / "runs" / cell.cell_id
@@ -93,28 +121,107 @@ class GridRun:
 
     def finish(self, render: bool = True) -> dict[str, Any]:
         """Write the final results.json (and results.md with plots) and return the results."""
-        results = self.results(complete=not self.todo())
+        results = self.results(complete=not self.missing())
         write_results(results, self.out)
         if render:
             render_report(results, self.out)
         return results
 
 
+def _previous_grid(out: Path) -> tuple[GridSpec, set[str] | None] | None:
+    """The grid recorded in ``out/grid.json`` and the cell ids requested there (None: every cell), if any."""
+    path = out / "grid.json"
+    if not os.path.lexists(path):
+        return None
+    try:
+        d = json.loads(path.read_text())
+        spec = GridSpec.from_dict(d)
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
+        raise UsageError(f"{path} is not a normlab grid ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})"
+                         f"; move it away or use another output directory") from None
+    requested = d.get("requested_cells")
+    return spec, set(requested) if isinstance(requested, list) else None
+
+
+def _settings(spec: GridSpec) -> dict[str, Any]:
+    """What must agree between grids that share a directory: every field but the lists and RESUME_FREE options
+    (as JSON values, the run options flattened in)."""
+    d = to_jsonable({k: v for k, v in spec.to_dict().items() if k not in _LIST_FIELDS})
+    d.update({k: v for k, v in d.pop("train_kwargs").items() if k not in RESUME_FREE})
+    if spec.layout == "product":
+        d.pop("base_lr")  # only a report coordinate in a product grid
+        if spec.lr_scaling == "none":
+            d.pop("base_batch_size")
+    return d
+
+
+def merge_grid(previous: GridSpec | None, spec: GridSpec, where: Path) -> GridSpec:
+    """The grid of a directory that holds ``previous`` once ``spec`` is added (the union of the lists).
+
+    Raises:
+        UsageError: ``previous`` differs from ``spec`` in anything but names, learning rates, batch sizes and seeds.
+    """
+    if previous is None:
+        return spec
+    old, new = _settings(previous), _settings(spec)
+    diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    if diff:
+        raise UsageError(f"{where} holds a grid run with a different config ({'; '.join(diff)}); rerun with its "
+                         f"settings to extend it, or use another output directory for a new grid")
+    lists = {k: list(dict.fromkeys([*getattr(previous, k), *getattr(spec, k)])) for k in _LIST_FIELDS}
+    return GridSpec.from_dict({**previous.to_dict(), **lists, "train_kwargs": dict(spec.train_kwargs)})
+
+
 def prepare_grid(spec: GridSpec, out_dir: str | os.PathLike, check: bool = True,
                  data_cache: str | os.PathLike | None = None) -> GridRun:
-    """Expand ``spec`` into ``out_dir`` (grid.json), check its cells and collect those already done."""
+    """Expand ``spec`` into ``out_dir`` (grid.json), check its cells and collect those already done.
+
+    A grid already in ``out_dir`` is extended (:func:`merge_grid`): the returned run trains the cells of ``spec``
+    and reports every requested cell. Call it under :func:`~normlab.runner.lock.out_lock` (it removes the
+    temporary files of killed writers).
+    """
     out = Path(out_dir)
-    cells = _with_data_cache(expand_grid(spec), Path(data_cache) if data_cache is not None else out / "data")
+    prev = _previous_grid(out)
+    merged = merge_grid(prev[0] if prev else None, spec, out)
+    cache = Path(data_cache) if data_cache is not None else out / "data"
+    wanted = frozenset(c.cell_id for c in expand_grid(spec))
+    before = (prev[1] if prev[1] is not None else {c.cell_id for c in expand_grid(prev[0])}) if prev else set()
+    cells = _with_data_cache([c for c in expand_grid(merged) if c.cell_id in wanted | before], cache)
     if check:
-        check_grid(cells)
+        check_grid([c for c in cells if c.cell_id in wanted])
     summaries = {c.cell_id: s for c in cells if (s := _cell_done(out / "runs" / c.cell_id, c)) is not None}
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "grid.json", spec.to_dict(), indent=2)
-    return GridRun(spec, out, cells, summaries)
+    for d in [out, *(out / "runs" / c.cell_id for c in cells)]:
+        remove_stale_temps(d)
+    atomic_write_json(out / "grid.json", {**merged.to_dict(), "requested_cells": sorted(c.cell_id for c in cells)},
+                      indent=2)
+    return GridRun(merged, out, cells, summaries, wanted)
 
 
-def _init_worker(threads: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Exit when ``parent`` dies: PR_SET_PDEATHSIG (Linux), and a thread that polls the parent (everywhere)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+    threading.Thread(target=watch, name="normlab-parent-watch", daemon=True).start()
+
+
+def _init_worker(threads: int, parent: int | None = None) -> None:
+    """Worker set-up: torch threads, death with the parent, SIGINT left to the parent (it stops the workers)."""
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        _die_with_parent(parent)
 
 
 def _run_cell(config: TrainConfig, out_dir: str) -> dict[str, Any]:
@@ -144,17 +251,28 @@ class _Progress:
         self.bar.set_postfix_str(f"last {cell.cell_id}: acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}")
 
 
+def _stop_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate the pool's worker processes (a cell they were training resumes next time) and reap them."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=10)
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Callable) -> None:
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads,)) as pool:
+                             initargs=(threads, os.getpid())) as pool:
         futures = {pool.submit(_run_cell, c.config, str(g.cell_dir(c))): (g, c) for g, c in jobs}
         try:
             for f in as_completed(futures):
                 done(*futures[f], f.result())
         except BaseException:
-            # a failed cell (or Ctrl-C) stops the run: queued cells are cancelled, running ones resume next time
-            pool.shutdown(wait=False, cancel_futures=True)
+            # a failed cell, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
+            _stop_workers(pool)
             raise
 
 
@@ -164,7 +282,8 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
     per usable core; 1 runs them in this process) with ``threads`` torch threads each (default 1 in a pool)."""
     say = log or (lambda s: print(s, file=sys.stderr))
     jobs = sorted(((g, c) for g in grids for c in g.todo()), key=lambda gc: -_cost(gc[1]))
-    total, done_before = sum(len(g.cells) for g in grids), sum(len(g.summaries) for g in grids)
+    done_before = sum(len(g.summaries) for g in grids)
+    total = done_before + len(jobs)
     if done_before:
         say(f"normlab: {done_before} of {total} runs already done (skipped)")
     n = max(1, min(default_workers() if workers in (None, 0) else int(workers), len(jobs)))
@@ -194,9 +313,11 @@ def run_grid(spec: GridSpec, out_dir: str | os.PathLike, *, workers: int | None 
              log: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
-    Cells with a matching ``summary.json`` are not rerun; a half-trained cell resumes from its checkpoint.
+    Cells with a matching ``summary.json`` are not rerun; a half-trained cell resumes from its checkpoint; a grid
+    already in ``out_dir`` is extended (see the module docstring). Holds the directory's lock throughout.
     Returns the results dict.
     """
-    grid = prepare_grid(spec, out_dir, check=check)
-    run_cells([grid], workers=workers, threads=threads, progress=progress, log=log)
-    return grid.finish(render=render)
+    with out_lock(out_dir, "compare", option="out_dir"):
+        grid = prepare_grid(spec, out_dir, check=check)
+        run_cells([grid], workers=workers, threads=threads, progress=progress, log=log)
+        return grid.finish(render=render)

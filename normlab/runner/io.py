@@ -1,10 +1,13 @@
-"""Files the runner writes: atomic replacement, appends that never follow links, one JSON encoding.
+"""Files the runner writes: atomic replacement, appends that never follow links, one JSON encoding, checked
+output directories.
 
-Every output goes through :func:`atomic_write` (or :func:`append_lines` for logs that grow): a unique temporary
-file is created next to the target with ``O_EXCL``, written, fsynced and moved over the target with
-``os.replace``. A crash leaves either the old file or the new one, never a half-written file; two writers never
-share a temporary name; a symbolic link planted at the target is replaced, never followed, so nothing outside the
-output directory is written. The temporary files of a killed writer are removed by :func:`remove_stale_temps`.
+Every output goes through :func:`atomic_write` (or :func:`append_lines` for logs that grow), the helper of
+:mod:`normlab._files`: a unique temporary file is created next to the target with ``O_EXCL``, written, fsynced and
+moved over the target with ``os.replace``. A crash leaves either the old file or the new one, never a half-written
+file; two writers never share a temporary name; a symbolic link planted at the target is replaced, never followed,
+so nothing outside the output directory is written. The temporary files of a killed writer are removed by
+:func:`remove_stale_temps`. :func:`check_dir_option` refuses an output directory that cannot work (empty, a file,
+under a file, not writable) before anything is written; :mod:`normlab.runner.lock` keeps two runs out of one.
 """
 
 from __future__ import annotations
@@ -12,39 +15,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 import torch
 
+from normlab._files import TEMP_SUFFIX, append_bytes, atomic_savefig, atomic_write
+
+from .errors import UsageError
+
 __all__ = [
-    "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "append_lines",
-    "remove_stale_temps", "to_jsonable", "json_line", "TEMP_SUFFIX",
+    "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_savefig", "append_lines",
+    "remove_stale_temps", "to_jsonable", "json_line", "check_dir_option", "TEMP_SUFFIX",
 ]
-
-TEMP_SUFFIX = ".normlab-tmp"
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], Any]) -> Path:
-    """Write ``path`` through ``write(binary_file)`` atomically (temp file, fsync, ``os.replace``)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o666)  # the umask applies
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
@@ -64,14 +49,7 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
 
 def append_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
     """Append ``lines`` (each without its newline) to ``path``; refuses to follow a symbolic link at ``path``."""
-    data = "".join(line + "\n" for line in lines).encode("utf-8")
-    if not data:
-        return
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o666)
-    with os.fdopen(fd, "ab") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    append_bytes(path, "".join(line + "\n" for line in lines).encode("utf-8"))
 
 
 def remove_stale_temps(directory: str | os.PathLike) -> list[Path]:
@@ -105,3 +83,35 @@ def to_jsonable(obj: Any) -> Any:
 def json_line(obj: Any) -> str:
     """One line of strict JSON (no NaN/Infinity tokens)."""
     return json.dumps(to_jsonable(obj), allow_nan=False)
+
+
+def _first_existing(path: Path) -> Path:
+    """``path`` or its nearest ancestor that exists (as a link or anything else)."""
+    for p in (path, *path.parents):
+        if os.path.lexists(p):
+            return p
+    return Path(path.anchor or ".")
+
+
+def check_dir_option(path: str | os.PathLike | None, option: str = "--out", *, writable: bool = True) -> Path:
+    """Refuse a directory option that cannot work, before anything is written; returns it as a Path.
+
+    Refused (:class:`UsageError`, naming ``option``): an empty string, an existing non-directory (a file, or a
+    link to one), a dangling link, a path under a file, and with ``writable`` a directory (or its nearest existing
+    ancestor, when it is still to be created) that this process may not write into. A link to a directory is
+    accepted: the user named it.
+    """
+    if path is None or not str(path).strip():
+        raise UsageError(f"{option}: expected a directory path, got an empty string")
+    p = Path(path)
+    if os.path.lexists(p) and not p.exists():
+        raise UsageError(f"{option} {p} is a symbolic link to a missing path; expected a directory")
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{option} {p} is a file; expected a directory")
+    anchor = _first_existing(p.absolute())
+    if not anchor.is_dir():
+        raise UsageError(f"{option} {p} is under {anchor}, which is a file; expected a directory path")
+    if writable and not os.access(anchor, os.W_OK | os.X_OK):
+        what = "is not writable" if anchor == p.absolute() else f"cannot be created ({anchor} is not writable)"
+        raise UsageError(f"{option} {p} {what}; expected a directory this user may write into")
+    return p

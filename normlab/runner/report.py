@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_write_text
+from .io import atomic_savefig, atomic_write_text
 from .verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
 
 # --------------------------------------------------------------------------------------------------
@@ -148,7 +148,7 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     fig.suptitle(f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
                  f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
                  f"dotted: chance)", fontsize=10)
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     pyplot.close(fig)
     return path
 
@@ -194,7 +194,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     _legend(fig, axes)
     fig.suptitle("test accuracy per epoch (mean over seeds; a collapsed run stops; dotted: chance)", fontsize=10)
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     pyplot.close(fig)
     return path
 

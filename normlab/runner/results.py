@@ -90,8 +90,64 @@ def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> Path:
     return atomic_write_json(Path(out_dir) / "results.json", results)
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _opt(check):
+    return lambda v: v is None or check(v)
+
+
+def _list(check):
+    return lambda v: isinstance(v, list) and all(check(x) for x in v)
+
+
+def _str(v) -> bool:
+    return isinstance(v, str)
+
+
+def _history_entry(h) -> bool:
+    return isinstance(h, dict) and _opt(_num)(h.get("epoch")) and _opt(_num)(h.get("test_acc"))
+
+
+_SPEC_KEYS = {"norms": _list(_str), "lrs": _list(_num), "batch_sizes": _list(_int), "seeds": _list(_int),
+              "epochs": _int, "dataset": _str, "model": _str, "width": _num, "layout": _str, "base_lr": _num,
+              "base_batch_size": _int}
+_GROUP_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "n_seeds": _int, "final_mean": _opt(_num),
+               "final_std": _opt(_num), "best_mean": _opt(_num), "best_std": _opt(_num), "collapsed_count": _int,
+               "target_reached": _int, "epochs_to_target_mean": _opt(_num), "step_time_s": _opt(_num)}
+_CELL_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "seed": _int, "history": _list(_history_entry)}
+
+
+def _shape_error(results: Any) -> str | None:
+    """What is wrong with the shape of a results dict (the keys and types the report reads), or None."""
+    if not isinstance(results, dict):
+        return f"expected a JSON object, got {type(results).__name__}"
+    for key, kind in (("spec", dict), ("groups", list), ("cells", list)):
+        if not isinstance(results.get(key), kind):
+            return f"expected an object with spec, groups and cells; {key!r} is missing or not a {kind.__name__}"
+    tables = [("spec", [results["spec"]], _SPEC_KEYS), ("groups", results["groups"], _GROUP_KEYS),
+              ("cells", results["cells"], _CELL_KEYS)]
+    for where, items, keys in tables:
+        for i, item in enumerate(items):
+            label = where if where == "spec" else f"{where}[{i}]"
+            if not isinstance(item, dict):
+                return f"{label} is not an object"
+            bad = [k for k, check in keys.items() if not check(item.get(k))]
+            if bad:
+                return f"{label}.{bad[0]} is missing or of the wrong type ({item.get(bad[0])!r})"
+    if not _opt(_int)(results.get("num_classes")):
+        return f"num_classes is not an integer ({results.get('num_classes')!r})"
+    return None
+
+
 def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read ``results.json`` of a compare/demo output directory; a one-line error if missing or malformed."""
+    """Read ``results.json`` of a compare/demo output directory; a one-line error if missing or malformed
+    (wrong JSON, or keys the report reads missing or of the wrong type)."""
     path = Path(out_dir) / "results.json"
     if not path.is_file():
         raise UsageError(f"no results.json in {Path(out_dir)} (run `normlab compare` first)")
@@ -99,7 +155,7 @@ def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
         results = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"{path} is not valid JSON: {e}") from None
-    if not (isinstance(results, dict) and isinstance(results.get("spec"), dict)
-            and isinstance(results.get("groups"), list) and isinstance(results.get("cells"), list)):
-        raise UsageError(f"{path} is not a normlab results file (expected an object with spec, groups and cells)")
+    problem = _shape_error(results)
+    if problem is not None:
+        raise UsageError(f"{path} is not a normlab results file: {problem}")
     return results

@@ -1,0 +1,165 @@
+"""Which conv feeds which BatchNorm: the dataflow :func:`normlab.convert.fold_for_inference` relies on.
+
+A conv -> BN pair may be folded only when the BN's only input is that conv's output, the conv's output has no
+other consumer, each of them runs once per forward and nothing else reads their parameters. Two ways to establish
+it, the first that works:
+
+* :func:`fx_flow`: ``torch.fx`` symbolic tracing with convs and norms as leaves (exact for every input, since a
+  symbolic trace fails on data-dependent control flow);
+* :func:`hook_flow`: one eval-mode forward on an example input, with module hooks on convs and norms and a
+  ``TorchFunctionMode`` that sees every tensor operation between them (exact for the path this input takes).
+
+Both return a :class:`Flow`; :meth:`Flow.verdict` says whether a pair folds, or why not.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["Flow", "fx_flow", "hook_flow"]
+
+# tensor functions that read only metadata (shape, dtype, ...): not a use of the values
+_METADATA = {"__get__", "size", "dim", "numel", "ndimension", "is_contiguous", "is_floating_point", "is_complex",
+             "element_size", "stride", "get_device", "__len__", "data_ptr", "nelement"}
+
+
+@dataclass
+class Flow:
+    """What one trace saw. Modules are keyed by ``id``.
+
+    ``calls``: times each conv/norm ran; ``bn_inputs``: per norm call, the ``(conv id, call number)`` whose output
+    was its only input, or None; ``uses``: how many consumers each conv call's output had; ``param_reads``: modules
+    whose parameters or buffers were read outside their own call; ``how``: ``"torch.fx"`` or ``"hooks"``.
+    """
+
+    how: str
+    calls: Counter = field(default_factory=Counter)
+    bn_inputs: dict[int, list[tuple[int, int] | None]] = field(default_factory=dict)
+    uses: Counter = field(default_factory=Counter)
+    param_reads: set[int] = field(default_factory=set)
+
+    def source(self, bn: nn.Module) -> int | None:
+        """The id of the conv whose output is ``bn``'s input in its first call, or None."""
+        ins = self.bn_inputs.get(id(bn)) or [None]
+        return ins[0][0] if ins[0] is not None else None
+
+    def verdict(self, conv: nn.Module, bn: nn.Module) -> str | None:
+        """None if ``bn`` may be folded into ``conv``, else why not (a short phrase)."""
+        if self.calls[id(bn)] != 1:
+            return f"the BatchNorm runs {self.calls[id(bn)]} times per forward"
+        src = self.bn_inputs[id(bn)][0]
+        if src is None or src[0] != id(conv):
+            return "its input is not the conv's output"
+        if self.calls[id(conv)] != 1:
+            return f"the conv runs {self.calls[id(conv)]} times per forward"
+        if self.uses[src] != 1:
+            return "the conv's output is also used elsewhere"
+        if id(conv) in self.param_reads or id(bn) in self.param_reads:
+            return "their parameters are read outside the modules"
+        return None
+
+
+class _LeafTracer(torch.fx.Tracer):
+    def __init__(self, leaves: set[int]):
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return id(m) in self.leaves or super().is_leaf_module(m, qualname)
+
+
+def _owner(model: nn.Module, target: str) -> list[nn.Module]:
+    """Every module on the path of a ``get_attr`` target (``a.b.weight`` -> model.a, model.a.b)."""
+    parts, out, m = target.split(".")[:-1], [], model
+    for p in parts:
+        m = getattr(m, p, None)
+        if not isinstance(m, nn.Module):
+            break
+        out.append(m)
+    return out
+
+
+def fx_flow(model: nn.Module, convs: Iterable[nn.Module], norms: Iterable[nn.Module]) -> Flow:
+    """The dataflow from a ``torch.fx`` symbolic trace (raises whatever tracing raises)."""
+    conv_ids, norm_ids = {id(c) for c in convs}, {id(n) for n in norms}
+    graph = _LeafTracer(conv_ids | norm_ids).trace(model)
+    flow, call_no = Flow("torch.fx"), {}
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            flow.param_reads |= {id(m) for m in _owner(model, node.target)} & (conv_ids | norm_ids)
+        if node.op != "call_module":
+            continue
+        mod = model.get_submodule(node.target)
+        call_no[node] = (id(mod), flow.calls[id(mod)])
+        flow.calls[id(mod)] += 1
+        if id(mod) in conv_ids:
+            flow.uses[call_no[node]] = len(node.users)
+    for node in graph.nodes:
+        if node.op == "call_module" and call_no[node][0] in norm_ids:
+            arg = node.args[0] if len(node.args) == 1 and not node.kwargs else None
+            src = call_no.get(arg) if isinstance(arg, torch.fx.Node) else None
+            flow.bn_inputs.setdefault(call_no[node][0], []).append(src if src and src[0] in conv_ids else None)
+    return flow
+
+
+class _Recorder(TorchFunctionMode):
+    """Counts, outside conv/norm calls, every tensor operation that reads a conv's output."""
+
+    def __init__(self, flow: Flow):
+        super().__init__()
+        self.flow, self.depth, self.made, self.keep = flow, 0, {}, []
+
+    def consume(self, values) -> None:
+        for t in tree_flatten(values)[0]:
+            if isinstance(t, torch.Tensor) and id(t) in self.made:
+                self.flow.uses[self.made[id(t)]] += 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.depth == 0 and getattr(func, "__name__", "") not in _METADATA:
+            self.consume((args, kwargs))
+        return func(*args, **kwargs)
+
+    def pre(self, m: nn.Module, args, kwargs) -> None:
+        if self.depth == 0:
+            self.consume((args, kwargs))
+            if id(m) in self.flow.bn_inputs:
+                single = len(args) == 1 and not kwargs and isinstance(args[0], torch.Tensor)
+                self.flow.bn_inputs[id(m)].append(self.made.get(id(args[0])) if single else None)
+            self.flow.calls[id(m)] += 1
+        self.depth += 1
+
+    def post(self, m: nn.Module, args, kwargs, out) -> None:
+        self.depth -= 1
+        if self.depth == 0 and id(m) not in self.flow.bn_inputs and isinstance(out, torch.Tensor):
+            self.made[id(out)] = (id(m), self.flow.calls[id(m)] - 1)
+            self.keep.append(out)  # keeps ids unique while the trace runs
+
+
+def hook_flow(model: nn.Module, convs: Iterable[nn.Module], norms: Iterable[nn.Module],
+              x: torch.Tensor) -> tuple[Flow, torch.Tensor]:
+    """The dataflow of one forward of ``model`` on ``x`` (no_grad); returns it with the model's output."""
+    flow = Flow("hooks")
+    rec = _Recorder(flow)
+    for n in norms:
+        flow.bn_inputs[id(n)] = []
+    handles = []
+    for m in {id(m): m for m in [*convs, *norms]}.values():
+        handles.append(m.register_forward_pre_hook(rec.pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(rec.post, with_kwargs=True))
+    try:
+        with torch.no_grad(), rec:
+            out = model(x)
+            rec.consume(out)  # the model's output is a consumer too
+    finally:
+        for h in handles:
+            h.remove()
+    return flow, out
