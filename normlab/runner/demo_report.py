@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .diagnosis import alarm_audit, diagnose_run, plot_diagnosis
-from .io import atomic_write_text
+from .io import atomic_savefig, atomic_write_text
 from .report import plot_curves, plot_sweep, plt
 from .verdicts import CRITERIA, chance_level, failed, format_acc, trains
 
@@ -106,7 +106,7 @@ def _loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     plt().close(fig)
     return path
 
@@ -196,7 +196,7 @@ def _batch_plot(results: dict, path: Path) -> Path | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    atomic_savefig(fig, path, dpi=100)
     plt().close(fig)
     return path
 

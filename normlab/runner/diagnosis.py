@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .io import atomic_savefig
+
 __all__ = ["load_records", "diagnose_run", "alarm_audit", "plot_diagnosis"]
 
 
@@ -142,6 +144,6 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     handles, labels = axes[0][4].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer")
     fig.tight_layout(rect=(0, 0, 0.92, 1))
-    fig.savefig(path, dpi=90)
+    atomic_savefig(fig, path, dpi=90)
     plt.close(fig)
     return path
