@@ -155,7 +155,7 @@ def test_demo_quick_writes_report(tmp_path, capsys):
         assert section in out
     assert "Claim 1" in out and "Mechanism" in out and "Monitor target" in out and "false alarms" in out
     demo = json.loads((tmp_path / "demo.json").read_text())
-    assert set(demo["sections"]) == {"lr_sweep", "batch_size"}
+    assert set(demo["sections"]) == {"lr_sweep", "collapse", "batch_size"}
     assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}
     for png in ("a_acc_vs_lr.png", "a_training_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

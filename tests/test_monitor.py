@@ -376,8 +376,9 @@ def test_detector_floor_is_a_minimum_absolute_level():
     with pytest.raises(ValueError, match="min_initial for 'shift'"):
         CollapseDetector(min_initial={"shift": -1.0})
     mon = VarianceMonitor(nn.Linear(2, 2))  # monitor defaults: unit-variance floor for output_var
-    assert mon.detector.min_initial == {"output_var": 1.0, "shift": 1e-6}
+    assert mon.detector.min_initial == {"output_var": 1.0, "shift": 1e-6, "input_sq": 1e-6}
     assert mon.detector.factors == {"output_var": 1e3, "shift": 100.0}
+    assert mon.detector.shrink == {"input_sq": 1e4}
 
 
 def test_detector_per_quantity_factors_and_forward_order():
@@ -671,3 +672,26 @@ def test_records_carry_the_two_terms_of_the_output_variance():
     w = conv.weight.detach()
     assert rec["weight_sq_mean"] == pytest.approx(w.square().mean().item(), rel=1e-5)
     assert rec["weight_norm"] == pytest.approx(w.norm().item(), rel=1e-5)
+
+
+def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
+    # a collapse with a finite loss: every ReLU before the classifier dies; the head's input second moment falls
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv1d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv1d(8, 8, 3, padding=1), nn.ReLU(),
+                          nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(8, 4))
+    mon = VarianceMonitor(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.randn(16, 1, 20)
+    for _ in range(2):
+        model(x).sum().backward()
+        mon.step(opt)
+    assert mon.alarm is None  # healthy: no growth, no implosion
+    with torch.no_grad():
+        model[2].bias.fill_(-100.0)  # the last ReLUs die: the classifier's input is 0
+    model(x).sum().backward()
+    mon.step(opt)
+    assert mon.alarm is not None and mon.alarm.layer == "6" and mon.alarm.quantity == "input_sq"
+    assert "fell to" in mon.alarm.reason and mon.alarm.growth < 1e-4
+    with pytest.raises(ValueError, match="shrink_factor for 'input_sq' must be a finite number > 1"):
+        CollapseDetector(shrink_factor={"input_sq": 0.5})
+

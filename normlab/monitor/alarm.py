@@ -1,8 +1,10 @@
 """Collapse early warning.
 
 A layer is flagged when one of the watched quantities (default: output variance ``output_var`` and shift of the
-average ``shift``) exceeds ``factor`` times its baseline, or when any watched quantity is non-finite. The alarm names
-the FIRST flagged layer in forward order and the step at which it was flagged.
+average ``shift``) exceeds ``factor`` times its baseline, when a quantity of the implosion test falls below its
+baseline divided by its ``shrink_factor`` (the monitor's default: the second moment of the classifier's input,
+``input_sq``, falling 10,000x: dead ReLUs), or when any watched quantity is non-finite. The alarm names the FIRST
+flagged layer in forward order and the step at which it was flagged.
 
 Baseline: the MAXIMUM of the first ``baseline_records`` finite values of each (layer, quantity), floored at
 ``min_initial``. No growth test runs while a baseline is still being collected (non-finite values are always
@@ -64,9 +66,10 @@ class CollapseDetector:
             factor k a quantity is flagged only above k * f.
         baseline_records: how many first finite records of each (layer, quantity) form its baseline (their
             maximum); int >= 1.
-        shrink_factor: {quantity: factor} for the *implosion* test: a layer is also flagged when a watched quantity
-            falls below its baseline divided by the factor (e.g. {"output_var": 100}: the output variance of a
-            layer whose ReLUs died); None or {} for no implosion test.
+        shrink_factor: {quantity: factor} for the *implosion* test: a layer is also flagged when the quantity
+            falls below its baseline divided by the factor (e.g. {"input_sq": 1e4}: the second moment of the
+            classifier's input when the ReLUs before it died); the quantity need not be in ``quantities`` (then
+            only the implosion test runs on it). None or {} for no implosion test.
     """
 
     def __init__(
@@ -92,13 +95,12 @@ class CollapseDetector:
             raise ValueError(f"CollapseDetector: baseline_records must be an int >= 1, got {baseline_records!r}")
         shrink = dict(shrink_factor or {})
         for q, f in shrink.items():
-            if q not in self.quantities or isinstance(f, bool) or not (isinstance(f, int | float) and f > 1
-                                                                       and math.isfinite(f)):
-                raise ValueError(f"CollapseDetector: shrink_factor for {q!r} must be a finite number > 1 for a "
-                                 f"watched quantity, got {f!r}")
+            if isinstance(f, bool) or not (isinstance(f, int | float) and f > 1 and math.isfinite(f)):
+                raise ValueError(f"CollapseDetector: shrink_factor for {q!r} must be a finite number > 1, got {f!r}")
         self.shrink = {q: float(f) for q, f in shrink.items()}
         self.factors = {q: float(per.get(q, 100.0)) for q in self.quantities}
-        self.min_initial = {q: float(floors.get(q, 1e-6)) for q in self.quantities}
+        self.watched = self.quantities + tuple(q for q in self.shrink if q not in self.quantities)
+        self.min_initial = {q: float(floors.get(q, 1e-6)) for q in self.watched}
         self.baseline_records = baseline_records
         self.initial: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
         self.seen: dict[tuple[str, str], int] = {}  # finite values that went into the baseline
@@ -132,7 +134,7 @@ class CollapseDetector:
                 ) from e
         self.initial, self.seen = initial, seen
 
-    def _judge(self, rec: Mapping, q: str, exempt: bool) -> dict | None:
+    def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool) -> dict | None:
         """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
         value = rec.get(q)
         key = (rec["layer"], q)
@@ -141,36 +143,40 @@ class CollapseDetector:
             return {**flag, "value": math.nan if value is None else float(value), "growth": math.inf,
                     "severity": math.inf, "reason": "non-finite"}
         n_seen = self.seen.get(key, 0)
-        if n_seen < self.baseline_records:  # still collecting the baseline: no growth test
+        if n_seen < self.baseline_records:  # still collecting the baseline: no test
             self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
             self.seen[key] = n_seen + 1
             return None
-        if exempt:
-            return None
         init = self.initial[key]
         ref = max(abs(init), self.min_initial[q])
-        if value > self.factors[q] * ref:
+        if grow and value > self.factors[q] * ref:
             return {**flag, "value": float(value), "growth": value / ref, "severity": value / ref / self.factors[q],
                     "reason": f"grew {value / ref:.3g}x > factor {self.factors[q]:g}"}
-        if q in self.shrink and init > 0 and value * self.shrink[q] < init:
+        if shrink and init > 0 and value * self.shrink[q] < init:
             ratio = value / init
-            return {**flag, "value": float(value), "growth": ratio, "severity": 1 / (ratio * self.shrink[q]),
+            severity = math.inf if ratio == 0 else 1 / (ratio * self.shrink[q])
+            return {**flag, "value": float(value), "growth": ratio, "severity": severity,
                     "reason": f"fell to {ratio:.3g}x < 1/{self.shrink[q]:g} of its baseline"}
         return None
 
-    def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = ()) -> CollapseAlarm | None:
+    def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = (),
+              shrink_layers: Collection[str] | None = None) -> CollapseAlarm | None:
         """Check one recorded step. ``records`` are dicts with 'layer', 'index' (forward order) and quantities.
-        Layers named in ``growth_exempt`` keep their baselines but are only flagged when non-finite.
 
+        Layers named in ``growth_exempt`` keep their baselines but get no growth test (they are flagged when a
+        growth quantity is non-finite); implosion tests run on the layers in ``shrink_layers`` (None: every layer).
         Updates the baselines (max of the first ``baseline_records`` finite values per layer and quantity) and
         returns an alarm for the first flagged layer in forward order, or None.
         """
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
-            for q in self.quantities:
+            for q in self.watched:
                 if rec.get(q) is None and q not in rec:
                     continue  # layer does not have this quantity (e.g. norm layers have no shift)
-                flag = self._judge(rec, q, rec["layer"] in growth_exempt)
+                shrink = q in self.shrink and (shrink_layers is None or rec["layer"] in shrink_layers)
+                if q not in self.factors and not shrink:
+                    continue
+                flag = self._judge(rec, q, q in self.factors and rec["layer"] not in growth_exempt, shrink)
                 if flag is not None:
                     flagged.append(flag)
         if not flagged:

@@ -16,7 +16,7 @@ Per layer and recorded step (one dict in ``mon.records``; keys absent where they
     step, layer (module name), index (forward order), type (class name), kind ("conv" | "linear" | "norm"),
     output_var            Var[Y_l] of the layer output (biased, all entries)
     input_mean_sq         E^2[X] of the layer input            (paper Fig. 6a)
-    input_var             Var[X] of the layer input (all entries)
+    input_sq, input_var   E[X^2] and Var[X] of the layer input (all entries)
     input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1)))
     input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over channels
   conv / linear only, on the EFFECTIVE kernel (``module.effective_weight()`` if present, else ``module.weight``):
@@ -63,7 +63,7 @@ __all__ = ["VarianceMonitor"]
 # Default growth factors of the collapse warning (see VarianceMonitor, CollapseDetector).
 DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
 DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
-DEFAULT_IMPLODE_FACTOR: dict[str, float] = {}
+DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
 
 def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -92,8 +92,12 @@ class VarianceMonitor:
         baseline_records: the baseline of each (layer, quantity) is the maximum of its first
             ``baseline_records`` recorded finite values (recorded steps 0, every, ..., (baseline_records-1)*every);
             no growth alarm before that (non-finite values are flagged at once). See CollapseDetector.
-        implode_factor: {quantity: factor}: also warn when a watched quantity falls below its baseline divided by
-            the factor (the output variance of layers whose ReLUs died); default ``DEFAULT_IMPLODE_FACTOR``.
+        implode_factor: {quantity: factor}: also warn when a quantity of the output layer (the classifier) falls
+            below its baseline divided by the factor. Default ``DEFAULT_IMPLODE_FACTOR`` = {"input_sq": 1e4}: the
+            second moment of the classifier's input falling 10,000x is a net whose last ReLUs died (a collapse with
+            a finite loss); on MNIST-1D pilots it flagged 3 of 3 such runs with no alarm on 21 healthy ones
+            (healthy minimum 1.5e-3 of the baseline). The output variance of hidden layers is no such sign: it
+            falls 10-200x in the first steps of healthy unnormalized runs.
         watch_output_layer: also apply the growth test to the output layer (the last conv/linear layer in forward
             order, i.e. the classifier). Off by default: in healthy training its logit variance and the spread of
             its filter means (per-class offsets) grow 100-2000x as the net becomes confident (measured on the plain
@@ -139,7 +143,7 @@ class VarianceMonitor:
         if min_initial is None:
             min_initial = dict(DEFAULT_MIN_INITIAL)
         if implode_factor is None:
-            implode_factor = {q: f for q, f in DEFAULT_IMPLODE_FACTOR.items() if q in watch}
+            implode_factor = dict(DEFAULT_IMPLODE_FACTOR)
         self.detector = CollapseDetector(explode_factor, watch, min_initial, baseline_records, implode_factor)
         self.layers = supported_layers(self.model, include_norm=include_norm)
         if not self.layers:
@@ -209,8 +213,8 @@ class VarianceMonitor:
         if x is not None and x.numel() > 0:
             xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
             m, sq = xf.mean(), xf.square().mean()
-            names += ["input_mean_sq", "input_var", "input_ratio"]
-            values += [m.square(), sq - m.square(), m.square() / sq]
+            names += ["input_mean_sq", "input_sq", "input_var", "input_ratio"]
+            values += [m.square(), sq, sq - m.square(), m.square() / sq]
             if x.dim() >= 2:
                 ch_dim = -1 if kind == "linear" else 1
                 r = stats.channel_input_ratio(xf, ch_dim)
@@ -268,12 +272,10 @@ class VarianceMonitor:
         self._pending = {}
         step_records.sort(key=lambda r: r["index"])
         self.records.extend(step_records)
-        exempt = set()
-        if not self.watch_output_layer:
-            ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
-            if ran:
-                exempt.add(max(ran, key=lambda r: r["index"])["layer"])
-        alarm = self.detector.check(self.current_step, step_records, exempt)
+        ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
+        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
+        exempt = set() if self.watch_output_layer else output_layer
+        alarm = self.detector.check(self.current_step, step_records, exempt, shrink_layers=output_layer)
         if alarm is not None and self.alarm is None:
             self.alarm = alarm
             if self.on_alarm is not None:
