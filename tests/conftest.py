@@ -1,5 +1,8 @@
 """Shared pytest fixtures."""
 
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -11,3 +14,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def needs(module: str):
+    """Import an optional integration's module, or skip the test; ``make test`` sets NORMLAB_REQUIRE_EXTRAS=1,
+    which turns a missing extra into a failure (CI installs and tests every integration)."""
+    if os.environ.get("NORMLAB_REQUIRE_EXTRAS") == "1":
+        return importlib.import_module(module)
+    return pytest.importorskip(module)

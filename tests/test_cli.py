@@ -119,7 +119,8 @@ def test_bench_steps_times_each_norm(capsys):
 
 
 def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
-    # one cell of a grid holds a corrupt checkpoint: compare stops with a one-line error and leaves it alone
+    # one cell of a grid holds a corrupt checkpoint: compare records it as failed, ends with a one-line error and
+    # leaves it alone
     from normlab.runner.grid import GridSpec, expand_grid
 
     spec = GridSpec(norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
@@ -133,7 +134,8 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
                "--no-progress", "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
-    assert err[-1].startswith("normlab compare: error: train:") and "corrupt" in err[-1]
+    assert err[-1].startswith(f"normlab compare: error: 1 run(s) failed (first: {cell.cell_id}: RunError: train:")
+    assert "corrupt" in err[-1]
     assert ck.read_bytes() == b"not a checkpoint"
     assert not (ck.parent / "summary.json").exists()
 

@@ -297,3 +297,18 @@ def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     monkeypatch.setattr(ex, "_run_cell", real)
     res = run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
     assert res["complete"] is True and len(res["cells"]) == 2
+
+
+def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path):
+    from normlab.runner.execute import CellsFailed
+
+    spec = _tiny_spec(norms=("bn", "gn"), lrs=(0.05,), max_steps_per_epoch=1)
+    bad, good = expand_grid(spec)
+    (tmp_path / "runs" / bad.cell_id).mkdir(parents=True)
+    (tmp_path / "runs" / bad.cell_id / "checkpoint.pt").write_bytes(b"garbage")
+    with pytest.raises(CellsFailed, match=f"first: {bad.cell_id}: RunError: train: checkpoint"):
+        run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
+    res = load_results(tmp_path)
+    assert [c["cell"] for c in res["cells"]] == [good.cell_id] and not res["complete"]
+    assert res["failed"][0]["cell"] == bad.cell_id and "corrupt or unreadable" in res["failed"][0]["error"]
+    assert f"`{bad.cell_id}`: RunError" in (tmp_path / "results.md").read_text()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from normlab.runner.checks import check_grid
 from normlab.runner.errors import UsageError
-from normlab.runner.execute import run_grid
+from normlab.runner.execute import BACKENDS, run_grid
 from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
 from normlab.runner.lock import out_lock
 from normlab.runner.report import print_summary
@@ -65,6 +65,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_out_arg(p, "runs/compare")
     p.add_argument("--workers", type=integer(0, MAX_WORKERS, what="a number of workers"), default=0,
                    help="parallel worker processes, 1 torch thread each (default 0: one per usable core)")
+    p.add_argument("--backend", choices=BACKENDS, default="process",
+                   help="process: local worker processes (default); ray: each cell a Ray task, on a local Ray "
+                        "started here or on the cluster at --address (pip install 'normlab[ray]')")
+    p.add_argument("--address", default=None,
+                   help="with --backend ray: the Ray cluster to run on (host:port from `ray start --head`, or auto); "
+                        "several machines need --out on a shared filesystem")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
     return p
@@ -98,14 +104,24 @@ def _spec(args: argparse.Namespace) -> GridSpec:
     )
 
 
+def _check_backend(args: argparse.Namespace) -> None:
+    if args.address is not None and args.backend != "ray":
+        raise UsageError("--address applies to --backend ray")
+    if args.address is not None and not args.address.strip():
+        raise UsageError("--address: expected a Ray cluster address (host:port or auto), got an empty string")
+    if args.address is not None and args.workers:
+        raise UsageError("--workers: the Ray cluster at --address decides how many cells run at once; drop --workers")
+
+
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
+    _check_backend(args)
     spec = _spec(args)
     load_data(args, batch_sizes=args.batch_sizes)
     check_grid(expand_grid(spec))
     out = Path(args.out)
     with out_lock(out, NAME):
         results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
-                           threads=args.threads)
+                           threads=args.threads, backend=args.backend, address=args.address)
     print_summary(results, out)
     return 0

@@ -17,6 +17,12 @@ drops finished cells from the report. A run with other settings is refused in on
 (``PR_SET_PDEATHSIG`` on Linux) and also polls its parent (everywhere); it ignores SIGINT, which the parent handles:
 on Ctrl-C, SIGTERM or a failed cell the parent terminates its workers before it exits, and a resumed run (which
 takes the directory's lock) never trains a cell that another live process is training.
+
+**Backends.** ``backend="process"`` (the default) runs cells in this process or a pool of local worker processes;
+``backend="ray"`` runs each cell as a Ray task, on a local Ray or a cluster (:mod:`normlab.runner.ray_backend`).
+Both write the same files in the same places, so either resumes a grid the other started. A cell that raises is
+recorded as failed with its error (``results.json`` ``failed``) and the other cells go on; :func:`run_cells` then
+raises :class:`CellsFailed`, and a rerun retries the failed cells.
 """
 
 from __future__ import annotations
@@ -32,7 +38,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +47,7 @@ import torch
 
 from .checks import check_grid
 from .config import RESUME_FREE, TrainConfig
-from .errors import UsageError
+from .errors import RunError, UsageError
 from .grid import Cell, GridSpec, expand_grid
 from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
@@ -48,11 +55,17 @@ from .report import render_report
 from .results import collect_results, write_results
 from .train import train
 
-__all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid"]
+__all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid", "CellsFailed",
+           "BACKENDS"]
 
 _TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
 _LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in the same directory may change
 _PR_SET_PDEATHSIG = 1
+BACKENDS = ("process", "ray")
+
+
+class CellsFailed(RunError):
+    """Some cells raised; each is recorded with its error in ``results.json`` (``failed``), the others finished."""
 
 
 def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
@@ -90,7 +103,7 @@ class GridRun:
     """A prepared grid: its spec, output directory, cells and the summaries of the finished ones.
 
     ``cells`` are every cell requested in ``out`` (see the module docstring); ``wanted`` the ids this run is asked
-    to train (None: all of them).
+    to train (None: all of them); ``failures`` the error line of each cell that raised in this run.
     """
 
     spec: GridSpec
@@ -98,6 +111,7 @@ class GridRun:
     cells: list[Cell]
     summaries: dict[str, dict[str, Any]]
     wanted: frozenset[str] | None = None
+    failures: dict[str, str] = field(default_factory=dict)
 
     def missing(self) -> list[Cell]:
         """Cells without a finished summary."""
@@ -115,9 +129,15 @@ class GridRun:
         self.summaries[cell.cell_id] = summary
         write_results(self.results(complete=False), self.out)
 
+    def record_failure(self, cell: Cell, error: str) -> None:
+        """Keep the error of a cell that raised; results.json lists it under ``failed``."""
+        self.failures[cell.cell_id] = error
+        write_results(self.results(complete=False), self.out)
+
     def results(self, complete: bool = True) -> dict[str, Any]:
         pairs = [(c, self.summaries[c.cell_id]) for c in self.cells if c.cell_id in self.summaries]
-        return collect_results(self.spec, pairs, complete=complete)
+        failed = [(c, self.failures[c.cell_id]) for c in self.cells if c.cell_id in self.failures]
+        return collect_results(self.spec, pairs, complete=complete, failed=failed)
 
     def finish(self, render: bool = True) -> dict[str, Any]:
         """Write the final results.json (and results.md with plots) and return the results."""
@@ -250,6 +270,10 @@ class _Progress:
         self.bar.update(1)
         self.bar.set_postfix_str(f"last {cell.cell_id}: acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}")
 
+    def failed(self, cell: Cell, error: str) -> None:
+        self.bar.update(1)
+        self.bar.set_postfix_str(f"last {cell.cell_id}: FAILED ({error})")
+
 
 def _stop_workers(pool: ProcessPoolExecutor) -> None:
     """Terminate the pool's worker processes (a cell they were training resumes next time) and reap them."""
@@ -262,24 +286,67 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Callable) -> None:
+def _error_line(e: BaseException) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Callable, failed: Callable) -> None:
     ctx = mp.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
                              initargs=(threads, os.getpid())) as pool:
         futures = {pool.submit(_run_cell, c.config, str(g.cell_dir(c))): (g, c) for g, c in jobs}
         try:
             for f in as_completed(futures):
-                done(*futures[f], f.result())
+                try:
+                    summary = f.result()
+                except BrokenProcessPool:  # a worker died: the pool cannot go on (rerun to resume)
+                    raise
+                except Exception as e:  # the cell raised: record it, go on with the others
+                    failed(*futures[f], _error_line(e))
+                    continue
+                done(*futures[f], summary)
         except BaseException:
             # a failed cell, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
             _stop_workers(pool)
             raise
 
 
+def _in_process(jobs: list[tuple[GridRun, Cell]], threads: int | None, done: Callable, failed: Callable) -> None:
+    if threads:
+        torch.set_num_threads(int(threads))
+    for g, c in jobs:
+        try:
+            summary = _run_cell(c.config, str(g.cell_dir(c)))
+        except Exception as e:
+            failed(g, c, _error_line(e))
+            continue
+        done(g, c, summary)
+
+
+def _raise_failures(grids: Sequence[GridRun]) -> None:
+    errors = [(cid, err) for g in grids for cid, err in g.failures.items()]
+    if errors:
+        cid, err = errors[0]
+        raise CellsFailed(f"{len(errors)} run(s) failed (first: {cid}: {err}); every error is in results.json "
+                          f"under 'failed'; rerun the same command to retry them")
+
+
 def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: int | None = None,
-              progress: bool = True, log: Callable[[str], None] | None = None) -> None:
-    """Run every unfinished cell of ``grids``, the most expensive first, in ``workers`` processes (default: one
-    per usable core; 1 runs them in this process) with ``threads`` torch threads each (default 1 in a pool)."""
+              progress: bool = True, log: Callable[[str], None] | None = None, backend: str = "process",
+              address: str | None = None) -> None:
+    """Run every unfinished cell of ``grids``, the most expensive first, with ``threads`` torch threads each
+    (default 1 in a pool or on Ray).
+
+    ``backend="process"``: in ``workers`` processes (default: one per usable core; 1 runs them in this process).
+    ``backend="ray"``: as Ray tasks on the cluster at ``address``, or on a local Ray with ``workers`` x
+    ``threads`` CPUs (default: every usable core); see :mod:`normlab.runner.ray_backend`.
+
+    Raises:
+        CellsFailed: after the other cells finished, when some cells raised (each is in results.json).
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     say = log or (lambda s: print(s, file=sys.stderr))
     jobs = sorted(((g, c) for g in grids for c in g.todo()), key=lambda gc: -_cost(gc[1]))
     done_before = sum(len(g.summaries) for g in grids)
@@ -293,31 +360,49 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
         grid.record(cell, summary)
         bar.update(cell, summary)
 
+    def failed(grid: GridRun, cell: Cell, error: str) -> None:
+        grid.record_failure(cell, error)
+        bar.failed(cell, error)
+
+    where = f"{n} worker(s)"
     try:
-        if n == 1:
-            if threads:
-                torch.set_num_threads(int(threads))
-            for g, c in jobs:
-                done(g, c, _run_cell(c.config, str(g.cell_dir(c))))
+        if backend == "ray" and jobs:
+            from .ray_backend import run_on_ray
+
+            cpus = run_on_ray(jobs, threads=int(threads or 1), done=done, failed=failed, address=address,
+                              num_cpus=int(workers or default_workers()) * int(threads or 1))
+            where = f"Ray tasks ({cpus:g} CPUs)"
+        elif n == 1:
+            _in_process(jobs, threads, done, failed)
         else:
-            _pool(jobs, n, int(threads or 1), done)
+            _pool(jobs, n, int(threads or 1), done, failed)
     finally:
         torch.set_num_threads(saved)
         bar.bar.close()
     if jobs:
-        say(f"normlab: ran {len(jobs)} runs with {n} worker(s) in {time.perf_counter() - t0:.1f} s")
+        say(f"normlab: ran {len(jobs)} runs with {where} in {time.perf_counter() - t0:.1f} s")
+    _raise_failures(grids)
 
 
 def run_grid(spec: GridSpec, out_dir: str | os.PathLike, *, workers: int | None = None, progress: bool = True,
              check: bool = True, render: bool = True, threads: int | None = None,
-             log: Callable[[str], None] | None = None) -> dict[str, Any]:
+             log: Callable[[str], None] | None = None, backend: str = "process",
+             address: str | None = None) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
     Cells with a matching ``summary.json`` are not rerun; a half-trained cell resumes from its checkpoint; a grid
-    already in ``out_dir`` is extended (see the module docstring). Holds the directory's lock throughout.
-    Returns the results dict.
+    already in ``out_dir`` is extended (see the module docstring). ``backend``/``address``: see :func:`run_cells`.
+    Holds the directory's lock throughout. Returns the results dict.
+
+    Raises:
+        CellsFailed: some cells raised; the report of the others is written first.
     """
     with out_lock(out_dir, "compare", option="out_dir"):
         grid = prepare_grid(spec, out_dir, check=check)
-        run_cells([grid], workers=workers, threads=threads, progress=progress, log=log)
+        try:
+            run_cells([grid], workers=workers, threads=threads, progress=progress, log=log, backend=backend,
+                      address=address)
+        except CellsFailed:
+            grid.finish(render=render)
+            raise
         return grid.finish(render=render)

@@ -69,6 +69,9 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         *([] if results.get("complete", True) else [
             "", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
                 f"complete the grid."]),
+        *([] if not results.get("failed") else [
+            "", "**Failed runs** (rerun the same command to retry them): "
+                + "; ".join(f"`{f['cell']}`: {f['error']}" for f in results["failed"])]),
         "",
         "## Headline effects (computed from the table below)",
         "",

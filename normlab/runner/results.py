@@ -65,11 +65,13 @@ def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> 
     }
 
 
-def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True) -> dict[str, Any]:
+def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
+                    failed: Sequence[tuple[Any, str]] = ()) -> dict[str, Any]:
     """Aggregate ``(cell, summary)`` pairs over seeds into groups keyed by (name, lr, batch size).
 
     A collapsed run's final accuracy counts as recorded (usually chance level). ``complete=False`` marks a grid
-    that is still running (results.json is rewritten after every finished cell).
+    that is still running (results.json is rewritten after every finished cell). ``failed``: ``(cell, error line)``
+    of the cells that raised, listed under ``failed``.
     """
     cells = [_cell_record(c, s) for c, s in pairs]
     groups: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
@@ -82,6 +84,8 @@ def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete:
         "complete": complete,
         "groups": [_group_record(*key, recs) for key, recs in groups.items()],
         "cells": cells,
+        "failed": [{"cell": c.cell_id, "name": c.name, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed,
+                    "error": error} for c, error in failed],
     }
 
 
@@ -121,6 +125,7 @@ _GROUP_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "n_seeds": _int, "f
                "final_std": _opt(_num), "best_mean": _opt(_num), "best_std": _opt(_num), "collapsed_count": _int,
                "target_reached": _int, "epochs_to_target_mean": _opt(_num), "step_time_s": _opt(_num)}
 _CELL_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "seed": _int, "history": _list(_history_entry)}
+_FAILED_KEYS = {"cell": _str, "error": _str}
 
 
 def _shape_error(results: Any) -> str | None:
@@ -130,8 +135,10 @@ def _shape_error(results: Any) -> str | None:
     for key, kind in (("spec", dict), ("groups", list), ("cells", list)):
         if not isinstance(results.get(key), kind):
             return f"expected an object with spec, groups and cells; {key!r} is missing or not a {kind.__name__}"
+    if not isinstance(results.get("failed", []), list):
+        return "'failed' is not a list"
     tables = [("spec", [results["spec"]], _SPEC_KEYS), ("groups", results["groups"], _GROUP_KEYS),
-              ("cells", results["cells"], _CELL_KEYS)]
+              ("cells", results["cells"], _CELL_KEYS), ("failed", results.get("failed", []), _FAILED_KEYS)]
     for where, items, keys in tables:
         for i, item in enumerate(items):
             label = where if where == "spec" else f"{where}[{i}]"

@@ -1,0 +1,179 @@
+"""Grid cells as Ray tasks: one command runs a grid on an embedded local Ray or on a Ray cluster.
+
+:func:`run_on_ray` is what :func:`normlab.runner.execute.run_cells` calls with ``backend="ray"``. Each cell is one
+Ray task that declares its resources (``num_cpus`` = its torch threads, ``num_gpus`` = 1 on a CUDA device) and calls
+:func:`~normlab.runner.train.train` into ``OUT/runs/<cell id>``: the files of the process backend, in the same
+place, so a grid half-run by one backend is finished by the other. Without an address normlab starts a local Ray
+in this process (and stops it at the end); with one it joins that cluster (``ray start --head`` prints it). A Ray
+session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
+
+**Outputs: a shared filesystem.** Cells write their files from the node that runs them, the driver writes
+``results.json``. A cluster of several machines therefore needs ``--out`` on a filesystem that every node mounts
+at the same path (NFS, a cloud file store). The object store would carry a finished cell's files, but not the
+checkpoint a cell writes after every epoch: resuming a half-trained cell after a lost worker, a lost node or a
+Ctrl-C needs that checkpoint where the next attempt runs, and the other backend needs it on disk. The driver checks
+that each finished cell's ``summary.json`` is visible to it and stops with a one-line error when it is not.
+
+**Failures.** A worker that dies (killed, out of memory, its node lost) is retried by Ray (``max_retries``) and
+the cell resumes from its last checkpoint. A cell that raises is not retried: the driver records it as failed with
+its error and goes on with the other cells. Ctrl-C (or SIGTERM) cancels every unfinished cell, killing the workers
+that run them, and stops the Ray that normlab started; finished cells stay on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .errors import RunError, UsageError
+from .train import train
+
+__all__ = ["run_on_ray", "ray_session", "MAX_RETRIES"]
+
+MAX_RETRIES = 3  # Ray reruns a cell whose worker died this many times (it resumes from its checkpoint)
+_OBJECT_STORE = 128 * 2**20  # an embedded Ray only carries cell summaries: keep its shared memory small
+_POLL_S = 0.5  # the driver wakes this often, so that Ctrl-C is handled at once
+
+
+def _import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--backend ray needs Ray: pip install 'normlab[ray]'") from None
+    return ray
+
+
+def _cell_task(config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]:
+    """The Ray task of one cell: ``train`` with ``threads`` torch threads; returns (summary, host name)."""
+    torch.set_num_threads(threads)
+    return train(config, out_dir, progress=False), socket.gethostname()
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[Any]:
+    """The ``ray`` module, connected: to ``address``, else to a session this process holds, else to a local Ray
+    started here with ``num_cpus`` CPUs (stopped when the block ends)."""
+    ray = _import_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    if address:
+        kwargs: dict[str, Any] = {"address": address}
+    else:
+        # nothing else joins an embedded Ray: it listens on the loopback only, without a dashboard
+        kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "object_store_memory": _OBJECT_STORE,
+                  "_node_ip_address": "127.0.0.1"}
+    try:
+        ray.init(**kwargs, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        where = f"--address {address}: cannot connect to a Ray cluster" if address else "cannot start a local Ray"
+        raise UsageError(f"{where} ({first})") from None
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _gpus(device: str, cluster_gpus: float) -> int:
+    """GPUs a cell on ``device`` asks for: 1 on cuda (auto: when the cluster has one), else 0."""
+    if device == "auto":
+        return int(cluster_gpus >= 1)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index not in (None, 0):
+        raise UsageError(f"--device {device} with --backend ray: Ray gives each cell its own GPU, which the cell "
+                         f"sees as cuda:0; use --device cuda")
+    return int(dev.type == "cuda")
+
+
+def _check_resources(ray, jobs: Sequence, threads: int) -> dict[str, float]:
+    """Refuse a grid the cluster cannot run at all (it would wait forever); returns the cluster's resources."""
+    res = ray.cluster_resources()
+    if res.get("CPU", 0) < threads:
+        raise UsageError(f"--threads {threads}: the Ray cluster has {res.get('CPU', 0):g} CPUs; each cell asks for "
+                         f"--threads CPUs")
+    if any(_gpus(c.config.device, res.get("GPU", 0)) for _, c in jobs) and res.get("GPU", 0) < 1:
+        raise UsageError("--device cuda with --backend ray: the Ray cluster has no GPU")
+    return res
+
+
+def _submit(ray, grid, cell, threads: int, cluster_gpus: float):
+    task = ray.remote(_cell_task).options(
+        num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
+        retry_exceptions=False, name=f"normlab:{cell.cell_id}")
+    return task.remote(cell.config, str(grid.cell_dir(cell)), threads)
+
+
+def _error_text(ray, e: BaseException) -> str:
+    """One line: the cell's own exception (type and first line), or what Ray says happened to its worker."""
+    if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
+        e = e.cause
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _check_visible(grid, cell, host: str) -> None:
+    if not (grid.cell_dir(cell) / "summary.json").is_file():
+        raise RunError(f"cell {cell.cell_id} finished on {host}, but {grid.cell_dir(cell) / 'summary.json'} is not "
+                       f"visible on {socket.gethostname()}: a Ray cluster of several machines needs --out on a "
+                       f"filesystem shared by every node, at the same path")
+
+
+def _collect(ray, refs: dict, done: Callable, failed: Callable) -> None:
+    """Wait for every task of ``refs`` ({ref: (grid, cell)}); report each as done or failed as it ends."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=_POLL_S)
+        for ref in ready:
+            grid, cell = refs[ref]
+            try:
+                summary, host = ray.get(ref)
+            except ray.exceptions.RayError as e:  # the cell raised, or its worker died MAX_RETRIES + 1 times
+                failed(grid, cell, _error_text(ray, e))
+                continue
+            _check_visible(grid, cell, host)
+            done(grid, cell, summary)
+
+
+def _cancel(ray, refs: Sequence) -> None:
+    """Cancel unfinished tasks, killing their workers, and wait a little for the kills to take effect."""
+    for ref in refs:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+    with contextlib.suppress(Exception):
+        ray.wait(list(refs), num_returns=len(refs), timeout=10)
+
+
+def run_on_ray(jobs: Sequence[tuple[Any, Any]], *, threads: int, done: Callable, failed: Callable,
+               address: str | None = None, num_cpus: int | None = None) -> float:
+    """Run ``jobs`` ((grid run, cell) pairs, in submission order) as Ray tasks with ``threads`` CPUs each.
+
+    Args:
+        jobs: what :func:`~normlab.runner.execute.run_cells` runs.
+        threads: torch threads of a cell, its ``num_cpus``.
+        done: ``done(grid, cell, summary)``, called in this process as each cell finishes.
+        failed: ``failed(grid, cell, error_line)`` for a cell that raised (or whose worker kept dying).
+        address: a Ray cluster (``host:port`` or ``auto``); None: a local Ray with ``num_cpus`` CPUs.
+        num_cpus: see ``address`` (at least ``threads``).
+
+    Returns:
+        The CPUs of the Ray cluster used.
+
+    Raises:
+        UsageError: Ray missing, an unreachable address, a grid the cluster cannot run.
+        RunError: a finished cell's files are not visible here (a cluster without a shared filesystem).
+    """
+    with ray_session(address, max(threads, num_cpus or 1)) as ray:
+        res = _check_resources(ray, jobs, threads)
+        refs = {_submit(ray, g, c, threads, res.get("GPU", 0)): (g, c) for g, c in jobs}
+        try:
+            _collect(ray, refs, done, failed)
+        except BaseException:
+            _cancel(ray, list(refs))
+            raise
+        return res.get("CPU", 0)
