@@ -93,6 +93,8 @@ BAD = [
     ("compare-batch-too-large", ["compare", "--batch-sizes", "64,99999"], ["--batch-sizes", "99999"], None),
     ("compare-lr-scaling-bad", ["compare", "--lr-scaling", "cubic"], ["--lr-scaling", "invalid choice"], None),
     ("compare-out-is-file", ["compare", "--out", "{file}"], ["--out", "is a file"], None),
+    ("train-tensorboard-is-file", ["train", "--tensorboard", "{file}"], ["--tensorboard", "is a file"], None),
+    ("train-tensorboard-empty", ["train", "--tensorboard", ""], ["--tensorboard", "empty"], None),
     ("compare-backend-bad", ["compare", "--backend", "dask"], ["--backend", "invalid choice"], None),
     ("compare-address-without-ray", ["compare", "--address", "auto"], ["--address", "--backend ray"], None),
     ("compare-address-with-workers", ["compare", "--backend", "ray", "--address", "auto", "--workers", "2"],

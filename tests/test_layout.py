@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "normlab"
-LIBRARY = ("normlab.functional", "normlab.nn", "normlab.convert", "normlab.monitor")
+LIBRARY = ("normlab.functional", "normlab.nn", "normlab.convert", "normlab.monitor", "normlab.integrations")
 MAX_FUNCTION_LINES = 80
 
 

@@ -12,7 +12,7 @@ from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names
 from normlab.runner.checks import check_feasible
 from normlab.runner.config import TrainConfig
 from normlab.runner.errors import UsageError
-from normlab.runner.io import remove_stale_temps
+from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 from normlab.runner.train import train
 
@@ -54,6 +54,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_run_args(p)
     add_optim_args(p)
     add_out_arg(p, "runs/train")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="also write TensorBoard event files to DIR: loss, accuracy and lr of the run, and with "
+                        "--monitor-every the monitor's per-layer scalars and histograms (pip install "
+                        "'normlab[tensorboard]')")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
     return p
@@ -76,18 +80,29 @@ def _config(args: argparse.Namespace) -> TrainConfig:
     ).validate()
 
 
+def _check_tensorboard(args: argparse.Namespace) -> None:
+    if args.tensorboard is None:
+        return
+    check_dir_option(args.tensorboard, "--tensorboard")
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise UsageError("--tensorboard needs TensorBoard: pip install 'normlab[tensorboard]'") from None
+
+
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
+    _check_tensorboard(args)
     cfg = _config(args)
     check_feasible(cfg, data=load_data(args, batch_sizes=(args.batch_size,)))
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 holds the lock and writes every file
-        summary = train(cfg, args.out, progress=not args.quiet)
+        summary = train(cfg, args.out, progress=not args.quiet, tensorboard=args.tensorboard)
     else:
         with out_lock(args.out, NAME) as out:
             remove_stale_temps(out)  # left by a writer killed in an earlier run; no live writer holds the lock
-            summary = train(cfg, out, progress=not args.quiet)
+            summary = train(cfg, out, progress=not args.quiet, tensorboard=args.tensorboard)
     acc = summary.get("final_test_acc")
     msg = f"final test acc {100 * acc:.2f} %" if acc is not None else "no test accuracy"
     if summary.get("collapsed"):

@@ -31,6 +31,12 @@ Per layer and recorded step (one dict in ``mon.records``; keys absent where they
     mean_update_mean / _std / _absmax   mean(dW_o) over filters: mean, spread (std), max |.|  (Fig. 1b)
 Weight quantities are taken on the kernel the recorded forward used (before the optimizer step).
 
+Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
+optimizer step and ``mon.after_update()`` right after it: together they are ``mon.step(optimizer)``.
+``VarianceMonitor(..., tensorboard=DIR or SummaryWriter)`` also writes every recorded step to TensorBoard
+(:mod:`normlab.integrations.tensorboard`: per-layer scalars grouped as the paper's figures, per-filter mean-update
+histograms, the alarm as text).
+
 Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped; hooks sit on the local
 replica, so each rank records its own shard of the batch) and ``torch.compile`` (``._orig_mod`` is unwrapped).
 Compiled models: create the monitor BEFORE the first call of the compiled model. Compiled code does not see hooks
@@ -45,6 +51,7 @@ import csv
 import io
 import json
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -106,6 +113,9 @@ class VarianceMonitor:
         include_norm: also monitor normalization layers (output variance, input ratio).
         record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
             evaluation pass inside a recording step does not replace the training statistics).
+        tensorboard: a log directory or a ``SummaryWriter``: every recorded step is also written there
+            (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
+            writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
     """
 
     def __init__(
@@ -123,6 +133,7 @@ class VarianceMonitor:
         on_alarm: Callable[[CollapseAlarm], None] | None = None,
         include_norm: bool = True,
         record_eval: bool = False,
+        tensorboard: str | os.PathLike | object | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
@@ -160,6 +171,12 @@ class VarianceMonitor:
         self._pending: dict[str, dict] = {}
         self._handles: list = []
         self._warned_compiled = False
+        self._before: dict[str, Tensor] | None = None
+        self.tensorboard = None
+        if tensorboard is not None:
+            from normlab.integrations.tensorboard import MonitorBoard
+
+            self.tensorboard = MonitorBoard(tensorboard)
         self._sync_hooks()
 
     # ----------------------------------------------------------------- hooks
@@ -231,16 +248,29 @@ class VarianceMonitor:
         On a recording step, also snapshots the effective kernels before and after the optimizer step, writes
         this step's records and runs the collapse check. Returns what ``optimizer.step`` returned.
         """
-        recording = self.is_recording
-        before = None
-        if recording:
-            before = {name: effective_weight(m).clone() for name, m, kind in self.layers if kind != "norm"}
+        self.before_update()
         result = optimizer.step(closure) if optimizer is not None else None
-        if recording:
-            self._finalize(before, optimizer is not None)
+        self.after_update(stepped=optimizer is not None)
+        return result
+
+    def before_update(self) -> None:
+        """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
+        on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step."""
+        self._before = None
+        if self.is_recording:
+            self._before = {name: effective_weight(m).clone() for name, m, kind in self.layers if kind != "norm"}
+
+    def after_update(self, stepped: bool = True) -> None:
+        """Call right after that optimizer step (``stepped=False``: no step was taken): on a recording step it writes
+        the step's records (update ratios against the :meth:`before_update` snapshot) and runs the collapse check;
+        then it advances the step counter."""
+        if self.is_recording:
+            before, self._before = self._before, None
+            if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
+                before, stepped = {n: effective_weight(m).clone() for n, m, k in self.layers if k != "norm"}, False
+            self._finalize(before, stepped)
         self.current_step += 1
         self._sync_hooks()
-        return result
 
     @torch.no_grad()
     def _finalize(self, before: dict[str, Tensor], stepped: bool) -> None:
@@ -276,10 +306,19 @@ class VarianceMonitor:
         output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
         exempt = set() if self.watch_output_layer else output_layer
         alarm = self.detector.check(self.current_step, step_records, exempt, shrink_layers=output_layer)
+        if self.tensorboard is not None:
+            self._to_tensorboard(step_records, before if stepped else None, alarm if self.alarm is None else None)
         if alarm is not None and self.alarm is None:
             self.alarm = alarm
             if self.on_alarm is not None:
                 self.on_alarm(alarm)
+
+    def _to_tensorboard(self, records: list[dict], before: dict[str, Tensor] | None, alarm) -> None:
+        updates = {} if before is None else {name: stats.filter_mean_update(before[name], effective_weight(mod))
+                                             for name, mod, kind in self.layers if kind != "norm"}
+        self.tensorboard.write_records(records, updates)
+        if alarm is not None:
+            self.tensorboard.write_alarm(alarm)
 
     @staticmethod
     def _weight_stats(w: Tensor, after: Tensor | None) -> dict:
@@ -388,6 +427,8 @@ class VarianceMonitor:
         self.closed = True
         self._pending = {}
         self._remove_hooks()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def __enter__(self) -> VarianceMonitor:
         return self

@@ -16,6 +16,10 @@ Files in ``out_dir`` (only rank 0 writes, every file atomically):
 - ``monitor.jsonl``: the :class:`~normlab.monitor.VarianceMonitor` records when ``monitor_every > 0``.
 - ``summary.json``: the returned summary.
 
+``train(..., tensorboard=DIR)`` also writes the run's loss (every step), evaluations and learning rate and the
+monitor's records to TensorBoard event files in ``DIR`` (:mod:`normlab.integrations.tensorboard`; a resumed run
+purges the events after its checkpoint).
+
 Collapse (:mod:`normlab.runner.collapse`): a non-finite loss stops the run and the checkpoint keeps the last good
 weights; a return of the loss to chance level is recorded and training goes on; a net that never left chance is
 judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
@@ -158,7 +162,8 @@ def _fmt(v) -> str:
 class Trainer:
     """One run of :func:`train`: set-up or resume, epochs, evaluation, checkpoints, summary."""
 
-    def __init__(self, config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True) -> None:
+    def __init__(self, config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
+                 tensorboard: str | os.PathLike | None = None) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
         self.config = config.validate()
@@ -172,6 +177,8 @@ class Trainer:
         self.losses: list[float | None] = []  # training loss of every step (None: not finite)
         self.monitor: VarianceMonitor | None = None
         self._monitor_written = 0
+        self.tensorboard = tensorboard
+        self.board = None
 
     # -- paths ---------------------------------------------------------------------------------------------
     @property
@@ -197,7 +204,7 @@ class Trainer:
         if ck is not None and ck["state"]["finished"]:
             self.history, self.state = list(ck["history"]), TrainState.from_dict(ck["state"])
             return self._write_summary()
-        self._build()
+        self._build(ck)
         if ck is not None:
             self._restore(ck)
         else:
@@ -209,6 +216,8 @@ class Trainer:
         finally:
             if self.monitor is not None:
                 self.monitor.close()
+            if self.board is not None:
+                self.board.close()
         return self._write_summary()
 
     def _existing_checkpoint(self) -> dict | None:
@@ -256,7 +265,7 @@ class Trainer:
             return {"schedule": RenormSchedule.scaled(self.config.epochs * self.steps_per_epoch() // 2)}
         return {}
 
-    def _build(self) -> None:
+    def _build(self, ck: dict | None = None) -> None:
         cfg = self.config
         info = self._load_data()
         seed_everything(cfg.seed)
@@ -274,9 +283,16 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.tracker = CollapseTracker(info["num_classes"], loss_window(cfg.batch_size))
+        if self.tensorboard is not None and self.is_main:
+            from normlab.integrations.tensorboard import MonitorBoard
+
+            # a resumed run drops the events written after its checkpoint
+            self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
         if cfg.monitor_every > 0:
+            board = {} if self.board is None else {"tensorboard": self.board.writer}
             self.monitor = VarianceMonitor(self.raw_model, every=cfg.monitor_every,
-                                           dense_steps=cfg.monitor_dense_steps, dense_every=cfg.monitor_dense_every)
+                                           dense_steps=cfg.monitor_dense_steps, dense_every=cfg.monitor_dense_every,
+                                           **board)
 
     def _snapshot(self) -> dict:
         return {
@@ -382,6 +398,8 @@ class Trainer:
         x, y = (t.to(self.device) for t in batch)
         out, value = self._step(x, y)
         self.losses.append(value)
+        if self.board is not None:
+            self.board.write_scalars({"step_loss": value}, self.state.steps_total)
         if self.tracker.update(value) == "non_finite":
             win.collapse = "non_finite"
         if out is None:
@@ -411,6 +429,7 @@ class Trainer:
                 break
             if step + 1 in marks:
                 self.history.append(self._eval_entry(epoch + (step + 1) / n_steps, win))
+                self._board_entry(self.history[-1])
                 self.model.train()
                 win = _Window()
         if bar is not None:
@@ -439,6 +458,13 @@ class Trainer:
             entry["test_acc_train_mode"] = evaluate_train_mode(self.raw_model, self.test_ds, self.device,
                                                                self.config.batch_size)
         return entry
+
+    def _board_entry(self, entry: dict) -> None:
+        """An evaluation's numbers (train/test loss and accuracy, lr) as TensorBoard scalars at its step."""
+        if self.board is not None:
+            self.board.write_scalars({k: v for k, v in entry.items() if k not in ("epoch", "step", "time_s")},
+                                     entry["step"])
+            self.board.flush()
 
     def _flush_monitor(self) -> None:
         """Append the monitor records of this epoch (and a first alarm) to monitor.jsonl."""
@@ -477,6 +503,7 @@ class Trainer:
         entry = self._eval_entry(epoch + 1, win)
         self.scheduler.step()
         self.history.append(entry)
+        self._board_entry(entry)
         st = self.state
         st.epoch = epoch + 1
         target = self.config.target_acc
@@ -531,8 +558,11 @@ class Trainer:
         return summary
 
 
-def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True) -> dict:
+def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
+          tensorboard: str | os.PathLike | None = None) -> dict:
     """Train (or resume, or return the finished run in ``out_dir``) and return the summary dict.
+
+    ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
 
     Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
     monitor_alarm, epochs_to_target, step_time_s, epochs_run, world_size, history``.
@@ -542,4 +572,4 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
             of another configuration.
         RunError: an unreadable checkpoint, or results without a checkpoint in ``out_dir``.
     """
-    return Trainer(config, out_dir, progress).run()
+    return Trainer(config, out_dir, progress, tensorboard).run()
