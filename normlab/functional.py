@@ -713,7 +713,9 @@ def pws_weight(
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     """Capsule non-linearity (Sabour et al. 2017): ``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim``.
 
-    ``eps`` keeps the gradient finite at ``s = 0``. Shape: any; the vector axis is ``dim``.
+    ``eps`` keeps the gradient finite at ``s = 0``. Shape: any; the vector axis is ``dim``. Half inputs are
+    squashed in float32 (|s|^2 of a float16 vector overflows from |s| ~ 256) and returned in their dtype.
     """
-    sq = s.square().sum(dim, keepdim=True)
-    return s * (sq / (1.0 + sq)) * torch.rsqrt(sq + eps)
+    x = _stats_dtype(s)
+    sq = x.square().sum(dim, keepdim=True)
+    return (x * (sq / (1.0 + sq)) * torch.rsqrt(sq + eps)).to(s.dtype)

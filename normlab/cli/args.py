@@ -201,6 +201,9 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
                    help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})")
     p.add_argument("--num-workers", type=integer(0), default=d.num_workers,
                    help="accepted for compatibility (data sets are in-memory tensors)")
+    p.add_argument("--amp", action="store_true",
+                   help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
+                        "layers keep float32 statistics; evaluation runs in float32)")
     p.add_argument("--threads", type=threads_int, default=None,
                    help=f"torch threads per training process, 1 to {MAX_THREADS} (default: torch's choice for one "
                         f"process, 1 per worker when several run in parallel; 1 is often fastest for these small "
@@ -217,6 +220,8 @@ def train_kwargs(args: argparse.Namespace) -> dict:
               monitor_dense_every=args.monitor_dense_every, stop_on_collapse=args.stop_on_collapse)
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir
+    if args.amp:  # only when asked: grids and checkpoints written before --amp existed stay resumable
+        kw["amp"] = True
     return kw
 
 

@@ -65,7 +65,8 @@ class TrainConfig:
     samples); ``evals_per_epoch`` (test evaluations per epoch, for curves); ``eval_train_mode`` (also evaluate with
     batch statistics at the training batch size, see :func:`~normlab.runner.evaluation.evaluate_train_mode`);
     ``monitor_dense_steps`` / ``monitor_dense_every`` (the monitor also records every ``monitor_dense_every``
-    steps during the first ``monitor_dense_steps``).
+    steps during the first ``monitor_dense_steps``); ``amp`` (mixed precision: bfloat16 autocast on CPU, float16
+    autocast and a GradScaler on CUDA).
     """
 
     dataset: str = "digits"
@@ -98,6 +99,7 @@ class TrainConfig:
     eval_train_mode: bool = False
     monitor_dense_steps: int = 0
     monitor_dense_every: int = 1
+    amp: bool = False
 
     def __post_init__(self) -> None:
         self.milestones = tuple(self.milestones)
@@ -151,6 +153,8 @@ class TrainConfig:
             self._bad("target_acc", "None or a fraction in [0, 1]")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             self._bad("num_workers", "an integer >= 0")
+        if not isinstance(self.amp, bool):
+            self._bad("amp", "True or False")
         for name in ("model_kwargs", "conv_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 self._bad(name, "a dict")
@@ -176,11 +180,13 @@ class TrainConfig:
         return cls(**d)
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
-        """``"field: saved -> now"`` for every result-changing field that differs from a saved :meth:`to_dict`."""
+        """``"field: saved -> now"`` for every result-changing field that differs from a saved :meth:`to_dict`
+        (a field newer than the saved dict counts as saved with its default)."""
         now = self.to_dict()
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.default is not dataclasses.MISSING}
         out = []
         for k in sorted(set(saved) | set(now)):
-            if k in RESUME_FREE:
+            if k in RESUME_FREE or (k not in saved and now.get(k) == defaults.get(k, dataclasses.MISSING)):
                 continue
             a, b = saved.get(k), now.get(k)
             same = math.isclose(a, b, rel_tol=1e-9) if _is_number(a) and _is_number(b) else a == b

@@ -20,6 +20,10 @@ Files in ``out_dir`` (only rank 0 writes, every file atomically):
 monitor's records to TensorBoard event files in ``DIR`` (:mod:`normlab.integrations.tensorboard`; a resumed run
 purges the events after its checkpoint).
 
+Mixed precision (``amp``): the forward pass and the loss run under ``torch.autocast``, bfloat16 on CPU and float16
+on CUDA with a ``GradScaler`` (its state is checkpointed); normlab's layers keep float32 statistics and running
+buffers under autocast; evaluation runs in float32.
+
 Collapse (:mod:`normlab.runner.collapse`): a non-finite loss stops the run and the checkpoint keeps the last good
 weights; a return of the loss to chance level is recorded and training goes on; a net that never left chance is
 judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
@@ -179,6 +183,7 @@ class Trainer:
         self._monitor_written = 0
         self.tensorboard = tensorboard
         self.board = None
+        self.scaler = None
 
     # -- paths ---------------------------------------------------------------------------------------------
     @property
@@ -283,6 +288,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.tracker = CollapseTracker(info["num_classes"], loss_window(cfg.batch_size))
+        if cfg.amp and self.device.type == "cuda":
+            self.scaler = torch.amp.GradScaler("cuda")
         if self.tensorboard is not None and self.is_main:
             from normlab.integrations.tensorboard import MonitorBoard
 
@@ -308,6 +315,7 @@ class Trainer:
             "losses": list(self.losses),
             "state": self.state.to_dict(),
             "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
         }
 
     def _start(self) -> None:
@@ -329,6 +337,8 @@ class Trainer:
         for value in self.losses:  # the collapse tracker is a function of the loss trace
             self.tracker.update(value)
         self.state = TrainState.from_dict({**ck["state"], "world_size": self.world})
+        if self.scaler is not None and ck.get("scaler"):
+            self.scaler.load_state_dict(ck["scaler"])
         if self.monitor is not None:
             if ck.get("monitor") is not None:
                 self.monitor.load_state_dict(ck["monitor"])  # the same alarms as without the interruption
@@ -363,9 +373,12 @@ class Trainer:
     def _step(self, x: torch.Tensor, y: torch.Tensor):
         """One SGD step; returns (outputs, loss value), or (None, None) when the loss is not finite on any rank.
 
-        Under DDP the loss value is the mean over ranks, so every rank judges collapse alike."""
-        out = self.model(x)
-        loss = F.cross_entropy(out, y)
+        Under DDP the loss value is the mean over ranks, so every rank judges collapse alike. With ``amp`` the
+        forward pass and the loss run under autocast."""
+        amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        with torch.autocast(self.device.type, dtype=amp_dtype, enabled=self.config.amp):
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)
         value = loss.item()
         if self.world > 1:
             finite = math.isfinite(value)
@@ -374,12 +387,25 @@ class Trainer:
         if not math.isfinite(value):
             return None, None
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.monitor is not None:
+        if self.scaler is not None:
+            self._scaled_step(loss)
+        elif self.monitor is not None:
+            loss.backward()
             self.monitor.step(self.optimizer)
         else:
+            loss.backward()
             self.optimizer.step()
         return out, value
+
+    def _scaled_step(self, loss: torch.Tensor) -> None:
+        """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
+        self.scaler.scale(loss).backward()
+        if self.monitor is not None:
+            self.monitor.before_update()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.monitor is not None:
+            self.monitor.after_update()
 
     def _alarm_stops(self) -> dict | None:
         """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
