@@ -1,0 +1,142 @@
+"""The Lightning callback, for real on CPU: records after optimizer steps through Lightning's hooks (gradient
+accumulation, two optimizers), logs through the module's logger, stops the trainer on an alarm, refuses sharded
+strategies."""
+
+from __future__ import annotations
+
+import csv
+import json
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import needs
+from torch import nn
+
+pl = needs("lightning.pytorch")
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
+
+from normlab.integrations.lightning import VarianceMonitorCallback  # noqa: E402
+
+
+class Tiny(pl.LightningModule):
+    """A conv net on 8x8 inputs; ``blow_up_at``: multiply the first conv's weights by 1e3 at that step."""
+
+    def __init__(self, blow_up_at: int | None = None, two_optimizers: bool = False):
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(144, 3))
+        self.blow_up_at = blow_up_at
+        self.automatic_optimization = not two_optimizers
+
+    def training_step(self, batch, batch_idx):
+        if self.blow_up_at is not None and self.global_step == self.blow_up_at:
+            with torch.no_grad():
+                self.net[0].weight.mul_(1e3)
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if not self.automatic_optimization:  # manual optimization: the conv and the classifier step separately
+            for opt in self.optimizers():
+                opt.zero_grad()
+            self.manual_backward(loss)
+            for opt in self.optimizers():
+                opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        if self.automatic_optimization:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+        return [torch.optim.SGD(self.net[:2].parameters(), lr=0.05), torch.optim.SGD(self.net[4].parameters(), lr=0.05)]
+
+
+def _data(n: int = 64, batch: int = 8):
+    g = torch.Generator().manual_seed(0)
+    ds = torch.utils.data.TensorDataset(torch.randn(n, 1, 8, 8, generator=g), torch.randint(0, 3, (n,), generator=g))
+    return torch.utils.data.DataLoader(ds, batch_size=batch)
+
+
+def _fit(module, callback, tmp_path=None, ckpt_path=None, **kw) -> pl.Trainer:
+    torch.manual_seed(0)
+    logger = CSVLogger(str(tmp_path), name="csv") if tmp_path is not None else False
+    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                         log_every_n_steps=1, **kw)
+    trainer.fit(module, _data(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_records_every_n_steps_and_logs_through_the_module_logger(tmp_path, one_thread):
+    cb = VarianceMonitorCallback(every=2, jsonl=tmp_path / "mon.jsonl")
+    trainer = _fit(Tiny(), cb, tmp_path, max_steps=6)
+    assert trainer.global_step == 6 and cb.monitor.current_step == 6
+    records = cb.monitor.records
+    assert sorted({r["step"] for r in records}) == [0, 2, 4]
+    assert all("update_ratio_mean" in r for r in records if r["kind"] != "norm")
+    assert len((tmp_path / "mon.jsonl").read_text().splitlines()) == len(records)
+    with open(trainer.logger.experiment.metrics_file_path) as f:
+        rows = list(csv.DictReader(f))
+    logged = {int(r["step"]): float(r["output_var/net.0"]) for r in rows if r.get("output_var/net.0")}
+    assert logged == pytest.approx({r["step"]: r["output_var"] for r in records if r["layer"] == "net.0"}, rel=1e-6)
+
+
+def test_gradient_accumulation_records_once_per_optimizer_step(one_thread):
+    cb = VarianceMonitorCallback(every=1, log=False)
+    trainer = _fit(Tiny(), cb, max_steps=3, accumulate_grad_batches=2)
+    assert trainer.global_step == 3 and cb.monitor.current_step == 3  # 6 batches, 3 steps
+    assert sorted({r["step"] for r in cb.monitor.records}) == [0, 1, 2]
+
+
+def test_two_optimizers_one_record_per_batch_covering_both(one_thread):
+    cb = VarianceMonitorCallback(every=1, log=False)
+    _fit(Tiny(two_optimizers=True), cb, max_epochs=1, limit_train_batches=3)
+    assert cb.monitor.current_step == 3
+    first = {r["layer"]: r for r in cb.monitor.records if r["step"] == 0}
+    for layer in ("net.0", "net.4"):  # each stepped by its own optimizer: the record sees both steps
+        assert first[layer]["mean_update_absmax"] > 0
+
+
+def test_alarm_stops_the_trainer(one_thread):
+    cb = VarianceMonitorCallback(every=1, stop_on_alarm=True, log=False)
+    with pytest.warns(UserWarning, match="collapse warning at step 3: layer 'net.0'"):
+        trainer = _fit(Tiny(blow_up_at=3), cb, max_steps=20)
+    assert cb.monitor.alarm.layer == "net.0" and cb.monitor.alarm.step == 3
+    assert trainer.global_step == 4  # stopped after the batch that raised the alarm
+    free = VarianceMonitorCallback(every=1, log=False)
+    assert _fit(Tiny(blow_up_at=3), free, max_steps=8).global_step == 8 and free.monitor.alarm is not None
+
+
+def test_sharded_strategies_are_refused():
+    cb = VarianceMonitorCallback()
+    trainer = types.SimpleNamespace(strategy=FSDPStrategy())
+    with pytest.raises(ValueError, match="strategy FSDPStrategy is not supported.*single device or DDP"):
+        cb.setup(trainer, Tiny(), "fit")
+
+
+def test_monitor_state_travels_with_lightning_checkpoints(tmp_path, one_thread):
+    cb = VarianceMonitorCallback(every=1, log=False)
+    trainer = _fit(Tiny(), cb, max_steps=3)
+    trainer.save_checkpoint(tmp_path / "a.ckpt")
+    resumed = VarianceMonitorCallback(every=1, log=False)
+    _fit(Tiny(), resumed, ckpt_path=tmp_path / "a.ckpt", max_steps=5)
+    assert resumed.monitor.current_step == 5  # counted on from the checkpoint's 3
+    assert sorted({r["step"] for r in resumed.monitor.records}) == [3, 4]
+
+
+class BlowUpOnRankOne(Tiny):
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == 1 and self.global_step == 3:
+            with torch.no_grad():
+                self.net[0].weight.mul_(1e3)
+        return super().training_step(batch, batch_idx)
+
+
+def test_ddp_an_alarm_on_one_rank_stops_every_rank(tmp_path):
+    cb = VarianceMonitorCallback(every=1, stop_on_alarm=True, log=False, jsonl=tmp_path / "rank0.jsonl")
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=20, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[cb])
+    trainer.fit(BlowUpOnRankOne(), _data())  # each rank trains on its half of the batches
+    lines = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in lines) == 3  # rank 0 saw no alarm itself but stopped with rank 1
+    assert not [r for r in lines if r.get("event") == "alarm"]
