@@ -1,0 +1,150 @@
+"""Deploy a trained run: rebuild its model from ``checkpoint.pt``, fold it for inference, export ONNX / TorchScript.
+
+:func:`load_run_model` rebuilds the eval-mode model of a ``normlab train`` run (or of a grid cell); :func:`fold_run`
+folds it with :func:`normlab.convert.fold_for_inference` (WS/PWS/weight-norm kernels become plain convs, an
+eval-mode BatchNorm after a conv is folded into it); :func:`export_onnx` writes it with ``torch.onnx.export``
+(a dynamic batch axis, input ``input``, output ``logits``) and checks it in onnxruntime; :func:`export_torchscript`
+traces it with ``torch.jit.trace`` (deprecated by torch >= 2.9 in favour of ``torch.export``; kept for runtimes that
+still load TorchScript) and checks the trace at another batch size. Files are written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from normlab.convert import fold_for_inference
+
+from .config import TrainConfig
+from .data import DATASET_CLASSES
+from .errors import RunError, UsageError
+from .io import atomic_write
+from .models import build_model
+from .train import CHECKPOINT_FORMAT
+
+__all__ = ["INPUT_SHAPES", "load_run_model", "fold_run", "export_onnx", "export_torchscript", "max_rel_diff"]
+
+INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
+
+
+def _checkpoint_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    ck = p / "checkpoint.pt" if p.is_dir() else p
+    if not ck.is_file():
+        raise UsageError(f"CHECKPOINT {path}: expected a normlab run directory or its checkpoint.pt")
+    return ck
+
+
+def load_run_model(path: str | os.PathLike) -> tuple[nn.Module, TrainConfig, tuple[int, ...]]:
+    """The eval-mode model of the run at ``path`` (a run directory or its ``checkpoint.pt``), the run's config and
+    the shape of one input sample. Reads with ``torch.load(weights_only=True)``.
+
+    Raises:
+        UsageError: no checkpoint there, or not one normlab wrote.
+    """
+    ck_path = _checkpoint_path(path)
+    try:
+        ck = torch.load(ck_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UsageError(f"CHECKPOINT {ck_path} is not a readable normlab checkpoint ({type(e).__name__})") from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT or not isinstance(ck.get("config"), dict):
+        raise UsageError(f"CHECKPOINT {ck_path} is not a normlab checkpoint (format {CHECKPOINT_FORMAT})")
+    cfg = TrainConfig.from_dict(ck["config"]).validate()
+    shape = INPUT_SHAPES[cfg.dataset]
+    model = build_model(cfg.model, cfg.norm, cfg.conv, shape[0], DATASET_CLASSES[cfg.dataset], shape, cfg.width,
+                        conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs)
+    model.load_state_dict(ck["model"])
+    return model.eval(), cfg, shape
+
+
+def max_rel_diff(got: Any, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    got = torch.as_tensor(got, dtype=torch.float64)
+    want = want.detach().double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+
+
+def fold_run(model: nn.Module, shape: tuple[int, ...], batch: int = 2, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    """The folded model and the example input (``batch`` random samples) it was checked on."""
+    example = torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
+    return fold_for_inference(model, example), example
+
+
+@contextlib.contextmanager
+def _quiet():
+    """torch's exporters print progress, deprecation notes and log optional operators they skip: keep them off the
+    user's terminal (a failed export still raises)."""
+    log = logging.getLogger("torch.onnx")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        log.setLevel(level)
+
+
+def _onnx_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
+    try:
+        import onnxscript  # noqa: F401  (torch.onnx.export's exporter needs it)
+    except ImportError:
+        raise UsageError("--onnx needs the ONNX exporter: pip install 'normlab[onnx]'") from None
+    batch = torch.export.Dim("batch", min=1, max=2**20)
+    with _quiet():
+        program = torch.onnx.export(model, (example,), dynamo=True, input_names=["input"], output_names=["logits"],
+                                    dynamic_shapes=({0: batch},), verbose=False)
+    return program.model_proto.SerializeToString()
+
+
+def _onnxruntime_diff(data: bytes, model: nn.Module, inputs: list[torch.Tensor]) -> float | None:
+    """Largest relative difference between onnxruntime and torch on ``inputs`` (None without onnxruntime)."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return None
+    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        return max(max_rel_diff(session.run(None, {"input": x.numpy()})[0], model(x)) for x in inputs)
+
+
+def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, rtol: float = 1e-4) -> float | None:
+    """Write ``model`` as ONNX to ``path`` and check it in onnxruntime (at the example's batch size and another).
+
+    Returns:
+        The largest relative difference from torch, or None when onnxruntime is not installed.
+
+    Raises:
+        RunError: onnxruntime's outputs differ from torch's by more than ``rtol`` (nothing is written).
+    """
+    data = _onnx_bytes(model, example)
+    diff = _onnxruntime_diff(data, model, [example, torch.cat([example, example[:1]])])
+    if diff is not None and diff > rtol:
+        raise RunError(f"ONNX export: onnxruntime differs from torch by {diff:.3g} (relative), above {rtol:g}")
+    atomic_write(path, lambda f: f.write(data))
+    return diff
+
+
+def export_torchscript(model: nn.Module, example: torch.Tensor, path: str | os.PathLike,
+                       rtol: float = 1e-4) -> float:
+    """Trace ``model`` with ``torch.jit.trace`` and save it to ``path``; returns the relative difference of the
+    loaded trace from torch at another batch size (RunError above ``rtol``; nothing is written then)."""
+    with _quiet(), torch.no_grad():
+        traced = torch.jit.trace(model, example)
+        buf = io.BytesIO()
+        torch.jit.save(traced, buf)
+        buf.seek(0)
+        other = torch.cat([example, example[:1]])
+        diff = max_rel_diff(torch.jit.load(buf)(other), model(other))
+    if diff > rtol:
+        raise RunError(f"TorchScript export: the trace differs from torch by {diff:.3g} (relative), above {rtol:g}")
+    atomic_write(path, lambda f: f.write(buf.getvalue()))
+    return diff
