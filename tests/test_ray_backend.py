@@ -88,6 +88,8 @@ def test_ray_matches_process_backend_and_resumes_its_grid(ray_cluster, tmp_path,
     assert _without_timing(load_results(out)) == _without_timing(load_results(tmp_path / "process"))
     assert _without_timing(res) == _without_timing(ref)
     assert _files(out) == _files(tmp_path / "process")
+    whole = run_grid(spec, tmp_path / "ray", threads=1, progress=False, render=False, backend="ray")  # Ray only
+    assert _without_timing(whole) == _without_timing(ref) and _files(tmp_path / "ray") == _files(out)
     for cell in expand_grid(spec):  # the resumed cell trained exactly as an uninterrupted one
         a, b = (d / "runs" / cell.cell_id / "metrics.jsonl" for d in (out, tmp_path / "process"))
         assert _without_timing([json.loads(x) for x in a.read_text().splitlines()]) == \
