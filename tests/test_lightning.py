@@ -108,7 +108,7 @@ def test_alarm_stops_the_trainer(one_thread):
 
 def test_sharded_strategies_are_refused():
     cb = VarianceMonitorCallback()
-    trainer = types.SimpleNamespace(strategy=FSDPStrategy())
+    trainer = types.SimpleNamespace(strategy=FSDPStrategy(), global_rank=0)
     with pytest.raises(ValueError, match="strategy FSDPStrategy is not supported.*single device or DDP"):
         cb.setup(trainer, Tiny(), "fit")
 

@@ -49,7 +49,7 @@ class VarianceMonitorCallback(pl.Callback):
         log: log the recorded scalars through the module's logger.
         jsonl: write every record to this path when fitting ends (``normlab monitor PATH`` draws the figures).
         **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``explode_factor``,
-            ``include_norm``, ``tensorboard``, ...).
+            ``include_norm``, ``tensorboard`` (written by rank 0 only), ...).
 
     Attributes:
         monitor: the :class:`~normlab.monitor.VarianceMonitor` of the current (or last) fit, None before.
@@ -72,7 +72,10 @@ class VarianceMonitorCallback(pl.Callback):
             raise ValueError(f"VarianceMonitorCallback: strategy {type(strategy).__name__} is not supported (it "
                              f"shards or wraps the parameters, so no rank holds whole kernels); use a single device "
                              f"or DDP")
-        self.monitor = VarianceMonitor(pl_module, every=self.every, **self.monitor_kwargs)
+        kwargs = dict(self.monitor_kwargs)
+        if trainer.global_rank != 0:  # one writer per event directory: rank 0's
+            kwargs.pop("tensorboard", None)
+        self.monitor = VarianceMonitor(pl_module, every=self.every, **kwargs)
         if self._state is not None:
             self.monitor.load_state_dict(self._state)
             self._state = None

@@ -15,7 +15,7 @@ drops finished cells from the report. A run with other settings is refused in on
 
 **Workers die with their parent.** Each worker asks the kernel for SIGKILL when its parent dies
 (``PR_SET_PDEATHSIG`` on Linux) and also polls its parent (everywhere); it ignores SIGINT, which the parent handles:
-on Ctrl-C, SIGTERM or a failed cell the parent terminates its workers before it exits, and a resumed run (which
+on Ctrl-C, SIGTERM or a dead worker the parent terminates its workers before it exits, and a resumed run (which
 takes the directory's lock) never trains a cell that another live process is training.
 
 **Backends.** ``backend="process"`` (the default) runs cells in this process or a pool of local worker processes;
@@ -307,7 +307,7 @@ def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Ca
                     continue
                 done(*futures[f], summary)
         except BaseException:
-            # a failed cell, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
+            # a dead worker, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
             _stop_workers(pool)
             raise
 
