@@ -87,3 +87,11 @@ def test_export_refusals(tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_without_the_onnx_extra_the_error_names_it(tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # not installed
+    assert main(["export", str(tmp_path), "--onnx", str(tmp_path / "m.onnx")]) == 2
+    assert "pip install 'normlab[onnx]'" in capsys.readouterr().err

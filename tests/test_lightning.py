@@ -140,3 +140,13 @@ def test_ddp_an_alarm_on_one_rank_stops_every_rank(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in lines) == 3  # rank 0 saw no alarm itself but stopped with rank 1
     assert not [r for r in lines if r.get("event") == "alarm"]
+
+
+def test_without_lightning_the_error_names_the_extra(monkeypatch):
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lightning.pytorch", None)  # not installed
+    monkeypatch.delitem(sys.modules, "normlab.integrations.lightning")
+    with pytest.raises(ImportError, match=r"pip install 'normlab\[lightning\]'"):
+        importlib.import_module("normlab.integrations.lightning")

@@ -187,3 +187,23 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
         time.sleep(0.2)
     assert not _ray_workers(slow.cell_id)
     assert not (out / ".normlab.lock").exists()
+
+
+def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
+    from normlab.runner import ray_backend
+    from normlab.runner.errors import RunError, UsageError
+    from normlab.runner.execute import prepare_grid
+
+    with pytest.raises(UsageError, match="cuda:1 with --backend ray.*use --device cuda"):
+        ray_backend._gpus("cuda:1", 8)
+    assert ray_backend._gpus("cuda", 0) == 1 and ray_backend._gpus("cpu", 8) == 0 and ray_backend._gpus("auto", 1) == 1
+    grid = prepare_grid(_spec(norms=("bn",)), tmp_path)
+    with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
+        ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here
+    monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
+    with pytest.raises(UsageError, match=r"--backend ray needs Ray: pip install 'normlab\[ray\]'"):
+        run_grid(_spec(norms=("gn",)), tmp_path / "g", progress=False, backend="ray")
+    from normlab.cli import main
+
+    assert main(["compare", "--backend", "ray", "--norms", "bn", "--out", str(tmp_path / "cli")]) == 2
+    assert not (tmp_path / "cli").exists()  # refused before anything was written

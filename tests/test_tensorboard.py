@@ -5,6 +5,7 @@ the run's loss, accuracy and learning rate."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -139,3 +140,12 @@ def test_a_resumed_run_purges_the_events_after_its_checkpoint(tmp_path, monkeypa
     records, _ = _records(tmp_path / "run" / "monitor.jsonl")
     assert [e.step for e in acc.Scalars("output_var/features.0.conv")] == list(range(8))
     assert _check_scalars_equal_records(acc, records) > 0
+
+
+def test_without_tensorboard_the_error_names_the_extra(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
+    with pytest.raises(ImportError, match=r"pip install 'normlab\[tensorboard\]'"):
+        VarianceMonitor(_net(), tensorboard=tmp_path / "tb")
+    assert main(["train", "--tensorboard", str(tmp_path / "tb"), "--out", str(tmp_path / "run")]) == 2
+    assert "--tensorboard needs TensorBoard: pip install 'normlab[tensorboard]'" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "tb").exists()

@@ -10,6 +10,7 @@ from normlab.runner.errors import UsageError
 from normlab.runner.execute import BACKENDS, run_grid
 from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
 from normlab.runner.lock import out_lock
+from normlab.runner.ray_backend import require_ray
 from normlab.runner.report import print_summary
 
 from .args import (
@@ -111,6 +112,8 @@ def _check_backend(args: argparse.Namespace) -> None:
         raise UsageError("--address: expected a Ray cluster address (host:port or auto), got an empty string")
     if args.address is not None and args.workers:
         raise UsageError("--workers: the Ray cluster at --address decides how many cells run at once; drop --workers")
+    if args.backend == "ray":
+        require_ray()  # refused before anything is written
 
 
 def run(args: argparse.Namespace) -> int:

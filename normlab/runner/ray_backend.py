@@ -33,14 +33,15 @@ import torch
 from .errors import RunError, UsageError
 from .train import train
 
-__all__ = ["run_on_ray", "ray_session", "MAX_RETRIES"]
+__all__ = ["run_on_ray", "ray_session", "require_ray", "MAX_RETRIES"]
 
 MAX_RETRIES = 3  # Ray reruns a cell whose worker died this many times (it resumes from its checkpoint)
 _OBJECT_STORE = 128 * 2**20  # an embedded Ray only carries cell summaries: keep its shared memory small
 _POLL_S = 0.5  # the driver wakes this often, so that Ctrl-C is handled at once
 
 
-def _import_ray():
+def require_ray():
+    """The ``ray`` module, or a one-line :class:`UsageError` naming the extra to install."""
     try:
         import ray
     except ImportError:
@@ -58,7 +59,7 @@ def _cell_task(config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[Any]:
     """The ``ray`` module, connected: to ``address``, else to a session this process holds, else to a local Ray
     started here with ``num_cpus`` CPUs (stopped when the block ends)."""
-    ray = _import_ray()
+    ray = require_ray()
     if ray.is_initialized():
         yield ray
         return
