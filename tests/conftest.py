@@ -6,6 +6,10 @@ import os
 import pytest
 import torch
 
+# Ray in tests stays on the loopback (its local-only switch, read when ray is first imported) and reports nothing
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
 
 @pytest.fixture
 def one_thread():

@@ -30,9 +30,9 @@ _TIMING = ("step_time_s", "time_s")
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = needs("ray")
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, _node_ip_address="127.0.0.1",
              logging_level=logging.WARNING)
+    assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")  # the loopback only (conftest)
     yield ray
     ray.shutdown()
 
@@ -190,6 +190,7 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
 
 
 def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
+    from normlab.cli import main
     from normlab.runner import ray_backend
     from normlab.runner.errors import RunError, UsageError
     from normlab.runner.execute import prepare_grid
@@ -200,10 +201,13 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     grid = prepare_grid(_spec(norms=("bn",)), tmp_path)
     with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
         ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here
+    for address, words in (("ray://h:10001", "expected host:port"), ("h", "expected host:port"),
+                           ("127.0.0.1:1", "no Ray cluster answers there")):  # port 1 on the loopback: closed
+        with pytest.raises(UsageError, match=words):
+            ray_backend.check_address(address)
+    assert main(["compare", "--backend", "ray", "--address", "127.0.0.1:1", "--out", str(tmp_path / "cli")]) == 2
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
     with pytest.raises(UsageError, match=r"--backend ray needs Ray: pip install 'normlab\[ray\]'"):
         run_grid(_spec(norms=("gn",)), tmp_path / "g", progress=False, backend="ray")
-    from normlab.cli import main
-
     assert main(["compare", "--backend", "ray", "--norms", "bn", "--out", str(tmp_path / "cli")]) == 2
     assert not (tmp_path / "cli").exists()  # refused before anything was written

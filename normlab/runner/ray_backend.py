@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -33,15 +35,21 @@ import torch
 from .errors import RunError, UsageError
 from .train import train
 
-__all__ = ["run_on_ray", "ray_session", "require_ray", "MAX_RETRIES"]
+__all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
 
 MAX_RETRIES = 3  # Ray reruns a cell whose worker died this many times (it resumes from its checkpoint)
 _OBJECT_STORE = 128 * 2**20  # an embedded Ray only carries cell summaries: keep its shared memory small
 _POLL_S = 0.5  # the driver wakes this often, so that Ctrl-C is handled at once
 
 
-def require_ray():
-    """The ``ray`` module, or a one-line :class:`UsageError` naming the extra to install."""
+def require_ray(local: bool = False):
+    """The ``ray`` module, or a one-line :class:`UsageError` naming the extra to install.
+
+    ``local``: this process only starts a Ray of its own. Before Ray's first import, that Ray is then kept on the
+    loopback: Ray's switch for a local-only Ray (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) makes its node address
+    127.0.0.1 instead of the machine's network address (unless the user set the variable)."""
+    if local and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError:
@@ -57,18 +65,21 @@ def _cell_task(config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]
 
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iterator[Any]:
-    """The ``ray`` module, connected: to ``address``, else to a session this process holds, else to a local Ray
-    started here with ``num_cpus`` CPUs (stopped when the block ends)."""
-    ray = require_ray()
+    """The ``ray`` module, connected: to the session this process already holds (used as it is), else to the
+    cluster at ``address``, else to a local Ray started here with ``num_cpus`` CPUs; the connection or local Ray
+    made here ends with the block."""
+    ray = require_ray(local=not address)
     if ray.is_initialized():
         yield ray
         return
     if address:
         kwargs: dict[str, Any] = {"address": address}
     else:
-        # nothing else joins an embedded Ray: it listens on the loopback only, without a dashboard
+        # nothing else joins an embedded Ray: on the loopback (see require_ray), without a dashboard, and without
+        # usage statistics unless the user asked for them (RAY_USAGE_STATS_ENABLED=1)
         kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "object_store_memory": _OBJECT_STORE,
                   "_node_ip_address": "127.0.0.1"}
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         ray.init(**kwargs, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
@@ -79,6 +90,21 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield ray
     finally:
         ray.shutdown()
+
+
+def check_address(address: str) -> None:
+    """Refuse an ``--address`` that is not ``host:port`` (or ``auto``) or where nothing answers (TCP, 3 s), before
+    anything is written: Ray itself keeps retrying a wrong address for minutes."""
+    if address == "auto":
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or "/" in address:
+        raise UsageError(f"--address: expected host:port (as `ray start --head` prints it) or auto, got {address!r}")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
+    except OSError as e:
+        raise UsageError(f"--address {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+                         f"start one with `ray start --head` or check the address") from None
 
 
 def _gpus(device: str, cluster_gpus: float) -> int:
