@@ -60,6 +60,9 @@ def test_norm_layer_under_autocast_keeps_float32_statistics(name, dim, dtype, on
         if buf.is_floating_point():
             assert buf.dtype == torch.float32 and buf.isfinite().all(), key
             torch.testing.assert_close(buf, want, rtol=1e-2, atol=1e-3)
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):  # inference with the running statistics
+        y = layer.eval()(x)
+    _close(y, ref.eval()(x.float()))
 
 
 @pytest.mark.parametrize("dtype", AMP_DTYPES, ids=str)
@@ -166,3 +169,17 @@ def test_cli_train_amp(tmp_path):
                  "--max-steps-per-epoch", "2", "--threads", "1", "--quiet", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["amp"] is True and summary["final_test_acc"] is not None
+
+
+def test_grad_scaler_step_with_the_monitor(tmp_path, one_thread):
+    # what --amp does on CUDA (float16 + GradScaler), with torch's CPU GradScaler: the monitor records around
+    # scaler.step and the scaler's state goes into the checkpoint
+    t = Trainer(_amp_cfg(), tmp_path, progress=False)
+    t._build()
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = [p.detach().clone() for p in t.raw_model.parameters()]
+    out, loss = t._step(*t.train_ds.batch(torch.arange(16), t.generator))
+    assert loss == loss and any(not torch.equal(a, p) for a, p in zip(before, t.raw_model.parameters()))
+    rec = [r for r in t.monitor.records if "update_ratio_mean" in r]
+    assert rec and all(r["update_ratio_mean"] == r["update_ratio_mean"] for r in rec) and t.monitor.current_step == 1
+    assert t._snapshot()["scaler"]["scale"] == 2.0**10
