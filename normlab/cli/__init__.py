@@ -1,4 +1,4 @@
-"""The ``normlab`` command line: ``demo | train | compare | report | monitor | bench``.
+"""The ``normlab`` command line: ``demo | train | compare | report | monitor | bench | capsules``.
 
 Each command is one module here with ``add_parser(subparsers)`` (which sets ``run``) and ``run(args) -> int``.
 A refusal of the runner (:class:`~normlab.runner.errors.RunnerError`) is printed as one line with its exit code
@@ -15,11 +15,11 @@ from collections.abc import Sequence
 
 from normlab.runner.errors import RunnerError
 
-from . import bench, compare, demo, monitor, report, train
+from . import bench, capsules, compare, demo, monitor, report, train
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = (demo, train, compare, report, monitor, bench)
+COMMANDS = (demo, train, compare, report, monitor, bench, capsules)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
