@@ -18,8 +18,9 @@ Protocol (fixed before the measurements; docs/capsules.md):
 - Also recorded: the test margin loss, the coupling coefficients' entropy over the parents after routing (mean over
   test examples and primary capsules; uniform is ln 10 = 2.303 nats), the entropy after each routing iteration of
   the trained model, how much detaching changes the trained model's gradient (relative difference and cosine of
-  the full parameter gradient on 256 training examples, same weights), and the median wall time of a training
-  step (1 torch thread per process).
+  the full parameter gradient on 256 training examples, same weights, and their norm ratio), how strongly the
+  reconstruction loss pushes the encoder (its gradient on the conv, primary and routing weights relative to the
+  margin loss's), and the median wall time of a training step (1 torch thread per process).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from typing import Any
 
 import torch
 
-from normlab.nn import dynamic_routing
+from normlab.nn import dynamic_routing, margin_loss
 
 from .capsnet import build_capsnet
 from .capsules_report import render_report
@@ -216,26 +217,49 @@ def _entropy_by_iteration(model, ds, limit: int | None) -> list[float]:
     return [coupling_entropy(dynamic_routing(u_hat, k)[1]).item() for k in range(1, model.digits.iterations + 1)]
 
 
+def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten() for g in torch.autograd.grad(loss, params, retain_graph=True)])
+
+
+def _compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    """|a - b| / |b|, cosine(a, b) and |a| / |b| of two flattened gradients."""
+    return {"rel_diff": ((a - b).norm() / b.norm()).item(),
+            "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+            "norm_ratio": (a.norm() / b.norm()).item()}
+
+
 def _detach_effect(model, ds, n: int = 256) -> dict[str, float] | None:
     """How much the stop_gradient changes the trained model's gradient: the loss gradient over all parameters on
-    the first ``n`` training examples with ``detach_inner`` on and off (same weights); None for one iteration."""
+    the first ``n`` training examples with ``detach_inner`` on and off (same weights), compared as
+    detached-vs-full by :func:`_compare`; None for one iteration."""
     if model.digits.iterations == 1:
         return None
     model.train()
     x, y = ds.batch(torch.arange(min(n, len(ds))))
+    params = [p for p in model.parameters() if p.requires_grad]
     saved, grads = model.digits.detach_inner, {}
     try:
         for detach in (True, False):
             model.digits.detach_inner = detach
-            out = model(x, y)
-            params = [p for p in model.parameters() if p.requires_grad]
-            g = torch.autograd.grad(model.loss(out, x, y)[0], params)
-            grads[detach] = torch.cat([t.flatten() for t in g])
+            grads[detach] = _flat_grad(model.loss(model(x, y), x, y)[0], params)
     finally:
         model.digits.detach_inner = saved
-    det, full = grads[True], grads[False]
-    return {"rel_diff": ((det - full).norm() / full.norm()).item(),
-            "cosine": torch.nn.functional.cosine_similarity(det, full, dim=0).item()}
+    return _compare(grads[True], grads[False])
+
+
+def _recon_share(model, ds, n: int = 256) -> dict[str, float] | None:
+    """How much the reconstruction loss pushes the encoder (conv stem, primary and routing weights) of the trained
+    model: its gradient there compared with the margin loss's (:func:`_compare`, recon vs margin) on the first
+    ``n`` training examples; None without a decoder."""
+    if model.decoder is None:
+        return None
+    model.train()
+    x, y = ds.batch(torch.arange(min(n, len(ds))))
+    encoder = [p for m in (model.stem, model.primary, model.digits) for p in m.parameters()]
+    out = model(x, y)
+    total, _ = model.loss(out, x, y)
+    margin = margin_loss(out.lengths, y)
+    return _compare(_flat_grad(total - margin, encoder), _flat_grad(margin, encoder))
 
 
 def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +314,7 @@ def run_cell(cfg: dict[str, Any], out_dir: str | os.PathLike) -> dict[str, Any]:
         "final_train_loss": last["train_loss"], "final_entropy": last["entropy"],
         "entropy_by_iteration": _entropy_by_iteration(model, test_ds, cfg["test_subset"]),
         "detach_effect": _detach_effect(model, train_ds),
+        "recon_share": _recon_share(model, train_ds),
         "diverged": not math.isfinite(last["train_loss"]),
         "step_time_s": statistics.median(step_times[1:] or step_times),  # the first step warms up
         "num_parameters": sum(p.numel() for p in model.parameters()),
@@ -400,7 +425,8 @@ def run_capsules(
 
     Finished cells (a ``summary.json`` with the same config) are skipped. ``workers`` processes (default: one per
     usable core, capped by the cells left) with ``threads`` torch threads each. Returns the results dict
-    (:func:`normlab.runner.capsules_stats.collect`), which also records the grid's wall and CPU time.
+    (:func:`normlab.runner.capsules_stats.collect`), which also records the wall and CPU time of every invocation
+    that ran cells (``timings``, kept across resumes).
     """
     out, say = Path(out_dir), log or (lambda s: print(s, file=sys.stderr))
     runs = out / "runs"
@@ -416,16 +442,36 @@ def run_capsules(
     n_workers = max(1, min(n_workers, len(todo))) if todo else 1
     t_wall, cpu0 = time.perf_counter(), _cpu_times()
     _run_cells(todo, runs, n_workers, int(threads), _Progress(spec, cells, summaries, out, progress))
-    timing = {"cells_run": len(todo), "workers": n_workers, "wall_s": time.perf_counter() - t_wall,
-              "cpu_s": _cpu_times() - cpu0}
+    timings = _previous_timings(out)
     if todo:
-        say(f"normlab capsules: ran {len(todo)} cells with {n_workers} worker(s) in {timing['wall_s']:.1f} s wall, "
-            f"{timing['cpu_s']:.1f} s CPU")
-    results = collect(spec, [(c, summaries[c.cell_id]) for c in cells], timing=timing)
+        t = {"cells_run": len(todo), "workers": n_workers, "wall_s": time.perf_counter() - t_wall,
+             "cpu_s": _cpu_times() - cpu0, "load_avg": _load_avg()}
+        timings.append(t)
+        say(f"normlab capsules: ran {len(todo)} cells with {n_workers} worker(s) in {t['wall_s']:.1f} s wall, "
+            f"{t['cpu_s']:.1f} s CPU")
+    results = collect(spec, [(c, summaries[c.cell_id]) for c in cells], timings=timings)
     atomic_write_json(out / "results.json", results)
     if render:
         render_report(results, out)
     return results
+
+
+def _previous_timings(out: Path) -> list[dict[str, Any]]:
+    """The timings of earlier invocations that ran cells, from an existing results.json (kept across resumes)."""
+    try:
+        old = json.loads((out / "results.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return []
+    runs = old.get("timings") if isinstance(old, dict) else None
+    return [t for t in runs if isinstance(t, dict) and t.get("cells_run")] if isinstance(runs, list) else []
+
+
+def _load_avg() -> float | None:
+    """The 1-minute load average at the end of a run (how busy the machine was), where the OS has one."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
 
 
 def _cpu_times() -> float:

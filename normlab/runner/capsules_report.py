@@ -34,10 +34,18 @@ def _ci(p: dict[str, Any] | None, scale: float = 100.0) -> str:
     return f"{scale * p['mean']:+.2f} [{scale * p['lo']:+.2f}, {scale * p['hi']:+.2f}]"
 
 
+def _detach_cell(v: dict[str, Any]) -> str:
+    if v["detach_rel_diff"] is None:
+        return "-"
+    ratio = "n/a" if v.get("detach_norm_ratio") is None else f"{v['detach_norm_ratio']:.3f}"
+    return f"{v['detach_rel_diff']:.3f}, {v['detach_cosine']:.4f}, {ratio}"
+
+
 def variant_table(results: dict[str, Any]) -> str:
     """One row per variant: test error and margin loss (mean ± std over seeds), entropy, time per step."""
     head = ["variant", "seeds", "test error %", "test margin loss x1e-3", "train loss x1e-3",
-            "coupling entropy (nats)", "entropy after iteration 1..r", "grad change by detaching (rel, cos)",
+            "coupling entropy (nats)", "entropy after iteration 1..r",
+            "detached vs full gradient: rel. diff, cosine, norm ratio", "recon / margin gradient on the encoder",
             "ms / step", "x r1"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in results["variants"]:
@@ -47,7 +55,7 @@ def variant_table(results: dict[str, Any]) -> str:
             _pm(v["margin_mean"], v["margin_std"], 1000.0, ".1f"),
             "n/a" if v["train_loss_mean"] is None else f"{1000 * v['train_loss_mean']:.1f}",
             "n/a" if v["entropy_mean"] is None else f"{v['entropy_mean']:.4f}", ent,
-            "-" if v["detach_rel_diff"] is None else f"{v['detach_rel_diff']:.4f}, {v['detach_cosine']:.4f}",
+            _detach_cell(v), "-" if v["recon_grad_ratio"] is None else f"{v['recon_grad_ratio']:.4f}",
             "n/a" if not v["step_time_s"] else f"{1000 * v['step_time_s']:.1f}",
             "n/a" if v["step_ratio"] is None else f"{v['step_ratio']:.2f}",
         ]) + " |")
@@ -75,12 +83,13 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
 
 
 def _timing_line(results: dict[str, Any]) -> str:
-    t, tot = results.get("timing") or {}, results.get("totals") or {}
+    tot = results.get("totals") or {}
     line = (f"Sum over the cells: {tot.get('cell_wall_s', 0.0):.0f} s wall, {tot.get('cell_cpu_s', 0.0):.0f} s CPU "
             f"(each cell in one process with 1 torch thread).")
-    if t.get("cells_run"):
-        line += (f" The last invocation ran {t['cells_run']} cells with {t['workers']} worker(s) in "
-                 f"{t['wall_s']:.0f} s wall, {t['cpu_s']:.0f} s CPU (all processes).")
+    for t in results.get("timings") or []:
+        load = "" if t.get("load_avg") is None else f", load average {t['load_avg']:.1f} at the end"
+        line += (f" An invocation ran {t['cells_run']} cells with {t['workers']} worker(s) in {t['wall_s']:.0f} s "
+                 f"wall, {t['cpu_s']:.0f} s CPU (all processes{load}).")
     return line
 
 
@@ -128,6 +137,15 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
 # --------------------------------------------------------------------------------------------------
 
 _COLORS = {"-": "0.35", "detached": "tab:blue", "full": "tab:orange"}
+_LINES = {"-": "-", "detached": "--", "full": "-"}
+_RCOLORS = ("0.2", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:cyan", "tab:olive")
+
+
+def _line_style(results: dict[str, Any], v: dict[str, Any]) -> dict[str, Any]:
+    """Curves: colour by iteration count, dashed for detached, solid for full (and r1)."""
+    its = sorted(results["spec"]["iterations"])
+    k = its.index(v["iterations"]) if v["iterations"] in its else 0
+    return {"color": _RCOLORS[k % len(_RCOLORS)], "linestyle": _LINES[v["grad"]]}
 
 
 def _plt():
@@ -190,24 +208,24 @@ def _curves_plot(results: dict[str, Any], path: Path) -> Path:
     """Test error and test margin loss per epoch (mean over seeds), one column per reconstruction setting."""
     plt, recons = _plt(), _recons(results)
     fig, axes = plt.subplots(2, len(recons), figsize=(5.5 * len(recons) + 1.5, 7.0), squeeze=False)
-    styles = ("-", "--", "-.", ":")
     for col, rec in enumerate(recons):
         vs = [v for v in results["variants"] if v["recon"] == rec]
-        for i, v in enumerate(vs):
+        for v in vs:
             for row, (key, scale) in enumerate((("test_err", 100.0), ("test_margin", 1.0))):
                 xs, ys = _curve(results, v["variant"], key)
-                axes[row][col].plot(xs, [scale * y for y in ys], styles[i % 4], color=_COLORS[v["grad"]],
-                                    label=v["variant"].replace(" +rec", ""), linewidth=1.2)
+                axes[row][col].plot(xs, [scale * y for y in ys], label=v["variant"].replace(" +rec", ""),
+                                    linewidth=1.2, **_line_style(results, v))
         axes[0][col].set_title(f"reconstruction {rec}")
         axes[0][col].set_ylabel("test error (%)")
         axes[1][col].set_ylabel("test margin loss")
+        axes[0][col].set_yscale("log")
         axes[1][col].set_yscale("log")
         for row in range(2):
             axes[row][col].set_xlabel("epoch")
             axes[row][col].xaxis.get_major_locator().set_params(integer=True)
             axes[row][col].grid(alpha=0.3)
         axes[0][col].legend(fontsize=7, frameon=False)
-    fig.suptitle("training curves (mean over seeds)", fontsize=10)
+    fig.suptitle("training curves (mean over seeds; colour: iterations; dashed: detached)", fontsize=10)
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -234,8 +252,8 @@ def _entropy_plot(results: dict[str, Any], path: Path) -> Path:
     for v in results["variants"]:
         e = v["entropy_by_iteration"]
         if e:
-            ax.plot(range(1, len(e) + 1), e, "o" + ("-" if v["recon"] == "on" else "--"), color=_COLORS[v["grad"]],
-                    label=v["variant"], markersize=4, alpha=0.8)
+            ax.plot(range(1, len(e) + 1), e, marker="o" if v["recon"] == "on" else "x", label=v["variant"],
+                    markersize=4, alpha=0.8, **_line_style(results, v))
     ax.axhline(math.log(10), color="0.5", linewidth=0.8, linestyle=":")
     ax.set_xlabel("routing iteration k (the coupling used by iteration k)")
     ax.set_ylabel("entropy of c over the parents (nats)")

@@ -20,8 +20,8 @@ RESULTS_KIND = "capsules"
 RESULTS_VERSION = 1
 _HISTORY_KEYS = ("epoch", "train_loss", "train_err", "test_err", "test_margin", "entropy")
 _CELL_KEYS = ("final_test_err", "final_test_margin", "final_train_loss", "final_entropy", "entropy_by_iteration",
-              "detach_effect", "step_time_s", "wall_s", "cpu_s", "diverged", "epochs_run", "num_parameters",
-              "num_primary")
+              "detach_effect", "recon_share", "step_time_s", "wall_s", "cpu_s", "diverged", "epochs_run",
+              "num_parameters", "num_primary")
 
 CRITERIA = (
     "The measured quantity is the test error (percent) after the last epoch. For two variants A and B the per-seed "
@@ -70,6 +70,7 @@ def _variant_record(recs: list[dict[str, Any]], base_step: float | None) -> dict
     step = mean_std([r["step_time_s"] for r in recs])[0]
     by_it = [r["entropy_by_iteration"] or [] for r in recs]
     effects = [r["detach_effect"] for r in recs if r.get("detach_effect")]
+    shares = [r["recon_share"] for r in recs if r.get("recon_share")]
     depth = min((len(b) for b in by_it), default=0)
     return {
         "variant": r0["variant"], "iterations": r0["iterations"], "grad": r0["grad"], "recon": r0["recon"],
@@ -79,6 +80,9 @@ def _variant_record(recs: list[dict[str, Any]], base_step: float | None) -> dict
         "entropy_by_iteration": [mean_std([b[k] for b in by_it])[0] for k in range(depth)],
         "detach_rel_diff": mean_std([e["rel_diff"] for e in effects])[0],
         "detach_cosine": mean_std([e["cosine"] for e in effects])[0],
+        "detach_norm_ratio": mean_std([e.get("norm_ratio") for e in effects])[0],
+        "recon_grad_ratio": mean_std([e["norm_ratio"] for e in shares])[0],
+        "recon_grad_cosine": mean_std([e["cosine"] for e in shares])[0],
         "step_time_s": step, "step_ratio": step / base_step if step and base_step else None,
         "diverged": sum(bool(r["diverged"]) for r in recs),
     }
@@ -96,11 +100,12 @@ def _variants(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def collect(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
-            timing: dict[str, Any] | None = None) -> dict[str, Any]:
-    """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs)."""
+            timings: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+    """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs);
+    ``timings``: wall and CPU time of each invocation that ran cells."""
     cells = [_cell_record(c, s) for c, s in pairs]
     results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "spec": spec.to_dict(), "complete": complete,
-               "timing": timing, "cells": cells, "variants": _variants(cells)}
+               "timings": list(timings), "cells": cells, "variants": _variants(cells)}
     results["comparisons"] = comparisons(results)
     results["verdicts"] = verdicts(results)
     results["totals"] = {"cell_wall_s": sum(c["wall_s"] or 0.0 for c in cells),
