@@ -51,6 +51,8 @@ def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
     again = json.loads((out / "results.json").read_text())
     assert {c["cell"]: c["final_test_err"] for c in again["cells"]} == before
     assert again["timings"] == res["timings"]  # the measured run's time survives a rerun
+    assert set(res["step_bench"]) == {v["variant"] for v in res["variants"]}
+    assert again["step_bench"] == res["step_bench"]  # timed once, not again on a rerun
 
 
 def _tiny(**kw) -> CapsSpec:

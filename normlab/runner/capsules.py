@@ -50,7 +50,7 @@ from .grid import default_workers
 from .io import atomic_write_json
 
 __all__ = ["CapsSpec", "CapsCell", "GRADS", "RECONS", "DATASETS", "expand_cells", "run_cell", "run_capsules",
-           "coupling_entropy", "quick_spec", "RESULTS_KIND"]
+           "coupling_entropy", "quick_spec", "step_benchmark", "RESULTS_KIND"]
 
 GRADS = ("detached", "full")  # detach_inner=True (naturomics' stop_gradient) / False (the paper's code)
 RECONS = ("off", "on")
@@ -262,6 +262,43 @@ def _recon_share(model, ds, n: int = 256) -> dict[str, float] | None:
     return _compare(_flat_grad(total - margin, encoder), _flat_grad(margin, encoder))
 
 
+def _step(model, opt, x: torch.Tensor, y: torch.Tensor):
+    """One training step (forward, loss, backward, Adam); returns the output, the loss and its parts."""
+    out = model(x, y)
+    loss, parts = model.loss(out, x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return out, loss, parts
+
+
+def step_benchmark(spec: CapsSpec, rounds: int = 15, warmup: int = 3, threads: int = 1) -> dict[str, float]:
+    """Median seconds per training step of every variant of ``spec``, measured **round-robin** in this process
+    (one step of each variant in turn, on one fixed batch, ``threads`` torch threads): a busy machine slows every
+    variant alike, so the ratios between variants hold even when the absolute times do not."""
+    train_ds, _, rng = _data(spec.dataset, spec.data_dir)
+    x, y = train_ds.batch(torch.arange(min(spec.batch_size, len(train_ds))))
+    models = {}
+    for r, g, rec in spec.variants():
+        torch.manual_seed(0)
+        m = build_capsnet(spec.dataset, iterations=r, detach_inner=g == "detached", reconstruction=rec == "on",
+                          target_range=rng)
+        models[variant_name(r, g, rec)] = (m.train(), torch.optim.Adam(m.parameters(), lr=spec.lr))
+    times: dict[str, list[float]] = {name: [] for name in models}
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for k in range(warmup + rounds):
+            for name, (m, opt) in models.items():
+                t0 = time.perf_counter()
+                _step(m, opt, x, y)
+                if k >= warmup:
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(saved)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg: dict[str, Any]) -> dict[str, Any]:
     """One pass over ``perm`` in batches; returns the mean losses, train error and each step's seconds."""
     model.train()
@@ -272,11 +309,7 @@ def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg: dict[str, Any]) -> dic
     for start in starts:
         x, y = ds.batch(perm[start:start + bs])
         t0 = time.perf_counter()
-        out = model(x, y)
-        loss, parts = model.loss(out, x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        out, loss, parts = _step(model, opt, x, y)
         times.append(time.perf_counter() - t0)
         k = len(y)
         totals["loss"] += loss.item() * k
@@ -426,7 +459,8 @@ def run_capsules(
     Finished cells (a ``summary.json`` with the same config) are skipped. ``workers`` processes (default: one per
     usable core, capped by the cells left) with ``threads`` torch threads each. Returns the results dict
     (:func:`normlab.runner.capsules_stats.collect`), which also records the wall and CPU time of every invocation
-    that ran cells (``timings``, kept across resumes).
+    that ran cells (``timings``, kept across resumes) and a round-robin timing of one training step of every
+    variant (:func:`step_benchmark`, measured once).
     """
     out, say = Path(out_dir), log or (lambda s: print(s, file=sys.stderr))
     runs = out / "runs"
@@ -442,28 +476,37 @@ def run_capsules(
     n_workers = max(1, min(n_workers, len(todo))) if todo else 1
     t_wall, cpu0 = time.perf_counter(), _cpu_times()
     _run_cells(todo, runs, n_workers, int(threads), _Progress(spec, cells, summaries, out, progress))
-    timings = _previous_timings(out)
+    timings, bench = _previous(out, spec)
     if todo:
         t = {"cells_run": len(todo), "workers": n_workers, "wall_s": time.perf_counter() - t_wall,
              "cpu_s": _cpu_times() - cpu0, "load_avg": _load_avg()}
         timings.append(t)
         say(f"normlab capsules: ran {len(todo)} cells with {n_workers} worker(s) in {t['wall_s']:.1f} s wall, "
             f"{t['cpu_s']:.1f} s CPU")
-    results = collect(spec, [(c, summaries[c.cell_id]) for c in cells], timings=timings)
+    if bench is None:
+        say("normlab capsules: timing one training step of every variant, round-robin (seconds)")
+        bench = step_benchmark(spec, threads=int(threads))
+    results = collect(spec, [(c, summaries[c.cell_id]) for c in cells], timings=timings, step_bench=bench)
     atomic_write_json(out / "results.json", results)
     if render:
         render_report(results, out)
     return results
 
 
-def _previous_timings(out: Path) -> list[dict[str, Any]]:
-    """The timings of earlier invocations that ran cells, from an existing results.json (kept across resumes)."""
+def _previous(out: Path, spec: CapsSpec) -> tuple[list[dict[str, Any]], dict[str, float] | None]:
+    """From an existing results.json of the same spec: the timings of earlier invocations that ran cells (kept
+    across resumes) and the round-robin step timing (measured once)."""
     try:
         old = json.loads((out / "results.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return []
-    runs = old.get("timings") if isinstance(old, dict) else None
-    return [t for t in runs if isinstance(t, dict) and t.get("cells_run")] if isinstance(runs, list) else []
+        return [], None
+    if not isinstance(old, dict) or old.get("spec") != spec.to_dict():
+        return [], None
+    runs, bench = old.get("timings"), old.get("step_bench")
+    timings = [t for t in runs if isinstance(t, dict) and t.get("cells_run")] if isinstance(runs, list) else []
+    names = {variant_name(*v) for v in spec.variants()}
+    ok = isinstance(bench, dict) and set(bench) == names
+    return timings, (bench if ok else None)
 
 
 def _load_avg() -> float | None:

@@ -46,7 +46,7 @@ def variant_table(results: dict[str, Any]) -> str:
     head = ["variant", "seeds", "test error %", "test margin loss x1e-3", "train loss x1e-3",
             "coupling entropy (nats)", "entropy after iteration 1..r",
             "detached vs full gradient: rel. diff, cosine, norm ratio", "recon / margin gradient on the encoder",
-            "ms / step", "x r1"]
+            "ms / step in training", "ms / step round-robin", "x r1"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in results["variants"]:
         ent = ", ".join(f"{e:.4f}" for e in v["entropy_by_iteration"]) or "n/a"
@@ -57,6 +57,7 @@ def variant_table(results: dict[str, Any]) -> str:
             "n/a" if v["entropy_mean"] is None else f"{v['entropy_mean']:.4f}", ent,
             _detach_cell(v), "-" if v["recon_grad_ratio"] is None else f"{v['recon_grad_ratio']:.4f}",
             "n/a" if not v["step_time_s"] else f"{1000 * v['step_time_s']:.1f}",
+            "n/a" if not v.get("bench_step_s") else f"{1000 * v['bench_step_s']:.1f}",
             "n/a" if v["step_ratio"] is None else f"{v['step_ratio']:.2f}",
         ]) + " |")
     return "\n".join(rows)
@@ -71,15 +72,31 @@ def comparison_table(results: dict[str, Any]) -> str:
         e, m = c["err"], c["margin"]
         rows.append("| " + " | ".join([
             c["family"], c["a"], c["b"], "n/a" if e is None else str(e["n"]), _ci(e),
-            "n/a" if e is None else ("**real**" if e["real"] else "noise"), _ci(m, 1000.0),
-            "n/a" if m is None else ("**real**" if m["real"] else "noise"),
+            _label(e), _ci(m, 1000.0), _label(m),
         ]) + " |")
     return "\n".join(rows)
 
 
+def _identical(p: dict[str, Any] | None) -> bool:
+    return p is not None and all(d == 0 for d in p["diffs"])
+
+
+def _label(p: dict[str, Any] | None) -> str:
+    if p is None:
+        return "n/a"
+    if _identical(p):
+        return "identical in every seed"
+    return "**real**" if p["real"] else "noise"
+
+
+def _mark(v: dict[str, Any]) -> str:
+    if v["verdict"] == "not resolved" and _identical(v["err"]):
+        return "**not resolved** (the errors are identical in every seed: no effect)"
+    return _VERDICT_MARK[v["verdict"]]
+
+
 def verdict_lines(results: dict[str, Any]) -> list[str]:
-    return [f"- {v['source']}: {v['claim']}: {_VERDICT_MARK[v['verdict']]}. {v['text']}."
-            for v in results["verdicts"]]
+    return [f"- {v['source']}: {v['claim']}: {_mark(v)}. {v['text']}." for v in results["verdicts"]]
 
 
 def _timing_line(results: dict[str, Any]) -> str:
@@ -231,16 +248,21 @@ def _curves_plot(results: dict[str, Any], path: Path) -> Path:
 
 
 def _step_plot(results: dict[str, Any], path: Path) -> Path:
-    """Median time per training step per variant (mean over seeds)."""
+    """Time per training step per variant: round-robin timing (bars) and the median during training (dots)."""
     plt = _plt()
-    vs = [v for v in results["variants"] if v["step_time_s"]]
+    vs = results["variants"]
     fig, ax = plt.subplots(figsize=(max(5.0, 0.55 * len(vs) + 2), 4.0))
-    ax.bar(range(len(vs)), [1000 * v["step_time_s"] for v in vs], color=[_COLORS[v["grad"]] for v in vs])
+    bench = [1000 * (v.get("bench_step_s") or 0.0) for v in vs]
+    if any(bench):
+        ax.bar(range(len(vs)), bench, color=[_COLORS[v["grad"]] for v in vs], label="round-robin, one batch")
+    train = [(i, 1000 * v["step_time_s"]) for i, v in enumerate(vs) if v["step_time_s"]]
+    ax.plot([i for i, _ in train], [t for _, t in train], "ko", markersize=4, label="median during training")
     ax.set_xticks(range(len(vs)))
     ax.set_xticklabels([v["variant"] for v in vs], rotation=40, ha="right", fontsize=8)
-    ax.set_ylabel("ms per training step (median, 1 thread)")
+    ax.set_ylabel("ms per training step (1 thread)")
     ax.set_title(f"time per step, batch {results['spec']['batch_size']}", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8, frameon=False)
     fig.tight_layout()
     return _save(plt, fig, path)
 

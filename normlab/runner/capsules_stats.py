@@ -63,7 +63,7 @@ def _cell_record(cell, s: dict[str, Any]) -> dict[str, Any]:
             "history": [{k: h.get(k) for k in _HISTORY_KEYS} for h in s.get("history", [])]}
 
 
-def _variant_record(recs: list[dict[str, Any]], base_step: float | None) -> dict[str, Any]:
+def _variant_record(recs: list[dict[str, Any]]) -> dict[str, Any]:
     r0 = recs[0]
     em, es = mean_std([r["final_test_err"] for r in recs])
     mm, ms = mean_std([r["final_test_margin"] for r in recs])
@@ -83,29 +83,36 @@ def _variant_record(recs: list[dict[str, Any]], base_step: float | None) -> dict
         "detach_norm_ratio": mean_std([e.get("norm_ratio") for e in effects])[0],
         "recon_grad_ratio": mean_std([e["norm_ratio"] for e in shares])[0],
         "recon_grad_cosine": mean_std([e["cosine"] for e in shares])[0],
-        "step_time_s": step, "step_ratio": step / base_step if step and base_step else None,
+        "step_time_s": step,
         "diverged": sum(bool(r["diverged"]) for r in recs),
     }
 
 
-def _variants(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _variants(cells: list[dict[str, Any]], bench: dict[str, float] | None) -> list[dict[str, Any]]:
+    """Per-variant records; ``step_ratio`` is the step time relative to r1 with the same reconstruction setting,
+    from the round-robin ``bench`` when there is one (else from the steps timed during training)."""
     groups: dict[str, list[dict[str, Any]]] = {}
     for rec in cells:
         groups.setdefault(rec["variant"], []).append(rec)
-    base = {}
-    for recon in ("off", "on"):
-        ones = [r["step_time_s"] for r in cells if r["iterations"] == 1 and r["recon"] == recon]
-        base[recon] = mean_std(ones)[0]
-    return [_variant_record(recs, base[recs[0]["recon"]]) for recs in groups.values()]
+    out = [_variant_record(recs) for recs in groups.values()]
+    for v in out:
+        v["bench_step_s"] = (bench or {}).get(v["variant"])
+    for v in out:
+        key = "bench_step_s" if bench else "step_time_s"
+        base = next((b[key] for b in out if b["iterations"] == 1 and b["recon"] == v["recon"]), None)
+        v["step_ratio"] = v[key] / base if v[key] and base else None
+    return out
 
 
 def collect(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
-            timings: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
+            timings: Sequence[dict[str, Any]] = (), step_bench: dict[str, float] | None = None) -> dict[str, Any]:
     """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs);
-    ``timings``: wall and CPU time of each invocation that ran cells."""
+    ``timings``: wall and CPU time of each invocation that ran cells; ``step_bench``: seconds per training step of
+    each variant timed round-robin (:func:`normlab.runner.capsules.step_benchmark`)."""
     cells = [_cell_record(c, s) for c, s in pairs]
     results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "spec": spec.to_dict(), "complete": complete,
-               "timings": list(timings), "cells": cells, "variants": _variants(cells)}
+               "timings": list(timings), "step_bench": step_bench, "cells": cells,
+               "variants": _variants(cells, step_bench)}
     results["comparisons"] = comparisons(results)
     results["verdicts"] = verdicts(results)
     results["totals"] = {"cell_wall_s": sum(c["wall_s"] or 0.0 for c in cells),
@@ -192,8 +199,9 @@ def _judge(p: dict[str, Any] | None, claim: str) -> str:
 def _interval(p: dict[str, Any] | None, scale: float = 100.0, unit: str = " pp") -> str:
     if p is None:
         return "n/a"
-    return (f"{scale * p['mean']:+.2f}{unit} [{scale * p['lo']:+.2f}, {scale * p['hi']:+.2f}] "
-            f"({'real' if p['real'] else 'within seed noise'}, n={p['n']})")
+    kind = ("identical in every seed" if all(d == 0 for d in p["diffs"])
+            else "real" if p["real"] else "within seed noise")
+    return f"{scale * p['mean']:+.2f}{unit} [{scale * p['lo']:+.2f}, {scale * p['hi']:+.2f}] ({kind}, n={p['n']})"
 
 
 def _verdict(results, claim_id: str, text: str, a: str, b: str, kind: str, source: str) -> dict[str, Any]:
