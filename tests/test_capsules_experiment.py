@@ -157,3 +157,11 @@ def test_verdicts_follow_the_criteria():
     assert v["seed-full-1-best-off"]["verdict"] == "contradicted"
     assert v["paper-iterations-off"]["verdict"] == "contradicted"
     assert v["seed-stop-gradient-right-off"]["verdict"] == "contradicted"
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["capsules", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: normlab capsules" in out and "--iterations" in out and "--quick" in out
