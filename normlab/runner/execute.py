@@ -13,30 +13,21 @@ settings otherwise (epochs, data, model, width, layout, run options) adds to tha
 and ``results.json``/``results.md`` hold every requested cell finished so far, so rerunning with a subset never
 drops finished cells from the report. A run with other settings is refused in one line: use another directory.
 
-**Workers die with their parent.** Each worker asks the kernel for SIGKILL when its parent dies
-(``PR_SET_PDEATHSIG`` on Linux) and also polls its parent (everywhere); it ignores SIGINT, which the parent handles:
-on Ctrl-C, SIGTERM or a failed cell the parent terminates its workers before it exits, and a resumed run (which
-takes the directory's lock) never trains a cell that another live process is training.
+**Workers die with their parent** (:mod:`normlab.runner.pool`), and a resumed run (which takes the directory's
+lock) never trains a cell that another live process is training.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import multiprocessing as mp
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .checks import check_grid
 from .config import RESUME_FREE, TrainConfig
@@ -44,6 +35,7 @@ from .errors import UsageError
 from .grid import Cell, GridSpec, expand_grid
 from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
+from .pool import default_workers, run_jobs
 from .report import render_report
 from .results import collect_results, write_results
 from .train import train
@@ -52,7 +44,6 @@ __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers"
 
 _TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
 _LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in the same directory may change
-_PR_SET_PDEATHSIG = 1
 
 
 def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
@@ -198,43 +189,9 @@ def prepare_grid(spec: GridSpec, out_dir: str | os.PathLike, check: bool = True,
     return GridRun(merged, out, cells, summaries, wanted)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Exit when ``parent`` dies: PR_SET_PDEATHSIG (Linux), and a thread that polls the parent (everywhere)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-    threading.Thread(target=watch, name="normlab-parent-watch", daemon=True).start()
-
-
-def _init_worker(threads: int, parent: int | None = None) -> None:
-    """Worker set-up: torch threads, death with the parent, SIGINT left to the parent (it stops the workers)."""
-    torch.set_num_threads(threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent is not None:
-        _die_with_parent(parent)
-
-
 def _run_cell(config: TrainConfig, out_dir: str) -> dict[str, Any]:
     """Worker entry: one train() call; returns the summary."""
     return train(config, out_dir, progress=False)
-
-
-def default_workers() -> int:
-    """Number of CPU cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class _Progress:
@@ -251,31 +208,6 @@ class _Progress:
         self.bar.set_postfix_str(f"last {cell.cell_id}: acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}")
 
 
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Terminate the pool's worker processes (a cell they were training resumes next time) and reap them."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=10)
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Callable) -> None:
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads, os.getpid())) as pool:
-        futures = {pool.submit(_run_cell, c.config, str(g.cell_dir(c))): (g, c) for g, c in jobs}
-        try:
-            for f in as_completed(futures):
-                done(*futures[f], f.result())
-        except BaseException:
-            # a failed cell, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
-            _stop_workers(pool)
-            raise
-
-
 def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: int | None = None,
               progress: bool = True, log: Callable[[str], None] | None = None) -> None:
     """Run every unfinished cell of ``grids``, the most expensive first, in ``workers`` processes (default: one
@@ -286,23 +218,18 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
     total = done_before + len(jobs)
     if done_before:
         say(f"normlab: {done_before} of {total} runs already done (skipped)")
-    n = max(1, min(default_workers() if workers in (None, 0) else int(workers), len(jobs)))
-    bar, t0, saved = _Progress(total, done_before, progress), time.perf_counter(), torch.get_num_threads()
+    bar, t0 = _Progress(total, done_before, progress), time.perf_counter()
 
-    def done(grid: GridRun, cell: Cell, summary: dict[str, Any]) -> None:
+    def done(i: int, summary: dict[str, Any]) -> None:
+        grid, cell = jobs[i]
         grid.record(cell, summary)
         bar.update(cell, summary)
 
     try:
-        if n == 1:
-            if threads:
-                torch.set_num_threads(int(threads))
-            for g, c in jobs:
-                done(g, c, _run_cell(c.config, str(g.cell_dir(c))))
-        else:
-            _pool(jobs, n, int(threads or 1), done)
+        n = run_jobs([(_run_cell, (c.config, str(g.cell_dir(c)))) for g, c in jobs],
+                     workers=default_workers() if workers in (None, 0) else int(workers), threads=threads,
+                     on_done=done)
     finally:
-        torch.set_num_threads(saved)
         bar.bar.close()
     if jobs:
         say(f"normlab: ran {len(jobs)} runs with {n} worker(s) in {time.perf_counter() - t0:.1f} s")
