@@ -58,7 +58,7 @@ class DemoProtocol:
     batch_norms: tuple[str, ...] = ("bn", "brn", "gn", "sn", "pws")
     batch_sizes: tuple[int, ...] = (128, 4, 2)
     base_lr: float = 0.05
-    batch_num_train: int = 3000
+    batch_num_train: int = 2000
     batch_monitor_every: int = 50
     # (d) cost of a training step
     cost_batch_sizes: tuple[int, ...] = (128, 2)
