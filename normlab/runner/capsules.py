@@ -48,6 +48,7 @@ from .data import get_dataset
 from .errors import UsageError
 from .io import atomic_write_json
 from .pool import default_workers, run_jobs
+from .results import read_summary
 
 __all__ = ["CapsSpec", "CapsCell", "GRADS", "RECONS", "DATASETS", "expand_cells", "run_cell", "run_capsules",
            "coupling_entropy", "quick_spec", "step_benchmark", "RESULTS_KIND"]
@@ -370,14 +371,10 @@ def quick_spec() -> CapsSpec:
 
 def _cell_done(cell: CapsCell, cell_dir: Path) -> dict[str, Any] | None:
     """The cell's summary when it finished with the same config; a one-line refusal when the config differs."""
-    path = cell_dir / "summary.json"
-    if not path.is_file():
+    summary = read_summary(cell_dir)
+    if summary is None:
         return None
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"capsules: {path} is unreadable ({e}); move the cell directory away to rerun it") from None
-    old = summary.get("config", {}) if isinstance(summary, dict) else {}
+    old = summary.get("config", {})
     diff = sorted(k for k in set(cell.config) | set(old) if cell.config.get(k) != old.get(k))
     if diff:
         raise UsageError(f"capsules: cell {cell.cell_id} in {cell_dir.parent.parent} was run with a different "

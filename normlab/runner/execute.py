@@ -37,7 +37,7 @@ from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
 from .pool import default_workers, run_jobs
 from .report import render_report
-from .results import collect_results, write_results
+from .results import collect_results, read_summary, write_results
 from .train import train
 
 __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid"]
@@ -48,13 +48,9 @@ _LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in t
 
 def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
     """The cell's summary if ``summary.json`` exists (checked against the cell's config), else None."""
-    path = cell_dir / "summary.json"
-    if not path.is_file():
+    summary = read_summary(cell_dir)
+    if summary is None:
         return None
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is unreadable ({e}); move the cell directory away to rerun it") from None
     diff = cell.config.differences(summary.get("config", {}))
     if diff:
         raise UsageError(f"cell {cell.cell_id} in {cell_dir.parent.parent} was run with a different config "
