@@ -4,24 +4,31 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned here (not in pyproject) so this machine takes its local CPU wheel instead of a CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# The optional integrations are installed and tested too; the pin in the same command keeps pip from replacing torch.
-EXTRAS ?= dev,ray,tensorboard,lightning,onnx
+# `make test` also installs and tests the optional integrations; `make demo` needs only the core (and mnist1d).
+# The pin in the same pip command keeps pip from replacing torch.
+EXTRAS ?= ray,tensorboard,lightning,onnx
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup setup-extras test lint demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_PIN)"
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q -e ".[dev]" "$(TORCH_PIN)"
+	touch $@
+
+$(VENV)/.extras: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[dev,$(EXTRAS)]" "$(TORCH_PIN)"
 	touch $@
 
 setup: $(VENV)/.installed
 
+setup-extras: $(VENV)/.extras
+
 lint: setup
 	$(VENV)/bin/ruff check normlab tests benchmarks
 
-test: setup lint
+test: setup-extras lint
 	NORMLAB_REQUIRE_EXTRAS=1 $(PY) -m pytest -q
 
 demo: setup

@@ -157,7 +157,8 @@ def convert_norm(model: nn.Module, to: str = "pws", *, remove_norm: bool | None 
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
-        >>> convert_norm(model, to="pws")   # Sequential(PWSConv2d(3, 8, 3), Identity(), ReLU())
+        >>> [type(m).__name__ for m in convert_norm(model, to="pws")]
+        ['PWSConv2d', 'Identity', 'ReLU']
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norm: model must be an nn.Module, got {type(model).__name__}")

@@ -74,6 +74,12 @@ def moments(
 
     Returns:
         ``(mean, var)``, each of ``x``'s shape without ``dims`` (or with size-1 ``dims`` if ``keepdim``).
+
+    Example:
+        >>> x = torch.full((16,), 300.0, dtype=torch.float16) * torch.tensor([1.0, -1.0]).repeat(8).half()
+        >>> mean, var = moments(x, 0)
+        >>> var.item(), var.dtype          # the float16 variance would overflow (65504)
+        (90000.0, torch.float32)
     """
     dims = _normalize_dims(dims, x.dim(), "moments")
     count = math.prod([x.shape[d] for d in dims])
@@ -105,7 +111,13 @@ def instance_norm(
     Statistics are computed in float32 for half inputs; the output has ``x``'s dtype and memory format
     (channels_last is kept, unlike torch's CPU instance norm).
 
-    Shapes: x (N, C, *) with at least one spatial dimension; weight, bias (C,) or None.
+    Shape:
+        x (N, C, *) with at least one spatial dimension; weight, bias (C,) or None; output: x's shape.
+
+    Example:
+        >>> y = instance_norm(torch.randn(2, 3, 8, 8) * 5 + 1)
+        >>> y.mean((2, 3)).abs().max() < 1e-5
+        tensor(True)
     """
     if x.dim() < 3:
         raise ValueError(f"instance_norm: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
@@ -298,7 +310,14 @@ def batch_renorm(
     Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
     output has x's dtype.
 
-    Shapes: x (N, C, *); running_mean, running_var, weight, bias (C,) or None. Returns x's shape and dtype.
+    Shape:
+        x (N, C, *); running_mean, running_var, weight, bias (C,) or None; output: x's shape and dtype.
+
+    Example:
+        >>> x, rm, rv = torch.randn(8, 4, 5, 5), torch.zeros(4), torch.ones(4)
+        >>> bn = F.batch_norm(x, rm.clone(), rv.clone(), training=True)
+        >>> torch.equal(batch_renorm(x, rm, rv, training=True, rmax=1.0, dmax=0.0), bn)   # rmax=1, dmax=0 is BN
+        True
     """
     pdtype = _param_dtype(x)
     weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
@@ -630,7 +649,13 @@ def switchable_norm(
     final pass backward, BatchNorm's CPU kernels doing the passes. ``fused=False`` (and torch.compile) use the
     composite formula from differentiable ops.
 
-    Shapes: x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,).
+    Shape:
+        x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,); output: x's shape.
+
+    Example:
+        >>> logits = torch.zeros(3)
+        >>> switchable_norm(torch.randn(4, 8, 6, 6), logits, logits, training=True).shape
+        torch.Size([4, 8, 6, 6])
     """
     if x.dim() < 3:
         raise ValueError(f"switchable_norm: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
@@ -672,7 +697,13 @@ def standardize_weight(weight: Tensor, eps: float = 1e-5) -> Tensor:
     ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)`` with the biased variance over all entries of the filter.
     Gradients flow through the mean and the variance.
 
-    Shapes: weight (C_out, C_in/groups, *kernel) -> same shape and dtype.
+    Shape:
+        weight (C_out, C_in/groups, *kernel) -> the same shape and dtype.
+
+    Example:
+        >>> w_hat = standardize_weight(torch.randn(16, 8, 3, 3) + 2.0)
+        >>> w_hat.flatten(1).mean(1).abs().max() < 1e-5
+        tensor(True)
     """
     mean, var = _filter_moments(weight, "standardize_weight")
     return ((_stats_dtype(weight) - mean) * torch.rsqrt(var + eps)).to(weight.dtype)
@@ -692,7 +723,14 @@ def pws_weight(
     ``g = gamma * 2/n`` (``relative_gamma``, the authors' "equiv" mode). Mean and variance are differentiated
     through, so the gradient reaching ``weight`` has exactly zero mean per filter.
 
-    Shapes: weight (C_out, C_in/groups, *kernel); alpha (C_out,) or None (= ones) -> weight's shape and dtype.
+    Shape:
+        weight (C_out, C_in/groups, *kernel); alpha (C_out,) or None (= ones) -> weight's shape and dtype.
+
+    Example:
+        >>> w = torch.randn(64, 32, 3, 3, dtype=torch.float64, requires_grad=True)
+        >>> pws_weight(w, gamma=1e-3).sum().backward()
+        >>> w.grad.flatten(1).mean(1).abs().max() < 1e-12      # zero-mean gradient per filter
+        tensor(True)
     """
     if gamma <= 0:
         raise ValueError(f"pws_weight: gamma must be > 0, got {gamma}")
@@ -713,8 +751,15 @@ def pws_weight(
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     """Capsule non-linearity (Sabour et al. 2017): ``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim``.
 
-    ``eps`` keeps the gradient finite at ``s = 0``. Shape: any; the vector axis is ``dim``. Half inputs are
-    squashed in float32 (|s|^2 of a float16 vector overflows from |s| ~ 256) and returned in their dtype.
+    ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (|s|^2 of a float16
+    vector overflows from |s| ~ 256) and returned in their dtype.
+
+    Shape:
+        any; the vector axis is ``dim``; the output has the input's shape.
+
+    Example:
+        >>> squash(torch.tensor([[3.0, 4.0]])).norm().item()     # |s| = 5 -> 25 / 26
+        0.9615...
     """
     x = _stats_dtype(s)
     sq = x.square().sum(dim, keepdim=True)

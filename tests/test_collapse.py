@@ -28,15 +28,15 @@ def test_return_to_chance_after_learning():
     back = [1.0 * LN10] * 30
     kind, step = classify_trace(learned + back, 10, window=10)
     assert kind == "returned_to_chance"
-    # the window mean crosses 0.95 ln C at step 30 + 9 (10 x ln C... mean over the window); the collapse is dated
-    # at the first step of that window
+    # the collapse is dated at the first step of the window whose mean crossed 0.95 ln C
     means = [sum((learned + back)[i - 9:i + 1]) / 10 for i in range(9, 60)]
     crossing = next(i for i, m in zip(range(9, 60), means) if m >= CHANCE * LN10)
     assert step == crossing - 9
     # worse than chance (a finite loss far above ln C) also counts
     assert classify_trace(learned + [5 * LN10] * 10, 10, window=10)[0] == "returned_to_chance"
-    # never below LEARNED x ln C before: a wobble near chance is not a return
-    assert classify_trace([0.85 * LN10] * 30 + back, 10, window=10) == (None, None)
+    # never below LEARNED x ln C before: not a return (it never learned); ending at chance, it is a dead network
+    assert classify_trace([0.85 * LN10] * 30 + back, 10, window=10) == ("never_left_chance", None)
+    assert classify_trace([0.85 * LN10] * 30 + back, 10, window=10, finished=False) == (None, None)
 
 
 def test_never_leaving_chance_is_a_dead_network_once_the_run_is_long_enough():
@@ -44,8 +44,11 @@ def test_never_leaving_chance_is_a_dead_network_once_the_run_is_long_enough():
     assert classify_trace(dead, 10, window=10) == ("never_left_chance", None)
     assert classify_trace(dead[:39], 10, window=10) == (None, None)  # under 4 windows: too short to judge
     assert classify_trace(dead, 10, window=10, finished=False) == (None, None)
-    slow = [LN10 * 0.93] * 40  # below 0.95 ln C: it left chance, slowly
+    slow = [LN10 * 0.93] * 40  # below 0.95 ln C at the end: learning, slowly
     assert classify_trace(slow, 10, window=10) == (None, None)
+    # it dipped below 0.95 ln C once but never learned (never below 0.8 ln C) and ends at chance: dead
+    dipped = [LN10 * 0.9] * 10 + [LN10 * 1.0] * 30
+    assert classify_trace(dipped, 10, window=10) == ("never_left_chance", None)
 
 
 def test_tracker_reports_the_first_collapse_only_and_checks_its_arguments():

@@ -346,21 +346,67 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
 
 class BatchRenorm1d(_BatchRenorm):
-    """Batch Renormalization over (N, C) or (N, C, L) input; drop-in for ``nn.BatchNorm1d``."""
+    r"""Batch Renormalization (Ioffe 2017) over (N, C) or (N, C, L) input; a drop-in for ``nn.BatchNorm1d``.
+
+    .. math::
+        y = \gamma \left(\frac{x - \mu_B}{\sigma_B} r + d\right) + \beta, \quad
+        r = \mathrm{clip}_{[1/r_{max}, r_{max}]}(\sigma_B / \sigma), \quad
+        d = \mathrm{clip}_{[-d_{max}, d_{max}]}((\mu_B - \mu) / \sigma)
+
+    in training (no gradient through r, d); BatchNorm inference in eval mode.
+
+    Args:
+        as ``nn.BatchNorm1d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` and ``check_finite``
+        (see :class:`_BatchRenorm`).
+
+    Shape:
+        Input (N, C) or (N, C, L); output: the same.
+
+    Example:
+        >>> m = BatchRenorm1d(16, rmax=3.0, dmax=5.0)
+        >>> m(torch.randn(8, 16, 40)).shape
+        torch.Size([8, 16, 40])
+    """
 
     _expected_dims = (2, 3)
     _shape_text = "2D or 3D input (N, C) or (N, C, L)"
 
 
 class BatchRenorm2d(_BatchRenorm):
-    """Batch Renormalization over (N, C, H, W) input; drop-in for ``nn.BatchNorm2d``."""
+    """Batch Renormalization (Ioffe 2017) over (N, C, H, W) input; a drop-in for ``nn.BatchNorm2d``.
+
+    The formula is :class:`BatchRenorm1d`'s; ``rmax=1, dmax=0`` is exactly ``nn.BatchNorm2d``.
+
+    Args:
+        as ``nn.BatchNorm2d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` (default: the paper's
+        :class:`RenormSchedule`) and ``check_finite`` (see :class:`_BatchRenorm`).
+
+    Shape:
+        Input (N, C, H, W); output: the same shape, dtype and memory format.
+
+    Example:
+        >>> m = BatchRenorm2d(64, schedule=RenormSchedule.scaled(10_000))
+        >>> m(torch.randn(2, 64, 8, 8)).shape
+        torch.Size([2, 64, 8, 8])
+    """
 
     _expected_dims = (4,)
     _shape_text = "4D input (N, C, H, W)"
 
 
 class BatchRenorm3d(_BatchRenorm):
-    """Batch Renormalization over (N, C, D, H, W) input; drop-in for ``nn.BatchNorm3d``."""
+    """Batch Renormalization (Ioffe 2017) over (N, C, D, H, W) input; a drop-in for ``nn.BatchNorm3d``.
+
+    Args:
+        as ``nn.BatchNorm3d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` and ``check_finite``.
+
+    Shape:
+        Input (N, C, D, H, W); output: the same.
+
+    Example:
+        >>> BatchRenorm3d(4, rmax=2.0)(torch.randn(2, 4, 3, 5, 5)).shape
+        torch.Size([2, 4, 3, 5, 5])
+    """
 
     _expected_dims = (5,)
     _shape_text = "5D input (N, C, D, H, W)"
@@ -378,8 +424,18 @@ class SyncBatchRenorm(_BatchRenorm):
     Works with gloo (CPU) and NCCL. Otherwise (no process group, world size 1, eval) it is :class:`BatchRenorm2d`
     for any (N, C, *) input.
 
-    Args: as :class:`_BatchRenorm`, plus ``process_group`` (default: the whole world), at torch's
-    ``SyncBatchNorm`` position.
+    Args:
+        as :class:`_BatchRenorm`, plus ``process_group`` (default: the whole world), at torch's ``SyncBatchNorm``
+        position.
+
+    Shape:
+        Input (N, C, *); output: the same.
+
+    Example:
+        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), BatchRenorm2d(8))
+        >>> model = SyncBatchRenorm.convert_sync_batchrenorm(model)   # before wrapping it in DDP
+        >>> type(model[1]).__name__
+        'SyncBatchRenorm'
     """
 
     _expected_dims = tuple(range(2, 9))

@@ -55,12 +55,22 @@ def dynamic_routing(u_hat: Tensor, iterations: int = 3, detach_inner: bool = Fal
 
 
 class PrimaryCapsules(nn.Module):
-    """Convolutional capsules: ``Conv2d(in_channels, num_capsules * capsule_dim, kernel_size, stride)``, output
-    channels grouped as (capsule type, capsule_dim) - channel ``t * capsule_dim + d`` is component d of type t -
-    every spatial position and type is one capsule, squashed.
+    """Convolutional capsules (Sabour et al. 2017): a conv whose output channels are grouped into capsule vectors.
 
-    Shapes: x (N, in_channels, H, W) -> (N, num_capsules * H_out * W_out, capsule_dim), capsules ordered by
-    (type, row, column). MNIST: (N, 256, 20, 20) -> (N, 1152, 8).
+    ``Conv2d(in_channels, num_capsules * capsule_dim, kernel_size, stride)``; channel ``t * capsule_dim + d`` is
+    component d of capsule type t; every spatial position and type is one capsule, passed through :func:`squash`.
+
+    Args:
+        in_channels: channels of the input feature map. num_capsules: capsule types (32 in the paper).
+        capsule_dim: components per capsule (8). kernel_size, stride, padding: of the conv (9, 2, 0).
+
+    Shape:
+        Input (N, in_channels, H, W); output (N, num_capsules * H_out * W_out, capsule_dim), capsules ordered by
+        (type, row, column). MNIST: (N, 256, 20, 20) -> (N, 1152, 8).
+
+    Example:
+        >>> PrimaryCapsules(256)(torch.randn(2, 256, 20, 20)).shape
+        torch.Size([2, 1152, 8])
     """
 
     def __init__(
@@ -98,11 +108,22 @@ class PrimaryCapsules(nn.Module):
 class RoutingCapsules(nn.Module):
     """Fully connected capsule layer with dynamic routing (the paper's DigitCaps).
 
-    Parameter ``weight`` W of shape (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2)
-    (small, default 0.01); ``u_hat[n, i, j] = W[i, j] @ u[n, i]``.
+    ``u_hat[n, i, j] = W[i, j] @ u[n, i]``, then :func:`dynamic_routing` (softmax over the parents, logits per
+    example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2).
 
-    Shapes: u (N, in_capsules, in_dim) -> v (N, out_capsules, out_dim); ``forward(u, return_coupling=True)``
-    also returns the last coupling coefficients (N, in_capsules, out_capsules).
+    Args:
+        in_capsules, in_dim: child capsules and their dimension. out_capsules, out_dim: parents (10 x 16 in the
+        paper). iterations: routing iterations r >= 1 (3). detach_inner: the inner iterations see a detached
+        u_hat (naturomics' stop_gradient; off). init_std: 0.01.
+
+    Shape:
+        Input u (N, in_capsules, in_dim); output v (N, out_capsules, out_dim); ``forward(u, return_coupling=True)``
+        also returns the last coupling coefficients (N, in_capsules, out_capsules).
+
+    Example:
+        >>> caps = RoutingCapsules(1152, 8, 10, 16, iterations=3)
+        >>> caps(torch.randn(2, 1152, 8)).shape
+        torch.Size([2, 10, 16])
     """
 
     def __init__(

@@ -200,7 +200,17 @@ class InstanceNorm1d(_InstanceNorm):
     """Instance normalization over (N, C, L) inputs: per sample and channel over L.
 
     ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over L.
-    Args as ``torch.nn.InstanceNorm1d`` (``affine`` sets both ``center`` and ``scale``).
+
+    Args:
+        as ``torch.nn.InstanceNorm1d`` (``affine`` sets both ``center`` and ``scale``), plus keyword-only ``center``
+        (learn ``bias``) and ``scale`` (learn ``weight``), tf.contrib style.
+
+    Shape:
+        Input (N, C, L) or (C, L); output: the same.
+
+    Example:
+        >>> InstanceNorm1d(16, affine=True)(torch.randn(8, 16, 40)).shape
+        torch.Size([8, 16, 40])
     """
 
     _spatial_dims = 1
@@ -210,8 +220,20 @@ class InstanceNorm1d(_InstanceNorm):
 class InstanceNorm2d(_InstanceNorm):
     """Instance normalization over (N, C, H, W) inputs: per sample and channel over H, W.
 
-    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over H, W.
-    Args as ``torch.nn.InstanceNorm2d`` (``affine`` sets both ``center`` and ``scale``). Keeps channels_last.
+    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over H, W; statistics in
+    float32 for half inputs; keeps channels_last.
+
+    Args:
+        as ``torch.nn.InstanceNorm2d`` (``affine`` sets both ``center`` and ``scale``), plus keyword-only ``center``
+        and ``scale``.
+
+    Shape:
+        Input (N, C, H, W) or (C, H, W); output: the same shape, dtype and memory format.
+
+    Example:
+        >>> x = torch.randn(2, 64, 32, 32).to(memory_format=torch.channels_last)
+        >>> InstanceNorm2d(64)(x).is_contiguous(memory_format=torch.channels_last)
+        True
     """
 
     _spatial_dims = 2
@@ -221,7 +243,15 @@ class InstanceNorm2d(_InstanceNorm):
 class InstanceNorm3d(_InstanceNorm):
     """Instance normalization over (N, C, D, H, W) inputs: per sample and channel over D, H, W.
 
-    Args as ``torch.nn.InstanceNorm3d`` (``affine`` sets both ``center`` and ``scale``). Keeps channels_last_3d.
+    Args:
+        as ``torch.nn.InstanceNorm3d`` (``affine`` sets both ``center`` and ``scale``), plus ``center``, ``scale``.
+
+    Shape:
+        Input (N, C, D, H, W) or (C, D, H, W); output: the same (keeps channels_last_3d).
+
+    Example:
+        >>> InstanceNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
+        torch.Size([2, 4, 3, 5, 5])
     """
 
     _spatial_dims = 3

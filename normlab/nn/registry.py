@@ -139,8 +139,10 @@ def create_norm(name: str, num_channels: int, dim: int = 2, **kwargs) -> nn.Modu
         Input (N, C, *spatial) with ``dim`` spatial dimensions; output: the same shape.
 
     Example:
-        >>> create_norm("gn", 96)        # GroupNorm(32, 96)
-        >>> create_norm("brn", 64, rmax=3.0, dmax=5.0)
+        >>> create_norm("gn", 96)
+        GroupNorm(32, 96, eps=1e-05, affine=True, bias=True)
+        >>> create_norm("brn", 64, rmax=3.0, dmax=5.0).rmax
+        3.0
     """
     key, cls = _lookup(NORM_CLASSES, "create_norm", name, dim)
     _check_channels("create_norm", "num_channels", num_channels)
@@ -168,7 +170,8 @@ def create_conv(kind: str, in_channels: int, out_channels: int, kernel_size, dim
         Input (N, in_channels, *spatial); output (N, out_channels, *spatial').
 
     Example:
-        >>> create_conv("pws", 64, 128, 3, padding=1, gamma=1e-3)
+        >>> create_conv("pws", 64, 128, 3, padding=1, gamma=1e-2)
+        PWSConv2d(64, 128, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1), gamma=0.01)
     """
     key, cls = _lookup(CONV_CLASSES, "create_conv", kind, dim)
     _check_channels("create_conv", "in_channels", in_channels)

@@ -153,11 +153,27 @@ class _SwitchableNorm(Float32StatsModule):
 
 
 class SwitchableNorm1d(_SwitchableNorm):
-    """Switchable Normalization over (N, C, L) inputs (L > 1); statistics over L per instance.
+    r"""Switchable Normalization (Luo et al. 2019) over (N, C, L) inputs (L > 1).
 
-    Unlike the official ``SwitchNorm1d`` (which takes (N, C) and mixes only LN and BN), this layer uses all three
-    statistics on sequences. Args: num_features, eps=1e-5, momentum=0.9 (weighs old value),
-    using_moving_average=True, using_bn=True, last_gamma=False (True initializes ``weight`` to 0).
+    .. math::
+        \mu = \sum_k w^\mu_k \mu_k, \quad \sigma^2 = \sum_k w^\sigma_k \sigma^2_k, \quad
+        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \gamma + \beta, \quad k \in \{IN, LN, BN\}
+
+    with ``w = softmax(mean_weight)`` and ``softmax(var_weight)``. Unlike the official ``SwitchNorm1d`` (which
+    takes (N, C) and mixes only LN and BN), this layer uses all three statistics on sequences.
+
+    Args:
+        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
+        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
+        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
+        device, dtype: as torch layers.
+
+    Shape:
+        Input (N, C, L); output: the same.
+
+    Example:
+        >>> SwitchableNorm1d(16)(torch.randn(8, 16, 40)).shape
+        torch.Size([8, 16, 40])
     """
 
     _spatial_dims = 1
@@ -165,10 +181,24 @@ class SwitchableNorm1d(_SwitchableNorm):
 
 
 class SwitchableNorm2d(_SwitchableNorm):
-    """Switchable Normalization over (N, C, H, W) inputs (H*W > 1). Keeps channels_last.
+    """Switchable Normalization (Luo et al. 2019) over (N, C, H, W) inputs (H*W > 1); the formula is
+    :class:`SwitchableNorm1d`'s. Keeps channels_last.
+
+    Args:
+        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
+        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
+        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
+        device, dtype: as torch layers.
 
     Parameters: weight, bias (C,); mean_weight, var_weight (3,) logits (2 with ``using_bn=False``), init ones.
     Buffers: running_mean, running_var (C,), start at zero (as the official code).
+
+    Shape:
+        Input (N, C, H, W); output: the same shape, dtype and memory format.
+
+    Example:
+        >>> SwitchableNorm2d(64)(torch.randn(4, 64, 8, 8)).shape
+        torch.Size([4, 64, 8, 8])
     """
 
     _spatial_dims = 2
@@ -176,7 +206,21 @@ class SwitchableNorm2d(_SwitchableNorm):
 
 
 class SwitchableNorm3d(_SwitchableNorm):
-    """Switchable Normalization over (N, C, D, H, W) inputs. Keeps channels_last_3d."""
+    """Switchable Normalization (Luo et al. 2019) over (N, C, D, H, W) inputs; keeps channels_last_3d.
+
+    Args:
+        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
+        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
+        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
+        device, dtype: as torch layers.
+
+    Shape:
+        Input (N, C, D, H, W); output: the same.
+
+    Example:
+        >>> SwitchableNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
+        torch.Size([2, 4, 3, 5, 5])
+    """
 
     _spatial_dims = 3
     _layout = "(N, C, D, H, W)"

@@ -7,8 +7,8 @@ A run has collapsed when (first match, in step order):
   ``CHANCE`` x ln(C) or above, i.e. within 5 % of the loss of a constant uniform prediction (or worse). Step: the
   first step of the window whose mean crossed (the earliest step the crossing can be attributed to);
 - ``never_left_chance``: at the end of a run of at least ``MIN_WINDOWS`` windows its smoothed loss has never been
-  below ``CHANCE`` x ln(C): a dead network. Step: None (there is no moment of collapse to warn before). Shorter
-  runs are too short to call dead.
+  below ``LEARNED`` x ln(C) and is back at (or still at) ``CHANCE`` x ln(C) or above: a dead network, which never
+  learned. Step: None (there is no moment of collapse to warn before). Shorter runs are too short to call dead.
 
 The smoothed loss is the mean over the last ``window`` steps, ``window = max(10, ceil(1024 / batch_size))``: about
 a thousand samples, so that one unlucky small batch is not read as a collapse.
@@ -80,8 +80,9 @@ class CollapseTracker:
         return None
 
     def finish(self) -> str | None:
-        """End of the run: a run that never left chance has collapsed (a dead network)."""
-        if self.kind is None and self._steps >= MIN_WINDOWS * self.window and not self.left_chance:
+        """End of the run: a run that never learned and ends at chance has collapsed (a dead network)."""
+        at_chance = bool(self._recent) and self._sum / len(self._recent) >= CHANCE * self.chance_loss
+        if self.kind is None and self._steps >= MIN_WINDOWS * self.window and not self.learned and at_chance:
             self.kind, self.step = "never_left_chance", None
         return self.kind
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from .bench import step_times
 from .data import get_dataset
+from .demo_report import render_demo_report
 from .execute import GridRun, prepare_grid, run_cells
 from .grid import GridSpec
 from .io import atomic_write_json
@@ -58,7 +59,7 @@ class DemoProtocol:
     batch_norms: tuple[str, ...] = ("bn", "brn", "gn", "sn", "pws")
     batch_sizes: tuple[int, ...] = (128, 4, 2)
     base_lr: float = 0.05
-    batch_num_train: int = 3000
+    batch_num_train: int = 2000
     batch_monitor_every: int = 50
     # (d) cost of a training step
     cost_batch_sizes: tuple[int, ...] = (128, 2)
@@ -108,8 +109,6 @@ def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | 
              threads: int | None = None, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "sections",
     "cost"}`` (the sections' results dicts)."""
-    from .demo_report import render_demo_report
-
     p = QUICK_PROTOCOL if quick else PROTOCOL
     out = Path(out_dir)
     get_dataset("mnist1d", out / "data", num_samples=p.num_samples)  # generate once, before the workers start

@@ -31,8 +31,9 @@ DEMO_CRITERIA = (
     f"at the smallest batch is >= {100 * GAP_VISIBLE:.0f} points below its eval-mode accuracy and that gap exceeds "
     f"the gap at batch 128 by >= {100 * GAP_VISIBLE:.0f} points. BRN *recovers* a small batch if its accuracy there "
     f"is >= {100 * BRN_GAIN:.0f} point above BN's. The monitor's target: its alarm comes before the collapse (a "
-    f"positive lead in steps) on >= {ALARM_SEEDS} of 3 seeds of the unnormalized net at the collapsing learning "
-    f"rate, and it raises no alarm in any monitored run that did not collapse."
+    f"positive lead in steps; for a dead network, which has no moment of collapse, any alarm during the run) on >= "
+    f"{ALARM_SEEDS} of 3 seeds of the unnormalized net at the collapsing learning rate, and it raises no alarm in "
+    f"any monitored run that did not collapse."
 )
 
 
@@ -50,8 +51,20 @@ def _lr_table(results: dict) -> list[str]:
     lrs, bs = sorted(spec["lrs"]), int(spec["base_batch_size"])
     rows = ["| norm | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " |", "|---|" + "---|" * len(lrs)]
     for name in spec["norms"]:
-        rows.append(f"| {name} | " + " | ".join(format_acc(g.get((name, lr, bs))) for lr in lrs) + " |")
+        rows.append(f"| {name} | " + " | ".join(_acc_kinds(g.get((name, lr, bs))) for lr in lrs) + " |")
     return rows
+
+
+_KIND_WORDS = {"non_finite_loss": "non-finite", "returned_to_chance": "back to chance", "never_left_chance": "dead"}
+
+
+def _acc_kinds(grp: dict | None) -> str:
+    """Accuracy with the kinds of collapse: ``35.5 ± 44.0 % (collapsed 2/3: 1 non-finite, 1 dead)``."""
+    text = format_acc(grp)
+    kinds = (grp or {}).get("collapse_kinds") or {}
+    if kinds:
+        text = text[:-1] + ": " + ", ".join(f"{n} {_KIND_WORDS.get(k, k)}" for k, n in sorted(kinds.items())) + ")"
+    return text
 
 
 def _lr_claims(results: dict) -> list[str]:
@@ -210,6 +223,15 @@ def _terms_text(d: dict) -> str:
             f"{b['shift_term']:.3g}")
 
 
+def _outcome(d: dict) -> str:
+    """How a run ended, in words."""
+    if not d["collapsed"]:
+        return "did not collapse"
+    return {"non_finite_loss": f"non-finite loss at step {d['collapse_step']}",
+            "returned_to_chance": f"back to chance at step {d['collapse_step']}",
+            "never_left_chance": "dead (never learned)"}.get(d["collapse_reason"], str(d["collapse_reason"]))
+
+
 def _diagnosis_rows(out: Path, results: dict, lr: float) -> list[tuple[dict, dict]]:
     return [(c, diagnose_run(out / "runs" / c["cell"])) for c in results["cells"] if float(c["lr"]) == lr]
 
@@ -221,21 +243,23 @@ def _diagnosis_section(out: Path, demo: dict) -> tuple[list[str], list[tuple[str
     lines = ["| norm | seed | outcome | alarm (layer, step, quantity) | lead (steps) | terms of Var[Y] at the alarmed "
              "layer, step 0 -> alarm |", "|---|---|---|---|---|---|"]
     for c, d in rows:
-        outcome = "healthy" if not d["collapsed"] else f"{d['collapse_reason']} @ {d['collapse_step']}"
+        outcome = _outcome(d)
         a = d["alarm"]
         alarm = "none" if not a else f"{a['layer']}, {a['step']}, {a['quantity']}"
         lead = "-" if d["lead_steps"] is None else d["lead_steps"]
         lines.append(f"| {c['name']} | {c['seed']} | {outcome} | {alarm} | {lead} | {_terms_text(d)} |")
     plain = [d for c, d in rows if c["name"] == "none"]
-    warned = sum(1 for d in plain if d["lead_steps"] is not None and d["lead_steps"] > 0)
+    dated = sum(1 for d in plain if d["lead_steps"] is not None and d["lead_steps"] > 0)
+    dead = sum(1 for d in plain if d["collapse_reason"] == "never_left_chance" and d["alarm"])
     everything = [diagnose_run(out / key / "runs" / c["cell"]) for key in demo["sections"]
                   for c in demo["sections"][key]["cells"]]
     audit = alarm_audit(everything)
-    met = warned >= ALARM_SEEDS and audit["false_alarms"] == 0
-    lines += ["", f"- Monitor target: {_mark(met)}. Unnormalized net at lr {lr:g}: alarm before the collapse on "
-              f"{warned} of {len(plain)} seeds. Over all {audit['monitored_runs']} monitored runs of the demo: "
-              f"{audit['collapsed_runs']} collapsed ({audit['datable_collapses']} with a collapse step, "
-              f"{audit['warned_in_time']} warned before it, leads {audit['leads']} steps), "
+    met = dated + dead >= ALARM_SEEDS and audit["false_alarms"] == 0
+    lines += ["", f"- Monitor target: {_mark(met)}. Unnormalized net at lr {lr:g}: alarm before a dated collapse on "
+              f"{dated} of {len(plain)} seeds, alarm in a dead network (never learned; no collapse step) on {dead}. "
+              f"Over all {audit['monitored_runs']} monitored runs of the demo: {audit['collapsed_runs']} collapsed "
+              f"({audit['datable_collapses']} with a collapse step, {audit['warned_in_time']} warned before it, leads "
+              f"{audit['leads']} steps; {audit['dead_runs_alarmed']} of the dead ones alarmed), "
               f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false alarms**."]
     picks = [(f"{c['name']} seed {c['seed']}", grid_dir / "runs" / c["cell"]) for c, _ in rows
              if c["seed"] == min(demo["protocol"]["seeds"])]

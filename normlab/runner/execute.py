@@ -13,10 +13,8 @@ settings otherwise (epochs, data, model, width, layout, run options) adds to tha
 and ``results.json``/``results.md`` hold every requested cell finished so far, so rerunning with a subset never
 drops finished cells from the report. A run with other settings is refused in one line: use another directory.
 
-**Workers die with their parent.** Each worker asks the kernel for SIGKILL when its parent dies
-(``PR_SET_PDEATHSIG`` on Linux) and also polls its parent (everywhere); it ignores SIGINT, which the parent handles:
-on Ctrl-C, SIGTERM or a dead worker the parent terminates its workers before it exits, and a resumed run (which
-takes the directory's lock) never trains a cell that another live process is training.
+**Workers die with their parent** (:mod:`normlab.runner.pool`), and a resumed run (which takes the directory's
+lock) never trains a cell that another live process is training.
 
 **Backends.** ``backend="process"`` (the default) runs cells in this process or a pool of local worker processes;
 ``backend="ray"`` runs each cell as a Ray task, on a local Ray or a cluster (:mod:`normlab.runner.ray_backend`).
@@ -27,23 +25,15 @@ raises :class:`CellsFailed`, and a rerun retries the failed cells.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
-import multiprocessing as mp
 import os
-import signal
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from .checks import check_grid
 from .config import RESUME_FREE, TrainConfig
@@ -51,8 +41,9 @@ from .errors import RunError, UsageError
 from .grid import Cell, GridSpec, expand_grid
 from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
+from .pool import default_workers, run_jobs
 from .report import render_report
-from .results import collect_results, write_results
+from .results import collect_results, read_summary, write_results
 from .train import train
 
 __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid", "CellsFailed",
@@ -60,7 +51,6 @@ __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers"
 
 _TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
 _LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in the same directory may change
-_PR_SET_PDEATHSIG = 1
 BACKENDS = ("process", "ray")
 
 
@@ -70,13 +60,9 @@ class CellsFailed(RunError):
 
 def _cell_done(cell_dir: Path, cell: Cell) -> dict[str, Any] | None:
     """The cell's summary if ``summary.json`` exists (checked against the cell's config), else None."""
-    path = cell_dir / "summary.json"
-    if not path.is_file():
+    summary = read_summary(cell_dir)
+    if summary is None:
         return None
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"{path} is unreadable ({e}); move the cell directory away to rerun it") from None
     diff = cell.config.differences(summary.get("config", {}))
     if diff:
         raise UsageError(f"cell {cell.cell_id} in {cell_dir.parent.parent} was run with a different config "
@@ -218,43 +204,9 @@ def prepare_grid(spec: GridSpec, out_dir: str | os.PathLike, check: bool = True,
     return GridRun(merged, out, cells, summaries, wanted)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Exit when ``parent`` dies: PR_SET_PDEATHSIG (Linux), and a thread that polls the parent (everywhere)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    if os.getppid() != parent:  # the parent died before the request took effect
-        os._exit(1)
-    threading.Thread(target=watch, name="normlab-parent-watch", daemon=True).start()
-
-
-def _init_worker(threads: int, parent: int | None = None) -> None:
-    """Worker set-up: torch threads, death with the parent, SIGINT left to the parent (it stops the workers)."""
-    torch.set_num_threads(threads)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent is not None:
-        _die_with_parent(parent)
-
-
 def _run_cell(config: TrainConfig, out_dir: str) -> dict[str, Any]:
     """Worker entry: one train() call; returns the summary."""
     return train(config, out_dir, progress=False)
-
-
-def default_workers() -> int:
-    """Number of CPU cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class _Progress:
@@ -275,53 +227,9 @@ class _Progress:
         self.bar.set_postfix_str(f"last {cell.cell_id}: FAILED ({error})")
 
 
-def _stop_workers(pool: ProcessPoolExecutor) -> None:
-    """Terminate the pool's worker processes (a cell they were training resumes next time) and reap them."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(timeout=10)
-    pool.shutdown(wait=False, cancel_futures=True)
-
-
 def _error_line(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def _pool(jobs: list[tuple[GridRun, Cell]], workers: int, threads: int, done: Callable, failed: Callable) -> None:
-    ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads, os.getpid())) as pool:
-        futures = {pool.submit(_run_cell, c.config, str(g.cell_dir(c))): (g, c) for g, c in jobs}
-        try:
-            for f in as_completed(futures):
-                try:
-                    summary = f.result()
-                except BrokenProcessPool:  # a worker died: the pool cannot go on (rerun to resume)
-                    raise
-                except Exception as e:  # the cell raised: record it, go on with the others
-                    failed(*futures[f], _error_line(e))
-                    continue
-                done(*futures[f], summary)
-        except BaseException:
-            # a dead worker, Ctrl-C or SIGTERM stops the run: no worker outlives it; running cells resume next time
-            _stop_workers(pool)
-            raise
-
-
-def _in_process(jobs: list[tuple[GridRun, Cell]], threads: int | None, done: Callable, failed: Callable) -> None:
-    if threads:
-        torch.set_num_threads(int(threads))
-    for g, c in jobs:
-        try:
-            summary = _run_cell(c.config, str(g.cell_dir(c)))
-        except Exception as e:
-            failed(g, c, _error_line(e))
-            continue
-        done(g, c, summary)
 
 
 def _raise_failures(grids: Sequence[GridRun]) -> None:
@@ -353,8 +261,7 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
     total = done_before + len(jobs)
     if done_before:
         say(f"normlab: {done_before} of {total} runs already done (skipped)")
-    n = max(1, min(default_workers() if workers in (None, 0) else int(workers), len(jobs)))
-    bar, t0, saved = _Progress(total, done_before, progress), time.perf_counter(), torch.get_num_threads()
+    bar, t0 = _Progress(total, done_before, progress), time.perf_counter()
 
     def done(grid: GridRun, cell: Cell, summary: dict[str, Any]) -> None:
         grid.record(cell, summary)
@@ -364,7 +271,6 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
         grid.record_failure(cell, error)
         bar.failed(cell, error)
 
-    where = f"{n} worker(s)"
     try:
         if backend == "ray" and jobs:
             from .ray_backend import run_on_ray
@@ -372,12 +278,13 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
             cpus = run_on_ray(jobs, threads=int(threads or 1), done=done, failed=failed, address=address,
                               num_cpus=int(workers or default_workers()) * int(threads or 1))
             where = f"Ray tasks ({cpus:g} CPUs)"
-        elif n == 1:
-            _in_process(jobs, threads, done, failed)
         else:
-            _pool(jobs, n, int(threads or 1), done, failed)
+            n = run_jobs([(_run_cell, (c.config, str(g.cell_dir(c)))) for g, c in jobs],
+                         workers=default_workers() if workers in (None, 0) else int(workers), threads=threads,
+                         on_done=lambda i, summary: done(*jobs[i], summary),
+                         on_error=lambda i, e: failed(*jobs[i], _error_line(e)))
+            where = f"{n} worker(s)"
     finally:
-        torch.set_num_threads(saved)
         bar.bar.close()
     if jobs:
         say(f"normlab: ran {len(jobs)} runs with {where} in {time.perf_counter() - t0:.1f} s")

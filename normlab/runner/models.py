@@ -324,7 +324,9 @@ def build_model(
         UsageError: one line, for unknown names and impossible combinations.
 
     Example:
-        >>> build_model("plain1d", "bn", "conv", in_channels=1, num_classes=10, input_shape=(1, 40), width=0.5)
+        >>> net = build_model("plain1d", "bn", "conv", in_channels=1, num_classes=10, input_shape=(1, 40), width=0.5)
+        >>> net(torch.randn(4, 1, 40)).shape
+        torch.Size([4, 10])
     """
     _check_args(name, norm, conv, in_channels, num_classes, width, kw)
     spatial = _spatial(name, input_shape, in_channels)

@@ -13,7 +13,7 @@ from .data import DATASET_CLASSES
 from .errors import UsageError
 from .io import atomic_write_json
 
-__all__ = ["collect_results", "write_results", "load_results", "mean_std", "RESULTS_VERSION"]
+__all__ = ["collect_results", "write_results", "load_results", "read_summary", "mean_std", "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
 _HISTORY_KEYS = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "test_acc_train_mode")
@@ -87,6 +87,20 @@ def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete:
         "failed": [{"cell": c.cell_id, "name": c.name, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed,
                     "error": error} for c, error in failed],
     }
+
+
+def read_summary(cell_dir: Path) -> dict[str, Any] | None:
+    """A finished run's ``summary.json`` (None when it has none); a one-line error when it cannot be read."""
+    path = Path(cell_dir) / "summary.json"
+    if not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{path} is unreadable ({e}); move the run directory away to rerun it") from None
+    if not isinstance(summary, dict):
+        raise UsageError(f"{path} is not a run summary (a JSON object); move the run directory away to rerun it")
+    return summary
 
 
 def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> Path:
