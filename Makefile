@@ -26,7 +26,7 @@ setup: $(VENV)/.installed
 setup-extras: $(VENV)/.extras
 
 lint: setup
-	$(VENV)/bin/ruff check normlab tests benchmarks
+	$(VENV)/bin/ruff check normlab tests benchmarks scripts
 
 test: setup-extras lint
 	NORMLAB_REQUIRE_EXTRAS=1 $(PY) -m pytest -q

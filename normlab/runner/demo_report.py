@@ -278,8 +278,8 @@ def _cost_section(cost: dict) -> list[str]:
         if "pws" in t and others:
             cheaper = [n for n in others if t[n]["median_s"] >= t["pws"]["median_s"]]
             lines += ["", f"- Claim 4 at batch {bs} (PWS costs less than output normalization): "
-                          f"{_mark(len(cheaper) == len(others))}; PWS is cheaper than {', '.join(cheaper) or 'none'} "
-                          f"of {', '.join(others)}.", ""]
+                          f"{_mark(len(cheaper) == len(others))}; PWS's step is cheaper than "
+                          f"{', '.join(cheaper) or 'none'} (of {', '.join(others)}).", ""]
     return lines
 
 
