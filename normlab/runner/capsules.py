@@ -25,7 +25,6 @@ Protocol (fixed before the measurements; docs/capsules.md):
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -35,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -46,7 +45,7 @@ from .capsules_report import render_report
 from .capsules_stats import RESULTS_KIND, collect, variant_name
 from .data import get_dataset
 from .errors import UsageError
-from .io import atomic_write_json
+from .io import DictSpec, atomic_write_json
 from .pool import default_workers, run_jobs
 from .results import read_summary
 
@@ -72,11 +71,13 @@ def _unique(what: str, seq: Sequence, allowed: Sequence | None = None) -> tuple:
 
 
 @dataclass
-class CapsSpec:
+class CapsSpec(DictSpec):
     """A capsule routing grid: every (iterations, grad, recon) variant x seed, trained for ``epochs``.
 
     ``max_steps_per_epoch`` caps the training steps of an epoch and ``test_subset`` the test examples (quick runs).
     """
+
+    LIST_FIELDS: ClassVar[tuple[str, ...]] = ("iterations", "grads", "recons", "seeds")  # stored as JSON lists
 
     iterations: Sequence[int] = (1, 2, 3, 5)
     grads: Sequence[str] = GRADS
@@ -110,17 +111,6 @@ class CapsSpec:
             v = getattr(self, what)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise UsageError(f"capsules: {what} must be an integer >= 1, got {v!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("iterations", "grads", "recons", "seeds"):
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> CapsSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     def variants(self) -> list[tuple[int, str, str]]:
         """(iterations, grad, recon) of every variant; r = 1 once with grad ``-`` (detaching changes nothing)."""

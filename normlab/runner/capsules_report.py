@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from .capsules_stats import CRITERIA
-from .io import atomic_write, atomic_write_text
+from .io import atomic_write
+from .report import write_report
 
 __all__ = ["markdown_report", "variant_table", "comparison_table", "verdict_lines", "render_report",
            "render_plots", "summary_lines"]
@@ -299,8 +300,4 @@ def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Pa
 
 def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
     """Write results.md and the PNG plots into ``out_dir``; returns the paths written."""
-    out = Path(out_dir)
-    plots = render_plots(results, out)
-    md = out / "results.md"
-    atomic_write_text(md, markdown_report(results, [p.name for p in plots]))
-    return [md, *plots]
+    return write_report(results, out_dir, render_plots, markdown_report)

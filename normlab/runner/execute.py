@@ -50,7 +50,6 @@ __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers"
            "BACKENDS"]
 
 _TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
-_LIST_FIELDS = ("norms", "lrs", "batch_sizes", "seeds")  # what a later run in the same directory may change
 BACKENDS = ("process", "ray")
 
 
@@ -152,7 +151,7 @@ def _previous_grid(out: Path) -> tuple[GridSpec, set[str] | None] | None:
 def _settings(spec: GridSpec) -> dict[str, Any]:
     """What must agree between grids that share a directory: every field but the lists and RESUME_FREE options
     (as JSON values, the run options flattened in)."""
-    d = to_jsonable({k: v for k, v in spec.to_dict().items() if k not in _LIST_FIELDS})
+    d = to_jsonable({k: v for k, v in spec.to_dict().items() if k not in GridSpec.LIST_FIELDS})
     d.update({k: v for k, v in d.pop("train_kwargs").items() if k not in RESUME_FREE})
     if spec.layout == "product":
         d.pop("base_lr")  # only a report coordinate in a product grid
@@ -174,7 +173,7 @@ def merge_grid(previous: GridSpec | None, spec: GridSpec, where: Path) -> GridSp
     if diff:
         raise UsageError(f"{where} holds a grid run with a different config ({'; '.join(diff)}); rerun with its "
                          f"settings to extend it, or use another output directory for a new grid")
-    lists = {k: list(dict.fromkeys([*getattr(previous, k), *getattr(spec, k)])) for k in _LIST_FIELDS}
+    lists = {k: list(dict.fromkeys([*getattr(previous, k), *getattr(spec, k)])) for k in GridSpec.LIST_FIELDS}
     return GridSpec.from_dict({**previous.to_dict(), **lists, "train_kwargs": dict(spec.train_kwargs)})
 
 

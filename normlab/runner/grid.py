@@ -10,18 +10,18 @@ carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2`
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from normlab.nn import resolve_comparison
 
 from .config import TrainConfig
 from .errors import UsageError
+from .io import DictSpec
 
 __all__ = ["GridSpec", "Cell", "expand_grid", "parse_variant", "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
 
@@ -61,7 +61,7 @@ def _unique(what: str, seq: Sequence) -> tuple:
 
 
 @dataclass
-class GridSpec:
+class GridSpec(DictSpec):
     """A comparison grid.
 
     ``layout="product"`` runs every (norm, lr, batch size, seed); ``"cross"`` runs a learning-rate sweep at
@@ -70,6 +70,8 @@ class GridSpec:
     base_batch_size`` (or its square root); the unscaled lr stays the cell's grid coordinate. ``train_kwargs`` are
     further :class:`~normlab.runner.config.TrainConfig` fields shared by every cell.
     """
+
+    LIST_FIELDS: ClassVar[tuple[str, ...]] = ("norms", "lrs", "batch_sizes", "seeds")  # a rerun may add to these
 
     norms: Sequence[str] = DEFAULT_NORMS
     lrs: Sequence[float] = (0.05,)
@@ -118,17 +120,6 @@ class GridSpec:
             raise UsageError(f"GridSpec: lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
         if self.base_batch_size is not None and int(self.base_batch_size) < 1:
             raise UsageError(f"GridSpec: base_batch_size must be >= 1, got {self.base_batch_size}")
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in ("norms", "lrs", "batch_sizes", "seeds"):
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> GridSpec:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
 
     def points(self) -> list[tuple[float, int]]:
         """The (lr, batch size) points of the grid, in run order."""

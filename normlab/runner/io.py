@@ -12,12 +12,13 @@ under a file, not writable) before anything is written; :mod:`normlab.runner.loc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -115,3 +116,24 @@ def check_dir_option(path: str | os.PathLike | None, option: str = "--out", *, w
         what = "is not writable" if anchor == p.absolute() else f"cannot be created ({anchor} is not writable)"
         raise UsageError(f"{option} {p} {what}; expected a directory this user may write into")
     return p
+
+
+class DictSpec:
+    """``to_dict``/``from_dict`` for a grid's dataclass spec, as written to and read from its JSON file.
+
+    ``LIST_FIELDS`` are sequences stored as JSON lists; ``from_dict`` ignores keys that are not fields (a file
+    written by another version), and the spec's own checks (``__post_init__``) judge the values.
+    """
+
+    LIST_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in self.LIST_FIELDS:
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})

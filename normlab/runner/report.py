@@ -7,7 +7,7 @@ the same report without training; the verdicts come from :mod:`normlab.runner.ve
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -226,13 +226,20 @@ def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Pa
     return [p for p in made if p is not None]
 
 
+def write_report(results: dict[str, Any], out_dir: str | os.PathLike, plots: Callable[[dict, Path], list[Path]],
+                 markdown: Callable[[dict, list[str]], str]) -> list[Path]:
+    """Draw ``plots(results, out)``, then write ``markdown(results, plot file names)`` to results.md; returns the
+    paths written (shared by the grid's report and the capsule grid's)."""
+    out = Path(out_dir)
+    drawn = plots(results, out)
+    md = out / "results.md"
+    atomic_write_text(md, markdown(results, [p.name for p in drawn]))
+    return [md, *drawn]
+
+
 def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
     """Write results.md and the PNG plots into ``out_dir``; returns the paths written."""
-    out = Path(out_dir)
-    plots = render_plots(results, out)
-    md = out / "results.md"
-    atomic_write_text(md, markdown_report(results, [p.name for p in plots]))
-    return [md, *plots]
+    return write_report(results, out_dir, render_plots, markdown_report)
 
 
 def summary_lines(results: dict[str, Any]) -> list[str]:
