@@ -108,7 +108,7 @@ BAD = [
     ("report-spec-wrong-type", ["report", "{rep}"], ["spec.norms"],
      lambda t: {"rep": _report_dir(t, {"spec": {**_SPEC, "norms": "bn"}, "groups": [], "cells": []})}),
     ("report-on-file", ["report", "{file}"], ["DIR", "file"], None),
-    ("report-demo-wrong-shape", ["report", "{rep}"], ["demo.json", "demo record"],
+    ("report-demo-wrong-shape", ["report", "{rep}"], ["demo.json", "demo record", "'protocol' is missing"],
      lambda t: {"rep": str(_demo_dir(t))}),
     ("monitor-non-object-line", ["monitor", "{log}", "--out", "{out}"], ["LOG", "not a JSON object"],
      lambda t: {"log": _log(t, [_RECORD, "[1, 2]"])}),

@@ -29,11 +29,29 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def _render_demo(path: Path) -> list[Path]:
     try:
         demo = json.loads(path.read_text())
-        if not isinstance(demo, dict):
-            raise TypeError(f"expected a JSON object, got {type(demo).__name__}")
+        _check_demo_shape(demo)
         return render_demo_report(demo, path.parent)
+    except _NotADemo as e:
+        raise UsageError(f"{path} is not a normlab demo record: {e}") from None
     except (OSError, UnicodeDecodeError, *_SHAPE_ERRORS) as e:
         raise UsageError(f"{path} is not a normlab demo record ({type(e).__name__}: {_first_line(e)})") from None
+
+
+class _NotADemo(ValueError):
+    pass
+
+
+def _check_demo_shape(demo) -> None:
+    """The top level of demo.json as `normlab demo` writes it: protocol, sections (lr_sweep, batch_size,
+    collapse) and cost as JSON objects."""
+    if not isinstance(demo, dict):
+        raise _NotADemo(f"expected a JSON object, got {type(demo).__name__}")
+    for key in ("protocol", "sections", "cost"):
+        if not isinstance(demo.get(key), dict):
+            raise _NotADemo(f"'{key}' is missing or not an object (got {type(demo.get(key)).__name__})")
+    for key in ("lr_sweep", "batch_size", "collapse"):
+        if not isinstance(demo["sections"].get(key), dict):
+            raise _NotADemo(f"sections.{key} is missing or not an object")
 
 
 def _render_grid(d: Path) -> tuple[dict, list[Path]]:
