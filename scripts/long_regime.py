@@ -10,6 +10,9 @@ late test accuracy) and the trajectories the paper's argument is about:
   on it, and the effective step of SGD grows as ||W|| shrinks (lr / ||W||^2);
 - ``eff ||W||``: the norm of the kernels the layers apply (``weight_norm`` of the monitor, summed in squares over the
   conv layers; the standardized kernel times alpha for PWS) at a few steps;
+- ``worst loss``: the highest mean training loss over a window of steps (the collapse detector's window, from
+  ``loss_trace.json``) after step 2,000, and where it was: a late spike towards ln 10 = 2.30 is the event the
+  paper's argument predicts;
 - ``shift``: the monitor's shift of the average weight, Var over filters of n*mean(W_o), averaged over conv layers.
 
     .venv/bin/python scripts/long_regime.py runs/long_regime
@@ -61,6 +64,14 @@ def monitor_at(path: Path) -> dict[int, tuple[float, float]]:
     return {s: (math.sqrt(sq[s]), sum(shifts[s]) / len(shifts[s])) for s in sq}
 
 
+def worst_window(run: Path, after: int = 2_000) -> tuple[float, int]:
+    """(highest windowed mean training loss after step ``after``, the step where that window starts)."""
+    trace = json.loads((run / "loss_trace.json").read_text())
+    losses, w = trace["losses"], int(trace["window"])
+    means = [(sum(losses[i:i + w]) / w, i) for i in range(after, len(losses) - w + 1, w)]
+    return max(means, default=(float("nan"), -1))
+
+
 def nearest(series: dict[int, tuple[float, float]], step: int) -> tuple[float, float]:
     return series[min(series, key=lambda s: abs(s - step))]
 
@@ -74,7 +85,7 @@ def describe(run: Path) -> dict:
     return {"norm": run.name.split("_lr")[0], "seed": cfg.seed, "steps": summary["steps_run"],
             "collapsed": summary["collapsed"], "reason": summary["collapse_reason"],
             "final": summary["final_test_acc"], "worst_late": min(late, default=float("nan")),
-            "raw0": conv_norm(init_state(cfg)), "raw_end": conv_norm(ck["model"]),
+            "worst_loss": worst_window(run), "raw0": conv_norm(init_state(cfg)), "raw_end": conv_norm(ck["model"]),
             "marks": {m: nearest(series, m) for m in MARKS}}
 
 
@@ -83,13 +94,14 @@ def main() -> None:
     p.add_argument("out", nargs="?", default="runs/long_regime", help="the grid's --out directory")
     out = Path(p.parse_args().out)
     rows = [describe(d) for d in sorted((out / "runs").iterdir()) if (d / "summary.json").exists()]
-    print("| run | steps | collapsed | final acc | worst acc after step 2k | raw ||W|| init -> end | "
-          + " | ".join(f"eff ||W|| / shift @{m // 1000}k" for m in MARKS) + " |")
-    print("|" + "---|" * (6 + len(MARKS)))
+    print("| run | steps | collapsed | final acc | worst acc after step 2k | worst loss (step) | "
+          "raw ||W|| init -> end | " + " | ".join(f"eff ||W|| / shift @{m // 1000}k" for m in MARKS) + " |")
+    print("|" + "---|" * (7 + len(MARKS)))
     for r in rows:
         cells = " | ".join(f"{r['marks'][m][0]:.1f} / {r['marks'][m][1]:.3g}" for m in MARKS)
         print(f"| {r['norm']} s{r['seed']} | {r['steps']} | {r['reason'] or 'no'} | {100 * r['final']:.2f} | "
-              f"{100 * r['worst_late']:.2f} | {r['raw0']:.1f} -> {r['raw_end']:.1f} | {cells} |")
+              f"{100 * r['worst_late']:.2f} | {r['worst_loss'][0]:.3g} ({r['worst_loss'][1]}) | "
+              f"{r['raw0']:.1f} -> {r['raw_end']:.1f} | {cells} |")
 
 
 if __name__ == "__main__":

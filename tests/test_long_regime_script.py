@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -40,3 +41,12 @@ def test_rebuilt_initial_weights_are_the_runs_and_the_table_prints(lr_script, no
     monkeypatch.setattr(sys, "argv", ["long_regime.py", str(tmp_path)])  # the script as a command
     lr_script.main()
     assert f"| {name} s3 | 6 | no |" in capsys.readouterr().out
+
+
+def test_worst_window_finds_a_late_spike(lr_script, tmp_path):
+    losses = [0.05] * 3000
+    losses[2510:2520] = [2.3] * 10  # one window at chance level, after step 2,000
+    losses[100:110] = [9.0] * 10  # earlier than step 2,000: ignored
+    (tmp_path / "loss_trace.json").write_text(json.dumps({"window": 10, "losses": losses}))
+    loss, step = lr_script.worst_window(tmp_path)
+    assert step == 2510 and math.isclose(loss, 2.3)

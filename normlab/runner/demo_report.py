@@ -260,7 +260,8 @@ def _diagnosis_section(out: Path, demo: dict) -> tuple[list[str], list[tuple[str
               f"Over all {audit['monitored_runs']} monitored runs of the demo: {audit['collapsed_runs']} collapsed "
               f"({audit['datable_collapses']} with a collapse step, {audit['warned_in_time']} warned before it, leads "
               f"{audit['leads']} steps; {audit['dead_runs_alarmed']} of the dead ones alarmed), "
-              f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false alarms**."]
+              f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false "
+              f"alarm{'' if audit['false_alarms'] == 1 else 's'}**."]
     picks = [(f"{c['name']} seed {c['seed']}", grid_dir / "runs" / c["cell"]) for c, _ in rows
              if c["seed"] == min(demo["protocol"]["seeds"])]
     return lines, picks
