@@ -155,7 +155,7 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     out = capsys.readouterr().out
     for section in ("## (a) Learning rate", "## (b) Batch size", "## (c) Collapse diagnosis", "## (d) Cost"):
         assert section in out
-    assert "Claim 1" in out and "Mechanism" in out and "Monitor target" in out and "false alarms" in out
+    assert "Claim 1" in out and "Mechanism" in out and "Monitor target" in out and "false alarm" in out
     demo = json.loads((tmp_path / "demo.json").read_text())
     assert set(demo["sections"]) == {"lr_sweep", "collapse", "batch_size"}
     assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}

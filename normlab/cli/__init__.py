@@ -17,7 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from normlab.runner.errors import RunnerError
+from normlab.runner.errors import RunnerError, error_line
 
 from . import bench, capsules, compare, demo, export, monitor, report, train
 from .args import OneLineParser
@@ -42,11 +42,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _terminate(signum, frame):
     raise KeyboardInterrupt
 
@@ -63,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args) or 0)
     except RunnerError as e:
-        print(f"normlab {args.command}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"normlab {args.command}: error: {error_line(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print(f"normlab {args.command}: interrupted; rerun the same command to resume", file=sys.stderr)

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from normlab.runner.demo_report import render_demo_report
-from normlab.runner.errors import UsageError
+from normlab.runner.errors import UsageError, error_line
 from normlab.runner.lock import out_lock
 from normlab.runner.report import render_report, summary_lines
 from normlab.runner.results import load_results
@@ -34,7 +34,7 @@ def _render_demo(path: Path) -> list[Path]:
     except _NotADemo as e:
         raise UsageError(f"{path} is not a normlab demo record: {e}") from None
     except (OSError, UnicodeDecodeError, *_SHAPE_ERRORS) as e:
-        raise UsageError(f"{path} is not a normlab demo record ({type(e).__name__}: {_first_line(e)})") from None
+        raise UsageError(f"{path} is not a normlab demo record ({error_line(e, with_type=True)})") from None
 
 
 class _NotADemo(ValueError):
@@ -59,13 +59,8 @@ def _render_grid(d: Path) -> tuple[dict, list[Path]]:
     try:
         return results, render_report(results, d)
     except _SHAPE_ERRORS as e:
-        raise UsageError(f"{d / 'results.json'} is not a normlab results file ({type(e).__name__}: "
-                         f"{_first_line(e)})") from None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+        raise UsageError(f"{d / 'results.json'} is not a normlab results file ("
+                         f"{error_line(e, with_type=True)})") from None
 
 
 def run(args: argparse.Namespace) -> int:

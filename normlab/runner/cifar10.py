@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RunError, UsageError
+from .errors import RunError, UsageError, error_line
 from .io import atomic_write
 
 __all__ = ["read_batch", "load_cifar10", "download_cifar10", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD"]
@@ -59,18 +59,13 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         data = np.asarray(d[b"data"], dtype=np.uint8)
         labels = np.asarray(d[b"labels"], dtype=np.int64)
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        raise UsageError(f"cifar10: {path} is not a CIFAR-10 python batch ({_first_line(e)})") from None
+        raise UsageError(f"cifar10: {path} is not a CIFAR-10 python batch ({error_line(e)})") from None
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
         raise UsageError(f"cifar10: {path} holds data of shape {data.shape} and labels of shape {labels.shape}, "
                          f"expected (N, 3072) and (N,)")
     if labels.size and (labels.min() < 0 or labels.max() > 9):
         raise UsageError(f"cifar10: {path} has labels outside 0..9")
     return data.reshape(-1, 3, 32, 32), labels
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _md5(path: Path) -> str:
@@ -90,7 +85,7 @@ def download_cifar10(data_dir: str | os.PathLike) -> Path:
             with urllib.request.urlopen(CIFAR10_URL) as response:
                 atomic_write(tar_path, lambda f: _copy(response, f))
         except OSError as e:
-            raise RunError(f"cifar10: download of {CIFAR10_URL} failed: {_first_line(e)}") from None
+            raise RunError(f"cifar10: download of {CIFAR10_URL} failed: {error_line(e)}") from None
     digest = _md5(tar_path)
     if digest != CIFAR10_MD5:
         raise RunError(f"cifar10: md5 of {tar_path} is {digest}, expected {CIFAR10_MD5}")

@@ -8,7 +8,7 @@ user must look at (an unreadable checkpoint); exit code 1. The library (``normla
 
 from __future__ import annotations
 
-__all__ = ["RunnerError", "UsageError", "RunError"]
+__all__ = ["RunnerError", "UsageError", "RunError", "error_line"]
 
 
 class RunnerError(Exception):
@@ -27,3 +27,13 @@ class RunError(RunnerError, RuntimeError):
     """A run that cannot go on (e.g. a corrupt checkpoint); nothing was overwritten (exit code 1)."""
 
     exit_code = 1
+
+
+def error_line(e: BaseException, with_type: bool = False) -> str:
+    """The first line of an exception's message (its type name when it has none), for one-line reports;
+    ``with_type`` prefixes ``"TypeName: "``."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else ""
+    if not line:
+        return type(e).__name__
+    return f"{type(e).__name__}: {line}" if with_type else line

@@ -37,7 +37,7 @@ from typing import Any
 
 from .checks import check_grid
 from .config import RESUME_FREE, TrainConfig
-from .errors import RunError, UsageError
+from .errors import RunError, UsageError, error_line
 from .grid import Cell, GridSpec, expand_grid
 from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
@@ -226,11 +226,6 @@ class _Progress:
         self.bar.set_postfix_str(f"last {cell.cell_id}: FAILED ({error})")
 
 
-def _error_line(e: BaseException) -> str:
-    text = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
 def _raise_failures(grids: Sequence[GridRun]) -> None:
     errors = [(cid, err) for g in grids for cid, err in g.failures.items()]
     if errors:
@@ -281,7 +276,7 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
             n = run_jobs([(_run_cell, (c.config, str(g.cell_dir(c)))) for g, c in jobs],
                          workers=default_workers() if workers in (None, 0) else int(workers), threads=threads,
                          on_done=lambda i, summary: done(*jobs[i], summary),
-                         on_error=lambda i, e: failed(*jobs[i], _error_line(e)))
+                         on_error=lambda i, e: failed(*jobs[i], error_line(e, with_type=True)))
             where = f"{n} worker(s)"
     finally:
         bar.bar.close()

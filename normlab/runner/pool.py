@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from .errors import RunError
+
 __all__ = ["run_jobs", "default_workers"]
 
 _PR_SET_PDEATHSIG = 1
@@ -85,7 +87,8 @@ def _pool(jobs: Sequence[tuple[Callable, tuple]], workers: int, threads: int,
                 try:
                     result = f.result()
                 except BrokenProcessPool:  # a worker died: the pool cannot go on (a rerun resumes)
-                    raise
+                    raise RunError("a worker process died (killed, or out of memory?); rerun the same command "
+                                   "to resume") from None
                 except Exception as e:
                     if on_error is None:
                         raise
