@@ -183,3 +183,18 @@ def test_grad_scaler_step_with_the_monitor(tmp_path, one_thread):
     rec = [r for r in t.monitor.records if "update_ratio_mean" in r]
     assert rec and all(r["update_ratio_mean"] == r["update_ratio_mean"] for r in rec) and t.monitor.current_step == 1
     assert t._snapshot()["scaler"]["scale"] == 2.0**10
+
+
+def test_a_step_the_grad_scaler_skips_records_no_update(tmp_path, one_thread):
+    # an overflowing float16 backward: one gradient is inf, the scaler skips the step and lowers its scale; the
+    # monitor must not record an update ratio of 1 as if the optimizer had stepped
+    t = Trainer(_amp_cfg(), tmp_path, progress=False)
+    t._build()
+    t.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    next(t.raw_model.parameters()).register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in t.raw_model.parameters()]
+    t._step(*t.train_ds.batch(torch.arange(16), t.generator))
+    assert all(torch.equal(a, p) for a, p in zip(before, t.raw_model.parameters()))  # skipped
+    assert t.scaler.get_scale() < 2.0**10
+    recs = [r for r in t.monitor.records if r["kind"] != "norm"]
+    assert recs and not any("update_ratio_mean" in r for r in recs) and t.monitor.current_step == 1

@@ -23,6 +23,7 @@ through normlab's atomic writer); needs ``pip install 'normlab[tensorboard]'``.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -51,6 +52,10 @@ def summary_writer(log_dir: str | os.PathLike, **kwargs):
     return SummaryWriter(str(log_dir), **kwargs)
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _layer(name: str) -> str:
     return name or "model"
 
@@ -60,7 +65,7 @@ def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
     out = {}
     for key, (section, _) in SCALARS.items():
         value = record.get(key)
-        if isinstance(value, (int, float)) and value == value and abs(value) != float("inf"):
+        if _finite_number(value):
             out[f"{section}/{_layer(record['layer'])}"] = float(value)
     return out
 
@@ -109,8 +114,7 @@ class MonitorBoard:
     def write_scalars(self, values: Mapping[str, float | None], step: int, section: str = "run") -> None:
         """``section/<key>`` for every finite value (the run's loss, accuracy, learning rate, ...)."""
         for key, value in values.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
-                    and abs(value) != float("inf"):
+            if _finite_number(value):
                 self.writer.add_scalar(f"{section}/{key}", float(value), step)
 
     def flush(self) -> None:

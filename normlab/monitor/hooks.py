@@ -274,7 +274,7 @@ class VarianceMonitor:
 
     @torch.no_grad()
     def _finalize(self, before: dict[str, Tensor], stepped: bool) -> None:
-        step_records = []
+        step_records, updates = [], {}
         next_index = len(self._order)
         for name, mod, kind in self.layers:
             rec: dict = {"step": self.current_step, "layer": name}
@@ -287,7 +287,10 @@ class VarianceMonitor:
             rec["kind"] = kind
             rec.update(self._pending.get(name, {}))
             if kind != "norm":
-                rec.update(self._weight_stats(before[name], effective_weight(mod) if stepped else None))
+                after = effective_weight(mod) if stepped else None
+                if after is not None:  # per-filter mean updates: in the record's summary and TensorBoard's histograms
+                    updates[name] = stats.filter_mean_update(before[name], after)
+                rec.update(self._weight_stats(before[name], after, updates.get(name)))
                 rec.update(stats.variance_terms(rec))
             step_records.append(rec)
         if self.compiled and not self._pending and not self._warned_compiled:
@@ -307,21 +310,21 @@ class VarianceMonitor:
         exempt = set() if self.watch_output_layer else output_layer
         alarm = self.detector.check(self.current_step, step_records, exempt, shrink_layers=output_layer)
         if self.tensorboard is not None:
-            self._to_tensorboard(step_records, before if stepped else None, alarm if self.alarm is None else None)
+            self._to_tensorboard(step_records, updates, alarm if self.alarm is None else None)
         if alarm is not None and self.alarm is None:
             self.alarm = alarm
             if self.on_alarm is not None:
                 self.on_alarm(alarm)
 
-    def _to_tensorboard(self, records: list[dict], before: dict[str, Tensor] | None, alarm) -> None:
-        updates = {} if before is None else {name: stats.filter_mean_update(before[name], effective_weight(mod))
-                                             for name, mod, kind in self.layers if kind != "norm"}
+    def _to_tensorboard(self, records: list[dict], updates: dict[str, Tensor], alarm) -> None:
         self.tensorboard.write_records(records, updates)
         if alarm is not None:
             self.tensorboard.write_alarm(alarm)
 
     @staticmethod
-    def _weight_stats(w: Tensor, after: Tensor | None) -> dict:
+    def _weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
+        """Weight-side statistics of the kernels ``w`` before the step; with ``after`` (the kernels after it) and
+        ``mu`` (their per-filter mean update), the update statistics too."""
         wf = stats.filters(w)
         names = ["weight_var", "weight_var_min", "weight_var_max", "weight_sq_mean", "weight_norm", "shift",
                  "shift_scale_free"]
@@ -330,7 +333,6 @@ class VarianceMonitor:
                   stats.shift_scale_free(w)]
         if after is not None:
             ratio = stats.update_ratio(w, after)
-            mu = stats.filter_mean_update(w, after)
             names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
                       "mean_update_mean", "mean_update_std", "mean_update_absmax"]
             values += [ratio.mean(), ratio.min(), ratio.max(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]

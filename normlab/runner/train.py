@@ -61,7 +61,7 @@ from .evaluation import evaluate, evaluate_train_mode
 from .io import append_lines, atomic_torch_save, atomic_write_json, atomic_write_text, json_line, remove_stale_temps
 from .models import build_model
 
-__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "seed_everything", "eval_marks"]
+__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "read_checkpoint", "seed_everything", "eval_marks"]
 
 CHECKPOINT_FORMAT = 1
 
@@ -133,17 +133,27 @@ def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
     return dist.get_world_size(), dist.get_rank(), device
 
 
-def _load_checkpoint(path: Path) -> dict:
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """A run's ``checkpoint.pt`` read with ``torch.load(weights_only=True)`` on the CPU.
+
+    Raises:
+        ValueError: saying what is wrong (unreadable, or not a normlab checkpoint of this format).
+    """
     try:
         ck = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise RunError(
-            f"train: checkpoint {path} is corrupt or unreadable ({type(e).__name__}); refusing to restart over "
-            f"existing results - move it away or use another output directory"
-        ) from None
-    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT:
-        raise RunError(f"train: checkpoint {path} is not a normlab checkpoint (format {CHECKPOINT_FORMAT})")
+        raise ValueError(f"corrupt or unreadable ({type(e).__name__})") from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT or not isinstance(ck.get("config"), dict):
+        raise ValueError(f"not a normlab checkpoint (format {CHECKPOINT_FORMAT})")
     return ck
+
+
+def _load_checkpoint(path: Path) -> dict:
+    try:
+        return read_checkpoint(path)
+    except ValueError as e:
+        raise RunError(f"train: checkpoint {path} is {e}; refusing to restart over existing results - move it "
+                       f"away or use another output directory") from None
 
 
 def _alarm_dict(alarm) -> dict:
@@ -209,12 +219,12 @@ class Trainer:
         if ck is not None and ck["state"]["finished"]:
             self.history, self.state = list(ck["history"]), TrainState.from_dict(ck["state"])
             return self._write_summary()
-        self._build(ck)
-        if ck is not None:
-            self._restore(ck)
-        else:
-            self._start()
         try:
+            self._build(ck)
+            if ck is not None:
+                self._restore(ck)
+            else:
+                self._start()
             for epoch in range(self.state.epoch, self.config.epochs):
                 if self._end_epoch(epoch, self._train_epoch(epoch)):
                     break
@@ -402,10 +412,11 @@ class Trainer:
         self.scaler.scale(loss).backward()
         if self.monitor is not None:
             self.monitor.before_update()
+        scale = self.scaler.get_scale()
         self.scaler.step(self.optimizer)
         self.scaler.update()
-        if self.monitor is not None:
-            self.monitor.after_update()
+        if self.monitor is not None:  # the scaler skips the step (and lowers its scale) on inf/NaN gradients
+            self.monitor.after_update(stepped=self.scaler.get_scale() >= scale)
 
     def _alarm_stops(self) -> dict | None:
         """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
@@ -423,6 +434,7 @@ class Trainer:
         t0 = time.perf_counter()
         x, y = (t.to(self.device) for t in batch)
         out, value = self._step(x, y)
+        elapsed = time.perf_counter() - t0  # the step's cost, without the logging below
         self.losses.append(value)
         if self.board is not None:
             self.board.write_scalars({"step_loss": value}, self.state.steps_total)
@@ -430,7 +442,7 @@ class Trainer:
             win.collapse = "non_finite"
         if out is None:
             return
-        self.state.step_time_total += time.perf_counter() - t0
+        self.state.step_time_total += elapsed
         self.state.steps_total += 1
         win.loss_sum += value * len(y)
         win.correct += (out.argmax(1) == y).sum().item()
