@@ -81,7 +81,7 @@ def test_export_refusals(tmp_path, capsys):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     for argv, words in (([str(tmp_path)], "expected --onnx PATH and/or --torchscript PATH"),
                         ([str(tmp_path / "nowhere"), "--onnx", str(tmp_path / "m.onnx")], "expected a normlab run"),
-                        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path / "m.onnx")], "not a readable normlab"),
+                        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path / "m.onnx")], "is corrupt or unreadable"),
                         ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path)], "--onnx")):
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
@@ -95,3 +95,20 @@ def test_without_the_onnx_extra_the_error_names_it(tmp_path, monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "onnxscript", None)  # not installed
     assert main(["export", str(tmp_path), "--onnx", str(tmp_path / "m.onnx")]) == 2
     assert "pip install 'normlab[onnx]'" in capsys.readouterr().err
+
+
+def test_export_refuses_a_checkpoint_whose_weights_do_not_fit_and_one_path_twice(tmp_path, capsys):
+    cfg = TrainConfig(norm="bn", width=0.125, batch_size=16, epochs=1, max_steps_per_epoch=1)
+    train(cfg, tmp_path / "run", progress=False)
+    ck_path = tmp_path / "run" / "checkpoint.pt"
+    same = str(tmp_path / "m.out")
+    assert main(["export", str(tmp_path / "run"), "--onnx", same, "--torchscript", same]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--torchscript" in err[0] and "another path than --onnx" in err[0], err
+    ck = torch.load(ck_path, weights_only=True)
+    ck["model"].pop(next(iter(ck["model"])))  # a checkpoint of another model version
+    torch.save(ck, ck_path)
+    assert main(["export", str(tmp_path / "run"), "--onnx", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not fit the model" in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "m.out").exists()

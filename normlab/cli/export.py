@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from normlab.runner.errors import UsageError
-from normlab.runner.export import export_onnx, export_torchscript, fold_run, load_run_model
+from normlab.runner.export import export_onnx, export_torchscript, fold_run, load_run_model, require_onnx
 from normlab.runner.io import check_dir_option
 
 NAME = "export"
@@ -43,11 +43,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for option, path in (("--onnx", args.onnx), ("--torchscript", args.torchscript)):
         if path is not None:
             _check_file_option(path, option)
+    if args.onnx is not None and args.torchscript is not None and \
+            os.path.realpath(args.onnx) == os.path.realpath(args.torchscript):
+        raise UsageError(f"--torchscript {args.torchscript}: expected another path than --onnx (one would overwrite "
+                         f"the other)")
     if args.onnx is not None:
-        try:
-            import onnxscript  # noqa: F401
-        except ImportError:
-            raise UsageError("--onnx needs the ONNX exporter: pip install 'normlab[onnx]'") from None
+        require_onnx()
 
 
 def run(args: argparse.Namespace) -> int:

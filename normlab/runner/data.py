@@ -32,6 +32,7 @@ __all__ = ["DATASETS", "DATASET_CLASSES", "DATASET_DIMS", "ArrayDataset", "flip_
 
 DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
 DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}  # spatial dimensions of a sample
+INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
 DATASETS = tuple(DATASET_CLASSES)
 
 

@@ -24,15 +24,14 @@ from torch import nn
 from normlab.convert import fold_for_inference
 
 from .config import TrainConfig
-from .data import DATASET_CLASSES
-from .errors import RunError, UsageError
+from .data import DATASET_CLASSES, INPUT_SHAPES
+from .errors import RunError, UsageError, error_line
 from .io import atomic_write
 from .models import build_model
-from .train import CHECKPOINT_FORMAT
+from .train import read_checkpoint
 
-__all__ = ["INPUT_SHAPES", "load_run_model", "fold_run", "export_onnx", "export_torchscript", "max_rel_diff"]
-
-INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
+__all__ = ["INPUT_SHAPES", "require_onnx", "load_run_model", "fold_run", "export_onnx", "export_torchscript",
+           "max_rel_diff"]
 
 
 def _checkpoint_path(path: str | os.PathLike) -> Path:
@@ -48,20 +47,22 @@ def load_run_model(path: str | os.PathLike) -> tuple[nn.Module, TrainConfig, tup
     the shape of one input sample. Reads with ``torch.load(weights_only=True)``.
 
     Raises:
-        UsageError: no checkpoint there, or not one normlab wrote.
+        UsageError: no checkpoint there, not one normlab wrote, or weights that do not fit its configuration.
     """
     ck_path = _checkpoint_path(path)
     try:
-        ck = torch.load(ck_path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise UsageError(f"CHECKPOINT {ck_path} is not a readable normlab checkpoint ({type(e).__name__})") from None
-    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT or not isinstance(ck.get("config"), dict):
-        raise UsageError(f"CHECKPOINT {ck_path} is not a normlab checkpoint (format {CHECKPOINT_FORMAT})")
+        ck = read_checkpoint(ck_path)
+    except ValueError as e:
+        raise UsageError(f"CHECKPOINT {ck_path} is {e}") from None
     cfg = TrainConfig.from_dict(ck["config"]).validate()
     shape = INPUT_SHAPES[cfg.dataset]
     model = build_model(cfg.model, cfg.norm, cfg.conv, shape[0], DATASET_CLASSES[cfg.dataset], shape, cfg.width,
                         conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs)
-    model.load_state_dict(ck["model"])
+    try:
+        model.load_state_dict(ck["model"])
+    except (RuntimeError, KeyError, TypeError) as e:  # written by another normlab version, or edited
+        raise UsageError(f"CHECKPOINT {ck_path}: its weights do not fit the model its config describes "
+                         f"({error_line(e)})") from None
     return model.eval(), cfg, shape
 
 
@@ -73,9 +74,13 @@ def max_rel_diff(got: Any, want: torch.Tensor) -> float:
 
 
 def fold_run(model: nn.Module, shape: tuple[int, ...], batch: int = 2, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
-    """The folded model and the example input (``batch`` random samples) it was checked on."""
+    """The folded model and the example input (``batch`` random samples) it was checked on (RunError when the
+    folded model's outputs differ from the original's)."""
     example = torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
-    return fold_for_inference(model, example), example
+    try:
+        return fold_for_inference(model, example), example
+    except RuntimeError as e:
+        raise RunError(f"folding for inference failed: {error_line(e)}") from None
 
 
 @contextlib.contextmanager
@@ -93,16 +98,24 @@ def _quiet():
         log.setLevel(level)
 
 
-def _onnx_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
+def require_onnx() -> None:
+    """A one-line UsageError naming the extra when torch.onnx.export's exporter (onnxscript) is not installed."""
     try:
-        import onnxscript  # noqa: F401  (torch.onnx.export's exporter needs it)
+        import onnxscript  # noqa: F401
     except ImportError:
         raise UsageError("--onnx needs the ONNX exporter: pip install 'normlab[onnx]'") from None
+
+
+def _onnx_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
+    require_onnx()
     batch = torch.export.Dim("batch", min=1, max=2**20)
-    with _quiet():
-        program = torch.onnx.export(model, (example,), dynamo=True, input_names=["input"], output_names=["logits"],
-                                    dynamic_shapes=({0: batch},), verbose=False)
-    return program.model_proto.SerializeToString()
+    try:
+        with _quiet():
+            program = torch.onnx.export(model, (example,), dynamo=True, input_names=["input"],
+                                        output_names=["logits"], dynamic_shapes=({0: batch},), verbose=False)
+        return program.model_proto.SerializeToString()
+    except Exception as e:  # the exporter's many error types (unsupported operator, export failure, ...)
+        raise RunError(f"ONNX export failed: {error_line(e, with_type=True)}") from None
 
 
 def _onnxruntime_diff(data: bytes, model: nn.Module, inputs: list[torch.Tensor]) -> float | None:
@@ -111,9 +124,13 @@ def _onnxruntime_diff(data: bytes, model: nn.Module, inputs: list[torch.Tensor])
         import onnxruntime
     except ImportError:
         return None
-    session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
-    with torch.no_grad():
-        return max(max_rel_diff(session.run(None, {"input": x.numpy()})[0], model(x)) for x in inputs)
+    try:
+        session = onnxruntime.InferenceSession(data, providers=["CPUExecutionProvider"])
+        with torch.no_grad():
+            return max(max_rel_diff(session.run(None, {"input": x.numpy()})[0], model(x)) for x in inputs)
+    except Exception as e:  # onnxruntime's own error types
+        raise RunError(f"ONNX export: onnxruntime cannot run the exported model ({error_line(e, with_type=True)})"
+                       ) from None
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, rtol: float = 1e-4) -> float | None:
@@ -137,13 +154,16 @@ def export_torchscript(model: nn.Module, example: torch.Tensor, path: str | os.P
                        rtol: float = 1e-4) -> float:
     """Trace ``model`` with ``torch.jit.trace`` and save it to ``path``; returns the relative difference of the
     loaded trace from torch at another batch size (RunError above ``rtol``; nothing is written then)."""
-    with _quiet(), torch.no_grad():
-        traced = torch.jit.trace(model, example)
-        buf = io.BytesIO()
-        torch.jit.save(traced, buf)
-        buf.seek(0)
-        other = torch.cat([example, example[:1]])
-        diff = max_rel_diff(torch.jit.load(buf)(other), model(other))
+    try:
+        with _quiet(), torch.no_grad():
+            traced = torch.jit.trace(model, example)
+            buf = io.BytesIO()
+            torch.jit.save(traced, buf)
+            buf.seek(0)
+            other = torch.cat([example, example[:1]])
+            diff = max_rel_diff(torch.jit.load(buf)(other), model(other))
+    except Exception as e:  # tracing or running the trace failed
+        raise RunError(f"TorchScript export failed: {error_line(e, with_type=True)}") from None
     if diff > rtol:
         raise RunError(f"TorchScript export: the trace differs from torch by {diff:.3g} (relative), above {rtol:g}")
     atomic_write(path, lambda f: f.write(buf.getvalue()))
