@@ -198,6 +198,10 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     with pytest.raises(UsageError, match="cuda:1 with --backend ray.*use --device cuda"):
         ray_backend._gpus("cuda:1", 8)
     assert ray_backend._gpus("cuda", 0) == 1 and ray_backend._gpus("cpu", 8) == 0 and ray_backend._gpus("auto", 1) == 1
+    with pytest.raises(UsageError, match="cuda:1 with --backend ray"):  # what compare checks before writing
+        ray_backend.check_device("cuda:1")
+    for ok in ("cuda", "cuda:0", "cpu", "auto"):
+        ray_backend.check_device(ok)
     grid = prepare_grid(_spec(norms=("bn",)), tmp_path)
     with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
         ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here

@@ -10,7 +10,7 @@ from normlab.runner.errors import UsageError
 from normlab.runner.execute import BACKENDS, run_grid
 from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
 from normlab.runner.lock import out_lock
-from normlab.runner.ray_backend import check_address, require_ray
+from normlab.runner.ray_backend import check_address, check_device, require_ray
 from normlab.runner.report import print_summary
 
 from .args import (
@@ -114,6 +114,7 @@ def _check_backend(args: argparse.Namespace) -> None:
         raise UsageError("--workers: the Ray cluster at --address decides how many cells run at once; drop --workers")
     if args.backend == "ray":  # refused before anything is written
         require_ray(local=args.address is None)
+        check_device(args.device)
         if args.address is not None:
             check_address(args.address)
 

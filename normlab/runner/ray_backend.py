@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .errors import RunError, UsageError
+from .errors import RunError, UsageError, error_line
 from .train import train
 
 __all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
@@ -83,7 +83,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
     try:
         ray.init(**kwargs, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError, TimeoutError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = error_line(e)
         where = f"--address {address}: cannot connect to a Ray cluster" if address else "cannot start a local Ray"
         raise UsageError(f"{where} ({first})") from None
     try:
@@ -107,41 +107,49 @@ def check_address(address: str) -> None:
                          f"start one with `ray start --head` or check the address") from None
 
 
-def _gpus(device: str, cluster_gpus: float) -> int:
-    """GPUs a cell on ``device`` asks for: 1 on cuda (auto: when the cluster has one), else 0."""
+def check_device(device: str) -> None:
+    """Refuse ``cuda:N`` (N > 0) before anything is written: Ray gives each cell its own GPU, seen as cuda:0."""
     if device == "auto":
-        return int(cluster_gpus >= 1)
+        return
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index not in (None, 0):
         raise UsageError(f"--device {device} with --backend ray: Ray gives each cell its own GPU, which the cell "
                          f"sees as cuda:0; use --device cuda")
-    return int(dev.type == "cuda")
+
+
+def _gpus(device: str, cluster_gpus: float) -> int:
+    """GPUs a cell on ``device`` asks for: 1 on cuda (auto: when the cluster has one), else 0."""
+    if device == "auto":
+        return int(cluster_gpus >= 1)
+    check_device(device)
+    return int(torch.device(device).type == "cuda")
 
 
 def _check_resources(ray, jobs: Sequence, threads: int) -> dict[str, float]:
     """Refuse a grid the cluster cannot run at all (it would wait forever); returns the cluster's resources."""
     res = ray.cluster_resources()
-    if res.get("CPU", 0) < threads:
-        raise UsageError(f"--threads {threads}: the Ray cluster has {res.get('CPU', 0):g} CPUs; each cell asks for "
-                         f"--threads CPUs")
+    nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+    largest = max((r.get("CPU", 0) for r in nodes), default=res.get("CPU", 0))
+    if largest < threads:  # a task runs on one node: no node could take a cell
+        raise UsageError(f"--threads {threads}: the largest node of the Ray cluster has {largest:g} CPUs; each cell "
+                         f"asks for --threads CPUs on one node")
     if any(_gpus(c.config.device, res.get("GPU", 0)) for _, c in jobs) and res.get("GPU", 0) < 1:
         raise UsageError("--device cuda with --backend ray: the Ray cluster has no GPU")
     return res
 
 
-def _submit(ray, grid, cell, threads: int, cluster_gpus: float):
-    task = ray.remote(_cell_task).options(
-        num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
-        retry_exceptions=False, name=f"normlab:{cell.cell_id}")
-    return task.remote(cell.config, str(grid.cell_dir(cell)), threads)
+def _submit(task, grid, cell, threads: int, cluster_gpus: float):
+    """Start ``cell`` as a run of the remote function ``task`` with its resources; returns its object ref."""
+    return task.options(num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
+                        retry_exceptions=False, name=f"normlab:{cell.cell_id}").remote(
+        cell.config, str(grid.cell_dir(cell)), threads)
 
 
 def _error_text(ray, e: BaseException) -> str:
     """One line: the cell's own exception (type and first line), or what Ray says happened to its worker."""
     if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None:
         e = e.cause
-    text = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return error_line(e, with_type=True)
 
 
 def _check_visible(grid, cell, host: str) -> None:
@@ -197,7 +205,8 @@ def run_on_ray(jobs: Sequence[tuple[Any, Any]], *, threads: int, done: Callable,
     """
     with ray_session(address, max(threads, num_cpus or 1)) as ray:
         res = _check_resources(ray, jobs, threads)
-        refs = {_submit(ray, g, c, threads, res.get("GPU", 0)): (g, c) for g, c in jobs}
+        task = ray.remote(_cell_task)
+        refs = {_submit(task, g, c, threads, res.get("GPU", 0)): (g, c) for g, c in jobs}
         try:
             _collect(ray, refs, done, failed)
         except BaseException:
