@@ -150,3 +150,20 @@ def test_without_lightning_the_error_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "normlab.integrations.lightning")
     with pytest.raises(ImportError, match=r"pip install 'normlab\[lightning\]'"):
         importlib.import_module("normlab.integrations.lightning")
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_step_the_grad_scaler_skips_is_recorded_as_no_update(overflow, one_thread):
+    # 16-mixed with a GradScaler (torch's CPU GradScaler here; CUDA in practice): inf gradients make the scaler
+    # skip the step and lower its scale, and the monitor must not record that step as an update
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = Tiny()
+    if overflow:
+        module.net[0].weight.register_hook(lambda g: g * float("inf"))
+    callback = VarianceMonitorCallback(every=1)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))
+    _fit(module, callback, max_steps=2, plugins=[plugin])
+    updates = [r for r in callback.monitor.records if r["kind"] != "norm" and "update_ratio_mean" in r]
+    assert callback.monitor.current_step == 2
+    assert (updates == []) if overflow else len(updates) == 4  # 2 steps x (conv, linear)

@@ -8,6 +8,8 @@ step of a training batch, ``on_train_batch_end`` records once the batch's steps 
   micro-batch are recorded), none for the micro-batches in between;
 - **several optimizers** (manual optimization) are handled: one monitor step per training batch, whose update
   ratios cover every optimizer step taken in it;
+- **mixed precision with a GradScaler** (``16-mixed``) is handled: a step the scaler skips (inf gradients; its
+  scale drops) is recorded as no update;
 - **DDP** (``ddp``, ``ddp_spawn``, ...) is handled: each rank records its own replica (its shard of the batch),
   scalars are logged from rank 0, and an alarm on any rank stops every rank;
 - strategies that shard or wrap parameters (FSDP, DeepSpeed, model parallel, multi-device XLA) are refused at
@@ -39,6 +41,12 @@ __all__ = ["VarianceMonitorCallback", "SUPPORTED_STRATEGIES"]
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
 
+def _grad_scale(trainer: pl.Trainer) -> float | None:
+    """The scale of the precision plugin's GradScaler (16-mixed), or None without one."""
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
+
+
 class VarianceMonitorCallback(pl.Callback):
     """Record variance-transmission statistics of a LightningModule every ``every`` optimizer steps.
 
@@ -62,6 +70,7 @@ class VarianceMonitorCallback(pl.Callback):
         self.monitor_kwargs = monitor_kwargs
         self.monitor: VarianceMonitor | None = None
         self._stepping = False
+        self._scale: float | None = None
         self._state: dict | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -85,6 +94,7 @@ class VarianceMonitorCallback(pl.Callback):
         if self.monitor is not None and not self._stepping:
             self.monitor.before_update()
             self._stepping = True
+            self._scale = _grad_scale(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any,
                            batch_idx: int) -> None:
@@ -94,7 +104,8 @@ class VarianceMonitorCallback(pl.Callback):
         self._stepping = False
         recording = mon.is_recording
         before = len(mon.records)
-        mon.after_update()
+        scale = _grad_scale(trainer)  # a GradScaler lowers its scale when it skips a step (inf gradients)
+        mon.after_update(stepped=self._scale is None or scale is None or scale >= self._scale)
         if not recording:
             return
         if self.log_scalars and trainer.is_global_zero:
