@@ -34,7 +34,8 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.utilities import rank_zero_warn
 except ImportError:  # pragma: no cover - the extra is not installed
-    raise ImportError("Lightning is not installed: pip install 'normlab[lightning]'") from None
+    raise ModuleNotFoundError("Lightning is not installed: pip install 'normlab[lightning]'",
+                              name="lightning") from None
 
 __all__ = ["VarianceMonitorCallback", "SUPPORTED_STRATEGIES"]
 

@@ -48,7 +48,8 @@ def summary_writer(log_dir: str | os.PathLike, **kwargs):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ImportError("TensorBoard is not installed: pip install 'normlab[tensorboard]'") from None
+        raise ModuleNotFoundError("TensorBoard is not installed: pip install 'normlab[tensorboard]'",
+                                  name="tensorboard") from None
     return SummaryWriter(str(log_dir), **kwargs)
 
 
