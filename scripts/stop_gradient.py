@@ -24,6 +24,11 @@ EPS = 1e-5
 # --------------------------------------------------------------------------------------------------
 
 
+def _rel_diff(got, want) -> float:
+    """max |got - want| / max |want|."""
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
 def var_naive(x, dims):
     """E[(x - E[x])^2] with the gradient through the mean."""
     m = x.mean(dims, keepdim=True)
@@ -92,15 +97,15 @@ def first_order(seed: int = 1) -> list[dict[str, object]]:
         ref_v, ref_n = grads["naive (through the mean)"]
         for name, (gv, gn) in grads.items():
             rows.append({"reduction": red, "variance": name,
-                         "var_grad_rel_diff": ((gv - ref_v).abs().max() / ref_v.abs().max()).item(),
-                         "norm_grad_rel_diff": ((gn - ref_n).abs().max() / ref_n.abs().max()).item()})
+                         "var_grad_rel_diff": _rel_diff(gv, ref_v),
+                         "norm_grad_rel_diff": _rel_diff(gn, ref_n)})
         torch_out = _torch_norm(x.clone().requires_grad_(), dims)
         if torch_out is not None:
             xt = x.clone().requires_grad_()
             (gt,) = torch.autograd.grad((_torch_norm(xt, dims) * w_out).sum(), xt)
             rows.append({"reduction": red, "variance": "torch F.batch_norm / F.instance_norm",
                          "var_grad_rel_diff": None,
-                         "norm_grad_rel_diff": ((gt - ref_n).abs().max() / ref_n.abs().max()).item()})
+                         "norm_grad_rel_diff": _rel_diff(gt, ref_n)})
     return rows
 
 
@@ -125,9 +130,9 @@ def second_order(seed: int = 2) -> list[dict[str, object]]:
         ref_h, _, ref_p = res["naive (through the mean)"]
         for name, (h, h1, p) in res.items():
             rows.append({"reduction": red, "variance": name,
-                         "H v, random v: rel diff": ((h - ref_h).abs().max() / ref_h.abs().max()).item(),
+                         "H v, random v: rel diff": _rel_diff(h, ref_h),
                          "H 1: max abs (exact 0)": h1.abs().max().item(),
-                         "penalty gradient: rel diff": ((p - ref_p).abs().max() / ref_p.abs().max()).item()})
+                         "penalty gradient: rel diff": _rel_diff(p, ref_p)})
     return rows
 
 

@@ -1,7 +1,9 @@
 """Shared pytest fixtures."""
 
 import importlib
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +28,26 @@ def needs(module: str):
     if os.environ.get("NORMLAB_REQUIRE_EXTRAS") == "1":
         return importlib.import_module(module)
     return pytest.importorskip(module)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(relpath: str):
+    """Import a script of the repository that is not in the package (``scripts/x.py``, ``benchmarks/y.py``)."""
+    path = ROOT / relpath
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def refused(argv, capsys) -> str:
+    """Run ``normlab argv``; assert exit code 2 and a one-line message on stderr, and return it."""
+    from normlab.cli import main
+
+    rc = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert len(err.splitlines()) == 1, err
+    return err

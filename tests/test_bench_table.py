@@ -3,20 +3,17 @@ the GPU path is exercised on CPU with small sizes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"benchmarks/{name}.py")
 
 
 @pytest.mark.slow

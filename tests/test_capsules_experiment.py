@@ -8,19 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import refused
 
 from normlab.cli import main
 from normlab.runner.capsules import CapsSpec, coupling_entropy, expand_cells, run_capsules
 from normlab.runner.capsules_stats import paired, t_quantile, verdicts
 from normlab.runner.errors import UsageError
-
-
-def _refused(argv, capsys):
-    rc = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
@@ -61,7 +54,7 @@ def _tiny(**kw) -> CapsSpec:
     return CapsSpec(**{**base, **kw})
 
 
-def test_same_seed_same_result_and_changed_config_refused(tmp_path, one_thread):
+def test_same_seed_same_result_and_changed_configrefused(tmp_path, one_thread):
     a = run_capsules(_tiny(), tmp_path / "a", workers=1, progress=False, render=False, log=lambda s: None)
     b = run_capsules(_tiny(), tmp_path / "b", workers=1, progress=False, render=False, log=lambda s: None)
     assert [c["final_test_margin"] for c in a["cells"]] == [c["final_test_margin"] for c in b["cells"]]
@@ -90,7 +83,7 @@ def test_r1_is_run_once_and_cells_are_paired():
     (["--seeds", "1,1"], "duplicates"),
 ])
 def test_bad_arguments_one_line(argv, must, capsys, tmp_path):
-    err = _refused(["capsules", *argv, "--out", str(tmp_path / "o")], capsys)
+    err = refused(["capsules", *argv, "--out", str(tmp_path / "o")], capsys)
     assert must in err
     assert not (tmp_path / "o").exists()
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import refused
 
 from normlab.cli import main
 
@@ -26,14 +27,6 @@ def test_subcommand_help(cmd, capsys):
     assert "usage: normlab " + cmd in capsys.readouterr().out
 
 
-def _refused(argv, capsys):
-    rc = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert rc == 2, err
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 @pytest.mark.parametrize(
     "argv, must_list",
     [
@@ -47,25 +40,25 @@ def _refused(argv, capsys):
     ],
 )
 def test_unknown_names_list_valid_ones(argv, must_list, capsys, tmp_path):
-    err = _refused(argv + ["--out", str(tmp_path / "o")], capsys)
+    err = refused(argv + ["--out", str(tmp_path / "o")], capsys)
     for name in must_list:
         assert name in err
     assert not (tmp_path / "o").exists()  # refused before anything was written
 
 
-def test_batch_size_larger_than_dataset_refused(capsys, tmp_path):
-    err = _refused(["train", "--batch-size", "5000", "--out", str(tmp_path / "o")], capsys)
+def test_batch_size_larger_than_datasetrefused(capsys, tmp_path):
+    err = refused(["train", "--batch-size", "5000", "--out", str(tmp_path / "o")], capsys)
     assert "5000" in err and "larger" in err
-    err = _refused(["compare", "--norms", "bn,gn", "--batch-sizes", "64,4096", "--out", str(tmp_path / "c")], capsys)
+    err = refused(["compare", "--norms", "bn,gn", "--batch-sizes", "64,4096", "--out", str(tmp_path / "c")], capsys)
     assert "4096" in err
     assert not (tmp_path / "o").exists() and not (tmp_path / "c").exists()
 
 
-def test_input_too_small_for_model_refused(capsys, tmp_path):
+def test_input_too_small_for_modelrefused(capsys, tmp_path):
     # the plain net needs at least 12x12 inputs; mnist1d samples are 1-D, digits are 2-D
-    err = _refused(["train", "--dataset", "mnist1d", "--model", "plain", "--out", str(tmp_path / "o")], capsys)
+    err = refused(["train", "--dataset", "mnist1d", "--model", "plain", "--out", str(tmp_path / "o")], capsys)
     assert "plain" in err
-    err = _refused(["train", "--dataset", "digits", "--model", "cnn1d", "--out", str(tmp_path / "o")], capsys)
+    err = refused(["train", "--dataset", "digits", "--model", "cnn1d", "--out", str(tmp_path / "o")], capsys)
     assert "cnn1d" in err
 
 
@@ -76,8 +69,8 @@ def test_bad_list_argument_exit_2(capsys):
     assert "learning rates" in capsys.readouterr().err
 
 
-def test_report_without_results_refused(capsys, tmp_path):
-    err = _refused(["report", str(tmp_path)], capsys)
+def test_report_without_resultsrefused(capsys, tmp_path):
+    err = refused(["report", str(tmp_path)], capsys)
     assert "results.json" in err
 
 
@@ -115,7 +108,7 @@ def test_bench_steps_times_each_norm(capsys):
     assert rc == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| bn") or r.startswith("| pws")]
     assert len(rows) == 2 and rows[1].endswith("| 1.00x |")
-    assert _refused(["bench", "--steps", "--norms", "bn,nope"], capsys)
+    assert refused(["bench", "--steps", "--norms", "bn,nope"], capsys)
 
 
 def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
@@ -140,12 +133,12 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     assert not (ck.parent / "summary.json").exists()
 
 
-def test_grid_of_another_config_in_out_dir_refused(tmp_path, capsys):
+def test_grid_of_another_config_in_out_dirrefused(tmp_path, capsys):
     args = ["compare", "--norms", "gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--width", "0.125",
             "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
     assert main(args + ["--epochs", "1"]) == 0
     capsys.readouterr()
-    err = _refused(args + ["--epochs", "2"], capsys)
+    err = refused(args + ["--epochs", "2"], capsys)
     assert "different config" in err and "epochs: 1 -> 2" in err
 
 

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 from normlab.runner.config import TrainConfig
 from normlab.runner.train import train
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "long_regime.py"
-
 
 @pytest.fixture(scope="module")
 def lr_script():
-    spec = importlib.util.spec_from_file_location("long_regime", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/long_regime.py")
 
 
 @pytest.mark.parametrize("norm, conv", [("none", "conv"), ("none", "pws")])

@@ -3,22 +3,18 @@ hold for the numbers the script computes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "stop_gradient.py"
 
 
 @pytest.fixture(scope="module")
 def sg():
-    spec = importlib.util.spec_from_file_location("stop_gradient", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("scripts/stop_gradient.py")
 
 
 def test_mean_is_stationary(sg):
