@@ -6,7 +6,10 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # `make test` also installs and tests the optional integrations; `make demo` needs only the core (and mnist1d).
 # The pin in the same pip command keeps pip from replacing torch.
-EXTRAS ?= ray,tensorboard,lightning,onnx
+EXTRAS ?= ray,tensorboard,lightning,onnx,timm,models
+# torchvision's wheel for this torch, without its dependencies (its own would pull a CUDA torch); only its Python
+# parts are used (tests/torchvision_cpu.py).
+TORCHVISION_PIN ?= torchvision==0.28.0
 
 .PHONY: setup setup-extras test lint demo bench clean
 
@@ -18,7 +21,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.extras: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[dev,$(EXTRAS)]" "$(TORCH_PIN)"
+	$(PY) -m pip install -q --no-deps "$(TORCHVISION_PIN)"
+	$(PY) -m pip install -q -e ".[dev,$(EXTRAS)]" "$(TORCH_PIN)" "$(TORCHVISION_PIN)"
 	touch $@
 
 setup: $(VENV)/.installed

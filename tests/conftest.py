@@ -7,10 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torchvision_cpu
 
 # Ray in tests stays on the loopback (its local-only switch, read when ray is first imported) and reports nothing
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# torchvision's Python parts (timm imports them) beside the CPU torch: see tests/torchvision_cpu.py
+torchvision_cpu.prepare()
 
 
 @pytest.fixture
