@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 $(VENV)/.extras: $(VENV)/.installed
 	$(PY) -m pip install -q --no-deps "$(TORCHVISION_PIN)"
 	$(PY) -m pip install -q -e ".[dev,$(EXTRAS)]" "$(TORCH_PIN)" "$(TORCHVISION_PIN)"
+	$(PY) tests/torchvision_cpu.py --install
 	touch $@
 
 setup: $(VENV)/.installed

@@ -25,3 +25,14 @@ def test_timm_imports_after_prepare():
 def test_prepare_is_idempotent():
     needs("torchvision")
     assert torchvision_cpu.prepare() is False  # conftest already defined what was missing
+
+
+def test_a_fresh_interpreter_imports_torchvision():
+    """Subprocesses and spawned workers (Lightning's torchmetrics imports torchvision) get the hook from the .pth."""
+    import subprocess
+    import sys
+
+    needs("torchvision")
+    code = "import sys; assert 'torch' not in sys.modules; import torchvision.ops.misc; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
