@@ -142,6 +142,46 @@ def test_grid_of_another_config_in_out_dirrefused(tmp_path, capsys):
     assert "different config" in err and "epochs: 1 -> 2" in err
 
 
+def test_compare_says_its_size_and_time_first_and_a_long_grid_needs_yes(tmp_path, capsys, monkeypatch):
+    from normlab.cli import compare
+
+    args = ["compare", "--norms", "gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--width", "0.125",
+            "--max-steps-per-epoch", "1", "--epochs", "1", "--workers", "1", "--threads", "1", "--no-progress",
+            "--out", str(tmp_path / "c")]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "normlab compare: 1 run to train (1 norms x 1 lrs x 1 batch sizes x 1 seeds, 1 epochs each" in err
+    assert main(args) == 0  # a finished grid trains nothing and says nothing about time
+    assert "to train" not in capsys.readouterr().err
+    minutes = []
+    monkeypatch.setattr(compare, "estimate_minutes", lambda cells, workers: minutes.append(len(cells)) or 60.0)
+    long_args = [a if a != str(tmp_path / "c") else str(tmp_path / "d") for a in args]
+    err = refused(long_args, capsys)
+    assert err.startswith("normlab compare: error: --yes: 1 run to train") and "about 60 min" in err
+    assert not (tmp_path / "d").exists()
+    assert main(long_args + ["--yes"]) == 0
+    assert (tmp_path / "d" / "results.json").exists() and minutes == [1, 1]
+
+
+def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
+    from normlab.runner import estimate
+    from normlab.runner.config import TrainConfig
+    from normlab.runner.estimate import cell_steps, estimate_minutes, step_seconds
+    from normlab.runner.grid import GridSpec, expand_grid
+
+    cfg = TrainConfig(dataset="digits", model="plain", norm="bn", width=0.125, batch_size=16, epochs=3)
+    assert cell_steps(cfg) == 3 * (1437 // 16)
+    assert cell_steps(TrainConfig(dataset="digits", batch_size=16, epochs=2, max_steps_per_epoch=5)) == 10
+    assert 0 < step_seconds(cfg) < 60
+    cells = expand_grid(GridSpec(norms=("bn",), lrs=(0.1,), batch_sizes=(16,), seeds=(0, 1), epochs=1, width=0.125,
+                                 max_steps_per_epoch=2))
+    assert estimate_minutes(cells, 1) > 0
+    monkeypatch.setattr(estimate, "step_seconds", lambda cfg: 0.5)
+    assert estimate_minutes(cells, 1) == 2 * 2 * 0.5 / 60  # 2 cells x 2 steps x 0.5 s
+    assert estimate_minutes(cells, 2) == 2 * 2 * 0.5 / 60 / 2  # two workers share the cells
+    assert estimate_minutes(cells, 8) == 2 * 0.5 / 60  # no more workers than cells
+
+
 def test_demo_quick_writes_report(tmp_path, capsys):
     rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
     assert rc == 0

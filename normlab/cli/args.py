@@ -83,8 +83,9 @@ def list_of(kind, what: str, increasing: bool = False):
     """A comma-separated list of ``kind`` values (at least one; strictly increasing if asked)."""
 
     def parse(s: str):
+        _no_empty_items(s, what)
         try:
-            vals = [kind(x.strip()) for x in s.split(",") if x.strip()]
+            vals = [kind(x.strip()) for x in s.split(",")]
         except argparse.ArgumentTypeError as e:
             raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}: {e}") from None
         except ValueError:
@@ -98,9 +99,18 @@ def list_of(kind, what: str, increasing: bool = False):
     return parse
 
 
+def _no_empty_items(s: str, what: str) -> None:
+    """Refuse ``a,,b``, ``a,`` and ``""`` instead of dropping the empty item (a typo that would shrink the grid)."""
+    items = s.split(",")
+    if any(not x.strip() for x in items):
+        where = "an empty list" if not s.strip() else f"an empty item in {s!r}"
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}, got {where}")
+
+
 def names(s: str) -> list[str]:
     """A comma-separated list of names, lower-cased."""
-    vals = [x.strip().lower() for x in s.split(",") if x.strip()]
+    _no_empty_items(s, "names")
+    vals = [x.strip().lower() for x in s.split(",")]
     if not vals:
         raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {s!r}")
     return vals

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from normlab.runner.checks import check_grid
 from normlab.runner.errors import UsageError
-from normlab.runner.execute import BACKENDS, run_grid
+from normlab.runner.estimate import CONFIRM_MINUTES, estimate_minutes
+from normlab.runner.execute import BACKENDS, _cell_done, run_grid
 from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
 from normlab.runner.lock import out_lock
+from normlab.runner.pool import default_workers
 from normlab.runner.ray_backend import check_address, check_device, require_ray
 from normlab.runner.report import print_summary
 
@@ -73,6 +76,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="with --backend ray: the Ray cluster to run on (host:port from `ray start --head`, or auto); "
                         "several machines need --out on a shared filesystem")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--yes", action="store_true",
+                   help=f"start a grid estimated to take more than {CONFIRM_MINUTES:g} minutes here (without it, "
+                        "such a grid is refused after its size and estimated time are printed)")
     p.set_defaults(run=run)
     return p
 
@@ -119,13 +125,37 @@ def _check_backend(args: argparse.Namespace) -> None:
             check_address(args.address)
 
 
+def _announce(args: argparse.Namespace, cells, out: Path) -> None:
+    """Say how many runs and about how long before starting; refuse a long grid without --yes (in one line)."""
+    todo = [c for c in cells if _cell_done(out / "runs" / c.cell_id, c) is None]
+    if not todo:
+        return
+    workers = args.workers or default_workers()
+    minutes = estimate_minutes(todo, workers)
+    where = "on the Ray cluster (timed here)" if args.address else f"with {min(workers, len(todo))} worker(s) here"
+    done = f", {len(cells) - len(todo)} already done" if len(todo) < len(cells) else ""
+    runs = f"{len(todo)} run" + ("s" if len(todo) != 1 else "")
+    plan = f"{runs} to train{done} ({spec_text(args)}): about {minutes:.0f} min {where}"
+    if minutes > CONFIRM_MINUTES and not args.yes:
+        raise UsageError(f"--yes: {plan}; pass --yes to start it, or make it smaller (--norms, --seeds, --epochs, "
+                         "--width); `normlab demo` is the 5-minute tour")
+    print(f"normlab compare: {plan}", file=sys.stderr)
+
+
+def spec_text(args: argparse.Namespace) -> str:
+    return (f"{len(args.norms)} norms x {len(args.lrs)} lrs x {len(args.batch_sizes)} batch sizes x "
+            f"{len(args.seeds)} seeds, {args.epochs} epochs each, width {args.width:g}")
+
+
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
     _check_backend(args)
     spec = _spec(args)
     load_data(args, batch_sizes=args.batch_sizes)
-    check_grid(expand_grid(spec))
+    cells = expand_grid(spec)
+    check_grid(cells)
     out = Path(args.out)
+    _announce(args, cells, out)
     with out_lock(out, NAME):
         results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
                            threads=args.threads, backend=args.backend, address=args.address)

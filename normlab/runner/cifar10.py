@@ -103,7 +103,8 @@ def _copy(src, dst) -> None:
 def load_cifar10(data_dir: str | os.PathLike | None, download: bool = False):
     """(x_train, y_train, x_test, y_test) as uint8 images and int64 labels from ``data_dir``."""
     if data_dir is None:
-        raise UsageError("cifar10: --data-dir is required (the directory holding cifar-10-batches-py)")
+        raise UsageError("cifar10: --data-dir is required (the directory holding cifar-10-batches-py; add "
+                         "--download to fetch the 170 MB archive into it)")
     if download:
         download_cifar10(data_dir)
     root = Path(data_dir)

@@ -38,6 +38,7 @@ from typing import Any
 from .checks import check_grid
 from .config import RESUME_FREE, TrainConfig
 from .errors import RunError, UsageError, error_line
+from .estimate import cell_steps
 from .grid import Cell, GridSpec, expand_grid
 from .io import atomic_write_json, remove_stale_temps, to_jsonable
 from .lock import out_lock
@@ -49,7 +50,6 @@ from .train import train
 __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid", "CellsFailed",
            "BACKENDS"]
 
-_TRAIN_SIZE = {"digits": 1437, "cifar10": 50_000}
 BACKENDS = ("process", "ray")
 
 
@@ -77,10 +77,7 @@ def _with_data_cache(cells: list[Cell], cache: Path) -> list[Cell]:
 
 def _cost(cell: Cell) -> float:
     """Rough CPU cost of a cell (steps x per-step cost growing with the batch): the pool starts the largest first."""
-    cfg = cell.config
-    n = cfg.num_train or _TRAIN_SIZE.get(cfg.dataset, 0.8 * (cfg.num_samples or 25_000))
-    steps = min(n // cfg.batch_size, cfg.max_steps_per_epoch or n) * cfg.epochs
-    return steps * (12 + cfg.batch_size)
+    return cell_steps(cell.config) * (12 + cell.config.batch_size)
 
 
 @dataclass
