@@ -13,6 +13,7 @@
 
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+from normlab.monitor.guard import CollapseGuard, Rescue, RunCollapsed
 from normlab.monitor.hooks import VarianceMonitor
 from normlab.monitor.layers import effective_weight, supported_layers, unwrap_model
 from normlab.monitor.spp import signal_propagation
@@ -31,6 +32,9 @@ __all__ = [
     "VarianceMonitor",
     "CollapseAlarm",
     "CollapseDetector",
+    "CollapseGuard",
+    "Rescue",
+    "RunCollapsed",
     "signal_propagation",
     "render_monitor_plots",
     "effective_weight",

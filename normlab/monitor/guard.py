@@ -1,0 +1,278 @@
+"""Rescue a collapsing run: roll back to a snapshot from before the trouble, lower the learning rate, go on.
+
+:class:`CollapseGuard` takes the optimizer step in the training loop (``guard.step(loss)`` instead of
+``optimizer.step()``). Every ``every`` steps it keeps an in-memory snapshot of the model, the optimizer, the
+learning-rate schedulers, the GradScaler, the monitor and the random number generators. When the loss or a gradient
+is non-finite, or the monitor's alarm fires, it restores the newest snapshot taken at least ``margin`` steps before
+the trouble began, multiplies the learning rate by ``lr_factor`` (the schedulers keep working from the lowered
+rate), and lets training go on; after ``max_rescues`` rescues it gives up with :class:`RunCollapsed`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["CollapseGuard", "Rescue", "RunCollapsed"]
+
+
+class RunCollapsed(RuntimeError):
+    """Raised by :meth:`CollapseGuard.step` when the run still collapses after ``max_rescues`` rescues."""
+
+
+@dataclass(frozen=True)
+class Rescue:
+    """One rescue: the guard's ``step`` when the trouble was seen, its ``reason``, the ``onset`` step it was dated
+    to, the snapshot step it went back to (``restored_step``), the steps thrown away (``steps_lost``) and the
+    learning rates of the first parameter group before and after (``lr_before``, ``lr_after``)."""
+
+    step: int
+    reason: str
+    onset: int
+    restored_step: int
+    steps_lost: int
+    lr_before: float
+    lr_after: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class _Snapshot:
+    step: int
+    state: dict[str, Any]
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CollapseGuard:
+    """Take the optimizer step, and roll the run back with a lower learning rate when it collapses.
+
+    Trouble is a non-finite ``loss``, a non-finite gradient (checked before the step; with a GradScaler the
+    scaler's own skipping handles overflowing float16 gradients, so only the loss is checked), or a new
+    ``monitor.alarm`` after the step (:class:`~normlab.monitor.VarianceMonitor` or anything with ``alarm``,
+    ``state_dict`` and ``load_state_dict``). The trouble is dated to its onset: the alarm's ``step`` for an alarm
+    (the monitor counts the same steps as the guard when both start together), the current step otherwise. The
+    guard then restores the newest snapshot whose step is at most ``onset - margin``, or the oldest one.
+
+    A step without trouble is exactly ``optimizer.step()`` (or ``monitor.step(optimizer)``, or
+    ``scaler.step(optimizer); scaler.update()``): a healthy run is not changed, only copied every ``every`` steps.
+
+    Args:
+        model: the module being trained (its ``state_dict`` is snapshotted).
+        optimizer: its optimizer.
+        monitor: optional monitor; the guard then steps through ``monitor.step(optimizer)`` (or its
+            ``before_update``/``after_update`` around a GradScaler step) and watches ``monitor.alarm``.
+        every: snapshot interval in steps (a snapshot is also taken at construction, step 0).
+        keep: how many snapshots to keep (the oldest is dropped first).
+        margin: the snapshot restored is at least this many steps older than the onset (default ``every``).
+        lr_factor: each rescue multiplies every parameter group's learning rate (and the schedulers' base rates)
+            by this factor, in (0, 1].
+        max_rescues: rescues allowed; the next trouble raises :class:`RunCollapsed`.
+        schedulers: learning-rate schedulers stepped by the training loop; their state is snapshotted and their base
+            rates lowered with the optimizer's.
+        scaler: a ``torch.amp.GradScaler`` that the guard steps with (snapshotted too).
+        check_grads: look for non-finite gradients before each step (one host synchronisation per step).
+
+    Attributes:
+        rescues: the :class:`Rescue` records, in order.
+        steps: optimizer steps taken so far on the current trajectory (rolled back with the snapshots).
+
+    Example:
+        >>> model = nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = CollapseGuard(model, opt, every=5)
+        >>> for _ in range(3):
+        ...     opt.zero_grad()
+        ...     loss = model(torch.randn(8, 4)).square().mean()
+        ...     loss.backward()
+        ...     took_step = guard.step(loss)
+        >>> guard.steps, guard.rescues
+        (3, [])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        monitor=None,
+        *,
+        every: int = 50,
+        keep: int = 3,
+        margin: int | None = None,
+        lr_factor: float = 0.5,
+        max_rescues: int = 3,
+        schedulers: Sequence[Any] = (),
+        scaler=None,
+        check_grads: bool = True,
+    ) -> None:
+        self._check_args(model, optimizer, every, keep, margin, lr_factor, max_rescues)
+        self.model, self.optimizer, self.monitor = model, optimizer, monitor
+        self.every, self.keep = every, keep
+        self.margin = every if margin is None else margin
+        self.lr_factor, self.max_rescues = float(lr_factor), max_rescues
+        self.schedulers, self.scaler, self.check_grads = list(schedulers), scaler, check_grads
+        self.steps = 0
+        self.rescues: list[Rescue] = []
+        self._scale = 1.0  # product of the lr factors applied so far (a snapshot records the one it was taken at)
+        self._snapshots: deque[_Snapshot] = deque(maxlen=keep)
+        self._alarm = getattr(monitor, "alarm", None)
+        self._take_snapshot()
+
+    @staticmethod
+    def _check_args(model, optimizer, every, keep, margin, lr_factor, max_rescues) -> None:
+        where = "CollapseGuard"
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{where}: model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"{where}: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        for name, value, low in (("every", every, 1), ("keep", keep, 1), ("max_rescues", max_rescues, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{where}: {name} must be an int >= {low}, got {value!r}")
+        if margin is not None and (isinstance(margin, bool) or not isinstance(margin, int) or margin < 0):
+            raise ValueError(f"{where}: margin must be an int >= 0 or None, got {margin!r}")
+        if isinstance(lr_factor, bool) or not isinstance(lr_factor, (int, float)) or not 0 < lr_factor <= 1:
+            raise ValueError(f"{where}: lr_factor must be a number in (0, 1], got {lr_factor!r}")
+
+    # ------------------------------------------------------------------ step
+    def step(self, loss: torch.Tensor | float | None = None) -> bool:
+        """Take the optimizer step unless there is trouble; returns True if the step was taken and kept, False if
+        the run was rolled back (the gradients are then zeroed; go on with the next batch).
+
+        Raises:
+            RunCollapsed: trouble after ``max_rescues`` rescues.
+        """
+        reason = self._trouble_before(loss)
+        if reason is not None:
+            self._rescue(reason, self.steps)
+            return False
+        self._optimizer_step()
+        self.steps += 1
+        alarm = getattr(self.monitor, "alarm", None)
+        if alarm is not None and alarm is not self._alarm:
+            self._rescue(f"monitor alarm: {alarm}", min(int(getattr(alarm, "step", self.steps)), self.steps))
+            return False
+        if self.steps % self.every == 0:
+            self._take_snapshot()
+        return True
+
+    def _trouble_before(self, loss) -> str | None:
+        value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if value is not None and not math.isfinite(value):
+            return f"non-finite loss ({value}) at step {self.steps}"
+        if self.check_grads and self.scaler is None and not self._grads_finite():
+            return f"non-finite gradient at step {self.steps}"
+        return None
+
+    def _grads_finite(self) -> bool:
+        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return True
+        norms = torch._foreach_norm([g.detach() for g in grads])
+        return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
+
+    def _optimizer_step(self) -> None:
+        mon, opt = self.monitor, self.optimizer
+        if self.scaler is None:
+            if mon is not None:
+                mon.step(opt)
+            else:
+                opt.step()
+            return
+        if mon is not None:
+            mon.before_update()
+        scale = self.scaler.get_scale()
+        self.scaler.step(opt)
+        self.scaler.update()
+        if mon is not None:
+            mon.after_update(stepped=self.scaler.get_scale() >= scale)  # a lowered scale: the step was skipped
+
+    # -------------------------------------------------------------- snapshots
+    def _take_snapshot(self) -> None:
+        state = {
+            "model": copy.deepcopy(self.model.state_dict()),
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "schedulers": [copy.deepcopy(s.state_dict()) for s in self.schedulers],
+            "scaler": None if self.scaler is None else copy.deepcopy(self.scaler.state_dict()),
+            "monitor": None if self.monitor is None else copy.deepcopy(self.monitor.state_dict()),
+            "rng": _rng_state(),
+            "lr_scale": self._scale,
+        }
+        self._snapshots.append(_Snapshot(self.steps, state))
+
+    def _choose(self, onset: int) -> _Snapshot:
+        before = [s for s in self._snapshots if s.step <= onset - self.margin]
+        return before[-1] if before else self._snapshots[0]
+
+    def _restore(self, snap: _Snapshot) -> None:
+        s = snap.state
+        self.model.load_state_dict(s["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(s["optimizer"]))
+        for sched, st in zip(self.schedulers, s["schedulers"]):
+            sched.load_state_dict(copy.deepcopy(st))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(copy.deepcopy(s["scaler"]))
+        if self.monitor is not None:
+            self.monitor.load_state_dict(copy.deepcopy(s["monitor"]))
+            self._alarm = getattr(self.monitor, "alarm", None)
+        _set_rng_state(s["rng"])
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps = snap.step
+
+    def _scale_lr(self, ratio: float) -> None:
+        """Multiply every group's learning rate (and the schedulers' base rates) by ``ratio``."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["lr"] * ratio
+            if "initial_lr" in group:
+                group["initial_lr"] = group["initial_lr"] * ratio
+        for sched in self.schedulers:
+            if hasattr(sched, "base_lrs"):
+                sched.base_lrs = [lr * ratio for lr in sched.base_lrs]
+            if hasattr(sched, "_last_lr"):
+                sched._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def _rescue(self, reason: str, onset: int) -> None:
+        if len(self.rescues) >= self.max_rescues:
+            lr = float(self.optimizer.param_groups[0]["lr"])
+            raise RunCollapsed(
+                f"CollapseGuard: gave up after {len(self.rescues)} rescue(s): {reason}; the learning rate is now "
+                f"{lr:g} (see guard.rescues)"
+            )
+        step = self.steps
+        lr_before = float(self.optimizer.param_groups[0]["lr"])
+        snap = self._choose(onset)
+        self._restore(snap)
+        self._scale *= self.lr_factor  # relative to the snapshot's rates, which carry the factors of their time
+        self._scale_lr(self._scale / snap.state["lr_scale"])
+        lr_after = float(self.optimizer.param_groups[0]["lr"])
+        self.rescues.append(Rescue(step, reason, onset, snap.step, step - snap.step, lr_before, lr_after))
+        self._snapshots = deque([s for s in self._snapshots if s.step <= snap.step], maxlen=self.keep)
+
+    def state_dict(self) -> dict:
+        """The rescues so far and the step counter (snapshots are in memory only)."""
+        return {"steps": self.steps, "rescues": [r.to_dict() for r in self.rescues]}
+
+    def __repr__(self) -> str:
+        return (f"CollapseGuard(steps={self.steps}, every={self.every}, rescues={len(self.rescues)}, "
+                f"lr_factor={self.lr_factor})")

@@ -1,0 +1,217 @@
+"""normlab.monitor.CollapseGuard: snapshots, rollback on trouble, lower learning rate, give up after N rescues."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from normlab.monitor import VarianceMonitor
+from normlab.monitor.guard import CollapseGuard, RunCollapsed
+
+
+def _net(seed=100):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def _batches(n, seed=101):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
+
+
+def _train(model, opt, batches, guard=None, poison=(), sched=None):
+    """Train over ``batches``; a step in ``poison`` gets a NaN loss. Returns the per-step results of guard.step."""
+    taken = []
+    for i, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if i in poison:
+            loss = loss * float("nan")
+        loss.backward()
+        if guard is None:
+            opt.step()
+        else:
+            taken.append(guard.step(loss))
+        if sched is not None:
+            sched.step()
+    return taken
+
+
+def test_a_healthy_run_is_not_changed():
+    batches = _batches(23)
+    a, b = _net(), _net()
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9)
+    opt_b = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9)
+    _train(a, opt_a, batches)
+    guard = CollapseGuard(b, opt_b, every=5)
+    assert all(_train(b, opt_b, batches, guard))
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+    assert guard.rescues == [] and guard.steps == 23
+
+
+def test_a_non_finite_loss_rolls_back_past_the_margin_and_halves_the_lr():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    guard = CollapseGuard(model, opt, every=4)  # snapshots at steps 0, 4, 8, ...
+    batches = _batches(14)
+    # reference: the parameters after 8 clean steps (the snapshot that must be restored for trouble at step 13)
+    ref_model = _net()
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.2)
+    _train(ref_model, ref_opt, batches[:8])
+    taken = _train(model, opt, batches[:13], guard)
+    assert all(taken) and guard.steps == 13
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(batches[13][0]), batches[13][1]) * float("nan")
+    loss.backward()
+    assert guard.step(loss) is False
+    (r,) = guard.rescues
+    assert r.reason.startswith("non-finite loss") and r.step == 13 and r.onset == 13
+    assert r.restored_step == 8 and r.steps_lost == 5 and guard.steps == 8  # 8 <= 13 - margin (4); 12 is not
+    assert r.lr_before == 0.2 and r.lr_after == 0.1 and opt.param_groups[0]["lr"] == 0.1
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(p, q)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_non_finite_gradient_is_trouble_and_a_second_rescue_lowers_the_lr_again():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.4)
+    guard = CollapseGuard(model, opt, every=3, max_rescues=5)
+    batches = _batches(30)
+    handle = model[0].weight.register_hook(lambda g: g * float("inf") if guard.steps in (7,) else g)
+    _train(model, opt, batches[:12], guard)
+    handle.remove()
+    assert guard.rescues[0].reason.startswith("non-finite gradient at step 7")
+    assert guard.rescues[0].restored_step == 3 and len(guard.rescues) == 1
+    _train(model, opt, batches[12:20], guard, poison=(5,))
+    assert len(guard.rescues) == 2
+    # the second rescue goes back to a snapshot taken after the first one: its rate already carries 0.5
+    assert math.isclose(opt.param_groups[0]["lr"], 0.4 * 0.25)
+    assert math.isclose(guard.rescues[1].lr_after, 0.1)
+
+
+def test_gives_up_after_max_rescues_with_a_clear_message():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, every=2, max_rescues=2)
+    words = r"gave up after 2 rescue\(s\): non-finite loss .* learning rate is now 0.025"
+    with pytest.raises(RunCollapsed, match=words):
+        _train(model, opt, _batches(10), guard, poison=range(3, 10))
+    assert len(guard.rescues) == 2
+
+
+def test_a_real_divergence_is_rescued_and_ends_finite():
+    """SGD at lr 60 on this net diverges to a non-finite loss; the guard halves the rate until it trains."""
+    batches = _batches(60)
+    plain = _net()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=60.0, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        plain_opt.zero_grad()
+        loss = nn.functional.cross_entropy(plain(x), y)
+        losses.append(float(loss.detach()))
+        loss.backward()
+        plain_opt.step()
+    assert not math.isfinite(losses[-1])  # the unguarded run collapses
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=60.0, momentum=0.9)
+    guard = CollapseGuard(model, opt, every=5, max_rescues=12)
+    _train(model, opt, batches, guard)
+    assert guard.rescues and all(torch.isfinite(p).all() for p in model.parameters())
+    assert opt.param_groups[0]["lr"] < 60.0
+
+
+def test_schedulers_keep_working_from_the_lowered_rate():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[10], gamma=0.1)
+    guard = CollapseGuard(model, opt, every=2, schedulers=[sched])
+    _train(model, opt, _batches(14), guard, poison=(5,), sched=sched)
+    (r,) = guard.rescues
+    assert r.lr_after == pytest.approx(0.05)
+    # 14 scheduler steps; the rollback restored the scheduler to the snapshot's epoch (2) -> 2 + (14 - 6) = 10
+    assert sched.last_epoch == 2 + 14 - 6 and opt.param_groups[0]["lr"] == pytest.approx(0.005)
+    lam = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD(_net().parameters(), lr=0.1), lambda e: 1.0)
+    model2 = _net()
+    opt2 = lam.optimizer
+    guard2 = CollapseGuard(model2, opt2, every=2, schedulers=[lam])
+    _train(model2, opt2, _batches(6), guard2, poison=(3,), sched=lam)
+    assert opt2.param_groups[0]["lr"] == pytest.approx(0.05)  # LambdaLR recomputes from its (lowered) base rate
+
+
+def test_rng_and_monitor_state_are_restored():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, every=1)
+    guard = CollapseGuard(model, opt, mon, every=3)
+    batches = _batches(5)
+    _train(model, opt, batches[:3], guard)  # snapshot after step 3
+    expected = torch.rand(4, generator=None)
+    torch.set_rng_state(guard._snapshots[-1].state["rng"]["torch"])
+    assert torch.equal(torch.rand(4), expected)
+    _train(model, opt, batches[3:5], guard, poison=(1,))  # trouble at step 4 -> back to step 0 (4 - 3 = 1 < 3)
+    assert guard.rescues[0].restored_step == 0 and mon.current_step == 0 and guard.steps == 0
+
+
+def test_a_monitor_alarm_is_trouble_dated_to_the_alarm():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    mon = VarianceMonitor(model, every=1, explode_factor=1.0001, watch_output_layer=True)
+    guard = CollapseGuard(model, opt, mon, every=2, max_rescues=1)
+    batches = _batches(8)
+    taken = []
+    for x, y in batches[:3]:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        taken.append(guard.step())
+        if not taken[-1]:
+            break
+    assert taken[-1] is False
+    (r,) = guard.rescues
+    assert r.reason.startswith("monitor alarm: collapse warning at step")
+    assert mon.alarm is None and r.onset <= r.step
+
+
+def test_grad_scaler_state_is_snapshotted():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)  # the scale doubles every step
+    guard = CollapseGuard(model, opt, every=2, margin=0, scaler=scaler)
+    for i, (x, y) in enumerate(_batches(6)):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if i == 3:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        guard.step(loss)
+    # trouble at step 3: back to the snapshot of step 2 (scale 2**10, after two doublings; it was 2**11), then two
+    # more steps double it twice: 2**12 (without the restore it would be 2**13)
+    assert guard.rescues[0].restored_step == 2 and scaler.get_scale() == 2.0**10 * 2 ** (6 - 4)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"every": 0}, "every must be an int >= 1"),
+    ({"keep": 0}, "keep must be an int >= 1"),
+    ({"lr_factor": 0}, "lr_factor must be a number in (0, 1]"),
+    ({"lr_factor": 1.5}, "lr_factor"),
+    ({"margin": -1}, "margin must be an int >= 0"),
+    ({"max_rescues": -1}, "max_rescues must be an int >= 0"),
+])
+def test_bad_arguments_are_one_line_errors(kw, words):
+    model = _net()
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as e:
+        CollapseGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    assert "\n" not in str(e.value) and str(e.value).startswith("CollapseGuard:")
+
+
+def test_the_guard_does_not_copy_the_model_object():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    params = [id(p) for p in model.parameters()]
+    guard = CollapseGuard(model, opt, every=1)
+    _train(model, opt, _batches(4), guard, poison=(2,))
+    assert [id(p) for p in model.parameters()] == params  # optimizers and hooks built on them stay valid
+    assert copy.deepcopy(guard.state_dict())["rescues"][0]["restored_step"] == 1
