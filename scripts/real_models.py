@@ -49,8 +49,8 @@ import traceback
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(ROOT), str(ROOT / "tests")):
@@ -83,8 +83,7 @@ def _images() -> Tensor:
     return torch.randn(BATCH, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(1))
 
 
-@dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(NamedTuple):
     """A model definition: ``build()`` makes it (no weights), ``example()`` a batch of inputs for it."""
 
     name: str
@@ -361,7 +360,7 @@ def fold_cell(model: nn.Module, x: Tensor, fold=fold_for_inference) -> dict:
 def weight_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Modules that apply a weight to their input: nn.Linear, nn.ConvNd, nn.ConvTransposeNd, transformers Conv1D."""
     types: tuple[type, ...] = (nn.Linear, nn.modules.conv._ConvNd)
-    with contextlib.suppress(ImportError):
+    if "transformers" in sys.modules:  # a transformers model imported it (importing it here costs seconds)
         from transformers.pytorch_utils import Conv1D
 
         types += (Conv1D,)
@@ -392,7 +391,8 @@ def monitor_cell(base: nn.Module, x: Tensor, monitor_cls=VarianceMonitor) -> dic
     bad = [(r["layer"], k) for r in mon.records for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
     missing = sorted(ran - recorded)
     cell.update(status="ok" if not missing else "MISS", ran=len(ran), recorded=len(ran & recorded),
-                records=len(mon.records), nonfinite=len(bad), nonfinite_first=bad[:10],
+                records=len(mon.records), nonfinite=len(bad), nonfinite_keys=dict(Counter(k for _, k in bad)),
+                nonfinite_first=bad[:10],
                 missing_first=[f"{n} ({type(mods[n]).__name__})" for n in missing[:10]],
                 missing_types=dict(Counter(type(mods[n]).__name__ for n in missing)))
     return cell
@@ -505,34 +505,77 @@ def markdown(rows: list[dict], targets: list[str], seconds: float | None = None)
 # --------------------------------------------------------------------------------------------------
 # running: in this process or one subprocess per model
 # --------------------------------------------------------------------------------------------------
-def _row_inline(spec: ModelSpec, targets: list[str], **fns) -> dict:
-    cells: dict[str, dict] = {}
-    survey_model(spec, targets, lambda col, cell: cells.__setitem__(col, cell), **fns)
-    return {"model": spec.name, "family": spec.family, "note": spec.note, "cells": cells}
+def _row(spec: ModelSpec, cells: dict, seconds: float) -> dict:
+    return {"model": spec.name, "family": spec.family, "note": spec.note, "seconds": round(seconds, 2),
+            "cells": cells}
 
 
-def _row_subprocess(spec: ModelSpec, targets: list[str], threads: int, timeout: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out, err = Path(tmp) / "cells.jsonl", Path(tmp) / "stderr.txt"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", spec.name, "--targets", ",".join(targets),
-               "--threads", str(threads), "--cells-out", str(out)]
+def _rows_inline(specs: list[ModelSpec], targets: list[str], on_row, **fns) -> None:
+    for spec in specs:
+        t = time.perf_counter()
+        cells: dict[str, dict] = {}
+        survey_model(spec, targets, cells.__setitem__, **fns)
+        on_row(_row(spec, cells, time.perf_counter() - t))
+
+
+class _Worker:
+    """A subprocess running ``--worker a,b,...``: it writes one JSON line per cell to a file, which is read as it
+    grows; a model that takes longer than ``timeout`` s is killed with its worker."""
+
+    def __init__(self, names: list[str], targets: list[str], threads: int, tmp: Path) -> None:
+        self.out, self.err = tmp / "cells.jsonl", tmp / "stderr.txt"
+        self.out.touch()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(names), "--targets",
+               ",".join(targets), "--threads", str(threads), "--cells-out", str(self.out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        with open(err, "w") as ferr:
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ferr, env=env, cwd=ROOT)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                rc = None
-        cells = {}
-        if out.exists():
-            for line in out.read_text().splitlines():
-                rec = json.loads(line)
-                cells[rec["column"]] = rec["cell"]
-        tail = err.read_text()[-2000:]
-    _fill_missing(cells, targets, rc, timeout, tail)
-    return {"model": spec.name, "family": spec.family, "note": spec.note, "cells": cells}
+        with open(self.err, "w") as ferr:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ferr, env=env, cwd=ROOT)
+        self._offset, self._buffer = 0, ""
+
+    def records(self) -> list[dict]:
+        """The complete lines written since the last call."""
+        with open(self.out) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+            self._offset = f.tell()
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split("\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def stderr_tail(self) -> str:
+        return self.err.read_text(errors="replace")[-2000:]
+
+
+def _run_worker(specs: list[ModelSpec], targets: list[str], threads: int, timeout: float, on_row) -> int:
+    """Run the models of ``specs`` in one worker until it ends or one model fails; returns how many have a row."""
+    done, cells, started = 0, {}, time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        worker = _Worker([s.name for s in specs], targets, threads, Path(tmp))
+        rc: int | None = None
+        while True:
+            finished = worker.proc.poll() is not None
+            for rec in worker.records():
+                if rec["column"] == "start":
+                    cells, started = {}, time.monotonic()
+                elif rec["column"] == "end":
+                    on_row(_row(specs[done], cells, rec["cell"]["seconds"]))
+                    done += 1
+                else:
+                    cells[rec["column"]] = rec["cell"]
+            if finished:
+                rc = worker.proc.returncode
+                break
+            if time.monotonic() - started > timeout:
+                worker.proc.kill()
+                worker.proc.wait()
+                break
+            time.sleep(0.05)
+        tail = worker.stderr_tail()
+    if done < len(specs):  # the model in progress crashed the worker or hung
+        _fill_missing(cells, targets, rc, timeout, tail)
+        on_row(_row(specs[done], cells, time.monotonic() - started))
+        done += 1
+    return done
 
 
 def _fill_missing(cells: dict, targets: list[str], rc: int | None, timeout: float, tail: str) -> None:
@@ -542,10 +585,7 @@ def _fill_missing(cells: dict, targets: list[str], rc: int | None, timeout: floa
     else:
         missing = {"status": "died", "message": f"worker exited with code {rc}", "stderr_tail": tail}
     for col in ["model", *columns(targets)]:
-        if col not in cells:
-            cells[col] = dict(missing)
-            if rc == 0:
-                break  # a clean exit without cells: only the build failed (its cell says so)
+        cells.setdefault(col, dict(missing))
 
 
 def _summary(row: dict, targets: list[str]) -> str:
@@ -556,36 +596,44 @@ def _summary(row: dict, targets: list[str]) -> str:
 
 
 def survey(models: Iterable[str | ModelSpec], targets: Iterable[str] = CONVERT_TARGETS, *, isolate: bool = True,
-           threads: int = 1, timeout: float = 180.0, progress=sys.stderr, **fns) -> list[dict]:
+           threads: int = 1, timeout: float = 180.0, progress: bool = True, **fns) -> list[dict]:
     """Rows of the survey for ``models`` (names of :func:`model_specs` or ModelSpec objects).
 
-    ``isolate``: one subprocess per model (killed after ``timeout`` s); otherwise in this process, where
-    ``convert``/``fold``/``monitor_cls`` in ``fns`` replace normlab's (a subprocess always uses normlab's)."""
-    targets, specs, rows = list(targets), model_specs(), []
-    resolved = [m if isinstance(m, ModelSpec) else specs[m] for m in models]
-    if isolate and (fns or any(s.name not in specs or specs[s.name] is not s for s in resolved)):
+    ``isolate``: run the models in a worker subprocess (one import for all); a model that crashes it or runs
+    longer than ``timeout`` s gets ``died``/``timeout`` cells and a new worker takes the rest. Otherwise in this
+    process, where ``convert``/``fold``/``monitor_cls`` in ``fns`` replace normlab's (a worker uses normlab's).
+    ``progress``: one line per model on stderr."""
+    targets, known = list(targets), model_specs()
+    specs = [m if isinstance(m, ModelSpec) else known[m] for m in models]
+    if isolate and (fns or any(known.get(s.name) is not s for s in specs)):
         raise ValueError("survey: custom converters/models run only with isolate=False (a worker rebuilds by name)")
-    for i, spec in enumerate(resolved, 1):
-        t = time.perf_counter()
-        if isolate:
-            row = _row_subprocess(spec, targets, threads, timeout)
-        else:
-            row = _row_inline(spec, targets, **fns)
-        row["seconds"] = round(time.perf_counter() - t, 2)
+    rows: list[dict] = []
+
+    def on_row(row: dict) -> None:
         rows.append(row)
-        if progress is not None:
-            print(f"[{i}/{len(resolved)}] {spec.name} {row['seconds']:.1f}s: {_summary(row, targets)}", file=progress,
-                  flush=True)
+        if progress:
+            print(f"[{len(rows)}/{len(specs)}] {row['model']} {row['seconds']:.1f}s: {_summary(row, targets)}",
+                  file=sys.stderr, flush=True)
+
+    if not isolate:
+        _rows_inline(specs, targets, on_row, **fns)
+    while len(rows) < len(specs):
+        _run_worker(specs[len(rows):], targets, threads, timeout, on_row)
     return rows
 
 
-def _worker(name: str, targets: list[str], cells_out: str) -> int:
+def _worker(names: list[str], targets: list[str], cells_out: str) -> int:
+    specs = model_specs()
     with open(cells_out, "a") as f:
         def emit(column: str, cell: dict) -> None:
             f.write(json.dumps({"column": column, "cell": cell}, default=str) + "\n")
             f.flush()
 
-        survey_model(model_specs()[name], targets, emit)
+        for name in names:
+            t = time.perf_counter()
+            emit("start", {"model": name})
+            survey_model(specs[name], targets, emit)
+            emit("end", {"seconds": round(time.perf_counter() - t, 2)})
     return 0
 
 
@@ -612,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(max(1, args.threads))
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     if args.worker:
-        return _worker(args.worker, targets, args.cells_out)
+        return _worker(args.worker.split(","), targets, args.cells_out)
     models = _csv(args.models, model_specs(), "model")
     targets = _csv(args.targets, CONVERT_TARGETS, "target")
     start = time.perf_counter()
