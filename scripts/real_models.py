@@ -591,7 +591,8 @@ def _fill_missing(cells: dict, targets: list[str], rc: int | None, timeout: floa
 def _summary(row: dict, targets: list[str]) -> str:
     cells = row["cells"]
     texts = {c: cell_text(c, cells.get(c)) for c in columns(targets)}
-    bad = [f"{c}={t}" for c, t in texts.items() if not (t.startswith(("ok", "noop")) and ";" not in t)]
+    bad = [f"{c}={t}" for c, t in texts.items()
+           if not t.startswith(("ok", "noop")) or ";" in t or "nonfinite" in t]
     return ", ".join(bad) if bad else "all ok"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -103,7 +104,14 @@ def test_broken_fold_and_monitor_show(rm):
         model[-1].bias.data.add_(1.0)
         return folded
 
+    def warning_fold(model, example_input):
+        warnings.warn("fold_for_inference: left unfolded: 0 -> 1 (test)", UserWarning, stacklevel=2)
+        return fold_for_inference(model, example_input=example_input)
+
     assert _cells(rm, fold=off_fold)["fold"]["status"] == "WRONG"
+    warned = _cells(rm, fold=warning_fold)["fold"]
+    assert warned["warnings"] == ["UserWarning: fold_for_inference: left unfolded: 0 -> 1 (test)"]
+    assert rm.cell_text("fold", warned).endswith(" 1/1 w1")
     assert rm.cell_text("fold", _cells(rm, fold=mutating_fold)["fold"]).startswith("MUTATED")
     cells = _cells(rm)
     assert re.match(r"ok \S+ 1/1$", rm.cell_text("fold", cells["fold"])), cells["fold"]  # conv+BN folded
