@@ -62,7 +62,7 @@ from torch import Tensor, nn
 from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
-from normlab.monitor.layers import effective_weight, is_compiled, supported_layers, unwrap_model
+from normlab.monitor.layers import filter_kernel, input_channel_dims, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.spp import signal_propagation
 
 __all__ = ["VarianceMonitor"]
@@ -76,6 +76,49 @@ def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+_CHANNEL_KEYS = ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max", "input_dead_channels")
+
+
+def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
+    """Moments of a layer's input: global ones, and per channel over :func:`input_channel_dims` (live channels)."""
+    xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
+    m, sq = xf.mean(), xf.square().mean()
+    names = ["input_mean_sq", "input_sq", "input_var", "input_ratio"]
+    values = [m.square(), sq, sq - m.square(), m.square() / sq]
+    dims = input_channel_dims(module, kind, x)
+    if dims is not None:
+        names += _CHANNEL_KEYS
+        values += list(stats.channel_ratio_summary(xf, dims).unbind())
+    return names, values
+
+
+def _activation_stats(module: nn.Module, kind: str, args, output) -> dict:
+    """Output variance and input moments of one recorded forward of ``module`` (see the record keys above).
+
+    One read-back to the host. Undefined quantities are left out: the input ratio of an all-zero input, the
+    per-channel ratios when every channel is dead."""
+    names, values = [], []
+    if isinstance(output, Tensor) and output.numel() > 0:
+        names.append("output_var")
+        values.append(stats.output_variance(output))
+    x = args[0] if args and isinstance(args[0], Tensor) else None
+    if x is not None and x.numel() > 0 and x.is_floating_point():
+        more = _input_stats(module, kind, x)
+        names += more[0]
+        values += more[1]
+    if not values:
+        return {}
+    out = dict(zip(names, torch.stack([v.double() for v in values]).tolist()))
+    if out.get("input_sq") == 0.0:
+        del out["input_ratio"]
+    if "input_dead_channels" in out:
+        out["input_dead_channels"] = int(out["input_dead_channels"])
+        for k in _CHANNEL_KEYS[:3]:
+            if math.isnan(out[k]) and out["input_dead_channels"] > 0:
+                del out[k]
+    return out
 
 
 class VarianceMonitor:
@@ -213,33 +256,11 @@ class VarianceMonitor:
             if not (module.training or self.record_eval):
                 return
             with torch.no_grad():
-                self._pending[name] = self._activation_stats(kind, args, output)
+                self._pending[name] = _activation_stats(module, kind, args, output)
             if name not in self._order:
                 self._order[name] = len(self._order)
 
         return hook
-
-    @staticmethod
-    def _activation_stats(kind: str, args, output) -> dict:
-        out: dict[str, float] = {}
-        names, values = [], []
-        if isinstance(output, Tensor) and output.numel() > 0:
-            names.append("output_var")
-            values.append(stats.output_variance(output))
-        x = args[0] if args and isinstance(args[0], Tensor) else None
-        if x is not None and x.numel() > 0:
-            xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
-            m, sq = xf.mean(), xf.square().mean()
-            names += ["input_mean_sq", "input_sq", "input_var", "input_ratio"]
-            values += [m.square(), sq, sq - m.square(), m.square() / sq]
-            if x.dim() >= 2:
-                ch_dim = -1 if kind == "linear" else 1
-                r = stats.channel_input_ratio(xf, ch_dim)
-                names += ["input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"]
-                values += [r.mean(), r.min(), r.max()]
-        if values:
-            out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
-        return out
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None):
@@ -258,7 +279,7 @@ class VarianceMonitor:
         on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step."""
         self._before = None
         if self.is_recording:
-            self._before = {name: effective_weight(m).clone() for name, m, kind in self.layers if kind != "norm"}
+            self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
     def after_update(self, stepped: bool = True) -> None:
         """Call right after that optimizer step (``stepped=False``: no step was taken): on a recording step it writes
@@ -267,7 +288,7 @@ class VarianceMonitor:
         if self.is_recording:
             before, self._before = self._before, None
             if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
-                before, stepped = {n: effective_weight(m).clone() for n, m, k in self.layers if k != "norm"}, False
+                before, stepped = {n: filter_kernel(m).clone() for n, m, k in self.layers if k != "norm"}, False
             self._finalize(before, stepped)
         self.current_step += 1
         self._sync_hooks()
@@ -287,7 +308,7 @@ class VarianceMonitor:
             rec["kind"] = kind
             rec.update(self._pending.get(name, {}))
             if kind != "norm":
-                after = effective_weight(mod) if stepped else None
+                after = filter_kernel(mod) if stepped else None
                 if after is not None:  # per-filter mean updates: in the record's summary and TensorBoard's histograms
                     updates[name] = stats.filter_mean_update(before[name], after)
                 rec.update(self._weight_stats(before[name], after, updates.get(name)))
@@ -323,21 +344,29 @@ class VarianceMonitor:
 
     @staticmethod
     def _weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
-        """Weight-side statistics of the kernels ``w`` before the step; with ``after`` (the kernels after it) and
-        ``mu`` (their per-filter mean update), the update statistics too."""
+        """Weight-side statistics of the kernels ``w`` (output filters on dim 0) before the step; with ``after``
+        (the kernels after it) and ``mu`` (their per-filter mean update), the update statistics too.
+
+        A constant filter (Var[W_o] = 0: a zero-initialized gain, skip-init) has no update ratio: it is left out of
+        ``update_ratio_*`` and counted in ``constant_filters``; the keys are absent when every filter is constant."""
         wf = stats.filters(w)
         names = ["weight_var", "weight_var_min", "weight_var_max", "weight_sq_mean", "weight_norm", "shift",
-                 "shift_scale_free"]
+                 "shift_scale_free", "constant_filters"]
         vo = stats.weight_variance(w)
         values = [vo.mean(), vo.min(), vo.max(), wf.square().mean(), wf.norm(), stats.shift_of_average(w),
-                  stats.shift_scale_free(w)]
+                  stats.shift_scale_free(w), (vo == 0).sum()]
         if after is not None:
-            ratio = stats.update_ratio(w, after)
+            ratio = stats.weight_variance(after) / torch.where(vo > 0, vo, torch.ones_like(vo))
             names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
                       "mean_update_mean", "mean_update_std", "mean_update_absmax"]
-            values += [ratio.mean(), ratio.min(), ratio.max(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]
+            values += [*stats.masked_summary(ratio, vo > 0).unbind(), mu.mean(), mu.std(unbiased=False),
+                       mu.abs().max()]
         out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
         out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
+        out["constant_filters"] = int(out["constant_filters"])
+        if out["constant_filters"] == wf.shape[0]:
+            for k in ("update_ratio_mean", "update_ratio_min", "update_ratio_max"):
+                out.pop(k, None)
         return out
 
     # ------------------------------------------------------------ checkpoint
