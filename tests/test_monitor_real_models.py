@@ -179,7 +179,8 @@ def test_every_weight_applying_module_is_recorded_with_its_kind(runs, name):
     for n, k in want.items():
         if k != "norm":  # a layer whose every filter is constant (zero gain, skip-init) has no update ratio
             assert "shift" in step0[n] and "mean_update_std" in step0[n], n
-            assert ("update_ratio_mean" in step0[n]) == (step0[n]["constant_filters"] < step0[n]["out_channels"]), n
+            constant = step0[n].get("constant_filters", 0) == step0[n]["out_channels"]
+            assert ("update_ratio_mean" in step0[n]) != constant, n
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -205,11 +206,25 @@ def test_channel_input_ratios_are_taken_over_the_channel_axis(runs, name):
         assert rec["input_ratio_ch_mean"] == pytest.approx(r.mean().item(), rel=1e-4, abs=1e-9), layer
         assert rec["input_ratio_ch_min"] == pytest.approx(r.min().item(), rel=1e-4, abs=1e-9), layer
         assert rec["input_ratio_ch_max"] == pytest.approx(r.max().item(), rel=1e-4, abs=1e-9), layer
-        dead = int((x.double().square().mean(dim=[d for d in range(x.dim()) if d not in
-                                                  channel_dims(modules[layer], x)]) == 0).sum())
-        assert rec["input_dead_channels"] == dead, layer
         checked += 1
     assert checked == len(seen)
+
+
+@pytest.mark.parametrize("name", ["timm_resnetv2_50x1_bit", "timm_nf_resnet26", "timm_mobilenetv3_small_050",
+                                  "torchvision_resnet18", "hf_gpt2"])
+def test_dead_input_channels_are_counted_and_left_out(runs, name):
+    model, mon, seen = runs(name)
+    modules = dict(model.named_modules())
+    step0 = {r["layer"]: r for r in mon.records if r["step"] == 0}
+    dead = {}
+    for layer, (x, _, _) in seen.items():
+        sq = x.double().square().mean(dim=[d for d in range(x.dim()) if d not in channel_dims(modules[layer], x)])
+        dead[layer] = int((sq == 0).sum())
+        assert step0[layer]["input_dead_channels"] == dead[layer], layer
+    # dead ReLUs at 1x1 resolution and SE bottlenecks (step 0 or 1): the layers whose ratios were nan on main
+    with_dead = [r for r in mon.records if r.get("input_dead_channels", 0) > 0]
+    assert bool(with_dead) == (name != "hf_gpt2")
+    assert all(k in r for r in with_dead for k in ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"))
 
 
 def test_layer_norms_of_transformers_take_channel_stats_over_the_last_dim(runs):

@@ -133,7 +133,8 @@ def _channel_dims(channel_dim: int | Sequence[int], ndim: int, fn: str) -> tuple
         raise ValueError(f"{fn}: channel_dim must name dims of a {ndim}D input, got {channel_dim!r}")
     dims = tuple(d % ndim for d in dims)
     if len(set(dims)) != len(dims) or len(dims) == ndim:
-        raise ValueError(f"{fn}: channel_dim must name distinct dims and leave one to average over, got {channel_dim!r}")
+        raise ValueError(
+            f"{fn}: channel_dim must name distinct dims and leave one to average over, got {channel_dim!r}")
     return dims
 
 
