@@ -827,6 +827,10 @@ def test_dead_input_channels_leave_the_per_channel_ratios_finite(layer, shape, d
     assert rec0["input_dead_channels"] == 4 and rec0["input_sq"] == 0.0
     assert not {"input_ratio", "input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"} & set(rec0)
     assert all(math.isfinite(v) for v in rec0.values() if isinstance(v, float))
+    # a non-finite channel is no dead one: it still shows in the record (the collapse warning reads it)
+    x[(slice(None),) * dims[0] + (0,)] = float("nan")
+    recn = _record(copy.deepcopy(layer), x)
+    assert recn["input_dead_channels"] == 2 and math.isnan(recn["input_ratio_ch_mean"])
 
 
 def test_constant_filters_are_left_out_of_the_update_ratio():
@@ -847,6 +851,9 @@ def test_constant_filters_are_left_out_of_the_update_ratio():
     rec = _record(zero, x)
     assert rec["constant_filters"] == 4 and "update_ratio_mean" not in rec and rec["shift_scale_free"] == 0.0
     assert all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+    with torch.no_grad():
+        lin.weight[1, 0] = float("nan")  # a non-finite filter is not left out
+    assert math.isnan(_record(lin, x)["update_ratio_mean"])
 
 
 @pytest.mark.parametrize("kind", ["ws", "pws"])
@@ -920,3 +927,21 @@ def test_effective_weight_of_a_module_without_a_linear_map_names_it():
 
     with pytest.raises(TypeError, match="Embedding applies no weight as a linear map"):
         effective_weight(nn.Embedding(3, 2))
+
+
+def test_signal_propagation_takes_each_layers_channel_axes():
+    # a token model: the Linear and LayerNorm outputs (B, T, F) have their features on the last dim, not dim 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    with torch.no_grad():
+        model[0].bias.copy_(torch.linspace(-2, 2, 6))  # per-feature means
+    data = signal_propagation(model, (8, 5, 4), seed=1)
+    x = torch.randn((8, 5, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = model[0](x)
+    feat = h.reshape(-1, 6).double()
+    e = data["entries"][0]
+    assert data["mode"] == "layers" and e["name"] == "0"
+    assert e["avg_sq_mean"] == pytest.approx(feat.mean(0).square().mean().item(), rel=1e-6)
+    assert e["avg_var"] == pytest.approx(feat.var(0, unbiased=False).mean().item(), rel=1e-6)
+    assert channel_signal_stats(h, -1) == pytest.approx((e["avg_sq_mean"], e["avg_var"]), rel=1e-6)

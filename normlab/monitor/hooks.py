@@ -17,18 +17,32 @@ Per layer and recorded step (one dict in ``mon.records``; keys absent where they
     output_var            Var[Y_l] of the layer output (biased, all entries)
     input_mean_sq         E^2[X] of the layer input            (paper Fig. 6a)
     input_sq, input_var   E[X^2] and Var[X] of the layer input (all entries)
-    input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1)))
-    input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over channels
-  conv / linear only, on the EFFECTIVE kernel (``module.effective_weight()`` if present, else ``module.weight``):
+    input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1))); absent for an
+                          all-zero input
+    input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over the LIVE channels; the
+                          channels are the layer's channel axes (:func:`~normlab.monitor.layers.input_channel_dims`:
+                          conv dim 1, linear the last dim, norms the dims they normalize, e.g. a LayerNorm's
+                          trailing ``normalized_shape``); absent when every channel is dead
+    input_dead_channels   number of dead input channels (E_c[X^2] = 0: dead ReLUs, dropped channels, an SE
+                          bottleneck), left out of input_ratio_ch_* (they have no ratio)
+  conv / linear only (which modules: :data:`~normlab.monitor.layers.LINEAR_MAP_RULES`: nn.Conv*d, nn.ConvTranspose*d,
+  nn.Linear, transformers' Conv1D, timm's standardized convs), on the kernel the layer APPLIES (normlab WS/PWS:
+  ``effective_weight()``; timm StdConv2d/ScaledStdConv2d: the standardized kernel) viewed per output filter
+  (:func:`~normlab.monitor.layers.filter_kernel`: row o produces output channel o; a transposed conv's and a Conv1D's
+  weights are transposed for it):
     fan_in, out_channels,
     weight_var / _min / _max   Var[W_o] per filter: mean, min, max over filters   (Fig. 2)
     weight_sq_mean, weight_norm   E[W^2] over all entries, ||W|| (Frobenius)
     shift                 Var_o[n_l mean(W_o)]                                    (Fig. 1b, right)
-    shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS)
+    shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS; 0 for a constant kernel)
+    constant_filters      number of filters with Var[W_o] = 0 (zero-initialized gains, skip-init)
     variance_term, shift_term   n E[W^2] Var[X] and E^2[X] shift: the two terms of Var[Y] (stats.variance_terms)
   conv / linear, when ``step(optimizer)`` was given an optimizer (dW = W_before - W_after of that step):
-    update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over filters   (Fig. 1a)
+    update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over the non-constant filters (Fig. 1a);
+                          absent when every filter is constant
     mean_update_mean / _std / _absmax   mean(dW_o) over filters: mean, spread (std), max |.|  (Fig. 1b)
+A healthy model's records hold only finite values; a non-finite input or kernel shows as nan/inf (a nan channel or
+filter is never left out as dead or constant).
 Weight quantities are taken on the kernel the recorded forward used (before the optimizer step).
 
 Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
@@ -78,7 +92,8 @@ def _finite_or_none(v):
     return v
 
 
-_CHANNEL_KEYS = ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max", "input_dead_channels")
+_CHANNEL_KEYS = ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max", "input_dead_channels",
+                 "input_channels")
 
 
 def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
@@ -113,10 +128,11 @@ def _activation_stats(module: nn.Module, kind: str, args, output) -> dict:
     out = dict(zip(names, torch.stack([v.double() for v in values]).tolist()))
     if out.get("input_sq") == 0.0:
         del out["input_ratio"]
-    if "input_dead_channels" in out:
+    if "input_channels" in out:
+        channels = int(out.pop("input_channels"))
         out["input_dead_channels"] = int(out["input_dead_channels"])
-        for k in _CHANNEL_KEYS[:3]:
-            if math.isnan(out[k]) and out["input_dead_channels"] > 0:
+        if out["input_dead_channels"] == channels:
+            for k in _CHANNEL_KEYS[:3]:
                 del out[k]
     return out
 
@@ -203,7 +219,8 @@ class VarianceMonitor:
         if not self.layers:
             raise ValueError(
                 f"VarianceMonitor: model {type(self.model).__name__} has no supported layers "
-                "(expected nn.Conv1d/2d/3d, nn.Linear or normalization layers among its modules)"
+                "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES - nn.Conv*d, "
+                "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
         self.current_step = 0
         self.records: list[dict] = []
@@ -356,10 +373,11 @@ class VarianceMonitor:
         values = [vo.mean(), vo.min(), vo.max(), wf.square().mean(), wf.norm(), stats.shift_of_average(w),
                   stats.shift_scale_free(w), (vo == 0).sum()]
         if after is not None:
-            ratio = stats.weight_variance(after) / torch.where(vo > 0, vo, torch.ones_like(vo))
+            varies = vo != 0  # a nan filter is kept: a non-finite kernel must show in the record
+            ratio = stats.weight_variance(after) / torch.where(varies, vo, torch.ones_like(vo))
             names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
                       "mean_update_mean", "mean_update_std", "mean_update_absmax"]
-            values += [*stats.masked_summary(ratio, vo > 0).unbind(), mu.mean(), mu.std(unbiased=False),
+            values += [*stats.masked_summary(ratio, varies).unbind(), mu.mean(), mu.std(unbiased=False),
                        mu.abs().max()]
         out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
         out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))

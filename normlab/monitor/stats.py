@@ -39,6 +39,7 @@ __all__ = [
     "masked_summary",
     "output_variance",
     "channel_moments",
+    "channel_matrix",
     "variance_terms",
 ]
 
@@ -144,13 +145,19 @@ def channel_moments(x: Tensor, channel_dim: int | Sequence[int] = 1) -> tuple[Te
     ``channel_dim`` may be several dims (a LayerNorm's normalized dims): their entries, flattened in that order, are
     the channels. x (B, T, C) with ``channel_dim=-1`` -> (C,) moments over the B*T positions.
     """
+    xc = channel_matrix(x, channel_dim, "channel_moments")
+    return xc.mean(dim=1), xc.square().mean(dim=1)
+
+
+def channel_matrix(x: Tensor, channel_dim: int | Sequence[int] = 1, fn: str = "channel_matrix") -> Tensor:
+    """x as a (C, M) matrix: one row per channel (the entries of ``channel_dim``, flattened in order), its M values
+    over every other dim in the columns. Detached, float32 (float64 kept)."""
     x = _as_float(x)
     if x.dim() < 2:
-        raise ValueError(f"channel_moments: expected an input with a batch and a channel dim, got {x.dim()}D")
-    dims = _channel_dims(channel_dim, x.dim(), "channel_moments")
+        raise ValueError(f"{fn}: expected an input with a batch and a channel dim, got {x.dim()}D")
+    dims = _channel_dims(channel_dim, x.dim(), fn)
     rest = [d for d in range(x.dim()) if d not in dims]
-    xc = x.permute(*dims, *rest).reshape(math.prod(x.shape[d] for d in dims), -1)
-    return xc.mean(dim=1), xc.square().mean(dim=1)
+    return x.permute(*dims, *rest).reshape(math.prod(x.shape[d] for d in dims), -1)
 
 
 def channel_input_ratio(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Tensor:
@@ -186,7 +193,7 @@ def live_channel_input_ratio(x: Tensor, channel_dim: int | Sequence[int] = 1) ->
         (tensor([0.8000, 1.0000]), 1)
     """
     mean, sq = channel_moments(x, channel_dim)
-    live = sq > 0
+    live = sq != 0
     return mean[live].square() / sq[live], (~live).sum()
 
 
@@ -206,13 +213,17 @@ def masked_summary(values: Tensor, keep: Tensor) -> Tensor:
 
 
 def channel_ratio_summary(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Tensor:
-    """``[mean, min, max, dead]``: the summary of :func:`live_channel_input_ratio` over the live channels and the
-    number of dead channels (E_c[X^2] = 0); the first three are nan when every channel is dead. x (N, C, *) -> (4,).
+    """``[mean, min, max, dead, channels]``: the summary of :func:`live_channel_input_ratio` over the live channels,
+    the number of dead channels (E_c[X^2] = 0) and of all channels. x (N, C, *) -> (5,).
+
+    The first three are nan when every channel is dead; a non-finite input still gives non-finite values (a nan
+    channel is not dead).
     """
     mean, sq = channel_moments(x, channel_dim)
-    live = sq > 0
+    live = sq != 0
     r = mean.square() / torch.where(live, sq, torch.ones_like(sq))
-    return torch.cat([masked_summary(r, live), (r.numel() - live.sum()).to(r.dtype).view(1)])
+    counts = torch.stack([(~live).sum().to(r.dtype), torch.full_like(r[0], r.numel())])
+    return torch.cat([masked_summary(r, live), counts])
 
 
 def output_variance(y: Tensor) -> Tensor:
