@@ -900,6 +900,10 @@ def test_conv1d_rule_recognizes_the_transformers_class_by_module_and_shape():
     x = torch.randn(2, 3, 4)
     w = filter_kernel(layer).clone()
     rec = _record(layer, x)
+    after = layer.weight.detach().t()  # the SGD step's result, per output column
+    ratio = after.var(1, unbiased=False) / w.var(1, unbiased=False)
+    assert rec["update_ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-5)
+    assert rec["mean_update_absmax"] == pytest.approx((w - after).mean(1).abs().max().item(), rel=1e-5)
     assert (rec["kind"], rec["fan_in"], rec["out_channels"]) == ("linear", 4, 6)
     assert rec["shift"] == pytest.approx(stats.shift_of_average(w).item(), rel=1e-5)
     r, _ = _hand_ratio(x, (2,))
