@@ -856,9 +856,10 @@ def test_constant_filters_are_left_out_of_the_update_ratio():
     assert math.isnan(_record(lin, x)["update_ratio_mean"])
 
 
+@pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("kind", ["ws", "pws"])
 @pytest.mark.parametrize("d", [1, 2, 3])
-def test_normlab_standardized_convs_are_recorded_on_the_kernel_they_apply(kind, d):
+def test_normlab_standardized_convs_are_recorded_on_the_kernel_they_apply(kind, d, training):
     from normlab.monitor.layers import effective_weight
     from normlab.nn import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
@@ -868,10 +869,11 @@ def test_normlab_standardized_convs_are_recorded_on_the_kernel_they_apply(kind, 
     with torch.no_grad():
         conv.weight += torch.linspace(-1, 1, 4).view(4, *[1] * (d + 1))
     x = torch.randn(2, 3, *[5] * d)
+    conv.train(training)  # eval: the inference kernel cache serves the kernel
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[d]
     torch.testing.assert_close(conv_nd(x, effective_weight(conv), conv.bias), conv(x))
-    rec = _record(conv, x)
-    assert stats.shift_scale_free(conv.weight).item() > 0.5 and rec["shift_scale_free"] < 1e-6
+    rec = _record(conv, x, record_eval=not training)
+    assert rec["output_var"] > 0 and stats.shift_scale_free(conv.weight).item() > 0.5 and rec["shift_scale_free"] < 1e-6
 
 
 class Conv1D(nn.Module):

@@ -281,21 +281,22 @@ def test_timm_standardized_convs_are_recorded_on_the_kernel_they_apply(runs, nam
         torch.testing.assert_close(F.conv2d(x, w, b, m.stride, m.padding, m.dilation, m.groups), y)
 
 
+@pytest.mark.parametrize("training", [True, False])
 @pytest.mark.parametrize("cls", TIMM_STD_CONVS)
-def test_every_timm_standardized_conv_class_has_its_applied_kernel(cls):
+def test_every_timm_standardized_conv_class_has_its_applied_kernel(cls, training):
     torch.manual_seed(0)
-    conv = cls(3, 4, 3, stride=2, bias=True)  # stride 2: the *Same classes pad dynamically
+    conv = cls(3, 4, 3, stride=2, bias=True).train(training)  # stride 2: the *Same classes pad dynamically
     with torch.no_grad():
         conv.weight.add_(torch.linspace(-1, 1, 4).view(4, 1, 1, 1))  # raw filter means far apart
         if hasattr(conv, "gain"):
             conv.gain.uniform_(0.5, 2.0)
     x = torch.randn(2, 3, 9, 9)
-    mon = VarianceMonitor(conv, every=1)
+    mon = VarianceMonitor(conv, every=1, record_eval=not training)
     y = conv(x)
     mon.step()
     xin = pad_same(x, conv.kernel_size, conv.stride, conv.dilation) if getattr(conv, "same_pad", False) else x
     w = effective_weight(conv)
     torch.testing.assert_close(F.conv2d(xin, w, conv.bias, conv.stride, conv.padding, conv.dilation), y)
     assert stats.shift_scale_free(conv.weight).item() > 0.5
-    assert mon.records[0]["shift_scale_free"] < 1e-6
+    assert mon.records[0]["shift_scale_free"] < 1e-6 and mon.records[0]["output_var"] > 0
     assert mon.records[0]["weight_sq_mean"] == pytest.approx(w.square().mean().item(), rel=1e-6)
