@@ -695,3 +695,259 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
     with pytest.raises(ValueError, match="shrink_factor for 'input_sq' must be a finite number > 1"):
         CollapseDetector(shrink_factor={"input_sq": 0.5})
 
+
+
+# ----------------------------------------------------------------- linear-map rules, channel axes, dead channels
+def _record(module, x, steps=1, **kw):
+    """The step-0 record of ``module`` (wrapped alone) after one forward on ``x`` and an SGD step."""
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    mon = VarianceMonitor(module, every=1, **kw)
+    for _ in range(steps):
+        module(x).float().square().mean().backward()
+        mon.step(opt)
+        opt.zero_grad()
+    mon.close()
+    return mon.records[0]
+
+
+def _hand_ratio(x, dims):
+    x = x.double()
+    rest = [d for d in range(x.dim()) if d not in dims]
+    xc = x.permute(*dims, *rest).reshape(math.prod(x.shape[d] for d in dims), -1)
+    mean, sq = xc.mean(1), xc.square().mean(1)
+    live = sq > 0
+    return mean[live].square() / sq[live], int((~live).sum())
+
+
+def _conv_transpose(d, groups):
+    return {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[d](4, 6, 3, groups=groups)
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_conv_transpose_is_recorded_per_output_filter(d, groups):
+    from normlab.monitor.layers import effective_weight, filter_kernel
+
+    torch.manual_seed(0)
+    conv = _conv_transpose(d, groups)
+    with torch.no_grad():  # output filters with distinct means: a wrong filter axis changes every statistic
+        conv.weight += torch.linspace(-0.5, 0.5, 6 // groups).view(1, -1, *[1] * d)
+    x = torch.randn(2, 4, *[5] * d)
+    # the filter view is the equivalent convolution's kernel (flipped): it reproduces the transposed conv
+    fk = filter_kernel(conv).clone()  # a view of the weight: the SGD step below changes it in place
+    assert effective_weight(conv).shape == (4, 6 // groups, *[3] * d) and fk.shape == (6, 4 // groups, *[3] * d)
+    conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[d]
+    same = conv_nd(x, fk.flip(list(range(2, 2 + d))), conv.bias, padding=2, groups=groups)
+    torch.testing.assert_close(same, conv(x))
+    rec = _record(conv, x)
+    assert rec["kind"] == "conv" and (rec["fan_in"], rec["out_channels"]) == (4 // groups * 3**d, 6)
+    rows = fk.reshape(6, -1)
+    assert rec["weight_var"] == pytest.approx(rows.var(1, unbiased=False).mean().item(), rel=1e-5)
+    assert rec["shift"] == pytest.approx(stats.shift_of_average(rows).item(), rel=1e-5)
+    assert "update_ratio_mean" in rec and math.isfinite(rec["update_ratio_mean"])
+
+
+class TinyUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1))
+        self.up = nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.out = nn.Conv2d(16, 2, 1)
+
+    def forward(self, x):
+        skip = self.down[1](self.down[0](x))
+        return self.out(torch.cat([skip, self.up(torch.relu(self.down[2](skip)))], dim=1))
+
+
+def test_unet_up_convolutions_are_monitored():
+    torch.manual_seed(0)
+    model = TinyUNet()
+    mon = VarianceMonitor(model, every=1)
+    assert {n: k for n, _, k in mon.layers} == {"down.0": "conv", "down.2": "conv", "up": "conv", "out": "conv"}
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    mon.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    up = next(r for r in mon.records if r["layer"] == "up")
+    assert up["index"] == 2 and (up["fan_in"], up["out_channels"]) == (16 * 4, 8) and "update_ratio_mean" in up
+
+
+@pytest.mark.parametrize("make, shape, dims", [
+    (lambda: nn.LayerNorm(4), (3, 5, 4), (2,)),  # (B, T, C): the features, not the sequence
+    (lambda: nn.LayerNorm((5, 4)), (3, 5, 4), (1, 2)),  # two normalized dims: T*C channels
+    (lambda: nn.RMSNorm(4), (3, 5, 4), (2,)),
+    (lambda: nn.LayerNorm(6), (2, 3, 5, 6), (3,)),  # channels-last image (B, H, W, C)
+    (lambda: nn.BatchNorm1d(4), (6, 4), (1,)),
+    (lambda: nn.BatchNorm1d(4), (3, 4, 5), (1,)),
+    (lambda: nn.BatchNorm2d(4), (3, 4, 5, 5), (1,)),
+    (lambda: nn.BatchNorm3d(4), (3, 4, 3, 3, 3), (1,)),
+    (lambda: nn.GroupNorm(2, 4), (3, 4, 5), (1,)),
+    (lambda: nn.InstanceNorm2d(4, affine=True), (3, 4, 5, 5), (1,)),
+    (lambda: __import__("normlab.nn", fromlist=["x"]).BatchRenorm2d(4), (3, 4, 5, 5), (1,)),
+    (lambda: __import__("normlab.nn", fromlist=["x"]).SwitchableNorm1d(4), (3, 4, 5), (1,)),
+    (lambda: nn.Linear(4, 3), (3, 5, 4), (2,)),  # a token sequence (B, T, F)
+    (lambda: nn.Linear(4, 3), (2, 3, 5, 4), (3,)),  # channels-last image (B, H, W, F)
+    (lambda: nn.Conv1d(4, 3, 3), (4, 7), (0,)),  # unbatched (C, L)
+    (lambda: nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
+])
+def test_channel_statistics_are_taken_over_the_channel_axes(make, shape, dims):
+    torch.manual_seed(0)
+    layer = make()
+    # every entry has its own mean: statistics over a wrong axis differ from the hand values
+    x = torch.randn(shape) + torch.arange(math.prod(shape[1:]), dtype=torch.float32).view(shape[1:]) % 7 * 0.3
+    rec = _record(layer, x)
+    r, dead = _hand_ratio(x, dims)
+    assert rec["input_ratio_ch_mean"] == pytest.approx(r.mean().item(), rel=1e-5)
+    assert rec["input_ratio_ch_min"] == pytest.approx(r.min().item(), rel=1e-5)
+    assert rec["input_ratio_ch_max"] == pytest.approx(r.max().item(), rel=1e-5)
+    assert dead == 0
+
+
+@pytest.mark.parametrize("layer, shape, dims", [
+    (nn.Conv1d(4, 3, 3), (2, 4, 6), (1,)),
+    (nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
+    (nn.Conv3d(4, 3, 3), (2, 4, 3, 3, 3), (1,)),
+    (nn.Linear(4, 3), (6, 4), (1,)),
+    (nn.Linear(4, 3), (2, 5, 4), (2,)),
+    (nn.BatchNorm2d(4), (2, 4, 3, 3), (1,)),
+    (nn.LayerNorm(4), (2, 5, 4), (2,)),
+])
+def test_dead_input_channels_leave_the_per_channel_ratios_finite(layer, shape, dims):
+    torch.manual_seed(0)
+    x = torch.relu(torch.randn(shape))
+    x.select(dims[0], 1).zero_()  # channel 1 is dead (a dead ReLU, a dropped channel)
+    x.select(dims[0], 3).zero_()
+    rec = _record(layer, x)
+    r, dead = _hand_ratio(x, dims)
+    assert rec["input_dead_channels"] == dead == 2
+    assert rec["input_ratio_ch_mean"] == pytest.approx(r.mean().item(), rel=1e-5)
+    assert rec["input_ratio_ch_min"] == pytest.approx(r.min().item(), rel=1e-5)
+    assert rec["input_ratio_ch_max"] == pytest.approx(r.max().item(), rel=1e-5)
+    assert all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+    # an all-zero input has no ratio at all: the keys are absent, nothing is nan
+    rec0 = _record(copy.deepcopy(layer), torch.zeros(shape))
+    assert rec0["input_dead_channels"] == 4 and rec0["input_sq"] == 0.0
+    assert not {"input_ratio", "input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"} & set(rec0)
+    assert all(math.isfinite(v) for v in rec0.values() if isinstance(v, float))
+    # a non-finite channel is no dead one: it still shows in the record (the collapse warning reads it)
+    x[(slice(None),) * dims[0] + (0,)] = float("nan")
+    recn = _record(copy.deepcopy(layer), x)
+    assert recn["input_dead_channels"] == 2 and math.isnan(recn["input_ratio_ch_mean"])
+
+
+def test_constant_filters_are_left_out_of_the_update_ratio():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 4)
+    with torch.no_grad():
+        lin.weight[2] = 0.0  # a zero-initialized filter (skip-init, a zero gain): Var[W_o] = 0, no ratio
+    x = torch.randn(8, 5)
+    w0 = lin.weight.detach().clone()
+    rec = _record(lin, x)
+    ratio = lin.weight.detach().var(1, unbiased=False) / w0.var(1, unbiased=False)
+    keep = torch.tensor([True, True, False, True])
+    assert rec["constant_filters"] == 1
+    assert rec["update_ratio_mean"] == pytest.approx(ratio[keep].mean().item(), rel=1e-5)
+    assert rec["update_ratio_max"] == pytest.approx(ratio[keep].max().item(), rel=1e-5)
+    zero = nn.Linear(5, 4)
+    nn.init.zeros_(zero.weight)
+    rec = _record(zero, x)
+    assert rec["constant_filters"] == 4 and "update_ratio_mean" not in rec and rec["shift_scale_free"] == 0.0
+    assert all(math.isfinite(v) for v in rec.values() if isinstance(v, float))
+    with torch.no_grad():
+        lin.weight[1, 0] = float("nan")  # a non-finite filter is not left out
+    assert math.isnan(_record(lin, x)["update_ratio_mean"])
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("kind", ["ws", "pws"])
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_normlab_standardized_convs_are_recorded_on_the_kernel_they_apply(kind, d, training):
+    from normlab.monitor.layers import effective_weight
+    from normlab.nn import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
+
+    cls = {"ws": (WSConv1d, WSConv2d, WSConv3d), "pws": (PWSConv1d, PWSConv2d, PWSConv3d)}[kind][d - 1]
+    torch.manual_seed(0)
+    conv = cls(3, 4, 3)
+    with torch.no_grad():
+        conv.weight += torch.linspace(-1, 1, 4).view(4, *[1] * (d + 1))
+    x = torch.randn(2, 3, *[5] * d)
+    conv.train(training)  # eval: the inference kernel cache serves the kernel
+    conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[d]
+    torch.testing.assert_close(conv_nd(x, effective_weight(conv), conv.bias), conv(x))
+    rec = _record(conv, x, record_eval=not training)
+    assert rec["output_var"] > 0 and stats.shift_scale_free(conv.weight).item() > 0.5 and rec["shift_scale_free"] < 1e-6
+
+
+class Conv1D(nn.Module):
+    """Stands in for transformers.pytorch_utils.Conv1D: y = x @ W + b, W (nx, nf)."""
+
+    def __init__(self, nf, nx):
+        super().__init__()
+        self.nf, self.nx = nf, nx
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1 + torch.linspace(-1, 1, nf))
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, self.nx), self.weight).reshape(*x.shape[:-1], self.nf)
+
+
+def test_conv1d_rule_recognizes_the_transformers_class_by_module_and_shape():
+    from normlab.monitor.layers import filter_kernel, linear_map_rule
+
+    hf = type("Conv1D", (Conv1D,), {"__module__": "transformers.pytorch_utils"})
+    layer = hf(6, 4)
+    assert linear_map_rule(layer).name == "hf_conv1d" and linear_map_rule(Conv1D(6, 4)) is None
+    assert torch.equal(filter_kernel(layer), layer.weight.detach().t())  # filter o is the column W[:, o]
+    odd = hf(6, 4)
+    odd.nx = 5  # weight shape does not match (nx, nf): not the transformers layer
+    assert linear_map_rule(odd) is None
+    x = torch.randn(2, 3, 4)
+    w = filter_kernel(layer).clone()
+    rec = _record(layer, x)
+    after = layer.weight.detach().t()  # the SGD step's result, per output column
+    ratio = after.var(1, unbiased=False) / w.var(1, unbiased=False)
+    assert rec["update_ratio_mean"] == pytest.approx(ratio.mean().item(), rel=1e-5)
+    assert rec["mean_update_absmax"] == pytest.approx((w - after).mean(1).abs().max().item(), rel=1e-5)
+    assert (rec["kind"], rec["fan_in"], rec["out_channels"]) == ("linear", 4, 6)
+    assert rec["shift"] == pytest.approx(stats.shift_of_average(w).item(), rel=1e-5)
+    r, _ = _hand_ratio(x, (2,))
+    assert rec["input_ratio_ch_max"] == pytest.approx(r.max().item(), rel=1e-5)
+
+
+def test_monitor_imports_neither_transformers_nor_timm_and_docstring_examples_run():
+    import doctest
+    import subprocess
+    import sys
+
+    import normlab.monitor.layers
+    import normlab.monitor.stats
+
+    for mod in (normlab.monitor.layers, normlab.monitor.stats):
+        assert doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE).failed == 0
+    code = ("import sys, torch, normlab.monitor as m; m.VarianceMonitor(torch.nn.Linear(2, 2)); "
+            "print(sorted({'transformers', 'timm', 'torchvision'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_effective_weight_of_a_module_without_a_linear_map_names_it():
+    from normlab.monitor.layers import effective_weight
+
+    with pytest.raises(TypeError, match="Embedding applies no weight as a linear map"):
+        effective_weight(nn.Embedding(3, 2))
+
+
+def test_signal_propagation_takes_each_layers_channel_axes():
+    # a token model: the Linear and LayerNorm outputs (B, T, F) have their features on the last dim, not dim 1
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Linear(6, 3))
+    with torch.no_grad():
+        model[0].bias.copy_(torch.linspace(-2, 2, 6))  # per-feature means
+    data = signal_propagation(model, (8, 5, 4), seed=1)
+    x = torch.randn((8, 5, 4), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        h = model[0](x)
+    feat = h.reshape(-1, 6).double()
+    e = data["entries"][0]
+    assert data["mode"] == "layers" and e["name"] == "0"
+    assert e["avg_sq_mean"] == pytest.approx(feat.mean(0).square().mean().item(), rel=1e-6)
+    assert e["avg_var"] == pytest.approx(feat.var(0, unbiased=False).mean().item(), rel=1e-6)
+    assert channel_signal_stats(h, -1) == pytest.approx((e["avg_sq_mean"], e["avg_var"]), rel=1e-6)

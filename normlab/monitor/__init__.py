@@ -15,7 +15,7 @@ from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
 from normlab.monitor.guard import CollapseGuard, Rescue, RunCollapsed
 from normlab.monitor.hooks import VarianceMonitor
-from normlab.monitor.layers import effective_weight, supported_layers, unwrap_model
+from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
 from normlab.monitor.spp import signal_propagation
 
 
@@ -38,6 +38,8 @@ __all__ = [
     "signal_propagation",
     "render_monitor_plots",
     "effective_weight",
+    "filter_kernel",
+    "LINEAR_MAP_RULES",
     "supported_layers",
     "unwrap_model",
     "stats",

@@ -17,18 +17,32 @@ Per layer and recorded step (one dict in ``mon.records``; keys absent where they
     output_var            Var[Y_l] of the layer output (biased, all entries)
     input_mean_sq         E^2[X] of the layer input            (paper Fig. 6a)
     input_sq, input_var   E[X^2] and Var[X] of the layer input (all entries)
-    input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1)))
-    input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over channels
-  conv / linear only, on the EFFECTIVE kernel (``module.effective_weight()`` if present, else ``module.weight``):
+    input_ratio           E^2[X] / E[X^2], all entries           (Fig. 6b; 1/pi for ReLU(N(0,1))); absent for an
+                          all-zero input
+    input_ratio_ch_mean / _min / _max   per-channel E_c^2[X]/E_c[X^2] summarised over the LIVE channels; the
+                          channels are the layer's channel axes (:func:`~normlab.monitor.layers.input_channel_dims`:
+                          conv dim 1, linear the last dim, norms the dims they normalize, e.g. a LayerNorm's
+                          trailing ``normalized_shape``); absent when every channel is dead
+    input_dead_channels   number of dead input channels (E_c[X^2] = 0: dead ReLUs, dropped channels, an SE
+                          bottleneck), left out of input_ratio_ch_* (they have no ratio)
+  conv / linear only (which modules: :data:`~normlab.monitor.layers.LINEAR_MAP_RULES`: nn.Conv*d, nn.ConvTranspose*d,
+  nn.Linear, transformers' Conv1D, timm's standardized convs), on the kernel the layer APPLIES (normlab WS/PWS:
+  ``effective_weight()``; timm StdConv2d/ScaledStdConv2d: the standardized kernel) viewed per output filter
+  (:func:`~normlab.monitor.layers.filter_kernel`: row o produces output channel o; a transposed conv's and a Conv1D's
+  weights are transposed for it):
     fan_in, out_channels,
     weight_var / _min / _max   Var[W_o] per filter: mean, min, max over filters   (Fig. 2)
     weight_sq_mean, weight_norm   E[W^2] over all entries, ||W|| (Frobenius)
     shift                 Var_o[n_l mean(W_o)]                                    (Fig. 1b, right)
-    shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS)
+    shift_scale_free      shift / (n_l Var[W])  (about 1 at random init, 0 for WS/PWS; 0 for a constant kernel)
+    constant_filters      number of filters with Var[W_o] = 0 (zero-initialized gains, skip-init)
     variance_term, shift_term   n E[W^2] Var[X] and E^2[X] shift: the two terms of Var[Y] (stats.variance_terms)
   conv / linear, when ``step(optimizer)`` was given an optimizer (dW = W_before - W_after of that step):
-    update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over filters   (Fig. 1a)
+    update_ratio_mean / _min / _max     Var[W_o - dW_o] / Var[W_o] over the non-constant filters (Fig. 1a);
+                          absent when every filter is constant
     mean_update_mean / _std / _absmax   mean(dW_o) over filters: mean, spread (std), max |.|  (Fig. 1b)
+A healthy model's records hold only finite values; a non-finite input or kernel shows as nan/inf (a nan channel or
+filter is never left out as dead or constant).
 Weight quantities are taken on the kernel the recorded forward used (before the optimizer step).
 
 Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
@@ -62,7 +76,7 @@ from torch import Tensor, nn
 from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
-from normlab.monitor.layers import effective_weight, is_compiled, supported_layers, unwrap_model
+from normlab.monitor.layers import filter_kernel, input_channel_dims, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.spp import signal_propagation
 
 __all__ = ["VarianceMonitor"]
@@ -76,6 +90,51 @@ def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+_CHANNEL_KEYS = ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max", "input_dead_channels",
+                 "input_channels")
+
+
+def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
+    """Moments of a layer's input: global ones, and per channel over :func:`input_channel_dims` (live channels)."""
+    xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
+    m, sq = xf.mean(), xf.square().mean()
+    names = ["input_mean_sq", "input_sq", "input_var", "input_ratio"]
+    values = [m.square(), sq, sq - m.square(), m.square() / sq]
+    dims = input_channel_dims(module, kind, x)
+    if dims is not None:
+        names += _CHANNEL_KEYS
+        values += list(stats.channel_ratio_summary(xf, dims).unbind())
+    return names, values
+
+
+def _activation_stats(module: nn.Module, kind: str, args, output) -> dict:
+    """Output variance and input moments of one recorded forward of ``module`` (see the record keys above).
+
+    One read-back to the host. Undefined quantities are left out: the input ratio of an all-zero input, the
+    per-channel ratios when every channel is dead."""
+    names, values = [], []
+    if isinstance(output, Tensor) and output.numel() > 0:
+        names.append("output_var")
+        values.append(stats.output_variance(output))
+    x = args[0] if args and isinstance(args[0], Tensor) else None
+    if x is not None and x.numel() > 0 and x.is_floating_point():
+        more = _input_stats(module, kind, x)
+        names += more[0]
+        values += more[1]
+    if not values:
+        return {}
+    out = dict(zip(names, torch.stack([v.double() for v in values]).tolist()))
+    if out.get("input_sq") == 0.0:
+        del out["input_ratio"]
+    if "input_channels" in out:
+        channels = int(out.pop("input_channels"))
+        out["input_dead_channels"] = int(out["input_dead_channels"])
+        if out["input_dead_channels"] == channels:
+            for k in _CHANNEL_KEYS[:3]:
+                del out[k]
+    return out
 
 
 class VarianceMonitor:
@@ -160,7 +219,8 @@ class VarianceMonitor:
         if not self.layers:
             raise ValueError(
                 f"VarianceMonitor: model {type(self.model).__name__} has no supported layers "
-                "(expected nn.Conv1d/2d/3d, nn.Linear or normalization layers among its modules)"
+                "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES - nn.Conv*d, "
+                "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
         self.current_step = 0
         self.records: list[dict] = []
@@ -213,33 +273,11 @@ class VarianceMonitor:
             if not (module.training or self.record_eval):
                 return
             with torch.no_grad():
-                self._pending[name] = self._activation_stats(kind, args, output)
+                self._pending[name] = _activation_stats(module, kind, args, output)
             if name not in self._order:
                 self._order[name] = len(self._order)
 
         return hook
-
-    @staticmethod
-    def _activation_stats(kind: str, args, output) -> dict:
-        out: dict[str, float] = {}
-        names, values = [], []
-        if isinstance(output, Tensor) and output.numel() > 0:
-            names.append("output_var")
-            values.append(stats.output_variance(output))
-        x = args[0] if args and isinstance(args[0], Tensor) else None
-        if x is not None and x.numel() > 0:
-            xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
-            m, sq = xf.mean(), xf.square().mean()
-            names += ["input_mean_sq", "input_sq", "input_var", "input_ratio"]
-            values += [m.square(), sq, sq - m.square(), m.square() / sq]
-            if x.dim() >= 2:
-                ch_dim = -1 if kind == "linear" else 1
-                r = stats.channel_input_ratio(xf, ch_dim)
-                names += ["input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max"]
-                values += [r.mean(), r.min(), r.max()]
-        if values:
-            out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
-        return out
 
     # ------------------------------------------------------------------ step
     def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None):
@@ -258,7 +296,7 @@ class VarianceMonitor:
         on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step."""
         self._before = None
         if self.is_recording:
-            self._before = {name: effective_weight(m).clone() for name, m, kind in self.layers if kind != "norm"}
+            self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
     def after_update(self, stepped: bool = True) -> None:
         """Call right after that optimizer step (``stepped=False``: no step was taken): on a recording step it writes
@@ -267,7 +305,7 @@ class VarianceMonitor:
         if self.is_recording:
             before, self._before = self._before, None
             if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
-                before, stepped = {n: effective_weight(m).clone() for n, m, k in self.layers if k != "norm"}, False
+                before, stepped = {n: filter_kernel(m).clone() for n, m, k in self.layers if k != "norm"}, False
             self._finalize(before, stepped)
         self.current_step += 1
         self._sync_hooks()
@@ -287,7 +325,7 @@ class VarianceMonitor:
             rec["kind"] = kind
             rec.update(self._pending.get(name, {}))
             if kind != "norm":
-                after = effective_weight(mod) if stepped else None
+                after = filter_kernel(mod) if stepped else None
                 if after is not None:  # per-filter mean updates: in the record's summary and TensorBoard's histograms
                     updates[name] = stats.filter_mean_update(before[name], after)
                 rec.update(self._weight_stats(before[name], after, updates.get(name)))
@@ -323,21 +361,30 @@ class VarianceMonitor:
 
     @staticmethod
     def _weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
-        """Weight-side statistics of the kernels ``w`` before the step; with ``after`` (the kernels after it) and
-        ``mu`` (their per-filter mean update), the update statistics too."""
+        """Weight-side statistics of the kernels ``w`` (output filters on dim 0) before the step; with ``after``
+        (the kernels after it) and ``mu`` (their per-filter mean update), the update statistics too.
+
+        A constant filter (Var[W_o] = 0: a zero-initialized gain, skip-init) has no update ratio: it is left out of
+        ``update_ratio_*`` and counted in ``constant_filters``; the keys are absent when every filter is constant."""
         wf = stats.filters(w)
         names = ["weight_var", "weight_var_min", "weight_var_max", "weight_sq_mean", "weight_norm", "shift",
-                 "shift_scale_free"]
+                 "shift_scale_free", "constant_filters"]
         vo = stats.weight_variance(w)
         values = [vo.mean(), vo.min(), vo.max(), wf.square().mean(), wf.norm(), stats.shift_of_average(w),
-                  stats.shift_scale_free(w)]
+                  stats.shift_scale_free(w), (vo == 0).sum()]
         if after is not None:
-            ratio = stats.update_ratio(w, after)
+            varies = vo != 0  # a nan filter is kept: a non-finite kernel must show in the record
+            ratio = stats.weight_variance(after) / torch.where(varies, vo, torch.ones_like(vo))
             names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
                       "mean_update_mean", "mean_update_std", "mean_update_absmax"]
-            values += [ratio.mean(), ratio.min(), ratio.max(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]
+            values += [*stats.masked_summary(ratio, varies).unbind(), mu.mean(), mu.std(unbiased=False),
+                       mu.abs().max()]
         out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
         out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
+        out["constant_filters"] = int(out["constant_filters"])
+        if out["constant_filters"] == wf.shape[0]:
+            for k in ("update_ratio_mean", "update_ratio_min", "update_ratio_max"):
+                out.pop(k, None)
         return out
 
     # ------------------------------------------------------------ checkpoint

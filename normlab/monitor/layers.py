@@ -1,20 +1,72 @@
-"""Which layers the monitor watches, and how to see through model wrappers.
+"""Which layers the monitor watches, the kernels they apply, their channel axes, and how to see through wrappers.
 
-A layer is watched when it is a convolution (``nn.Conv1d/2d/3d`` and subclasses: WS/PWS, weight-normed), an
-``nn.Linear``, or a normalization layer (:func:`normlab.nn.is_norm_layer`).
+A module is watched as a conv/linear layer when it applies a weight as a linear map, by the first of the named
+rules in :data:`LINEAR_MAP_RULES` that matches it (checked in this order):
+
+=====================  ==============================================================  ======  ===================
+rule                   modules                                                         kind    output filter o
+=====================  ==============================================================  ======  ===================
+``timm_std_conv``      timm's ``StdConv2d``, ``StdConv2dSame``, ``ScaledStdConv2d``,     conv    ``K[o]``
+                       ``ScaledStdConv2dSame``: ``K`` = the standardized kernel their
+                       forward computes (``F.batch_norm`` over each filter, eps, and
+                       ``gain * scale`` for the scaled ones)
+``conv_transpose``     ``nn.ConvTranspose1d/2d/3d``: weight (C_in, C_out/groups, *k)   conv    ``W[g-block, j]``
+``conv``               ``nn.Conv1d/2d/3d`` and subclasses: weight (C_out, C_in/g, *k)   conv    ``W[o]``
+``linear``             ``nn.Linear`` and subclasses: weight (out, in)                  linear  ``W[o]``
+``hf_conv1d``          transformers' ``Conv1D`` (GPT-2, GPT): y = x @ W + b with W      linear  ``W[:, o]``
+                       of shape (in, out), transposed relative to ``nn.Linear``
+=====================  ==============================================================  ======  ===================
+
+For ``conv_transpose``, ``conv`` and ``linear`` the kernel W is ``module.effective_weight()`` where the module
+defines it (normlab's WS/PWS convs standardize their weight on the fly), else ``module.weight`` (a ``weight_norm``
+parametrization already yields the applied kernel there).
+
+:func:`effective_weight` is the kernel a layer applies in the layer's own layout (what its forward hands to
+``F.conv*``/``F.linear``/``addmm``); :func:`filter_kernel` is that kernel with output filters on dim 0,
+(C_out, fan_in-shaped...), the layout :mod:`normlab.monitor.stats` expects. For a transposed convolution, output
+channel o = g * (C_out/groups) + j is produced by the C_in/groups input channels of group g through
+``W[g*C_in/groups:(g+1)*C_in/groups, j]``: the filter view is W reshaped to (groups, C_in/g, C_out/g, *k), dims 1
+and 2 swapped, reshaped to (C_out, C_in/g, *k): the kernel of the equivalent convolution (spatially flipped,
+which no statistic here depends on). Its fan_in is C_in/groups * prod(k) entries; with a stride s each output
+position sums only about prod(k / s) of them per input channel.
+
+Transformers' ``Conv1D`` is recognized without importing transformers: a class named ``Conv1D`` from a
+``transformers`` module (in its MRO) whose weight is (nx, nf). timm's standardized convs likewise: a class of that
+name from a ``timm`` module. Modules that hold a weight but apply no linear map of their input are not watched:
+``nn.Embedding`` (a lookup), ``nn.MultiheadAttention``'s packed ``in_proj_weight`` (its ``out_proj`` is an
+``nn.Linear`` and is watched), ``nn.Bilinear``.
+
+Normalization layers (:func:`normlab.nn.is_norm_layer`) are watched as ``"norm"``. Their per-channel statistics are
+taken over the dims they normalize (:func:`input_channel_dims`).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab.nn import is_norm_layer
 
-__all__ = ["unwrap_model", "is_compiled", "layer_kind", "supported_layers", "effective_weight"]
+__all__ = [
+    "unwrap_model",
+    "is_compiled",
+    "layer_kind",
+    "supported_layers",
+    "effective_weight",
+    "filter_kernel",
+    "input_channel_dims",
+    "LinearMapRule",
+    "LINEAR_MAP_RULES",
+    "linear_map_rule",
+]
 
-_CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _MAX_WRAPPERS = 16
+TIMM_STD_CONVS = ("StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame")
 
 
 def _inner(model: nn.Module) -> nn.Module | None:
@@ -47,12 +99,83 @@ def is_compiled(model: nn.Module) -> bool:
     return False
 
 
+# ------------------------------------------------------------------------------------------- linear maps
+def _from_library(module: nn.Module, package: str, names: tuple[str, ...]) -> bool:
+    """True when a class of ``module``'s MRO is named one of ``names`` and defined in package ``package``."""
+    return any(c.__name__ in names and c.__module__.split(".")[0] == package for c in type(module).__mro__)
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return (_from_library(module, "transformers", ("Conv1D",)) and isinstance(w, Tensor) and w.dim() == 2
+            and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def _own_kernel(module: nn.Module) -> Tensor:
+    """``module.effective_weight()`` where the module defines it (normlab's WS/PWS convs), else ``module.weight``."""
+    fn = getattr(module, "effective_weight", None)
+    return fn() if callable(fn) else module.weight
+
+
+def _timm_std_kernel(module: nn.Module) -> Tensor:
+    """The kernel timm's (Scaled)StdConv2d(Same) forward computes: each filter standardized by F.batch_norm."""
+    gain = getattr(module, "gain", None)
+    scale = (gain * module.scale).view(-1) if gain is not None else None
+    w = module.weight
+    return F.batch_norm(w.reshape(1, w.shape[0], -1), None, None, weight=scale, training=True, momentum=0.0,
+                        eps=module.eps).reshape_as(w)
+
+
+def _transpose_filters(w: Tensor, module: nn.Module) -> Tensor:
+    """ConvTranspose weight (C_in, C_out/g, *k) -> the equivalent conv's filters (C_out, C_in/g, *k)."""
+    g = module.groups
+    c_in, c_out_g, k = w.shape[0], w.shape[1], w.shape[2:]
+    return w.reshape(g, c_in // g, c_out_g, *k).transpose(1, 2).reshape(g * c_out_g, c_in // g, *k)
+
+
+@dataclass(frozen=True)
+class LinearMapRule:
+    """How the monitor reads one family of weight-applying modules (see the table in this module's docstring).
+
+    Args:
+        name: the rule's name.
+        kind: ``"conv"`` or ``"linear"`` (the record's ``kind``).
+        matches: module -> True when the rule applies.
+        kernel: module -> the kernel the module applies, in its own layout (may carry autograd; read detached).
+        filters: (kernel, module) -> that kernel with output filters on dim 0.
+    """
+
+    name: str
+    kind: str
+    matches: Callable[[nn.Module], bool]
+    kernel: Callable[[nn.Module], Tensor]
+    filters: Callable[[Tensor, nn.Module], Tensor] = lambda w, m: w
+
+
+def _is_timm_std_conv(module: nn.Module) -> bool:
+    return isinstance(module, nn.Conv2d) and _from_library(module, "timm", TIMM_STD_CONVS)
+
+
+LINEAR_MAP_RULES: tuple[LinearMapRule, ...] = (
+    LinearMapRule("timm_std_conv", "conv", _is_timm_std_conv, _timm_std_kernel),
+    LinearMapRule("conv_transpose", "conv", lambda m: isinstance(m, nn.modules.conv._ConvTransposeNd), _own_kernel,
+                  _transpose_filters),
+    LinearMapRule("conv", "conv", lambda m: isinstance(m, nn.modules.conv._ConvNd), _own_kernel),
+    LinearMapRule("linear", "linear", lambda m: isinstance(m, nn.Linear), _own_kernel),
+    LinearMapRule("hf_conv1d", "linear", _is_hf_conv1d, lambda m: m.weight, lambda w, m: w.t()),
+)
+
+
+def linear_map_rule(module: nn.Module) -> LinearMapRule | None:
+    """The first rule of :data:`LINEAR_MAP_RULES` that matches ``module``, or None (no linear map)."""
+    return next((r for r in LINEAR_MAP_RULES if r.matches(module)), None)
+
+
 def layer_kind(module: nn.Module) -> str | None:
     """``"conv"``, ``"linear"``, ``"norm"`` or None (not watched)."""
-    if isinstance(module, _CONV_TYPES):
-        return "conv"
-    if isinstance(module, nn.Linear):
-        return "linear"
+    rule = linear_map_rule(module)
+    if rule is not None:
+        return rule.kind
     if is_norm_layer(module):
         return "norm"
     return None
@@ -69,10 +192,80 @@ def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[
     return out
 
 
+def _rule_of(module: nn.Module, fn: str) -> LinearMapRule:
+    rule = linear_map_rule(module)
+    if rule is None:
+        raise TypeError(f"{fn}: {type(module).__name__} applies no weight as a linear map "
+                        "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES)")
+    return rule
+
+
 @torch.no_grad()
 def effective_weight(module: nn.Module) -> Tensor:
-    """The kernel the layer applies, detached: ``module.effective_weight()`` where the module has it (WS/PWS
-    convs), else ``module.weight`` (a ``weight_norm`` parametrization already yields the effective kernel there)."""
-    fn = getattr(module, "effective_weight", None)
-    w = fn() if callable(fn) else module.weight
-    return w.detach()
+    """The kernel the layer applies, detached, in the layer's own layout (:data:`LINEAR_MAP_RULES`).
+
+    ``module.effective_weight()`` where the module has it (WS/PWS convs), the standardized kernel for timm's
+    standardized convs, else ``module.weight`` (a ``weight_norm`` parametrization already yields the effective
+    kernel there).
+
+    Example::
+
+        >>> conv = nn.ConvTranspose2d(4, 6, 3, groups=2)
+        >>> effective_weight(conv).shape, filter_kernel(conv).shape
+        (torch.Size([4, 3, 3, 3]), torch.Size([6, 2, 3, 3]))
+    """
+    return _rule_of(module, "effective_weight").kernel(module).detach()
+
+
+@torch.no_grad()
+def filter_kernel(module: nn.Module, kernel: Tensor | None = None) -> Tensor:
+    """The applied kernel (or ``kernel``, in the layer's layout) with output filters on dim 0: (C_out, ...).
+
+    Row o of ``filter_kernel(m).reshape(C_out, -1)`` holds the weights that produce output channel (feature) o.
+    """
+    rule = _rule_of(module, "filter_kernel")
+    w = rule.kernel(module).detach() if kernel is None else kernel
+    return rule.filters(w, module)
+
+
+# ------------------------------------------------------------------------------------------ channel axes
+_CHANNELS_FIRST_NAME = re.compile(r"[23]d(Fp32)?$")
+
+
+def _channels_first_layer_norm(module: nn.Module) -> bool:
+    """LayerNorm subclasses that normalize dim 1 of (N, C, H, W): Hugging Face's ``data_format="channels_first"``
+    and timm's ``LayerNorm2d``/``LayerNorm2dFp32``/``LayerNormExp2d`` (they permute around F.layer_norm)."""
+    return (getattr(module, "data_format", None) == "channels_first"
+            or bool(_CHANNELS_FIRST_NAME.search(type(module).__name__)))
+
+
+def _layer_norm_dims(module: nn.Module, x: Tensor) -> tuple[int, ...] | None:
+    shape = tuple(module.normalized_shape)
+    k = len(shape)
+    trailing, leading = tuple(range(x.dim() - k, x.dim())), tuple(range(1, 1 + k))
+    first = [leading, trailing] if _channels_first_layer_norm(module) else [trailing, leading]
+    for dims in first:
+        if x.dim() > k and all(0 <= d < x.dim() for d in dims) and tuple(x.shape[d] for d in dims) == shape:
+            return dims
+    return None
+
+
+def input_channel_dims(module: nn.Module, kind: str, x: Tensor) -> tuple[int, ...] | None:
+    """The dims of ``x`` (the layer's input) that index its channels, for per-channel input statistics.
+
+    conv: dim 1 of (N, C, *), dim 0 of an unbatched (C, *) input. linear (``nn.Linear``, ``Conv1D``): the last dim
+    (the feature of (N, F), (B, T, F), (B, H, W, F) inputs). norm: the normalized dims: ``nn.LayerNorm`` /
+    ``nn.RMSNorm`` the trailing ``len(normalized_shape)`` dims (dim 1 for channels-first LayerNorm subclasses:
+    HF ``data_format="channels_first"``, timm ``LayerNorm2d``), BatchNorm/GroupNorm/InstanceNorm/normlab norms dim 1.
+    None when ``x`` has no channel axis (a 1-D input, a shape that does not match ``normalized_shape``).
+    """
+    if x.dim() < 2:
+        return None
+    if kind == "linear":
+        return (x.dim() - 1,)
+    if kind == "conv":
+        return (0,) if x.dim() == len(getattr(module, "kernel_size", ())) + 1 else (1,)
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        return _layer_norm_dims(module, x)
+    return (1,)
+

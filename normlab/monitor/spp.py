@@ -4,7 +4,9 @@ For each block (or layer) output x of shape (N, C, *) on an N(0, 1) input:
     avg_sq_mean  = mean_c( mean_{N,spatial}(x)^2 )     average channel squared mean
     avg_var      = mean_c( var_{N,spatial}(x) )        average channel variance (biased)
     residual_var = avg_var of the block's residual-branch output (None where no branch is identified)
-For (N, F) outputs the channels are the F features.
+For (N, F) outputs the channels are the F features. The per-layer entries (mode "layers", and watched layers named
+in ``modules``) take each layer's own channel axes (:func:`normlab.monitor.layers.input_channel_dims`): the last dim
+of a linear layer's (B, T, F) output, a LayerNorm's normalized dims; blocks and other modules use dim 1.
 
 Block convention: a module is a residual block when it has an nn.Module attribute named ``residual_branch`` or
 ``branch``; that attribute is the residual branch (the block output is then shortcut + branch). If the model has
@@ -20,19 +22,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from normlab.monitor.layers import supported_layers, unwrap_model
+from normlab.monitor.layers import input_channel_dims, layer_kind, supported_layers, unwrap_model
+from normlab.monitor.stats import channel_matrix
 
 __all__ = ["signal_propagation", "channel_signal_stats", "BRANCH_ATTRS"]
 
 BRANCH_ATTRS = ("residual_branch", "branch")
 
 
-def channel_signal_stats(x: Tensor) -> tuple[float, float]:
-    """(mean_c(mean(x_c)^2), mean_c(var(x_c))) with channels on dim 1; x (N, C, *) or (N, F)."""
+def channel_signal_stats(x: Tensor, channel_dim: int | tuple[int, ...] = 1) -> tuple[float, float]:
+    """(mean_c(mean(x_c)^2), mean_c(var(x_c))) with channels on ``channel_dim`` (dim 1: x (N, C, *) or (N, F);
+    several dims: their entries are the channels), moments over every other dim."""
     if x.dim() < 2:
         raise ValueError(f"channel_signal_stats: expected (N, C, *) with >= 2 dims, got {x.dim()}D")
-    x = x.detach().double()
-    xc = x.movedim(1, 0).reshape(x.shape[1], -1)
+    xc = channel_matrix(x.detach().double(), channel_dim, "channel_signal_stats")
     mean = xc.mean(dim=1)
     var = xc.var(dim=1, unbiased=False)
     return float(mean.square().mean()), float(var.mean())
@@ -100,9 +103,12 @@ def signal_propagation(
     handles = []
 
     def out_hook(name: str, mod: nn.Module):
+        kind = layer_kind(mod) if mode != "blocks" else None
+
         def hook(_m, _args, out):
             if isinstance(out, Tensor) and out.dim() >= 2 and name not in entries:
-                sq, var = channel_signal_stats(out)
+                dims = input_channel_dims(mod, kind, out) if kind is not None else None
+                sq, var = channel_signal_stats(out, dims or 1)
                 entries[name] = {"name": name, "type": type(mod).__name__, "avg_sq_mean": sq, "avg_var": var,
                                  "residual_var": None}
         return hook

@@ -1,7 +1,9 @@
 """Pure statistics of variance transmission (docs/design.md section 2, PWS paper section 3).
 
 Notation for a conv/linear layer l with weight W of shape (N_l, C_in/groups, *k) (Linear: (N_l, n_l)):
-filter o is the row ``W[o]``, ``n_l = fan_in = W[o].numel()``. All variances are biased (population) variances.
+filter o is the row ``W[o]``, ``n_l = fan_in = W[o].numel()``. Weights of other layouts (a transposed conv's
+(C_in, C_out/groups, *k), transformers' Conv1D (in, out)) are first brought to this one by
+:func:`normlab.monitor.layers.filter_kernel`. All variances are biased (population) variances.
 
 For i.i.d. input X (mean E[X], variance Var[X]) the output variance decomposes as::
 
@@ -17,6 +19,7 @@ never builds an autograd graph.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -31,8 +34,12 @@ __all__ = [
     "filter_mean_update",
     "input_ratio",
     "channel_input_ratio",
+    "live_channel_input_ratio",
+    "channel_ratio_summary",
+    "masked_summary",
     "output_variance",
     "channel_moments",
+    "channel_matrix",
     "variance_terms",
 ]
 
@@ -121,19 +128,102 @@ def input_ratio(x: Tensor) -> Tensor:
     return x.mean().square() / x.square().mean()
 
 
-def channel_moments(x: Tensor, channel_dim: int = 1) -> tuple[Tensor, Tensor]:
-    """Per-channel mean and E[X^2] over every other dim. x (N, C, *) -> two (C,) tensors (channel_dim=1)."""
-    x = _as_float(x)
-    if x.dim() < 2:
-        raise ValueError(f"channel_moments: expected an input with a batch and a channel dim, got {x.dim()}D")
-    xc = x.movedim(channel_dim, 0).reshape(x.shape[channel_dim], -1)
+def _channel_dims(channel_dim: int | Sequence[int], ndim: int, fn: str) -> tuple[int, ...]:
+    dims = (channel_dim,) if isinstance(channel_dim, int) else tuple(channel_dim)
+    if not dims or any(not -ndim <= d < ndim for d in dims):
+        raise ValueError(f"{fn}: channel_dim must name dims of a {ndim}D input, got {channel_dim!r}")
+    dims = tuple(d % ndim for d in dims)
+    if len(set(dims)) != len(dims) or len(dims) == ndim:
+        raise ValueError(
+            f"{fn}: channel_dim must name distinct dims and leave one to average over, got {channel_dim!r}")
+    return dims
+
+
+def channel_moments(x: Tensor, channel_dim: int | Sequence[int] = 1) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and E[X^2] over every other dim. x (N, C, *) -> two (C,) tensors (channel_dim=1).
+
+    ``channel_dim`` may be several dims (a LayerNorm's normalized dims): their entries, flattened in that order, are
+    the channels. x (B, T, C) with ``channel_dim=-1`` -> (C,) moments over the B*T positions.
+    """
+    xc = channel_matrix(x, channel_dim, "channel_moments")
     return xc.mean(dim=1), xc.square().mean(dim=1)
 
 
-def channel_input_ratio(x: Tensor, channel_dim: int = 1) -> Tensor:
-    """Per-channel E_c^2[X] / E_c[X^2] (moments over batch and spatial dims). (N, C, *) -> (C,)."""
+def channel_matrix(x: Tensor, channel_dim: int | Sequence[int] = 1, fn: str = "channel_matrix") -> Tensor:
+    """x as a (C, M) matrix: one row per channel (the entries of ``channel_dim``, flattened in order), its M values
+    over every other dim in the columns. Detached, float32 (float64 kept)."""
+    x = _as_float(x)
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: expected an input with a batch and a channel dim, got {x.dim()}D")
+    dims = _channel_dims(channel_dim, x.dim(), fn)
+    rest = [d for d in range(x.dim()) if d not in dims]
+    return x.permute(*dims, *rest).reshape(math.prod(x.shape[d] for d in dims), -1)
+
+
+def channel_input_ratio(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Tensor:
+    """Per-channel E_c^2[X] / E_c[X^2] (moments over batch and spatial dims). (N, C, *) -> (C,).
+
+    A dead channel (E_c[X^2] = 0: a dead ReLU, a dropped or pruned channel) has no ratio: nan there (0/0);
+    :func:`live_channel_input_ratio` leaves such channels out.
+    """
     mean, sq = channel_moments(x, channel_dim)
     return mean.square() / sq
+
+
+def live_channel_input_ratio(x: Tensor, channel_dim: int | Sequence[int] = 1) -> tuple[Tensor, Tensor]:
+    r"""Per-channel input ratio of the live channels, and the number of dead ones.
+
+    .. math::
+        r_c = \frac{E_c^2[X]}{E_c[X^2]} \quad \text{for every channel } c \text{ with } E_c[X^2] > 0
+
+    A channel with E_c[X^2] = 0 is dead (all its entries are 0) and is excluded: it has no ratio.
+
+    Args:
+        x: input (N, C, *) or any shape with the channels on ``channel_dim``.
+        channel_dim: the channel dim, or several dims (flattened in order) whose entries are the channels.
+
+    Shape:
+        x (N, C, *) -> ratios (C_live,), dead () (int64), C_live + dead = C.
+
+    Example::
+
+        >>> x = torch.tensor([[1.0, 0.0, 2.0], [3.0, 0.0, 2.0]])  # channel 1 is dead
+        >>> ratio, dead = live_channel_input_ratio(x)
+        >>> ratio, int(dead)
+        (tensor([0.8000, 1.0000]), 1)
+    """
+    mean, sq = channel_moments(x, channel_dim)
+    live = sq != 0
+    return mean[live].square() / sq[live], (~live).sum()
+
+
+def masked_summary(values: Tensor, keep: Tensor) -> Tensor:
+    """(mean, min, max) of ``values[keep]`` as a (3,) tensor, nan when nothing is kept.
+
+    Computed without reading values back to the host (no boolean indexing), so a monitor can stack many summaries
+    and read them in one transfer. values, keep (K,) -> (3,).
+    """
+    n = keep.sum()
+    nan = torch.full_like(values[0], float("nan"))
+    inf = torch.full_like(values[0], float("inf"))
+    avg = torch.where(keep, values, 0.0).sum() / n.clamp(min=1)
+    low = torch.where(keep, values, inf).min()
+    high = torch.where(keep, values, -inf).max()
+    return torch.where(n > 0, torch.stack([avg, low, high]), nan)
+
+
+def channel_ratio_summary(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Tensor:
+    """``[mean, min, max, dead, channels]``: the summary of :func:`live_channel_input_ratio` over the live channels,
+    the number of dead channels (E_c[X^2] = 0) and of all channels. x (N, C, *) -> (5,).
+
+    The first three are nan when every channel is dead; a non-finite input still gives non-finite values (a nan
+    channel is not dead).
+    """
+    mean, sq = channel_moments(x, channel_dim)
+    live = sq != 0
+    r = mean.square() / torch.where(live, sq, torch.ones_like(sq))
+    counts = torch.stack([(~live).sum().to(r.dtype), torch.full_like(r[0], r.numel())])
+    return torch.cat([masked_summary(r, live), counts])
 
 
 def output_variance(y: Tensor) -> Tensor:
