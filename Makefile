@@ -33,12 +33,14 @@ setup-extras: $(VENV)/.extras
 lint: setup
 	$(VENV)/bin/ruff check normlab tests benchmarks scripts
 
-# The API reference, warnings as errors (-E: every page is read again, so no warning hides in a cached page).
+# The API reference, warnings as errors (-E: every page is read again, so no warning hides in a cached page);
+# docs/_build is git-ignored.
 docs: setup-extras
 	OMP_NUM_THREADS=1 $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
 
+# tests/test_docs_build.py checks the build `make docs` made (NORMLAB_DOCS_HTML) instead of building it again.
 test: setup-extras lint docs
-	NORMLAB_REQUIRE_EXTRAS=1 $(PY) -m pytest -q
+	NORMLAB_REQUIRE_EXTRAS=1 NORMLAB_DOCS_HTML=docs/_build/html $(PY) -m pytest -q
 
 demo: setup
 	$(VENV)/bin/normlab demo --out runs/demo
