@@ -77,7 +77,8 @@ def test_every_public_name_is_on_an_api_page(built):
 
 
 def test_the_markdown_pages_and_the_readme_are_built(built):
-    for page in ("readme", "design", "gradients", "capsules", "reproduction", "benchmarks", "contributing"):
+    pages = ("readme", "design", "gradients", "capsules", "reproduction", "benchmarks", "contributing", "changelog")
+    for page in pages:
         assert (built / f"{page}.html").is_file(), page
     readme = (built / "readme.html").read_text()
     # the README's links to docs/*.md, CONTRIBUTING.md and benchmarks/RESULTS.md lead to the built pages
