@@ -160,4 +160,5 @@ def test_the_workarounds_in_conf_py_cover_exactly_the_known_docstring_problems(t
                   if not ref and (m := re.search(r"docstring of (\S+?):\d*:", w))}
     assert seen_fixes == fixes, f"DOCSTRING_FIXES to add: {seen_fixes - fixes}, to remove: {fixes - seen_fixes}"
     assert seen_refs == refs, f"PRIVATE_REFERENCES to add: {seen_refs - refs}, to remove: {refs - seen_refs}"
-    assert len(warnings) == len(proc.stderr.strip().splitlines()), proc.stderr  # nothing else went wrong
+    others = [w for w, ref in zip(warnings, refs_seen) if not ref and "docstring of" not in w]
+    assert not others, others  # nothing else fails without the workarounds
