@@ -6,12 +6,12 @@ PY := $(VENV)/bin/python
 TORCH_PIN ?= torch==2.13.0
 # `make test` also installs and tests the optional integrations; `make demo` needs only the core (and mnist1d).
 # The pin in the same pip command keeps pip from replacing torch.
-EXTRAS ?= ray,tensorboard,lightning,onnx,timm,models
+EXTRAS ?= ray,tensorboard,lightning,onnx,timm,models,docs
 # torchvision's wheel for this torch, without its dependencies (its own would pull a CUDA torch); only its Python
 # parts are used (tests/torchvision_cpu.py).
 TORCHVISION_PIN ?= torchvision==0.28.0
 
-.PHONY: setup setup-extras test lint demo bench clean
+.PHONY: setup setup-extras test lint docs demo bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,8 +33,14 @@ setup-extras: $(VENV)/.extras
 lint: setup
 	$(VENV)/bin/ruff check normlab tests benchmarks scripts
 
-test: setup-extras lint
-	NORMLAB_REQUIRE_EXTRAS=1 $(PY) -m pytest -q
+# The API reference, warnings as errors (-E: every page is read again, so no warning hides in a cached page);
+# docs/_build is git-ignored.
+docs: setup-extras
+	OMP_NUM_THREADS=1 $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
+
+# tests/test_docs_build.py checks the build `make docs` made (NORMLAB_DOCS_HTML) instead of building it again.
+test: setup-extras lint docs
+	NORMLAB_REQUIRE_EXTRAS=1 NORMLAB_DOCS_HTML=docs/_build/html $(PY) -m pytest -q
 
 demo: setup
 	$(VENV)/bin/normlab demo --out runs/demo
@@ -43,4 +49,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build build dist

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from normlab import __version__
 from normlab.runner.errors import RunnerError, error_line
 
 from . import bench, capsules, compare, demo, export, monitor, report, train
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "normalizations (none, BN, BRN, GN, SN, WN, WS, PWS) across learning rates and batch sizes.",
         epilog="Start with `normlab demo`. `normlab <command> --help` for details.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for command in COMMANDS:
         command.add_parser(sub)
