@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -84,29 +85,12 @@ PRIVATE_REFERENCES = [
     ("py:mod", "normlab._dataflow"),  # convert.py module docstring: a private module
     ("py:func", "squash"),  # nn/capsules.py PrimaryCapsules: normlab.nn has no squash (normlab.functional.squash)
 ]
-# Invalid reStructuredText in docstrings: {defining object: [(text as written, text as it should be)]}. A bare
-# ``*`` (shape tuples such as (N, C, *)) opens emphasis; ``|s|`` is a substitution reference; an indented example
-# needs ``::`` before it (LITERAL_TO_END: the text from ``old`` to the end of the docstring is a literal block).
-_STAR = r"\*"
+# Invalid reStructuredText in docstrings: {defining object: [(text as written, text as it should be)]}.
+# ``|s|`` is a substitution reference; an indented example needs ``::`` before it (LITERAL_TO_END: the text from
+# ``old`` to the end of the docstring is a literal block).
 DOCSTRING_FIXES = {
-    "normlab.functional.batch_moments": [("(N, C, *)", f"(N, C, {_STAR})")],
-    "normlab.functional.instance_norm": [("x (N, C, *)", f"x (N, C, {_STAR})")],
-    "normlab.functional.batch_renorm": [("x (N, C, *)", f"x (N, C, {_STAR})")],
-    "normlab.functional.switchable_norm": [("x (N, C, *)", f"x (N, C, {_STAR})")],
-    "normlab.functional.standardize_weight": [("*kernel)", f"{_STAR}kernel)")],
-    "normlab.functional.pws_weight": [("*kernel)", f"{_STAR}kernel)")],
     "normlab.functional.squash": [("(|s|^2 of a float16\nvector overflows from |s| ~ 256)",
                                    "(``|s|^2`` of a float16\nvector overflows from ``|s| ~ 256``)")],
-    "normlab.monitor": [("\nfrom normlab.monitor import VarianceMonitor\n", "LITERAL_TO_END")],
-    "normlab.monitor.stats": [("*k) (Linear", f"{_STAR}k) (Linear")],
-    "normlab.monitor.stats.channel_input_ratio": [("(N, C, *)", f"(N, C, {_STAR})")],
-    "normlab.monitor.stats.channel_moments": [("(N, C, *)", f"(N, C, {_STAR})")],
-    "normlab.nn.batch_renorm.SyncBatchRenorm": [("(N, C, *) input", f"(N, C, {_STAR}) input"),
-                                                ("Input (N, C, *)", f"Input (N, C, {_STAR})")],
-    "normlab.nn.batch_renorm.SyncBatchRenorm.forward": [("(N, C, *)", f"(N, C, {_STAR})")],
-    "normlab.nn.registry.create_norm": [("*spatial)", f"{_STAR}spatial)")],
-    "normlab.nn.registry.create_conv": [("(N, in_channels, *spatial)", f"(N, in_channels, {_STAR}spatial)"),
-                                        ("(N, out_channels, *spatial')", f"(N, out_channels, {_STAR}spatial')")],
     "normlab.nn.capsules.margin_loss": [("capsule lengths |v_k|", "capsule lengths ``|v_k|``")],
 }
 STRICT = os.environ.get("NORMLAB_DOCS_STRICT") == "1"  # build without the workarounds above
@@ -123,8 +107,25 @@ def _qualified_name(obj) -> str | None:
     return f"{module}.{qualname}" if module and qualname else None
 
 
+# The shape notation of torch's docstrings, ``(N, C, *)``, ``(C_out, C_in/groups, *kernel)``: a ``*`` that opens
+# a shape entry (after "(", ", " or "x ") and ends it (before ")" or ",") means "any number of dims"; it is
+# escaped for reStructuredText (where it would open emphasis), outside ``literals`` and doctest lines. A convention
+# of the docstrings, applied in the strict build too.
+_SHAPE_STAR = re.compile(r"(?<=[(,\s])\*(?=[A-Za-z_0-9']*[),])")
+
+
+def _escape_shape_stars(lines: list[str]) -> None:
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith((">>>", "...")):
+            continue
+        parts = line.split("``")
+        lines[i] = "``".join(_SHAPE_STAR.sub(r"\\*", p) if k % 2 == 0 else p for k, p in enumerate(parts))
+
+
 def _fix_docstring(app, what, name, obj, options, lines):
-    """Apply DOCSTRING_FIXES to exactly the listed objects; an entry that no longer matches is a build warning."""
+    """Escape shape stars, then apply DOCSTRING_FIXES to exactly the listed objects; an entry that no longer
+    matches is a build warning."""
+    _escape_shape_stars(lines)
     if what == "data":  # a constant's docstring is its type's (tuple, dict): no documentation of the constant
         if lines and type(obj).__doc__ and "\n".join(lines).strip() == type(obj).__doc__.strip():
             lines.clear()

@@ -118,13 +118,13 @@ BROKEN = '''"""A module whose docstrings the build must refuse."""
 
 
 def shape(x):
-    """Per-channel mean of x (N, C, *) -> (C,); see :class:`NoSuchClass`."""
+    """Per-channel mean of x (N, C, *) -> (C,), *unclosed emphasis; see :class:`NoSuchClass`."""
 '''
 FIXED = '''"""A module whose docstrings build."""
 
 
 def shape(x):
-    """Per-channel mean of x ``(N, C, *)`` -> (C,); see :func:`shape`."""
+    """Per-channel mean of x (N, C, *) -> (C,) (a shape star is escaped by docs/conf.py); see :func:`shape`."""
 '''
 
 

@@ -1,4 +1,5 @@
-"""Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, collapse warning, plots.
+"""Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, collapse warning,
+rescue (:class:`CollapseGuard`), plots::
 
     from normlab.monitor import VarianceMonitor
     with VarianceMonitor(model, every=10) as mon:

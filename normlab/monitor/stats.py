@@ -3,7 +3,7 @@
 Notation for a conv/linear layer l with weight W of shape (N_l, C_in/groups, *k) (Linear: (N_l, n_l)):
 filter o is the row ``W[o]``, ``n_l = fan_in = W[o].numel()``. Weights of other layouts (a transposed conv's
 (C_in, C_out/groups, *k), transformers' Conv1D (in, out)) are first brought to this one by
-:func:`normlab.monitor.layers.filter_kernel`. All variances are biased (population) variances.
+:func:`normlab.monitor.filter_kernel`. All variances are biased (population) variances.
 
 For i.i.d. input X (mean E[X], variance Var[X]) the output variance decomposes as::
 
