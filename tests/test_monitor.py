@@ -951,3 +951,59 @@ def test_signal_propagation_takes_each_layers_channel_axes():
     assert e["avg_sq_mean"] == pytest.approx(feat.mean(0).square().mean().item(), rel=1e-6)
     assert e["avg_var"] == pytest.approx(feat.var(0, unbiased=False).mean().item(), rel=1e-6)
     assert channel_signal_stats(h, -1) == pytest.approx((e["avg_sq_mean"], e["avg_var"]), rel=1e-6)
+
+
+def _attached(seed=100):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def test_attached_to_the_optimizer_its_own_step_records_and_mon_step_does_not_step_twice():
+    x = torch.randn(16, 4)
+    ref, ref_opt = _attached()
+    detached = VarianceMonitor(ref, every=1)
+    a, opt_a = _attached()
+    mon_a = VarianceMonitor(a, every=1, optimizer=opt_a)
+    b, opt_b = _attached()
+    mon_b = VarianceMonitor(b, every=1, optimizer=opt_b)
+    for _ in range(3):
+        for model, opt in ((ref, ref_opt), (a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+        detached.step(ref_opt)
+        opt_a.step()  # the usual habit
+        mon_b.step(opt_b)  # the monitor's own call: the same single step
+    for p, q, r in zip(ref.parameters(), a.parameters(), b.parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r)
+    assert mon_a.current_step == mon_b.current_step == detached.current_step == 3
+
+    def strip(records):
+        return [{k: v for k, v in rec.items()} for rec in records]
+
+    assert strip(mon_a.records) == strip(detached.records) == strip(mon_b.records)
+    assert {r["step"] for r in mon_a.records} == {0, 1, 2} and "update_ratio_mean" in mon_a.records[0]
+
+
+def test_an_attached_monitor_detaches_on_close_and_refuses_a_non_optimizer():
+    model, opt = _attached()
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    mon.close()
+    model(torch.randn(16, 4)).sum().backward()
+    opt.step()
+    assert mon.current_step == 0 and mon.records == []
+    with pytest.raises(TypeError, match="VarianceMonitor: optimizer must be a torch.optim.Optimizer, got list"):
+        VarianceMonitor(model, optimizer=[])
+
+
+def test_a_step_the_grad_scaler_skips_is_not_counted_by_an_attached_monitor():
+    model, opt = _attached()
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu")
+    for poison in (False, True, False):
+        opt.zero_grad()
+        loss = model(torch.randn(16, 4)).square().mean() * (float("inf") if poison else 1.0)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert mon.current_step == 2 and {r["step"] for r in mon.records} == {0, 1}

@@ -175,6 +175,20 @@ class VarianceMonitor:
         tensorboard: a log directory or a ``SummaryWriter``: every recorded step is also written there
             (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
             writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
+        optimizer: attach to this optimizer: its own ``optimizer.step()`` then records (step hooks call
+            :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
+            needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
+            (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
+            optimizer step itself: do not call ``opt.step()`` as well) or ``before_update``/``after_update``.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mon = VarianceMonitor(model, every=1, optimizer=opt)
+        >>> model(torch.randn(16, 4)).square().mean().backward()
+        >>> opt.step()                       # records step 0 through the optimizer's hooks
+        >>> mon.current_step, sorted({r["layer"] for r in mon.records})
+        (1, ['0', '2'])
     """
 
     def __init__(
@@ -193,6 +207,7 @@ class VarianceMonitor:
         include_norm: bool = True,
         record_eval: bool = False,
         tensorboard: str | os.PathLike | object | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
@@ -237,7 +252,20 @@ class VarianceMonitor:
             from normlab.integrations.tensorboard import MonitorBoard
 
             self.tensorboard = MonitorBoard(tensorboard)
+        self.optimizer = None
+        self._optimizer_handles: list = []
+        if optimizer is not None:
+            self._attach(optimizer)
         self._sync_hooks()
+
+    def _attach(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"VarianceMonitor: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        self.optimizer = optimizer
+        self._optimizer_handles = [
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_update()),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_update(stepped=True)),
+        ]
 
     # ----------------------------------------------------------------- hooks
     @property
@@ -284,8 +312,11 @@ class VarianceMonitor:
         """Perform ``optimizer.step(closure)`` (if given) and advance the step counter.
 
         On a recording step, also snapshots the effective kernels before and after the optimizer step, writes
-        this step's records and runs the collapse check. Returns what ``optimizer.step`` returned.
+        this step's records and runs the collapse check. Returns what ``optimizer.step`` returned. For the optimizer
+        the monitor is attached to (``optimizer=``), this is exactly ``optimizer.step(closure)``: its hooks record.
         """
+        if optimizer is not None and optimizer is self.optimizer and not self.closed:
+            return optimizer.step(closure)
         self.before_update()
         result = optimizer.step(closure) if optimizer is not None else None
         self.after_update(stepped=optimizer is not None)
@@ -476,6 +507,9 @@ class VarianceMonitor:
         self.closed = True
         self._pending = {}
         self._remove_hooks()
+        for h in self._optimizer_handles:
+            h.remove()
+        self._optimizer_handles = []
         if self.tensorboard is not None:
             self.tensorboard.close()
 
