@@ -145,12 +145,16 @@ def _instance_can_sync() -> bool:
     return not torch.compiler.is_compiling() and not torch.jit.is_tracing()
 
 
-def _instance_stats_value(t: Tensor, where: str) -> Tensor:
-    """``t`` (detached statistics) without torch.func's grad wrappers, so that ``torch.func.grad`` can update the
-    running buffers it captures (as torch's InstanceNorm does). Under ``vmap`` the statistics differ per mapped
-    sample, so no single update exists: an error, as torch's BatchNorm/InstanceNorm give."""
+def _instance_stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
+    """``t`` (detached statistics) at the functorch level of the running ``buffer`` it will be written into: the
+    grad wrappers of ``torch.func.grad`` are peeled (it then updates the buffers it captures, as torch's
+    InstanceNorm does). Under ``vmap`` of a plain buffer the statistics differ per mapped sample, so no single
+    update exists: an error, as torch's BatchNorm/InstanceNorm give (buffers batched by ensembling are updated)."""
     ft = torch._C._functorch
-    while not torch.compiler.is_compiling() and ft.is_functorch_wrapped_tensor(t):
+    if torch.compiler.is_compiling():
+        return t
+    floor = ft.maybe_get_level(buffer) if ft.is_functorch_wrapped_tensor(buffer) else -1
+    while ft.is_functorch_wrapped_tensor(t) and ft.maybe_get_level(t) > floor:
         if ft.is_batchedtensor(t):
             raise RuntimeError(
                 f"{where}: under torch.func.vmap a training step would update running_mean/running_var from "
@@ -166,15 +170,19 @@ def _instance_stats_value(t: Tensor, where: str) -> Tensor:
 def _instance_guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor) -> None:
     """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else unchanged: tensor ops only (no host
     synchronisation or data-dependent branch, so torch.compile and torch.export protect the buffers as eager does)."""
-    news = [torch.where(finite, new.to(buf.dtype), buf) for buf, new in zip(buffers, values)]
-    with _instance_outside_transforms():  # torch.func.grad refuses writes to captured tensors; these are plain
-        for buf, new in zip(buffers, news):
+    for buf, new in zip(buffers, values):
+        new = torch.where(finite, new.to(buf.dtype), buf)
+        with _instance_outside_transforms(buf, new):
             buf.copy_(new)
 
 
-def _instance_outside_transforms():
-    """A context without torch.func's transforms (for writes of plain values into plain buffers), or a no-op."""
+def _instance_outside_transforms(buf: Tensor, new: Tensor):
+    """A context without torch.func's transforms for writing a plain value into a plain buffer (torch.func.grad
+    refuses writes to captured tensors), else a no-op."""
+    ft = torch._C._functorch
     if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return contextlib.nullcontext()
+    if ft.is_functorch_wrapped_tensor(buf) or ft.is_batchedtensor(new):  # batched buffers (ensembling): vmap writes
         return contextlib.nullcontext()
     return torch._C._DisableFuncTorch()
 
@@ -478,7 +486,7 @@ def _sn_update_running(running_mean, running_var, batch, momentum: float, using_
     average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
     whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
-    mean_bn, var_bn = (_instance_stats_value(t.detach(), where).reshape(c) for t in batch)
+    mean_bn, var_bn = (_instance_stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
     finite = torch.isfinite(mean_bn).all() & torch.isfinite(var_bn).all()
     if using_moving_average:
         new_mean = running_mean * momentum + (1 - momentum) * mean_bn.to(running_mean)

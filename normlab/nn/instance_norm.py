@@ -180,8 +180,8 @@ class _InstanceNorm(Float32StatsModule):
         name = type(self).__name__
         dims = tuple(range(2, x.dim()))
         mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
-        batch_mean = NF._instance_stats_value(mean.mean(0), name)
-        batch_var = NF._instance_stats_value(var.mean(0), name)
+        batch_mean = NF._instance_stats_value(mean.mean(0), self.running_mean, name)
+        batch_var = NF._instance_stats_value(var.mean(0), self.running_var, name)
         finite = torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
         count = self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype)
         if self.momentum is None:
