@@ -153,15 +153,16 @@ def test_inplace_ops_under_bf16_autocast(name, train):
 @ALL
 @MODES
 def test_func_grad_equals_autograd(spec, train):
-    m, ref = _pair(spec, train)
-    x = spec.input()
-    params = {k: p.detach() for k, p in m.named_parameters()}
-    found = grad(lambda p, xx: _loss(functional_call(m, p, (xx,))), argnums=(0, 1))(params, x)
-    _, gx, grads = _plain_step(ref, x)
-    torch.testing.assert_close(found[1], gx)
-    for k in grads:
-        torch.testing.assert_close(found[0][k], grads[k])
-    _assert_state_equal(m, ref)  # the running statistics are updated as by a plain step
+    for layout in spec.layouts():
+        m, ref = _pair(spec, train)
+        x = spec.input(layout=layout)
+        params = {k: p.detach() for k, p in m.named_parameters()}
+        found = grad(lambda p, xx, m=m: _loss(functional_call(m, p, (xx,))), argnums=(0, 1))(params, x)
+        _, gx, grads = _plain_step(ref, x)
+        torch.testing.assert_close(found[1], gx)
+        for k in grads:
+            torch.testing.assert_close(found[0][k], grads[k])
+        _assert_state_equal(m, ref)  # the running statistics are updated as by a plain step
 
 
 @ALL
@@ -219,16 +220,17 @@ def test_functional_call_ensembling(spec, train):
 @MODES
 @pytest.mark.parametrize("reentrant", [False, True], ids=["nonreentrant", "reentrant"])
 def test_checkpoint_equals_plain(spec, train, reentrant):
-    m, ref = _pair(spec, train)
-    x = spec.input().requires_grad_(True)
-    y = checkpoint(m, x, use_reentrant=reentrant)
-    _loss(y).backward()
-    yr, gx, grads = _plain_step(ref, x)
-    torch.testing.assert_close(y, yr)
-    torch.testing.assert_close(x.grad, gx)
-    for k in grads:
-        torch.testing.assert_close(_grads(m)[k], grads[k])
-    _assert_state_equal(m, ref)
+    for layout in spec.layouts():
+        m, ref = _pair(spec, train)
+        x = spec.input(layout=layout).requires_grad_(True)
+        y = checkpoint(m, x, use_reentrant=reentrant)
+        _loss(y).backward()
+        yr, gx, grads = _plain_step(ref, x)
+        torch.testing.assert_close(y, yr)
+        torch.testing.assert_close(x.grad, gx)
+        for k in grads:
+            torch.testing.assert_close(_grads(m)[k], grads[k])
+        _assert_state_equal(m, ref)  # updated once, as by one plain forward
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])
