@@ -52,6 +52,8 @@ def _specs():
     for d in (1, 2, 3):
         sn = getattr(L, f"SwitchableNorm{d}d")
         out.append(Spec(f"SN{d}d", lambda sn=sn: sn(3), SHAPES[d], running=True, norm=True))
+        if d == 2:  # IN and LN statistics only: no running statistics, per-sample grads in training too
+            out.append(Spec("SN2d-nobn", lambda: L.SwitchableNorm2d(3, using_bn=False), SHAPES[2], norm=True))
         inorm = getattr(L, f"InstanceNorm{d}d")
         for track in (False, True):
             for affine in (False, True):
@@ -423,3 +425,25 @@ def test_deepcopy_equals_original(spec, train):
     twin = copy.deepcopy(m)
     torch.testing.assert_close(twin(x), m(x))
     _assert_state_equal(twin, m)
+
+
+@pytest.mark.parametrize("to", ["sn", "in"])
+@pytest.mark.parametrize("source", ["torchvision", "timm"])
+def test_converted_resnet_trains_with_its_inplace_ops(source, to, one_thread):
+    """torchvision/timm ResNets do ``out += identity`` and ReLU(inplace=True) on the norm outputs."""
+    from normlab.convert import convert_norm
+
+    torch.manual_seed(0)
+    if source == "torchvision":
+        import torchvision
+
+        model = torchvision.models.resnet18(num_classes=4)
+    else:
+        import timm
+
+        model = timm.create_model("resnet10t", pretrained=False, num_classes=4)
+    model = convert_norm(model, to)
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    x = torch.randn(2, 3, 40, 40)  # 2 x 2 in the last stage
+    model(x).square().sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
