@@ -259,10 +259,9 @@ def test_checkpoint_pws_init_alpha_and_weight_cache(d, reentrant):
 # ------------------------------------------------------------------------------------------------------------------
 # 4. torch.compile (fullgraph): outputs, gradients and running statistics equal eager; a NaN batch is kept out
 # ------------------------------------------------------------------------------------------------------------------
-COMPILED = [
-    ("SN1d", True), ("SN2d", True), ("SN3d", True), ("SN2d", False), ("IN1d-track1-affine1", True),
-    ("IN3d-track1-affine0", False), ("IN2d-track0-affine1", True), ("IN3d-cumulative", True), ("PWSConv2d", True),
-    ("WSConv3d", False), ("PrimaryCapsules", False), ("RoutingCapsules", True),
+COMPILED = [  # a few compiles (each costs seconds); the inductor case below is SN2d train channels_last
+    ("SN1d", True), ("SN3d", True), ("SN2d", False), ("IN3d-cumulative", True), ("IN3d-track1-affine0", False),
+    ("IN2d-track0-affine1", True), ("PWSConv2d", True), ("RoutingCapsules", True),
 ]
 
 
