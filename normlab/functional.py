@@ -487,10 +487,10 @@ def _sn_update_running(running_mean, running_var, batch, momentum: float, using_
     whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
     mean_bn, var_bn = (_instance_stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
-    finite = torch.isfinite(mean_bn).all() & torch.isfinite(var_bn).all()
-    if using_moving_average:
-        new_mean = running_mean * momentum + (1 - momentum) * mean_bn.to(running_mean)
-        new_var = running_var * momentum + (1 - momentum) * var_bn.to(running_var)
+    finite = torch.isfinite(torch.cat([mean_bn, var_bn])).all()
+    if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
+        new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
+        new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)
     else:
         new_mean = running_mean + mean_bn.to(running_mean)
         new_var = running_var + (mean_bn.square() + var_bn).to(running_var)
@@ -636,12 +636,15 @@ class _SwitchableNormFn(torch.autograd.Function):
         y = _instance_affine(xs, scale, shift, layout).to(x.dtype)
         if bn_stats is not None:
             return y, None, None
-        batch = (parts[0][2].detach().clone(), parts[1][2].detach().clone())
+        batch = (parts[0][2], parts[1][2])
         ctx.mark_non_differentiable(*batch)
+        ctx.set_materialize_grads(False)  # no zero gradients built for the statistics
         return (y,) + batch
 
     @staticmethod
     def backward(ctx, grad, *_batch_stats):
+        if grad is None:  # only the (non-differentiable) statistics were differentiated
+            return (None,) * 8
         if torch.is_grad_enabled():
             return _switchable_double_backward(ctx, grad)
         x, mean_weight, var_weight, weight, bias = ctx.saved_tensors[:5]

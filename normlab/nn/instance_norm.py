@@ -168,7 +168,7 @@ class _InstanceNorm(Float32StatsModule):
             warnings.warn(
                 f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
 
     @torch.no_grad()
