@@ -392,6 +392,12 @@ def test_meta_device_then_to_empty_and_reset_parameters(spec, train):
     _assert_state_equal(m, spec.make())  # the constructor's initialisation, from the same random stream
 
 
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), True])
+def test_routing_capsules_init_std_checked(bad):
+    with pytest.raises(ValueError, match="RoutingCapsules: init_std"):
+        L.RoutingCapsules(6, 4, 3, 5, init_std=bad)
+
+
 def test_meta_device_pws_init_alpha_and_tracking_instance_norm():
     with torch.device("meta"):
         conv = L.PWSConv2d(3, 4, 3, init_alpha=True)
