@@ -9,6 +9,7 @@ Shapes use N = batch, C = channels, ``*`` = any number of spatial dimensions.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 
@@ -131,6 +132,59 @@ def instance_norm(
         if bias is not None:
             y = y + bias.reshape(shape).to(y.dtype)
     return y.to(x.dtype)
+
+
+def _instance_recomputing() -> bool:
+    """True while autograd runs a backward pass: a forward then is activation checkpointing's recomputation
+    (``torch.utils.checkpoint``, reentrant or not), which must not update the running statistics a second time."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def _instance_can_sync() -> bool:
+    """True when a host synchronisation is allowed (eager, not torch.compile / torch.export / jit.trace)."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+
+
+def _instance_stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
+    """``t`` (detached statistics) at the functorch level of the running ``buffer`` it will be written into: the
+    grad wrappers of ``torch.func.grad`` are peeled (it then updates the buffers it captures, as torch's
+    InstanceNorm does). Under ``vmap`` of a plain buffer the statistics differ per mapped sample, so no single
+    update exists: an error, as torch's BatchNorm/InstanceNorm give (buffers batched by ensembling are updated)."""
+    ft = torch._C._functorch
+    if torch.compiler.is_compiling():
+        return t
+    floor = ft.maybe_get_level(buffer) if ft.is_functorch_wrapped_tensor(buffer) else -1
+    while ft.is_functorch_wrapped_tensor(t) and ft.maybe_get_level(t) > floor:
+        if ft.is_batchedtensor(t):
+            raise RuntimeError(
+                f"{where}: under torch.func.vmap a training step would update running_mean/running_var from "
+                "per-sample batches; call .eval() (running statistics) or disable the running statistics"
+            )
+        if not ft.is_gradtrackingtensor(t):
+            break
+        t = ft.get_unwrapped(t)
+    return t
+
+
+@torch.no_grad()
+def _instance_guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor) -> None:
+    """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else unchanged: tensor ops only (no host
+    synchronisation or data-dependent branch, so torch.compile and torch.export protect the buffers as eager does)."""
+    for buf, new in zip(buffers, values):
+        new = torch.where(finite, new.to(buf.dtype), buf)
+        with _instance_outside_transforms(buf, new):
+            buf.copy_(new)
+
+
+def _instance_outside_transforms(buf: Tensor, new: Tensor):
+    """A context without torch.func's transforms for writing a plain value into a plain buffer (torch.func.grad
+    refuses writes to captured tensors), else a no-op."""
+    ft = torch._C._functorch
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return contextlib.nullcontext()
+    if ft.is_functorch_wrapped_tensor(buf) or ft.is_batchedtensor(new):  # batched buffers (ensembling): vmap writes
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -368,7 +422,7 @@ def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor,
         variances.append(bn_stats[1])
     mw = torch.softmax(mean_weight.to(mu.dtype), 0)
     vw = torch.softmax(var_weight.to(mu.dtype), 0)
-    if torch.is_grad_enabled() or mw.device.type != "cpu":  # differentiable (composite path) / no host sync
+    if torch.is_grad_enabled() or mw.device.type != "cpu" or not _sn_fused_ok(mu):  # differentiable / traceable
         mean = sum(w * m for w, m in zip(mw, means))
         var = sum(w * v for w, v in zip(vw, variances))
     else:  # inside the fused Function: the same sums with Python-float weights (fewer dispatched ops)
@@ -426,17 +480,22 @@ def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
 
 
 @torch.no_grad()
-def _sn_update_running(running_mean, running_var, batch, momentum: float, using_moving_average: bool) -> None:
+def _sn_update_running(running_mean, running_var, batch, momentum: float, using_moving_average: bool,
+                       where: str = "switchable_norm") -> Tensor:
     """Official convention: ``running = momentum * running + (1 - momentum) * batch`` (or sums without moving
-    average: batch means and E[x^2])."""
+    average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
+    whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
-    mean_bn, var_bn = (t.detach().reshape(c) for t in batch)
-    if using_moving_average:
-        running_mean.mul_(momentum).add_((1 - momentum) * mean_bn.to(running_mean))
-        running_var.mul_(momentum).add_((1 - momentum) * var_bn.to(running_var))
+    mean_bn, var_bn = (_instance_stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
+    finite = torch.isfinite(torch.cat([mean_bn, var_bn])).all()
+    if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
+        new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
+        new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)
     else:
-        running_mean.add_(mean_bn.to(running_mean))
-        running_var.add_((mean_bn.square() + var_bn).to(running_var))
+        new_mean = running_mean + mean_bn.to(running_mean)
+        new_var = running_var + (mean_bn.square() + var_bn).to(running_var)
+    _instance_guarded_update((running_mean, running_var), (new_mean, new_var), finite)
+    return finite
 
 
 def _sn_bn_stats(using_bn, training, running_mean, running_var, c: int, dtype):
@@ -520,13 +579,15 @@ def _instance_affine(x: Tensor, scale: Tensor, shift: Tensor, layout: str) -> Te
     """``x * scale + shift`` with (N, C) coefficients, in x's memory format (CPU rows: BatchNorm's normalize
     kernel on the (1, N*C, L) view, with running_var 1 and eps 0 it is exactly this affine)."""
     n, c = x.shape[:2]
-    if layout == "rows":
+    if layout == "rows":  # written through a (1, N*C, L) view into y, which is returned: y is not a view
         zeros = torch.zeros(n * c, dtype=scale.dtype)
         ones = torch.ones(n * c, dtype=scale.dtype)
-        y = torch.native_batch_norm(
-            x.reshape(1, n * c, -1), scale.reshape(-1), shift.reshape(-1), zeros, ones, False, 0.0, 0.0
-        )[0]
-        return y.reshape(x.shape)
+        y, flat, unused = torch.empty_like(x), (1, n * c, -1), scale.new_empty(0)
+        torch.ops.aten.native_batch_norm.out(
+            x.view(flat), scale.reshape(-1), shift.reshape(-1), zeros, ones, False, 0.0, 0.0,
+            out=y.view(flat), save_mean=unused, save_invstd=unused,
+        )
+        return y
     shape = (n, c) + (1,) * (x.dim() - 2)
     return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
 
@@ -551,12 +612,14 @@ class _SwitchableNormFn(torch.autograd.Function):
         (dL/dmu, dL/dvar_in, dL/dlogits) = _sn_mix_backward(dL/dmean, dL/dvar)
         dL/dx = g * scale + dL/dmu / S + dL/dvar_in * 2 (x - mu) / (S - 1)        (one pass)
 
-    Double backward (``create_graph=True``) differentiates the composite formula instead.
+    Double backward (``create_graph=True``) differentiates the composite formula instead. Outputs: y (never a
+    view, so in-place ops on it work) and, with batch BN statistics, their (1, C) mean and variance (no gradient;
+    the caller updates the running statistics with them), else two None.
     """
 
     @staticmethod
     def forward(ctx, x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg):
-        eps, using_bn, running, momentum, moving = cfg
+        eps, using_bn = cfg
         xs, layout = _stats_dtype(x), _instance_layout(x)
         mu, var = _instance_stats(xs, layout)
         count = x[0, 0].numel()
@@ -564,18 +627,24 @@ class _SwitchableNormFn(torch.autograd.Function):
         mean, var_mix, parts = _sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
         s = torch.rsqrt(var_mix.add_(eps))
         scale = s if weight is None else s * weight.to(xs.dtype)
-        if running is not None and bn_stats is None:
-            _sn_update_running(*running, (parts[0][2], parts[1][2]), momentum, moving)
         shift = torch.mul(mean, scale).neg_()
         if bias is not None:
             shift = shift.add_(bias.to(xs.dtype))
         ctx.save_for_backward(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var)
         ctx.stats = (mean, s, scale, parts, bn_stats is None)
         ctx.cfg, ctx.layout = cfg, layout
-        return _instance_affine(xs, scale, shift, layout).to(x.dtype)
+        y = _instance_affine(xs, scale, shift, layout).to(x.dtype)
+        if bn_stats is not None:
+            return y, None, None
+        batch = (parts[0][2], parts[1][2])
+        ctx.mark_non_differentiable(*batch)
+        ctx.set_materialize_grads(False)  # no zero gradients built for the statistics
+        return (y,) + batch
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_batch_stats):
+        if grad is None:  # only the (non-differentiable) statistics were differentiated
+            return (None,) * 8
         if torch.is_grad_enabled():
             return _switchable_double_backward(ctx, grad)
         x, mean_weight, var_weight, weight, bias = ctx.saved_tensors[:5]
@@ -646,8 +715,12 @@ def switchable_norm(
 
     Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward
     (:class:`_SwitchableNormFn`): one statistics pass and one normalize pass forward, one reduction pass and one
-    final pass backward, BatchNorm's CPU kernels doing the passes. ``fused=False`` (and torch.compile) use the
-    composite formula from differentiable ops.
+    final pass backward, BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
+    ``relu_`` work). ``fused=False`` (and torch.compile/torch.export, jit.trace, torch.func transforms, the meta
+    device, empty inputs) use the composite formula from differentiable ops.
+
+    Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
+    compiled); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
 
     Shape:
         x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,); output: x's shape.
@@ -657,27 +730,49 @@ def switchable_norm(
         >>> switchable_norm(torch.randn(4, 8, 6, 6), logits, logits, training=True).shape
         torch.Size([4, 8, 6, 6])
     """
+    return _sn_forward(x, mean_weight, var_weight, weight, bias, running_mean, running_var, training, momentum, eps,
+                       using_bn, using_moving_average, fused)[0]
+
+
+def _sn_fused_ok(x: Tensor) -> bool:
+    """Whether :class:`_SwitchableNormFn` may run: eager on CPU/CUDA with a non-empty input. torch.compile,
+    torch.export, jit.trace, torch.func transforms, other devices (meta) and empty inputs take the composite path."""
+    return (
+        x.device.type in ("cpu", "cuda")
+        and x.numel() > 0
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+        and not torch._C._are_functorch_transforms_active()
+    )
+
+
+def _sn_forward(x, mean_weight, var_weight, weight, bias, running_mean, running_var, training, momentum, eps,
+                using_bn, using_moving_average, fused, where="switchable_norm"):
+    """:func:`switchable_norm`, returning ``(y, finite)``: ``finite`` is None without a running-statistics update
+    (eval, no BN, no buffers, an empty batch, checkpointing's recomputation), else a 0-dim bool tensor telling
+    whether the batch statistics were finite (if not, the buffers were left unchanged)."""
     if x.dim() < 3:
-        raise ValueError(f"switchable_norm: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
+        raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
     n, c = x.shape[:2]
     spatial = x.shape[2:].numel()
     if spatial < 2:
-        raise ValueError(
-            f"switchable_norm: instance statistics need more than 1 spatial value per channel, got {spatial}"
-        )
+        raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
     has_running = running_mean is not None and running_var is not None
-    running = (running_mean, running_var) if training and using_bn and has_running else None
+    update = training and using_bn and has_running and n > 0 and not _instance_recomputing()
     bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, c, _stats_dtype(x).dtype)
     if fused is None:
-        fused = _fused_device(x) and x.numel() > 0
-    if not fused:
+        fused = _sn_fused_ok(x)
+    if fused:
+        bn_mean, bn_var = bn_stats if isinstance(bn_stats, tuple) else (None, None)
+        y, *batch = _SwitchableNormFn.apply(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, (eps, using_bn))
+        batch = None if batch[0] is None else batch
+    else:
         y, batch = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
-        if running is not None and batch is not None:
-            _sn_update_running(*running, batch, momentum, using_moving_average)
-        return y.to(x.dtype)
-    bn_mean, bn_var = bn_stats if isinstance(bn_stats, tuple) else (None, None)
-    cfg = (eps, using_bn, running, momentum, using_moving_average)
-    return _SwitchableNormFn.apply(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg)
+        y = y.to(x.dtype)
+    finite = None
+    if update and batch is not None:
+        finite = _sn_update_running(running_mean, running_var, batch, momentum, using_moving_average, where)
+    return y, finite
 
 
 # --------------------------------------------------------------------------------------------------

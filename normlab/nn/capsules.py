@@ -15,6 +15,8 @@ default; with one iteration it changes nothing.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
@@ -91,6 +93,10 @@ class PrimaryCapsules(nn.Module):
         self.capsule_dim = capsule_dim
         self.conv = nn.Conv2d(in_channels, num_capsules * capsule_dim, kernel_size, stride=stride, padding=padding)
 
+    def reset_parameters(self) -> None:
+        """The conv's initialisation (``nn.Conv2d.reset_parameters``), e.g. after ``to_empty()``."""
+        self.conv.reset_parameters()
+
     def forward(self, x: Tensor) -> Tensor:
         if x.dim() != 4:
             raise ValueError(f"PrimaryCapsules: expected 4D input (N, C, H, W), got {x.dim()}D")
@@ -151,7 +157,16 @@ class RoutingCapsules(nn.Module):
         self.out_capsules, self.out_dim = out_capsules, out_dim
         self.iterations = iterations
         self.detach_inner = detach_inner
-        self.weight = nn.Parameter(torch.randn(in_capsules, out_capsules, out_dim, in_dim) * init_std)
+        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
+            raise ValueError(f"RoutingCapsules: init_std must be a finite number >= 0, got {init_std!r}")
+        self.init_std = float(init_std)
+        self.weight = nn.Parameter(torch.empty(in_capsules, out_capsules, out_dim, in_dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """``weight ~ N(0, init_std^2)``, the constructor's initialisation (e.g. after ``to_empty()``)."""
+        with torch.no_grad():
+            self.weight.normal_(0.0, 1.0).mul_(self.init_std)
 
     def predictions(self, u: Tensor) -> Tensor:
         """u (N, in_capsules, in_dim) -> u_hat (N, in_capsules, out_capsules, out_dim)."""

@@ -13,7 +13,8 @@ torch checkpoint loads unchanged. Differences from torch:
 - tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
 - with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
   silently skips the update) and ``num_batches_tracked`` counts the updates; running statistics stay float32 after
-  ``.half()``, and a non-finite batch leaves them unchanged (RuntimeWarning).
+  ``.half()``, and a non-finite batch leaves them unchanged (RuntimeWarning; also under torch.compile, with
+  tensor ops), as does an empty batch; activation checkpointing updates them once.
 """
 
 from __future__ import annotations
@@ -139,7 +140,7 @@ class _InstanceNorm(Float32StatsModule):
                     f"statistics, got input of shape {tuple(x.shape)}"
                 )
             if self.training and self.track_running_stats:
-                self._update_running_stats(x)
+                self._track(x)
             return self._normalize_with_instance_stats(x)
         return self._normalize_with_running_stats(x)
 
@@ -157,30 +158,42 @@ class _InstanceNorm(Float32StatsModule):
         y = F.group_norm(x.contiguous(), self.num_features, self.weight, self.bias, self.eps)
         return y.contiguous(memory_format=fmt)
 
-    @torch.no_grad()
-    def _update_running_stats(self, x: Tensor) -> None:
-        """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the
-        per-instance mean / unbiased variance (momentum=None: cumulative average). A non-finite batch leaves the
-        statistics unchanged and warns."""
-        dims = tuple(range(2, x.dim()))
-        mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
-        batch_mean, batch_var = mean.mean(0), var.mean(0)
-        if not torch.compiler.is_compiling() and not bool(
-            torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
-        ):
+    def _track(self, x: Tensor) -> None:
+        """Update the running statistics from a training batch (not an empty one, not again in checkpointing's
+        recomputation); warn (eager) when the batch statistics were not finite."""
+        if x.shape[0] == 0 or NF._instance_recomputing():
+            return
+        finite = self._update_running_stats(x)
+        if x.device.type != "meta" and NF._instance_can_sync() and not bool(finite):
             warnings.warn(
                 f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
                 RuntimeWarning,
                 stacklevel=3,
             )
-            return
-        self.num_batches_tracked.add_(1)
+
+    @torch.no_grad()
+    def _update_running_stats(self, x: Tensor) -> Tensor:
+        """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the
+        per-instance mean / unbiased variance (momentum=None: cumulative average). Tensor ops only (no host
+        synchronisation): a non-finite batch leaves the statistics and ``num_batches_tracked`` unchanged, also when
+        compiled. Returns whether the batch statistics were finite (0-dim bool tensor)."""
+        name = type(self).__name__
+        dims = tuple(range(2, x.dim()))
+        mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
+        batch_mean = NF._instance_stats_value(mean.mean(0), self.running_mean, name)
+        batch_var = NF._instance_stats_value(var.mean(0), self.running_var, name)
+        finite = torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
+        count = self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype)
         if self.momentum is None:
-            factor = 1.0 / float(self.num_batches_tracked)
+            factor = 1.0 / count.clamp_min(1).to(self.running_mean.dtype)
         else:
             factor = self.momentum
-        self.running_mean.lerp_(batch_mean.to(self.running_mean.dtype), factor)
-        self.running_var.lerp_(batch_var.to(self.running_var.dtype), factor)
+        new_mean = self.running_mean.lerp(batch_mean.to(self.running_mean.dtype), factor)
+        new_var = self.running_var.lerp(batch_var.to(self.running_var.dtype), factor)
+        NF._instance_guarded_update(
+            (self.running_mean, self.running_var, self.num_batches_tracked), (new_mean, new_var, count), finite
+        )
+        return finite
 
     def _normalize_with_running_stats(self, x: Tensor) -> Tensor:
         shape = (1, -1) + (1,) * (x.dim() - 2)

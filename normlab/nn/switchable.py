@@ -10,12 +10,13 @@ Momentum convention (differs from ``torch.nn.BatchNorm``!): ``momentum`` weighs 
 With ``using_moving_average=False`` the buffers accumulate sums of batch means and of E[x^2] instead (official
 behaviour; the caller is responsible for dividing by the number of batches before evaluation).
 
-A batch whose statistics are not finite leaves the running statistics unchanged and raises a RuntimeWarning.
+A batch whose statistics are not finite leaves the running statistics unchanged (also under torch.compile, with
+tensor ops) and raises a RuntimeWarning (eager); an empty batch returns an empty output and leaves them unchanged.
+Activation checkpointing updates them once (not again in the recomputation).
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
@@ -110,40 +111,18 @@ class _SwitchableNorm(Float32StatsModule):
                 f"{tuple(x.shape)}"
             )
 
-    def _running_stats_finite(self) -> bool:
-        """One fused check (a sum is non-finite if any entry is); entry by entry only if it fails or overflows."""
-        with torch.no_grad():
-            if math.isfinite(torch.add(self.running_mean, self.running_var).sum().item()):
-                return True
-            return bool(torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all())
-
     def forward(self, x: Tensor) -> Tensor:
         """x: (N, C, *spatial) -> same shape, dtype and memory format."""
         self._check_input(x)
-        update = self.training and self.using_bn
-        if update:
-            old = (self.running_mean.clone(), self.running_var.clone())
-        y = NF.switchable_norm(
-            x,
-            self.mean_weight,
-            self.var_weight,
-            self.weight,
-            self.bias,
-            self.running_mean,
-            self.running_var,
-            training=self.training,
-            momentum=self.momentum,
-            eps=self.eps,
-            using_bn=self.using_bn,
-            using_moving_average=self.using_moving_average,
+        name = type(self).__name__
+        y, finite = NF._sn_forward(
+            x, self.mean_weight, self.var_weight, self.weight, self.bias, self.running_mean, self.running_var,
+            training=self.training, momentum=self.momentum, eps=self.eps, using_bn=self.using_bn,
+            using_moving_average=self.using_moving_average, fused=None, where=name,
         )
-        if update and not torch.compiler.is_compiling() and not self._running_stats_finite():
-            with torch.no_grad():
-                self.running_mean.copy_(old[0])
-                self.running_var.copy_(old[1])
+        if finite is not None and x.device.type != "meta" and NF._instance_can_sync() and not bool(finite):
             warnings.warn(
-                f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
-                RuntimeWarning,
+                f"{name}: non-finite batch statistics; running statistics were not updated", RuntimeWarning,
                 stacklevel=2,
             )
         fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())

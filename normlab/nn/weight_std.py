@@ -241,21 +241,32 @@ class _PWSConvNd(_StdConvNd):
         return (self.gamma, self.relative_gamma, self.fan)
 
     def _before_forward(self, input: Tensor) -> None:
-        if self.training and self.init_alpha and not bool(self.alpha_initialized):
+        if not (self.training and self.init_alpha) or self.alpha_initialized.device.type == "meta":
+            return  # on the meta device there is no data to initialise from: the next real batch does it
+        if not bool(self.alpha_initialized):
             self._data_init_alpha(input)
 
     @torch.no_grad()
     def _data_init_alpha(self, input: Tensor) -> None:
-        """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance."""
+        """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance.
+
+        A batch that cannot define it (fewer than 2 outputs, a non-finite variance, or a degenerate one: at most
+        1e-8 of the input's E[x^2], e.g. an all-zero or constant batch) leaves alpha and ``alpha_initialized``
+        unchanged, so the next batch initialises alpha. Tensor ops only (no data-dependent branch)."""
         kernel = pws_weight(self.weight, None, self.gamma, self.relative_gamma, fan=self.fan)
         y = self._conv_forward(input, kernel, None).double()
-        stats = torch.stack([y.sum(), y.square().sum(), y.new_tensor(float(y.numel()))])
+        x_sq = input.detach().double().square()
+        stats = torch.stack([y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(),
+                             y.new_tensor(float(x_sq.numel()))])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
-        total, total_sq, count = stats
-        var = ((total_sq - total.square() / count) / (count - 1).clamp_min(1)).clamp_min(1e-12)
-        self.alpha.fill_(float(torch.sqrt(2.0 / var)))
-        self.alpha_initialized.fill_(True)
+        total, total_sq, count, input_sq, input_count = stats
+        var = (total_sq - total.square() / count.clamp_min(1)) / (count - 1).clamp_min(1)
+        scale = input_sq / input_count.clamp_min(1)  # E[x^2]: Var(y) is about 2 E[x^2] for a non-degenerate batch
+        valid = (count >= 2) & torch.isfinite(var) & (var > 0) & (var > 1e-8 * scale)
+        alpha = torch.sqrt(2.0 / torch.where(valid, var, torch.ones_like(var))).to(self.alpha.dtype)
+        self.alpha.copy_(torch.where(valid, alpha, self.alpha))
+        self.alpha_initialized.copy_(self.alpha_initialized | valid)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
