@@ -260,7 +260,9 @@ class VarianceMonitor:
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"VarianceMonitor: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise TypeError(
+                f"VarianceMonitor: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+            )
         self.optimizer = optimizer
         self._optimizer_handles = [
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_update()),
