@@ -32,6 +32,7 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
@@ -46,6 +47,11 @@ from ._float32_stats import Float32StatsModule
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._recompute)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
 def _is_number(value) -> bool:
@@ -253,7 +259,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             )
         if not input.is_floating_point():
             raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
-        if bn_training and local and input.numel() // self.num_features <= 1:
+        if bn_training and local and input.numel() // self.num_features == 1:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input shape "
                 f"{tuple(input.shape)}"
@@ -268,9 +274,11 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             step = self.num_batches_tracked if self.num_batches_tracked is not None else 0
         return self.schedule(step)
 
-    def _factor(self) -> float:
+    def _factor(self, plain: bool = True):
+        """The update factor: ``momentum``, or ``1 / num_batches_tracked`` (cumulative average) read as a number
+        eagerly and as a tensor under torch.compile / jit.trace / torch.func (no host synchronisation)."""
         if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
+            return 1.0 / float(self.num_batches_tracked) if plain else self.num_batches_tracked.reciprocal()
         return self.momentum
 
     def _updating(self) -> bool:
@@ -297,6 +305,16 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             self.num_batches_tracked.sub_(1)
         return True
 
+    def _restore_if_non_finite(self, prior) -> None:
+        """:meth:`_guard_failed` with tensor ops only (torch.compile, torch.export, jit.trace, torch.func): if the
+        update left non-finite running statistics, ``torch.where`` puts back ``prior`` and the step; nothing raises
+        and the host never waits for the device."""
+        with torch.no_grad():
+            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
+            self.running_mean.copy_(torch.where(finite, self.running_mean, prior[0]))
+            self.running_var.copy_(torch.where(finite, self.running_var, prior[1]))
+            self.num_batches_tracked.sub_((~finite).to(self.num_batches_tracked.dtype))
+
     def _non_finite_error(self) -> ValueError:
         return ValueError(
             f"{type(self).__name__}: non-finite batch statistics in training (NaN/inf in the input, or a variance "
@@ -309,34 +327,89 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
         use_running = not self.training or self.track_running_stats
-        running_mean = self.running_mean if use_running else None
-        running_var = self.running_var if use_running else None
-        if not self._updating():
+        if (bn_training and input.numel() == 0) or not self._updating():
+            # eval, no running statistics, or an empty batch (BatchNorm's empty output; unlike BatchNorm the step
+            # counter does not advance: no data, no step of the schedule)
             return NF.batch_renorm(
-                input, running_mean, running_var, self.weight, self.bias, bn_training,
-                0.0 if self.momentum is None else self.momentum, self.eps,
+                input, self.running_mean if use_running else None, self.running_var if use_running else None,
+                self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum, self.eps,
             )
-        rmax, dmax = self._step_limits(input)
-        prior = None
-        if self.check_finite:
-            with torch.no_grad():
-                prior = (self.running_mean.clone(), self.running_var.clone())
+        plain = NF._plain_eager(input)
+        if plain and torch._C._current_graph_task_id() != -1:  # inside a backward pass: a checkpoint recomputation
+            out = self._recompute(input)
+            if out is not None:
+                return out
+        rmax, dmax = self._step_limits(input, plain)
+        with torch.no_grad():
+            prior = (self.running_mean.clone(), self.running_var.clone())
         self.num_batches_tracked.add_(1)
-        out = NF._batch_renorm_step(
-            input, running_mean, running_var, self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
+        out, stats = NF._batch_renorm_step(
+            input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
+            rmax, dmax, prior,
         )
-        if self.check_finite and self._guard_failed(prior):
+        if plain:
+            self._remember(stats, prior, rmax, dmax)
+        if self.check_finite and plain and self._guard_failed(prior):
             raise self._non_finite_error()
+        if self.check_finite and not plain and input.device.type != "meta":
+            self._restore_if_non_finite(prior)
         return out
 
-    def _step_limits(self, input: Tensor):
+    # ------------------------------------------------------------------ activation checkpointing
+    def _remember(self, stats, prior, rmax, dmax) -> None:
+        """Keep what a recomputation of this training forward needs (see :meth:`_recompute`)."""
+        records = self.__dict__.setdefault("_recent_steps", collections.deque(maxlen=_RECORDS))
+        records.append((stats, prior, rmax, dmax))
+
+    def _recompute(self, input: Tensor) -> Tensor | None:
+        """Replay a recent training forward inside a backward pass (``torch.utils.checkpoint``, reentrant or not).
+
+        The rule: a training forward run while autograd executes a backward pass is a recomputation of one of the
+        last ``_RECORDS`` training forwards of this layer. Its batch statistics equal the original's bit for bit,
+        which picks the record (the latest with equal statistics; for identity limits, that keep no statistics, the
+        latest identity record). The step is replayed with that record's running statistics and limits on throwaway
+        copies: the output, r, d and so the gradients are the original forward's, and the running statistics and
+        ``num_batches_tracked`` are not updated a second time. Returns None when nothing matches (a genuine forward
+        inside a backward pass: it trains as usual).
+        """
+        records = self.__dict__.get("_recent_steps")
+        if not records:
+            return None
+        mean, var = NF._step_moments(input, self.running_mean, self.running_var)
+        found = None
+        for stats, prior, rmax, dmax in reversed(records):
+            if stats is None:
+                found = found or (prior, rmax, dmax)
+            elif _same(stats[0], mean) and _same(stats[1], var):
+                found = (prior, rmax, dmax)
+                break
+        if found is None:
+            return None
+        prior, rmax, dmax = found
+        with torch.no_grad():
+            scratch = (prior[0].clone(), prior[1].clone())
+        return NF._batch_renorm_step(
+            input, scratch[0], scratch[1], self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
+        )[0]
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_recent_steps", None)  # records live on the old device/dtype
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()  # pickling and deepcopy drop the records
+        state.pop("_recent_steps", None)
+        return state
+
+    def _step_limits(self, input: Tensor, plain: bool = True):
         """``(rmax, dmax)`` for this training batch. Eager on CPU the step is read as a Python int (no device
         synchronisation there), so the limits are numbers: cheaper arithmetic, and the warm-up is exactly BatchNorm's
-        own call. Elsewhere (CUDA, torch.compile) the schedule gets the step tensor and returns tensors."""
+        own call. Elsewhere (CUDA, torch.compile, jit.trace, torch.func) the schedule gets the step tensor and returns
+        tensors."""
         if self.schedule is None:
             return self.rmax, self.dmax
         step = self.num_batches_tracked
-        if input.device.type == "cpu" and step.device.type == "cpu" and not torch.compiler.is_compiling():
+        if plain and input.device.type == "cpu" and step.device.type == "cpu":
             step = int(step)
         return self.schedule(step)
 
