@@ -270,7 +270,7 @@ def _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, ep
         mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
         # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
         # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
-        invstd = var.double().add_(eps).rsqrt_().to(var.dtype)
+        invstd = var.double().add(eps).rsqrt_().to(var.dtype)  # not in place: var.double() is var for float64
         inv_sigma = torch.rsqrt(prior[1] + eps)
         r = _clip(inv_sigma.div(invstd), rmax, inverse=True)
         d = _clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
@@ -287,8 +287,7 @@ def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum
     ``(y, (batch_mean, batch_var))``."""
     batch_mean, batch_var = batch_moments(x)
     if prior is None:
-        with torch.no_grad():
-            prior = (running_mean.clone(), running_var.clone())
+        prior = _snapshot(running_mean, running_var)
     r, d = renorm_correction(batch_mean, batch_var, prior[0], prior[1], eps, rmax, dmax)
     if weight is None:
         scale, shift = r, d if bias is None else bias + d
@@ -298,6 +297,21 @@ def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum
     y = F.batch_norm(x, None, None, scale, shift, True, 0.0, eps)
     _update_running(running_mean, running_var, batch_mean, batch_var, x.numel() // x.shape[1], momentum)
     return y, (batch_mean, batch_var)
+
+
+def _snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of the running statistics before a step updates them, made by one ``torch.stack``.
+
+    Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
+    buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
+    updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
+    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves.
+    """
+    with torch.no_grad():
+        if running_mean.dtype != running_var.dtype or running_mean.shape != running_var.shape:
+            return running_mean.clone(), running_var.clone()
+        both = torch.stack([running_mean, running_var])
+        return both[0], both[1]
 
 
 def _update_running(running_mean, running_var, batch_mean, batch_var, count: int, momentum) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
@@ -145,3 +146,48 @@ def _bn_out(kind: str):
     m = _make_module(kind, sync=False)
     m.rmax, m.dmax = 1.0, 0.0
     return m(x).detach()
+
+
+def _empty_rank_worker(rank: int, init: str, out_dir: str) -> None:
+    """Rank 0 trains on an empty slice, rank 1 on 5 samples; a short timeout turns a hang into a failure."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        result = {}
+        for kind in ("2d", "1d"):
+            m = _make_module(kind, sync=True)
+            x, gy = _data(kind, 0)
+            lo, hi = (0, 0) if rank == 0 else (0, 5)
+            xs = x[lo:hi].clone().requires_grad_()
+            y = m(xs)
+            (y * gy[lo:hi]).sum().backward()
+            result[kind] = {"out": y.detach(), "grad_x": xs.grad, "grad_w": m.weight.grad.clone(),
+                            "grad_b": m.bias.grad.clone(), "state": {k: v.clone() for k, v in m.state_dict().items()}}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_empty_rank_joins_the_backward_all_reduce(tmp_path):
+    """Issue: a rank with an empty batch skipped the backward all-reduce and the other ranks hung until the timeout.
+    Now every rank finishes; the non-empty rank's gradients are those of BatchRenorm on its 5 samples."""
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_empty_rank_worker, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for kind in ("2d", "1d"):
+        empty, full = ranks[0][kind], ranks[1][kind]
+        m = _make_module(kind, sync=False)
+        x, gy = _data(kind, 0)
+        xs = x[:5].clone().requires_grad_()
+        y = m(xs)
+        (y * gy[:5]).sum().backward()
+        assert empty["out"].shape == (0,) + x.shape[1:] and empty["grad_x"].shape == empty["out"].shape
+        assert torch.equal(empty["grad_w"], torch.zeros(3, dtype=F64))
+        torch.testing.assert_close(full["out"], y.detach(), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(full["grad_x"], xs.grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(full["grad_w"], m.weight.grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(full["grad_b"], m.bias.grad, rtol=1e-9, atol=1e-10)
+        for key, value in m.state_dict().items():
+            assert torch.equal(empty["state"][key], full["state"][key]), key
+            torch.testing.assert_close(full["state"][key], value, rtol=1e-12, atol=1e-12)

@@ -340,8 +340,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             if out is not None:
                 return out
         rmax, dmax = self._step_limits(input, plain)
-        with torch.no_grad():
-            prior = (self.running_mean.clone(), self.running_var.clone())
+        prior = NF._snapshot(self.running_mean, self.running_var)
         self.num_batches_tracked.add_(1)
         out, stats = NF._batch_renorm_step(
             input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
@@ -553,8 +552,9 @@ class SyncBatchRenorm(_BatchRenorm):
         if count > 0:
             mean, var = NF.moments(input, (0,) + tuple(range(2, input.dim())))
             mean, var = mean.double(), var.double()
-        else:  # an empty slice on this rank still joins the collective
-            mean = var = torch.zeros(c, dtype=torch.float64, device=input.device)
+        else:  # an empty slice on this rank still joins the collectives, the backward all-reduce included: the
+            # zeros are a sum over the empty input, so they carry its autograd graph as the other ranks' moments do
+            mean = var = input.sum((0,) + tuple(range(2, input.dim()))).double()
         local = torch.cat([count * mean, count * (var + mean.square()), mean.new_full((1,), float(count))])
         total = _AllReduceSum.apply(local, self.process_group or dist.group.WORLD)
         n = float(total[-1].item())  # identical on every rank, so every rank raises together below
