@@ -172,14 +172,17 @@ def renorm_correction(
         inv_sigma = torch.rsqrt(running_var.to(dtype) + eps)
         r = torch.sqrt(batch_var.detach().to(dtype) + eps).mul_(inv_sigma)
         d = torch.sub(batch_mean.detach().to(dtype), running_mean.to(dtype)).mul_(inv_sigma)
-        return _clip(r, rmax, inverse=True), _clip(d, dmax, inverse=False)
+        return _clip(r, rmax, inverse=True, in_place=False), _clip(d, dmax, inverse=False, in_place=False)
 
 
-def _clip(t: Tensor, limit: float | Tensor, inverse: bool) -> Tensor:
-    """``t`` clipped in place to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
+def _clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
+    """``t`` clipped (in place for a number limit unless ``in_place=False``: vmap has no batching rule for
+    ``clamp_``) to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
     if isinstance(limit, Tensor):
         limit = limit.to(t)
         return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    if not in_place:
+        return torch.clamp(t, 1.0 / limit if inverse else -limit, limit)
     return t.clamp_(1.0 / limit if inverse else -limit, limit)
 
 

@@ -176,6 +176,8 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             before the batch and raise ``ValueError``. Costs one host synchronisation per call; set False to skip
             (then a non-finite batch poisons the running statistics, as in BatchNorm). Without running statistics
             nothing can be poisoned and a non-finite batch simply gives a non-finite output, as in BatchNorm.
+            Under torch.compile, torch.export, torch.jit.trace and torch.func the same restore is done with tensor
+            ops (``torch.where``, no host synchronisation) and nothing is raised; on the meta device it is skipped.
 
     Without running statistics (``track_running_stats=False``) there is nothing to renormalize against and the
     layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
@@ -187,6 +189,19 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
     Cost: a training step is one BatchNorm step (one statistics pass, BatchNorm's normalize and backward kernels;
     see :func:`normlab.functional.batch_renorm`) plus per-channel arithmetic for r and d.
+
+    Under the usual torch tools (each tested against ``nn.BatchNorm*d`` or the plain eager run):
+
+    * ``torch.utils.checkpoint`` (reentrant or not): a training forward that runs inside a backward pass is taken
+      for the recomputation of one of the layer's last 16 training forwards, the one with bit-identical batch
+      statistics (see :meth:`_recompute`): it replays that step, so the gradients are the un-checkpointed ones and the
+      running statistics and ``num_batches_tracked`` advance once per real forward (BatchNorm updates them twice).
+    * torch.compile (``fullgraph=True``), torch.export, torch.jit.trace and torch.func (grad, vmap, jacrev,
+      functional_call) run the composite path (differentiable aten ops, the step counter read as a tensor). Under
+      vmap in training the running statistics must be batched like the input (model ensembling), as for BatchNorm.
+    * An empty batch (N = 0) in training returns BatchNorm's empty output; the running statistics and, unlike
+      BatchNorm, ``num_batches_tracked`` are left as they are (no data, no schedule step).
+    * The meta device: forwards give shapes only; ``to_empty()`` + ``reset_parameters()`` give a fresh layer.
     """
 
     _normlab_norm = True  # marks a normalization layer (no weight decay in normlab.nn.param_groups)
@@ -315,6 +330,15 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             self.running_var.copy_(torch.where(finite, self.running_var, prior[1]))
             self.num_batches_tracked.sub_((~finite).to(self.num_batches_tracked.dtype))
 
+    def _transform_error(self, error: RuntimeError) -> RuntimeError:
+        if torch._C._functorch.peek_interpreter_stack() is None:
+            return error
+        return RuntimeError(
+            f"{type(self).__name__}: a training step under a torch.func transform updates running_mean and "
+            f"running_var in place, so under vmap they must be batched like the input (torch.func.stack_module_state, "
+            f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({error})"
+        )
+
     def _non_finite_error(self) -> ValueError:
         return ValueError(
             f"{type(self).__name__}: non-finite batch statistics in training (NaN/inf in the input, or a variance "
@@ -342,10 +366,16 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         rmax, dmax = self._step_limits(input, plain)
         prior = NF._snapshot(self.running_mean, self.running_var)
         self.num_batches_tracked.add_(1)
-        out, stats = NF._batch_renorm_step(
-            input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
-            rmax, dmax, prior,
-        )
+        try:
+            out, stats = NF._batch_renorm_step(
+                input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
+                rmax, dmax, prior,
+            )
+        except RuntimeError as e:
+            self.num_batches_tracked.sub_(1)
+            if plain:
+                raise
+            raise self._transform_error(e) from e
         if plain:
             self._remember(stats, prior, rmax, dmax)
         if self.check_finite and plain and self._guard_failed(prior):
