@@ -308,10 +308,12 @@ def _snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor
     Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
     buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
     updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
-    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves.
+    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves. Eager: two clones
+    (fewer dispatched ops).
     """
     with torch.no_grad():
-        if running_mean.dtype != running_var.dtype or running_mean.shape != running_var.shape:
+        same = running_mean.dtype == running_var.dtype and running_mean.shape == running_var.shape
+        if not (same and torch.compiler.is_compiling()):
             return running_mean.clone(), running_var.clone()
         both = torch.stack([running_mean, running_var])
         return both[0], both[1]

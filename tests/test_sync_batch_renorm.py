@@ -9,6 +9,7 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from normlab.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, SyncBatchRenorm
 
@@ -105,7 +106,30 @@ def _edge_cases(rank: int) -> dict:
     xs = torch.randn(SPLITS[rank], 3, 4, 3, dtype=F64)
     solo_ok = torch.equal(ms(xs), ml(xs)) and torch.equal(ms.running_var, ml.running_var)
     return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged, "half_ok": half_ok,
-            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok}
+            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok,
+            "checkpoint": _checkpoint_case(rank)}
+
+
+def _checkpoint_case(rank: int) -> dict:
+    """torch.utils.checkpoint over the synchronized layer (both modes): the recomputation's all-reduce happens in
+    backward, its global statistics match the original forward's, so gradients equal the plain run's and the running
+    statistics and step counter advance once per forward."""
+    lo, hi = sum(SPLITS[:rank]), sum(SPLITS[: rank + 1])
+    plain = _make_module("2d", sync=True)
+    ckpts = {mode: _make_module("2d", sync=True) for mode in (False, True)}
+    same = True
+    for step in range(STEPS):
+        x, gy = _data("2d", step)
+        xp = x[lo:hi].clone().requires_grad_()
+        (plain(xp) * gy[lo:hi]).sum().backward()
+        for reentrant, m in ckpts.items():
+            xc = x[lo:hi].clone().requires_grad_()
+            (checkpoint(m, xc, use_reentrant=reentrant) * gy[lo:hi]).sum().backward()
+            same = same and torch.equal(xp.grad, xc.grad)
+    for m in ckpts.values():
+        same = same and torch.equal(plain.weight.grad, m.weight.grad) and torch.equal(plain.bias.grad, m.bias.grad)
+        same = same and all(torch.equal(v, m.state_dict()[k]) for k, v in plain.state_dict().items())
+    return {"same": same, "steps": int(ckpts[False].num_batches_tracked)}
 
 
 def _half_batch():
@@ -121,6 +145,7 @@ def test_two_gloo_ranks_with_different_batch_sizes_match_single_process(tmp_path
         assert "SyncBatchRenorm: non-finite batch statistics" in r["checks"]["error"]
         assert r["checks"]["unchanged"]
         assert r["checks"]["half_ok"] and r["checks"]["solo_ok"]
+        assert r["checks"]["checkpoint"] == {"same": True, "steps": STEPS}
         xf = _half_batch().float()
         torch.testing.assert_close(r["checks"]["half_running"][0], xf.mean((0, 2, 3)), rtol=1e-6, atol=1e-3)
         torch.testing.assert_close(r["checks"]["half_running"][1], xf.var((0, 2, 3)), rtol=1e-4, atol=1e-2)

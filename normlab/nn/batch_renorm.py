@@ -401,17 +401,9 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         ``num_batches_tracked`` are not updated a second time. Returns None when nothing matches (a genuine forward
         inside a backward pass: it trains as usual).
         """
-        records = self.__dict__.get("_recent_steps")
-        if not records:
+        if not self.__dict__.get("_recent_steps"):
             return None
-        mean, var = NF._step_moments(input, self.running_mean, self.running_var)
-        found = None
-        for stats, prior, rmax, dmax in reversed(records):
-            if stats is None:
-                found = found or (prior, rmax, dmax)
-            elif _same(stats[0], mean) and _same(stats[1], var):
-                found = (prior, rmax, dmax)
-                break
+        found = self._find_record(*NF._step_moments(input, self.running_mean, self.running_var))
         if found is None:
             return None
         prior, rmax, dmax = found
@@ -420,6 +412,17 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         return NF._batch_renorm_step(
             input, scratch[0], scratch[1], self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
         )[0]
+
+    def _find_record(self, mean: Tensor, var: Tensor):
+        """``(prior, rmax, dmax)`` of the recorded forward a recomputation with these batch statistics replays: the
+        latest record with bit-identical statistics, else the latest identity record, else None."""
+        found = None
+        for stats, prior, rmax, dmax in reversed(self.__dict__.get("_recent_steps", ())):
+            if stats is None:
+                found = found or (prior, rmax, dmax)
+            elif _same(stats[0], mean) and _same(stats[1], var):
+                return prior, rmax, dmax
+        return found
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_recent_steps", None)  # records live on the old device/dtype
@@ -598,18 +601,9 @@ class SyncBatchRenorm(_BatchRenorm):
         if self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all()):
             raise self._non_finite_error()
 
-        updating = self._updating()
-        if updating:
-            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
-            r, d = NF.renorm_correction(g_mean, g_var, self.running_mean, self.running_var, self.eps, rmax, dmax)
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                f = self._factor()
-                unbiased = g_var * (n / (n - 1))
-                self.running_mean.mul_(1 - f).add_((f * g_mean).to(self.running_mean.dtype))
-                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
-        else:
-            r = d = None
+        r = d = None
+        if self._updating():
+            r, d = self._sync_step(g_mean, g_var, n)
 
         # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
         a = torch.rsqrt(g_var + self.eps)
@@ -626,6 +620,26 @@ class SyncBatchRenorm(_BatchRenorm):
         shape = (1, c) + (1,) * (input.dim() - 2)
         out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
         return out.to(input.dtype)
+
+    def _sync_step(self, g_mean: Tensor, g_var: Tensor, n: float):
+        """r and d from the global statistics and the running statistics before the step, which then updates them;
+        a checkpoint recomputation (inside a backward pass, matched by its bit-identical global statistics, see
+        :meth:`_BatchRenorm._recompute`) replays its original step instead and updates nothing."""
+        mean, var = g_mean.detach(), g_var.detach()
+        found = self._find_record(mean, var) if torch._C._current_graph_task_id() != -1 else None
+        if found is None:
+            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
+            prior = NF._snapshot(self.running_mean, self.running_var)
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                f = self._factor()
+                unbiased = var * (n / (n - 1))
+                self.running_mean.mul_(1 - f).add_((f * mean).to(self.running_mean.dtype))
+                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
+            self._remember((mean.clone(), var.clone()), prior, rmax, dmax)
+        else:
+            prior, rmax, dmax = found
+        return NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
 
     @classmethod
     def convert_sync_batchrenorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
