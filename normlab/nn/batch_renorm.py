@@ -330,9 +330,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             self.running_var.copy_(torch.where(finite, self.running_var, prior[1]))
             self.num_batches_tracked.sub_((~finite).to(self.num_batches_tracked.dtype))
 
-    def _transform_error(self, error: RuntimeError) -> RuntimeError:
-        if torch._C._functorch.peek_interpreter_stack() is None:
-            return error
+    def _vmap_error(self, error: RuntimeError) -> RuntimeError:
         return RuntimeError(
             f"{type(self).__name__}: a training step under a torch.func transform updates running_mean and "
             f"running_var in place, so under vmap they must be batched like the input (torch.func.stack_module_state, "
@@ -373,15 +371,15 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             )
         except RuntimeError as e:
             self.num_batches_tracked.sub_(1)
-            if plain:
+            if torch._C._functorch.peek_interpreter_stack() is None:
                 raise
-            raise self._transform_error(e) from e
-        if plain:
-            self._remember(stats, prior, rmax, dmax)
+            raise self._vmap_error(e) from e
         if self.check_finite and plain and self._guard_failed(prior):
             raise self._non_finite_error()
         if self.check_finite and not plain and input.device.type != "meta":
             self._restore_if_non_finite(prior)
+        if plain:
+            self._remember(stats, prior, rmax, dmax)
         return out
 
     # ------------------------------------------------------------------ activation checkpointing
