@@ -226,15 +226,19 @@ class _BatchNormWithAffine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
+    def forward(x, weight, bias, mean, invstd, r, d, eps):
         if weight is None:
             scale, shift = r, d if bias is None else bias + d
         else:
             scale = weight * r
             shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+        return _channel_affine(x, mean, invstd * scale, shift)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # the separate form torch.func.grad/jacrev/functional_call can run
+        x, weight, bias, mean, invstd, r, d, eps = inputs
         ctx.save_for_backward(x, weight, mean, invstd, r, d)
         ctx.eps, ctx.has_bias = eps, bias is not None
-        return _channel_affine(x, mean, invstd * scale, shift)
 
     @staticmethod
     def backward(ctx, grad):

@@ -35,13 +35,23 @@ CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 def _layer(cls, dtype=F32, schedule=False, **kw):
     """A layer with renormalization active: running statistics away from the data, limits that clip some channels.
     ``schedule``: identity for the first two steps, then rising (the step counter matters)."""
-    limits = {"schedule": RenormSchedule(1, 1.6, 3, 0.6, 2)} if schedule else {"rmax": 1.5, "dmax": 0.5}
+    if schedule == "default":  # the paper's schedule, past its warm-up
+        limits = {}
+    elif schedule:
+        limits = {"schedule": RenormSchedule(1, 1.6, 3, 0.6, 2)}
+    else:
+        limits = {"rmax": 1.5, "dmax": 0.5} if kw.get("track_running_stats", True) else {}
     m = cls(C, dtype=dtype, **limits, **kw)
     with torch.no_grad():
-        m.weight.copy_(torch.tensor([0.7, 1.3, 1.1]))
-        m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
-        m.running_mean.copy_(torch.tensor([0.9, -0.05, 0.0]))
-        m.running_var.copy_(torch.tensor([4.0, 1.1, 0.3]))
+        if m.weight is not None:
+            m.weight.copy_(torch.tensor([0.7, 1.3, 1.1]))
+        if m.bias is not None:
+            m.bias.copy_(torch.tensor([0.1, -0.2, 0.3]))
+        if m.running_mean is not None:
+            m.running_mean.copy_(torch.tensor([0.9, -0.05, 0.0]))
+            m.running_var.copy_(torch.tensor([4.0, 1.1, 0.3]))
+        if schedule == "default":
+            m.num_batches_tracked.fill_(30_000)
     return m
 
 
@@ -89,12 +99,13 @@ def _reference(m, x):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("dtype,fmt", [(F32, None), (F64, "cl"), (BF16, None)])
-def test_checkpoint_gives_plain_gradients_and_one_update_per_forward(case, reentrant, dtype, fmt):
+@pytest.mark.parametrize("train", [True, False])
+def test_checkpoint_gives_plain_gradients_and_one_update_per_forward(case, reentrant, dtype, fmt, train):
     """Under torch.utils.checkpoint the recomputation (inside backward) replays the original step: gradients equal
     the un-checkpointed run bit for bit, and the running statistics and the schedule step advance once per forward.
     Steps 0-1 are identity limits, steps 2-3 renormalize (a doubled step count would change the limits)."""
     _, cls, _, shape = case
-    plain = _layer(cls, schedule=True).to(dtype)
+    plain = _layer(cls, schedule=True).to(dtype).train(train)
     ckpt = copy.deepcopy(plain)
     for step in range(4):
         x, g = _batch(shape, step, dtype, fmt)
@@ -105,7 +116,7 @@ def test_checkpoint_gives_plain_gradients_and_one_update_per_forward(case, reent
         _assert_same_state(plain, ckpt)
     for p, q in zip(plain.parameters(), ckpt.parameters()):
         assert torch.equal(p.grad, q.grad)
-    assert int(ckpt.num_batches_tracked) == 4
+    assert int(ckpt.num_batches_tracked) == (4 if train else 0)
     assert ckpt.renorm_limits(2) != (1.0, 0.0)  # the last steps renormalized
 
 
@@ -169,14 +180,14 @@ def _func_grads(m, x, g):
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("train", [True, False])
-@pytest.mark.parametrize("dtype", [F32, F64])
-def test_torch_func_grad_and_jacrev_match_autograd(case, train, dtype):
-    """torch.func.grad / functional_call / jacrev give plain autograd's gradients (renorm active in training) and
-    the same buffer update, as they do for nn.BatchNorm*d."""
+@pytest.mark.parametrize("dtype,schedule", [(F32, False), (F64, False), (F32, "default")])
+def test_torch_func_grad_and_jacrev_match_autograd(case, train, dtype, schedule):
+    """torch.func.grad / functional_call / jacrev give plain autograd's gradients (renorm active in training:
+    constant limits, or the default schedule at step 30k) and the same buffer update, as for nn.BatchNorm*d."""
     from torch.func import jacrev
 
     _, cls, _, shape = case
-    m = _layer(cls, dtype).train(train)
+    m = _layer(cls, dtype, schedule=schedule).train(train)
     eager = copy.deepcopy(m)
     x, g = _batch(shape, 4, dtype)
     gp, gx, buffers = _func_grads(m, x, g)
@@ -188,7 +199,7 @@ def test_torch_func_grad_and_jacrev_match_autograd(case, train, dtype):
     torch.testing.assert_close(gp["bias"], eager.bias.grad, **tol)
     for k, v in eager.named_buffers():
         torch.testing.assert_close(buffers[k], v, **tol)
-    assert int(m.num_batches_tracked) == 0  # the module's own buffers were not touched
+    assert int(m.num_batches_tracked) == (30_000 if schedule else 0)  # the module's own buffers were not touched
     probe = copy.deepcopy(m)
 
     def channel_sums(t):
@@ -424,3 +435,52 @@ def test_bfloat16_autocast_checkpoint_and_func(case):
     with torch.autocast("cpu", dtype=BF16):
         gp, gx, _ = _func_grads(_layer(cls), x, g)
     assert gx.dtype == BF16 and torch.isfinite(gp["weight"]).all()
+
+
+# ---------------------------------------------------------------------------------------------- every mode
+@pytest.mark.parametrize(
+    "kw", [{"affine": False}, {"bias": False}, {"momentum": None}, {"track_running_stats": False}],
+    ids=["no-affine", "no-bias", "cumulative", "no-running-stats"],
+)
+def test_every_mode_under_checkpoint_func_and_empty_batch(kw):
+    """The habits hold in every mode of the layer (2d and 1d): checkpointing keeps the plain gradients and one update,
+    torch.func.grad gives autograd's gradients, an empty batch gives BatchNorm's empty output."""
+    for cls, shape in ((BatchRenorm2d, (4, C, 3, 4)), (BatchRenorm1d, (6, C))):
+        plain = _layer(cls, **kw)
+        ckpt, func = copy.deepcopy(plain), copy.deepcopy(plain)
+        x, g = _batch(shape, 60)
+        xp, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (plain(xp) * g).sum().backward()
+        (checkpoint(ckpt, xc, use_reentrant=False) * g).sum().backward()
+        assert torch.equal(xp.grad, xc.grad)
+        _assert_same_state(plain, ckpt)
+        _, gx, buffers = _func_grads(func, x, g)
+        torch.testing.assert_close(gx, xp.grad, rtol=1e-5, atol=1e-6)
+        for k, v in plain.named_buffers():
+            torch.testing.assert_close(buffers[k], v, rtol=1e-6, atol=1e-7)
+        empty = torch.empty((0,) + shape[1:], requires_grad=True)
+        before = _state(plain)
+        plain(empty).sum().backward()
+        assert empty.grad.shape == empty.shape
+        assert all(torch.equal(v, before[k]) for k, v in plain.state_dict().items())
+
+
+def test_functional_fused_path_under_torch_func_grad():
+    """normlab.functional.batch_renorm(fused=True) under torch.func.grad (its autograd Function has the separate
+    setup_context form) equals the composite path under plain autograd."""
+    from torch.func import grad
+
+    from normlab import functional as NF
+
+    x, _ = _batch((4, C, 3, 4), 70, F64)
+    w, b = torch.tensor([0.7, 1.3, 1.1], dtype=F64), torch.tensor([0.1, -0.2, 0.3], dtype=F64)
+
+    def loss(w, b, x, fused):
+        rm, rv = torch.full((C,), 0.5, dtype=F64), torch.full((C,), 4.0, dtype=F64)
+        return NF.batch_renorm(x, rm, rv, w, b, True, 0.1, 1e-5, 1.5, 0.5, fused=fused).square().sum()
+
+    got = grad(loss, argnums=(0, 1, 2))(w, b, x, True)
+    ref = [t.clone().requires_grad_() for t in (w, b, x)]
+    loss(*ref, False).backward()
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r.grad, rtol=1e-10, atol=1e-12)
