@@ -10,6 +10,7 @@ every training case (running statistics far from the batch's, so r and d are cli
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -374,7 +375,7 @@ def test_meta_device_forward_and_to_empty(case, momentum):
 @pytest.mark.parametrize("train", [True, False])
 def test_jit_trace_follows_eager(case, train):
     """torch.jit.trace in training and eval: the traced module keeps renormalizing with the schedule's step tensor
-    (not the step frozen at tracing time), updates the buffers as eager does and gives eager's gradients."""
+    (not the step frozen at tracing time), updates the buffers as eager does, gives eager's gradients, and saves."""
     _, cls, _, shape = case
     m = _layer(cls, schedule=True).train(train)
     eager = copy.deepcopy(m)
@@ -391,6 +392,12 @@ def test_jit_trace_follows_eager(case, train):
         torch.testing.assert_close(xt.grad, xe.grad, rtol=1e-5, atol=1e-6)
         _assert_same_state(m, eager, exact=False)
     assert int(m.num_batches_tracked) == (4 if train else 0)
+    buffer = io.BytesIO()  # plain aten ops (no Python autograd Function): the trace saves and loads
+    torch.jit.save(traced, buffer)
+    buffer.seek(0)
+    loaded = torch.jit.load(buffer)
+    x, _ = _batch(shape, 39)
+    torch.testing.assert_close(loaded(x), eager(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
