@@ -307,7 +307,7 @@ def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum
 
 
 def _snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
-    """Copies of the running statistics before a step updates them, made by one ``torch.stack``.
+    """Copies of the running statistics before a step updates them (one ``torch.stack`` under torch.compile).
 
     Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
     buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
