@@ -194,13 +194,13 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel batch mean and biased variance of ``x`` (N, C, *) over all dims but 1, without gradient.
 
     Uses the statistics kernel behind BatchNorm (one fused pass, any memory format), which is several times faster
-    on CPU than a generic reduction; under torch.compile (that kernel has no fake-tensor implementation) the
-    two-pass :func:`moments`, which the compiler fuses. Half inputs are reduced in float32; results are float32
-    (or float64) (C,).
+    on CPU than a generic reduction; under torch.compile, torch.jit.trace and torch.func transforms (that kernel has
+    no fake-tensor implementation nor batching rule) the two-pass :func:`moments`, which the compiler fuses. Half
+    inputs are reduced in float32; results are float32 (or float64) (C,).
     """
     with torch.no_grad():
         xs = _stats_dtype(x.detach())
-        if hasattr(torch, "batch_norm_update_stats") and not torch.compiler.is_compiling():
+        if _plain_eager(x):
             return torch.batch_norm_update_stats(xs, None, None, 0.0)
         return moments(xs, (0,) + tuple(range(2, x.dim())))
 
@@ -226,14 +226,17 @@ def renorm_correction(
         inv_sigma = torch.rsqrt(running_var.to(dtype) + eps)
         r = torch.sqrt(batch_var.detach().to(dtype) + eps).mul_(inv_sigma)
         d = torch.sub(batch_mean.detach().to(dtype), running_mean.to(dtype)).mul_(inv_sigma)
-        return _clip(r, rmax, inverse=True), _clip(d, dmax, inverse=False)
+        return _clip(r, rmax, inverse=True, in_place=False), _clip(d, dmax, inverse=False, in_place=False)
 
 
-def _clip(t: Tensor, limit: float | Tensor, inverse: bool) -> Tensor:
-    """``t`` clipped in place to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
+def _clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
+    """``t`` clipped (in place for a number limit unless ``in_place=False``: vmap has no batching rule for
+    ``clamp_``) to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
     if isinstance(limit, Tensor):
         limit = limit.to(t)
         return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    if not in_place:
+        return torch.clamp(t, 1.0 / limit if inverse else -limit, limit)
     return t.clamp_(1.0 / limit if inverse else -limit, limit)
 
 
@@ -257,6 +260,15 @@ def _fused_device(x: Tensor) -> bool:
     return x.device.type in ("cpu", "cuda") and not torch.compiler.is_compiling()
 
 
+def _plain_eager(x: Tensor) -> bool:
+    """Batch renormalization's fused-path test: eager CPU/CUDA, and none of torch.compile, torch.jit.trace or a
+    torch.func transform (grad, vmap, jacrev, ...), which need plain differentiable aten ops without host
+    synchronisation (the composite path). The meta device is not eager either (shapes only)."""
+    if not _fused_device(x) or torch.jit.is_tracing():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None
+
+
 class _BatchNormWithAffine(torch.autograd.Function):
     """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
 
@@ -268,15 +280,19 @@ class _BatchNormWithAffine(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
+    def forward(x, weight, bias, mean, invstd, r, d, eps):
         if weight is None:
             scale, shift = r, d if bias is None else bias + d
         else:
             scale = weight * r
             shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+        return _channel_affine(x, mean, invstd * scale, shift)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # the separate form torch.func.grad/jacrev/functional_call can run
+        x, weight, bias, mean, invstd, r, d, eps = inputs
         ctx.save_for_backward(x, weight, mean, invstd, r, d)
         ctx.eps, ctx.has_bias = eps, bias is not None
-        return _channel_affine(x, mean, invstd * scale, shift)
 
     @staticmethod
     def backward(ctx, grad):
@@ -307,31 +323,67 @@ def _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, ep
     """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
     statistics, exactly as BatchNorm does), r and d from ``prior`` (the running statistics before this batch; cloned
     here when not given), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few in-place
-    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm."""
+    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm.
+    Returns ``(y, (batch_mean, batch_var))``."""
     with torch.no_grad():
         if prior is None:
             prior = (running_mean.clone(), running_var.clone())
         mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
         # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
         # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
-        invstd = var.double().add_(eps).rsqrt_().to(var.dtype)
+        invstd = var.double().add(eps).rsqrt_().to(var.dtype)  # not in place: var.double() is var for float64
         inv_sigma = torch.rsqrt(prior[1] + eps)
         r = _clip(inv_sigma.div(invstd), rmax, inverse=True)
         d = _clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
-    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps)
+    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
 
 
-def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax):
-    """The same step from public ops (statistics, then ``F.batch_norm`` with the folded affine): torch.compile
-    traces this one, and it is the reference the fused path is tested against."""
+def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None):
+    """The same step from public ops: statistics, r and d from ``prior`` (clones of the running statistics before
+    the step), ``F.batch_norm`` with batch statistics and the folded affine, then the running statistics are updated
+    explicitly. torch.compile, torch.jit.trace and torch.func trace this one, and it is the reference the fused path
+    is tested against. ``F.batch_norm`` never sees the running buffers: a compiled graph that read them after an
+    in-place update inside ``F.batch_norm`` would compute r and d from the updated statistics. ``momentum`` may be a
+    tensor (the cumulative average ``1 / num_batches_tracked`` without a host sync). Returns
+    ``(y, (batch_mean, batch_var))``."""
     batch_mean, batch_var = batch_moments(x)
-    r, d = renorm_correction(batch_mean, batch_var, running_mean, running_var, eps, rmax, dmax)
+    if prior is None:
+        prior = _snapshot(running_mean, running_var)
+    r, d = renorm_correction(batch_mean, batch_var, prior[0], prior[1], eps, rmax, dmax)
     if weight is None:
         scale, shift = r, d if bias is None else bias + d
     else:
         scale = weight * r
         shift = weight * d if bias is None else bias + weight * d
-    return F.batch_norm(x, running_mean, running_var, scale, shift, True, momentum, eps)
+    y = F.batch_norm(x, None, None, scale, shift, True, 0.0, eps)
+    _update_running(running_mean, running_var, batch_mean, batch_var, x.numel() // x.shape[1], momentum)
+    return y, (batch_mean, batch_var)
+
+
+def _snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of the running statistics before a step updates them (one ``torch.stack`` under torch.compile).
+
+    Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
+    buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
+    updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
+    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves. Eager: two clones
+    (fewer dispatched ops).
+    """
+    with torch.no_grad():
+        same = running_mean.dtype == running_var.dtype and running_mean.shape == running_var.shape
+        if not (same and torch.compiler.is_compiling()):
+            return running_mean.clone(), running_var.clone()
+        both = torch.stack([running_mean, running_var])
+        return both[0], both[1]
+
+
+def _update_running(running_mean, running_var, batch_mean, batch_var, count: int, momentum) -> None:
+    """BatchNorm's update in place: ``running = (1 - momentum) * running + momentum * batch``, with the unbiased
+    batch variance (``count / (count - 1)``) for ``running_var``."""
+    with torch.no_grad():
+        unbiased = batch_var * (count / (count - 1))
+        running_mean.mul_(1 - momentum).add_((batch_mean * momentum).to(running_mean.dtype))
+        running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
 
 
 def batch_renorm(
@@ -357,8 +409,9 @@ def batch_renorm(
     ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
     statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
     exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (:class:`_BatchNormWithAffine`).
-    The composite path (``fused=False``, and always under torch.compile) calls ``F.batch_norm`` with the folded
-    affine after a separate statistics pass. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
+    The composite path (``fused=False``, and always under torch.compile, torch.jit.trace and torch.func transforms)
+    calls ``F.batch_norm`` with batch statistics and the folded affine after a separate statistics pass, then updates
+    the running statistics explicitly. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
     directly. Either way ``rmax=1, dmax=0`` gives exactly ``F.batch_norm``. The running sigma is
     ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
     Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
@@ -383,21 +436,39 @@ def batch_renorm(
             "batch_renorm: momentum must be a float in training with running statistics "
             "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
         )
-    return _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, fused=fused)
+    if x.numel() == 0:  # BatchNorm's empty output (with a gradient path to weight and bias); nothing to update
+        return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
+    return _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, fused=fused)[0]
 
 
 def _batch_renorm_step(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None, fused=None):
     """One training step of :func:`batch_renorm` with running statistics (the modules call this directly and pass
-    ``prior``, their copy of the running statistics before the step)."""
+    ``prior``, their copy of the running statistics before the step). Returns ``(y, stats)``: the batch mean and
+    biased variance, or None for the identity limits (then it is ``F.batch_norm`` itself)."""
     pdtype = _param_dtype(x)
     weight, bias = _as_param(weight, pdtype), _as_param(bias, pdtype)
-    if _is_identity(rmax, dmax):
-        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
+    if _is_identity(rmax, dmax) and not isinstance(momentum, Tensor):
+        return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps), None
     if fused is None:
-        fused = _fused_device(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
-    if fused:
+        fused = _takes_fused(x, running_mean, running_var)
+    if fused and not isinstance(momentum, Tensor):
         return _fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)
-    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
+    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)
+
+
+def _takes_fused(x: Tensor, running_mean: Tensor, running_var: Tensor) -> bool:
+    """Whether :func:`_batch_renorm_step` takes the fused path by default for these tensors."""
+    pdtype = _param_dtype(x)
+    return _plain_eager(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
+
+
+def _step_moments(x: Tensor, running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
+    """The batch mean and biased variance exactly as :func:`_batch_renorm_step` computes them with these running
+    buffers (bit for bit: the key that matches a checkpoint recomputation to its original forward)."""
+    if not _takes_fused(x, running_mean, running_var):
+        return batch_moments(x)
+    with torch.no_grad():  # the fused path's kernel call; momentum 0 leaves the copies as they are
+        return torch.batch_norm_update_stats(x.detach(), running_mean.clone(), running_var.clone(), 0.0)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 from normlab.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, SyncBatchRenorm
 
@@ -104,7 +106,30 @@ def _edge_cases(rank: int) -> dict:
     xs = torch.randn(SPLITS[rank], 3, 4, 3, dtype=F64)
     solo_ok = torch.equal(ms(xs), ml(xs)) and torch.equal(ms.running_var, ml.running_var)
     return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged, "half_ok": half_ok,
-            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok}
+            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok,
+            "checkpoint": _checkpoint_case(rank)}
+
+
+def _checkpoint_case(rank: int) -> dict:
+    """torch.utils.checkpoint over the synchronized layer (both modes): the recomputation's all-reduce happens in
+    backward, its global statistics match the original forward's, so gradients equal the plain run's and the running
+    statistics and step counter advance once per forward."""
+    lo, hi = sum(SPLITS[:rank]), sum(SPLITS[: rank + 1])
+    plain = _make_module("2d", sync=True)
+    ckpts = {mode: _make_module("2d", sync=True) for mode in (False, True)}
+    same = True
+    for step in range(STEPS):
+        x, gy = _data("2d", step)
+        xp = x[lo:hi].clone().requires_grad_()
+        (plain(xp) * gy[lo:hi]).sum().backward()
+        for reentrant, m in ckpts.items():
+            xc = x[lo:hi].clone().requires_grad_()
+            (checkpoint(m, xc, use_reentrant=reentrant) * gy[lo:hi]).sum().backward()
+            same = same and torch.equal(xp.grad, xc.grad)
+    for m in ckpts.values():
+        same = same and torch.equal(plain.weight.grad, m.weight.grad) and torch.equal(plain.bias.grad, m.bias.grad)
+        same = same and all(torch.equal(v, m.state_dict()[k]) for k, v in plain.state_dict().items())
+    return {"same": same, "steps": int(ckpts[False].num_batches_tracked)}
 
 
 def _half_batch():
@@ -120,6 +145,7 @@ def test_two_gloo_ranks_with_different_batch_sizes_match_single_process(tmp_path
         assert "SyncBatchRenorm: non-finite batch statistics" in r["checks"]["error"]
         assert r["checks"]["unchanged"]
         assert r["checks"]["half_ok"] and r["checks"]["solo_ok"]
+        assert r["checks"]["checkpoint"] == {"same": True, "steps": STEPS}
         xf = _half_batch().float()
         torch.testing.assert_close(r["checks"]["half_running"][0], xf.mean((0, 2, 3)), rtol=1e-6, atol=1e-3)
         torch.testing.assert_close(r["checks"]["half_running"][1], xf.var((0, 2, 3)), rtol=1e-4, atol=1e-2)
@@ -145,3 +171,48 @@ def _bn_out(kind: str):
     m = _make_module(kind, sync=False)
     m.rmax, m.dmax = 1.0, 0.0
     return m(x).detach()
+
+
+def _empty_rank_worker(rank: int, init: str, out_dir: str) -> None:
+    """Rank 0 trains on an empty slice, rank 1 on 5 samples; a short timeout turns a hang into a failure."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        result = {}
+        for kind in ("2d", "1d"):
+            m = _make_module(kind, sync=True)
+            x, gy = _data(kind, 0)
+            lo, hi = (0, 0) if rank == 0 else (0, 5)
+            xs = x[lo:hi].clone().requires_grad_()
+            y = m(xs)
+            (y * gy[lo:hi]).sum().backward()
+            result[kind] = {"out": y.detach(), "grad_x": xs.grad, "grad_w": m.weight.grad.clone(),
+                            "grad_b": m.bias.grad.clone(), "state": {k: v.clone() for k, v in m.state_dict().items()}}
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_empty_rank_joins_the_backward_all_reduce(tmp_path):
+    """Issue: a rank with an empty batch skipped the backward all-reduce and the other ranks hung until the timeout.
+    Now every rank finishes; the non-empty rank's gradients are those of BatchRenorm on its 5 samples."""
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    mp.spawn(_empty_rank_worker, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for kind in ("2d", "1d"):
+        empty, full = ranks[0][kind], ranks[1][kind]
+        m = _make_module(kind, sync=False)
+        x, gy = _data(kind, 0)
+        xs = x[:5].clone().requires_grad_()
+        y = m(xs)
+        (y * gy[:5]).sum().backward()
+        assert empty["out"].shape == (0,) + x.shape[1:] and empty["grad_x"].shape == empty["out"].shape
+        assert torch.equal(empty["grad_w"], torch.zeros(3, dtype=F64))
+        torch.testing.assert_close(full["out"], y.detach(), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(full["grad_x"], xs.grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(full["grad_w"], m.weight.grad, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(full["grad_b"], m.bias.grad, rtol=1e-9, atol=1e-10)
+        for key, value in m.state_dict().items():
+            assert torch.equal(empty["state"][key], full["state"][key]), key
+            torch.testing.assert_close(full["state"][key], value, rtol=1e-12, atol=1e-12)

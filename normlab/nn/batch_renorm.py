@@ -32,6 +32,7 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 
@@ -46,6 +47,11 @@ from ._float32_stats import Float32StatsModule
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
 
 _HALF = (torch.float16, torch.bfloat16)
+_RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._recompute)
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
 
 
 def _is_number(value) -> bool:
@@ -170,6 +176,8 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             before the batch and raise ``ValueError``. Costs one host synchronisation per call; set False to skip
             (then a non-finite batch poisons the running statistics, as in BatchNorm). Without running statistics
             nothing can be poisoned and a non-finite batch simply gives a non-finite output, as in BatchNorm.
+            Under torch.compile, torch.export, torch.jit.trace and torch.func the same restore is done with tensor
+            ops (``torch.where``, no host synchronisation) and nothing is raised; on the meta device it is skipped.
 
     Without running statistics (``track_running_stats=False``) there is nothing to renormalize against and the
     layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
@@ -181,6 +189,19 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
     Cost: a training step is one BatchNorm step (one statistics pass, BatchNorm's normalize and backward kernels;
     see :func:`normlab.functional.batch_renorm`) plus per-channel arithmetic for r and d.
+
+    Under the usual torch tools (each tested against ``nn.BatchNorm*d`` or the plain eager run):
+
+    * ``torch.utils.checkpoint`` (reentrant or not): a training forward that runs inside a backward pass is taken
+      for the recomputation of one of the layer's last 16 training forwards, the one with bit-identical batch
+      statistics (see :meth:`_recompute`): it replays that step, so the gradients are the un-checkpointed ones and the
+      running statistics and ``num_batches_tracked`` advance once per real forward (BatchNorm updates them twice).
+    * torch.compile (``fullgraph=True``), torch.export, torch.jit.trace and torch.func (grad, vmap, jacrev,
+      functional_call) run the composite path (differentiable aten ops, the step counter read as a tensor). Under
+      vmap in training the running statistics must be batched like the input (model ensembling), as for BatchNorm.
+    * An empty batch (N = 0) in training returns BatchNorm's empty output; the running statistics and, unlike
+      BatchNorm, ``num_batches_tracked`` are left as they are (no data, no schedule step).
+    * The meta device: forwards give shapes only; ``to_empty()`` + ``reset_parameters()`` give a fresh layer.
     """
 
     _normlab_norm = True  # marks a normalization layer (no weight decay in normlab.nn.param_groups)
@@ -253,7 +274,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             )
         if not input.is_floating_point():
             raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
-        if bn_training and local and input.numel() // self.num_features <= 1:
+        if bn_training and local and input.numel() // self.num_features == 1:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input shape "
                 f"{tuple(input.shape)}"
@@ -268,9 +289,11 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             step = self.num_batches_tracked if self.num_batches_tracked is not None else 0
         return self.schedule(step)
 
-    def _factor(self) -> float:
+    def _factor(self, plain: bool = True):
+        """The update factor: ``momentum``, or ``1 / num_batches_tracked`` (cumulative average) read as a number
+        eagerly and as a tensor under torch.compile / jit.trace / torch.func (no host synchronisation)."""
         if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
+            return 1.0 / float(self.num_batches_tracked) if plain else self.num_batches_tracked.reciprocal()
         return self.momentum
 
     def _updating(self) -> bool:
@@ -297,6 +320,23 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             self.num_batches_tracked.sub_(1)
         return True
 
+    def _restore_if_non_finite(self, prior) -> None:
+        """:meth:`_guard_failed` with tensor ops only (torch.compile, torch.export, jit.trace, torch.func): if the
+        update left non-finite running statistics, ``torch.where`` puts back ``prior`` and the step; nothing raises
+        and the host never waits for the device."""
+        with torch.no_grad():
+            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
+            self.running_mean.copy_(torch.where(finite, self.running_mean, prior[0]))
+            self.running_var.copy_(torch.where(finite, self.running_var, prior[1]))
+            self.num_batches_tracked.sub_((~finite).to(self.num_batches_tracked.dtype))
+
+    def _vmap_error(self, error: RuntimeError) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self).__name__}: a training step under a torch.func transform updates running_mean and "
+            f"running_var in place, so under vmap they must be batched like the input (torch.func.stack_module_state, "
+            f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({error})"
+        )
+
     def _non_finite_error(self) -> ValueError:
         return ValueError(
             f"{type(self).__name__}: non-finite batch statistics in training (NaN/inf in the input, or a variance "
@@ -309,34 +349,97 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
         use_running = not self.training or self.track_running_stats
-        running_mean = self.running_mean if use_running else None
-        running_var = self.running_var if use_running else None
-        if not self._updating():
+        if (bn_training and input.numel() == 0) or not self._updating():
+            # eval, no running statistics, or an empty batch (BatchNorm's empty output; unlike BatchNorm the step
+            # counter does not advance: no data, no step of the schedule)
             return NF.batch_renorm(
-                input, running_mean, running_var, self.weight, self.bias, bn_training,
-                0.0 if self.momentum is None else self.momentum, self.eps,
+                input, self.running_mean if use_running else None, self.running_var if use_running else None,
+                self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum, self.eps,
             )
-        rmax, dmax = self._step_limits(input)
-        prior = None
-        if self.check_finite:
-            with torch.no_grad():
-                prior = (self.running_mean.clone(), self.running_var.clone())
+        plain = NF._plain_eager(input)
+        if plain and torch._C._current_graph_task_id() != -1:  # inside a backward pass: a checkpoint recomputation
+            out = self._recompute(input)
+            if out is not None:
+                return out
+        rmax, dmax = self._step_limits(input, plain)
+        prior = NF._snapshot(self.running_mean, self.running_var)
         self.num_batches_tracked.add_(1)
-        out = NF._batch_renorm_step(
-            input, running_mean, running_var, self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
-        )
-        if self.check_finite and self._guard_failed(prior):
+        try:
+            out, stats = NF._batch_renorm_step(
+                input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
+                rmax, dmax, prior,
+            )
+        except RuntimeError as e:
+            self.num_batches_tracked.sub_(1)
+            if torch._C._functorch.peek_interpreter_stack() is None:
+                raise
+            raise self._vmap_error(e) from e
+        if self.check_finite and plain and self._guard_failed(prior):
             raise self._non_finite_error()
+        if self.check_finite and not plain and input.device.type != "meta":
+            self._restore_if_non_finite(prior)
+        if plain:
+            self._remember(stats, prior, rmax, dmax)
         return out
 
-    def _step_limits(self, input: Tensor):
+    # ------------------------------------------------------------------ activation checkpointing
+    def _remember(self, stats, prior, rmax, dmax) -> None:
+        """Keep what a recomputation of this training forward needs (see :meth:`_recompute`)."""
+        records = self.__dict__.setdefault("_recent_steps", collections.deque(maxlen=_RECORDS))
+        records.append((stats, prior, rmax, dmax))
+
+    def _recompute(self, input: Tensor) -> Tensor | None:
+        """Replay a recent training forward inside a backward pass (``torch.utils.checkpoint``, reentrant or not).
+
+        The rule: a training forward run while autograd executes a backward pass is a recomputation of one of the
+        last ``_RECORDS`` training forwards of this layer. Its batch statistics equal the original's bit for bit,
+        which picks the record (the latest with equal statistics; for identity limits, that keep no statistics, the
+        latest identity record). The step is replayed with that record's running statistics and limits on throwaway
+        copies: the output, r, d and so the gradients are the original forward's, and the running statistics and
+        ``num_batches_tracked`` are not updated a second time. Returns None when nothing matches (a genuine forward
+        inside a backward pass: it trains as usual).
+        """
+        if not self.__dict__.get("_recent_steps"):
+            return None
+        found = self._find_record(*NF._step_moments(input, self.running_mean, self.running_var))
+        if found is None:
+            return None
+        prior, rmax, dmax = found
+        with torch.no_grad():
+            scratch = (prior[0].clone(), prior[1].clone())
+        return NF._batch_renorm_step(
+            input, scratch[0], scratch[1], self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
+        )[0]
+
+    def _find_record(self, mean: Tensor, var: Tensor):
+        """``(prior, rmax, dmax)`` of the recorded forward a recomputation with these batch statistics replays: the
+        latest record with bit-identical statistics, else the latest identity record, else None."""
+        found = None
+        for stats, prior, rmax, dmax in reversed(self.__dict__.get("_recent_steps", ())):
+            if stats is None:
+                found = found or (prior, rmax, dmax)
+            elif _same(stats[0], mean) and _same(stats[1], var):
+                return prior, rmax, dmax
+        return found
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__.pop("_recent_steps", None)  # records live on the old device/dtype
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self):
+        state = super().__getstate__()  # pickling and deepcopy drop the records
+        state.pop("_recent_steps", None)
+        return state
+
+    def _step_limits(self, input: Tensor, plain: bool = True):
         """``(rmax, dmax)`` for this training batch. Eager on CPU the step is read as a Python int (no device
         synchronisation there), so the limits are numbers: cheaper arithmetic, and the warm-up is exactly BatchNorm's
-        own call. Elsewhere (CUDA, torch.compile) the schedule gets the step tensor and returns tensors."""
+        own call. Elsewhere (CUDA, torch.compile, jit.trace, torch.func) the schedule gets the step tensor and returns
+        tensors."""
         if self.schedule is None:
             return self.rmax, self.dmax
         step = self.num_batches_tracked
-        if input.device.type == "cpu" and step.device.type == "cpu" and not torch.compiler.is_compiling():
+        if plain and input.device.type == "cpu" and step.device.type == "cpu":
             step = int(step)
         return self.schedule(step)
 
@@ -480,8 +583,9 @@ class SyncBatchRenorm(_BatchRenorm):
         if count > 0:
             mean, var = NF.moments(input, (0,) + tuple(range(2, input.dim())))
             mean, var = mean.double(), var.double()
-        else:  # an empty slice on this rank still joins the collective
-            mean = var = torch.zeros(c, dtype=torch.float64, device=input.device)
+        else:  # an empty slice on this rank still joins the collectives, the backward all-reduce included: the
+            # zeros are a sum over the empty input, so they carry its autograd graph as the other ranks' moments do
+            mean = var = input.sum((0,) + tuple(range(2, input.dim()))).double()
         local = torch.cat([count * mean, count * (var + mean.square()), mean.new_full((1,), float(count))])
         total = _AllReduceSum.apply(local, self.process_group or dist.group.WORLD)
         n = float(total[-1].item())  # identical on every rank, so every rank raises together below
@@ -495,18 +599,9 @@ class SyncBatchRenorm(_BatchRenorm):
         if self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all()):
             raise self._non_finite_error()
 
-        updating = self._updating()
-        if updating:
-            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
-            r, d = NF.renorm_correction(g_mean, g_var, self.running_mean, self.running_var, self.eps, rmax, dmax)
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                f = self._factor()
-                unbiased = g_var * (n / (n - 1))
-                self.running_mean.mul_(1 - f).add_((f * g_mean).to(self.running_mean.dtype))
-                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
-        else:
-            r = d = None
+        r = d = None
+        if self._updating():
+            r, d = self._sync_step(g_mean, g_var, n)
 
         # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
         a = torch.rsqrt(g_var + self.eps)
@@ -523,6 +618,26 @@ class SyncBatchRenorm(_BatchRenorm):
         shape = (1, c) + (1,) * (input.dim() - 2)
         out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
         return out.to(input.dtype)
+
+    def _sync_step(self, g_mean: Tensor, g_var: Tensor, n: float):
+        """r and d from the global statistics and the running statistics before the step, which then updates them;
+        a checkpoint recomputation (inside a backward pass, matched by its bit-identical global statistics, see
+        :meth:`_BatchRenorm._recompute`) replays its original step instead and updates nothing."""
+        mean, var = g_mean.detach(), g_var.detach()
+        found = self._find_record(mean, var) if torch._C._current_graph_task_id() != -1 else None
+        if found is None:
+            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
+            prior = NF._snapshot(self.running_mean, self.running_var)
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                f = self._factor()
+                unbiased = var * (n / (n - 1))
+                self.running_mean.mul_(1 - f).add_((f * mean).to(self.running_mean.dtype))
+                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
+            self._remember((mean.clone(), var.clone()), prior, rmax, dmax)
+        else:
+            prior, rmax, dmax = found
+        return NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
 
     @classmethod
     def convert_sync_batchrenorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
