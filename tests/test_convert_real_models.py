@@ -17,9 +17,8 @@ from normlab.convert import CONVERT_TARGETS, convert_norm, fold_for_inference
 
 timm = pytest.importorskip("timm")
 tv_models = pytest.importorskip("torchvision.models")
-from torchvision.ops.misc import FrozenBatchNorm2d  # noqa: E402
-
 from timm.layers import BatchNormAct2d, ScaledStdConv2d, StdConv2d  # noqa: E402
+from torchvision.ops.misc import FrozenBatchNorm2d  # noqa: E402
 
 # name -> what it covers
 TIMM = {
