@@ -32,7 +32,8 @@ converted and the original is left as it is):
   call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the
   ``torch.fx`` dataflow shows its input is a ``Conv1d``/``ConvTranspose1d`` output. Its input coming from
   ``nn.Linear``, or no way to tell, is refused. Also refused: ``in``/``sn`` for a layer that sees a single spatial
-  position on ``example_input`` (instance statistics need more than one).
+  position on ``example_input`` (instance statistics need more than one). ``nn.SyncBatchNorm`` takes any rank: the
+  new layer's dimension is the one it sees on ``example_input`` ((N, C) is refused as above), else 2.
 - ``to="pws"`` or ``"ws"``: every plain ``nn.Conv{1,2,3}d`` (exact type) becomes the matching
   ``PWSConv``/``WSConv`` with the same arguments, raw weight and bias; ``**kw`` go to the new conv (``gamma``,
   ``relative_gamma``, ``init_alpha``, ``eps`` ...). Left as they are, named in one warning: transposed convs
@@ -283,7 +284,8 @@ def _refusals(model, to: str, bns: list, names: dict, example_input) -> list[str
     if to not in _NEEDS_LENGTH:
         return []
     bn1d = [m for m, spec in bns if spec.dim == 1]
-    check = bn1d + [m for m, _ in bns if to in _INSTANCE_STATS and example_input is not None and m not in bn1d]
+    check = bn1d + [m for m, spec in bns if example_input is not None and m not in bn1d
+                    and (spec.dim is None or to in _INSTANCE_STATS)]
     if not check:
         return []
     seen = _seen_shapes(model, check, example_input) if example_input is not None else {}

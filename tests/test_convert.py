@@ -726,3 +726,13 @@ def test_fold_transposed_convs_and_pws_names_them():
         pws = convert_norm(model, "pws")
     assert type(pws.up) is nn.ConvTranspose2d and type(pws.up_bn) is nn.BatchNorm2d  # kept: its conv is not PWS
     assert isinstance(pws.down[1], nn.Identity)
+
+
+def test_sync_batchnorm_takes_the_rank_example_input_shows():
+    from normlab.nn import InstanceNorm1d
+
+    seq = nn.Sequential(nn.Conv1d(3, 4, 3), nn.SyncBatchNorm(4))
+    assert type(convert_norm(seq, "in", inplace=False, example_input=torch.randn(2, 3, 9))[1]) is InstanceNorm1d
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match=r"cannot replace 1 \(SyncBatchNorm\) sees \(N, C\) input"):
+        convert_norm(mlp, "gn", example_input=torch.randn(2, 3))

@@ -7,6 +7,7 @@ a wrong fold or a lost activation shows in the outputs.
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -98,11 +99,20 @@ def test_to_bn_keeps_the_function(name):
     model, x = build(name), inputs()
     with torch.no_grad():
         y = model(x)
-        converted = convert_norm(model, "bn", inplace=False)
+        converted = convert_norm(copy.deepcopy(model), "bn")
         assert rel_err(converted(x), y) < 1e-6  # timm BatchNormAct2d lost its activation here (up to 0.4)
     acts = [type(m.act) for m in model.modules() if isinstance(m, BatchNormAct2d)]
     assert [type(m.act) for m in converted.modules() if isinstance(m, BatchNormAct2d)] == acts
     assert FrozenBatchNorm2d not in norm_types(converted)
+
+
+@pytest.mark.parametrize("to", ["none", "pws", "brn", "gn"])
+@pytest.mark.parametrize("name", ["regnetx_002", "mobilenetv3_small_050", "densenet121"])
+def test_norm_act_layers_keep_their_activation(name, to):
+    model = build(name)
+    before = norm_act_acts(model)
+    convert_norm(model, to)  # none/pws: the old converter replaced each BatchNormAct2d by Identity
+    assert norm_act_acts(model) == before and len(before) > 10
 
 
 @pytest.mark.parametrize("to", CONVERT_TARGETS)
