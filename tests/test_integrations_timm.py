@@ -29,7 +29,7 @@ X = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
 
 def acts(model: nn.Module, cls: type) -> list[str]:
-    return [type(m.act).__name__ for m in model.modules() if isinstance(m, cls)]
+    return [type(m.act).__name__ for m in model.modules() if isinstance(m, cls) and hasattr(m, "act")]
 
 
 def sn_workaround(model: nn.Module) -> None:
@@ -147,3 +147,19 @@ def test_docstring_examples_run():
 
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.failed == 0 and result.attempted >= 4
+
+
+def test_fold_a_model_built_on_batch_renorm_act():
+    from normlab.convert import fold_for_inference
+
+    torch.manual_seed(0)
+    model = timm.create_model("regnetx_002", pretrained=False, num_classes=4, norm_layer=BatchRenormAct2d)
+    model.train()
+    with torch.no_grad():
+        model(X)  # running statistics away from their init
+    model.eval()
+    folded = fold_for_inference(model, example_input=X)
+    assert not any(isinstance(m, BatchRenorm2d) for m in folded.modules())
+    assert acts(folded, nn.Sequential) == acts(model, BatchRenormAct2d)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(X), model(X), rtol=1e-4, atol=1e-6)
