@@ -581,11 +581,12 @@ def _registration_pairs(parent: nn.Module, keep, out: list) -> list[tuple[nn.Mod
     """(conv, BN) pairs that are neighbours in registration order: reported when the dataflow is unknown."""
     children = list(parent.named_children())
     for i, (_, child) in enumerate(children):
-        if _conv_dim(child) is not None and i + 1 < len(children):
+        is_conv = isinstance(child, nn.modules.conv._ConvNd)
+        if is_conv and i + 1 < len(children):
             nxt = children[i + 1][1]
             if keep(nxt) and _channels(nxt) == child.out_channels:
                 out.append((child, nxt))
-        elif _conv_dim(child) is None:
+        elif not is_conv:
             _registration_pairs(child, keep, out)
     return out
 
@@ -593,7 +594,7 @@ def _registration_pairs(parent: nn.Module, keep, out: list) -> list[tuple[nn.Mod
 def _default_inputs(convs: list[nn.Module]):
     """Example inputs for the first conv (registration order): batch 2, a few sizes per spatial dimension."""
     first = convs[0]
-    dim = _conv_dim(first) or _PLAIN_CONVS.get(type(first)) or 2
+    dim = first.weight.dim() - 2
     gen = torch.Generator().manual_seed(0)
     for size in _DEFAULT_SIZES.get(dim, ()):
         x = torch.randn(2, first.in_channels, *([size] * dim), generator=gen, dtype=first.weight.dtype)
@@ -622,6 +623,8 @@ def _trace(model: nn.Module, convs, norms, example_input) -> tuple[Flow | None, 
 def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -> str | None:
     if not foldable:
         return "a BatchNorm subclass with its own forward"
+    if _conv_dim(conv) is None:
+        return f"{type(conv).__name__} is a conv subclass with its own forward"
     reason = f"dataflow unknown ({why})" if flow is None else flow.verdict(conv, bn)
     if reason is None and conv.out_channels != _channels(bn):
         reason = "channel counts differ"
@@ -636,7 +639,7 @@ def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -
 def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
     """Decide the conv -> BN pairs to fold: (pairs, [(conv name, BN name, why not)], default input, its output)."""
     names = _names(model)
-    convs = _unique_modules(model, lambda m: _conv_dim(m) is not None)
+    convs = _unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd))  # foldable or not
     norms = _unique_modules(model, lambda m: _foldable_norm(m, known) or _unknown_bn(m, known))
     if not convs or not norms:
         return [], [], None, None

@@ -736,3 +736,19 @@ def test_sync_batchnorm_takes_the_rank_example_input_shows():
     mlp = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
     with pytest.raises(ValueError, match=r"cannot replace 1 \(SyncBatchNorm\) sees \(N, C\) input"):
         convert_norm(mlp, "gn", example_input=torch.randn(2, 3))
+
+
+class SamePadConv(nn.Conv2d):  # a conv subclass with its own forward (like timm's Conv2dSame)
+    def forward(self, x):
+        return super().forward(nn.functional.pad(x, (1, 1, 1, 1)))
+
+
+def test_fold_names_the_pairs_of_conv_subclasses_it_cannot_fold():
+    model = randomize_bns(nn.Sequential(SamePadConv(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1),
+                                        nn.BatchNorm2d(4))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.warns(UserWarning, match=r"left unfolded: 0 -> 1 \(SamePadConv is a conv subclass with its own"):
+        folded = fold_for_inference(model, example_input=x)
+    assert type(folded[1]) is nn.BatchNorm2d and isinstance(folded[3], nn.Identity)
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5
