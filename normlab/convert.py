@@ -49,12 +49,14 @@ converted and the original is left as it is):
 :func:`fold_for_inference` ``(model)``: an inference copy in eval mode in which every WS/PWS conv, every conv with
 a weight parametrization (``weight_norm``) and timm's ``StdConv2d``/``ScaledStdConv2d`` is a plain
 ``nn.Conv{d}d`` holding its effective kernel (always exact), and every eval-mode BatchNorm / BatchRenorm (with
-running statistics; frozen ones too; a BatchNorm + activation's BatchNorm part) whose only input is the output of a
+running statistics; frozen ones too; the norm part of a BatchNorm + activation or of
+:class:`~normlab.integrations.timm.BatchRenormAct2d`) whose only input is the output of a
 conv or a transposed conv is folded into that conv's weight and bias and replaced by ``nn.Identity`` (a BatchNorm +
 activation by ``nn.Sequential(drop, act)``). Folding follows the real dataflow, as above; a pair is folded only when
 the BN's only input is that conv's output, the conv's output has no other consumer, both run once per forward,
-nothing else reads their parameters and neither has hooks; every other conv/BN pair (and every BatchNorm subclass
-with its own forward fed by a conv) is left unfolded and named, with the reason, in one warning. When the dataflow
+nothing else reads their parameters and neither has hooks; every other conv/BN pair (a BatchNorm subclass with its
+own forward fed by a conv, a BatchNorm fed by a conv subclass with its own forward such as timm's ``Conv2dSame``,
+...) is left unfolded and named, with the reason, in one warning. When the dataflow
 cannot be established no BatchNorm is folded (warning). Folding is computed in float64 and cast back. Give
 ``example_input`` to check that the outputs agree (relative error <= ``rtol``, default 1e-5; a deep float32 model
 whose own rounding error exceeds that passes when the folded output is as close to the model computed in float64
