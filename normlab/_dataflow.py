@@ -1,4 +1,5 @@
-"""Which conv feeds which BatchNorm: the dataflow :func:`normlab.convert.fold_for_inference` relies on.
+"""Which conv feeds which BatchNorm: the dataflow :func:`normlab.convert.fold_for_inference` relies on (and
+:func:`normlab.convert.convert_norm`: which BatchNorm a PWS conversion removes, which module feeds a BatchNorm1d).
 
 A conv -> BN pair may be folded only when the BN's only input is that conv's output, the conv's output has no
 other consumer, each of them runs once per forward and nothing else reads their parameters. Two ways to establish

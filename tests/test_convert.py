@@ -504,3 +504,251 @@ def test_is_norm_layer_covers_torch_and_normlab_norms():
         assert is_norm_layer(mod), type(mod).__name__
     for mod in (nn.Conv2d(3, 3, 1), PWSConv2d(3, 3, 1), nn.Linear(3, 3)):
         assert not is_norm_layer(mod)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# convert_norm: shared modules, dataflow, (N, C) inputs, unknown subclasses, inplace
+# ----------------------------------------------------------------------------------------------------------
+class Aliased(nn.Module):  # one BN under two names, one conv + BN pair shared by two parents
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.bn_alias = self.bn
+        self.conv_alias = self.conv
+        shared = nn.Sequential(nn.Conv2d(8, 8, 1, bias=False), nn.BatchNorm2d(8))
+        self.a, self.b = nn.Sequential(shared), nn.Sequential(shared)
+
+    def forward(self, x):
+        return self.b(self.a(self.bn_alias(self.conv(x))))
+
+
+@pytest.mark.parametrize("to", ["brn", "gn", "sn", "none", "pws", "ws"])
+def test_shared_modules_stay_shared(to):
+    model = Aliased()
+    convert_norm(model, to)
+    assert model.bn is model.bn_alias and model.conv is model.conv_alias and model.a[0] is model.b[0]
+    assert model.a[0][0] is model.b[0][0] and model.a[0][1] is model.b[0][1]
+    assert not any(type(m) is nn.BatchNorm2d for m in model.modules()) or to == "ws"
+    if to in ("pws", "ws"):
+        assert type(model.conv) is (PWSConv2d if to == "pws" else WSConv2d)
+        assert type(model.a[0][0]) is type(model.conv)
+    model(torch.randn(2, 3, 6, 6)).sum().backward()
+
+
+class InputNorm(nn.Module):  # registered conv, bn_in, bn; applied conv(bn_in(x)) then bn: order != dataflow
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn_in = nn.BatchNorm2d(4)
+        self.head = nn.Conv2d(4, 4, 1)
+        self.relu = nn.ReLU()
+        self.bn = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.bn(self.head(self.relu(self.conv(self.bn_in(x)))))
+
+
+def test_pws_removes_the_norm_the_dataflow_feeds_not_the_next_registered():
+    model = convert_norm(InputNorm(), "pws")
+    assert type(model.bn_in) is nn.BatchNorm2d  # normalizes the input, not a conv's output: kept
+    assert isinstance(model.bn, nn.Identity)    # head's output norm (not head's registration neighbour): removed
+    assert model.head.bias is not None and type(model.head) is PWSConv2d
+    assert model(torch.randn(2, 4, 5, 5)).shape == (2, 4, 5, 5)
+
+
+class UnrunnablePlain(Unrunnable):  # as Unrunnable, with a plain stem conv (fx fails, no default input fits)
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(5, 4, 3)
+
+
+def test_pws_removes_nothing_when_the_dataflow_is_unknown():
+    model = UnrunnablePlain()
+    with pytest.warns(UserWarning, match="remove_norm: the dataflow could not be established"):
+        convert_norm(model, "pws")
+    assert type(model.bn) is nn.BatchNorm2d and type(model.stem) is PWSConv2d and type(model.head) is PWSConv2d
+    x = torch.randn(2, 5, 7, 7)
+    model2 = convert_norm(UnrunnablePlain(), "pws", example_input=x)  # the input establishes it
+    assert isinstance(model2.bn, nn.Identity) and model2.stem.bias is not None
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)  # N == C on purpose: (6, 6) input would run with the wrong semantics
+        self.bn = nn.BatchNorm1d(6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+class Seq1d(nn.Module):  # a Conv1d feeds the BatchNorm1d: (N, C, L)
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(3, 6, 3)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class Reshaped1d(nn.Module):  # the BatchNorm1d's input comes from a reshape: its rank is unknown without input
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x):
+        return self.bn(x.flatten(2))
+
+
+@pytest.mark.parametrize("to", ["gn", "ln", "in", "sn"])
+def test_norms_needing_a_length_axis_are_refused_for_bn1d_over_n_c(to):
+    model = MLP()
+    with pytest.raises(ValueError) as err:
+        convert_norm(model, to)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"convert_norm(to={to!r}): cannot replace bn (BatchNorm1d)")
+    assert "nn.Linear" in msg and "(N, C, L)" in msg
+    assert type(model.bn) is nn.BatchNorm1d  # nothing changed
+    with pytest.raises(ValueError, match=r"bn \(BatchNorm1d\) sees \(N, C\) input on example_input"):
+        convert_norm(model, to, example_input=torch.randn(6, 6))
+    conv = convert_norm(Seq1d(), to)  # fx shows a Conv1d feeds it: converted
+    assert conv(torch.randn(2, 3, 8)).shape == (2, 6, 6) and type(conv.bn) is not nn.BatchNorm1d
+    with pytest.raises(ValueError, match="give example_input"):
+        convert_norm(Reshaped1d(), to)
+    shown = convert_norm(Reshaped1d(), to, example_input=torch.randn(2, 6, 2, 3))
+    assert type(shown.bn) is not nn.BatchNorm1d
+
+
+@pytest.mark.parametrize("to", ["brn", "bn", "none"])
+def test_bn1d_over_n_c_converts_to_batch_norms(to):
+    model = MLP()
+    convert_norm(model, to)
+    assert model(torch.randn(6, 6)).shape == (6, 2)
+
+
+def test_instance_statistics_refused_where_example_input_shows_one_position():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.BatchNorm2d(4))
+    with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\) sees input \(2, 4, 1, 1\) on example_input"):
+        convert_norm(model, "in", example_input=torch.randn(2, 3, 4, 4))
+    assert convert_norm(model, "gn", example_input=torch.randn(2, 3, 4, 4))[1].num_groups == 4
+
+
+class OwnForwardBN(nn.BatchNorm2d):  # a BatchNorm subclass that computes something else
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class PlainSubclassBN(nn.BatchNorm2d):  # same forward as BatchNorm2d: converted
+    pass
+
+
+@pytest.mark.parametrize("to", ["brn", "none", "pws"])
+def test_unknown_batchnorm_subclasses_are_left_and_named_in_one_warning(to):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), OwnForwardBN(4), nn.Conv2d(4, 4, 1), OwnForwardBN(4),
+                          nn.Conv2d(4, 4, 1), PlainSubclassBN(4))
+    with pytest.warns(UserWarning) as record:
+        convert_norm(model, to)
+    msgs = [str(w.message) for w in record if "own forward" in str(w.message)]
+    assert len(msgs) == 1 and "1 (OwnForwardBN), 3 (OwnForwardBN)" in msgs[0]
+    assert type(model[1]) is OwnForwardBN and type(model[3]) is OwnForwardBN
+    assert type(model[5]) is not PlainSubclassBN
+    folded = None
+    with pytest.warns(UserWarning, match=r"0 -> 1 \(a BatchNorm subclass with its own forward\)"):
+        folded = fold_for_inference(randomize_bns(model).eval(), example_input=torch.randn(2, 3, 6, 6))
+    assert type(folded[1]) is OwnForwardBN
+
+
+def test_sync_batchnorm_to_brn_is_sync_batch_renorm():
+    from normlab.nn import BatchRenorm2d, SyncBatchRenorm
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    convert_norm(model, "brn")
+    assert type(model[1]) is SyncBatchRenorm and type(model[3]) is BatchRenorm2d
+    fold_input = torch.randn(2, 3, 6, 6)
+    ref = randomize_bns(nn.Sequential(nn.Conv2d(3, 4, 3), nn.SyncBatchNorm(4))).eval()
+    folded = fold_for_inference(ref, example_input=fold_input)  # eval SyncBatchNorm folds
+    assert isinstance(folded[1], nn.Identity)
+
+
+def test_inplace_false_converts_a_copy():
+    model = trained_resnet()
+    x = torch.randn(2, 3, 12, 12)
+    with torch.no_grad():
+        y = model(x)
+    for to in ("brn", "pws"):
+        out = convert_norm(model, to, inplace=False)
+        assert out is not model and count(model, nn.BatchNorm2d) == 8 and count(model, nn.Conv2d) == 8
+        assert not any(type(m) is nn.BatchNorm2d for m in out.modules())
+    with torch.no_grad():
+        assert torch.equal(model(x), y)
+    assert convert_norm(model, "brn") is model  # default: in place
+
+
+# ----------------------------------------------------------------------------------------------------------
+# transposed convs (a U-Net's up-convolutions)
+# ----------------------------------------------------------------------------------------------------------
+class TinyUNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.down = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU())
+        self.up = nn.ConvTranspose2d(8, 6, 3, stride=2, padding=1, output_padding=1, groups=2)
+        self.up_bn = nn.BatchNorm2d(6)
+        self.up3 = nn.ConvTranspose3d(2, 4, 2, stride=2, bias=False)
+        self.up3_bn = nn.BatchNorm3d(4)
+        self.head = nn.Conv2d(6 + 3, 2, 1)
+
+    def forward(self, x):
+        u = torch.relu(self.up_bn(self.up(self.down(x))))
+        v = self.up3_bn(self.up3(x[:, :2, None]))  # (N, 2, 1, H, W) -> (N, 4, 2, 2H, 2W)
+        return self.head(torch.cat([u, x], 1)) + v.mean((1, 2))[:, None, ::2, ::2]
+
+
+def test_fold_transposed_convs_and_pws_names_them():
+    torch.manual_seed(11)
+    model = TinyUNet().eval()
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.5, 0.5)
+    x = torch.randn(2, 3, 8, 8)
+    folded = fold_for_inference(model, example_input=x)
+    assert isinstance(folded.up_bn, nn.Identity) and isinstance(folded.up3_bn, nn.Identity)
+    assert type(folded.up) is nn.ConvTranspose2d and folded.up.output_padding == (1, 1) and folded.up.groups == 2
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5
+    with pytest.warns(UserWarning, match=r"left as they are: up \(ConvTranspose2d: a transposed conv.*up3 \("):
+        pws = convert_norm(model, "pws")
+    assert type(pws.up) is nn.ConvTranspose2d and type(pws.up_bn) is nn.BatchNorm2d  # kept: its conv is not PWS
+    assert isinstance(pws.down[1], nn.Identity)
+
+
+def test_sync_batchnorm_takes_the_rank_example_input_shows():
+    from normlab.nn import InstanceNorm1d
+
+    seq = nn.Sequential(nn.Conv1d(3, 4, 3), nn.SyncBatchNorm(4))
+    assert type(convert_norm(seq, "in", inplace=False, example_input=torch.randn(2, 3, 9))[1]) is InstanceNorm1d
+    mlp = nn.Sequential(nn.Linear(3, 4), nn.SyncBatchNorm(4))
+    with pytest.raises(ValueError, match=r"cannot replace 1 \(SyncBatchNorm\) sees \(N, C\) input"):
+        convert_norm(mlp, "gn", example_input=torch.randn(2, 3))
+
+
+class SamePadConv(nn.Conv2d):  # a conv subclass with its own forward (like timm's Conv2dSame)
+    def forward(self, x):
+        return super().forward(nn.functional.pad(x, (1, 1, 1, 1)))
+
+
+def test_fold_names_the_pairs_of_conv_subclasses_it_cannot_fold():
+    model = randomize_bns(nn.Sequential(SamePadConv(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1),
+                                        nn.BatchNorm2d(4))).eval()
+    x = torch.randn(2, 3, 6, 6)
+    with pytest.warns(UserWarning, match=r"left unfolded: 0 -> 1 \(SamePadConv is a conv subclass with its own"):
+        folded = fold_for_inference(model, example_input=x)
+    assert type(folded[1]) is nn.BatchNorm2d and isinstance(folded[3], nn.Identity)
+    with torch.no_grad():
+        assert rel_err(folded(x), model(x)) < 1e-5

@@ -1,0 +1,232 @@
+"""normlab's norms as timm NormAct layers (norm, then ``drop``, then ``act``), for ``timm.create_model``.
+
+timm builds most of its CNNs from "NormAct" layers: a normalization whose forward also applies a dropout-like
+``drop`` module and an activation ``act`` (``timm.layers.BatchNormAct2d``, ``GroupNormAct``, ...). The classes here
+are the same layout on normlab's norms, with exactly ``BatchNormAct2d``'s constructor
+``(num_features, eps, momentum, affine, track_running_stats, apply_act, act_layer, act_kwargs, inplace,
+drop_layer, device, dtype)`` (plus keyword-only arguments of the norm):
+
+=========================  ==========================================  ===========================================
+class                      norm (registry name)                        notes
+=========================  ==========================================  ===========================================
+:class:`BatchRenormAct2d`  :class:`~normlab.nn.BatchRenorm2d` (brn)    state_dict keys equal ``BatchNormAct2d``'s
+                                                                       (timm checkpoints load); ``rmax``, ``dmax``,
+                                                                       ``schedule``, ``check_finite`` keyword-only
+:class:`SyncBatchRenormAct` :class:`~normlab.nn.SyncBatchRenorm`       ``process_group`` keyword-only
+:class:`SwitchableNormAct2d` :class:`~normlab.nn.SwitchableNorm2d` (sn) ``momentum`` in BatchNorm's convention
+                                                                       (weight of the new value; SN's is
+                                                                       ``1 - momentum``); always affine
+:class:`InstanceNormAct2d` :class:`~normlab.nn.InstanceNorm2d` (in)    ``track_running_stats`` defaults to False
+:class:`GroupNormAct2d`    ``nn.GroupNorm``, largest divisor <= 32      ``num_groups`` keyword-only; ``momentum``
+                           of C groups (gn)                            and ``track_running_stats`` unused
+:class:`GroupNorm1Act2d`   ``nn.GroupNorm`` with one group (ln)        as ``GroupNormAct2d``
+=========================  ==========================================  ===========================================
+
+Importing this module registers the classes with ``timm.layers.get_norm_act_layer`` (the factory timm's
+architectures call on their ``norm_layer`` argument), so ``timm.create_model("regnetx_002",
+norm_layer=BatchRenormAct2d)`` builds the network on BatchRenorm with the architecture's own activations;
+``norm_layer=BatchRenorm2d`` (the bare norm) maps to ``BatchRenormAct2d`` the way ``nn.BatchNorm2d`` maps to
+``BatchNormAct2d``, and so does ``SwitchableNorm2d``; the strings ``"batchrenorm"`` and ``"switchablenorm"`` work
+too. Architectures that take a bare norm and add their own activation (timm's ``resnet``) take
+``BatchRenorm2d`` itself. :func:`normlab.convert.convert_norm` of a timm model turns each ``BatchNormAct2d`` into
+the class of the target here, reusing its ``drop``/``act`` modules. Needs ``pip install 'normlab[timm]'``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor, nn
+
+from normlab.nn.batch_renorm import BatchRenorm2d, SyncBatchRenorm
+from normlab.nn.instance_norm import InstanceNorm2d
+from normlab.nn.registry import default_groups
+from normlab.nn.switchable import SwitchableNorm2d
+
+try:
+    import timm  # noqa: F401 - the docstring examples use it
+    import timm.layers as _timm_layers
+    import timm.layers.create_norm_act as _timm_factory
+except ImportError:  # pragma: no cover - the extra is not installed
+    raise ModuleNotFoundError("timm is not installed: pip install 'normlab[timm]'", name="timm") from None
+
+__all__ = ["BatchRenormAct2d", "SyncBatchRenormAct", "SwitchableNormAct2d", "InstanceNormAct2d", "GroupNormAct2d",
+           "GroupNorm1Act2d", "NORM_ACT_CLASSES", "register"]
+
+
+class _NormAct:
+    """Mixin: ``forward(x) = act(drop(norm(x)))`` with the norm's own parameters at the top level (timm's
+    layout, so the state_dict keys are the norm's)."""
+
+    def _init_act(self, apply_act: bool, act_layer, act_kwargs: dict | None, inplace: bool, drop_layer) -> None:
+        self.drop = drop_layer() if drop_layer is not None else nn.Identity()
+        act = None
+        if apply_act and act_layer is not None:
+            kwargs = dict(act_kwargs or {})
+            kwargs.setdefault("inplace", inplace)
+            act = _timm_layers.create_act_layer(act_layer, **kwargs)
+        self.act = nn.Identity() if act is None else act
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: the norm's input -> ``act(drop(norm(x)))``, same shape."""
+        return self.act(self.drop(super().forward(x)))
+
+
+class BatchRenormAct2d(_NormAct, BatchRenorm2d):
+    """:class:`~normlab.nn.BatchRenorm2d`, then ``drop``, then ``act``: a drop-in for ``timm.layers.BatchNormAct2d``.
+
+    Args:
+        num_features, eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
+        apply_act, act_layer, act_kwargs, inplace, drop_layer: as ``timm.layers.BatchNormAct2d`` (``act_layer`` may be
+            a class or a timm activation name such as ``"silu"``).
+        device, dtype: factory arguments.
+        **norm_kwargs: keyword-only :class:`~normlab.nn.BatchRenorm2d` arguments (``rmax``, ``dmax``, ``schedule``,
+            ``check_finite``).
+
+    Shape:
+        Input (N, C, H, W); output: the same.
+
+    Example:
+        >>> m = BatchRenormAct2d(8, act_layer="silu")
+        >>> sorted(m.state_dict()) == sorted(timm.layers.BatchNormAct2d(8).state_dict())
+        True
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
+                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
+                 dtype=None, **norm_kwargs) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **norm_kwargs)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+class SyncBatchRenormAct(_NormAct, SyncBatchRenorm):
+    """:class:`~normlab.nn.SyncBatchRenorm`, then ``drop``, then ``act`` (timm's ``SyncBatchNormAct`` on BatchRenorm).
+
+    Args: as :class:`BatchRenormAct2d`, plus keyword-only ``process_group``.
+
+    Shape:
+        Input (N, C, *); output: the same.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
+                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
+                 dtype=None, *, process_group=None, **norm_kwargs) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
+                         **norm_kwargs)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+class SwitchableNormAct2d(_NormAct, SwitchableNorm2d):
+    """:class:`~normlab.nn.SwitchableNorm2d`, then ``drop``, then ``act``.
+
+    Args:
+        momentum: BatchNorm's convention, the weight of the new batch statistics (SwitchableNorm's own momentum,
+            the weight of the old value, is ``1 - momentum``).
+        affine: must be True (SwitchableNorm always has a weight and a bias).
+        track_running_stats: SwitchableNorm's ``using_moving_average`` (False: batch statistics in eval too).
+        others: as :class:`BatchRenormAct2d`; ``**norm_kwargs``: ``using_bn``, ``last_gamma``.
+
+    Shape:
+        Input (N, C, H, W) with H * W > 1; output: the same.
+
+    Example:
+        >>> SwitchableNormAct2d(8, momentum=0.1).momentum
+        0.9
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
+                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
+                 dtype=None, **norm_kwargs) -> None:
+        if not affine:
+            raise ValueError("SwitchableNormAct2d: affine must be True (SwitchableNorm always has weight and bias), "
+                             "got affine=False")
+        if momentum is None:
+            raise ValueError("SwitchableNormAct2d: momentum must be a number in [0, 1] (BatchNorm's convention), "
+                             "got None (cumulative average is not supported)")
+        super().__init__(num_features, eps, 1.0 - momentum, track_running_stats, device=device, dtype=dtype,
+                         **norm_kwargs)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+class InstanceNormAct2d(_NormAct, InstanceNorm2d):
+    """:class:`~normlab.nn.InstanceNorm2d`, then ``drop``, then ``act``; ``track_running_stats`` defaults to False
+    (instance statistics in eval too, the registry's ``in``).
+
+    Shape:
+        Input (N, C, H, W) with H * W > 1; output: the same.
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = False, apply_act: bool = True, act_layer: Any = nn.ReLU,
+                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
+                 dtype=None, **norm_kwargs) -> None:
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **norm_kwargs)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+class GroupNormAct2d(_NormAct, nn.GroupNorm):
+    """``nn.GroupNorm`` over ``num_groups`` groups (default: the largest divisor of C that is <= 32, the registry's
+    ``gn``), then ``drop``, then ``act``; BatchNormAct2d's constructor (``momentum`` and ``track_running_stats`` are
+    accepted and unused: GroupNorm has no running statistics).
+
+    Shape:
+        Input (N, C, *); output: the same.
+
+    Example:
+        >>> GroupNormAct2d(48).num_groups
+        24
+    """
+
+    _one_group = False
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
+                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
+                 dtype=None, *, num_groups: int | None = None) -> None:
+        if self._one_group:
+            groups = 1
+        else:
+            groups = default_groups(num_features) if num_groups is None else num_groups
+        super().__init__(groups, num_features, eps, affine, device=device, dtype=dtype)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+class GroupNorm1Act2d(GroupNormAct2d):
+    """``nn.GroupNorm`` with one group (over C and all positions: the registry's ``ln``), then ``drop``, then
+    ``act``; constructor as :class:`GroupNormAct2d` (``num_groups`` is ignored)."""
+
+    _one_group = True
+
+
+# registry name -> NormAct class (what convert_norm builds for a timm BatchNormAct2d); "bn" is timm's own
+NORM_ACT_CLASSES: dict[str, type] = {
+    "bn": _timm_layers.BatchNormAct2d,
+    "brn": BatchRenormAct2d,
+    "sn": SwitchableNormAct2d,
+    "in": InstanceNormAct2d,
+    "gn": GroupNormAct2d,
+    "ln": GroupNorm1Act2d,
+}
+
+
+def register() -> None:
+    """Make timm's ``get_norm_act_layer`` accept the classes here (done once, on import; idempotent).
+
+    Example:
+        >>> timm.layers.get_norm_act_layer(BatchRenorm2d, "silu").func is BatchRenormAct2d
+        True
+    """
+    classes = (BatchRenormAct2d, SyncBatchRenormAct, SwitchableNormAct2d, InstanceNormAct2d, GroupNormAct2d,
+               GroupNorm1Act2d)
+    _timm_factory._NORM_ACT_TYPES.update(classes)
+    _timm_factory._NORM_ACT_REQUIRES_ARG.update(classes)
+    names = {"batchrenorm": BatchRenormAct2d, "batchrenorm2d": BatchRenormAct2d,
+             "switchablenorm": SwitchableNormAct2d, "switchablenorm2d": SwitchableNormAct2d}
+    _timm_factory._NORM_ACT_MAP.update(names)
+    _timm_factory._NORM_TO_NORM_ACT_MAP.update(names)
+
+
+register()
