@@ -216,11 +216,20 @@ def _derived(bn: nn.Module, to: str, cls: type) -> dict:
     return {k: v for k, v in out.items() if k in accepted}
 
 
+def _out_of_place(m: nn.Module) -> nn.Module:
+    """``m`` with ``inplace`` switched off: without the norm in front, an in-place activation (or dropout) would
+    overwrite the norm's *input*, which other layers may read too (DPN's dual paths: a wrong forward, or autograd's
+    "modified by an inplace operation")."""
+    if getattr(m, "inplace", False) is True:
+        m.inplace = False
+    return m
+
+
 def _new_norm(bn: nn.Module, spec: _BN, to: str, dim: int, kw: dict) -> nn.Module:
     """The ``to`` layer computing in place of ``bn`` (reusing its drop/act modules), with the state that carries."""
     channels = _channels(bn)
     if spec.act and to == "none":
-        return nn.Sequential(OrderedDict(drop=bn.drop, act=bn.act))
+        return nn.Sequential(OrderedDict(drop=_out_of_place(bn.drop), act=_out_of_place(bn.act)))
     if to == "none":
         return nn.Identity()
     if spec.act:

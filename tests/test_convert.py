@@ -752,3 +752,32 @@ def test_fold_names_the_pairs_of_conv_subclasses_it_cannot_fold():
     assert type(folded[1]) is nn.BatchNorm2d and isinstance(folded[3], nn.Identity)
     with torch.no_grad():
         assert rel_err(folded(x), model(x)) < 1e-5
+
+
+class _SharedInput(nn.Module):
+    """y = norm_act(x) + x: the norm's input is read again after it (DPN's dual paths, residual blocks)."""
+
+    def __init__(self, norm_act: nn.Module):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm_act = norm_act
+
+    def forward(self, x):
+        h = self.conv(x)
+        return self.norm_act(h) + h
+
+
+def test_removing_a_norm_before_an_in_place_activation_does_not_overwrite_its_input():
+    from conftest import needs
+
+    layers = needs("timm.layers")
+    torch.manual_seed(100)
+    model = _SharedInput(layers.BatchNormAct2d(4, act_layer=nn.ReLU, inplace=True))
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    convert_norm(model, "none")
+    h = model.conv(x)
+    expected = torch.relu(h) + h  # the norm is gone, the activation stays, the shortcut keeps the raw h
+    y = model(x)
+    torch.testing.assert_close(y, expected)
+    y.sum().backward()  # an in-place ReLU on h would also break autograd ("modified by an inplace operation")
+    assert torch.isfinite(x.grad).all()
