@@ -125,11 +125,12 @@ def _check_backend(args: argparse.Namespace) -> None:
             check_address(args.address)
 
 
-def _announce(args: argparse.Namespace, cells, out: Path) -> None:
-    """Say how many runs and about how long before starting; refuse a long grid without --yes (in one line)."""
+def _announce(args: argparse.Namespace, cells, out: Path) -> str | None:
+    """How many runs and about how long, to say before starting (None: nothing to train); refuses a long grid
+    without --yes (in one line, before anything is written)."""
     todo = [c for c in cells if _cell_done(out / "runs" / c.cell_id, c) is None]
     if not todo:
-        return
+        return None
     workers = args.workers or default_workers()
     minutes = estimate_minutes(todo, workers)
     where = "on the Ray cluster (timed here)" if args.address else f"with {min(workers, len(todo))} worker(s) here"
@@ -139,7 +140,7 @@ def _announce(args: argparse.Namespace, cells, out: Path) -> None:
     if minutes > CONFIRM_MINUTES and not args.yes:
         raise UsageError(f"--yes: {plan}; pass --yes to start it, or make it smaller (--norms, --seeds, --epochs, "
                          "--width); `normlab demo` is the 5-minute tour")
-    print(f"normlab compare: {plan}", file=sys.stderr)
+    return f"normlab compare: {plan}"
 
 
 def spec_text(args: argparse.Namespace) -> str:
@@ -155,8 +156,10 @@ def run(args: argparse.Namespace) -> int:
     cells = expand_grid(spec)
     check_grid(cells)
     out = Path(args.out)
-    _announce(args, cells, out)
-    with out_lock(out, NAME):
+    plan = _announce(args, cells, out)
+    with out_lock(out, NAME):  # said once the directory is ours (a refusal of the lock stays one line)
+        if plan:
+            print(plan, file=sys.stderr)
         results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
                            threads=args.threads, backend=args.backend, address=args.address)
     print_summary(results, out)
