@@ -80,3 +80,20 @@ def test_no_function_longer_than_80_lines():
 def test_no_file_points_outside_the_repository():
     for path in PACKAGE.rglob("*.py"):
         assert "REFERENCE.md" not in path.read_text(), path
+
+
+def test_the_declared_torch_floor_is_the_release_the_tests_run_on():
+    """pyproject's lowest torch is the Makefile's pin (the tests run on it), and the running torch satisfies it."""
+    import re
+
+    import torch
+
+    root = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"torch>=([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)
+    pin = re.search(r"TORCH_PIN \?= torch==([0-9.]+)", (root / "Makefile").read_text()).group(1)
+    def release(v: str) -> tuple[int, ...]:
+        parts = [int(p) for p in v.split("+")[0].split(".")]
+        return tuple(parts + [0] * (3 - len(parts)))
+
+    assert release(floor) == release(pin), f"pyproject declares torch>={floor}, make test runs torch=={pin}"
+    assert release(torch.__version__) >= release(floor)
