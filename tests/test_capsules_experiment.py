@@ -11,9 +11,9 @@ import torch
 from conftest import refused
 
 from normlab.cli import main
-from normlab.runner.capsules import CapsSpec, coupling_entropy, expand_cells, run_capsules
-from normlab.runner.capsules_stats import paired, t_quantile, verdicts
 from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
+from normlab.runner.experiments.capsules.stats import paired, t_quantile, verdicts
 
 
 def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):

@@ -1,4 +1,4 @@
-"""normlab.runner.data: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
+"""normlab.runner.data.datasets: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
 
 import hashlib
 import io
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from normlab.runner import cifar10, mnist1d
-from normlab.runner.data import DATASETS, ArrayDataset, flip_crop, get_dataset
+from normlab.runner.data import cifar10, mnist1d
+from normlab.runner.data.datasets import DATASETS, ArrayDataset, flip_crop, get_dataset
 
 
 def test_unknown_name_lists_valid_ones():

@@ -8,11 +8,11 @@ import math
 import pytest
 
 from normlab.nn import resolve_comparison as resolve_norm
-from normlab.runner.execute import run_grid
-from normlab.runner.grid import GridSpec, expand_grid
-from normlab.runner.report import markdown_table, render_report
-from normlab.runner.results import load_results
-from normlab.runner.verdicts import headline_effects
+from normlab.runner.grid.execute import run_grid
+from normlab.runner.grid.report import markdown_table, render_report
+from normlab.runner.grid.results import load_results
+from normlab.runner.grid.spec import GridSpec, expand_grid
+from normlab.runner.grid.verdicts import headline_effects
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -274,7 +274,7 @@ def test_identical_norms_reported():
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     # the grid dies in its second cell: results.json already holds the first one and renders as partial
-    import normlab.runner.execute as ex
+    import normlab.runner.grid.execute as ex
     from normlab.cli import main
 
     real = ex._run_cell
@@ -300,7 +300,7 @@ def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
 
 
 def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path):
-    from normlab.runner.execute import CellsFailed
+    from normlab.runner.grid.execute import CellsFailed
 
     spec = _tiny_spec(norms=("bn", "gn"), lrs=(0.05,), max_steps_per_epoch=1)
     bad, good = expand_grid(spec)

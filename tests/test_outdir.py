@@ -15,8 +15,8 @@ import pytest
 
 from normlab.cli import main
 from normlab.runner.errors import UsageError
-from normlab.runner.execute import prepare_grid, run_grid
-from normlab.runner.grid import GridSpec, expand_grid
+from normlab.runner.grid.execute import prepare_grid, run_grid
+from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.io import TEMP_SUFFIX, check_dir_option
 from normlab.runner.lock import LOCK_NAME, lock_holder, out_lock
 

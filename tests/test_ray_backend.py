@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 from conftest import needs
 
-from normlab.runner.execute import CellsFailed, run_grid
-from normlab.runner.grid import GridSpec, expand_grid
-from normlab.runner.results import load_results
-from normlab.runner.train import Trainer
+from normlab.runner.grid.execute import CellsFailed, run_grid
+from normlab.runner.grid.results import load_results
+from normlab.runner.grid.spec import GridSpec, expand_grid
+from normlab.runner.training.train import Trainer
 
 _TIMING = ("step_time_s", "time_s")
 
@@ -191,9 +191,9 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
 
 def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     from normlab.cli import main
-    from normlab.runner import ray_backend
     from normlab.runner.errors import RunError, UsageError
-    from normlab.runner.execute import prepare_grid
+    from normlab.runner.grid import ray_backend
+    from normlab.runner.grid.execute import prepare_grid
 
     with pytest.raises(UsageError, match="cuda:1 with --backend ray.*use --device cuda"):
         ray_backend._gpus("cuda:1", 8)

@@ -2,7 +2,8 @@
 
 Every option value is checked where it is parsed: a bad value ends the command with one line naming the option
 and what was expected (exit code 2), before anything is written. The runner's own checks
-(:meth:`~normlab.runner.config.TrainConfig.validate`, :class:`~normlab.runner.grid.GridSpec`) stay as a second net.
+(:meth:`~normlab.runner.training.config.TrainConfig.validate`, :class:`~normlab.runner.grid.spec.GridSpec`)
+stay as a second net.
 """
 
 from __future__ import annotations
@@ -11,12 +12,12 @@ import argparse
 import math
 
 from normlab.nn import resolve_comparison
-from normlab.runner.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
-from normlab.runner.data import DATASETS, get_dataset
+from normlab.runner.data.datasets import DATASETS, get_dataset
+from normlab.runner.data.mnist1d import DEFAULT_SAMPLES
 from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option
-from normlab.runner.mnist1d import DEFAULT_SAMPLES
 from normlab.runner.models import MODELS
+from normlab.runner.training.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
 
 __all__ = ["OneLineParser", "list_of", "names", "fraction", "positive_int", "finite_float", "number", "integer",
            "device", "add_data_args", "add_optim_args", "add_out_arg", "add_run_args", "train_kwargs",

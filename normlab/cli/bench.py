@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from normlab.runner.bench import step_times
-from normlab.runner.data import DATASETS
-from normlab.runner.grid import DEFAULT_NORMS
+from normlab.runner.data.datasets import DATASETS
+from normlab.runner.grid.spec import DEFAULT_NORMS
 from normlab.runner.models import MODELS
 
 from .args import check_name, names, positive_int, resolve_name, threads_int, width_float

@@ -6,9 +6,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from normlab.runner.capsules import DATASETS, GRADS, RECONS, CapsSpec, expand_cells, quick_spec, run_capsules
-from normlab.runner.capsules_report import summary_lines, variant_table
 from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.experiment import (
+    DATASETS,
+    GRADS,
+    RECONS,
+    CapsSpec,
+    expand_cells,
+    quick_spec,
+    run_capsules,
+)
+from normlab.runner.experiments.capsules.report import summary_lines, variant_table
 from normlab.runner.io import check_dir_option
 from normlab.runner.lock import out_lock
 

@@ -6,15 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from normlab.runner.checks import check_grid
 from normlab.runner.errors import UsageError
-from normlab.runner.estimate import CONFIRM_MINUTES, estimate_minutes
-from normlab.runner.execute import BACKENDS, _cell_done, run_grid
-from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
+from normlab.runner.grid.estimate import CONFIRM_MINUTES, estimate_minutes
+from normlab.runner.grid.execute import BACKENDS, _cell_done, run_grid
+from normlab.runner.grid.pool import default_workers
+from normlab.runner.grid.ray_backend import check_address, check_device, require_ray
+from normlab.runner.grid.report import print_summary
+from normlab.runner.grid.spec import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
 from normlab.runner.lock import out_lock
-from normlab.runner.pool import default_workers
-from normlab.runner.ray_backend import check_address, check_device, require_ray
-from normlab.runner.report import print_summary
+from normlab.runner.training.checks import check_grid
 
 from .args import (
     MAX_SEED,

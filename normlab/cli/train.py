@@ -1,4 +1,4 @@
-"""``normlab train``: one training run (options mirror :class:`normlab.runner.config.TrainConfig`)."""
+"""``normlab train``: one training run (options mirror :class:`normlab.runner.training.config.TrainConfig`)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names
-from normlab.runner.checks import check_feasible
-from normlab.runner.config import TrainConfig
 from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
-from normlab.runner.train import train
+from normlab.runner.training.checks import check_feasible
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import train
 
 from .args import (
     DEFAULTS,

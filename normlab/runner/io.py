@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from normlab._files import TEMP_SUFFIX, append_bytes, atomic_savefig, atomic_write
-
-from .errors import UsageError
+from normlab.runner.errors import UsageError
 
 __all__ = [
     "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_savefig", "append_lines",

@@ -9,7 +9,7 @@ lock file, and the directories the lock created if they are still empty, so a re
 
 The lock is re-entrant within one process (``run_grid`` inside a locked ``compare`` takes it again for free) and
 is not inherited by worker processes: a grid's workers run under their parent's lock, and die with the parent
-(:mod:`normlab.runner.execute`), so no cell is ever trained by two live processes.
+(:mod:`normlab.runner.grid.execute`), so no cell is ever trained by two live processes.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UsageError
-from .io import check_dir_option
+from normlab.runner.errors import UsageError
+from normlab.runner.io import check_dir_option
 
 try:
     import fcntl

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 
 import torch
 
-from .config import TrainConfig
-from .data import get_dataset
-from .errors import UsageError
-from .models import build_model
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.errors import UsageError
+from normlab.runner.models import build_model
+from normlab.runner.training.config import TrainConfig
 
 __all__ = ["check_feasible", "check_grid"]
 

@@ -26,12 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench import step_times
-from .data import get_dataset
-from .demo_report import render_demo_report
-from .execute import GridRun, prepare_grid, run_cells
-from .grid import GridSpec
-from .io import atomic_write_json
+from normlab.runner.bench import step_times
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.experiments.demo.report import render_demo_report
+from normlab.runner.grid.execute import GridRun, prepare_grid, run_cells
+from normlab.runner.grid.spec import GridSpec
+from normlab.runner.io import atomic_write_json
 
 __all__ = ["DemoProtocol", "PROTOCOL", "QUICK_PROTOCOL", "demo_sections", "run_demo"]
 

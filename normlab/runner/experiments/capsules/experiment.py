@@ -1,5 +1,5 @@
 """The capsule routing experiment (seed 001, docs/capsules.md): routing iterations x gradient through the inner
-iterations x reconstruction x seeds, on CapsNet models of :mod:`normlab.runner.capsnet`.
+iterations x reconstruction x seeds, on CapsNet models of :mod:`normlab.runner.experiments.capsules.capsnet`.
 
 ``CapsSpec`` describes the grid, :func:`expand_cells` turns it into :class:`CapsCell` objects (one training run
 each, written to ``<out>/runs/<cell id>/summary.json``), :func:`run_capsules` runs them (in worker processes when
@@ -39,15 +39,14 @@ from typing import Any, ClassVar
 import torch
 
 from normlab.nn import dynamic_routing, margin_loss
-
-from .capsnet import build_capsnet
-from .capsules_report import render_report
-from .capsules_stats import RESULTS_KIND, collect, variant_name
-from .data import get_dataset
-from .errors import UsageError
-from .io import DictSpec, atomic_write_json
-from .pool import default_workers, run_jobs
-from .results import read_summary
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.capsnet import build_capsnet
+from normlab.runner.experiments.capsules.report import render_report
+from normlab.runner.experiments.capsules.stats import RESULTS_KIND, collect, variant_name
+from normlab.runner.grid.pool import default_workers, run_jobs
+from normlab.runner.grid.results import read_summary
+from normlab.runner.io import DictSpec, atomic_write_json
 
 __all__ = ["CapsSpec", "CapsCell", "GRADS", "RECONS", "DATASETS", "expand_cells", "run_cell", "run_capsules",
            "coupling_entropy", "quick_spec", "step_benchmark", "RESULTS_KIND"]
@@ -418,8 +417,8 @@ def run_capsules(
 
     Finished cells (a ``summary.json`` with the same config) are skipped. ``workers`` processes (default: one per
     usable core, capped by the cells left) with ``threads`` torch threads each. Returns the results dict
-    (:func:`normlab.runner.capsules_stats.collect`), which also records the wall and CPU time of every invocation
-    that ran cells (``timings``, kept across resumes) and a round-robin timing of one training step of every
+    (:func:`normlab.runner.experiments.capsules.stats.collect`), which also records the wall and CPU time of every
+    invocation that ran cells (``timings``, kept across resumes) and a round-robin timing of one training step of every
     variant (:func:`step_benchmark`, measured once).
     """
     out, say = Path(out_dir), log or (lambda s: print(s, file=sys.stderr))

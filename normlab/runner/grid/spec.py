@@ -1,7 +1,7 @@
 """Grids of training runs: comparison name x learning rate x batch size x seed.
 
 A :class:`GridSpec` describes the grid; :func:`expand_grid` turns it into :class:`Cell` objects, one
-:func:`~normlab.runner.train.train` call each (:mod:`normlab.runner.execute` runs them).
+:func:`~normlab.runner.training.train.train` call each (:mod:`normlab.runner.grid.execute` runs them).
 
 Comparison names are resolved by :func:`normlab.nn.resolve_comparison` (``bn``, ``pws``, ``ws+gn``, ...) and may
 carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2``,
@@ -18,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from normlab.nn import resolve_comparison
-
-from .config import TrainConfig
-from .errors import UsageError
-from .io import DictSpec
+from normlab.runner.errors import UsageError
+from normlab.runner.io import DictSpec
+from normlab.runner.training.config import TrainConfig
 
 __all__ = ["GridSpec", "Cell", "expand_grid", "parse_variant", "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
 
@@ -68,7 +67,7 @@ class GridSpec(DictSpec):
     ``base_batch_size`` plus a batch-size sweep at ``base_lr`` (defaults: the first value of each list).
     ``lr_scaling`` (``none``, ``linear``, ``sqrt``) scales a cell's learning rate by ``batch_size /
     base_batch_size`` (or its square root); the unscaled lr stays the cell's grid coordinate. ``train_kwargs`` are
-    further :class:`~normlab.runner.config.TrainConfig` fields shared by every cell.
+    further :class:`~normlab.runner.training.config.TrainConfig` fields shared by every cell.
     """
 
     LIST_FIELDS: ClassVar[tuple[str, ...]] = ("norms", "lrs", "batch_sizes", "seeds")  # a rerun may add to these

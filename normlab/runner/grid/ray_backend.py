@@ -1,8 +1,8 @@
 """Grid cells as Ray tasks: one command runs a grid on an embedded local Ray or on a Ray cluster.
 
-:func:`run_on_ray` is what :func:`normlab.runner.execute.run_cells` calls with ``backend="ray"``. Each cell is one
+:func:`run_on_ray` is what :func:`normlab.runner.grid.execute.run_cells` calls with ``backend="ray"``. Each cell is one
 Ray task that declares its resources (``num_cpus`` = its torch threads, ``num_gpus`` = 1 on a CUDA device) and calls
-:func:`~normlab.runner.train.train` into ``OUT/runs/<cell id>``: the files of the process backend, in the same
+:func:`~normlab.runner.training.train.train` into ``OUT/runs/<cell id>``: the files of the process backend, in the same
 place, so a grid half-run by one backend is finished by the other. Without an address normlab starts a local Ray
 in this process (and stops it at the end); with one it joins that cluster (``ray start --head`` prints it). A Ray
 session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from .errors import RunError, UsageError, error_line
-from .train import train
+from normlab.runner.errors import RunError, UsageError, error_line
+from normlab.runner.training.train import train
 
 __all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
 
@@ -189,7 +189,7 @@ def run_on_ray(jobs: Sequence[tuple[Any, Any]], *, threads: int, done: Callable,
     """Run ``jobs`` ((grid run, cell) pairs, in submission order) as Ray tasks with ``threads`` CPUs each.
 
     Args:
-        jobs: what :func:`~normlab.runner.execute.run_cells` runs.
+        jobs: what :func:`~normlab.runner.grid.execute.run_cells` runs.
         threads: torch threads of a cell, its ``num_cpus``.
         done: ``done(grid, cell, summary)``, called in this process as each cell finishes.
         failed: ``failed(grid, cell, error_line)`` for a cell that raised (or whose worker kept dying).

@@ -1,7 +1,7 @@
 """Render a grid's ``results.json`` as a markdown report and PNG plots.
 
-Everything is computed from the results dict (:mod:`normlab.runner.results`), so ``normlab report DIR`` re-renders
-the same report without training; the verdicts come from :mod:`normlab.runner.verdicts`.
+Everything is computed from the results dict (:mod:`normlab.runner.grid.results`), so ``normlab report DIR`` re-renders
+the same report without training; the verdicts come from :mod:`normlab.runner.grid.verdicts`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_savefig, atomic_write_text
-from .verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.grid.verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.io import atomic_savefig, atomic_write_text
 
 # --------------------------------------------------------------------------------------------------
 # Markdown

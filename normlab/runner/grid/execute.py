@@ -1,6 +1,6 @@
 """Run the cells of one or several grids: in this process or in a pool of worker processes, resumable.
 
-:func:`prepare_grid` expands a :class:`~normlab.runner.grid.GridSpec` into ``<out>/runs/<cell id>/`` and finds the
+:func:`prepare_grid` expands a :class:`~normlab.runner.grid.spec.GridSpec` into ``<out>/runs/<cell id>/`` and finds the
 cells that are already done (a ``summary.json`` written by the same configuration); :func:`run_cells` runs the
 remaining cells of any number of prepared grids through one pool, the most expensive first, writing each grid's
 ``results.json`` after every finished cell; :meth:`GridRun.finish` writes the final results and the report.
@@ -13,11 +13,11 @@ settings otherwise (epochs, data, model, width, layout, run options) adds to tha
 and ``results.json``/``results.md`` hold every requested cell finished so far, so rerunning with a subset never
 drops finished cells from the report. A run with other settings is refused in one line: use another directory.
 
-**Workers die with their parent** (:mod:`normlab.runner.pool`), and a resumed run (which takes the directory's
+**Workers die with their parent** (:mod:`normlab.runner.grid.pool`), and a resumed run (which takes the directory's
 lock) never trains a cell that another live process is training.
 
 **Backends.** ``backend="process"`` (the default) runs cells in this process or a pool of local worker processes;
-``backend="ray"`` runs each cell as a Ray task, on a local Ray or a cluster (:mod:`normlab.runner.ray_backend`).
+``backend="ray"`` runs each cell as a Ray task, on a local Ray or a cluster (:mod:`normlab.runner.grid.ray_backend`).
 Both write the same files in the same places, so either resumes a grid the other started. A cell that raises is
 recorded as failed with its error (``results.json`` ``failed``) and the other cells go on; :func:`run_cells` then
 raises :class:`CellsFailed`, and a rerun retries the failed cells.
@@ -35,17 +35,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checks import check_grid
-from .config import RESUME_FREE, TrainConfig
-from .errors import RunError, UsageError, error_line
-from .estimate import cell_steps
-from .grid import Cell, GridSpec, expand_grid
-from .io import atomic_write_json, remove_stale_temps, to_jsonable
-from .lock import out_lock
-from .pool import default_workers, run_jobs
-from .report import render_report
-from .results import collect_results, read_summary, write_results
-from .train import train
+from normlab.runner.errors import RunError, UsageError, error_line
+from normlab.runner.grid.estimate import cell_steps
+from normlab.runner.grid.pool import default_workers, run_jobs
+from normlab.runner.grid.report import render_report
+from normlab.runner.grid.results import collect_results, read_summary, write_results
+from normlab.runner.grid.spec import Cell, GridSpec, expand_grid
+from normlab.runner.io import atomic_write_json, remove_stale_temps, to_jsonable
+from normlab.runner.lock import out_lock
+from normlab.runner.training.checks import check_grid
+from normlab.runner.training.config import RESUME_FREE, TrainConfig
+from normlab.runner.training.train import train
 
 __all__ = ["GridRun", "prepare_grid", "run_cells", "run_grid", "default_workers", "merge_grid", "CellsFailed",
            "BACKENDS"]
@@ -239,7 +239,7 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
 
     ``backend="process"``: in ``workers`` processes (default: one per usable core; 1 runs them in this process).
     ``backend="ray"``: as Ray tasks on the cluster at ``address``, or on a local Ray with ``workers`` x
-    ``threads`` CPUs (default: every usable core); see :mod:`normlab.runner.ray_backend`.
+    ``threads`` CPUs (default: every usable core); see :mod:`normlab.runner.grid.ray_backend`.
 
     Raises:
         CellsFailed: after the other cells finished, when some cells raised (each is in results.json).
@@ -264,7 +264,7 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
 
     try:
         if backend == "ray" and jobs:
-            from .ray_backend import run_on_ray
+            from normlab.runner.grid.ray_backend import run_on_ray
 
             cpus = run_on_ray(jobs, threads=int(threads or 1), done=done, failed=failed, address=address,
                               num_cpus=int(workers or default_workers()) * int(threads or 1))

@@ -9,9 +9,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .data import DATASET_CLASSES
-from .errors import UsageError
-from .io import atomic_write_json
+from normlab.runner.data.datasets import DATASET_CLASSES
+from normlab.runner.errors import UsageError
+from normlab.runner.io import atomic_write_json
 
 __all__ = ["collect_results", "write_results", "load_results", "read_summary", "mean_std", "RESULTS_VERSION"]
 
