@@ -68,8 +68,8 @@ def test_r1_is_run_once_and_cells_are_paired():
     assert len(ids) == len(set(ids)) == 2 * (1 + 2) * 2  # recon x (r1 + r3 detached/full) x seeds
     assert "r1_rec-on_s0" in ids and "r3_detached_rec-off_s1" in ids
     same_seed = [c.config for c in cells if c.seed == 1]
-    assert all(cfg["seed"] == 1 for cfg in same_seed)
-    assert {cfg["detach_inner"] for cfg in same_seed if cfg["iterations"] == 3} == {True, False}
+    assert all(cfg.seed == 1 for cfg in same_seed)
+    assert {cfg.detach_inner for cfg in same_seed if cfg.iterations == 3} == {True, False}
 
 
 @pytest.mark.parametrize("argv, must", [
@@ -89,9 +89,9 @@ def test_bad_arguments_one_line(argv, must, capsys, tmp_path):
 
 
 def test_spec_refusals():
-    with pytest.raises(UsageError, match="iterations must be integers >= 1"):
+    with pytest.raises(UsageError, match="CapsSpec iterations: expected integers >= 1"):
         CapsSpec(iterations=(0, 1))
-    with pytest.raises(UsageError, match="unknown gradient variants"):
+    with pytest.raises(UsageError, match="CapsSpec grads: unknown value 'half'"):
         CapsSpec(grads=("detached", "half"))
     with pytest.raises(UsageError, match="epochs"):
         CapsSpec(epochs=0)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from normlab.nn import resolve_comparison as resolve_norm
-from normlab.runner.grid.execute import run_grid
+from normlab.runner.experiments.compare import run_grid
 from normlab.runner.grid.report import markdown_table, render_report
 from normlab.runner.grid.results import load_results
 from normlab.runner.grid.spec import GridSpec, expand_grid
@@ -274,19 +274,19 @@ def test_identical_norms_reported():
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     # the grid dies in its second cell: results.json already holds the first one and renders as partial
-    import normlab.runner.grid.execute as ex
+    import normlab.runner.experiments.compare as ex
     from normlab.cli import main
 
-    real = ex._run_cell
+    real = ex.train
     calls = []
 
-    def dying(config, out_dir):
+    def dying(config, out_dir, **kw):
         calls.append(out_dir)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(config, out_dir)
+        return real(config, out_dir, **kw)
 
-    monkeypatch.setattr(ex, "_run_cell", dying)
+    monkeypatch.setattr(ex, "train", dying)
     spec = _tiny_spec(norms=("bn",), lrs=(0.05, 0.2), max_steps_per_epoch=1)
     with pytest.raises(KeyboardInterrupt):
         run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
@@ -294,7 +294,7 @@ def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     assert res["complete"] is False and len(res["cells"]) == 1
     assert main(["report", str(tmp_path)]) == 0
     assert "Partial results" in (tmp_path / "results.md").read_text()
-    monkeypatch.setattr(ex, "_run_cell", real)
+    monkeypatch.setattr(ex, "train", real)
     res = run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
     assert res["complete"] is True and len(res["cells"]) == 2
 

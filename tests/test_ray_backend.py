@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from conftest import needs
 
-from normlab.runner.grid.execute import CellsFailed, run_grid
+from normlab.runner.experiments.compare import run_grid
+from normlab.runner.grid.execute import CellsFailed
 from normlab.runner.grid.results import load_results
 from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.training.train import Trainer
@@ -192,8 +193,9 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
 def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     from normlab.cli import main
     from normlab.runner.errors import RunError, UsageError
+    from normlab.runner.experiments.compare import COMPARE
     from normlab.runner.grid import ray_backend
-    from normlab.runner.grid.execute import prepare_grid
+    from normlab.runner.grid.execute import plan_grid
 
     with pytest.raises(UsageError, match="cuda:1 with --backend ray.*use --device cuda"):
         ray_backend._gpus("cuda:1", 8)
@@ -202,7 +204,7 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
         ray_backend.check_device("cuda:1")
     for ok in ("cuda", "cuda:0", "cpu", "auto"):
         ray_backend.check_device(ok)
-    grid = prepare_grid(_spec(norms=("bn",)), tmp_path)
+    grid = plan_grid(COMPARE, _spec(norms=("bn",)), tmp_path)
     with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
         ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here
     for address, words in (("ray://h:10001", "expected host:port"), ("h", "expected host:port"),

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from normlab.runner.errors import UsageError
+from normlab.runner.errors import FieldError, UsageError
 
 from . import cifar10, mnist1d
 
@@ -165,7 +165,8 @@ def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None,
         train_ds, test_ds, desc = _cifar10(data_dir, download)
     if num_train is not None:
         if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
-            raise UsageError(f"num_train must be an integer in [1, {len(train_ds)}] for {name}, got {num_train!r}")
+            raise FieldError("get_dataset", "num_train", f"expected at most {len(train_ds)} (the {name} training "
+                                                         f"set), got {num_train!r}")
         train_ds = ArrayDataset(train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std,
                                 train_ds.augment)
     input_shape = tuple(train_ds.x.shape[1:])

@@ -2,7 +2,7 @@
 
 :func:`run_on_ray` is what :func:`normlab.runner.grid.execute.run_cells` calls with ``backend="ray"``. Each cell is one
 Ray task that declares its resources (``num_cpus`` = its torch threads, ``num_gpus`` = 1 on a CUDA device) and calls
-:func:`~normlab.runner.training.train.train` into ``OUT/runs/<cell id>``: the files of the process backend, in the same
+its experiment's training function into ``OUT/runs/<cell id>``: the files of the process backend, in the same
 place, so a grid half-run by one backend is finished by the other. Without an address normlab starts a local Ray
 in this process (and stops it at the end); with one it joins that cluster (``ray start --head`` prints it). A Ray
 session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
@@ -33,7 +33,6 @@ from typing import Any
 import torch
 
 from normlab.runner.errors import RunError, UsageError, error_line
-from normlab.runner.training.train import train
 
 __all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
 
@@ -57,10 +56,11 @@ def require_ray(local: bool = False):
     return ray
 
 
-def _cell_task(config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]:
-    """The Ray task of one cell: ``train`` with ``threads`` torch threads; returns (summary, host name)."""
+def _cell_task(train: Callable, config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]:
+    """The Ray task of one cell: the experiment's ``train(config, out_dir)`` with ``threads`` torch threads;
+    returns (summary, host name)."""
     torch.set_num_threads(threads)
-    return train(config, out_dir, progress=False), socket.gethostname()
+    return train(config, out_dir), socket.gethostname()
 
 
 @contextlib.contextmanager
@@ -142,7 +142,7 @@ def _submit(task, grid, cell, threads: int, cluster_gpus: float):
     """Start ``cell`` as a run of the remote function ``task`` with its resources; returns its object ref."""
     return task.options(num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
                         retry_exceptions=False, name=f"normlab:{cell.cell_id}").remote(
-        cell.config, str(grid.cell_dir(cell)), threads)
+        grid.experiment.train, cell.config, str(grid.cell_dir(cell)), threads)
 
 
 def _error_text(ray, e: BaseException) -> str:

@@ -1,7 +1,9 @@
 """Grids of training runs: comparison name x learning rate x batch size x seed.
 
-A :class:`GridSpec` describes the grid; :func:`expand_grid` turns it into :class:`Cell` objects, one
+A :class:`GridSpec` describes the grid and checks it once; :func:`expand_grid` turns it into :class:`Cell` objects,
+each with its validated :class:`~normlab.runner.training.config.TrainConfig`, one
 :func:`~normlab.runner.training.train.train` call each (:mod:`normlab.runner.grid.execute` runs them).
+:class:`DictSpec` is the base of every experiment's spec (its JSON record, the lists a later run may extend).
 
 Comparison names are resolved by :func:`normlab.nn.resolve_comparison` (``bn``, ``pws``, ``ws+gn``, ...) and may
 carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2``,
@@ -10,19 +12,22 @@ carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2`
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from normlab.nn import resolve_comparison
-from normlab.runner.errors import UsageError
-from normlab.runner.io import DictSpec
-from normlab.runner.training.config import TrainConfig
+from normlab.nn import comparison_names, resolve_comparison
+from normlab.runner.errors import FieldError
+from normlab.runner.io import from_fields, to_jsonable
+from normlab.runner.training.config import RESUME_FREE, TrainConfig
 
-__all__ = ["GridSpec", "Cell", "expand_grid", "parse_variant", "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
+__all__ = ["DictSpec", "GridSpec", "Cell", "expand_grid", "parse_variant", "resolve_name", "unique",
+           "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
 
 DEFAULT_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")
 LAYOUTS = ("product", "cross")
@@ -32,6 +37,44 @@ LR_SCALINGS = ("none", "linear", "sqrt")
 def _fmt_num(x: float) -> str:
     """Compact, filesystem-safe number for cell ids (0.05 -> 0.05, 1e-3 -> 0.001)."""
     return f"{x:g}".replace("+", "")
+
+
+class DictSpec:
+    """The base of an experiment's spec (a dataclass): its JSON record and what a later run may change.
+
+    ``LIST_FIELDS`` are sequences stored as JSON lists, which a later run in the same directory may extend;
+    ``NEWER_FIELDS`` are decided by the latest run (options that do not change results). ``from_dict`` refuses
+    unknown keys (:func:`~normlab.runner.io.from_fields`); the spec's own ``__post_init__`` judges the values.
+    """
+
+    LIST_FIELDS: ClassVar[tuple[str, ...]] = ()
+    NEWER_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in self.LIST_FIELDS:
+            d[k] = list(d[k])
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return from_fields(cls, d)
+
+    def settings(self) -> dict[str, Any]:
+        """What must agree between the grids that share a directory (JSON values): every field but the lists and
+        the newer fields."""
+        skip = (*self.LIST_FIELDS, *self.NEWER_FIELDS)
+        return to_jsonable({k: v for k, v in self.to_dict().items() if k not in skip})
+
+
+def unique(owner: str, what: str, seq: Sequence) -> tuple:
+    """``seq`` as a tuple: at least one value, no value twice (a :class:`FieldError` naming ``what``)."""
+    seq = tuple(seq)
+    if not seq:
+        raise FieldError(owner, what, "expected at least one value, got none")
+    if len(set(seq)) != len(seq):
+        raise FieldError(owner, what, f"expected distinct values, got duplicates in {','.join(map(str, seq))}")
+    return seq
 
 
 @dataclass(frozen=True)
@@ -50,27 +93,19 @@ class Cell:
         return f"{name}_lr{_fmt_num(self.lr)}_bs{self.batch_size}_s{self.seed}"
 
 
-def _unique(what: str, seq: Sequence) -> tuple:
-    seq = tuple(seq)
-    if not seq:
-        raise UsageError(f"GridSpec: {what} must not be empty")
-    if len(set(seq)) != len(seq):
-        raise UsageError(f"GridSpec: {what} has duplicates: {list(seq)}")
-    return seq
-
-
 @dataclass
 class GridSpec(DictSpec):
-    """A comparison grid.
+    """A comparison grid, checked once when it is made (a :class:`FieldError` naming the field).
 
     ``layout="product"`` runs every (norm, lr, batch size, seed); ``"cross"`` runs a learning-rate sweep at
     ``base_batch_size`` plus a batch-size sweep at ``base_lr`` (defaults: the first value of each list).
     ``lr_scaling`` (``none``, ``linear``, ``sqrt``) scales a cell's learning rate by ``batch_size /
     base_batch_size`` (or its square root); the unscaled lr stays the cell's grid coordinate. ``train_kwargs`` are
-    further :class:`~normlab.runner.training.config.TrainConfig` fields shared by every cell.
+    further :class:`~normlab.runner.training.config.TrainConfig` fields shared by every cell (checked by it).
     """
 
     LIST_FIELDS: ClassVar[tuple[str, ...]] = ("norms", "lrs", "batch_sizes", "seeds")  # a rerun may add to these
+    NEWER_FIELDS: ClassVar[tuple[str, ...]] = ("train_kwargs",)  # its RESUME_FREE options: see settings()
 
     norms: Sequence[str] = DEFAULT_NORMS
     lrs: Sequence[float] = (0.05,)
@@ -89,36 +124,61 @@ class GridSpec(DictSpec):
     train_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.norms = _unique("norms", (str(n).strip().lower() for n in self.norms))
-        self.lrs = _unique("lrs", (float(x) for x in self.lrs))
-        self.batch_sizes = _unique("batch_sizes", (int(x) for x in self.batch_sizes))
-        self.seeds = _unique("seeds", (int(x) for x in self.seeds))
-        for n in self.norms:
-            parse_variant(n)
+        self.norms = unique("GridSpec", "norms", (str(n).strip().lower() for n in self.norms))
+        self.lrs = unique("GridSpec", "lrs", (float(x) for x in self.lrs))
+        self.batch_sizes = unique("GridSpec", "batch_sizes", (int(x) for x in self.batch_sizes))
+        self.seeds = unique("GridSpec", "seeds", (int(x) for x in self.seeds))
+        self._variants = {n: parse_variant(n) for n in self.norms}  # each name parsed once, here
         self._check_values()
         self.base_lr = float(self.lrs[0] if self.base_lr is None else self.base_lr)
         self.base_batch_size = int(self.batch_sizes[0] if self.base_batch_size is None else self.base_batch_size)
-        if self.layout == "cross" and self.base_lr not in self.lrs:
-            raise UsageError(f"GridSpec: base_lr {self.base_lr} is not in lrs {list(self.lrs)}")
-        if self.layout == "cross" and self.base_batch_size not in self.batch_sizes:
-            raise UsageError(f"GridSpec: base_batch_size {self.base_batch_size} is not in batch_sizes "
-                             f"{list(self.batch_sizes)}")
+        self._check_cross()
+
+    def _bad(self, name: str, problem: str, refs: tuple[str, ...] = ()) -> None:
+        raise FieldError("GridSpec", name, problem, refs)
 
     def _check_values(self) -> None:
         if any(not (lr > 0 and math.isfinite(lr)) for lr in self.lrs):
-            raise UsageError(f"GridSpec: lrs must be positive finite numbers, got {list(self.lrs)}")
+            self._bad("lrs", f"expected positive finite learning rates, got {','.join(map(str, self.lrs))}")
         if any(b < 1 for b in self.batch_sizes):
-            raise UsageError(f"GridSpec: batch_sizes must be >= 1, got {list(self.batch_sizes)}")
+            self._bad("batch_sizes", f"expected batch sizes >= 1, got {','.join(map(str, self.batch_sizes))}")
         if any(s < 0 for s in self.seeds):
-            raise UsageError(f"GridSpec: seeds must be >= 0, got {list(self.seeds)}")
+            self._bad("seeds", f"expected seeds >= 0, got {','.join(map(str, self.seeds))}")
         if self.epochs < 1:
-            raise UsageError(f"GridSpec: epochs must be >= 1, got {self.epochs}")
+            self._bad("epochs", f"expected an integer >= 1, got {self.epochs}")
         if self.layout not in LAYOUTS:
-            raise UsageError(f"GridSpec: layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+            self._bad("layout", f"expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if self.lr_scaling not in LR_SCALINGS:
-            raise UsageError(f"GridSpec: lr_scaling must be one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
+            self._bad("lr_scaling", f"expected one of {', '.join(LR_SCALINGS)}, got {self.lr_scaling!r}")
         if self.base_batch_size is not None and int(self.base_batch_size) < 1:
-            raise UsageError(f"GridSpec: base_batch_size must be >= 1, got {self.base_batch_size}")
+            self._bad("base_batch_size", f"expected an integer >= 1, got {self.base_batch_size}")
+
+    def _check_cross(self) -> None:
+        if self.layout != "cross":
+            return
+        if self.base_lr not in self.lrs:
+            self._bad("base_lr", f"expected one of {{lrs}} ({','.join(map(str, self.lrs))}) with {{layout}} cross, "
+                                 f"got {self.base_lr:g}", ("lrs", "layout"))
+        if self.base_batch_size not in self.batch_sizes:
+            values = ','.join(map(str, self.batch_sizes))
+            self._bad("base_batch_size", f"expected one of {{batch_sizes}} ({values}) with {{layout}} cross, "
+                                         f"got {self.base_batch_size}", ("batch_sizes", "layout"))
+
+    def settings(self) -> dict[str, Any]:
+        """What must agree between grids that share a directory: every field but the lists and the RESUME_FREE
+        options (as JSON values, the run options flattened in)."""
+        d = to_jsonable({k: v for k, v in self.to_dict().items() if k not in self.LIST_FIELDS})
+        d.update({k: v for k, v in d.pop("train_kwargs").items() if k not in RESUME_FREE})
+        if self.layout == "product":
+            d.pop("base_lr")  # only a report coordinate in a product grid
+            if self.lr_scaling == "none":
+                d.pop("base_batch_size")
+        return d
+
+    def variant(self, name: str) -> tuple[str, str, dict[str, Any]]:
+        """``(norm, conv, conv_kwargs)`` of one of :attr:`norms`, as parsed when the spec was made."""
+        norm, conv, kwargs = self._variants[name]
+        return norm, conv, dict(kwargs)
 
     def points(self) -> list[tuple[float, int]]:
         """The (lr, batch size) points of the grid, in run order."""
@@ -144,6 +204,16 @@ def _parse_value(kind: type, text: str):
     return kind(text)
 
 
+def resolve_name(name: str, field: str = "norms", owner: str = "GridSpec") -> tuple[str, str]:
+    """``(norm, conv)`` of a comparison name (:func:`normlab.nn.resolve_comparison`); an unknown name is a
+    :class:`FieldError` of ``owner``'s ``field`` listing the valid names."""
+    try:
+        return resolve_comparison(name)
+    except ValueError:
+        raise FieldError(owner, field, f"unknown comparison name {name!r}; valid names: "
+                                            f"{', '.join(comparison_names())} or <conv>+<norm> (e.g. ws+gn)") from None
+
+
 def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     """``"pws:gamma=1e-2:relative_gamma=true"`` -> ``("none", "pws", {"gamma": 0.01, "relative_gamma": True})``.
 
@@ -151,34 +221,37 @@ def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     (``gamma``, ``relative_gamma``, ``init_alpha``, ``eps``, ``fan_mode``; only for ws/pws convs).
     """
     base, *parts = str(name).strip().lower().split(":")
-    try:
-        norm, conv = resolve_comparison(base)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    norm, conv = resolve_name(base)
     kwargs: dict[str, Any] = {}
     for part in parts:
         key, _, text = part.partition("=")
         if key not in _VARIANT_ARGS or not text or conv not in ("ws", "pws"):
-            raise UsageError(f"variant {name!r}: expected <name>:key=value with key in {', '.join(_VARIANT_ARGS)} "
-                             f"for a ws/pws conv, got {part!r}")
+            raise FieldError("GridSpec", "norms", f"variant {name!r}: expected <name>:key=value with key in "
+                                                  f"{', '.join(_VARIANT_ARGS)} for a ws/pws conv, got {part!r}")
         try:
             kwargs[key] = _parse_value(_VARIANT_ARGS[key], text)
         except ValueError:
-            raise UsageError(f"variant {name!r}: {key} must be a {_VARIANT_ARGS[key].__name__}, got {text!r}") from None
+            raise FieldError("GridSpec", "norms", f"variant {name!r}: {key} must be a "
+                                                  f"{_VARIANT_ARGS[key].__name__}, got {text!r}") from None
     return norm, conv, kwargs
 
 
-def expand_grid(spec: GridSpec) -> list[Cell]:
-    """All cells of ``spec``: one per (comparison name, grid point, seed), each with its :class:`TrainConfig`."""
+def expand_grid(spec: GridSpec, data_cache: str | os.PathLike | None = None) -> list[Cell]:
+    """All cells of ``spec``: one per (comparison name, grid point, seed), each with its :class:`TrainConfig`,
+    built and validated here once (the cells' trainers trust it). ``data_cache``: where the cells of a generated
+    data set (mnist1d) without a ``data_dir`` cache it."""
+    shared = dict(spec.train_kwargs)
+    if data_cache is not None and spec.dataset == "mnist1d" and shared.get("data_dir") is None:
+        shared["data_dir"] = str(data_cache)
     cells = []
     for name in spec.norms:
-        norm, conv, conv_kwargs = parse_variant(name)
+        norm, conv, conv_kwargs = spec.variant(name)
         for (lr, bs), seed in itertools.product(spec.points(), spec.seeds):
             cfg = TrainConfig.from_dict({
-                **spec.train_kwargs, "conv_kwargs": conv_kwargs, "dataset": spec.dataset, "model": spec.model,
+                **shared, "conv_kwargs": conv_kwargs, "dataset": spec.dataset, "model": spec.model,
                 "norm": norm, "conv": conv,
                 "width": spec.width, "lr": spec.cell_lr(lr, bs), "batch_size": bs, "epochs": spec.epochs,
                 "seed": seed, "target_acc": spec.target_acc, "max_steps_per_epoch": spec.max_steps_per_epoch,
-            })
+            }).validate()
             cells.append(Cell(name=name, lr=lr, batch_size=bs, seed=seed, config=cfg))
     return cells

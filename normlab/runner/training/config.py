@@ -11,8 +11,8 @@ import torch
 
 from normlab.nn import CONV_KINDS, NORM_NAMES
 from normlab.runner.data.datasets import DATASET_DIMS, DATASETS
-from normlab.runner.errors import UsageError
-from normlab.runner.io import to_jsonable
+from normlab.runner.errors import FieldError, UsageError
+from normlab.runner.io import from_fields, json_line, to_jsonable
 from normlab.runner.models import MODEL_DIMS, MODELS
 
 __all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device"]
@@ -104,23 +104,33 @@ class TrainConfig:
         self.milestones = tuple(self.milestones)
 
     def validate(self) -> TrainConfig:
-        """Raise :class:`UsageError` naming the field and what was expected; return self."""
+        """Raise :class:`~normlab.runner.errors.FieldError` naming the field and what was expected; return self.
+
+        The values it accepted are remembered (and travel with the config to worker processes and Ray tasks): a
+        second call on the same values returns at once, so a config is checked once however many hands it passes
+        through; a changed field is checked again.
+        """
+        seen = json_line(self.to_dict())
+        if self.__dict__.get("_validated") == seen:
+            return self
         self._check_names()
         self._check_numbers()
         self._check_options()
+        self.__dict__["_validated"] = seen
         return self
 
     def _bad(self, name: str, expected: str) -> None:
-        raise UsageError(f"{name} must be {expected}, got {getattr(self, name)!r}")
+        raise FieldError("TrainConfig", name, f"expected {expected}, got {getattr(self, name)!r}")
 
     def _check_names(self) -> None:
         for name, valid in (("dataset", DATASETS), ("model", MODELS), ("norm", NORM_NAMES), ("conv", CONV_KINDS),
                             ("brn_schedule", BRN_SCHEDULES)):
             if getattr(self, name) not in valid:
-                raise UsageError(f"unknown {name} {getattr(self, name)!r}; valid names: {', '.join(valid)}")
+                raise FieldError("TrainConfig", name, f"unknown {name} {getattr(self, name)!r}; valid names: "
+                                                      f"{', '.join(valid)}")
         if MODEL_DIMS[self.model] != DATASET_DIMS[self.dataset]:
-            raise UsageError(f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs but dataset "
-                             f"{self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
+            raise FieldError("TrainConfig", "model", f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs "
+                             f"but dataset {self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
                              f"{', '.join(m for m, d in MODEL_DIMS.items() if d == 1)}")
 
     def _check_numbers(self) -> None:
@@ -163,7 +173,10 @@ class TrainConfig:
         for name, low in (("evals_per_epoch", 1), ("monitor_dense_steps", 0), ("monitor_dense_every", 1)):
             if not _is_int(getattr(self, name)) or getattr(self, name) < low:
                 self._bad(name, f"an integer >= {low}")
-        resolve_device(self.device)
+        try:
+            resolve_device(self.device)
+        except UsageError as e:
+            raise FieldError("TrainConfig", "device", str(e)) from None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
@@ -171,12 +184,8 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        """The inverse of :meth:`to_dict`; unknown keys raise :class:`UsageError`."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise UsageError(f"TrainConfig has no field(s) {unknown}")
-        return cls(**d)
+        """The inverse of :meth:`to_dict`; unknown keys are refused (:func:`~normlab.runner.io.from_fields`)."""
+        return from_fields(cls, d)
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
         """``"field: saved -> now"`` for every result-changing field that differs from a saved :meth:`to_dict`

@@ -59,6 +59,7 @@ from normlab.runner.io import (
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
+    from_fields,
     json_line,
     remove_stale_temps,
 )
@@ -93,8 +94,7 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+        return from_fields(cls, d, "checkpoint state")
 
 
 @dataclass
