@@ -312,3 +312,61 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
     assert [c["cell"] for c in res["cells"]] == [good.cell_id] and not res["complete"]
     assert res["failed"][0]["cell"] == bad.cell_id and "corrupt or unreadable" in res["failed"][0]["error"]
     assert f"`{bad.cell_id}`: RunError" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------ one validator per fact (the compare path)
+
+def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(tmp_path, monkeypatch):
+    # the data path of `normlab compare` (CLI -> GridSpec -> cells -> checks -> workers -> results.json): each
+    # cell's TrainConfig is built once and its names and numbers are checked once, the data set is read once by
+    # the checks (and once by each cell's trainer: workers=1 trains in this process)
+    from normlab.cli import main
+    from normlab.runner.data import datasets
+    from normlab.runner.training.config import TrainConfig
+
+    counts = {"built": 0, "checked": 0, "loaded": 0}
+    init, check, digits = TrainConfig.__init__, TrainConfig._check_names, datasets._digits
+
+    def counting(key, fn):
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(TrainConfig, "__init__", counting("built", init))
+    monkeypatch.setattr(TrainConfig, "_check_names", counting("checked", check))
+    monkeypatch.setattr(datasets, "_digits", counting("loaded", digits))
+    argv = ["compare", "--norms", "bn,gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--epochs", "1",
+            "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert len(json.loads((tmp_path / "results.json").read_text())["cells"]) == 2
+    assert counts == {"built": 2, "checked": 2, "loaded": 1 + 2}
+
+
+def test_records_refuse_unknown_keys_in_one_line():
+    from normlab.runner.errors import UsageError
+    from normlab.runner.training.config import TrainConfig
+    from normlab.runner.training.train import TrainState
+
+    for cls, d in ((GridSpec, {**GridSpec(norms=("bn",)).to_dict(), "bogus": 1, "extra": 2}),
+                   (TrainConfig, {**TrainConfig().to_dict(), "bogus": 1, "extra": 2}),
+                   (TrainState, {**TrainState().to_dict(), "bogus": 1, "extra": 2})):
+        with pytest.raises(UsageError, match=r"unknown key\(s\) 'bogus', 'extra'") as e:
+            cls.from_dict(d)
+        assert len(str(e.value).splitlines()) == 1
+        assert cls.from_dict({k: v for k, v in d.items() if k not in ("bogus", "extra")}) == cls.from_dict(
+            {k: v for k, v in d.items() if k not in ("bogus", "extra")})
+
+
+def test_a_refused_field_names_the_field_in_the_library_and_the_option_on_the_command_line(capsys, tmp_path):
+    from normlab.cli import main
+    from normlab.runner.errors import FieldError
+
+    with pytest.raises(FieldError, match=r"GridSpec base_lr: expected one of lrs \(0.1\) with layout cross") as e:
+        GridSpec(norms=("bn",), lrs=(0.1,), layout="cross", base_lr=0.3)
+    assert e.value.field == "base_lr"
+    assert main(["compare", "--norms", "bn", "--lrs", "0.1", "--layout", "cross", "--base-lr", "0.3",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--base-lr: expected one of --lrs (0.1) with --layout cross, got 0.3" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

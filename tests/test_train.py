@@ -315,10 +315,24 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
     assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
 
 
-def test_cifar10_format_trains_with_augmentation(tmp_path):
+def test_cifar10_format_trains_with_augmentation(tmp_path, monkeypatch):
+    # every training batch goes through flip_crop (with the run's generator), no evaluation batch does, and the
+    # augmented batch differs from the stored images; the run is still deterministic for its seed
     import pickle
 
     import numpy as np
+
+    from normlab.runner.data import datasets
+
+    seen = []
+
+    def recording(x, generator=None, pad=4):
+        out = flip_crop(x, generator, pad)
+        seen.append((generator is not None, len(x), not torch.equal(out, x)))
+        return out
+
+    flip_crop = datasets.flip_crop
+    monkeypatch.setattr(datasets, "flip_crop", recording)
 
     d = tmp_path / "data" / "cifar-10-batches-py"
     d.mkdir(parents=True)
@@ -327,9 +341,12 @@ def test_cifar10_format_trains_with_augmentation(tmp_path):
         with open(d / name, "wb") as f:
             pickle.dump({b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8),
                          b"labels": rng.integers(0, 10, 8).tolist()}, f)
-    s = train(tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2),
-              tmp_path / "run", progress=False)
+    cfg = tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2)
+    s = train(cfg, tmp_path / "run", progress=False)
     assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
+    assert seen == [(True, 8, True)] * s["steps_run"] and s["steps_run"] == 2  # training batches only
+    again = train(cfg, tmp_path / "again", progress=False)
+    assert again["history"][0]["train_loss"] == s["history"][0]["train_loss"]
 
 
 def _ddp_worker(rank, world, port, root, cfg_dict):

@@ -27,12 +27,13 @@ class FieldError(UsageError):
     """A refused value of one field of a spec or a config (``GridSpec lrs: expected ...``).
 
     ``problem`` may name the fields of ``refs`` as ``{field}``; the command line says the same with its option
-    names (:meth:`for_options`), so each fact is checked once, by the spec or config that owns it.
+    names (:meth:`for_options`), so each fact is checked once, by the spec or config that owns it. ``sep`` joins
+    the field and the problem (``": "``; ``" "`` for ``lr must be ...``).
     """
 
-    def __init__(self, owner: str, field: str, problem: str, refs: tuple[str, ...] = ()):
-        self.owner, self.field, self.problem, self.refs = owner, field, problem, refs
-        super().__init__(f"{owner} {field}: {self._text(lambda f: f)}")
+    def __init__(self, owner: str, field: str, problem: str, refs: tuple[str, ...] = (), sep: str = ": "):
+        self.owner, self.field, self.problem, self.refs, self.sep = owner, field, problem, refs, sep
+        super().__init__(f"{owner} {field}{sep}{self._text(lambda f: f)}")
 
     def _text(self, name) -> str:
         text = self.problem
@@ -42,7 +43,7 @@ class FieldError(UsageError):
 
     def for_options(self, option) -> UsageError:
         """The same refusal naming options: ``option(field) -> "--option"``."""
-        return UsageError(f"{option(self.field)}: {self._text(option)}")
+        return UsageError(f"{option(self.field)}{self.sep}{self._text(option)}")
 
 
 class RunError(RunnerError, RuntimeError):

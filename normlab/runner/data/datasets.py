@@ -165,8 +165,8 @@ def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None,
         train_ds, test_ds, desc = _cifar10(data_dir, download)
     if num_train is not None:
         if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
-            raise FieldError("get_dataset", "num_train", f"expected at most {len(train_ds)} (the {name} training "
-                                                         f"set), got {num_train!r}")
+            raise FieldError("get_dataset", "num_train", f"expected an integer in [1, {len(train_ds)}] (the {name} "
+                                                         f"training set), got {num_train!r}")
         train_ds = ArrayDataset(train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std,
                                 train_ds.augment)
     input_shape = tuple(train_ds.x.shape[1:])

@@ -120,7 +120,7 @@ class TrainConfig:
         return self
 
     def _bad(self, name: str, expected: str) -> None:
-        raise FieldError("TrainConfig", name, f"expected {expected}, got {getattr(self, name)!r}")
+        raise FieldError("TrainConfig", name, f"must be {expected}, got {getattr(self, name)!r}", sep=" ")
 
     def _check_names(self) -> None:
         for name, valid in (("dataset", DATASETS), ("model", MODELS), ("norm", NORM_NAMES), ("conv", CONV_KINDS),
