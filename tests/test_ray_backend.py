@@ -137,6 +137,20 @@ def _kill_when_training(cell_dir: Path, cell_id: str, killed: list, stop: thread
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the Ray worker through /proc")
+def test_the_capsule_grid_runs_on_ray_like_on_processes(ray_cluster, tmp_path):
+    # one engine: the capsule experiment gets the Ray backend of the grid, with the same cells and results
+    from normlab.runner.experiments.capsules.experiment import CapsSpec, run_capsules
+
+    spec = CapsSpec(iterations=(1, 2), grads=("detached",), recons=("off",), seeds=(0,), epochs=1,
+                    max_steps_per_epoch=2, test_subset=16)
+    kw = dict(threads=1, progress=False, render=False, log=lambda s: None)
+    here = run_capsules(spec, tmp_path / "process", workers=1, **kw)
+    there = run_capsules(spec, tmp_path / "ray", backend="ray", **{**kw, "log": logging.info})
+    assert [c["cell"] for c in there["cells"]] == [c["cell"] for c in here["cells"]] and there["complete"]
+    assert [c["final_test_margin"] for c in there["cells"]] == [c["final_test_margin"] for c in here["cells"]]
+    assert _files(tmp_path / "ray") == _files(tmp_path / "process")
+
+
 def test_ray_retries_a_cell_whose_worker_is_killed(ray_cluster, tmp_path):
     spec = _spec(norms=("bn",), epochs=6, max_steps_per_epoch=8)
     (cell,) = expand_grid(spec)
