@@ -74,7 +74,7 @@ class Experiment:
         check: refuses cells that cannot run, before anything is written (one line).
         cost: a cell's relative cost: the most expensive start first.
         describe: the progress bar's text for a finished cell's summary.
-        noun: what the log calls a cell.
+        noun, label: what the log calls a cell, and how its lines begin.
     """
 
     name: str
@@ -88,10 +88,7 @@ class Experiment:
     cost: Callable[[Any], float]
     describe: Callable[[dict[str, Any]], str]
     noun: str = "runs"
-
-    @property
-    def label(self) -> str:
-        return "normlab" if self.name == "compare" else f"normlab {self.name}"
+    label: str = "normlab"
 
 
 def _cell_done(cell_dir: Path, cell) -> dict[str, Any] | None:
@@ -214,7 +211,8 @@ def plan_grid(experiment: Experiment, spec: DictSpec, out_dir: str | os.PathLike
     cache = Path(data_cache) if data_cache is not None else out / "data"
     every = experiment.expand(merged, cache)
     ids = [c.cell_id for c in every]
-    wanted = frozenset(c.cell_id for c in experiment.expand(spec, cache)) if merged is not spec else frozenset(ids)
+    same = merged.to_dict() == spec.to_dict()  # a first run or a resume: spec's cells are the merged grid's
+    wanted = frozenset(ids) if same else frozenset(c.cell_id for c in experiment.expand(spec, cache))
     before = set()
     if prev:  # the cells requested there before (a record without the list: every cell of its grid)
         before = prev[1] if prev[1] is not None else {c.cell_id for c in experiment.expand(prev[0], cache)}

@@ -184,7 +184,7 @@ def _describe(summary: dict[str, Any]) -> str:
 
 CAPSULES = Experiment(name="capsules", spec_file="capsules.json", spec_type=CapsSpec, expand=expand_cells,
                       train=run_cell, collect=collect, render=render_report, check=_check, cost=_cost,
-                      describe=_describe, noun="cells")
+                      describe=_describe, noun="cells", label="normlab capsules")
 
 
 def run_capsules(spec: CapsSpec, out_dir: str | os.PathLike, *, workers: int | None = None, threads: int = 1,
