@@ -10,11 +10,10 @@ import torch
 
 from normlab.nn import CONV_KINDS, comparison_names
 from normlab.runner.errors import UsageError
-from normlab.runner.grid.spec import resolve_name
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 from normlab.runner.training.checks import check_feasible
-from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.config import TrainConfig, resolve_name
 from normlab.runner.training.train import train
 
 from .args import (
@@ -66,7 +65,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def _config(args: argparse.Namespace) -> TrainConfig:
     """The run's config from the options (TrainConfig checks it; ``--norm`` alone is a comparison name)."""
-    norm, conv = resolve_name(args.norm, "norm", "TrainConfig") if args.conv is None else (args.norm, args.conv)
+    norm, conv = resolve_name(args.norm) if args.conv is None else (args.norm, args.conv)
     return TrainConfig(
         dataset=args.dataset, model=args.model, norm=norm, conv=conv, width=args.width, lr=args.lr,
         batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, target_acc=args.target_acc,

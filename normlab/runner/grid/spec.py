@@ -21,12 +21,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from normlab.nn import comparison_names, resolve_comparison
 from normlab.runner.errors import FieldError
 from normlab.runner.io import from_fields, to_jsonable
-from normlab.runner.training.config import RESUME_FREE, TrainConfig
+from normlab.runner.training.config import RESUME_FREE, TrainConfig, resolve_name
 
-__all__ = ["DictSpec", "GridSpec", "Cell", "expand_grid", "parse_variant", "resolve_name", "unique",
+__all__ = ["DictSpec", "GridSpec", "Cell", "expand_grid", "parse_variant", "unique",
            "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
 
 DEFAULT_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")
@@ -204,16 +203,6 @@ def _parse_value(kind: type, text: str):
     return kind(text)
 
 
-def resolve_name(name: str, field: str = "norms", owner: str = "GridSpec") -> tuple[str, str]:
-    """``(norm, conv)`` of a comparison name (:func:`normlab.nn.resolve_comparison`); an unknown name is a
-    :class:`FieldError` of ``owner``'s ``field`` listing the valid names."""
-    try:
-        return resolve_comparison(name)
-    except ValueError:
-        raise FieldError(owner, field, f"unknown comparison name {name!r}; valid names: "
-                                            f"{', '.join(comparison_names())} or <conv>+<norm> (e.g. ws+gn)") from None
-
-
 def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     """``"pws:gamma=1e-2:relative_gamma=true"`` -> ``("none", "pws", {"gamma": 0.01, "relative_gamma": True})``.
 
@@ -221,7 +210,7 @@ def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     (``gamma``, ``relative_gamma``, ``init_alpha``, ``eps``, ``fan_mode``; only for ws/pws convs).
     """
     base, *parts = str(name).strip().lower().split(":")
-    norm, conv = resolve_name(base)
+    norm, conv = resolve_name(base, "norms", "GridSpec")
     kwargs: dict[str, Any] = {}
     for part in parts:
         key, _, text = part.partition("=")

@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 
-from normlab.nn import CONV_KINDS, NORM_NAMES
+from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names, resolve_comparison
 from normlab.runner.data.datasets import DATASET_DIMS, DATASETS
 from normlab.runner.errors import FieldError, UsageError
 from normlab.runner.io import from_fields, json_line, to_jsonable
 from normlab.runner.models import MODEL_DIMS, MODELS
 
-__all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device"]
+__all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device", "resolve_name"]
 
 BRN_SCHEDULES = ("run", "paper")
 # Fields that may differ between a run and its resumption: they do not change the results.
@@ -44,6 +44,17 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if dev.type not in ("cpu", "cuda", "mps", "xpu"):
         raise UsageError(f"device must be cpu, cuda[:N] or auto, got {device!r}")
     return dev
+
+
+def resolve_name(name: str, field: str = "norm", owner: str = "TrainConfig") -> tuple[str, str]:
+    """``(norm, conv)`` of a comparison name such as ``bn``, ``pws`` or ``ws+gn``
+    (:func:`normlab.nn.resolve_comparison`); an unknown name is a :class:`~normlab.runner.errors.FieldError` of
+    ``owner``'s ``field`` listing the valid names."""
+    try:
+        return resolve_comparison(name)
+    except ValueError:
+        raise FieldError(owner, field, f"unknown comparison name {name!r}; valid names: "
+                                       f"{', '.join(comparison_names())} or <conv>+<norm> (e.g. ws+gn)") from None
 
 
 @dataclass
