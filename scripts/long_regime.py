@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from normlab.runner.config import TrainConfig
-from normlab.runner.data import get_dataset
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.grid.results import read_summary
 from normlab.runner.models import build_model
-from normlab.runner.results import read_summary
-from normlab.runner.train import seed_everything
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import seed_everything
 
 MARKS = (0, 5_000, 10_000, 15_000, 20_000)
 

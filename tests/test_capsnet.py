@@ -1,5 +1,6 @@
-"""The runner's CapsNet models (normlab.runner.capsnet): the paper's MNIST configuration, the digits and MNIST-1D
-presets, the masked reconstruction decoder and the stop_gradient's effect on the model's gradient."""
+"""The runner's CapsNet models (normlab.runner.experiments.capsules.capsnet): the MNIST configuration of the
+paper, the digits and MNIST-1D presets, the masked reconstruction decoder and the stop_gradient's effect on the
+model's gradient."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import torch
 
 from normlab.functional import squash
 from normlab.nn import margin_loss
-from normlab.runner.capsnet import CAPSNET_PRESETS, RECON_SCALE, build_capsnet
 from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.capsnet import CAPSNET_PRESETS, RECON_SCALE, build_capsnet
 
 
 def test_mnist_configuration_builds_and_steps(one_thread):

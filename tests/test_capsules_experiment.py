@@ -11,9 +11,9 @@ import torch
 from conftest import refused
 
 from normlab.cli import main
-from normlab.runner.capsules import CapsSpec, coupling_entropy, expand_cells, run_capsules
-from normlab.runner.capsules_stats import paired, t_quantile, verdicts
 from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
+from normlab.runner.experiments.capsules.stats import paired, t_quantile, verdicts
 
 
 def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
@@ -68,8 +68,8 @@ def test_r1_is_run_once_and_cells_are_paired():
     assert len(ids) == len(set(ids)) == 2 * (1 + 2) * 2  # recon x (r1 + r3 detached/full) x seeds
     assert "r1_rec-on_s0" in ids and "r3_detached_rec-off_s1" in ids
     same_seed = [c.config for c in cells if c.seed == 1]
-    assert all(cfg["seed"] == 1 for cfg in same_seed)
-    assert {cfg["detach_inner"] for cfg in same_seed if cfg["iterations"] == 3} == {True, False}
+    assert all(cfg.seed == 1 for cfg in same_seed)
+    assert {cfg.detach_inner for cfg in same_seed if cfg.iterations == 3} == {True, False}
 
 
 @pytest.mark.parametrize("argv, must", [
@@ -89,9 +89,9 @@ def test_bad_arguments_one_line(argv, must, capsys, tmp_path):
 
 
 def test_spec_refusals():
-    with pytest.raises(UsageError, match="iterations must be integers >= 1"):
+    with pytest.raises(UsageError, match="CapsSpec iterations: expected integers >= 1"):
         CapsSpec(iterations=(0, 1))
-    with pytest.raises(UsageError, match="unknown gradient variants"):
+    with pytest.raises(UsageError, match="CapsSpec grads: unknown value 'half'"):
         CapsSpec(grads=("detached", "half"))
     with pytest.raises(UsageError, match="epochs"):
         CapsSpec(epochs=0)
@@ -158,3 +158,27 @@ def test_help(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "usage: normlab capsules" in out and "--iterations" in out and "--quick" in out
+
+
+def test_the_capsule_grid_runs_on_the_grid_engine_failed_cells_and_merging(tmp_path, one_thread):
+    # a cell that raises is recorded (results.json 'failed') and the others finish; a later run with other seeds
+    # extends the grid in the same directory instead of dropping the finished cells
+    from normlab.runner.grid.execute import CellsFailed
+
+    out = tmp_path / "caps"
+    spec = _tiny()
+    bad = expand_cells(spec)[1]
+    (out / "runs" / bad.cell_id / "summary.json").mkdir(parents=True)  # its summary cannot be written
+    with pytest.raises(CellsFailed, match=f"first: {bad.cell_id}"):
+        run_capsules(spec, out, workers=1, progress=False, render=False, log=lambda s: None)
+    res = json.loads((out / "results.json").read_text())
+    assert [f["cell"] for f in res["failed"]] == [bad.cell_id] and not res["complete"]
+    assert [c["cell"] for c in res["cells"]] == [expand_cells(spec)[0].cell_id]
+    (out / "runs" / bad.cell_id / "summary.json").rmdir()
+    more = run_capsules(_tiny(seeds=(1,)), out, workers=1, progress=False, render=False, log=lambda s: None)
+    assert more["spec"]["seeds"] == [0, 1] and not more["failed"] and not more["complete"]
+    every = sorted(c.cell_id for c in expand_cells(_tiny(seeds=(0, 1))))
+    assert sorted(c["cell"] for c in more["cells"]) == [c for c in every if c != bad.cell_id]
+    assert json.loads((out / "capsules.json").read_text())["seeds"] == [0, 1]
+    again = run_capsules(spec, out, workers=1, progress=False, render=False, log=lambda s: None)  # retries it
+    assert sorted(c["cell"] for c in again["cells"]) == every and again["complete"]

@@ -114,7 +114,7 @@ def test_bench_steps_times_each_norm(capsys):
 def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     # one cell of a grid holds a corrupt checkpoint: compare records it as failed, ends with a one-line error and
     # leaves it alone
-    from normlab.runner.grid import GridSpec, expand_grid
+    from normlab.runner.grid.spec import GridSpec, expand_grid
 
     spec = GridSpec(norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
                     max_steps_per_epoch=1)
@@ -164,10 +164,10 @@ def test_compare_says_its_size_and_time_first_and_a_long_grid_needs_yes(tmp_path
 
 
 def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
-    from normlab.runner import estimate
-    from normlab.runner.config import TrainConfig
-    from normlab.runner.estimate import cell_steps, estimate_minutes, step_seconds
-    from normlab.runner.grid import GridSpec, expand_grid
+    from normlab.runner.grid import estimate
+    from normlab.runner.grid.estimate import cell_steps, estimate_minutes, step_seconds
+    from normlab.runner.grid.spec import GridSpec, expand_grid
+    from normlab.runner.training.config import TrainConfig
 
     cfg = TrainConfig(dataset="digits", model="plain", norm="bn", width=0.125, batch_size=16, epochs=3)
     assert cell_steps(cfg) == 3 * (1437 // 16)

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from normlab.runner.collapse import CHANCE, LEARNED, CollapseTracker, classify_trace, loss_window
+from normlab.runner.training.collapse import CHANCE, LEARNED, CollapseTracker, classify_trace, loss_window
 
 LN10 = math.log(10)
 

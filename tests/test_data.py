@@ -1,4 +1,4 @@
-"""normlab.runner.data: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
+"""normlab.runner.data.datasets: digits / mnist1d / cifar10 loading, splits, normalisation, augmentation, errors."""
 
 import hashlib
 import io
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from normlab.runner import cifar10, mnist1d
-from normlab.runner.data import DATASETS, ArrayDataset, flip_crop, get_dataset
+from normlab.runner.data import cifar10, mnist1d
+from normlab.runner.data.datasets import DATASETS, ArrayDataset, flip_crop, get_dataset
 
 
 def test_unknown_name_lists_valid_ones():
@@ -90,7 +90,7 @@ def test_mnist1d_generation_is_deterministic_for_its_arguments(tmp_path):
         mnist1d.generation_args(10)
     with pytest.raises(ValueError, match="num_samples applies to generated data sets"):
         get_dataset("digits", num_samples=100)
-    with pytest.raises(ValueError, match=r"num_train must be an integer in \[1, 1437\]"):
+    with pytest.raises(ValueError, match=r"num_train: expected an integer in \[1, 1437\]"):
         get_dataset("digits", num_train=5000)
 
 

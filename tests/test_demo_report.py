@@ -1,6 +1,6 @@
-"""normlab.runner.demo_report: the sentences of the demo's report say what the numbers show."""
+"""normlab.runner.experiments.demo.report: the sentences of the demo's report say what the numbers show."""
 
-from normlab.runner.demo_report import _cost_section
+from normlab.runner.experiments.demo.report import _cost_section
 
 
 def _cost(ms: dict[str, float]) -> dict:

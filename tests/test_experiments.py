@@ -8,11 +8,11 @@ import math
 import pytest
 
 from normlab.nn import resolve_comparison as resolve_norm
-from normlab.runner.execute import run_grid
-from normlab.runner.grid import GridSpec, expand_grid
-from normlab.runner.report import markdown_table, render_report
-from normlab.runner.results import load_results
-from normlab.runner.verdicts import headline_effects
+from normlab.runner.experiments.compare import run_grid
+from normlab.runner.grid.report import markdown_table, render_report
+from normlab.runner.grid.results import load_results
+from normlab.runner.grid.spec import GridSpec, expand_grid
+from normlab.runner.grid.verdicts import headline_effects
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -274,19 +274,19 @@ def test_identical_norms_reported():
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     # the grid dies in its second cell: results.json already holds the first one and renders as partial
-    import normlab.runner.execute as ex
+    import normlab.runner.experiments.compare as ex
     from normlab.cli import main
 
-    real = ex._run_cell
+    real = ex.train
     calls = []
 
-    def dying(config, out_dir):
+    def dying(config, out_dir, **kw):
         calls.append(out_dir)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        return real(config, out_dir)
+        return real(config, out_dir, **kw)
 
-    monkeypatch.setattr(ex, "_run_cell", dying)
+    monkeypatch.setattr(ex, "train", dying)
     spec = _tiny_spec(norms=("bn",), lrs=(0.05, 0.2), max_steps_per_epoch=1)
     with pytest.raises(KeyboardInterrupt):
         run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
@@ -294,13 +294,13 @@ def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):
     assert res["complete"] is False and len(res["cells"]) == 1
     assert main(["report", str(tmp_path)]) == 0
     assert "Partial results" in (tmp_path / "results.md").read_text()
-    monkeypatch.setattr(ex, "_run_cell", real)
+    monkeypatch.setattr(ex, "train", real)
     res = run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
     assert res["complete"] is True and len(res["cells"]) == 2
 
 
 def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path):
-    from normlab.runner.execute import CellsFailed
+    from normlab.runner.grid.execute import CellsFailed
 
     spec = _tiny_spec(norms=("bn", "gn"), lrs=(0.05,), max_steps_per_epoch=1)
     bad, good = expand_grid(spec)
@@ -312,3 +312,61 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
     assert [c["cell"] for c in res["cells"]] == [good.cell_id] and not res["complete"]
     assert res["failed"][0]["cell"] == bad.cell_id and "corrupt or unreadable" in res["failed"][0]["error"]
     assert f"`{bad.cell_id}`: RunError" in (tmp_path / "results.md").read_text()
+
+
+# ------------------------------------------------------------------ one validator per fact (the compare path)
+
+def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(tmp_path, monkeypatch):
+    # the data path of `normlab compare` (CLI -> GridSpec -> cells -> checks -> workers -> results.json): each
+    # cell's TrainConfig is built once and its names and numbers are checked once, the data set is read once by
+    # the checks (and once by each cell's trainer: workers=1 trains in this process)
+    from normlab.cli import main
+    from normlab.runner.data import datasets
+    from normlab.runner.training.config import TrainConfig
+
+    counts = {"built": 0, "checked": 0, "loaded": 0}
+    init, check, digits = TrainConfig.__init__, TrainConfig._check_names, datasets._digits
+
+    def counting(key, fn):
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return fn(*a, **kw)
+        return wrapper
+
+    monkeypatch.setattr(TrainConfig, "__init__", counting("built", init))
+    monkeypatch.setattr(TrainConfig, "_check_names", counting("checked", check))
+    monkeypatch.setattr(datasets, "_digits", counting("loaded", digits))
+    argv = ["compare", "--norms", "bn,gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--epochs", "1",
+            "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert len(json.loads((tmp_path / "results.json").read_text())["cells"]) == 2
+    assert counts == {"built": 2, "checked": 2, "loaded": 1 + 2}
+
+
+def test_records_refuse_unknown_keys_in_one_line():
+    from normlab.runner.errors import UsageError
+    from normlab.runner.training.config import TrainConfig
+    from normlab.runner.training.train import TrainState
+
+    for cls, d in ((GridSpec, {**GridSpec(norms=("bn",)).to_dict(), "bogus": 1, "extra": 2}),
+                   (TrainConfig, {**TrainConfig().to_dict(), "bogus": 1, "extra": 2}),
+                   (TrainState, {**TrainState().to_dict(), "bogus": 1, "extra": 2})):
+        with pytest.raises(UsageError, match=r"unknown key\(s\) 'bogus', 'extra'") as e:
+            cls.from_dict(d)
+        assert len(str(e.value).splitlines()) == 1
+        assert cls.from_dict({k: v for k, v in d.items() if k not in ("bogus", "extra")}) == cls.from_dict(
+            {k: v for k, v in d.items() if k not in ("bogus", "extra")})
+
+
+def test_a_refused_field_names_the_field_in_the_library_and_the_option_on_the_command_line(capsys, tmp_path):
+    from normlab.cli import main
+    from normlab.runner.errors import FieldError
+
+    with pytest.raises(FieldError, match=r"GridSpec base_lr: expected one of lrs \(0.1\) with layout cross") as e:
+        GridSpec(norms=("bn",), lrs=(0.1,), layout="cross", base_lr=0.3)
+    assert e.value.field == "base_lr"
+    assert main(["compare", "--norms", "bn", "--lrs", "0.1", "--layout", "cross", "--base-lr", "0.3",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "--base-lr: expected one of --lrs (0.1) with --layout cross, got 0.3" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

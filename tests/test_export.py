@@ -12,11 +12,11 @@ from conftest import needs
 
 from normlab.cli import main
 from normlab.convert import fold_for_inference
-from normlab.runner.config import TrainConfig
-from normlab.runner.data import get_dataset
+from normlab.runner.data.datasets import get_dataset
 from normlab.runner.export import INPUT_SHAPES, load_run_model
 from normlab.runner.models import build_model
-from normlab.runner.train import train
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import train
 
 ort = needs("onnxruntime")
 needs("onnxscript")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "normlab"
@@ -77,20 +78,43 @@ def test_no_function_longer_than_80_lines():
     assert not long, long
 
 
+REPO = PACKAGE.parent
+_CLIMB = re.compile(r"(?:\.\./)+[\w.\-/]*")  # a relative path that goes up
+_ABSOLUTE = re.compile(r"(?<![\w.])/(?:work|tmp|home|root|mnt)/[\w.\-/]+")  # a path of one machine
+_SHARED = re.compile(r"(?<![\w.])shared/")  # the folder beside the checkout that the repository does not hold
+_DOC = re.compile(r"(?<![\w./])((?:docs|benchmarks|scripts|tests)/[\w.\-/]+\.\w+)")  # a file of the repository
+
+
+def _outside_references(path: Path, text: str) -> list[str]:
+    """What ``text`` (the file at ``path``) names outside the repository: a relative path that climbs above its
+    root, an absolute path of one machine, the ``shared/`` folder, a repository file that does not exist."""
+    bad = [m for m in _CLIMB.findall(text) if REPO not in (path.parent / m).resolve().parents]
+    bad += _ABSOLUTE.findall(text) + _SHARED.findall(text)
+    return bad + [m for m in _DOC.findall(text) if not (REPO / m.rstrip(".")).exists()]
+
+
+def test_outside_references_are_found():
+    inner = PACKAGE / "runner" / "x.py"
+    assert _outside_references(inner, "see ../../../shared/notes.md") == ["../../../shared/notes.md", "shared/"]
+    assert _outside_references(inner, "data under /work/main/runs") == ["/work/main/runs"]
+    assert _outside_references(inner, "the protocol, docs/nothing_here.md") == ["docs/nothing_here.md"]
+    assert _outside_references(inner, "../nn/registry.py, docs/capsules.md, OUT/results.md, 1/2") == []
+
+
 def test_no_file_points_outside_the_repository():
-    for path in PACKAGE.rglob("*.py"):
-        assert "REFERENCE.md" not in path.read_text(), path
+    for path in PACKAGE.rglob("*"):
+        if path.is_file() and path.suffix in (".py", ".md", ".txt", ".json", ".toml"):
+            assert not _outside_references(path, path.read_text()), (path, _outside_references(path, path.read_text()))
 
 
 def test_the_declared_torch_floor_is_the_release_the_tests_run_on():
     """pyproject's lowest torch is the Makefile's pin (the tests run on it), and the running torch satisfies it."""
-    import re
-
     import torch
 
     root = Path(__file__).resolve().parents[1]
     floor = re.search(r'"torch>=([0-9.]+)"', (root / "pyproject.toml").read_text()).group(1)
     pin = re.search(r"TORCH_PIN \?= torch==([0-9.]+)", (root / "Makefile").read_text()).group(1)
+
     def release(v: str) -> tuple[int, ...]:
         parts = [int(p) for p in v.split("+")[0].split(".")]
         return tuple(parts + [0] * (3 - len(parts)))

@@ -9,8 +9,8 @@ import sys
 import pytest
 from conftest import load_script
 
-from normlab.runner.config import TrainConfig
-from normlab.runner.train import train
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import train
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from normlab.nn.registry import CONV_KINDS, NORM_NAMES
-from normlab.runner.models import MODELS, PreActBottleneck, PWSBottleneck, build_model
+from normlab.runner.models import MODEL_DIMS, MODELS, PreActBottleneck, PWSBottleneck, build_model
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -19,8 +19,18 @@ def convs(model):
     return [m for m in model.modules() if isinstance(m, CONV_TYPES)]
 
 
-def test_models_tuple():
-    assert MODELS == ("plain", "plain1d", "resnet", "resnet_pws", "cnn1d")
+@pytest.mark.parametrize("name", MODELS)
+def test_every_model_name_builds_a_net_of_its_dimension_and_unknown_names_are_refused(name):
+    # every name the CLI and TrainConfig accept builds, with convs of the dimension MODEL_DIMS says, and runs
+    dim = MODEL_DIMS[name]
+    shape = (1, 40) if dim == 1 else (3, 16, 16)
+    norm = "ln" if name == "resnet_pws" else "bn"
+    m = build_model(name, norm, "conv", in_channels=shape[0], num_classes=7, input_shape=shape, width=0.125,
+                    **({"blocks": 1} if name.startswith("resnet") else {})).eval()
+    assert {type(c) for c in convs(m)} == {CONV_TYPES[dim - 1]}
+    assert m(torch.randn(2, *shape)).shape == (2, 7)
+    with pytest.raises(ValueError, match=f"unknown model '{name}x'; valid names: {', '.join(MODELS)}$"):
+        build_model(name + "x", norm, "conv", in_channels=shape[0], input_shape=shape)
 
 
 def test_plain_net_layout_matches_the_paper():

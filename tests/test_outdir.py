@@ -15,8 +15,9 @@ import pytest
 
 from normlab.cli import main
 from normlab.runner.errors import UsageError
-from normlab.runner.execute import prepare_grid, run_grid
-from normlab.runner.grid import GridSpec, expand_grid
+from normlab.runner.experiments.compare import COMPARE, run_grid
+from normlab.runner.grid.execute import plan_grid
+from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.io import TEMP_SUFFIX, check_dir_option
 from normlab.runner.lock import LOCK_NAME, lock_holder, out_lock
 
@@ -197,7 +198,7 @@ def test_grid_union_links_and_stale_temps(tmp_path):
     # a grid with other settings is refused in one line, and nothing changes
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with pytest.raises(UsageError, match="different config.*epochs: 1 -> 2.*another output directory"):
-        prepare_grid(_tiny(norms=("pws",), epochs=2), out)
+        plan_grid(COMPARE, _tiny(norms=("pws",), epochs=2), out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 

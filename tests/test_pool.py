@@ -1,4 +1,4 @@
-"""normlab.runner.pool.run_jobs: results in the parent, failed jobs reported or raised, a dead worker a RunError."""
+"""normlab.runner.grid.pool.run_jobs: results in the parent, failed jobs reported or raised, a dead worker: RunError."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 
 from normlab.runner.errors import RunError
-from normlab.runner.pool import run_jobs
+from normlab.runner.grid.pool import run_jobs
 
 
 def _double(x: int) -> int:

@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 from conftest import needs
 
-from normlab.runner.execute import CellsFailed, run_grid
-from normlab.runner.grid import GridSpec, expand_grid
-from normlab.runner.results import load_results
-from normlab.runner.train import Trainer
+from normlab.runner.experiments.compare import run_grid
+from normlab.runner.grid.execute import CellsFailed
+from normlab.runner.grid.results import load_results
+from normlab.runner.grid.spec import GridSpec, expand_grid
+from normlab.runner.training.train import Trainer
 
 _TIMING = ("step_time_s", "time_s")
 
@@ -136,6 +137,20 @@ def _kill_when_training(cell_dir: Path, cell_id: str, killed: list, stop: thread
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the Ray worker through /proc")
+def test_the_capsule_grid_runs_on_ray_like_on_processes(ray_cluster, tmp_path):
+    # one engine: the capsule experiment gets the Ray backend of the grid, with the same cells and results
+    from normlab.runner.experiments.capsules.experiment import CapsSpec, run_capsules
+
+    spec = CapsSpec(iterations=(1, 2), grads=("detached",), recons=("off",), seeds=(0,), epochs=1,
+                    max_steps_per_epoch=2, test_subset=16)
+    kw = dict(threads=1, progress=False, render=False, log=lambda s: None)
+    here = run_capsules(spec, tmp_path / "process", workers=1, **kw)
+    there = run_capsules(spec, tmp_path / "ray", backend="ray", **{**kw, "log": logging.info})
+    assert [c["cell"] for c in there["cells"]] == [c["cell"] for c in here["cells"]] and there["complete"]
+    assert [c["final_test_margin"] for c in there["cells"]] == [c["final_test_margin"] for c in here["cells"]]
+    assert _files(tmp_path / "ray") == _files(tmp_path / "process")
+
+
 def test_ray_retries_a_cell_whose_worker_is_killed(ray_cluster, tmp_path):
     spec = _spec(norms=("bn",), epochs=6, max_steps_per_epoch=8)
     (cell,) = expand_grid(spec)
@@ -191,9 +206,10 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
 
 def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     from normlab.cli import main
-    from normlab.runner import ray_backend
     from normlab.runner.errors import RunError, UsageError
-    from normlab.runner.execute import prepare_grid
+    from normlab.runner.experiments.compare import COMPARE
+    from normlab.runner.grid import ray_backend
+    from normlab.runner.grid.execute import plan_grid
 
     with pytest.raises(UsageError, match="cuda:1 with --backend ray.*use --device cuda"):
         ray_backend._gpus("cuda:1", 8)
@@ -202,7 +218,7 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
         ray_backend.check_device("cuda:1")
     for ok in ("cuda", "cuda:0", "cpu", "auto"):
         ray_backend.check_device(ok)
-    grid = prepare_grid(_spec(norms=("bn",)), tmp_path)
+    grid = plan_grid(COMPARE, _spec(norms=("bn",)), tmp_path)
     with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
         ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here
     for address, words in (("ray://h:10001", "expected host:port"), ("h", "expected host:port"),

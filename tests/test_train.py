@@ -1,4 +1,4 @@
-"""normlab.runner.train: metrics, determinism, kill/resume, collapse handling, bad input, monitor hooks, DDP."""
+"""normlab.runner.training.train: metrics, determinism, kill/resume, collapse handling, bad input, monitor, DDP."""
 
 import dataclasses
 import json
@@ -16,11 +16,11 @@ import torch
 import torch.multiprocessing as mp
 
 import normlab.monitor
-import normlab.runner.train
+import normlab.runner.training.train
 from normlab.nn import param_groups
-from normlab.runner.config import TrainConfig
 from normlab.runner.models import build_model
-from normlab.runner.train import train
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -101,8 +101,8 @@ def _run_in_subprocess(cfg, out_dir, threads, log):
         f"""
         import torch
         torch.set_num_threads({threads})
-        from normlab.runner.config import TrainConfig
-        from normlab.runner.train import train
+        from normlab.runner.training.config import TrainConfig
+        from normlab.runner.training.train import train
         train(TrainConfig(**{dataclasses.asdict(cfg)!r}), {str(out_dir)!r}, progress=False)
         """
     )
@@ -292,7 +292,7 @@ class FakeMonitor:
 
 
 def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr(normlab.runner.train, "VarianceMonitor", FakeMonitor)
+    monkeypatch.setattr(normlab.runner.training.train, "VarianceMonitor", FakeMonitor)
     out = tmp_path / "run"
     cfg = tiny(epochs=4, max_steps_per_epoch=3, monitor_every=1, stop_on_collapse=True)
     s = train(cfg, out, progress=False)
@@ -315,10 +315,24 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
     assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
 
 
-def test_cifar10_format_trains_with_augmentation(tmp_path):
+def test_cifar10_format_trains_with_augmentation(tmp_path, monkeypatch):
+    # every training batch goes through flip_crop (with the run's generator), no evaluation batch does, and the
+    # augmented batch differs from the stored images; the run is still deterministic for its seed
     import pickle
 
     import numpy as np
+
+    from normlab.runner.data import datasets
+
+    seen = []
+
+    def recording(x, generator=None, pad=4):
+        out = flip_crop(x, generator, pad)
+        seen.append((generator is not None, len(x), not torch.equal(out, x)))
+        return out
+
+    flip_crop = datasets.flip_crop
+    monkeypatch.setattr(datasets, "flip_crop", recording)
 
     d = tmp_path / "data" / "cifar-10-batches-py"
     d.mkdir(parents=True)
@@ -327,9 +341,12 @@ def test_cifar10_format_trains_with_augmentation(tmp_path):
         with open(d / name, "wb") as f:
             pickle.dump({b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8),
                          b"labels": rng.integers(0, 10, 8).tolist()}, f)
-    s = train(tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2),
-              tmp_path / "run", progress=False)
+    cfg = tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2)
+    s = train(cfg, tmp_path / "run", progress=False)
     assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
+    assert seen == [(True, 8, True)] * s["steps_run"] and s["steps_run"] == 2  # training batches only
+    again = train(cfg, tmp_path / "again", progress=False)
+    assert again["history"][0]["train_loss"] == s["history"][0]["train_loss"]
 
 
 def _ddp_worker(rank, world, port, root, cfg_dict):
@@ -338,8 +355,8 @@ def _ddp_worker(rank, world, port, root, cfg_dict):
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from normlab.runner.config import TrainConfig
-    from normlab.runner.train import train
+    from normlab.runner.training.config import TrainConfig
+    from normlab.runner.training.train import train
 
     s = train(TrainConfig(**cfg_dict), Path(root) / f"rank{rank}", progress=False)
     dist.barrier()
@@ -443,7 +460,7 @@ def test_renorm_schedule_scaled_keeps_paper_proportions():
 def test_resume_accepts_another_device_spelling(tmp_path):
     # the fields that may change between a run and its resumption are defined once (they used to differ between
     # train and the grid: a half-trained cell refused a new --device that a finished one accepted)
-    from normlab.runner.config import RESUME_FREE
+    from normlab.runner.training.config import RESUME_FREE
 
     assert {"device", "data_dir", "num_workers"} <= set(RESUME_FREE)
     cfg = tiny(epochs=1, max_steps_per_epoch=1)
@@ -467,8 +484,8 @@ def test_evaluations_within_an_epoch_make_curves(tmp_path):
 
 
 def test_train_mode_accuracy_is_reported_and_equals_eval_mode_without_batch_statistics(tmp_path):
-    from normlab.runner.data import get_dataset
-    from normlab.runner.evaluation import evaluate, evaluate_train_mode
+    from normlab.runner.data.datasets import get_dataset
+    from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
 
     s = train(tiny(norm="gn", epochs=1, max_steps_per_epoch=4, eval_train_mode=True), tmp_path / "g",
               progress=False)

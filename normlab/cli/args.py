@@ -1,27 +1,30 @@
 """Argument types and the option groups shared by several commands; defaults come from the runner's configs.
 
-Every option value is checked where it is parsed: a bad value ends the command with one line naming the option
-and what was expected (exit code 2), before anything is written. The runner's own checks
-(:meth:`~normlab.runner.config.TrainConfig.validate`, :class:`~normlab.runner.grid.GridSpec`) stay as a second net.
+The command line parses: every option value is turned into its type where argparse reads it (a bad value ends
+the command with one line naming the option, exit code 2). What the values mean together is checked once, by the
+runner's spec or config that owns the fact (:class:`~normlab.runner.grid.spec.GridSpec`,
+:meth:`~normlab.runner.training.config.TrainConfig.validate`, the feasibility checks); their refusals name a
+field (:class:`~normlab.runner.errors.FieldError`), which :func:`options_named` says as the command's option.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 
-from normlab.nn import resolve_comparison
-from normlab.runner.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
-from normlab.runner.data import DATASETS, get_dataset
-from normlab.runner.errors import UsageError
+from normlab.runner.data.cifar10 import download_cifar10
+from normlab.runner.data.datasets import DATASETS
+from normlab.runner.data.mnist1d import DEFAULT_SAMPLES
+from normlab.runner.errors import FieldError, UsageError
 from normlab.runner.io import check_dir_option
-from normlab.runner.mnist1d import DEFAULT_SAMPLES
 from normlab.runner.models import MODELS
+from normlab.runner.training.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
 
 __all__ = ["OneLineParser", "list_of", "names", "fraction", "positive_int", "finite_float", "number", "integer",
            "device", "add_data_args", "add_optim_args", "add_out_arg", "add_run_args", "train_kwargs",
-           "resolve_name", "check_name", "check_paths", "load_data", "DEFAULTS", "MAX_WIDTH", "MAX_WORKERS",
-           "MAX_SEED"]
+           "option_name", "options_named", "check_name", "check_paths", "fetch_data", "DEFAULTS", "MAX_WIDTH",
+           "MAX_WORKERS", "MAX_SEED"]
 
 DEFAULTS = TrainConfig()
 MAX_WIDTH = 16.0  # the plain net at width 16 already has about 2 GB of weights
@@ -235,20 +238,25 @@ def train_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def resolve_name(name: str, option: str = "--norm") -> tuple[str, str]:
-    """:func:`normlab.nn.resolve_comparison` with its refusal as a :class:`UsageError` naming ``option``."""
+def option_name(field: str, renames: dict[str, str] | None = None) -> str:
+    """The option that sets a spec or config field: ``batch_size`` -> ``--batch-size`` unless ``renames`` says
+    otherwise (``compare`` sets every cell's ``batch_size`` with ``--batch-sizes``)."""
+    return (renames or {}).get(field, "--" + field.replace("_", "-"))
+
+
+@contextlib.contextmanager
+def options_named(renames: dict[str, str] | None = None):
+    """Inside the block, a :class:`~normlab.runner.errors.FieldError` becomes the same refusal naming options."""
     try:
-        return resolve_comparison(name)
-    except ValueError as e:
-        raise UsageError(f"{option}: {str(e).removeprefix('resolve_comparison: ')}") from None
+        yield
+    except FieldError as e:
+        raise e.for_options(lambda f: option_name(f, renames)) from None
 
 
 def check_paths(args: argparse.Namespace) -> None:
     """Refuse a bad ``--out`` / ``--data-dir`` and options that do not fit ``--dataset`` before anything is
-    written (also checks the names of ``--dataset`` and ``--model``)."""
+    written (the names of ``--dataset`` and ``--model`` are the config's to check)."""
     check_dir_option(args.out, "--out")
-    check_name(args.dataset, DATASETS, "--dataset", "data set")
-    check_name(args.model, MODELS, "--model", "model")
     if args.data_dir is not None:
         check_dir_option(args.data_dir, "--data-dir", writable=args.dataset == "mnist1d" or args.download)
     if args.num_samples is not None and args.dataset != "mnist1d":
@@ -257,21 +265,10 @@ def check_paths(args: argparse.Namespace) -> None:
         raise UsageError(f"--download applies to --dataset cifar10, not to {args.dataset}")
 
 
-def load_data(args: argparse.Namespace, batch_sizes=()):
-    """Load (and with ``--download`` fetch) the data set of ``--dataset`` with ``--num-samples``/``--num-train``;
-    refuse a ``--num-train`` or a batch size larger than its training set."""
-    data_dir = args.data_dir if args.data_dir is not None or args.dataset != "mnist1d" else None
-    kw = dict(data_dir=data_dir, download=args.download, num_samples=args.num_samples)
-    data = get_dataset(args.dataset, **kw)
-    n = len(data[0])
-    if args.num_train is not None and args.num_train > n:
-        raise UsageError(f"--num-train: expected at most {n} (the {args.dataset} training set), got {args.num_train}")
-    if args.num_train is not None:
-        data = get_dataset(args.dataset, **{**kw, "download": False}, num_train=args.num_train)
-        n = args.num_train
-    for b in batch_sizes:
-        if b > n:
-            opt = "--batch-size" if len(batch_sizes) == 1 else "--batch-sizes"
-            raise UsageError(f"{opt}: batch size {b} is larger than the {args.dataset} training set ({n} samples)")
-    return data
-
+def fetch_data(args: argparse.Namespace) -> None:
+    """``--download``: fetch the data set into ``--data-dir`` first (cifar10; :func:`check_paths` refused it for the
+    others); loading it is the runner's, once."""
+    if args.download:
+        if args.data_dir is None:
+            raise UsageError("--download: expected a --data-dir to download cifar10 into")
+        download_cifar10(args.data_dir)

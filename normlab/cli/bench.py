@@ -6,11 +6,12 @@ import argparse
 from pathlib import Path
 
 from normlab.runner.bench import step_times
-from normlab.runner.data import DATASETS
-from normlab.runner.grid import DEFAULT_NORMS
+from normlab.runner.data.datasets import DATASETS
+from normlab.runner.grid.spec import DEFAULT_NORMS
 from normlab.runner.models import MODELS
+from normlab.runner.training.config import resolve_name
 
-from .args import check_name, names, positive_int, resolve_name, threads_int, width_float
+from .args import check_name, names, options_named, positive_int, threads_int, width_float
 
 NAME = "bench"
 
@@ -46,8 +47,9 @@ def _print_steps(args: argparse.Namespace, res: dict) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.steps:
-        for n in args.norms:
-            resolve_name(n, "--norms")
+        with options_named():
+            for n in args.norms:
+                resolve_name(n, "norms", "bench")
         check_name(args.dataset, DATASETS, "--dataset", "data set")
         check_name(args.model, MODELS, "--model", "model")
         res = step_times(args.norms, dataset=args.dataset, model=args.model, width=args.width,

@@ -6,35 +6,35 @@ from __future__ import annotations
 import argparse
 import sys
 
-from normlab.runner.capsules import DATASETS, GRADS, RECONS, CapsSpec, expand_cells, quick_spec, run_capsules
-from normlab.runner.capsules_report import summary_lines, variant_table
 from normlab.runner.errors import UsageError
+from normlab.runner.experiments.capsules.experiment import (
+    DATASETS,
+    CapsSpec,
+    expand_cells,
+    quick_spec,
+    run_capsules,
+)
+from normlab.runner.experiments.capsules.report import summary_lines, variant_table
 from normlab.runner.io import check_dir_option
-from normlab.runner.lock import out_lock
 
-from .args import add_out_arg, finite_float, positive_int
+from .args import MAX_WORKERS, add_out_arg, finite_float, integer, options_named, positive_int
 
 NAME = "capsules"
 
 
-def _ints(option: str, text: str, minimum: int) -> list[int]:
-    """A comma-separated list of integers >= ``minimum``; a one-line UsageError otherwise."""
+def _ints(option: str, text: str) -> list[int]:
+    """A comma-separated list of integers (the spec judges their values); a one-line UsageError otherwise."""
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"{option}: expected comma-separated integers, got {text!r}") from None
-    bad = [v for v in vals if v < minimum]
-    if not vals or bad:
-        raise UsageError(f"{option}: expected integers >= {minimum}, got {text!r}")
-    return vals
 
 
-def _choices(option: str, text: str, valid: tuple[str, ...]) -> list[str]:
-    vals = [x.strip().lower() for x in text.split(",") if x.strip()]
-    bad = [v for v in vals if v not in valid]
-    if not vals or bad:
-        raise UsageError(f"{option}: unknown value {(bad or [text])[0]!r}; valid: {', '.join(valid)}")
-    return vals
+def _words(text: str) -> list[str]:
+    return [x.strip().lower() for x in text.split(",") if x.strip()]
+
+
+_RENAMES = {"recons": "--recon", "out_dir": "--out"}
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -63,7 +63,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                    help="tiny grid (iterations 1,3, 2 seeds, 2 short epochs; well under a minute): a pipeline check "
                         "whose numbers mean nothing; ignores the grid options")
     add_out_arg(p, "runs/capsules")
-    p.add_argument("--workers", type=int, default=0,
+    p.add_argument("--workers", type=integer(0, MAX_WORKERS, what="a number of workers"), default=0,
                    help="parallel worker processes, 1 torch thread each (default 0: one per usable core)")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,28 +72,24 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _spec(args: argparse.Namespace) -> CapsSpec:
+    """The grid of the options (CapsSpec checks it)."""
     if args.quick:
         return quick_spec()
-    iterations = _ints("--iterations", args.iterations, 1)
-    grads = _choices("--grads", args.grads, GRADS)
-    recons = _choices("--recon", args.recon, RECONS)
-    seeds = _ints("--seeds", args.seeds, 0)
-    _choices("--dataset", args.dataset, DATASETS)
-    return CapsSpec(iterations=iterations, grads=grads, recons=recons, seeds=seeds,
-                    epochs=args.epochs, dataset=args.dataset, batch_size=args.batch_size, lr=args.lr,
+    return CapsSpec(iterations=_ints("--iterations", args.iterations), grads=_words(args.grads),
+                    recons=_words(args.recon), seeds=_ints("--seeds", args.seeds), epochs=args.epochs,
+                    dataset=args.dataset, batch_size=args.batch_size, lr=args.lr,
                     max_steps_per_epoch=args.max_steps_per_epoch, data_dir=args.data_dir)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers < 0:
-        raise UsageError(f"--workers must be >= 0, got {args.workers}")
-    spec = _spec(args)
-    cells = expand_cells(spec)
     out = check_dir_option(args.out, "--out")
-    print(f"normlab capsules: {len(cells) // len(spec.seeds)} variants x {len(spec.seeds)} seeds = {len(cells)} runs "
-          f"of {spec.epochs} epochs on {spec.dataset} -> {out}", file=sys.stderr)
-    with out_lock(out, NAME):
-        results = run_capsules(spec, out, workers=args.workers, threads=args.threads, progress=not args.no_progress)
+    with options_named(_RENAMES):
+        spec = _spec(args)
+        cells = expand_cells(spec)
+        print(f"normlab capsules: {len(cells) // len(spec.seeds)} variants x {len(spec.seeds)} seeds = {len(cells)} "
+              f"runs of {spec.epochs} epochs on {spec.dataset} -> {out}", file=sys.stderr)
+        results = run_capsules(spec, out, workers=args.workers, threads=args.threads, progress=not args.no_progress,
+                               option="--out")
     print(variant_table(results))
     print()
     for line in summary_lines(results):

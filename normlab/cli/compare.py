@@ -6,15 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from normlab.runner.checks import check_grid
 from normlab.runner.errors import UsageError
-from normlab.runner.estimate import CONFIRM_MINUTES, estimate_minutes
-from normlab.runner.execute import BACKENDS, _cell_done, run_grid
-from normlab.runner.grid import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec, expand_grid, parse_variant
-from normlab.runner.lock import out_lock
-from normlab.runner.pool import default_workers
-from normlab.runner.ray_backend import check_address, check_device, require_ray
-from normlab.runner.report import print_summary
+from normlab.runner.experiments.compare import run_grid
+from normlab.runner.grid.estimate import CONFIRM_MINUTES, estimate_minutes
+from normlab.runner.grid.execute import BACKENDS, GridRun
+from normlab.runner.grid.pool import default_workers
+from normlab.runner.grid.ray_backend import check_address, check_device, require_ray
+from normlab.runner.grid.report import print_summary
+from normlab.runner.grid.spec import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec
 
 from .args import (
     MAX_SEED,
@@ -24,11 +23,12 @@ from .args import (
     add_out_arg,
     add_run_args,
     check_paths,
+    fetch_data,
     integer,
     list_of,
-    load_data,
     names,
     number,
+    options_named,
     positive_int,
     train_kwargs,
 )
@@ -83,26 +83,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def _check_norms(norms: list[str]) -> None:
-    for name in norms:
-        try:
-            parse_variant(name)
-        except UsageError as e:
-            raise UsageError(f"--norms: {str(e).removeprefix('resolve_comparison: ')}") from None
+# every cell's TrainConfig field that a compare option sets for the whole grid
+_RENAMES = {"batch_size": "--batch-sizes", "lr": "--lrs", "seed": "--seeds", "norm": "--norms", "conv": "--norms",
+            "conv_kwargs": "--norms", "out_dir": "--out"}
 
 
 def _spec(args: argparse.Namespace) -> GridSpec:
-    _check_norms(args.norms)
-    for opt, vals in (("--lrs", args.lrs), ("--batch-sizes", args.batch_sizes), ("--seeds", args.seeds),
-                      ("--norms", args.norms)):
-        if len(set(vals)) != len(vals):
-            raise UsageError(f"{opt}: expected distinct values, got duplicates in {','.join(map(str, vals))}")
-    if args.layout == "cross" and args.base_lr is not None and args.base_lr not in args.lrs:
-        raise UsageError(f"--base-lr: expected one of --lrs ({','.join(map(str, args.lrs))}) with --layout cross, "
-                         f"got {args.base_lr:g}")
-    if args.layout == "cross" and args.base_batch_size is not None and args.base_batch_size not in args.batch_sizes:
-        raise UsageError(f"--base-batch-size: expected one of --batch-sizes ({','.join(map(str, args.batch_sizes))})"
-                         f" with --layout cross, got {args.base_batch_size}")
+    """The grid of the options (GridSpec checks it: lists, names, the cross layout's base point)."""
     return GridSpec(
         norms=args.norms, lrs=args.lrs, batch_sizes=args.batch_sizes, seeds=args.seeds, epochs=args.epochs,
         dataset=args.dataset, model=args.model, width=args.width, layout=args.layout, base_lr=args.base_lr,
@@ -125,12 +112,11 @@ def _check_backend(args: argparse.Namespace) -> None:
             check_address(args.address)
 
 
-def _announce(args: argparse.Namespace, cells, out: Path) -> str | None:
-    """How many runs and about how long, to say before starting (None: nothing to train); refuses a long grid
-    without --yes (in one line, before anything is written)."""
-    todo = [c for c in cells if _cell_done(out / "runs" / c.cell_id, c) is None]
+def _announce(args: argparse.Namespace, grid: GridRun) -> None:
+    """Say how many runs and about how long before starting; refuse a long grid without --yes (in one line)."""
+    cells, todo = [c for c in grid.cells if c.cell_id in grid.wanted], grid.todo()
     if not todo:
-        return None
+        return
     workers = args.workers or default_workers()
     minutes = estimate_minutes(todo, workers)
     where = "on the Ray cluster (timed here)" if args.address else f"with {min(workers, len(todo))} worker(s) here"
@@ -140,7 +126,7 @@ def _announce(args: argparse.Namespace, cells, out: Path) -> str | None:
     if minutes > CONFIRM_MINUTES and not args.yes:
         raise UsageError(f"--yes: {plan}; pass --yes to start it, or make it smaller (--norms, --seeds, --epochs, "
                          "--width); `normlab demo` is the 5-minute tour")
-    return f"normlab compare: {plan}"
+    print(f"normlab compare: {plan}", file=sys.stderr)
 
 
 def spec_text(args: argparse.Namespace) -> str:
@@ -151,16 +137,10 @@ def spec_text(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
     _check_backend(args)
-    spec = _spec(args)
-    load_data(args, batch_sizes=args.batch_sizes)
-    cells = expand_grid(spec)
-    check_grid(cells)
-    out = Path(args.out)
-    plan = _announce(args, cells, out)
-    with out_lock(out, NAME):  # said once the directory is ours (a refusal of the lock stays one line)
-        if plan:
-            print(plan, file=sys.stderr)
-        results = run_grid(spec, out, workers=args.workers, progress=not args.no_progress, check=False,
-                           threads=args.threads, backend=args.backend, address=args.address)
-    print_summary(results, out)
+    fetch_data(args)
+    with options_named(_RENAMES):
+        results = run_grid(_spec(args), args.out, workers=args.workers, progress=not args.no_progress,
+                           threads=args.threads, backend=args.backend, address=args.address,
+                           announce=lambda grid: _announce(args, grid), option="--out")
+    print_summary(results, Path(args.out))
     return 0

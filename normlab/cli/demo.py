@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from normlab.runner.demo import run_demo
+from normlab.runner.experiments.demo.experiment import run_demo
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 

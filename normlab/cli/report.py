@@ -6,11 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from normlab.runner.demo_report import render_demo_report
 from normlab.runner.errors import UsageError, error_line
+from normlab.runner.experiments.demo.report import render_demo_report
+from normlab.runner.grid.report import render_report, summary_lines
+from normlab.runner.grid.results import load_results
 from normlab.runner.lock import out_lock
-from normlab.runner.report import render_report, summary_lines
-from normlab.runner.results import load_results
 
 NAME = "report"
 # what rendering a record of the wrong shape raises: the record is the user's input, so it is a usage error

@@ -1,4 +1,4 @@
-"""``normlab train``: one training run (options mirror :class:`normlab.runner.config.TrainConfig`)."""
+"""``normlab train``: one training run (options mirror :class:`normlab.runner.training.config.TrainConfig`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 
-from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names
-from normlab.runner.checks import check_feasible
-from normlab.runner.config import TrainConfig
+from normlab.nn import CONV_KINDS, comparison_names
 from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
-from normlab.runner.train import train
+from normlab.runner.training.checks import check_feasible
+from normlab.runner.training.config import TrainConfig, resolve_name
+from normlab.runner.training.train import train
 
 from .args import (
     DEFAULTS,
@@ -24,11 +24,11 @@ from .args import (
     add_out_arg,
     add_run_args,
     check_paths,
+    fetch_data,
     integer,
-    load_data,
     number,
+    options_named,
     positive_int,
-    resolve_name,
     train_kwargs,
 )
 
@@ -64,15 +64,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
-    if args.conv is None:
-        norm, conv = resolve_name(args.norm)
-    elif args.conv not in CONV_KINDS:
-        raise UsageError(f"--conv: unknown conv kind {args.conv!r}; valid conv kinds: {', '.join(CONV_KINDS)}")
-    elif args.norm not in NORM_NAMES:
-        raise UsageError(f"--norm: unknown output normalization {args.norm!r} with --conv; expected one of "
-                         f"{', '.join(NORM_NAMES)}")
-    else:
-        norm, conv = args.norm, args.conv
+    """The run's config from the options (TrainConfig checks it; ``--norm`` alone is a comparison name)."""
+    norm, conv = resolve_name(args.norm) if args.conv is None else (args.norm, args.conv)
     return TrainConfig(
         dataset=args.dataset, model=args.model, norm=norm, conv=conv, width=args.width, lr=args.lr,
         batch_size=args.batch_size, epochs=args.epochs, seed=args.seed, target_acc=args.target_acc,
@@ -93,8 +86,10 @@ def _check_tensorboard(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     check_paths(args)
     _check_tensorboard(args)
-    cfg = _config(args)
-    check_feasible(cfg, data=load_data(args, batch_sizes=(args.batch_size,)))
+    fetch_data(args)
+    with options_named():
+        cfg = _config(args)
+        check_feasible(cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 holds the lock and writes every file

@@ -1,4 +1,7 @@
-"""The experiment runner: data, models, one training loop, grids, results, reports.
+"""The experiment runner, grouped by job: ``data/`` and ``models`` (what is trained), ``training/`` (one run),
+``grid/`` (the engine that runs the cells of any experiment, and the comparison's results and report),
+``experiments/`` (compare, demo, capsules: each a spec plus a training function); ``io``, ``lock`` and ``errors``
+under everything.
 
 It imports the library (:mod:`normlab.nn`, :mod:`normlab.monitor`); the library never imports it.
 ``normlab.cli`` puts it on the command line.

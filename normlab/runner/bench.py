@@ -10,11 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from normlab.nn import resolve_comparison
-
-from .data import get_dataset
-from .errors import UsageError
-from .grid import DEFAULT_NORMS
-from .models import build_model
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.errors import UsageError
+from normlab.runner.grid.spec import DEFAULT_NORMS
+from normlab.runner.models import build_model
 
 __all__ = ["step_times"]
 
@@ -47,7 +46,7 @@ def step_times(
     Every repeat times ``iters`` steps of every norm in an order rotated by one per repeat, so slow phases of a
     shared machine hit all norms alike. Returns ``{name: {"median_s", "min_s", "ratio_to_pws"?}}`` (median over
     repeats). The same batch is used for every step (data loading is not timed). ``data_dir`` and ``num_samples``
-    are passed to :func:`~normlab.runner.data.get_dataset` (the mnist1d cache and size).
+    are passed to :func:`~normlab.runner.data.datasets.get_dataset` (the mnist1d cache and size).
     """
     if threads:
         torch.set_num_threads(int(threads))

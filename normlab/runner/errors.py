@@ -8,7 +8,7 @@ user must look at (an unreadable checkpoint); exit code 1. The library (``normla
 
 from __future__ import annotations
 
-__all__ = ["RunnerError", "UsageError", "RunError", "error_line"]
+__all__ = ["RunnerError", "UsageError", "FieldError", "RunError", "error_line"]
 
 
 class RunnerError(Exception):
@@ -21,6 +21,29 @@ class UsageError(RunnerError, ValueError):
     """Bad user input: the message names the option and what was expected (exit code 2)."""
 
     exit_code = 2
+
+
+class FieldError(UsageError):
+    """A refused value of one field of a spec or a config (``GridSpec lrs: expected ...``).
+
+    ``problem`` may name the fields of ``refs`` as ``{field}``; the command line says the same with its option
+    names (:meth:`for_options`), so each fact is checked once, by the spec or config that owns it. ``sep`` joins
+    the field and the problem (``": "``; ``" "`` for ``lr must be ...``).
+    """
+
+    def __init__(self, owner: str, field: str, problem: str, refs: tuple[str, ...] = (), sep: str = ": "):
+        self.owner, self.field, self.problem, self.refs, self.sep = owner, field, problem, refs, sep
+        super().__init__(f"{owner} {field}{sep}{self._text(lambda f: f)}")
+
+    def _text(self, name) -> str:
+        text = self.problem
+        for ref in self.refs:
+            text = text.replace("{" + ref + "}", name(ref))
+        return text
+
+    def for_options(self, option) -> UsageError:
+        """The same refusal naming options: ``option(field) -> "--option"``."""
+        return UsageError(f"{option(self.field)}{self.sep}{self._text(option)}")
 
 
 class RunError(RunnerError, RuntimeError):

@@ -22,13 +22,12 @@ import torch
 from torch import nn
 
 from normlab.convert import fold_for_inference
-
-from .config import TrainConfig
-from .data import DATASET_CLASSES, INPUT_SHAPES
-from .errors import RunError, UsageError, error_line
-from .io import atomic_write
-from .models import build_model
-from .train import read_checkpoint
+from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
+from normlab.runner.errors import RunError, UsageError, error_line
+from normlab.runner.io import atomic_write
+from normlab.runner.models import build_model
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import read_checkpoint
 
 __all__ = ["INPUT_SHAPES", "require_onnx", "load_run_model", "fold_run", "export_onnx", "export_torchscript",
            "max_rel_diff"]

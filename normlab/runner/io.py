@@ -18,18 +18,17 @@ import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from normlab._files import TEMP_SUFFIX, append_bytes, atomic_savefig, atomic_write
-
-from .errors import UsageError
+from normlab.runner.errors import UsageError
 
 __all__ = [
     "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_savefig", "append_lines",
-    "remove_stale_temps", "to_jsonable", "json_line", "check_dir_option", "TEMP_SUFFIX",
+    "remove_stale_temps", "to_jsonable", "json_line", "check_dir_option", "from_fields", "TEMP_SUFFIX",
 ]
 
 
@@ -118,22 +117,14 @@ def check_dir_option(path: str | os.PathLike | None, option: str = "--out", *, w
     return p
 
 
-class DictSpec:
-    """``to_dict``/``from_dict`` for a grid's dataclass spec, as written to and read from its JSON file.
-
-    ``LIST_FIELDS`` are sequences stored as JSON lists; ``from_dict`` ignores keys that are not fields (a file
-    written by another version), and the spec's own checks (``__post_init__``) judge the values.
-    """
-
-    LIST_FIELDS: ClassVar[tuple[str, ...]] = ()
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        for k in self.LIST_FIELDS:
-            d[k] = list(d[k])
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in names})
+def from_fields(cls, d: dict[str, Any], what: str | None = None):
+    """The dataclass ``cls`` from a dict of its fields (a JSON record); one policy for every record the runner
+    reads: an unknown key is refused in one line naming the keys and the fields, never dropped."""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if not isinstance(d, dict):
+        raise UsageError(f"{what or cls.__name__}: expected a JSON object of its fields, got {type(d).__name__}")
+    unknown = sorted(set(d) - set(names))
+    if unknown:
+        raise UsageError(f"{what or cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                         f"its fields: {', '.join(names)}")
+    return cls(**d)

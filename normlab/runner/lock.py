@@ -7,9 +7,9 @@ host, command, start time). A second run on the same directory is refused with a
 (even by ``kill -9``), so a lock file left by a dead process is simply taken over. Leaving the block removes the
 lock file, and the directories the lock created if they are still empty, so a refused run leaves nothing behind.
 
-The lock is re-entrant within one process (``run_grid`` inside a locked ``compare`` takes it again for free) and
+The lock is re-entrant within one process (a library call inside a command that holds it takes it again for free) and
 is not inherited by worker processes: a grid's workers run under their parent's lock, and die with the parent
-(:mod:`normlab.runner.execute`), so no cell is ever trained by two live processes.
+(:mod:`normlab.runner.grid.execute`), so no cell is ever trained by two live processes.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import UsageError
-from .io import check_dir_option
+from normlab.runner.errors import UsageError
+from normlab.runner.io import check_dir_option
 
 try:
     import fcntl

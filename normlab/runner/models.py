@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from normlab.nn import CONV_KINDS, NORM_NAMES, create_conv, create_norm
-
-from .errors import UsageError
+from normlab.runner.errors import UsageError
 
 __all__ = ["MODELS", "MODEL_DIMS", "build_model", "he_init_", "LayerFactory", "PlainNet", "PreActResNet",
            "PWSResNet", "CNN1d", "PreActBottleneck", "PWSBottleneck"]

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench import step_times
-from .data import get_dataset
-from .demo_report import render_demo_report
-from .execute import GridRun, prepare_grid, run_cells
-from .grid import GridSpec
-from .io import atomic_write_json
+from normlab.runner.bench import step_times
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.experiments.compare import COMPARE
+from normlab.runner.experiments.demo.report import render_demo_report
+from normlab.runner.grid.execute import GridRun, plan_grid, run_cells
+from normlab.runner.grid.spec import GridSpec
+from normlab.runner.io import atomic_write_json
 
 __all__ = ["DemoProtocol", "PROTOCOL", "QUICK_PROTOCOL", "demo_sections", "run_demo"]
 
@@ -112,8 +113,10 @@ def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | 
     p = QUICK_PROTOCOL if quick else PROTOCOL
     out = Path(out_dir)
     get_dataset("mnist1d", out / "data", num_samples=p.num_samples)  # generate once, before the workers start
-    grids: dict[str, GridRun] = {k: prepare_grid(spec, out / k, data_cache=out / "data")
+    grids: dict[str, GridRun] = {k: plan_grid(COMPARE, spec, out / k, data_cache=out / "data")
                                  for k, spec in demo_sections(p).items()}
+    for grid in grids.values():
+        grid.start()
     print(f"normlab demo: {sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
           f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}", file=sys.stderr)
     run_cells(list(grids.values()), workers=workers, threads=threads, progress=progress)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .results import mean_std
+from normlab.runner.grid.results import mean_std
 
 __all__ = ["collect", "paired", "t_quantile", "comparisons", "verdicts", "variant_name", "CRITERIA",
            "RESULTS_KIND", "RESULTS_VERSION"]
@@ -105,14 +105,17 @@ def _variants(cells: list[dict[str, Any]], bench: dict[str, float] | None) -> li
 
 
 def collect(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
-            timings: Sequence[dict[str, Any]] = (), step_bench: dict[str, float] | None = None) -> dict[str, Any]:
+            failed: Sequence[tuple[Any, str]] = (), timings: Sequence[dict[str, Any]] = (),
+            step_bench: dict[str, float] | None = None) -> dict[str, Any]:
     """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs);
-    ``timings``: wall and CPU time of each invocation that ran cells; ``step_bench``: seconds per training step of
-    each variant timed round-robin (:func:`normlab.runner.capsules.step_benchmark`)."""
+    ``failed``: ``(cell, error line)`` of the cells that raised; ``timings``: wall and CPU time of each invocation
+    that ran cells; ``step_bench``: seconds per training step of each variant timed round-robin
+    (:func:`normlab.runner.experiments.capsules.train.step_benchmark`)."""
     cells = [_cell_record(c, s) for c, s in pairs]
     results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "spec": spec.to_dict(), "complete": complete,
                "timings": list(timings), "step_bench": step_bench, "cells": cells,
-               "variants": _variants(cells, step_bench)}
+               "variants": _variants(cells, step_bench),
+               "failed": [{"cell": c.cell_id, "variant": c.variant, "seed": c.seed, "error": e} for c, e in failed]}
     results["comparisons"] = comparisons(results)
     results["verdicts"] = verdicts(results)
     results["totals"] = {"cell_wall_s": sum(c["wall_s"] or 0.0 for c in cells),

@@ -1,8 +1,8 @@
 """The demo's report: four sections, each claim judged from the numbers by criteria fixed in this file.
 
 ``render_demo_report(demo, out)`` writes ``report.md`` and its plots into ``out`` from the dict
-:func:`~normlab.runner.demo.run_demo` returns (also saved as ``demo.json``, so ``normlab report`` can re-render
-it) and the runs' files under ``out/<section>/runs``.
+:func:`~normlab.runner.experiments.demo.experiment.run_demo` returns (also saved as ``demo.json``, so
+``normlab report`` can re-render it) and the runs' files under ``out/<section>/runs``.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .diagnosis import alarm_audit, diagnose_run, plot_diagnosis
-from .io import atomic_savefig, atomic_write_text
-from .report import plot_curves, plot_sweep, plt
-from .verdicts import CRITERIA, chance_level, failed, format_acc, trains
+from normlab.runner.experiments.demo.diagnosis import alarm_audit, diagnose_run, plot_diagnosis
+from normlab.runner.grid.report import plot_curves, plot_sweep, plt
+from normlab.runner.grid.verdicts import CRITERIA, chance_level, failed, format_acc, trains
+from normlab.runner.io import atomic_savefig, atomic_write_text
 
 __all__ = ["render_demo_report", "DEMO_CRITERIA", "DROP", "GAP_VISIBLE", "BRN_GAIN"]
 
@@ -291,7 +291,8 @@ def _md_header(demo: dict) -> list[str]:
             + f"MNIST-1D generated locally ({p['num_samples']} samples, 80 % train), the paper's plain net in 1-D "
             f"(width {p['lr_width']:g} in (a), (b), (d); {p['collapse_width']:g} in (c)), SGD momentum 0.9, weight "
             f"decay 5e-4 (not on norm parameters, biases and PWS alpha), seeds {', '.join(map(str, p['seeds']))}. "
-            f"Accuracies: test set, mean ± sample std over seeds. The protocol: `normlab.runner.demo.PROTOCOL`.",
+            f"Accuracies: test set, mean ± sample std over seeds. The protocol: "
+            "`normlab.runner.experiments.demo.experiment.PROTOCOL`.",
             "", f"Criteria (fixed before the runs): {DEMO_CRITERIA}", ""]
 
 

@@ -1,8 +1,8 @@
 """Grid cells as Ray tasks: one command runs a grid on an embedded local Ray or on a Ray cluster.
 
-:func:`run_on_ray` is what :func:`normlab.runner.execute.run_cells` calls with ``backend="ray"``. Each cell is one
+:func:`run_on_ray` is what :func:`normlab.runner.grid.execute.run_cells` calls with ``backend="ray"``. Each cell is one
 Ray task that declares its resources (``num_cpus`` = its torch threads, ``num_gpus`` = 1 on a CUDA device) and calls
-:func:`~normlab.runner.train.train` into ``OUT/runs/<cell id>``: the files of the process backend, in the same
+its experiment's training function into ``OUT/runs/<cell id>``: the files of the process backend, in the same
 place, so a grid half-run by one backend is finished by the other. Without an address normlab starts a local Ray
 in this process (and stops it at the end); with one it joins that cluster (``ray start --head`` prints it). A Ray
 session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
@@ -32,8 +32,7 @@ from typing import Any
 
 import torch
 
-from .errors import RunError, UsageError, error_line
-from .train import train
+from normlab.runner.errors import RunError, UsageError, error_line
 
 __all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
 
@@ -57,10 +56,11 @@ def require_ray(local: bool = False):
     return ray
 
 
-def _cell_task(config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]:
-    """The Ray task of one cell: ``train`` with ``threads`` torch threads; returns (summary, host name)."""
+def _cell_task(train: Callable, config, out_dir: str, threads: int) -> tuple[dict[str, Any], str]:
+    """The Ray task of one cell: the experiment's ``train(config, out_dir)`` with ``threads`` torch threads;
+    returns (summary, host name)."""
     torch.set_num_threads(threads)
-    return train(config, out_dir, progress=False), socket.gethostname()
+    return train(config, out_dir), socket.gethostname()
 
 
 @contextlib.contextmanager
@@ -142,7 +142,7 @@ def _submit(task, grid, cell, threads: int, cluster_gpus: float):
     """Start ``cell`` as a run of the remote function ``task`` with its resources; returns its object ref."""
     return task.options(num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
                         retry_exceptions=False, name=f"normlab:{cell.cell_id}").remote(
-        cell.config, str(grid.cell_dir(cell)), threads)
+        grid.experiment.train, cell.config, str(grid.cell_dir(cell)), threads)
 
 
 def _error_text(ray, e: BaseException) -> str:
@@ -189,7 +189,7 @@ def run_on_ray(jobs: Sequence[tuple[Any, Any]], *, threads: int, done: Callable,
     """Run ``jobs`` ((grid run, cell) pairs, in submission order) as Ray tasks with ``threads`` CPUs each.
 
     Args:
-        jobs: what :func:`~normlab.runner.execute.run_cells` runs.
+        jobs: what :func:`~normlab.runner.grid.execute.run_cells` runs.
         threads: torch threads of a cell, its ``num_cpus``.
         done: ``done(grid, cell, summary)``, called in this process as each cell finishes.
         failed: ``failed(grid, cell, error_line)`` for a cell that raised (or whose worker kept dying).

@@ -35,8 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from normlab.nn import PrimaryCapsules, RoutingCapsules, margin_loss
-
-from .errors import UsageError
+from normlab.runner.errors import UsageError
 
 __all__ = ["CapsNet", "CapsNetSpec", "CapsNetOutput", "CAPSNET_PRESETS", "build_capsnet", "RECON_SCALE"]
 

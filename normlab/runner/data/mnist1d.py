@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import UsageError
-from .io import atomic_write
+from normlab.runner.errors import UsageError
+from normlab.runner.io import atomic_write
 
 __all__ = ["DEFAULT_SAMPLES", "TRAIN_SPLIT", "generation_args", "cache_key", "load_mnist1d", "arrays_checksum"]
 

@@ -9,11 +9,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .data import DATASET_CLASSES
-from .errors import UsageError
-from .io import atomic_write_json
+from normlab.runner.data.datasets import DATASET_CLASSES
+from normlab.runner.errors import UsageError
 
-__all__ = ["collect_results", "write_results", "load_results", "read_summary", "mean_std", "RESULTS_VERSION"]
+__all__ = ["collect_results", "load_results", "read_summary", "mean_std", "RESULTS_VERSION"]
 
 RESULTS_VERSION = 1
 _HISTORY_KEYS = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "test_acc_train_mode")
@@ -101,11 +100,6 @@ def read_summary(cell_dir: Path) -> dict[str, Any] | None:
     if not isinstance(summary, dict):
         raise UsageError(f"{path} is not a run summary (a JSON object); move the run directory away to rerun it")
     return summary
-
-
-def write_results(results: dict[str, Any], out_dir: str | os.PathLike) -> Path:
-    """Write ``results.json`` atomically (strict JSON: a diverged run's non-finite loss becomes null)."""
-    return atomic_write_json(Path(out_dir) / "results.json", results)
 
 
 def _num(v) -> bool:

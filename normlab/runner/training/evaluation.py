@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import ArrayDataset
+from normlab.runner.data.datasets import ArrayDataset
 
 __all__ = ["evaluate", "evaluate_train_mode", "TRAIN_MODE_SAMPLES"]
 

@@ -1,5 +1,7 @@
-"""Refuse impossible runs before any training: unknown names, a batch larger than the data, a model that cannot
-run on the data's input shape. Each refusal is a one-line :class:`~normlab.runner.errors.UsageError`."""
+"""Refuse impossible runs before any training: a batch larger than the data, a model that cannot run on the data's
+input shape. The configs come validated (:meth:`~normlab.runner.training.config.TrainConfig.validate`); these are
+the facts that need the data and the model. Each refusal is a one-line :class:`~normlab.runner.errors.UsageError`
+(a :class:`~normlab.runner.errors.FieldError` where one field decides it)."""
 
 from __future__ import annotations
 
@@ -7,22 +9,21 @@ from collections.abc import Iterable
 
 import torch
 
-from .config import TrainConfig
-from .data import get_dataset
-from .errors import UsageError
-from .models import build_model
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.errors import FieldError, UsageError
+from normlab.runner.models import build_model
+from normlab.runner.training.config import TrainConfig
 
-__all__ = ["check_feasible", "check_grid"]
+__all__ = ["check_feasible", "check_grid", "load_data"]
 
 
 def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
-    """Validate ``config`` and build its model on the data's input shape; a dry forward pass catches whatever
-    else cannot run. ``data`` may pass an already loaded ``(train_ds, test_ds, info)``."""
-    config.validate()
-    train_ds, _test_ds, info = data if data is not None else _load(config)
+    """Build the model of a validated ``config`` on the data's input shape; a dry forward pass catches whatever
+    else cannot run. ``data`` may pass the already loaded ``(train_ds, test_ds, info)``."""
+    train_ds, _test_ds, info = data if data is not None else load_data(config)
     if config.batch_size > len(train_ds):
-        raise UsageError(f"batch size {config.batch_size} is larger than the {config.dataset} training set "
-                         f"({len(train_ds)} examples)")
+        raise FieldError("TrainConfig", "batch_size", f"batch size {config.batch_size} is larger than the "
+                                                      f"{config.dataset} training set ({len(train_ds)} samples)")
     shape = tuple(info["input_shape"])
     try:
         net = build_model(config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], shape,
@@ -41,13 +42,14 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
                          f"{info['num_classes']}")
 
 
-def _load(config: TrainConfig):
+def load_data(config: TrainConfig):
     """The data set as the run will see it (generated size, first ``num_train`` training samples)."""
     return get_dataset(config.dataset, config.data_dir, num_samples=config.num_samples, num_train=config.num_train)
 
 
 def check_grid(cells: Iterable) -> None:
-    """:func:`check_feasible` once per distinct (data, norm, conv, batch size, model, width) among ``cells``."""
+    """:func:`check_feasible` once per distinct (data, norm, conv, batch size, model, width) among ``cells``
+    (their configs validated by :func:`~normlab.runner.grid.spec.expand_grid`), each data set loaded once."""
     seen, data = set(), {}
     for c in cells:
         cfg = c.config
@@ -56,7 +58,6 @@ def check_grid(cells: Iterable) -> None:
         if key in seen:
             continue
         seen.add(key)
-        cfg.validate()
         if source not in data:
-            data[source] = _load(cfg)
+            data[source] = load_data(cfg)
         check_feasible(cfg, data=data[source])

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 
 import torch
 
-from .config import TrainConfig
-from .data import DATASET_CLASSES, INPUT_SHAPES
-from .grid import Cell
-from .models import build_model
+from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
+from normlab.runner.grid.spec import Cell
+from normlab.runner.models import build_model
+from normlab.runner.training.config import TrainConfig
 
 __all__ = ["CONFIRM_MINUTES", "cell_steps", "step_seconds", "estimate_minutes"]
 

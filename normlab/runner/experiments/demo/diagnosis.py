@@ -1,7 +1,8 @@
 """Collapse diagnosis from the files a monitored run leaves: alarm, collapse, lead time, variance decomposition.
 
 For each run (``<cell dir>/summary.json``, ``monitor.jsonl``, ``loss_trace.json``) :func:`diagnose_run` says how it
-ended (:mod:`normlab.runner.collapse`), when and where the monitor's alarm fired, the lead of the alarm in steps
+ended (:mod:`normlab.runner.training.collapse`), when and where the monitor's alarm fired,
+the lead of the alarm in steps
 (collapse step - alarm step; positive: the alarm came first) and, for the alarmed layer, the two terms of
 ``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` at the first record and at the alarm.
 :func:`alarm_audit` counts, over many runs, the alarms before a collapse and the false alarms (runs that did not
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_savefig
+from normlab.runner.io import atomic_savefig
 
 __all__ = ["load_records", "diagnose_run", "alarm_audit", "plot_diagnosis"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import RunError
+from normlab.runner.errors import RunError
 
 __all__ = ["run_jobs", "default_workers"]
 

@@ -1,7 +1,7 @@
 """Render a grid's ``results.json`` as a markdown report and PNG plots.
 
-Everything is computed from the results dict (:mod:`normlab.runner.results`), so ``normlab report DIR`` re-renders
-the same report without training; the verdicts come from :mod:`normlab.runner.verdicts`.
+Everything is computed from the results dict (:mod:`normlab.runner.grid.results`), so ``normlab report DIR`` re-renders
+the same report without training; the verdicts come from :mod:`normlab.runner.grid.verdicts`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .io import atomic_savefig, atomic_write_text
-from .verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.grid.verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.io import atomic_savefig, atomic_write_text
 
 # --------------------------------------------------------------------------------------------------
 # Markdown
@@ -53,6 +53,18 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def status_lines(results: dict[str, Any]) -> list[str]:
+    """The report's lines for a grid that is still running and for its failed cells (none when neither)."""
+    lines = []
+    if not results.get("complete", True):
+        lines += ["", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
+                      f"complete the grid."]
+    if results.get("failed"):
+        lines += ["", "**Failed runs** (rerun the same command to retry them): "
+                      + "; ".join(f"`{f['cell']}`: {f['error']}" for f in results["failed"])]
+    return lines
+
+
 def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     spec = results["spec"]
     chance = chance_level(results)
@@ -66,12 +78,7 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         + (f", at most {spec['max_steps_per_epoch']} steps per epoch" if spec.get("max_steps_per_epoch") else "")
         + (f"; chance level {100 * chance:.0f} %." if chance else "."),
         "Accuracies are percent, mean ± sample std over seeds. A run *collapsed* if its loss became non-finite.",
-        *([] if results.get("complete", True) else [
-            "", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
-                f"complete the grid."]),
-        *([] if not results.get("failed") else [
-            "", "**Failed runs** (rerun the same command to retry them): "
-                + "; ".join(f"`{f['cell']}`: {f['error']}" for f in results["failed"])]),
+        *status_lines(results),
         "",
         "## Headline effects (computed from the table below)",
         "",

@@ -1,7 +1,7 @@
 """The capsule grid's report: ``results.md`` (verdicts, per-variant table, paired comparisons, timing) and PNG
 plots (test error per variant with every seed, training curves, time per step, coupling entropy per iteration).
 
-Everything is computed from the results dict of :func:`normlab.runner.capsules_stats.collect`.
+Everything is computed from the results dict of :func:`normlab.runner.experiments.capsules.stats.collect`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .capsules_stats import CRITERIA
-from .io import atomic_write
-from .report import write_report
+from normlab.runner.experiments.capsules.stats import CRITERIA
+from normlab.runner.grid.report import status_lines, write_report
+from normlab.runner.io import atomic_write
 
 __all__ = ["markdown_report", "variant_table", "comparison_table", "verdict_lines", "render_report",
            "render_plots", "summary_lines"]
@@ -129,10 +129,7 @@ def _setup_line(results: dict[str, Any]) -> str:
 
 
 def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
-    lines = ["# normlab capsules report", "", _setup_line(results), "", _timing_line(results)]
-    if not results.get("complete", True):
-        lines += ["", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command "
-                      f"to complete the grid."]
+    lines = ["# normlab capsules report", "", _setup_line(results), "", _timing_line(results), *status_lines(results)]
     lines += ["", "## Verdicts", "", *verdict_lines(results), "", f"Criteria: {CRITERIA}", "",
               "## Variants", "", variant_table(results), "",
               "`detached`: naturomics' stop_gradient (`detach_inner=True`); `full`: the official code; r1 has no "

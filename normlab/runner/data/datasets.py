@@ -8,9 +8,9 @@ with :meth:`ArrayDataset.batch` and passes a ``torch.Generator`` so that augment
 - ``digits``: scikit-learn's bundled 8x8 handwritten digits (1,797 images), a fixed stratified split (seed 0) of
   1,437 train / 360 test, standardised with the training mean and std and upsampled to 16x16 by nearest
   neighbour (the paper's plain net needs at least 12x12).
-- ``mnist1d``: MNIST-1D generated locally (:mod:`normlab.runner.mnist1d`), ``num_samples`` in all (default
+- ``mnist1d``: MNIST-1D generated locally (:mod:`normlab.runner.data.mnist1d`), ``num_samples`` in all (default
   25,000: 20,000 train / 5,000 test), shape (1, 40), cached in ``data_dir``.
-- ``cifar10``: the python batches in ``data_dir`` (:mod:`normlab.runner.cifar10`); ``download=True`` fetches the
+- ``cifar10``: the python batches in ``data_dir`` (:mod:`normlab.runner.data.cifar10`); ``download=True`` fetches the
   official tarball. Training batches are augmented with a random flip and a random crop of the image padded by 4.
 
 ``num_train`` keeps only the first ``num_train`` training samples (the test set is unchanged).
@@ -25,8 +25,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from normlab.runner.errors import FieldError, UsageError
+
 from . import cifar10, mnist1d
-from .errors import UsageError
 
 __all__ = ["DATASETS", "DATASET_CLASSES", "DATASET_DIMS", "ArrayDataset", "flip_crop", "get_dataset"]
 
@@ -164,7 +165,8 @@ def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None,
         train_ds, test_ds, desc = _cifar10(data_dir, download)
     if num_train is not None:
         if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
-            raise UsageError(f"num_train must be an integer in [1, {len(train_ds)}] for {name}, got {num_train!r}")
+            raise FieldError("get_dataset", "num_train", f"expected an integer in [1, {len(train_ds)}] (the {name} "
+                                                         f"training set), got {num_train!r}")
         train_ds = ArrayDataset(train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std,
                                 train_ds.augment)
     input_shape = tuple(train_ds.x.shape[1:])

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import RunError, UsageError, error_line
-from .io import atomic_write
+from normlab.runner.errors import RunError, UsageError, error_line
+from normlab.runner.io import atomic_write
 
 __all__ = ["read_batch", "load_cifar10", "download_cifar10", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD"]
 

@@ -1,0 +1,619 @@
+"""One training loop: seeds, checkpoint/resume, DDP, the variance monitor, metrics.
+
+``train(config, out_dir, progress=True) -> summary`` trains ``config.model`` on ``config.dataset`` with SGD
+(momentum; weight decay not on norm parameters, biases and PWS alpha), a MultiStepLR schedule and cross-entropy.
+Accuracies are fractions in [0, 1].
+
+Files in ``out_dir`` (only rank 0 writes, every file atomically):
+
+- ``checkpoint.pt``: model, optimizer, scheduler, RNG states, history, :class:`TrainState` and the monitor's state;
+  written before training and after every epoch. ``train`` again with the same ``out_dir`` resumes from it and
+  ends with exactly the metrics (and monitor alarm) of an uninterrupted run; a finished run returns its summary.
+- ``metrics.jsonl``: one line per evaluation (``evals_per_epoch`` per epoch): ``epoch`` (fractional within an
+  epoch), ``step``, ``train_loss``/``train_acc`` since the previous evaluation, ``test_loss``, ``test_acc``
+  (eval mode), ``test_acc_train_mode`` (with ``eval_train_mode``), ``lr``, ``time_s``.
+- ``loss_trace.json``: the training loss of every step and the window of the smoothed loss.
+- ``monitor.jsonl``: the :class:`~normlab.monitor.VarianceMonitor` records when ``monitor_every > 0``.
+- ``summary.json``: the returned summary.
+
+``train(..., tensorboard=DIR)`` also writes the run's loss (every step), evaluations and learning rate and the
+monitor's records to TensorBoard event files in ``DIR`` (:mod:`normlab.integrations.tensorboard`; a resumed run
+purges the events after its checkpoint).
+
+Mixed precision (``amp``): the forward pass and the loss run under ``torch.autocast``, bfloat16 on CPU and float16
+on CUDA with a ``GradScaler`` (its state is checkpointed); normlab's layers keep float32 statistics and running
+buffers under autocast; evaluation runs in float32.
+
+Collapse (:mod:`normlab.runner.training.collapse`): a non-finite loss stops the run and the checkpoint keeps the last
+good weights; a return of the loss to chance level is recorded and training goes on; a net that never left chance is
+judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
+
+DDP: under ``torchrun`` (``WORLD_SIZE > 1``) the loop joins a gloo (CPU) / nccl (CUDA) process group, shards each
+epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the model in
+``DistributedDataParallel`` and averages the train metrics over ranks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from normlab.monitor import VarianceMonitor
+from normlab.nn import RenormSchedule, param_groups
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.errors import RunError, UsageError
+from normlab.runner.io import (
+    append_lines,
+    atomic_torch_save,
+    atomic_write_json,
+    atomic_write_text,
+    from_fields,
+    json_line,
+    remove_stale_temps,
+)
+from normlab.runner.models import build_model
+from normlab.runner.training.collapse import CollapseTracker, loss_window
+from normlab.runner.training.config import TrainConfig, resolve_device
+from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
+
+__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "read_checkpoint", "seed_everything", "eval_marks"]
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclass
+class TrainState:
+    """The counters a checkpoint carries besides the weights (plain Python values)."""
+
+    epoch: int = 0
+    finished: bool = False
+    collapse_epoch: int | None = None
+    collapse_step: int | None = None
+    collapse_reason: str | None = None
+    monitor_alarm: dict | None = None
+    epochs_to_target: int | None = None
+    step_time_total: float = 0.0
+    steps_total: int = 0
+    monitor_lines: int = 0
+    world_size: int = 1
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainState:
+        return from_fields(cls, d, "checkpoint state")
+
+
+@dataclass
+class _Window:
+    """Training loss and accuracy since the last evaluation; why the epoch stopped early, if it did."""
+
+    loss_sum: float = 0.0
+    correct: float = 0.0
+    seen: float = 0.0
+    collapse: str | None = None
+    alarm: dict | None = None
+    started: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @property
+    def stopped(self) -> bool:
+        return self.collapse is not None or self.alarm is not None
+
+
+def eval_marks(n_steps: int, evals_per_epoch: int) -> list[int]:
+    """Steps of an epoch (counted from 1) after which the test set is evaluated; the last is ``n_steps``."""
+    k = max(1, min(evals_per_epoch, n_steps))
+    return sorted({max(1, round(n_steps * j / k)) for j in range(1, k + 1)})
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python's, numpy's and torch's global generators."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
+    """(world size, rank, device); joins the torchrun process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 1, 0, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return dist.get_world_size(), dist.get_rank(), device
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """A run's ``checkpoint.pt`` read with ``torch.load(weights_only=True)`` on the CPU.
+
+    Raises:
+        ValueError: saying what is wrong (unreadable, or not a normlab checkpoint of this format).
+    """
+    try:
+        ck = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"corrupt or unreadable ({type(e).__name__})") from None
+    if not isinstance(ck, dict) or ck.get("format") != CHECKPOINT_FORMAT or not isinstance(ck.get("config"), dict):
+        raise ValueError(f"not a normlab checkpoint (format {CHECKPOINT_FORMAT})")
+    return ck
+
+
+def _load_checkpoint(path: Path) -> dict:
+    try:
+        return read_checkpoint(path)
+    except ValueError as e:
+        raise RunError(f"train: checkpoint {path} is {e}; refusing to restart over existing results - move it "
+                       f"away or use another output directory") from None
+
+
+def _alarm_dict(alarm) -> dict:
+    """layer, step, quantity, value, initial of a monitor alarm."""
+    return {k: getattr(alarm, k, None) for k in ("layer", "step", "quantity", "value", "initial")}
+
+
+def _progress_bar(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def _fmt(v) -> str:
+    return "nan" if v is None else f"{v:.4f}"
+
+
+class Trainer:
+    """One run of :func:`train`: set-up or resume, epochs, evaluation, checkpoints, summary."""
+
+    def __init__(self, config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
+                 tensorboard: str | os.PathLike | None = None) -> None:
+        if not isinstance(config, TrainConfig):
+            raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
+        self.config = config.validate()
+        self.cfg = config.to_dict()
+        self.out = Path(out_dir)
+        self.progress = progress
+        self.world, self.rank, self.device = _dist_setup(resolve_device(config.device))
+        self.is_main = self.rank == 0
+        self.state = TrainState(world_size=self.world)
+        self.history: list[dict] = []
+        self.losses: list[float | None] = []  # training loss of every step (None: not finite)
+        self.monitor: VarianceMonitor | None = None
+        self._monitor_written = 0
+        self.tensorboard = tensorboard
+        self.board = None
+        self.scaler = None
+
+    # -- paths ---------------------------------------------------------------------------------------------
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out / "checkpoint.pt"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.out / "metrics.jsonl"
+
+    @property
+    def summary_path(self) -> Path:
+        return self.out / "summary.json"
+
+    @property
+    def monitor_path(self) -> Path:
+        return self.out / "monitor.jsonl"
+
+    # -- the run -------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Train (or resume, or return the finished run) and return the summary."""
+        ck = self._existing_checkpoint()
+        if ck is not None and ck["state"]["finished"]:
+            self.history, self.state = list(ck["history"]), TrainState.from_dict(ck["state"])
+            return self._write_summary()
+        try:
+            self._build(ck)
+            if ck is not None:
+                self._restore(ck)
+            else:
+                self._start()
+            for epoch in range(self.state.epoch, self.config.epochs):
+                if self._end_epoch(epoch, self._train_epoch(epoch)):
+                    break
+        finally:
+            if self.monitor is not None:
+                self.monitor.close()
+            if self.board is not None:
+                self.board.close()
+        return self._write_summary()
+
+    def _existing_checkpoint(self) -> dict | None:
+        """The checkpoint to resume from (checked against this config), or None for a fresh directory."""
+        if not self.checkpoint_path.exists():
+            if self.metrics_path.exists() or self.summary_path.exists():
+                raise RunError(
+                    f"train: {self.out} holds results ({self.metrics_path.name} / {self.summary_path.name}) but no "
+                    f"checkpoint.pt; refusing to overwrite them - use another output directory"
+                )
+            return None
+        ck = _load_checkpoint(self.checkpoint_path)
+        diff = self.config.differences(ck["config"])
+        if diff:
+            raise UsageError(f"train: {self.checkpoint_path} was written by a different config ({', '.join(diff)}); "
+                             f"use another output directory")
+        saved_world = ck["state"].get("world_size", 1)
+        if saved_world != self.world and not ck["state"]["finished"]:
+            raise UsageError(
+                f"train: {self.checkpoint_path} was written by {saved_world} process(es), now {self.world}: the data "
+                f"order would differ; resume with the same number of processes"
+            )
+        return ck
+
+    # -- set-up --------------------------------------------------------------------------------------------
+    def _load_data(self):
+        cfg = self.config
+        cache = cfg.data_dir if cfg.data_dir is not None or cfg.dataset != "mnist1d" else self.out / "data"
+        self.train_ds, self.test_ds, info = get_dataset(cfg.dataset, cache, num_samples=cfg.num_samples,
+                                                        num_train=cfg.num_train)
+        self.per_rank = len(self.train_ds) // self.world
+        if cfg.batch_size > self.per_rank:
+            where = "training set" if self.world == 1 else f"share of each of {self.world} processes"
+            raise UsageError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} {where} "
+                             f"({self.per_rank} samples)")
+        return info
+
+    def steps_per_epoch(self) -> int:
+        steps = self.per_rank // self.config.batch_size
+        cap = self.config.max_steps_per_epoch
+        return steps if cap is None else min(steps, cap)
+
+    def _norm_kwargs(self) -> dict:
+        if self.config.norm == "brn" and self.config.brn_schedule == "run":
+            return {"schedule": RenormSchedule.scaled(self.config.epochs * self.steps_per_epoch() // 2)}
+        return {}
+
+    def _build(self, ck: dict | None = None) -> None:
+        cfg = self.config
+        info = self._load_data()
+        seed_everything(cfg.seed)
+        self.raw_model = build_model(
+            cfg.model, cfg.norm, cfg.conv, info["in_channels"], info["num_classes"], info["input_shape"], cfg.width,
+            norm_kwargs=self._norm_kwargs(), conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs,
+        ).to(self.device)
+        self.model = self.raw_model
+        if self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = torch.nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
+        groups = param_groups(self.raw_model, cfg.weight_decay, no_decay=() if not cfg.nowd_norm_alpha else
+                              ("alpha", "norm", "bias"))
+        self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.tracker = CollapseTracker(info["num_classes"], loss_window(cfg.batch_size))
+        if cfg.amp and self.device.type == "cuda":
+            self.scaler = torch.amp.GradScaler("cuda")
+        if self.tensorboard is not None and self.is_main:
+            from normlab.integrations.tensorboard import MonitorBoard
+
+            # a resumed run drops the events written after its checkpoint
+            self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
+        if cfg.monitor_every > 0:
+            board = {} if self.board is None else {"tensorboard": self.board.writer}
+            self.monitor = VarianceMonitor(self.raw_model, every=cfg.monitor_every,
+                                           dense_steps=cfg.monitor_dense_steps, dense_every=cfg.monitor_dense_every,
+                                           **board)
+
+    def _snapshot(self) -> dict:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.cfg,
+            "model": self.raw_model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "generator": self.generator.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "history": copy.deepcopy(self.history),
+            "losses": list(self.losses),
+            "state": self.state.to_dict(),
+            "monitor": self.monitor.state_dict() if self.monitor is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+        }
+
+    def _start(self) -> None:
+        if self.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.monitor_path.unlink(missing_ok=True)
+            atomic_torch_save(self._snapshot(), self.checkpoint_path)
+
+    def _restore(self, ck: dict) -> None:
+        self.raw_model.load_state_dict(ck["model"])
+        self.optimizer.load_state_dict(ck["optimizer"])
+        self.scheduler.load_state_dict(ck["scheduler"])
+        self.generator.set_state(ck["generator"])
+        torch.set_rng_state(ck["torch_rng"])
+        if ck["cuda_rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["cuda_rng"])
+        self.history = list(ck["history"])
+        self.losses = list(ck.get("losses", []))
+        for value in self.losses:  # the collapse tracker is a function of the loss trace
+            self.tracker.update(value)
+        self.state = TrainState.from_dict({**ck["state"], "world_size": self.world})
+        if self.scaler is not None and ck.get("scaler"):
+            self.scaler.load_state_dict(ck["scaler"])
+        if self.monitor is not None:
+            if ck.get("monitor") is not None:
+                self.monitor.load_state_dict(ck["monitor"])  # the same alarms as without the interruption
+            else:  # an older checkpoint: records land on the same steps, baselines restart
+                self.monitor.current_step = self.state.steps_total
+        if self.is_main:
+            remove_stale_temps(self.out)
+            self._write_metrics()
+            if self.monitor_path.exists():  # drop monitor records written after the checkpoint
+                lines = self.monitor_path.read_text().splitlines(keepends=True)[: self.state.monitor_lines]
+                atomic_write_text(self.monitor_path, "".join(lines))
+
+    # -- one epoch -----------------------------------------------------------------------------------------
+    def _epoch_order(self, epoch: int) -> tuple[torch.Tensor, torch.Generator]:
+        """Sample order of this epoch and the generator for augmentation (per rank under DDP)."""
+        if self.world == 1:
+            return torch.randperm(len(self.train_ds), generator=self.generator), self.generator
+        sampler = torch.utils.data.distributed.DistributedSampler(
+            range(len(self.train_ds)), num_replicas=self.world, rank=self.rank, shuffle=True,
+            seed=self.config.seed, drop_last=True,
+        )
+        sampler.set_epoch(epoch)
+        aug = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch * 1009 + self.rank)
+        return torch.tensor(list(sampler), dtype=torch.long), aug
+
+    def _all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def _step(self, x: torch.Tensor, y: torch.Tensor):
+        """One SGD step; returns (outputs, loss value), or (None, None) when the loss is not finite on any rank.
+
+        Under DDP the loss value is the mean over ranks, so every rank judges collapse alike. With ``amp`` the
+        forward pass and the loss run under autocast."""
+        amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        with torch.autocast(self.device.type, dtype=amp_dtype, enabled=self.config.amp):
+            out = self.model(x)
+            loss = F.cross_entropy(out, y)
+        value = loss.item()
+        if self.world > 1:
+            finite = math.isfinite(value)
+            total, bad = self._all_sum([value if finite else 0.0, 0.0 if finite else 1.0])
+            value = total / self.world if bad == 0 else math.nan
+        if not math.isfinite(value):
+            return None, None
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            self._scaled_step(loss)
+        elif self.monitor is not None:
+            loss.backward()
+            self.monitor.step(self.optimizer)
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return out, value
+
+    def _scaled_step(self, loss: torch.Tensor) -> None:
+        """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
+        self.scaler.scale(loss).backward()
+        if self.monitor is not None:
+            self.monitor.before_update()
+        scale = self.scaler.get_scale()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if self.monitor is not None:  # the scaler skips the step (and lowers its scale) on inf/NaN gradients
+            self.monitor.after_update(stepped=self.scaler.get_scale() >= scale)
+
+    def _alarm_stops(self) -> dict | None:
+        """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
+        if self.monitor is None or not self.config.stop_on_collapse:
+            return None
+        alarmed = self.monitor.alarm is not None
+        if self.world > 1:
+            alarmed = self._all_sum([float(alarmed)])[0] > 0
+        if not alarmed:
+            return None
+        return _alarm_dict(self.monitor.alarm) if self.monitor.alarm is not None else {"layer": "another rank"}
+
+    def _train_step(self, batch, win: _Window) -> None:
+        """One step of training on ``batch``: losses, collapse tracking, the window's sums."""
+        t0 = time.perf_counter()
+        x, y = (t.to(self.device) for t in batch)
+        out, value = self._step(x, y)
+        elapsed = time.perf_counter() - t0  # the step's cost, without the logging below
+        self.losses.append(value)
+        if self.board is not None:
+            self.board.write_scalars({"step_loss": value}, self.state.steps_total)
+        if self.tracker.update(value) == "non_finite":
+            win.collapse = "non_finite"
+        if out is None:
+            return
+        self.state.step_time_total += elapsed
+        self.state.steps_total += 1
+        win.loss_sum += value * len(y)
+        win.correct += (out.argmax(1) == y).sum().item()
+        win.seen += len(y)
+        win.alarm = self._alarm_stops()
+
+    def _train_epoch(self, epoch: int) -> _Window:
+        """Train one epoch, evaluating at :func:`eval_marks`; returns the window since the last evaluation."""
+        cfg, win = self.config, _Window()
+        self.model.train()
+        order, gen = self._epoch_order(epoch)
+        n_steps = self.steps_per_epoch()
+        marks = set(eval_marks(n_steps, cfg.evals_per_epoch)) - {n_steps}
+        bar = _progress_bar(n_steps, f"epoch {epoch + 1}/{cfg.epochs}", self.progress and self.is_main)
+        for step in range(n_steps):
+            self._train_step(self.train_ds.batch(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], gen), win)
+            if bar is not None:
+                bar.update(1)
+                if win.seen:
+                    bar.set_postfix(loss=f"{win.loss_sum / win.seen:.4f}", acc=f"{win.correct / win.seen:.3f}")
+            if win.stopped:
+                break
+            if step + 1 in marks:
+                self.history.append(self._eval_entry(epoch + (step + 1) / n_steps, win))
+                self._board_entry(self.history[-1])
+                self.model.train()
+                win = _Window()
+        if bar is not None:
+            bar.close()
+        return win
+
+    # -- evaluation and the end of an epoch ----------------------------------------------------------------
+    def _eval_entry(self, epoch: float, win: _Window) -> dict:
+        """Evaluate on the test set (eval mode, and train mode when asked) and describe the window."""
+        win.loss_sum, win.correct, win.seen = self._all_sum([win.loss_sum, win.correct, win.seen])
+        if self.world > 1:  # running statistics are per process: evaluate and save rank 0's everywhere
+            for buf in self.raw_model.buffers():
+                dist.broadcast(buf, 0)
+        test_loss, test_acc = evaluate(self.raw_model, self.test_ds, self.device)
+        entry = {
+            "epoch": round(epoch, 4) if epoch != int(epoch) else int(epoch),
+            "step": self.state.steps_total,
+            "train_loss": win.loss_sum / win.seen if win.seen and win.collapse != "non_finite" else None,
+            "train_acc": win.correct / win.seen if win.seen else None,
+            "test_loss": test_loss if math.isfinite(test_loss) else None,
+            "test_acc": test_acc,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "time_s": time.perf_counter() - win.started,
+        }
+        if self.config.eval_train_mode:
+            entry["test_acc_train_mode"] = evaluate_train_mode(self.raw_model, self.test_ds, self.device,
+                                                               self.config.batch_size)
+        return entry
+
+    def _board_entry(self, entry: dict) -> None:
+        """An evaluation's numbers (train/test loss and accuracy, lr) as TensorBoard scalars at its step."""
+        if self.board is not None:
+            self.board.write_scalars({k: v for k, v in entry.items() if k not in ("epoch", "step", "time_s")},
+                                     entry["step"])
+            self.board.flush()
+
+    def _flush_monitor(self) -> None:
+        """Append the monitor records of this epoch (and a first alarm) to monitor.jsonl."""
+        mon = self.monitor
+        if mon is None or not self.is_main:
+            return
+        lines = [json_line(r) for r in mon.records[self._monitor_written:]]
+        if mon.alarm is not None and self.state.monitor_alarm is None:
+            lines.append(json_line({"event": "alarm", **mon.alarm.to_dict()}))
+            self.state.monitor_alarm = _alarm_dict(mon.alarm)
+        append_lines(self.monitor_path, lines)
+        self.state.monitor_lines += len(lines)
+        self._monitor_written = len(mon.records)
+
+    def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:
+        """Record the first collapse (see :mod:`normlab.runner.training.collapse`); True when training must stop.
+
+        A non-finite loss stops the run (and an alarm with ``stop_on_collapse``); a return to chance is recorded and
+        the run goes on (nets at a high learning rate sometimes recover); a dead net is judged at the end.
+        """
+        st, tracker = self.state, self.tracker
+        if tracker.kind is None and entry["test_loss"] is None:
+            tracker.kind, tracker.step = "non_finite", st.steps_total
+        if tracker.kind is None and last_epoch:
+            tracker.finish()
+        if tracker.kind is not None and st.collapse_reason is None:
+            reason = "non_finite_loss" if tracker.kind == "non_finite" else tracker.kind
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, tracker.step, reason
+        if win.alarm is not None and st.collapse_reason is None:
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, win.alarm.get("step"), "monitor_alarm"
+            st.monitor_alarm = st.monitor_alarm or win.alarm
+        return tracker.kind == "non_finite" or win.alarm is not None
+
+    def _end_epoch(self, epoch: int, win: _Window) -> bool:
+        """Evaluate, record, checkpoint; True when training stops here (collapse or alarm)."""
+        entry = self._eval_entry(epoch + 1, win)
+        self.scheduler.step()
+        self.history.append(entry)
+        self._board_entry(entry)
+        st = self.state
+        st.epoch = epoch + 1
+        target = self.config.target_acc
+        if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not win.stopped:
+            st.epochs_to_target = epoch + 1
+        self._flush_monitor()
+        stop = self._mark_collapse(epoch, entry, win, epoch + 1 == self.config.epochs)
+        st.finished = stop or epoch + 1 == self.config.epochs
+        if self.is_main:
+            self._save_epoch(keep_last_good=stop)
+        if self.world > 1:
+            dist.barrier()
+        return stop
+
+    def _save_epoch(self, keep_last_good: bool) -> None:
+        if keep_last_good:  # keep the last good weights on disk; record the collapse in their history
+            good = torch.load(self.checkpoint_path, map_location="cpu", weights_only=True)
+            good["history"], good["state"] = copy.deepcopy(self.history), self.state.to_dict()
+            good["losses"] = list(self.losses)
+            atomic_torch_save(good, self.checkpoint_path)
+        else:
+            atomic_torch_save(self._snapshot(), self.checkpoint_path)
+        self._write_metrics()
+
+    def _write_metrics(self) -> None:
+        atomic_write_text(self.metrics_path, "".join(json_line(h) + "\n" for h in self.history))
+        atomic_write_json(self.out / "loss_trace.json", {"window": self.tracker.window, "losses": self.losses},
+                          indent=None)
+
+    def _write_summary(self) -> dict:
+        st, hist = self.state, self.history
+        accs = [h["test_acc"] for h in hist if h.get("test_acc") is not None]
+        summary = {
+            "config": self.cfg,
+            "final_test_acc": hist[-1]["test_acc"] if hist else None,
+            "best_test_acc": max(accs) if accs else None,
+            "collapsed": st.collapse_epoch is not None,
+            "collapse_epoch": st.collapse_epoch,
+            "collapse_step": st.collapse_step,
+            "collapse_reason": st.collapse_reason,
+            "monitor_alarm": st.monitor_alarm,
+            "epochs_to_target": st.epochs_to_target,
+            "step_time_s": st.step_time_total / st.steps_total if st.steps_total else None,
+            "final_test_acc_train_mode": hist[-1].get("test_acc_train_mode") if hist else None,
+            "steps_run": st.steps_total,
+            "epochs_run": st.epoch,
+            "world_size": st.world_size,
+            "history": hist,
+        }
+        if self.is_main:
+            atomic_write_json(self.summary_path, summary, indent=2)
+        return summary
+
+
+def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
+          tensorboard: str | os.PathLike | None = None) -> dict:
+    """Train (or resume, or return the finished run in ``out_dir``) and return the summary dict.
+
+    ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
+
+    Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
+    monitor_alarm, epochs_to_target, step_time_s, epochs_run, world_size, history``.
+
+    Raises:
+        UsageError: a configuration that cannot work (before any training step), or an ``out_dir`` holding a run
+            of another configuration.
+        RunError: an unreadable checkpoint, or results without a checkpoint in ``out_dir``.
+    """
+    return Trainer(config, out_dir, progress, tensorboard).run()
