@@ -183,12 +183,6 @@ def test_channels_last_kept(dim, fmt):
     assert ours_cls(4)(x_c).is_contiguous()
 
 
-def test_torch_cpu_instance_norm_loses_channels_last():
-    """The defect normlab fixes (if torch ever fixes it this test tells us)."""
-    x = torch.randn(2, 4, 5, 6).to(memory_format=torch.channels_last)
-    assert not nn.InstanceNorm2d(4)(x).is_contiguous(memory_format=torch.channels_last)
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_large_values_finite(dtype):
     torch.manual_seed(6)
@@ -288,9 +282,20 @@ def test_constructor_errors(kwargs, match):
         InstanceNorm2d(**kwargs)
 
 
-def test_marked_as_normlab_norm():
-    for cls in (InstanceNorm1d, InstanceNorm2d, InstanceNorm3d):
-        assert cls(2)._normlab_norm is True
+@pytest.mark.parametrize("cls", [InstanceNorm1d, InstanceNorm2d, InstanceNorm3d])
+def test_counted_as_a_norm_layer_by_the_weight_decay_groups_and_the_monitor(cls):
+    """What marking a normalization layer is for: no weight decay on its affine parameters, and the monitor records
+    it as a norm (not as a layer with a weight to watch)."""
+    from normlab.monitor import supported_layers
+    from normlab.nn import param_groups
+
+    dim = {InstanceNorm1d: 1, InstanceNorm2d: 2, InstanceNorm3d: 3}[cls]
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dim - 1](2, 3, 1)
+    model = nn.Sequential(conv, cls(3, affine=True))
+    groups = param_groups(model, weight_decay=0.1)
+    no_decay = {id(p) for g in groups if g["weight_decay"] == 0 for p in g["params"]}
+    assert id(model[1].weight) in no_decay and id(model[1].bias) in no_decay and id(conv.weight) not in no_decay
+    assert ("1", model[1], "norm") in [(n, m, k) for n, m, k in supported_layers(model)]
 
 
 def test_momentum_none_is_cumulative_average():
