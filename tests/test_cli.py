@@ -199,3 +199,20 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert all(c["monitored"] for sec in demo["sections"].values() for c in sec["cells"])
     (tmp_path / "report.md").unlink()
     assert main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.md").is_file()
+
+
+def test_guard_flag_reaches_every_cell_and_its_rescues_are_in_the_results(tmp_path, capsys):
+    out = tmp_path / "grid"
+    rc = main(["compare", "--norms", "none", "--lrs", "0.3", "--batch-sizes", "32", "--seeds", "100", "--epochs", "2",
+               "--width", "0.125", "--max-steps-per-epoch", "40", "--workers", "1", "--threads", "1", "--no-progress",
+               "--guard", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    (cell,) = results["cells"]
+    assert cell["rescues"] == 1 and cell["steps_lost"] > 0 and cell["guard_gave_up"] is None
+    assert results["groups"][0]["rescued_count"] == 1
+    rc = main(["train", "--norm", "bn", "--epochs", "1", "--width", "0.125", "--max-steps-per-epoch", "2", "--guard",
+               "--threads", "1", "--out", str(tmp_path / "one")])
+    assert rc == 0
+    summary = json.loads((tmp_path / "one" / "summary.json").read_text())
+    assert summary["config"]["guard"] is True and summary["rescues"] == []

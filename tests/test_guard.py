@@ -215,3 +215,19 @@ def test_the_guard_does_not_copy_the_model_object():
     _train(model, opt, _batches(4), guard, poison=(2,))
     assert [id(p) for p in model.parameters()] == params  # optimizers and hooks built on them stay valid
     assert copy.deepcopy(guard.state_dict())["rescues"][0]["restored_step"] == 1
+
+
+def test_state_dict_round_trip_keeps_the_rescues_and_restarts_the_snapshots():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, every=2, max_rescues=2)
+    _train(model, opt, _batches(6), guard, poison=(3,))
+    state = guard.state_dict()
+    other = CollapseGuard(model, opt, every=2, max_rescues=2)
+    other.load_state_dict(copy.deepcopy(state))
+    assert other.steps == guard.steps and other.rescues == guard.rescues and other._scale == 0.5
+    assert [s.step for s in other._snapshots] == [guard.steps]
+    with pytest.raises(RunCollapsed):  # the earlier rescue counts: one more is allowed, then it gives up
+        _train(model, opt, _batches(6), other, poison=(0, 1, 2, 3, 4, 5))
+    with pytest.raises(ValueError, match="expected a dict from CollapseGuard.state_dict"):
+        other.load_state_dict({"steps": 1})

@@ -510,3 +510,43 @@ def test_dead_network_is_a_collapse_with_a_finite_loss(tmp_path):
     trace = json.loads((tmp_path / "d" / "loss_trace.json").read_text())
     assert trace["window"] == 32 and len(trace["losses"]) == 132
 
+
+
+def test_guard_leaves_a_healthy_run_unchanged(tmp_path):
+    cfg = tiny(epochs=2, max_steps_per_epoch=25, seed=100)
+    plain = train(cfg, tmp_path / "plain", progress=False)
+    guarded = train(dataclasses.replace(cfg, guard=True), tmp_path / "guarded", progress=False)
+    assert guarded["rescues"] == [] and guarded["steps_lost"] == 0 and guarded["guard_gave_up"] is None
+    assert without_time(guarded["history"]) == without_time(plain["history"])
+    a, b = load_ckpt(tmp_path / "plain" / "checkpoint.pt"), load_ckpt(tmp_path / "guarded" / "checkpoint.pt")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+def test_guard_rolls_a_diverging_run_back_with_half_the_rate(tmp_path):
+    """The plain net without normalization at lr 0.3 (seed 100) hits a NaN loss at step 5; the guard goes back to
+    its step-0 snapshot, halves the rate (the history shows 0.15) and the run trains on instead of stopping."""
+    cfg = tiny(norm="none", width=0.125, lr=0.3, epochs=2, max_steps_per_epoch=40, seed=100)
+    plain = train(cfg, tmp_path / "plain", progress=False)
+    assert plain["collapse_reason"] == "non_finite_loss" and plain["epochs_run"] == 1
+    s = train(dataclasses.replace(cfg, guard=True), tmp_path / "guarded", progress=False)
+    assert s["collapse_reason"] != "non_finite_loss" and s["epochs_run"] == 2 and s["guard_gave_up"] is None
+    (r,) = s["rescues"]
+    assert r["reason"].startswith("non-finite") and r["restored_step"] == 0 and r["steps_lost"] == r["step"]
+    assert r["lr_before"] == 0.3 and r["lr_after"] == pytest.approx(0.15)
+    assert [h["lr"] for h in s["history"]] == pytest.approx([0.15, 0.15])
+    assert s["steps_run"] == 2 * 40 - r["steps_lost"] - 1  # the batch that found the NaN trained nothing
+    losses = json.loads((tmp_path / "guarded" / "loss_trace.json").read_text())["losses"]
+    assert len(losses) == s["steps_run"] and all(v is not None for v in losses)
+
+
+def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):
+    cfg = tiny(norm="none", width=0.125, lr=10.0, epochs=3, max_steps_per_epoch=20, seed=100, guard=True)
+    s = train(cfg, tmp_path / "run", progress=False)
+    assert s["collapse_reason"] == "non_finite_loss" and len(s["rescues"]) == 3
+    assert s["guard_gave_up"].startswith("CollapseGuard: gave up after 3 rescue(s)")
+    assert train(cfg, tmp_path / "run", progress=False)["rescues"] == s["rescues"]  # the finished run, read back
+    ok = tiny(epochs=2, max_steps_per_epoch=3, guard=True)
+    ck = tmp_path / "ok"
+    train(ok, ck, progress=False)
+    state = load_ckpt(ck / "checkpoint.pt")["state"]
+    assert state["guard"]["steps"] == state["steps_total"] == 6 and state["rescues"] == []

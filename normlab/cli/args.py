@@ -217,6 +217,10 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--amp", action="store_true",
                    help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
                         "layers keep float32 statistics; evaluation runs in float32)")
+    p.add_argument("--guard", action="store_true",
+                   help="rescue a collapsing run: on a non-finite loss or gradient, or the monitor's alarm (with "
+                        "--monitor-every), go back to a snapshot from before the trouble with half the learning rate "
+                        "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)")
     p.add_argument("--threads", type=threads_int, default=None,
                    help=f"torch threads per training process, 1 to {MAX_THREADS} (default: torch's choice for one "
                         f"process, 1 per worker when several run in parallel; 1 is often fastest for these small "
@@ -233,8 +237,9 @@ def train_kwargs(args: argparse.Namespace) -> dict:
               monitor_dense_every=args.monitor_dense_every, stop_on_collapse=args.stop_on_collapse)
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir
-    if args.amp:  # only when asked: grids and checkpoints written before --amp existed stay resumable
-        kw["amp"] = True
+    for flag in ("amp", "guard"):  # only when asked: grids and checkpoints written before the flag stay resumable
+        if getattr(args, flag):
+            kw[flag] = True
     return kw
 
 

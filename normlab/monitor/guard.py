@@ -269,9 +269,28 @@ class CollapseGuard:
         self.rescues.append(Rescue(step, reason, onset, snap.step, step - snap.step, lr_before, lr_after))
         self._snapshots = deque([s for s in self._snapshots if s.step <= snap.step], maxlen=self.keep)
 
+    @property
+    def lr_scale(self) -> float:
+        """The product of the learning-rate factors of the rescues so far (1.0 before any)."""
+        return self._scale
+
     def state_dict(self) -> dict:
-        """The rescues so far and the step counter (snapshots are in memory only)."""
-        return {"steps": self.steps, "rescues": [r.to_dict() for r in self.rescues]}
+        """The step counter, the rescues so far and the learning-rate factor applied (plain Python values; the
+        snapshots are in memory only)."""
+        return {"steps": self.steps, "rescues": [r.to_dict() for r in self.rescues], "lr_scale": self._scale}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` when a run resumes from a checkpoint: the counter, the rescues (they count
+        towards ``max_rescues``) and the factor; the snapshots start again with one of the current state, at
+        ``state["steps"]``."""
+        if not isinstance(state, dict) or not {"steps", "rescues"} <= set(state):
+            raise ValueError("CollapseGuard.load_state_dict: expected a dict from CollapseGuard.state_dict() with "
+                             f"'steps' and 'rescues', got {type(state).__name__}")
+        self.steps = int(state["steps"])
+        self.rescues = [Rescue(**r) for r in state["rescues"]]
+        self._scale = float(state.get("lr_scale", 1.0))
+        self._snapshots.clear()
+        self._take_snapshot()
 
     def __repr__(self) -> str:
         return (f"CollapseGuard(steps={self.steps}, every={self.every}, rescues={len(self.rescues)}, "

@@ -40,6 +40,8 @@ def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
         "final_test_acc_train_mode": summary.get("final_test_acc_train_mode"),
         "epochs_to_target": summary.get("epochs_to_target"), "step_time_s": summary.get("step_time_s"),
         "epochs_run": summary.get("epochs_run"), "steps_run": summary.get("steps_run"),
+        "rescues": len(summary.get("rescues") or []), "steps_lost": summary.get("steps_lost", 0),
+        "guard_gave_up": summary.get("guard_gave_up"),
         "history": [{k: h.get(k) for k in _HISTORY_KEYS if k in h} for h in summary.get("history", [])],
     }
 
@@ -58,6 +60,7 @@ def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> 
         "final_mean": fm, "final_std": fs, "best_mean": bm, "best_std": bsd,
         "collapsed_count": sum(r["collapsed"] for r in recs), "collapse_kinds": kinds,
         "alarm_count": sum(r["alarm"] is not None for r in recs),
+        "rescued_count": sum(bool(r.get("rescues")) for r in recs),
         "train_mode_mean": tm, "train_mode_std": ts,
         "target_reached": len(ett), "epochs_to_target_mean": mean_std(ett)[0],
         "step_time_s": mean_std([r["step_time_s"] for r in recs])[0],

@@ -76,7 +76,9 @@ class TrainConfig:
     batch statistics at the training batch size, see :func:`~normlab.runner.training.evaluation.evaluate_train_mode`);
     ``monitor_dense_steps`` / ``monitor_dense_every`` (the monitor also records every ``monitor_dense_every``
     steps during the first ``monitor_dense_steps``); ``amp`` (mixed precision: bfloat16 autocast on CPU, float16
-    autocast and a GradScaler on CUDA).
+    autocast and a GradScaler on CUDA); ``guard`` (a :class:`normlab.monitor.CollapseGuard` takes the optimizer
+    steps: on a non-finite loss or gradient, or the monitor's alarm, the run goes back to a snapshot from before the
+    trouble with half the learning rate; one process only).
     """
 
     dataset: str = "digits"
@@ -110,6 +112,7 @@ class TrainConfig:
     monitor_dense_steps: int = 0
     monitor_dense_every: int = 1
     amp: bool = False
+    guard: bool = False
 
     def __post_init__(self) -> None:
         self.milestones = tuple(self.milestones)
@@ -173,8 +176,9 @@ class TrainConfig:
             self._bad("target_acc", "None or a fraction in [0, 1]")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             self._bad("num_workers", "an integer >= 0")
-        if not isinstance(self.amp, bool):
-            self._bad("amp", "True or False")
+        for name in ("amp", "guard"):
+            if not isinstance(getattr(self, name), bool):
+                self._bad(name, "True or False")
         for name in ("model_kwargs", "conv_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 self._bad(name, "a dict")

@@ -35,6 +35,7 @@ epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the mod
 
 from __future__ import annotations
 
+import bisect
 import copy
 import dataclasses
 import math
@@ -50,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from normlab.monitor import VarianceMonitor
+from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
 from normlab.nn import RenormSchedule, param_groups
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import RunError, UsageError
@@ -71,6 +72,8 @@ from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
 __all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "read_checkpoint", "seed_everything", "eval_marks"]
 
 CHECKPOINT_FORMAT = 1
+GUARD_EVERY = 20  # --guard: a snapshot every 20 optimizer steps (the rollback lands at least 20 steps before trouble)
+GUARD_MAX_RESCUES = 3
 
 
 @dataclass
@@ -88,6 +91,9 @@ class TrainState:
     steps_total: int = 0
     monitor_lines: int = 0
     world_size: int = 1
+    rescues: list = dataclasses.field(default_factory=list)  # --guard: CollapseGuard.rescues as dicts
+    guard: dict | None = None  # --guard: CollapseGuard.state_dict()
+    guard_gave_up: str | None = None
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -200,6 +206,10 @@ class Trainer:
         self.tensorboard = tensorboard
         self.board = None
         self.scaler = None
+        self.guard: CollapseGuard | None = None
+        if config.guard and self.world > 1:
+            raise UsageError("train: guard: the CollapseGuard runs in one process only (its rollbacks are not "
+                             "synchronised across DDP ranks); drop --guard or train in one process")
 
     # -- paths ---------------------------------------------------------------------------------------------
     @property
@@ -231,6 +241,7 @@ class Trainer:
                 self._restore(ck)
             else:
                 self._start()
+            self._make_guard()
             for epoch in range(self.state.epoch, self.config.epochs):
                 if self._end_epoch(epoch, self._train_epoch(epoch)):
                     break
@@ -318,6 +329,8 @@ class Trainer:
                                            **board)
 
     def _snapshot(self) -> dict:
+        if self.guard is not None:
+            self.state.guard = self.guard.state_dict()
         return {
             "format": CHECKPOINT_FORMAT,
             "config": self.cfg,
@@ -400,6 +413,8 @@ class Trainer:
             finite = math.isfinite(value)
             total, bad = self._all_sum([value if finite else 0.0, 0.0 if finite else 1.0])
             value = total / self.world if bad == 0 else math.nan
+        if self.guard is not None:
+            return self._guarded_step(out, loss, value)
         if not math.isfinite(value):
             return None, None
         self.optimizer.zero_grad(set_to_none=True)
@@ -412,6 +427,38 @@ class Trainer:
             loss.backward()
             self.optimizer.step()
         return out, value
+
+    # -- the guard (--guard) -------------------------------------------------------------------------------
+    def _make_guard(self) -> None:
+        """A CollapseGuard over the model, optimizer, monitor and scaler, counting the run's optimizer steps."""
+        if not self.config.guard:
+            return
+        self.guard = CollapseGuard(self.raw_model, self.optimizer, self.monitor, every=GUARD_EVERY,
+                                   max_rescues=GUARD_MAX_RESCUES, scaler=self.scaler)
+        saved = self.state.guard or {"rescues": self.state.rescues}
+        self.guard.load_state_dict({**saved, "steps": self.state.steps_total})
+
+    def _guarded_step(self, out, loss: torch.Tensor, value: float):
+        """The step through the guard: (outputs, loss) when it was taken, (None, "rescued") after a rollback."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if math.isfinite(value):
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+        if self.guard.step(loss.detach()):
+            return out, value
+        st, cfg = self.state, self.config
+        st.steps_total = self.guard.steps
+        st.rescues = [r.to_dict() for r in self.guard.rescues]
+        # the restored optimizer holds the snapshot's rate: put back this epoch's rate of the schedule, times the
+        # guard's factor (the snapshot may be from before a milestone)
+        lr = cfg.lr * cfg.lr_gamma ** bisect.bisect_right(cfg.milestones, self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * self.guard.lr_scale
+        st.rescues[-1]["lr_after"] = lr * self.guard.lr_scale
+        self.losses = _first_steps(self.losses, st.steps_total)
+        self.tracker = CollapseTracker(self.tracker.num_classes, self.tracker.window)
+        for v in self.losses:  # the collapse tracker is a function of the (rolled back) loss trace
+            self.tracker.update(v)
+        return None, "rescued"
 
     def _scaled_step(self, loss: torch.Tensor) -> None:
         """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
@@ -439,7 +486,18 @@ class Trainer:
         """One step of training on ``batch``: losses, collapse tracking, the window's sums."""
         t0 = time.perf_counter()
         x, y = (t.to(self.device) for t in batch)
-        out, value = self._step(x, y)
+        try:
+            out, value = self._step(x, y)
+        except RunCollapsed as e:  # --guard gave up: a collapse the rescues did not save; the run stops here
+            self.state.guard_gave_up = str(e)
+            if "non-finite" in str(e):
+                win.collapse = self.tracker.kind = "non_finite"
+                self.tracker.step = self.state.steps_total
+            else:
+                win.alarm = _alarm_dict(self.monitor.alarm)
+            return
+        if value == "rescued":
+            return
         elapsed = time.perf_counter() - t0  # the step's cost, without the logging below
         self.losses.append(value)
         if self.board is not None:
@@ -594,12 +652,25 @@ class Trainer:
             "final_test_acc_train_mode": hist[-1].get("test_acc_train_mode") if hist else None,
             "steps_run": st.steps_total,
             "epochs_run": st.epoch,
+            "rescues": list(st.rescues),
+            "steps_lost": sum(r["steps_lost"] for r in st.rescues),
+            "guard_gave_up": st.guard_gave_up,
             "world_size": st.world_size,
             "history": hist,
         }
         if self.is_main:
             atomic_write_json(self.summary_path, summary, indent=2)
         return summary
+
+
+def _first_steps(losses: list, steps: int) -> list:
+    """The loss trace up to (and including) its ``steps``-th finite entry (None entries are steps not taken)."""
+    seen = 0
+    for i, v in enumerate(losses):
+        if seen == steps:
+            return losses[:i]
+        seen += v is not None
+    return list(losses)
 
 
 def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
@@ -609,7 +680,9 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
     ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
 
     Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
-    monitor_alarm, epochs_to_target, step_time_s, epochs_run, world_size, history``.
+    monitor_alarm, epochs_to_target, step_time_s, epochs_run, world_size, history``, and for ``guard``: ``rescues``
+    (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost`` and ``guard_gave_up``
+    (the message when it gave up, else None).
 
     Raises:
         UsageError: a configuration that cannot work (before any training step), or an ``out_dir`` holding a run
