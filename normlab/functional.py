@@ -408,7 +408,8 @@ def batch_renorm(
     Implementation: r and d are per-channel constants, so a training step is one BatchNorm step with weight
     ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
     statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
-    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (:class:`_BatchNormWithAffine`).
+    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (an autograd Function that calls
+    them with the folded affine).
     The composite path (``fused=False``, and always under torch.compile, torch.jit.trace and torch.func transforms)
     calls ``F.batch_norm`` with batch statistics and the folded affine after a separate statistics pass, then updates
     the running statistics explicitly. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
@@ -416,6 +417,21 @@ def batch_renorm(
     ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
     Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
     output has x's dtype.
+
+    Args:
+        x: the input (N, C, *).
+        running_mean: the running mean (C,), updated in place in training; None: batch statistics only.
+        running_var: the running unbiased variance (C,), updated in place in training; None: batch statistics only.
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        training: normalize with the batch statistics and renormalize (True) or with the running ones (False).
+            Default: False.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value); must be
+            a float in training with running statistics. Default: 0.1.
+        eps: added to the variances inside the square roots. Default: 1e-5.
+        rmax: the limit of r (>= 1), a number or a scalar tensor. Default: 1.0.
+        dmax: the limit of d (>= 0), a number or a scalar tensor. Default: 0.0.
+        fused: take the fused path (True) or the composite one (False). Default: None (fused where it can run).
 
     Shape:
         x (N, C, *); running_mean, running_var, weight, bias (C,) or None; output: x's shape and dtype.
@@ -784,14 +800,32 @@ def switchable_norm(
     the *old* value); without moving average the buffers accumulate sums. In eval the running buffers are used.
     Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
 
-    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward
-    (:class:`_SwitchableNormFn`): one statistics pass and one normalize pass forward, one reduction pass and one
-    final pass backward, BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
+    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward:
+    one statistics pass and one normalize pass forward, one reduction pass and one final pass backward,
+    BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
     ``relu_`` work). ``fused=False`` (and torch.compile/torch.export, jit.trace, torch.func transforms, the meta
     device, empty inputs) use the composite formula from differentiable ops.
 
     Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
     compiled); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
+
+    Args:
+        x: the input (N, C, *) with more than one spatial value per channel.
+        mean_weight: the mean's mixture logits (3,) for IN, LN, BN (or (2,) with ``using_bn=False``).
+        var_weight: the variance's mixture logits, the same shape.
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        running_mean: the running BN mean (C,), updated in place in training. Default: None.
+        running_var: the running BN variance (C,), updated in place in training. Default: None.
+        training: use the batch's BN statistics (and update the running ones) or the running ones.
+            Default: False.
+        momentum: the weight of the OLD running value (official convention). Default: 0.9.
+        eps: added to the mixed variance inside the square root. Default: 1e-5.
+        using_bn: mix in BN statistics (the logits then have 3 entries). Default: True.
+        using_moving_average: update the running statistics as a moving average; False: accumulate sums.
+            Default: True.
+        fused: take the autograd Function (True) or the composite formula (False). Default: None (the Function
+            where it can run).
 
     Shape:
         x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,); output: x's shape.
@@ -917,8 +951,8 @@ def pws_weight(
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     """Capsule non-linearity (Sabour et al. 2017): ``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim``.
 
-    ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (|s|^2 of a float16
-    vector overflows from |s| ~ 256) and returned in their dtype.
+    ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (``|s|^2`` of a float16
+    vector overflows from ``|s| ~ 256``) and returned in their dtype.
 
     Shape:
         any; the vector axis is ``dim``; the output has the input's shape.

@@ -69,6 +69,20 @@ class RenormSchedule:
 
     ``step`` may be a Python int (returns floats) or an integer tensor such as ``num_batches_tracked`` (returns
     float64 scalar tensors on its device, without a host synchronisation).
+
+    Args:
+        warmup_steps: the steps with ``rmax = 1, dmax = 0`` (plain BatchNorm). Default: 5000.
+        rmax: the final limit of r (>= 1, finite). Default: 3.0.
+        rmax_steps: the step at which ``rmax`` is reached (>= ``warmup_steps``). Default: 40000.
+        dmax: the final limit of d (>= 0, finite). Default: 5.0.
+        dmax_steps: the step at which ``dmax`` is reached (>= ``warmup_steps``). Default: 25000.
+
+    Example:
+        >>> schedule = RenormSchedule(warmup_steps=100, rmax=3.0, rmax_steps=300, dmax=5.0, dmax_steps=200)
+        >>> schedule(0), schedule(200), schedule(1000)
+        ((1.0, 0.0), (2.0, 5.0), (3.0, 5.0))
+        >>> BatchRenorm2d(8, schedule=schedule).schedule(150)
+        (1.5, 2.5)
     """
 
     def __init__(

@@ -14,6 +14,7 @@ from .weight_std import _PWSConvNd
 
 __all__ = ["param_groups", "NO_DECAY_KINDS"]
 
+#: The parameter kinds :func:`param_groups` can exempt from weight decay (its ``no_decay``).
 NO_DECAY_KINDS = ("alpha", "norm", "bias")
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "comparison_names", "resolve_comparison",
 ]
 
+#: The spatial dimensions every name has a class for (1, 2 and 3).
 DIMS = (1, 2, 3)
 
 
@@ -51,6 +52,7 @@ def _each_dim(cls: type) -> dict[int, type]:
     return {d: cls for d in DIMS}
 
 
+#: Norm name -> {dim: class}, the classes :func:`create_norm` builds (the table of this module's docstring).
 NORM_CLASSES: dict[str, dict[int, type]] = {
     "none": _each_dim(nn.Identity),
     "bn": {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d},
@@ -60,13 +62,21 @@ NORM_CLASSES: dict[str, dict[int, type]] = {
     "in": {1: InstanceNorm1d, 2: InstanceNorm2d, 3: InstanceNorm3d},
     "sn": {1: SwitchableNorm1d, 2: SwitchableNorm2d, 3: SwitchableNorm3d},
 }
+#: Conv kind -> {dim: class}, the classes :func:`create_conv` builds (``wn`` is then parametrized).
 CONV_CLASSES: dict[str, dict[int, type]] = {
     "conv": {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d},
     "wn": {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d},
     "ws": {1: WSConv1d, 2: WSConv2d, 3: WSConv3d},
     "pws": {1: PWSConv1d, 2: PWSConv2d, 3: PWSConv3d},
 }
+#: The names :func:`create_norm` and :func:`get_norm_class` accept. ``none`` is ``nn.Identity``, ``bn``
+#: ``nn.BatchNorm{1,2,3}d``, ``brn`` :class:`BatchRenorm2d` (and its 1d/3d), ``gn`` ``nn.GroupNorm``, ``ln``
+#: ``nn.GroupNorm`` with one group, ``in`` :class:`InstanceNorm2d` (and its 1d/3d) and ``sn``
+#: :class:`SwitchableNorm2d` (and its 1d/3d).
 NORM_NAMES = tuple(NORM_CLASSES)
+#: The kinds :func:`create_conv` and :func:`get_conv_class` accept. ``conv`` is the plain ``nn.Conv{1,2,3}d``,
+#: ``wn`` the plain conv with torch's ``weight_norm``, ``ws`` :class:`WSConv2d` (and its 1d/3d) and ``pws``
+#: :class:`PWSConv2d` (and its 1d/3d).
 CONV_KINDS = tuple(CONV_CLASSES)
 
 # Normalization layers that are not subclasses of a torch norm class are recognized by this class attribute.

@@ -19,7 +19,9 @@ from normlab.functional import pws_weight, standardize_weight
 
 __all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d", "WEIGHT_CACHE_MODES"]
 
+#: The values of the PWS convolutions' ``fan_mode``: the fan ``n`` of the He gain.
 FAN_MODES = ("fan_in", "fan_out")
+#: The values of ``weight_cache``, the eval-mode kernel cache of the WS and PWS convolutions.
 WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
 
 
