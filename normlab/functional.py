@@ -112,6 +112,12 @@ def instance_norm(
     Statistics are computed in float32 for half inputs; the output has ``x``'s dtype and memory format
     (channels_last is kept, unlike torch's CPU instance norm).
 
+    Args:
+        x: the input (N, C, *).
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        eps: added to the variance inside the square root. Default: 1e-5.
+
     Shape:
         x (N, C, *) with at least one spatial dimension; weight, bias (C,) or None; output: x's shape.
 
@@ -197,6 +203,17 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     on CPU than a generic reduction; under torch.compile, torch.jit.trace and torch.func transforms (that kernel has
     no fake-tensor implementation nor batching rule) the two-pass :func:`moments`, which the compiler fuses. Half
     inputs are reduced in float32; results are float32 (or float64) (C,).
+
+    Args:
+        x: the input (N, C, *).
+
+    Returns:
+        ``(mean, var)``, each (C,).
+
+    Example:
+        >>> mean, var = batch_moments(torch.tensor([[1.0, 10.0], [3.0, 30.0]]))
+        >>> mean, var
+        (tensor([ 2., 20.]), tensor([  1., 100.]))
     """
     with torch.no_grad():
         xs = _stats_dtype(x.detach())
@@ -220,6 +237,24 @@ def renorm_correction(
     ``r = clip(sigma_B / sigma, 1/rmax, rmax)``, ``d = clip((batch_mean - running_mean) / sigma, -dmax, dmax)``.
     ``batch_var`` is the biased batch variance. All inputs are (C,); results are float32 (or float64) (C,).
     ``rmax``/``dmax`` may be Python numbers or scalar tensors (a schedule evaluated on a step tensor).
+
+    Args:
+        batch_mean: the batch mean (C,).
+        batch_var: the biased batch variance (C,).
+        running_mean: the running mean (C,), before this batch updates it.
+        running_var: the running variance (C,), before this batch updates it.
+        eps: added to both variances inside the square roots.
+        rmax: the limit of r (>= 1).
+        dmax: the limit of d (>= 0).
+
+    Returns:
+        ``(r, d)``, each (C,).
+
+    Example:
+        >>> r, d = renorm_correction(torch.tensor([2.0]), torch.tensor([16.0]), torch.zeros(1), torch.ones(1),
+        ...                          eps=0.0, rmax=3.0, dmax=5.0)
+        >>> r, d          # sigma_B / sigma = 4 is clipped to 3; (mu_B - mu) / sigma = 2 is within 5
+        (tensor([3.]), tensor([2.]))
     """
     with torch.no_grad():
         dtype = torch.promote_types(batch_mean.dtype, torch.float32)
@@ -897,6 +932,10 @@ def standardize_weight(weight: Tensor, eps: float = 1e-5) -> Tensor:
     ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)`` with the biased variance over all entries of the filter.
     Gradients flow through the mean and the variance.
 
+    Args:
+        weight: the raw kernel (C_out, C_in/groups, *kernel).
+        eps: added to the filter variance inside the square root. Default: 1e-5.
+
     Shape:
         weight (C_out, C_in/groups, *kernel) -> the same shape and dtype.
 
@@ -922,6 +961,13 @@ def pws_weight(
     filter, ``n = fan`` (default fan_in = C_in/groups * prod(kernel)) and ``g = gamma`` (absolute) or
     ``g = gamma * 2/n`` (``relative_gamma``, the authors' "equiv" mode). Mean and variance are differentiated
     through, so the gradient reaching ``weight`` has exactly zero mean per filter.
+
+    Args:
+        weight: the raw kernel (C_out, C_in/groups, *kernel).
+        alpha: the per-filter gains (C_out,). Default: None (ones).
+        gamma: added to the filter variance inside the square root (> 0). Default: 1e-3.
+        relative_gamma: use ``g = gamma * 2/n``. Default: False.
+        fan: ``n``. Default: None (fan_in, ``weight[0].numel()``).
 
     Shape:
         weight (C_out, C_in/groups, *kernel); alpha (C_out,) or None (= ones) -> weight's shape and dtype.
@@ -953,6 +999,11 @@ def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
 
     ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (``|s|^2`` of a float16
     vector overflows from ``|s| ~ 256``) and returned in their dtype.
+
+    Args:
+        s: the vectors to squash.
+        dim: the vector axis. Default: -1.
+        eps: added to ``|s|^2`` under the square root. Default: 1e-8.
 
     Shape:
         any; the vector axis is ``dim``; the output has the input's shape.

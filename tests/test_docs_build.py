@@ -209,6 +209,27 @@ def test_every_public_class_documents_its_own_arguments_and_an_example(name, cls
     assert "Example:" in doc and ">>> " in doc, f"{name}: no Example"
 
 
+def _public_functions(modules):
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            if inspect.isfunction(getattr(module, name)):
+                yield f"{module_name}.{name}", getattr(module, name)
+
+
+# The layers' modules; the functions of normlab.monitor, normlab.convert and the integrations are not held to it yet.
+LAYER_MODULES = ["normlab.nn", "normlab.functional"]
+
+
+@pytest.mark.parametrize("name, fn", [pytest.param(n, f, id=n) for n, f in _public_functions(LAYER_MODULES)])
+def test_every_public_function_of_the_layers_documents_its_arguments_and_an_example(name, fn):
+    doc = fn.__doc__ or ""
+    expected = list(inspect.signature(fn).parameters)
+    if expected:
+        assert _section(doc, "Args") == expected, f"{name}: the Args entries are not the arguments {expected}"
+    assert "Example:" in doc and ">>> " in doc, f"{name}: no Example"
+
+
 def _data_descriptions(html: Path) -> dict[str, str]:
     """Each constant (py:data) of the built API pages -> the text of its description."""
     entry = re.compile(r'<dl class="py data">\s*<dt class="sig sig-object py" id="([^"]+)">.*?</dt>\s*<dd>(.*?)</dd>',

@@ -39,8 +39,8 @@ except ImportError:  # pragma: no cover - the extra is not installed
 
 __all__ = ["VarianceMonitorCallback", "SUPPORTED_STRATEGIES"]
 
-#: The Lightning strategy classes the callback accepts at ``setup``: ``SingleDeviceStrategy`` and ``DDPStrategy``
-#: (``ddp``, ``ddp_spawn``, ...) and their subclasses; strategies that shard or wrap parameters (FSDP,
+#: The Lightning strategy classes the callback accepts at ``setup``, ``SingleDeviceStrategy`` and ``DDPStrategy``
+#: (``ddp``, ``ddp_spawn``, ...), and their subclasses. Strategies that shard or wrap parameters (FSDP,
 #: DeepSpeed, model parallel, multi-device XLA) are refused: no rank holds whole kernels to measure.
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
