@@ -143,8 +143,8 @@ class _StdConvNd:
     weight_cache: str = "auto"
 
     def effective_weight(self) -> Tensor:
-        """The kernel the convolution applies (what ``forward`` hands to ``F.conv1d/2d/3d``): (C_out, C_in/groups,
-        *kernel_size), in ``weight``'s dtype.
+        """The kernel the convolution applies (what ``forward`` hands to ``F.conv1d/2d/3d``), in ``weight``'s dtype:
+        (C_out, C_in/groups, *kernel_size).
 
         Computed with autograd whenever training or a gradient is needed; otherwise from the inference cache.
         """
