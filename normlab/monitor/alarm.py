@@ -40,7 +40,8 @@ class CollapseAlarm:
         initial: its baseline.
         growth: ``value / initial`` (inf when the value is not finite).
         reason: why, in words (``"non-finite"``, ``"grew 500x > factor 100"``, ...).
-        flagged: every (layer, quantity) flagged at that step, as dicts with these keys.
+        flagged: every (layer, quantity) flagged at that step, as dicts with the keys ``layer``, ``index`` (forward
+            order), ``quantity``, ``initial``, ``value``, ``growth`` and ``reason``.
 
     Example:
         >>> alarm = CollapseAlarm("conv1", 10, "output_var", 500.0, 1.0, 500.0, "grew 500x > factor 100")

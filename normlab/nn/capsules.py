@@ -228,7 +228,7 @@ def margin_loss(
 
     Example:
         >>> lengths = torch.tensor([[0.95, 0.05], [0.5, 0.2]])
-        >>> margin_loss(lengths, torch.tensor([0, 1]))      # (0.9 - 0.2)^2 + 0.5 * (0.5 - 0.1)^2, over 2 rows
+        >>> margin_loss(lengths, torch.tensor([0, 1]))   # row 1: (0.9 - 0.2)^2 + 0.5 * (0.5 - 0.1)^2; mean of 2 rows
         tensor(0.2850)
     """
     if lengths.dim() != 2:

@@ -33,7 +33,7 @@ from ._float32_stats import Float32StatsModule
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
 
-# The docstring of the public classes: one text, filled in per dimension ($input, $unbatched, $over, $example).
+# The docstring of the public classes: one text, filled in per dimension ($input, $over, $memory, $example, ...).
 _DOC = Template(r"""Instance normalization over $input inputs: per sample and channel over $over.
 
     .. math::
@@ -41,8 +41,8 @@ _DOC = Template(r"""Instance normalization over $input inputs: per sample and ch
 
     with the mean and biased variance over $over of each sample and channel, computed in float32 for
     float16/bfloat16 inputs. A drop-in for ``torch.nn.InstanceNorm$dim`` (same constructor arguments and
-    ``state_dict`` keys) that keeps channels_last inputs channels_last, rejects a channel-count mismatch even with
-    ``affine=False`` and can learn ``bias`` (``center``) and ``weight`` (``scale``) separately, tf.contrib style.
+    ``state_dict`` keys) that rejects a channel-count mismatch even with ``affine=False`` and can learn ``bias``
+    (``center``) and ``weight`` (``scale``) separately, tf.contrib style.$memory
     With ``track_running_stats`` the running statistics are used in eval mode; a non-finite batch leaves them
     unchanged (RuntimeWarning).
 
@@ -71,6 +71,7 @@ $example
 
 def _doc(**fields: str) -> str:
     """``_DOC`` for one dimension; the example is given unindented."""
+    fields.setdefault("memory", "")
     fields["example"] = "\n".join("        " + line for line in fields["example"].strip("\n").splitlines())
     return _DOC.substitute(fields)
 
@@ -267,6 +268,7 @@ torch.Size([8, 16, 40])
 class InstanceNorm2d(_InstanceNorm):
     __doc__ = _doc(
         input="(N, C, H, W)", unbatched="(C, H, W)", over="H, W", dim="2d",
+        memory=" channels_last inputs give channels_last outputs (torch's CPU kernel returns contiguous ones).",
         example="""
 >>> x = torch.randn(2, 64, 32, 32).to(memory_format=torch.channels_last)
 >>> InstanceNorm2d(64)(x).is_contiguous(memory_format=torch.channels_last)
@@ -280,6 +282,7 @@ True
 class InstanceNorm3d(_InstanceNorm):
     __doc__ = _doc(
         input="(N, C, D, H, W)", unbatched="(C, D, H, W)", over="D, H, W", dim="3d",
+        memory=" channels_last_3d inputs give channels_last_3d outputs.",
         example="""
 >>> InstanceNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
 torch.Size([2, 4, 3, 5, 5])

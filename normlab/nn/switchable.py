@@ -43,8 +43,9 @@ _DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input input
     Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running statistics starting at 0).
     A batch whose statistics are not finite leaves the running statistics unchanged (RuntimeWarning).
 
-    Parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with ``using_bn=False``),
-    initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero (as the official code).
+    Learnable parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with
+    ``using_bn=False``), initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero
+    (as the official code).
 
     Args:
         num_features: C, the number of channels (dim 1 of the input).

@@ -102,8 +102,9 @@ _PWS_DOC = Template(r"""Parametric Weight Standardization (Liu et al. 2021): a `
     differentiated through, so the gradient reaching ``weight`` has zero mean per filter. In eval mode the kernel
     is constant: :func:`normlab.convert.fold_for_inference` turns the layer into a plain ``$conv``.
 
-    Parameters: ``weight`` (C_out, C_in/groups, *kernel_size), initialised N(0, 2/n); ``bias`` (C_out,), zeros;
-    ``alpha`` (C_out,), ones (no weight decay in :func:`normlab.nn.param_groups`). Buffer: ``alpha_initialized``.
+    Learnable parameters: ``weight`` (C_out, C_in/groups, *kernel_size), initialised N(0, 2/n); ``bias``
+    (C_out,), zeros; ``alpha`` (C_out,), ones (no weight decay in :func:`normlab.nn.param_groups`). Buffer:
+    ``alpha_initialized``.
 
     Args:
         $conv_args
