@@ -39,7 +39,7 @@ class Rescue:
         restored_step: the step of the snapshot the run went back to.
         steps_lost: the steps thrown away (``step - restored_step``).
         lr_before: the learning rate of the first parameter group before the rescue.
-        lr_after: the same after the rescue (``lr_before * lr_factor``).
+        lr_after: the same after the rescue (lowered by the guard's ``lr_factor``).
 
     Example:
         >>> model = nn.Linear(4, 1)

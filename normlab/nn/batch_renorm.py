@@ -183,8 +183,8 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
             ``None``: cumulative average. Default: 0.1.
         affine: learn a per-channel ``weight`` (init 1) and ``bias`` (init 0). Default: True.
         track_running_stats: keep running statistics. Without them there is nothing to renormalize against: the
-            layer is BatchNorm with batch statistics in training and eval, and giving ``rmax``, ``dmax`` or
-            ``schedule`` raises ``ValueError``. Default: True.$process_group
+            layer is BatchNorm with batch statistics in training and eval, and a ``schedule`` or limits other than
+            ``rmax=1, dmax=0`` raise ``ValueError``. Default: True.$process_group
         device: the device of the parameters and buffers. Default: None (torch's default device).
         dtype: the dtype of the parameters and buffers. Default: None (torch's default dtype).
         bias: with ``affine``, learn ``bias`` too (keyword-only). Default: True.
