@@ -33,6 +33,7 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable
 from string import Template
@@ -43,6 +44,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
@@ -217,12 +219,7 @@ $example
     """)
 
 
-def _doc(**fields: str) -> str:
-    """``_DOC`` for one class; an example is given unindented and indented here."""
-    fields.setdefault("details", "")
-    fields.setdefault("process_group", "")
-    fields["example"] = "\n".join("        " + line for line in fields["example"].strip("\n").splitlines())
-    return _DOC.substitute(fields)
+_doc = functools.partial(fill, _DOC, optional=("details", "process_group"))
 
 
 class _AllReduceSum(torch.autograd.Function):

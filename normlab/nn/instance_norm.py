@@ -19,6 +19,7 @@ torch checkpoint loads unchanged. Differences from torch:
 
 from __future__ import annotations
 
+import functools
 import warnings
 from string import Template
 
@@ -28,6 +29,7 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
@@ -69,11 +71,7 @@ $example
     """)
 
 
-def _doc(**fields: str) -> str:
-    """``_DOC`` for one dimension; the example is given unindented."""
-    fields.setdefault("memory", "")
-    fields["example"] = "\n".join("        " + line for line in fields["example"].strip("\n").splitlines())
-    return _DOC.substitute(fields)
+_doc = functools.partial(fill, _DOC, optional=("memory",))
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:

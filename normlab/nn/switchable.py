@@ -17,6 +17,7 @@ Activation checkpointing updates them once (not again in the recomputation).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from string import Template
 
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
@@ -70,11 +72,7 @@ $example
     """)
 
 
-def _doc(**fields: str) -> str:
-    """``_DOC`` for one dimension; the example is given unindented."""
-    fields.setdefault("details", "")
-    fields["example"] = "\n".join("        " + line for line in fields["example"].strip("\n").splitlines())
-    return _DOC.substitute(fields)
+_doc = functools.partial(fill, _DOC, optional=("details",))
 
 
 class _SwitchableNorm(Float32StatsModule):

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 
 from normlab.functional import pws_weight, standardize_weight
 
+from ._docs import fill
+
 __all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d", "WEIGHT_CACHE_MODES"]
 
 #: The values of the PWS convolutions' ``fan_mode``: the fan ``n`` of the He gain.
@@ -125,11 +127,10 @@ $example
     """)
 
 
-def _doc(template: Template, **fields: str) -> str:
-    """A family's docstring for one dimension; the shared blocks and the example (given unindented) are put in."""
-    fields["example"] = "\n".join("        " + line for line in fields["example"].strip("\n").splitlines())
-    fields["shape"] = Template(_SHAPE).substitute(fields)
-    return template.substitute(fields, conv_args=_CONV_ARGS, cache_arg=_CACHE_ARG)
+def _doc(template: Template, example: str, **fields: str) -> str:
+    """A family's docstring for one dimension: the shared blocks, the fields and the example put in."""
+    shape = Template(_SHAPE).substitute(fields)
+    return fill(template, example, shape=shape, conv_args=_CONV_ARGS, cache_arg=_CACHE_ARG, **fields)
 
 
 class _StdConvNd:
