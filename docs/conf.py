@@ -10,21 +10,19 @@ Lightning, TensorBoard) are not linked (no network at build time, so no intersph
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
 import sys
 from pathlib import Path
 
-from sphinx.util import logging
+from sphinx.errors import PycodeError
+from sphinx.pycode import ModuleAnalyzer
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import normlab  # noqa: E402
-
-logger = logging.getLogger(__name__)
 
 project = "normlab"
 author = "normlab contributors"
@@ -70,41 +68,23 @@ nitpicky = True
 # shown, not linked: intersphinx would need the network at build time. Python's builtins need no entry.
 nitpick_ignore_regex = [(r"py:class", r"(torch|numpy|lightning|tensorboard|collections|os|pathlib|typing)(\..+)?")]
 
-# --- known docstring problems (in files owned by others): the lead fixes them, then deletes the entry ----------
-# Each entry is exact and expires: the build fails if an entry no longer matches its docstring, and
-# tests/test_docs_build.py builds once without these workarounds (NORMLAB_DOCS_STRICT=1) and checks that exactly
-# these entries fail, so a fixed docstring's entry must be removed and no other problem hides behind them.
+# --- known problems (in files owned by others): the owner fixes them, then deletes the entry --------------------
+# Each entry is exact and expires: tests/test_docs_build.py builds once without them (NORMLAB_DOCS_STRICT=1) and
+# checks that exactly these references fail, so a fixed problem's entry must be removed and no other problem hides
+# behind them. Docstrings are fixed at their source: a reference to a private name, a ``|x|`` read as a
+# substitution or an argument list napoleon cannot parse is an error of the strict build, not an entry here.
 #
-# References to private names that autodoc does not document (the public page then lacks what they point to).
-PRIVATE_REFERENCES = [
-    ("py:class", "_BatchRenorm"),  # nn/batch_renorm.py BatchRenorm1d/2d, SyncBatchRenorm: "see _BatchRenorm" args
-    ("py:class", "_WSConvNd"),  # nn/weight_std.py WSConv1d/2d/3d: formula and arguments only on the private base
-    ("py:class", "_PWSConvNd"),  # nn/weight_std.py PWSConv1d/2d/3d: formula and arguments only on the private base
-    ("py:class", "_BatchNormWithAffine"),  # functional.py batch_renorm: a private autograd Function
-    ("py:class", "_SwitchableNormFn"),  # functional.py switchable_norm: a private autograd Function
+# References to names that no API page documents: normlab.integrations.timm (public, but its module docstring's
+# table is malformed reStructuredText, so docs/api/integrations.rst cannot include it until timm.py is fixed) and
+# the private module normlab._dataflow.
+UNRESOLVED_REFERENCES = [
+    ("py:mod", "normlab.integrations.timm"),  # convert.py and integrations/__init__.py module docstrings
+    ("py:class", "normlab.integrations.timm.BatchRenormAct2d"),  # convert.py module docstring
     ("py:mod", "normlab._dataflow"),  # convert.py module docstring: a private module
-    ("py:func", "squash"),  # nn/capsules.py PrimaryCapsules: normlab.nn has no squash (normlab.functional.squash)
 ]
-# Invalid reStructuredText in docstrings: {defining object: [(text as written, text as it should be)]}.
-# ``|s|`` is a substitution reference; an indented example needs ``::`` before it (LITERAL_TO_END: the text from
-# ``old`` to the end of the docstring is a literal block).
-DOCSTRING_FIXES = {
-    "normlab.functional.squash": [("(|s|^2 of a float16\nvector overflows from |s| ~ 256)",
-                                   "(``|s|^2`` of a float16\nvector overflows from ``|s| ~ 256``)")],
-    "normlab.nn.capsules.margin_loss": [("capsule lengths |v_k|", "capsule lengths ``|v_k|``")],
-}
 STRICT = os.environ.get("NORMLAB_DOCS_STRICT") == "1"  # build without the workarounds above
 if not STRICT:
-    nitpick_ignore = list(PRIVATE_REFERENCES)
-
-
-def _qualified_name(obj) -> str | None:
-    """Where an object is defined (the place to fix its docstring): module.qualname, or a module's name."""
-    if inspect.ismodule(obj):
-        return obj.__name__
-    obj = inspect.unwrap(obj)
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    return f"{module}.{qualname}" if module and qualname else None
+    nitpick_ignore = list(UNRESOLVED_REFERENCES)
 
 
 # The shape notation of torch's docstrings, ``(N, C, *)``, ``(C_out, C_in/groups, *kernel)``: a ``*`` that opens
@@ -122,28 +102,29 @@ def _escape_shape_stars(lines: list[str]) -> None:
         lines[i] = "``".join(_SHAPE_STAR.sub(r"\\*", p) if k % 2 == 0 else p for k, p in enumerate(parts))
 
 
+def _defining_comment(name: str, obj) -> list[str]:
+    """The ``#:`` comment of a constant in the module that defines it. autodoc reads the comments of the module a
+    name is documented from, and normlab.nn and normlab.monitor re-export their submodules' constants."""
+    package, attr = name.rsplit(".", 1)
+    for module_name, module in sorted(sys.modules.items()):
+        if not module_name.startswith(package + ".") or getattr(module, attr, None) is not obj:
+            continue
+        try:
+            comment = ModuleAnalyzer.for_module(module_name).find_attr_docs().get(("", attr))
+        except PycodeError:
+            continue
+        if comment:
+            return list(comment)
+    return []
+
+
 def _fix_docstring(app, what, name, obj, options, lines):
-    """Escape shape stars, then apply DOCSTRING_FIXES to exactly the listed objects; an entry that no longer
-    matches is a build warning."""
+    """Escape shape stars; give a constant its ``#:`` comment (a constant's own docstring is its type's: a tuple's,
+    a dict's, which documents nothing of the constant)."""
     _escape_shape_stars(lines)
-    if what == "data":  # a constant's docstring is its type's (tuple, dict): no documentation of the constant
-        if lines and type(obj).__doc__ and "\n".join(lines).strip() == type(obj).__doc__.strip():
-            lines.clear()
-        return
-    fixes = DOCSTRING_FIXES.get(_qualified_name(obj)) if not STRICT else None
-    if not fixes:
-        return
-    text = "\n".join(lines)
-    for old, new in fixes:
-        if old not in text:
-            logger.warning("docs/conf.py DOCSTRING_FIXES: the docstring of %s no longer contains %r; remove the "
-                           "entry if the docstring was fixed", name, old)
-        elif new == "LITERAL_TO_END":
-            head, tail = text.split(old, 1)
-            text = head + "\n::\n\n" + "\n".join("    " + line for line in (old + tail).strip("\n").split("\n"))
-        else:
-            text = text.replace(old, new)
-    lines[:] = text.split("\n")
+    if what == "data" and (not lines or (type(obj).__doc__ and
+                                         "\n".join(lines).strip() == type(obj).__doc__.strip())):
+        lines[:] = _defining_comment(name, obj)
 
 
 def setup(app):

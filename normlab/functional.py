@@ -112,6 +112,12 @@ def instance_norm(
     Statistics are computed in float32 for half inputs; the output has ``x``'s dtype and memory format
     (channels_last is kept, unlike torch's CPU instance norm).
 
+    Args:
+        x: the input (N, C, *).
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        eps: added to the variance inside the square root. Default: 1e-5.
+
     Shape:
         x (N, C, *) with at least one spatial dimension; weight, bias (C,) or None; output: x's shape.
 
@@ -197,6 +203,17 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
     on CPU than a generic reduction; under torch.compile, torch.jit.trace and torch.func transforms (that kernel has
     no fake-tensor implementation nor batching rule) the two-pass :func:`moments`, which the compiler fuses. Half
     inputs are reduced in float32; results are float32 (or float64) (C,).
+
+    Args:
+        x: the input (N, C, *).
+
+    Returns:
+        ``(mean, var)``, each (C,).
+
+    Example:
+        >>> mean, var = batch_moments(torch.tensor([[1.0, 10.0], [3.0, 30.0]]))
+        >>> mean, var
+        (tensor([ 2., 20.]), tensor([  1., 100.]))
     """
     with torch.no_grad():
         xs = _stats_dtype(x.detach())
@@ -220,6 +237,24 @@ def renorm_correction(
     ``r = clip(sigma_B / sigma, 1/rmax, rmax)``, ``d = clip((batch_mean - running_mean) / sigma, -dmax, dmax)``.
     ``batch_var`` is the biased batch variance. All inputs are (C,); results are float32 (or float64) (C,).
     ``rmax``/``dmax`` may be Python numbers or scalar tensors (a schedule evaluated on a step tensor).
+
+    Args:
+        batch_mean: the batch mean (C,).
+        batch_var: the biased batch variance (C,).
+        running_mean: the running mean (C,), before this batch updates it.
+        running_var: the running variance (C,), before this batch updates it.
+        eps: added to both variances inside the square roots.
+        rmax: the limit of r (>= 1).
+        dmax: the limit of d (>= 0).
+
+    Returns:
+        ``(r, d)``, each (C,).
+
+    Example:
+        >>> r, d = renorm_correction(torch.tensor([2.0]), torch.tensor([16.0]), torch.zeros(1), torch.ones(1),
+        ...                          eps=0.0, rmax=3.0, dmax=5.0)
+        >>> r, d          # sigma_B / sigma = 4 is clipped to 3; (mu_B - mu) / sigma = 2 is within 5
+        (tensor([3.]), tensor([2.]))
     """
     with torch.no_grad():
         dtype = torch.promote_types(batch_mean.dtype, torch.float32)
@@ -408,7 +443,8 @@ def batch_renorm(
     Implementation: r and d are per-channel constants, so a training step is one BatchNorm step with weight
     ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
     statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
-    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (:class:`_BatchNormWithAffine`).
+    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (an autograd Function that calls
+    them with the folded affine).
     The composite path (``fused=False``, and always under torch.compile, torch.jit.trace and torch.func transforms)
     calls ``F.batch_norm`` with batch statistics and the folded affine after a separate statistics pass, then updates
     the running statistics explicitly. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
@@ -416,6 +452,21 @@ def batch_renorm(
     ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
     Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
     output has x's dtype.
+
+    Args:
+        x: the input (N, C, *).
+        running_mean: the running mean (C,), updated in place in training; None: batch statistics only.
+        running_var: the running unbiased variance (C,), updated in place in training; None: batch statistics only.
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        training: normalize with the batch statistics and renormalize (True) or with the running ones (False).
+            Default: False.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value); must be
+            a float in training with running statistics. Default: 0.1.
+        eps: added to the variances inside the square roots. Default: 1e-5.
+        rmax: the limit of r (>= 1), a number or a scalar tensor. Default: 1.0.
+        dmax: the limit of d (>= 0), a number or a scalar tensor. Default: 0.0.
+        fused: take the fused path (True) or the composite one (False). Default: None (fused where it can run).
 
     Shape:
         x (N, C, *); running_mean, running_var, weight, bias (C,) or None; output: x's shape and dtype.
@@ -784,14 +835,32 @@ def switchable_norm(
     the *old* value); without moving average the buffers accumulate sums. In eval the running buffers are used.
     Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
 
-    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward
-    (:class:`_SwitchableNormFn`): one statistics pass and one normalize pass forward, one reduction pass and one
-    final pass backward, BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
+    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward:
+    one statistics pass and one normalize pass forward, one reduction pass and one final pass backward,
+    BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
     ``relu_`` work). ``fused=False`` (and torch.compile/torch.export, jit.trace, torch.func transforms, the meta
     device, empty inputs) use the composite formula from differentiable ops.
 
     Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
     compiled); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
+
+    Args:
+        x: the input (N, C, *) with more than one spatial value per channel.
+        mean_weight: the mean's mixture logits (3,) for IN, LN, BN (or (2,) with ``using_bn=False``).
+        var_weight: the variance's mixture logits, the same shape.
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        running_mean: the running BN mean (C,), updated in place in training. Default: None.
+        running_var: the running BN variance (C,), updated in place in training. Default: None.
+        training: use the batch's BN statistics (and update the running ones) or the running ones.
+            Default: False.
+        momentum: the weight of the OLD running value (official convention). Default: 0.9.
+        eps: added to the mixed variance inside the square root. Default: 1e-5.
+        using_bn: mix in BN statistics (the logits then have 3 entries). Default: True.
+        using_moving_average: update the running statistics as a moving average; False: accumulate sums.
+            Default: True.
+        fused: take the autograd Function (True) or the composite formula (False). Default: None (the Function
+            where it can run).
 
     Shape:
         x (N, C, *) with spatial size > 1; weight, bias, running_mean, running_var (C,); output: x's shape.
@@ -863,6 +932,10 @@ def standardize_weight(weight: Tensor, eps: float = 1e-5) -> Tensor:
     ``W_hat_o = (W_o - mean(W_o)) / sqrt(var(W_o) + eps)`` with the biased variance over all entries of the filter.
     Gradients flow through the mean and the variance.
 
+    Args:
+        weight: the raw kernel (C_out, C_in/groups, *kernel).
+        eps: added to the filter variance inside the square root. Default: 1e-5.
+
     Shape:
         weight (C_out, C_in/groups, *kernel) -> the same shape and dtype.
 
@@ -888,6 +961,13 @@ def pws_weight(
     filter, ``n = fan`` (default fan_in = C_in/groups * prod(kernel)) and ``g = gamma`` (absolute) or
     ``g = gamma * 2/n`` (``relative_gamma``, the authors' "equiv" mode). Mean and variance are differentiated
     through, so the gradient reaching ``weight`` has exactly zero mean per filter.
+
+    Args:
+        weight: the raw kernel (C_out, C_in/groups, *kernel).
+        alpha: the per-filter gains (C_out,). Default: None (ones).
+        gamma: added to the filter variance inside the square root (> 0). Default: 1e-3.
+        relative_gamma: use ``g = gamma * 2/n``. Default: False.
+        fan: ``n``. Default: None (fan_in, ``weight[0].numel()``).
 
     Shape:
         weight (C_out, C_in/groups, *kernel); alpha (C_out,) or None (= ones) -> weight's shape and dtype.
@@ -917,8 +997,13 @@ def pws_weight(
 def squash(s: Tensor, dim: int = -1, eps: float = 1e-8) -> Tensor:
     """Capsule non-linearity (Sabour et al. 2017): ``v = |s|^2 / (1 + |s|^2) * s / |s|`` along ``dim``.
 
-    ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (|s|^2 of a float16
-    vector overflows from |s| ~ 256) and returned in their dtype.
+    ``eps`` keeps the gradient finite at ``s = 0``. Half inputs are squashed in float32 (``|s|^2`` of a float16
+    vector overflows from ``|s| ~ 256``) and returned in their dtype.
+
+    Args:
+        s: the vectors to squash.
+        dim: the vector axis. Default: -1.
+        eps: added to ``|s|^2`` under the square root. Default: 1e-8.
 
     Shape:
         any; the vector axis is ``dim``; the output has the input's shape.

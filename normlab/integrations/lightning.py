@@ -39,6 +39,9 @@ except ImportError:  # pragma: no cover - the extra is not installed
 
 __all__ = ["VarianceMonitorCallback", "SUPPORTED_STRATEGIES"]
 
+#: The Lightning strategy classes the callback accepts at ``setup``, ``SingleDeviceStrategy`` and ``DDPStrategy``
+#: (``ddp``, ``ddp_spawn``, ...), and their subclasses. Strategies that shard or wrap parameters (FSDP,
+#: DeepSpeed, model parallel, multi-device XLA) are refused: no rank holds whole kernels to measure.
 SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
 
@@ -62,6 +65,11 @@ class VarianceMonitorCallback(pl.Callback):
 
     Attributes:
         monitor: the :class:`~normlab.monitor.VarianceMonitor` of the current (or last) fit, None before.
+
+    Example:
+        >>> callback = VarianceMonitorCallback(every=10, stop_on_alarm=True)
+        >>> callback.monitor is None        # attached when pl.Trainer(callbacks=[callback]).fit(module) starts
+        True
     """
 
     def __init__(self, every: int = 10, stop_on_alarm: bool = False, log: bool = True,

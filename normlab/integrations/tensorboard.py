@@ -32,7 +32,8 @@ from torch import Tensor
 
 __all__ = ["MonitorBoard", "SCALARS", "summary_writer", "scalar_tags"]
 
-# record key -> (tag section, chart title of the Custom Scalars layout)
+#: The scalars written per layer, as monitor record key -> (tag section, chart title of the Custom Scalars
+#: layout). A layer's scalar is tagged ``<section>/<layer>``.
 SCALARS = {
     "output_var": ("output_var", "Var[Y] of each layer's output"),
     "shift": ("shift", "Fig. 1b: shift of the average, Var_o[n mean(W_o)]"),
@@ -40,6 +41,7 @@ SCALARS = {
     "update_ratio_mean": ("update_ratio", "Fig. 1a: update ratio Var[W - dW] / Var[W]"),
     "input_ratio": ("input_ratio", "Fig. 6b: input ratio E^2[X] / E[X^2]"),
 }
+#: The title of the Custom Scalars layout that groups the charts of :data:`SCALARS`.
 LAYOUT_TITLE = "normlab: the paper's figures"
 
 
@@ -78,6 +80,17 @@ class MonitorBoard:
         target: a log directory (a ``SummaryWriter`` is created there and closed by :meth:`close`) or a writer
             with ``add_scalar``/``add_histogram``/``add_text`` (``SummaryWriter``, tensorboardX), left open.
         **writer_kwargs: ``SummaryWriter`` arguments for a directory (e.g. ``purge_step`` when resuming).
+
+    Usually made by the monitor: ``VarianceMonitor(model, tensorboard=log_dir)``.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as log_dir:
+        ...     board = MonitorBoard(log_dir)
+        ...     board.write_records([{"step": 0, "layer": "conv1", "output_var": 1.2, "shift": 0.01}])
+        ...     board.close()
+        >>> scalar_tags({"step": 0, "layer": "conv1", "output_var": 1.2, "shift": 0.01})   # the tags written
+        {'output_var/conv1': 1.2, 'shift/conv1': 0.01}
     """
 
     def __init__(self, target: Any, **writer_kwargs) -> None:

@@ -30,9 +30,24 @@ __all__ = ["CollapseAlarm", "CollapseDetector"]
 
 @dataclass
 class CollapseAlarm:
-    """What fired: ``layer`` (module name), ``step``, ``quantity`` ("output_var" or "shift"), its ``value`` and
-    ``initial`` value, ``growth`` = value / initial (inf when non-finite) and every (layer, quantity) flagged at
-    that step in ``flagged``."""
+    """A collapse warning, as :meth:`CollapseDetector.check` and the monitor (``mon.alarm``) report it.
+
+    Attributes:
+        layer: the module name of the first flagged layer in forward order.
+        step: the recorded step at which it fired.
+        quantity: the record key that fired (``"output_var"``, ``"shift"``, ``"input_sq"``, ...).
+        value: the quantity's value at that step.
+        initial: its baseline.
+        growth: ``value / initial`` (inf when the value is not finite).
+        reason: why, in words (``"non-finite"``, ``"grew 500x > factor 100"``, ...).
+        flagged: every (layer, quantity) flagged at that step, as dicts with the keys ``layer``, ``index`` (forward
+            order), ``quantity``, ``initial``, ``value``, ``growth`` and ``reason``.
+
+    Example:
+        >>> alarm = CollapseAlarm("conv1", 10, "output_var", 500.0, 1.0, 500.0, "grew 500x > factor 100")
+        >>> print(alarm)
+        collapse warning at step 10: layer 'conv1' output_var = 500 (initial 1, grew 500x > factor 100)
+    """
 
     layer: str
     step: int
@@ -70,6 +85,13 @@ class CollapseDetector:
             falls below its baseline divided by the factor (e.g. {"input_sq": 1e4}: the second moment of the
             classifier's input when the ReLUs before it died); the quantity need not be in ``quantities`` (then
             only the implosion test runs on it). None or {} for no implosion test.
+
+    Example:
+        >>> detector = CollapseDetector(factor=100.0)
+        >>> detector.check(0, [{"layer": "conv1", "index": 0, "output_var": 1.0, "shift": 0.01}])  # the baseline
+        >>> alarm = detector.check(10, [{"layer": "conv1", "index": 0, "output_var": 500.0, "shift": 0.02}])
+        >>> alarm.layer, alarm.quantity, alarm.growth
+        ('conv1', 'output_var', 500.0)
     """
 
     def __init__(

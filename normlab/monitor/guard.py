@@ -30,9 +30,30 @@ class RunCollapsed(RuntimeError):
 
 @dataclass(frozen=True)
 class Rescue:
-    """One rescue: the guard's ``step`` when the trouble was seen, its ``reason``, the ``onset`` step it was dated
-    to, the snapshot step it went back to (``restored_step``), the steps thrown away (``steps_lost``) and the
-    learning rates of the first parameter group before and after (``lr_before``, ``lr_after``)."""
+    """One rescue of a :class:`CollapseGuard` (``guard.rescues``).
+
+    Attributes:
+        step: the guard's step when the trouble was seen.
+        reason: the trouble, in words (a non-finite loss or gradient, or the monitor's alarm).
+        onset: the step the trouble was dated to.
+        restored_step: the step of the snapshot the run went back to.
+        steps_lost: the steps thrown away (``step - restored_step``).
+        lr_before: the learning rate of the first parameter group before the rescue.
+        lr_after: the same after the rescue (lowered by the guard's ``lr_factor``).
+
+    Example:
+        >>> model = nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = CollapseGuard(model, opt, every=1)
+        >>> for scale in (1.0, 1.0, float("nan")):       # the third loss is NaN: the run is rolled back
+        ...     opt.zero_grad()
+        ...     loss = model(torch.randn(8, 4)).square().mean() * scale
+        ...     loss.backward()
+        ...     took_step = guard.step(loss)
+        >>> rescue = guard.rescues[0]
+        >>> rescue.reason, rescue.restored_step, rescue.lr_after
+        ('non-finite loss (nan) at step 2', 1, 0.05)
+    """
 
     step: int
     reason: str

@@ -143,12 +143,19 @@ class VarianceMonitor:
     Args:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
         every: record on steps 0, every, 2*every, ... (int >= 1).
-        dense_steps, dense_every: also record every ``dense_every`` steps during the first ``dense_steps`` steps
-            (the first steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
+        dense_steps: also record every ``dense_every`` steps during the first ``dense_steps`` steps (the first
+            steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
+        dense_every: the recording interval during the first ``dense_steps`` steps (int >= 1). Default: 1.
         explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
             baseline (or any watched quantity becomes non-finite); a float, or a mapping {quantity: factor}.
             Default ``DEFAULT_EXPLODE_FACTOR`` = {"output_var": 1e3, "shift": 100}: the classifier's logit variance
             grows ~100-200x in healthy training (the net becomes confident), so 100x on output_var is no warning.
+        implode_factor: a mapping {quantity: factor}; also warn when a quantity of the output layer (the
+            classifier) falls below its baseline divided by the factor. Default ``DEFAULT_IMPLODE_FACTOR`` =
+            {"input_sq": 1e4}: the second moment of the classifier's input falling 10,000x is a net whose last ReLUs
+            died (a collapse with a finite loss); on MNIST-1D pilots it flagged 3 of 3 such runs with no alarm on 21
+            healthy ones (healthy minimum 1.5e-3 of the baseline). The output variance of hidden layers is no such
+            sign: it falls 10-200x in the first steps of healthy unnormalized runs.
         watch: record keys checked by the collapse warning.
         min_initial: floor for baselines in the growth test, a float or {quantity: floor} (see CollapseDetector).
             Default ``DEFAULT_MIN_INITIAL`` = {"output_var": 1.0, "shift": 1e-6}: output variance is compared with
@@ -158,12 +165,6 @@ class VarianceMonitor:
         baseline_records: the baseline of each (layer, quantity) is the maximum of its first
             ``baseline_records`` recorded finite values (recorded steps 0, every, ..., (baseline_records-1)*every);
             no growth alarm before that (non-finite values are flagged at once). See CollapseDetector.
-        implode_factor: {quantity: factor}: also warn when a quantity of the output layer (the classifier) falls
-            below its baseline divided by the factor. Default ``DEFAULT_IMPLODE_FACTOR`` = {"input_sq": 1e4}: the
-            second moment of the classifier's input falling 10,000x is a net whose last ReLUs died (a collapse with
-            a finite loss); on MNIST-1D pilots it flagged 3 of 3 such runs with no alarm on 21 healthy ones
-            (healthy minimum 1.5e-3 of the baseline). The output variance of hidden layers is no such sign: it
-            falls 10-200x in the first steps of healthy unnormalized runs.
         watch_output_layer: also apply the growth test to the output layer (the last conv/linear layer in forward
             order, i.e. the classifier). Off by default: in healthy training its logit variance and the spread of
             its filter means (per-class offsets) grow 100-2000x as the net becomes confident (measured on the plain

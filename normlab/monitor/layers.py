@@ -156,6 +156,11 @@ def _is_timm_std_conv(module: nn.Module) -> bool:
     return isinstance(module, nn.Conv2d) and _from_library(module, "timm", TIMM_STD_CONVS)
 
 
+#: How the monitor finds the conv and linear layers. The first rule that matches a module gives its kernel and
+#: output filters; in order, ``timm_std_conv`` (timm's ``StdConv2d``, ``ScaledStdConv2d`` and their ``Same``
+#: variants: the standardized kernel their forward computes), ``conv_transpose`` (``nn.ConvTranspose1d/2d/3d``),
+#: ``conv`` (``nn.Conv1d/2d/3d`` and subclasses, WS/PWS included: their effective kernel), ``linear``
+#: (``nn.Linear`` and subclasses) and ``hf_conv1d`` (transformers' ``Conv1D``, weight (in, out)).
 LINEAR_MAP_RULES: tuple[LinearMapRule, ...] = (
     LinearMapRule("timm_std_conv", "conv", _is_timm_std_conv, _timm_std_kernel),
     LinearMapRule("conv_transpose", "conv", lambda m: isinstance(m, nn.modules.conv._ConvTransposeNd), _own_kernel,

@@ -11,7 +11,7 @@ Inference is plain BatchNorm inference. ``rmax=1, dmax=0`` is exactly BatchNorm.
 so a training step is one BatchNorm step with weight ``weight * r`` and bias ``bias + weight * d``: one statistics
 pass, BatchNorm's normalize kernel, BatchNorm's backward kernel.
 
-API (see :class:`_BatchRenorm`):
+API (the arguments are on each class):
 
 * ``BatchRenorm2d(64)``: the paper's schedule (:class:`RenormSchedule` defaults: identity for 5k steps, then
   linear to rmax=3 at 40k and dmax=5 at 25k steps), driven by ``num_batches_tracked``.
@@ -33,8 +33,10 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 from __future__ import annotations
 
 import collections
+import functools
 import math
 from collections.abc import Callable
+from string import Template
 
 import torch
 import torch.distributed as dist
@@ -42,6 +44,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
@@ -68,6 +71,20 @@ class RenormSchedule:
 
     ``step`` may be a Python int (returns floats) or an integer tensor such as ``num_batches_tracked`` (returns
     float64 scalar tensors on its device, without a host synchronisation).
+
+    Args:
+        warmup_steps: the steps with ``rmax = 1, dmax = 0`` (plain BatchNorm). Default: 5000.
+        rmax: the final limit of r (>= 1, finite). Default: 3.0.
+        rmax_steps: the step at which ``rmax`` is reached (>= ``warmup_steps``). Default: 40000.
+        dmax: the final limit of d (>= 0, finite). Default: 5.0.
+        dmax_steps: the step at which ``dmax`` is reached (>= ``warmup_steps``). Default: 25000.
+
+    Example:
+        >>> schedule = RenormSchedule(warmup_steps=100, rmax=3.0, rmax_steps=300, dmax=5.0, dmax_steps=200)
+        >>> schedule(0), schedule(200), schedule(1000)
+        ((1.0, 0.0), (2.0, 5.0), (3.0, 5.0))
+        >>> BatchRenorm2d(8, schedule=schedule).schedule(150)
+        (1.5, 2.5)
     """
 
     def __init__(
@@ -140,6 +157,70 @@ def _check_limits(where: str, rmax, dmax) -> None:
     if not _is_number(dmax) or math.isnan(dmax) or dmax < 0:
         raise ValueError(f"{where}: dmax must be a number >= 0, got {dmax!r}")
 
+# The docstring of the public classes: one text, filled in per class ($name, $torch_name, $input, ...).
+_DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop-in for ``$torch_name``.
+
+    .. math::
+        y = \gamma \left(\frac{x - \mu_B}{\sigma_B} r + d\right) + \beta, \quad
+        r = \mathrm{clip}_{[1/r_{max},\, r_{max}]}\left(\frac{\sigma_B}{\sigma}\right), \quad
+        d = \mathrm{clip}_{[-d_{max},\, d_{max}]}\left(\frac{\mu_B - \mu}{\sigma}\right)
+
+    in training, per channel: :math:`\mu_B` and :math:`\sigma_B = \sqrt{\mathrm{Var}_B[x] + \epsilon}` are the
+    batch mean and standard deviation (biased variance), :math:`\mu` and :math:`\sigma = \sqrt{\mathrm{running\_var}
+    + \epsilon}` the running statistics before this batch updates them, and no gradient flows through r and d.
+    In eval mode it is BatchNorm inference with the running statistics; with ``rmax=1, dmax=0`` it computes
+    ``$torch_name``. A training step costs one BatchNorm step (r and d are per-channel constants folded into the
+    affine, see :func:`normlab.functional.batch_renorm`).$details
+
+    The limits rmax and dmax come from a schedule evaluated at ``num_batches_tracked``, by default the paper's
+    :class:`RenormSchedule` (identity for 5k steps, then linear to rmax=3 at 40k and dmax=5 at 25k steps), or are
+    constants (``rmax=3.0, dmax=5.0``). The ``state_dict`` keys are BatchNorm's (``weight``, ``bias``,
+    ``running_mean``, ``running_var``, ``num_batches_tracked``), so BatchNorm checkpoints load into the layer and back;
+    ``running_var`` is the unbiased variance, as in BatchNorm.
+
+    Args:
+        num_features: C, the number of channels (dim 1 of the input).
+        eps: added to the variance inside the square root (> 0). Default: 1e-5.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value);
+            ``None``: cumulative average. Default: 0.1.
+        affine: learn a per-channel ``weight`` (init 1) and ``bias`` (init 0). Default: True.
+        track_running_stats: keep running statistics. Without them there is nothing to renormalize against: the
+            layer is BatchNorm with batch statistics in training and eval, and a ``schedule`` or limits other than
+            ``rmax=1, dmax=0`` raise ``ValueError``. Default: True.$process_group
+        device: the device of the parameters and buffers. Default: None (torch's default device).
+        dtype: the dtype of the parameters and buffers. Default: None (torch's default dtype).
+        bias: with ``affine``, learn ``bias`` too (keyword-only). Default: True.
+        rmax: constant limit of r, >= 1 (``inf``: no clipping; keyword-only). Default: None (the schedule; 1 if
+            only ``dmax`` is given).
+        dmax: constant limit of d, >= 0 (``inf``: no clipping; keyword-only). Default: None (the schedule; 0 if
+            only ``rmax`` is given).
+        schedule: a picklable callable ``step -> (rmax, dmax)`` evaluated at ``num_batches_tracked``, such as
+            :class:`RenormSchedule` (keyword-only; not together with ``rmax``/``dmax``). Default: None, which is
+            ``RenormSchedule()`` when neither ``rmax`` nor ``dmax`` is given.
+        check_finite: after each training update check the running statistics; if the batch held NaN/inf values
+            (or a variance that overflows), restore them and the step counter and raise ``ValueError``. Costs one
+            host synchronisation per call; under torch.compile, torch.export, jit.trace and torch.func the restore
+            is done with tensor ops and nothing is raised (keyword-only). Default: True.
+
+    Shape:
+        - Input: $input
+        - Output: the same shape, dtype and memory format as the input. float16/bfloat16 inputs get their
+          statistics in float32; after ``.half()`` the running statistics stay float32.
+
+    Note:
+        Works under ``torch.utils.checkpoint`` (a recomputation replays its original step: the gradients are the
+        un-checkpointed ones and the running statistics advance once per real forward), torch.compile
+        (``fullgraph=True``), torch.export, torch.jit.trace, torch.func (grad, vmap, functional_call) and on the
+        meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
+        BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
+
+    Example:
+$example
+    """)
+
+
+_doc = functools.partial(fill, _DOC, optional=("details", "process_group"))
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Differentiable SUM all-reduce: the gradient of every rank's input is the sum of all ranks' gradients."""
@@ -159,49 +240,9 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class _BatchRenorm(Float32StatsModule, _NormBase):
-    """Base of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
+    """Shared implementation of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
 
-    Args (positional ones exactly as ``nn.BatchNorm*d``):
-        num_features: C, the number of channels (dim 1 of the input).
-        eps: added to the variance inside the square root (> 0: a channel with constant values must not divide by
-            zero).
-        momentum: running-statistics update factor (``None``: cumulative average, like BatchNorm).
-        affine, track_running_stats, device, dtype, bias: as ``nn.BatchNorm*d``.
-        rmax, dmax: constant correction limits (rmax >= 1, dmax >= 0; ``inf`` means no clipping).
-        schedule: a callable ``step -> (rmax, dmax)`` evaluated at ``num_batches_tracked``, e.g.
-            :class:`RenormSchedule`. Default (nothing given): ``RenormSchedule()``, the paper's schedule.
-            Must not be combined with ``rmax``/``dmax``. Must be picklable for whole-module ``torch.save``.
-        check_finite: after each training update, check the running statistics; if the batch had NaN/inf values
-            (or a variance that overflows), restore the running statistics and the step counter to their values
-            before the batch and raise ``ValueError``. Costs one host synchronisation per call; set False to skip
-            (then a non-finite batch poisons the running statistics, as in BatchNorm). Without running statistics
-            nothing can be poisoned and a non-finite batch simply gives a non-finite output, as in BatchNorm.
-            Under torch.compile, torch.export, torch.jit.trace and torch.func the same restore is done with tensor
-            ops (``torch.where``, no host synchronisation) and nothing is raised; on the meta device it is skipped.
-
-    Without running statistics (``track_running_stats=False``) there is nothing to renormalize against and the
-    layer is BatchNorm with batch statistics; giving explicit limits or a schedule then raises ``ValueError``.
-
-    Shapes: input (N, C, *) as the BatchNorm of the same dimension; output: same shape, dtype and memory format.
-    float16/bfloat16 inputs: statistics in float32, output in the input's dtype. A module converted with ``.half()``
-    or ``.to(torch.bfloat16)`` keeps ``running_mean``/``running_var`` in float32 (a running variance above 65504
-    fits) and its half weights are applied in float32.
-
-    Cost: a training step is one BatchNorm step (one statistics pass, BatchNorm's normalize and backward kernels;
-    see :func:`normlab.functional.batch_renorm`) plus per-channel arithmetic for r and d.
-
-    Under the usual torch tools (each tested against ``nn.BatchNorm*d`` or the plain eager run):
-
-    * ``torch.utils.checkpoint`` (reentrant or not): a training forward that runs inside a backward pass is taken
-      for the recomputation of one of the layer's last 16 training forwards, the one with bit-identical batch
-      statistics (see :meth:`_recompute`): it replays that step, so the gradients are the un-checkpointed ones and the
-      running statistics and ``num_batches_tracked`` advance once per real forward (BatchNorm updates them twice).
-    * torch.compile (``fullgraph=True``), torch.export, torch.jit.trace and torch.func (grad, vmap, jacrev,
-      functional_call) run the composite path (differentiable aten ops, the step counter read as a tensor). Under
-      vmap in training the running statistics must be batched like the input (model ensembling), as for BatchNorm.
-    * An empty batch (N = 0) in training returns BatchNorm's empty output; the running statistics and, unlike
-      BatchNorm, ``num_batches_tracked`` are left as they are (no data, no schedule step).
-    * The meta device: forwards give shapes only; ``to_empty()`` + ``reset_parameters()`` give a fresh layer.
+    Subclasses set ``_expected_dims`` and ``_shape_text``; their docstrings are ``_DOC`` filled in per class.
     """
 
     _normlab_norm = True  # marks a normalization layer (no weight decay in normlab.nn.param_groups)
@@ -449,97 +490,66 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
 
 class BatchRenorm1d(_BatchRenorm):
-    r"""Batch Renormalization (Ioffe 2017) over (N, C) or (N, C, L) input; a drop-in for ``nn.BatchNorm1d``.
-
-    .. math::
-        y = \gamma \left(\frac{x - \mu_B}{\sigma_B} r + d\right) + \beta, \quad
-        r = \mathrm{clip}_{[1/r_{max}, r_{max}]}(\sigma_B / \sigma), \quad
-        d = \mathrm{clip}_{[-d_{max}, d_{max}]}((\mu_B - \mu) / \sigma)
-
-    in training (no gradient through r, d); BatchNorm inference in eval mode.
-
-    Args:
-        as ``nn.BatchNorm1d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` and ``check_finite``
-        (see :class:`_BatchRenorm`).
-
-    Shape:
-        Input (N, C) or (N, C, L); output: the same.
-
-    Example:
-        >>> m = BatchRenorm1d(16, rmax=3.0, dmax=5.0)
-        >>> m(torch.randn(8, 16, 40)).shape
-        torch.Size([8, 16, 40])
-    """
+    __doc__ = _doc(
+        input="(N, C) or (N, C, L)", torch_name="nn.BatchNorm1d",
+        example="""
+>>> m = BatchRenorm1d(16, rmax=3.0, dmax=5.0)
+>>> m(torch.randn(8, 16, 40)).shape
+torch.Size([8, 16, 40])
+""")
 
     _expected_dims = (2, 3)
     _shape_text = "2D or 3D input (N, C) or (N, C, L)"
 
 
 class BatchRenorm2d(_BatchRenorm):
-    """Batch Renormalization (Ioffe 2017) over (N, C, H, W) input; a drop-in for ``nn.BatchNorm2d``.
-
-    The formula is :class:`BatchRenorm1d`'s; ``rmax=1, dmax=0`` is exactly ``nn.BatchNorm2d``.
-
-    Args:
-        as ``nn.BatchNorm2d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` (default: the paper's
-        :class:`RenormSchedule`) and ``check_finite`` (see :class:`_BatchRenorm`).
-
-    Shape:
-        Input (N, C, H, W); output: the same shape, dtype and memory format.
-
-    Example:
-        >>> m = BatchRenorm2d(64, schedule=RenormSchedule.scaled(10_000))
-        >>> m(torch.randn(2, 64, 8, 8)).shape
-        torch.Size([2, 64, 8, 8])
-    """
+    __doc__ = _doc(
+        input="(N, C, H, W)", torch_name="nn.BatchNorm2d",
+        example="""
+>>> m = BatchRenorm2d(64, schedule=RenormSchedule.scaled(10_000))   # the paper's schedule over 10k steps
+>>> m(torch.randn(2, 64, 8, 8)).shape
+torch.Size([2, 64, 8, 8])
+""")
 
     _expected_dims = (4,)
     _shape_text = "4D input (N, C, H, W)"
 
 
 class BatchRenorm3d(_BatchRenorm):
-    """Batch Renormalization (Ioffe 2017) over (N, C, D, H, W) input; a drop-in for ``nn.BatchNorm3d``.
-
-    Args:
-        as ``nn.BatchNorm3d`` plus keyword-only ``rmax``, ``dmax`` or ``schedule`` and ``check_finite``.
-
-    Shape:
-        Input (N, C, D, H, W); output: the same.
-
-    Example:
-        >>> BatchRenorm3d(4, rmax=2.0)(torch.randn(2, 4, 3, 5, 5)).shape
-        torch.Size([2, 4, 3, 5, 5])
-    """
+    __doc__ = _doc(
+        input="(N, C, D, H, W)", torch_name="nn.BatchNorm3d",
+        example="""
+>>> BatchRenorm3d(4, rmax=2.0)(torch.randn(2, 4, 3, 5, 5)).shape
+torch.Size([2, 4, 3, 5, 5])
+""")
 
     _expected_dims = (5,)
     _shape_text = "5D input (N, C, D, H, W)"
 
 
 class SyncBatchRenorm(_BatchRenorm):
-    """Batch Renormalization with statistics over all ranks of a ``torch.distributed`` process group.
+    __doc__ = _doc(
+        input="(N, C, *)", torch_name="nn.SyncBatchNorm",
+        details="""
 
-    Training with an initialized process group of more than one rank: each rank computes per-channel
-    count, sum and sum of squares (float64, from float32 two-pass local moments), one differentiable SUM
-    all-reduce merges them weighted by count (batch sizes may differ per rank), and the gradients are those of the
-    global batch (each rank receives the gradient of its own slice; parameter gradients are the rank's share, which
-    DDP then averages). r and d come from the global statistics and the running statistics before the update, so
-    they and the running statistics (unbiased with ``N_global / (N_global - 1)``) are identical on every rank.
-    Works with gloo (CPU) and NCCL. Otherwise (no process group, world size 1, eval) it is :class:`BatchRenorm2d`
-    for any (N, C, *) input.
-
-    Args:
-        as :class:`_BatchRenorm`, plus ``process_group`` (default: the whole world), at torch's ``SyncBatchNorm``
-        position.
-
-    Shape:
-        Input (N, C, *); output: the same.
-
-    Example:
-        >>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), BatchRenorm2d(8))
-        >>> model = SyncBatchRenorm.convert_sync_batchrenorm(model)   # before wrapping it in DDP
-        >>> type(model[1]).__name__
-        'SyncBatchRenorm'
-    """
+    With statistics over all ranks of a ``torch.distributed`` process group: in training with an initialized
+    group of more than one rank, each rank computes per-channel count, sum and sum of squares (float64, from
+    float32 two-pass local moments), one differentiable SUM all-reduce merges them weighted by count (batch sizes
+    may differ per rank), and the gradients are those of the global batch (each rank receives the gradient of its
+    own slice; parameter gradients are the rank's share, which DDP then averages). r and d come from the global
+    statistics, so they and the running statistics (unbiased with ``N_global / (N_global - 1)``) are identical on
+    every rank. Works with gloo (CPU) and NCCL. Otherwise (no process group, world size 1, eval) it is the
+    single-process layer for any (N, C, *) input. :meth:`convert_sync_batchrenorm` converts a model's BatchRenorm
+    layers (torch's ``SyncBatchNorm.convert_sync_batchnorm`` would turn them into plain ``SyncBatchNorm``).""",
+        process_group="""
+        process_group: the ranks whose statistics are merged (torch's ``SyncBatchNorm`` argument, at its
+            position). Default: None (the whole world).""",
+        example="""
+>>> model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), BatchRenorm2d(8))
+>>> model = SyncBatchRenorm.convert_sync_batchrenorm(model)   # before wrapping it in DDP
+>>> type(model[1]).__name__
+'SyncBatchRenorm'
+""")
 
     _expected_dims = tuple(range(2, 9))
     _shape_text = "at least 2D input (N, C, *)"

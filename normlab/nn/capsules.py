@@ -28,14 +28,25 @@ __all__ = ["PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss
 def dynamic_routing(u_hat: Tensor, iterations: int = 3, detach_inner: bool = False) -> tuple[Tensor, Tensor]:
     """Routing-by-agreement (Procedure 1 of the paper).
 
+    Logits ``b`` start at zero for each example; each iteration takes the coupling coefficients
+    ``c = softmax(b)`` over the parents, the parents ``v_j = squash(sum_i c_ij u_hat_{j|i})`` and, except in the
+    last iteration, adds the agreement ``b_ij += u_hat_{j|i} . v_j``.
+
     Args:
         u_hat: prediction vectors (N, in_caps, out_caps, out_dim).
-        iterations: number of routing iterations r >= 1.
-        detach_inner: inner iterations use ``u_hat.detach()`` (naturomics' stop_gradient variant).
+        iterations: number of routing iterations r >= 1. Default: 3.
+        detach_inner: inner iterations use ``u_hat.detach()`` (naturomics' stop_gradient variant). Default: False.
 
     Returns:
         ``(v, c)``: parent capsules v (N, out_caps, out_dim) and the coupling coefficients of the last iteration
         c (N, in_caps, out_caps), which sum to 1 over ``out_caps`` for every example and child.
+
+    Example:
+        >>> v, c = dynamic_routing(torch.randn(2, 6, 3, 4), iterations=3)
+        >>> v.shape, c.shape
+        (torch.Size([2, 3, 4]), torch.Size([2, 6, 3]))
+        >>> torch.allclose(c.sum(-1), torch.ones(2, 6))
+        True
     """
     if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
         raise ValueError(f"dynamic_routing: iterations must be an integer >= 1, got {iterations!r}")
@@ -59,12 +70,17 @@ def dynamic_routing(u_hat: Tensor, iterations: int = 3, detach_inner: bool = Fal
 class PrimaryCapsules(nn.Module):
     """Convolutional capsules (Sabour et al. 2017): a conv whose output channels are grouped into capsule vectors.
 
-    ``Conv2d(in_channels, num_capsules * capsule_dim, kernel_size, stride)``; channel ``t * capsule_dim + d`` is
-    component d of capsule type t; every spatial position and type is one capsule, passed through :func:`squash`.
+    ``Conv2d(in_channels, num_capsules * capsule_dim, kernel_size, stride, padding)``; channel
+    ``t * capsule_dim + d`` is component d of capsule type t; every spatial position and type is one capsule,
+    passed through :func:`normlab.functional.squash`.
 
     Args:
-        in_channels: channels of the input feature map. num_capsules: capsule types (32 in the paper).
-        capsule_dim: components per capsule (8). kernel_size, stride, padding: of the conv (9, 2, 0).
+        in_channels: channels of the input feature map.
+        num_capsules: capsule types (32 in the paper). Default: 32.
+        capsule_dim: components per capsule. Default: 8.
+        kernel_size: kernel size of the conv. Default: 9.
+        stride: stride of the conv. Default: 2.
+        padding: padding of the conv. Default: 0.
 
     Shape:
         Input (N, in_channels, H, W); output (N, num_capsules * H_out * W_out, capsule_dim), capsules ordered by
@@ -118,9 +134,14 @@ class RoutingCapsules(nn.Module):
     example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2).
 
     Args:
-        in_capsules, in_dim: child capsules and their dimension. out_capsules, out_dim: parents (10 x 16 in the
-        paper). iterations: routing iterations r >= 1 (3). detach_inner: the inner iterations see a detached
-        u_hat (naturomics' stop_gradient; off). init_std: 0.01.
+        in_capsules: the number of child capsules (1152 in the paper).
+        in_dim: the dimension of a child capsule (8).
+        out_capsules: the number of parent capsules (10, one per class).
+        out_dim: the dimension of a parent capsule (16).
+        iterations: routing iterations r >= 1. Default: 3.
+        detach_inner: the inner iterations see a detached u_hat (naturomics' stop_gradient, not the paper's
+            method). Default: False.
+        init_std: standard deviation of the initial ``weight``. Default: 0.01.
 
     Shape:
         Input u (N, in_capsules, in_dim); output v (N, out_capsules, out_dim); ``forward(u, return_coupling=True)``
@@ -190,13 +211,25 @@ class RoutingCapsules(nn.Module):
 def margin_loss(
     lengths: Tensor, targets: Tensor, m_plus: float = 0.9, m_minus: float = 0.1, lam: float = 0.5
 ) -> Tensor:
-    """Margin loss: ``L_k = T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2``, summed over classes,
-    averaged over the batch.
+    """The paper's margin loss on capsule lengths, summed over classes and averaged over the batch.
+
+    ``L_k = T_k max(0, m+ - |v_k|)^2 + lam (1 - T_k) max(0, |v_k| - m-)^2`` with ``T_k = 1`` for the classes
+    present in the example.
 
     Args:
-        lengths: capsule lengths |v_k|, (N, K).
+        lengths: capsule lengths ``|v_k|``, (N, K).
         targets: class indices (N,) (integer dtype) or one-hot / multi-hot (N, K) floats.
-    Returns: scalar tensor.
+        m_plus: the length a present class should reach (m+). Default: 0.9.
+        m_minus: the length an absent class should stay below (m-). Default: 0.1.
+        lam: the weight of the absent classes' term. Default: 0.5.
+
+    Returns:
+        The loss, a scalar tensor.
+
+    Example:
+        >>> lengths = torch.tensor([[0.95, 0.05], [0.5, 0.2]])
+        >>> margin_loss(lengths, torch.tensor([0, 1]))   # row 1: (0.9 - 0.2)^2 + 0.5 * (0.5 - 0.1)^2; mean of 2 rows
+        tensor(0.2850)
     """
     if lengths.dim() != 2:
         raise ValueError(f"margin_loss: expected lengths (N, K), got {lengths.dim()}D")

@@ -19,7 +19,9 @@ torch checkpoint loads unchanged. Differences from torch:
 
 from __future__ import annotations
 
+import functools
 import warnings
+from string import Template
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +29,49 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+
+# The docstring of the public classes: one text, filled in per dimension ($input, $over, $memory, $example, ...).
+_DOC = Template(r"""Instance normalization over $input inputs: per sample and channel over $over.
+
+    .. math::
+        y = \frac{x - \mathrm{E}[x]}{\sqrt{\mathrm{Var}[x] + \epsilon}} \gamma + \beta
+
+    with the mean and biased variance over $over of each sample and channel, computed in float32 for
+    float16/bfloat16 inputs. A drop-in for ``torch.nn.InstanceNorm$dim`` (same constructor arguments and
+    ``state_dict`` keys) that rejects a channel-count mismatch even with ``affine=False`` and can learn ``bias``
+    (``center``) and ``weight`` (``scale``) separately, tf.contrib style.$memory
+    With ``track_running_stats`` the running statistics are used in eval mode; a non-finite batch leaves them
+    unchanged (RuntimeWarning).
+
+    Args:
+        num_features: C, the number of channels (dim 1 of the input, dim 0 of an unbatched one).
+        eps: added to the variance inside the square root (> 0). Default: 1e-5.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value);
+            ``None``: cumulative average (torch's InstanceNorm silently skips the update). Default: 0.1.
+        affine: learn ``weight`` (init 1) and ``bias`` (init 0); the default of ``center`` and ``scale``.
+            Default: False.
+        track_running_stats: keep running statistics of the per-instance mean and unbiased variance (float32
+            after ``.half()``) and use them in eval mode. Default: False.
+        device: the device of the parameters and buffers. Default: None (torch's default device).
+        dtype: the dtype of the parameters and buffers. Default: None (torch's default dtype).
+        center: learn ``bias`` (keyword-only). Default: None (``affine``).
+        scale: learn ``weight`` (keyword-only). Default: None (``affine``).
+
+    Shape:
+        - Input: $input or unbatched $unbatched
+        - Output: the same shape, dtype and memory format as the input.
+
+    Example:
+$example
+    """)
+
+
+_doc = functools.partial(fill, _DOC, optional=("memory",))
 
 
 def _channels_last_format(x: Tensor) -> torch.memory_format | None:
@@ -210,62 +252,39 @@ class _InstanceNorm(Float32StatsModule):
 
 
 class InstanceNorm1d(_InstanceNorm):
-    """Instance normalization over (N, C, L) inputs: per sample and channel over L.
-
-    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over L.
-
-    Args:
-        as ``torch.nn.InstanceNorm1d`` (``affine`` sets both ``center`` and ``scale``), plus keyword-only ``center``
-        (learn ``bias``) and ``scale`` (learn ``weight``), tf.contrib style.
-
-    Shape:
-        Input (N, C, L) or (C, L); output: the same.
-
-    Example:
-        >>> InstanceNorm1d(16, affine=True)(torch.randn(8, 16, 40)).shape
-        torch.Size([8, 16, 40])
-    """
+    __doc__ = _doc(
+        input="(N, C, L)", unbatched="(C, L)", over="L", dim="1d",
+        example="""
+>>> InstanceNorm1d(16, affine=True)(torch.randn(8, 16, 40)).shape
+torch.Size([8, 16, 40])
+""")
 
     _spatial_dims = 1
     _layout = "(N, C, L)"
 
 
 class InstanceNorm2d(_InstanceNorm):
-    """Instance normalization over (N, C, H, W) inputs: per sample and channel over H, W.
-
-    ``y = (x - E[x]) / sqrt(Var[x] + eps) * weight + bias`` with the biased variance over H, W; statistics in
-    float32 for half inputs; keeps channels_last.
-
-    Args:
-        as ``torch.nn.InstanceNorm2d`` (``affine`` sets both ``center`` and ``scale``), plus keyword-only ``center``
-        and ``scale``.
-
-    Shape:
-        Input (N, C, H, W) or (C, H, W); output: the same shape, dtype and memory format.
-
-    Example:
-        >>> x = torch.randn(2, 64, 32, 32).to(memory_format=torch.channels_last)
-        >>> InstanceNorm2d(64)(x).is_contiguous(memory_format=torch.channels_last)
-        True
-    """
+    __doc__ = _doc(
+        input="(N, C, H, W)", unbatched="(C, H, W)", over="H, W", dim="2d",
+        memory=" channels_last inputs give channels_last outputs (torch's CPU kernel returns contiguous ones).",
+        example="""
+>>> x = torch.randn(2, 64, 32, 32).to(memory_format=torch.channels_last)
+>>> InstanceNorm2d(64)(x).is_contiguous(memory_format=torch.channels_last)
+True
+""")
 
     _spatial_dims = 2
     _layout = "(N, C, H, W)"
 
 
 class InstanceNorm3d(_InstanceNorm):
-    """Instance normalization over (N, C, D, H, W) inputs: per sample and channel over D, H, W.
-
-    Args:
-        as ``torch.nn.InstanceNorm3d`` (``affine`` sets both ``center`` and ``scale``), plus ``center``, ``scale``.
-
-    Shape:
-        Input (N, C, D, H, W) or (C, D, H, W); output: the same (keeps channels_last_3d).
-
-    Example:
-        >>> InstanceNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
-        torch.Size([2, 4, 3, 5, 5])
-    """
+    __doc__ = _doc(
+        input="(N, C, D, H, W)", unbatched="(C, D, H, W)", over="D, H, W", dim="3d",
+        memory=" channels_last_3d inputs give channels_last_3d outputs.",
+        example="""
+>>> InstanceNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
+torch.Size([2, 4, 3, 5, 5])
+""")
 
     _spatial_dims = 3
     _layout = "(N, C, D, H, W)"

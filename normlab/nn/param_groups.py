@@ -14,6 +14,7 @@ from .weight_std import _PWSConvNd
 
 __all__ = ["param_groups", "NO_DECAY_KINDS"]
 
+#: The parameter kinds :func:`param_groups` can exempt from weight decay (its ``no_decay``).
 NO_DECAY_KINDS = ("alpha", "norm", "bias")
 
 
@@ -50,6 +51,12 @@ def param_groups(
         is returned for a model without parameters). Each parameter appears exactly once, even when shared
         between modules (its first occurrence in ``model.named_modules()`` decides).
         Pass it directly to an optimizer: ``torch.optim.SGD(param_groups(model, 5e-4), lr=0.1)``.
+
+    Example:
+        >>> from normlab.nn import PWSConv2d
+        >>> model = nn.Sequential(PWSConv2d(3, 8, 3), nn.BatchNorm2d(8))
+        >>> [(g["name"], len(g["params"])) for g in param_groups(model, 5e-4)]  # alpha, biases, BN: no decay
+        [('decay', 1), ('no_decay', 4)]
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"param_groups: model must be an nn.Module, got {type(model).__name__}")

@@ -44,6 +44,7 @@ __all__ = [
     "comparison_names", "resolve_comparison",
 ]
 
+#: The spatial dimensions every name has a class for (1, 2 and 3).
 DIMS = (1, 2, 3)
 
 
@@ -51,6 +52,7 @@ def _each_dim(cls: type) -> dict[int, type]:
     return {d: cls for d in DIMS}
 
 
+#: Norm name -> {dim: class}, the classes :func:`create_norm` builds (the table of this module's docstring).
 NORM_CLASSES: dict[str, dict[int, type]] = {
     "none": _each_dim(nn.Identity),
     "bn": {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d},
@@ -60,13 +62,21 @@ NORM_CLASSES: dict[str, dict[int, type]] = {
     "in": {1: InstanceNorm1d, 2: InstanceNorm2d, 3: InstanceNorm3d},
     "sn": {1: SwitchableNorm1d, 2: SwitchableNorm2d, 3: SwitchableNorm3d},
 }
+#: Conv kind -> {dim: class}, the classes :func:`create_conv` builds (``wn`` is then parametrized).
 CONV_CLASSES: dict[str, dict[int, type]] = {
     "conv": {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d},
     "wn": {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d},
     "ws": {1: WSConv1d, 2: WSConv2d, 3: WSConv3d},
     "pws": {1: PWSConv1d, 2: PWSConv2d, 3: PWSConv3d},
 }
+#: The names :func:`create_norm` and :func:`get_norm_class` accept, for ``dim`` 1, 2, 3. ``none``
+#: (``nn.Identity``), ``bn`` (``nn.BatchNorm{1,2,3}d``), ``brn`` (:class:`BatchRenorm1d`/``2d``/``3d``), ``gn``
+#: (``nn.GroupNorm``, the largest divisor of C <= 32 groups), ``ln`` (``nn.GroupNorm`` with one group), ``in``
+#: (:class:`InstanceNorm1d`/``2d``/``3d``, affine) and ``sn`` (:class:`SwitchableNorm1d`/``2d``/``3d``).
 NORM_NAMES = tuple(NORM_CLASSES)
+#: The kinds :func:`create_conv` and :func:`get_conv_class` accept, for ``dim`` 1, 2, 3. ``conv`` (the plain
+#: ``nn.Conv{1,2,3}d``), ``wn`` (the plain conv with torch's ``weight_norm`` per output channel), ``ws``
+#: (:class:`WSConv1d`/``2d``/``3d``) and ``pws`` (:class:`PWSConv1d`/``2d``/``3d``).
 CONV_KINDS = tuple(CONV_CLASSES)
 
 # Normalization layers that are not subclasses of a torch norm class are recognized by this class attribute.
@@ -82,16 +92,32 @@ _TORCH_NORMS: tuple[type, ...] = (
 def is_norm_layer(module: nn.Module) -> bool:
     """True for torch's normalization layers and for classes that set ``_normlab_norm = True``.
 
-    torch's: every ``_NormBase`` (BatchNorm*, SyncBatchNorm, InstanceNorm* and their subclasses), ``GroupNorm``,
+    torch's: every BatchNorm, SyncBatchNorm and InstanceNorm (and their subclasses), ``GroupNorm``,
     ``LayerNorm``, ``LocalResponseNorm``, ``RMSNorm``. normlab's own layers (BatchRenorm*, InstanceNorm*,
     SwitchableNorm*) set the marker, and so can a user-defined norm layer that should be treated the same way
     (no weight decay in :func:`~normlab.nn.param_groups`, recorded as a norm by the monitor).
+
+    Args:
+        module: any module.
+
+    Example:
+        >>> is_norm_layer(SwitchableNorm2d(8)), is_norm_layer(nn.GroupNorm(2, 8)), is_norm_layer(nn.Conv2d(3, 8, 1))
+        (True, True, False)
     """
     return isinstance(module, _TORCH_NORMS) or bool(getattr(type(module), "_normlab_norm", False))
 
 
 def default_groups(num_channels: int, max_groups: int = 32) -> int:
-    """The largest number of groups ``<= max_groups`` that divides ``num_channels`` (GroupNorm's default here)."""
+    """The largest number of groups ``<= max_groups`` that divides ``num_channels`` (GroupNorm's default here).
+
+    Args:
+        num_channels: C, the channels to split into groups.
+        max_groups: the most groups allowed. Default: 32.
+
+    Example:
+        >>> default_groups(96), default_groups(100), default_groups(7)
+        (32, 25, 7)
+    """
     return next(g for g in range(min(max_groups, num_channels), 0, -1) if num_channels % g == 0)
 
 
@@ -112,6 +138,10 @@ def _check_channels(what: str, arg: str, value) -> None:
 def get_norm_class(name: str, dim: int = 2) -> type:
     """The class :func:`create_norm` builds for ``name`` (``none bn brn gn ln in sn``) and ``dim`` (1, 2, 3).
 
+    Args:
+        name: one of :data:`NORM_NAMES` (case-insensitive).
+        dim: number of spatial dimensions (1, 2 or 3). Default: 2.
+
     Example:
         >>> get_norm_class("brn", 2)
         <class 'normlab.nn.batch_renorm.BatchRenorm2d'>
@@ -121,7 +151,16 @@ def get_norm_class(name: str, dim: int = 2) -> type:
 
 def get_conv_class(kind: str, dim: int = 2) -> type:
     """The class :func:`create_conv` builds for ``kind`` (``conv wn ws pws``) and ``dim``; ``wn`` is a plain
-    ``nn.Conv{dim}d`` that :func:`create_conv` then parametrizes with ``weight_norm``."""
+    ``nn.Conv{dim}d`` that :func:`create_conv` then parametrizes with ``weight_norm``.
+
+    Args:
+        kind: one of :data:`CONV_KINDS` (case-insensitive).
+        dim: number of spatial dimensions (1, 2 or 3). Default: 2.
+
+    Example:
+        >>> get_conv_class("ws", 3).__name__, get_conv_class("wn", 1).__name__
+        ('WSConv3d', 'Conv1d')
+    """
     return _lookup(CONV_CLASSES, "get_conv_class", kind, dim)[1]
 
 
@@ -129,7 +168,7 @@ def create_norm(name: str, num_channels: int, dim: int = 2, **kwargs) -> nn.Modu
     """Build the normalization layer ``name`` for ``num_channels`` channels of ``dim``-D feature maps.
 
     Args:
-        name: one of ``none, bn, brn, gn, ln, in, sn`` (case-insensitive).
+        name: one of :data:`NORM_NAMES`, ``none, bn, brn, gn, ln, in, sn`` (case-insensitive).
         num_channels: C, the size of dim 1 of the input.
         dim: number of spatial dimensions (1, 2 or 3).
         **kwargs: passed to the layer's constructor (``eps``, ``momentum``, ``rmax``/``dmax``/``schedule`` for
@@ -160,8 +199,10 @@ def create_conv(kind: str, in_channels: int, out_channels: int, kernel_size, dim
     """Build a ``dim``-D convolution of ``kind`` (``conv, wn, ws, pws``).
 
     Args:
-        kind: the convolution kind (case-insensitive).
-        in_channels, out_channels, kernel_size: as ``nn.Conv{dim}d``.
+        kind: the convolution kind, one of :data:`CONV_KINDS` (case-insensitive).
+        in_channels: C_in, the number of channels of the input.
+        out_channels: C_out, the number of filters (channels of the output).
+        kernel_size: the size of the kernel (int or tuple).
         dim: number of spatial dimensions (1, 2 or 3).
         **kwargs: ``nn.Conv{dim}d`` arguments (stride, padding, dilation, groups, bias, padding_mode, ...) and the
             kind's own (``eps`` for ws; ``gamma``, ``relative_gamma``, ``fan_mode``, ``init_alpha`` for pws).
@@ -183,13 +224,26 @@ def create_conv(kind: str, in_channels: int, out_channels: int, kernel_size, dim
 
 
 def comparison_names() -> tuple[str, ...]:
-    """Single comparison names: every norm (with a plain conv) and every non-plain conv kind (without a norm)."""
+    """Single comparison names: every norm (with a plain conv) and every non-plain conv kind (without a norm).
+
+    Example:
+        >>> comparison_names()
+        ('none', 'bn', 'brn', 'gn', 'ln', 'in', 'sn', 'wn', 'ws', 'pws')
+    """
     return NORM_NAMES + tuple(k for k in CONV_KINDS if k != "conv")
 
 
 def resolve_comparison(name: str) -> tuple[str, str]:
     """Map a comparison name to ``(norm, conv)``: ``bn -> (bn, conv)``, ``pws -> (none, pws)``,
-    ``ws+gn -> (gn, ws)``. Unknown names raise ValueError listing the valid ones."""
+    ``ws+gn -> (gn, ws)``. Unknown names raise ValueError listing the valid ones.
+
+    Args:
+        name: a name of :func:`comparison_names` or ``<conv>+<norm>`` (either order, case-insensitive).
+
+    Example:
+        >>> resolve_comparison("bn"), resolve_comparison("pws"), resolve_comparison("ws+gn")
+        (('bn', 'conv'), ('none', 'pws'), ('gn', 'ws'))
+    """
     parts = [p for p in str(name).strip().lower().split("+") if p]
     if len(parts) == 1 and parts[0] in NORM_NAMES:
         return parts[0], "conv"

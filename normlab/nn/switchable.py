@@ -17,16 +17,62 @@ Activation checkpointing updates them once (not again in the recomputation).
 
 from __future__ import annotations
 
+import functools
 import warnings
+from string import Template
 
 import torch
 from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
+
+
+# The docstring of the public classes: one text, filled in per dimension ($input, $over, $details, $example).
+_DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input inputs ($over > 1).
+
+    .. math::
+        \mu = \sum_k w^\mu_k \mu_k, \quad \sigma^2 = \sum_k w^\sigma_k \sigma^2_k, \quad
+        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \gamma + \beta, \quad k \in \{IN, LN, BN\}
+
+    with ``w = softmax(mean_weight)`` and ``softmax(var_weight)``: a learned mixture of instance (IN, per sample
+    and channel over $over), layer (LN, per sample) and batch (BN, per channel) statistics, computed by
+    :func:`normlab.functional.switchable_norm`. In eval mode BN uses the running statistics.$details
+    Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running statistics starting at 0).
+    A batch whose statistics are not finite leaves the running statistics unchanged (RuntimeWarning).
+
+    Learnable parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with
+    ``using_bn=False``), initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero
+    (as the official code).
+
+    Args:
+        num_features: C, the number of channels (dim 1 of the input).
+        eps: added to the mixed variance inside the square root (> 0). Default: 1e-5.
+        momentum: the running-statistics update factor in the official convention, the weight of the OLD value:
+            ``running = momentum * running + (1 - momentum) * batch`` (0.9 is torch's 0.1). Default: 0.9.
+        using_moving_average: update the running statistics as a moving average; False: the buffers accumulate
+            sums of batch means and of E[x^2] instead (official behaviour: divide by the number of batches before
+            evaluation). Default: True.
+        using_bn: mix in BN statistics; False: IN and LN only, no running statistics. Default: True.
+        last_gamma: initialise ``weight`` to 0 instead of 1 (for the last norm of a residual branch).
+            Default: False.
+        device: the device of the parameters and buffers. Default: None (torch's default device).
+        dtype: the dtype of the parameters and buffers. Default: None (torch's default dtype).
+
+    Shape:
+        - Input: $input
+        - Output: the same shape, dtype and memory format as the input.
+
+    Example:
+$example
+    """)
+
+
+_doc = functools.partial(fill, _DOC, optional=("details",))
 
 
 class _SwitchableNorm(Float32StatsModule):
@@ -132,74 +178,39 @@ class _SwitchableNorm(Float32StatsModule):
 
 
 class SwitchableNorm1d(_SwitchableNorm):
-    r"""Switchable Normalization (Luo et al. 2019) over (N, C, L) inputs (L > 1).
-
-    .. math::
-        \mu = \sum_k w^\mu_k \mu_k, \quad \sigma^2 = \sum_k w^\sigma_k \sigma^2_k, \quad
-        y = \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} \gamma + \beta, \quad k \in \{IN, LN, BN\}
-
-    with ``w = softmax(mean_weight)`` and ``softmax(var_weight)``. Unlike the official ``SwitchNorm1d`` (which
-    takes (N, C) and mixes only LN and BN), this layer uses all three statistics on sequences.
-
-    Args:
-        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
-        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
-        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
-        device, dtype: as torch layers.
-
-    Shape:
-        Input (N, C, L); output: the same.
-
-    Example:
-        >>> SwitchableNorm1d(16)(torch.randn(8, 16, 40)).shape
-        torch.Size([8, 16, 40])
-    """
+    __doc__ = _doc(
+        input="(N, C, L)", over="L",
+        details="""
+    Unlike the official ``SwitchNorm1d`` (which takes (N, C) and mixes only LN and BN), this layer uses all three
+    statistics on sequences.""",
+        example="""
+>>> SwitchableNorm1d(16)(torch.randn(8, 16, 40)).shape
+torch.Size([8, 16, 40])
+""")
 
     _spatial_dims = 1
     _layout = "(N, C, L)"
 
 
 class SwitchableNorm2d(_SwitchableNorm):
-    """Switchable Normalization (Luo et al. 2019) over (N, C, H, W) inputs (H*W > 1); the formula is
-    :class:`SwitchableNorm1d`'s. Keeps channels_last.
-
-    Args:
-        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
-        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
-        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
-        device, dtype: as torch layers.
-
-    Parameters: weight, bias (C,); mean_weight, var_weight (3,) logits (2 with ``using_bn=False``), init ones.
-    Buffers: running_mean, running_var (C,), start at zero (as the official code).
-
-    Shape:
-        Input (N, C, H, W); output: the same shape, dtype and memory format.
-
-    Example:
-        >>> SwitchableNorm2d(64)(torch.randn(4, 64, 8, 8)).shape
-        torch.Size([4, 64, 8, 8])
-    """
+    __doc__ = _doc(
+        input="(N, C, H, W)", over="H * W", details=" channels_last inputs give channels_last outputs.",
+        example="""
+>>> SwitchableNorm2d(64)(torch.randn(4, 64, 8, 8)).shape
+torch.Size([4, 64, 8, 8])
+""")
 
     _spatial_dims = 2
     _layout = "(N, C, H, W)"
 
 
 class SwitchableNorm3d(_SwitchableNorm):
-    """Switchable Normalization (Luo et al. 2019) over (N, C, D, H, W) inputs; keeps channels_last_3d.
-
-    Args:
-        num_features: C. eps: 1e-5. momentum: 0.9, weighing the OLD running value (torch's 0.1).
-        using_moving_average: True (False: the buffers accumulate sums, official behaviour).
-        using_bn: True (False: IN and LN only). last_gamma: False (True initialises ``weight`` to 0).
-        device, dtype: as torch layers.
-
-    Shape:
-        Input (N, C, D, H, W); output: the same.
-
-    Example:
-        >>> SwitchableNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
-        torch.Size([2, 4, 3, 5, 5])
-    """
+    __doc__ = _doc(
+        input="(N, C, D, H, W)", over="D * H * W", details=" channels_last_3d inputs give channels_last_3d outputs.",
+        example="""
+>>> SwitchableNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
+torch.Size([2, 4, 3, 5, 5])
+""")
 
     _spatial_dims = 3
     _layout = "(N, C, D, H, W)"

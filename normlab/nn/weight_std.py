@@ -9,6 +9,7 @@ only name the dimension. Design notes (the inference cache, ``init_alpha``): ``d
 from __future__ import annotations
 
 import math
+from string import Template
 
 import torch
 import torch.distributed as dist
@@ -16,9 +17,13 @@ from torch import Tensor, nn
 
 from normlab.functional import pws_weight, standardize_weight
 
+from ._docs import fill
+
 __all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d", "WEIGHT_CACHE_MODES"]
 
+#: The values of the PWS convolutions' ``fan_mode``: the fan ``n`` of the He gain.
 FAN_MODES = ("fan_in", "fan_out")
+#: The values of ``weight_cache``, the eval-mode kernel cache of the WS and PWS convolutions.
 WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
 
 
@@ -42,6 +47,91 @@ def _capturing_graph() -> bool:
     """True while a graph is being captured (trace/compile): captured graphs must recompute the kernel."""
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.jit.is_scripting()
 
+# The docstrings of the public classes: one text per family, filled in per dimension ($conv, $input, $output,
+# $example); the convolution arguments, the same in both families, are written once.
+_CONV_ARGS = """in_channels: C_in, the number of channels of the input.
+        out_channels: C_out, the number of filters (channels of the output).
+        kernel_size: the size of the kernel (int or tuple).
+        stride: the stride of the convolution (int or tuple). Default: 1.
+        padding: padding added to all sides of the input: int, tuple, ``"valid"`` or ``"same"``. Default: 0.
+        dilation: spacing between kernel elements (int or tuple). Default: 1.
+        groups: number of blocked connections from input to output channels. Default: 1.
+        bias: learn a bias (C_out,). Default: True.
+        padding_mode: ``"zeros"``, ``"reflect"``, ``"replicate"`` or ``"circular"``. Default: ``"zeros"``.
+        device: the device of the parameters. Default: None (torch's default device).
+        dtype: the dtype of the parameters. Default: None (torch's default dtype)."""
+_CACHE_ARG = """weight_cache: the eval-mode kernel cache (keyword-only): ``"auto"`` (``"verified"`` on CPU, ``"off"``
+            elsewhere), ``"verified"`` (reused while the parameters are unchanged, compared by value),
+            ``"identity"`` (reused while the parameter tensors and their versions are unchanged) or ``"off"``
+            (recomputed every forward). Training, autograd and graph capture always recompute it. Default:
+            ``"auto"``."""
+_SHAPE = """Shape:
+        - Input: $input
+        - Output: $output, with the output sizes of ``$conv``."""
+
+_WS_DOC = Template(r"""Weight Standardization (Qiao et al. 2019): a ``$conv`` whose filters are standardized on the fly.
+
+    .. math::
+        \hat W_o = \frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + \epsilon}}, \qquad
+        y = \mathrm{conv}(x, \hat W) + b
+
+    with the biased variance over all entries of filter o. Gradients flow through the mean and the variance.
+    WS keeps unit variance per kernel entry (``n Var[W_hat] = n``): use it with an output normalization (GN). The
+    constructor arguments, ``weight`` and ``bias`` (and their initialisation) are ``$conv``'s;
+    :func:`normlab.convert.fold_for_inference` turns the layer into a plain ``$conv``.
+
+    Args:
+        $conv_args
+        eps: added to the filter variance inside the square root (keyword-only, > 0). Default: 1e-5.
+        $cache_arg
+
+    $shape
+
+    Example:
+$example
+    """)
+
+_PWS_DOC = Template(r"""Parametric Weight Standardization (Liu et al. 2021): a ``$conv`` with a standardized kernel.
+
+    Each filter is standardized, then scaled by the He gain and by a learned per-filter gain ``alpha``:
+
+    .. math::
+        \hat W_o = \sqrt{2/n}\;\alpha_o\,\frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + g}}, \qquad
+        y = \mathrm{conv}(x, \hat W) + b
+
+    with the biased variance over the filter, ``n`` the fan (``fan_in = C_in/groups * prod(kernel_size)`` by
+    default) and ``g = gamma`` (absolute) or ``g = gamma * 2/n`` (``relative_gamma``). Mean and variance are
+    differentiated through, so the gradient reaching ``weight`` has zero mean per filter. In eval mode the kernel
+    is constant: :func:`normlab.convert.fold_for_inference` turns the layer into a plain ``$conv``.
+
+    Learnable parameters: ``weight`` (C_out, C_in/groups, *kernel_size), initialised N(0, 2/n); ``bias``
+    (C_out,), zeros; ``alpha`` (C_out,), ones (no weight decay in :func:`normlab.nn.param_groups`). Buffer:
+    ``alpha_initialized``.
+
+    Args:
+        $conv_args
+        gamma: added to the filter variance inside the square root (keyword-only, > 0). Default: 1e-3.
+        relative_gamma: use ``g = gamma * 2/n`` (the authors' "equiv" mode; keyword-only). Default: False.
+        fan_mode: ``"fan_in"`` or ``"fan_out"`` (``C_out/groups * prod(kernel_size)``): the ``n`` above
+            (keyword-only). Default: ``"fan_in"``.
+        init_alpha: at the first training forward, set every alpha to ``sqrt(2 / Var(conv(x, W_hat(alpha=1))))``
+            (unbiased variance of the batch's outputs without bias, pooled over ranks), as the authors'
+            ``initalpha``; a loaded ``alpha`` is never overwritten (buffer ``alpha_initialized``; keyword-only).
+            Default: False.
+        $cache_arg
+
+    $shape
+
+    Example:
+$example
+    """)
+
+
+def _doc(template: Template, example: str, **fields: str) -> str:
+    """A family's docstring for one dimension: the shared blocks, the fields and the example put in."""
+    shape = Template(_SHAPE).substitute(fields)
+    return fill(template, example, shape=shape, conv_args=_CONV_ARGS, cache_arg=_CACHE_ARG, **fields)
+
 
 class _StdConvNd:
     """Forward, input checks and inference kernel cache shared by the WS and PWS convolutions.
@@ -55,7 +145,8 @@ class _StdConvNd:
     weight_cache: str = "auto"
 
     def effective_weight(self) -> Tensor:
-        """The kernel passed to ``F.conv{d}d``: (C_out, C_in/groups, *kernel_size), in ``weight``'s dtype.
+        """The kernel the convolution applies (what ``forward`` hands to ``F.conv1d/2d/3d``), in ``weight``'s dtype:
+        (C_out, C_in/groups, *kernel_size).
 
         Computed with autograd whenever training or a gradient is needed; otherwise from the inference cache.
         """
@@ -135,21 +226,7 @@ class _StdConvNd:
 
 
 class _WSConvNd(_StdConvNd):
-    r"""Weight Standardization (Qiao et al. 2019): a convolution whose filters are standardized on the fly.
-
-    .. math::
-        \hat W_o = \frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + \epsilon}}, \qquad
-        y = \mathrm{conv}(x, \hat W) + b
-
-    with the biased variance over all entries of filter o. Gradients flow through the mean and the variance.
-    WS keeps unit variance per kernel entry (``n Var[W_hat] = n``): use it with an output normalization (GN).
-
-    Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype: as ``nn.Conv{d}d`` (weight and bias start as ``nn.Conv{d}d``'s).
-        eps: added to the variance inside the square root (keyword-only, > 0). Default: 1e-5.
-        weight_cache: inference kernel cache, one of ``auto`` (default), ``verified``, ``identity``, ``off``.
-    """
+    """The WS kernel and arguments of :class:`WSConv1d`/``2d``/``3d`` (docstring: ``_WS_DOC``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
@@ -174,31 +251,7 @@ class _WSConvNd(_StdConvNd):
 
 
 class _PWSConvNd(_StdConvNd):
-    r"""Parametric Weight Standardization (Liu et al., AAAI 2021): standardized filters with a He gain and ``alpha``.
-
-    .. math::
-        \hat W_o = \sqrt{2/n}\;\alpha_o\,\frac{W_o - \mathrm{mean}(W_o)}{\sqrt{\mathrm{var}(W_o) + g}}, \qquad
-        y = \mathrm{conv}(x, \hat W) + b
-
-    with the biased variance over the filter, ``n`` the fan (``fan_in = C_in/groups * prod(kernel)`` by default)
-    and ``g = gamma`` (absolute) or ``g = gamma * 2/n`` (``relative_gamma``). Mean and variance are
-    differentiated through, so the gradient reaching ``weight`` has zero mean per filter. In eval mode the kernel
-    is constant: :func:`normlab.convert.fold_for_inference` turns the layer into a plain convolution.
-
-    Args:
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device,
-            dtype: as ``nn.Conv{d}d``.
-        gamma: added to the filter variance inside the square root (keyword-only, > 0). Default: 1e-3.
-        relative_gamma: use ``gamma * 2/n`` (the authors' "equiv" mode). Default: False.
-        fan_mode: ``"fan_in"`` (default) or ``"fan_out"`` (``C_out/groups * prod(kernel)``): the ``n`` above.
-        init_alpha: at the first training forward, set every alpha to ``sqrt(2 / Var(conv(x, W_hat(alpha=1))))``
-            (unbiased variance of the batch's outputs without bias, pooled over ranks), as the authors'
-            ``initalpha``. A loaded ``alpha`` is never overwritten (buffer ``alpha_initialized``).
-        weight_cache: inference kernel cache, one of ``auto`` (default), ``verified``, ``identity``, ``off``.
-
-    Parameters: ``weight`` (C_out, C_in/groups, *kernel), initialised N(0, 2/n); ``bias`` (C_out,), zeros;
-    ``alpha`` (C_out,), ones (no weight decay in :func:`normlab.nn.param_groups`). Buffer: ``alpha_initialized``.
-    """
+    """The PWS kernel, ``alpha`` and arguments of :class:`PWSConv1d`/``2d``/``3d`` (docstring: ``_PWS_DOC``)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
@@ -289,76 +342,64 @@ class _PWSConvNd(_StdConvNd):
 
 
 class WSConv1d(_WSConvNd, nn.Conv1d):
-    """Weight-standardized ``nn.Conv1d`` (see :class:`_WSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, L) or (C_in, L); output (N, C_out, L_out).
-
-    Example:
-        >>> conv = WSConv1d(16, 32, 3, padding=1)
-        >>> conv(torch.randn(8, 16, 40)).shape
-        torch.Size([8, 32, 40])
-    """
+    __doc__ = _doc(
+        _WS_DOC, conv="nn.Conv1d", input="(N, C_in, L_in) or (C_in, L_in)",
+        output="(N, C_out, L_out) or (C_out, L_out)",
+        example="""
+>>> conv = WSConv1d(16, 32, 3, padding=1)
+>>> conv(torch.randn(8, 16, 40)).shape
+torch.Size([8, 32, 40])
+""")
 
 
 class WSConv2d(_WSConvNd, nn.Conv2d):
-    """Weight-standardized ``nn.Conv2d`` (see :class:`_WSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, H, W) or (C_in, H, W); output (N, C_out, H_out, W_out).
-
-    Example:
-        >>> model = nn.Sequential(WSConv2d(3, 64, 3, padding=1), nn.GroupNorm(32, 64), nn.ReLU())
-        >>> model(torch.randn(2, 3, 32, 32)).shape
-        torch.Size([2, 64, 32, 32])
-    """
+    __doc__ = _doc(
+        _WS_DOC, conv="nn.Conv2d", input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
+        output="(N, C_out, H_out, W_out) or (C_out, H_out, W_out)",
+        example="""
+>>> model = nn.Sequential(WSConv2d(3, 64, 3, padding=1), nn.GroupNorm(32, 64), nn.ReLU())
+>>> model(torch.randn(2, 3, 32, 32)).shape
+torch.Size([2, 64, 32, 32])
+""")
 
 
 class WSConv3d(_WSConvNd, nn.Conv3d):
-    """Weight-standardized ``nn.Conv3d`` (see :class:`_WSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, D, H, W) or (C_in, D, H, W); output (N, C_out, D_out, H_out, W_out).
-
-    Example:
-        >>> WSConv3d(4, 8, 3)(torch.randn(2, 4, 6, 6, 6)).shape
-        torch.Size([2, 8, 4, 4, 4])
-    """
+    __doc__ = _doc(
+        _WS_DOC, conv="nn.Conv3d", input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
+        output="(N, C_out, D_out, H_out, W_out) or (C_out, D_out, H_out, W_out)",
+        example="""
+>>> WSConv3d(4, 8, 3)(torch.randn(2, 4, 6, 6, 6)).shape
+torch.Size([2, 8, 4, 4, 4])
+""")
 
 
 class PWSConv1d(_PWSConvNd, nn.Conv1d):
-    """Parametric Weight Standardization ``nn.Conv1d`` (see :class:`_PWSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, L) or (C_in, L); output (N, C_out, L_out).
-
-    Example:
-        >>> conv = PWSConv1d(16, 32, 3, padding=1, gamma=1e-3)
-        >>> conv(torch.randn(8, 16, 40)).shape
-        torch.Size([8, 32, 40])
-    """
+    __doc__ = _doc(
+        _PWS_DOC, conv="nn.Conv1d", input="(N, C_in, L_in) or (C_in, L_in)",
+        output="(N, C_out, L_out) or (C_out, L_out)",
+        example="""
+>>> conv = PWSConv1d(16, 32, 3, padding=1, gamma=1e-3)
+>>> conv(torch.randn(8, 16, 40)).shape
+torch.Size([8, 32, 40])
+""")
 
 
 class PWSConv2d(_PWSConvNd, nn.Conv2d):
-    """Parametric Weight Standardization ``nn.Conv2d`` (see :class:`_PWSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, H, W) or (C_in, H, W); output (N, C_out, H_out, W_out).
-
-    Example:
-        >>> model = nn.Sequential(PWSConv2d(3, 64, 3, padding=1), nn.ReLU(), PWSConv2d(64, 10, 1))
-        >>> model(torch.randn(2, 3, 32, 32)).shape
-        torch.Size([2, 10, 32, 32])
-    """
+    __doc__ = _doc(
+        _PWS_DOC, conv="nn.Conv2d", input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
+        output="(N, C_out, H_out, W_out) or (C_out, H_out, W_out)",
+        example="""
+>>> model = nn.Sequential(PWSConv2d(3, 64, 3, padding=1), nn.ReLU(), PWSConv2d(64, 10, 1))
+>>> model(torch.randn(2, 3, 32, 32)).shape
+torch.Size([2, 10, 32, 32])
+""")
 
 
 class PWSConv3d(_PWSConvNd, nn.Conv3d):
-    """Parametric Weight Standardization ``nn.Conv3d`` (see :class:`_PWSConvNd` for the formula and arguments).
-
-    Shape:
-        Input (N, C_in, D, H, W) or (C_in, D, H, W); output (N, C_out, D_out, H_out, W_out).
-
-    Example:
-        >>> PWSConv3d(4, 8, 3, padding=1)(torch.randn(2, 4, 6, 6, 6)).shape
-        torch.Size([2, 8, 6, 6, 6])
-    """
+    __doc__ = _doc(
+        _PWS_DOC, conv="nn.Conv3d", input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
+        output="(N, C_out, D_out, H_out, W_out) or (C_out, D_out, H_out, W_out)",
+        example="""
+>>> PWSConv3d(4, 8, 3, padding=1)(torch.randn(2, 4, 6, 6, 6)).shape
+torch.Size([2, 8, 6, 6, 6])
+""")
