@@ -42,7 +42,7 @@ converted and the original is left as it is):
   With ``remove_norm`` (default for ``pws``, not for ``ws``) each BatchNorm whose every input is a converted conv's
   output is removed (``nn.Identity``; a BatchNorm + activation keeps its ``drop`` and ``act``), and that conv gets
   a bias (zero-initialised if it had none), as in the authors' PWS networks. "Whose input" is the dataflow of
-  :mod:`normlab._dataflow` (a ``torch.fx`` trace, else hooks on one eval-mode forward of ``example_input`` or of a
+  ``normlab/_dataflow.py`` (a ``torch.fx`` trace, else hooks on one eval-mode forward of ``example_input`` or of a
   default input), never the registration order; when the dataflow cannot be established, no norm is removed
   (warning).
 
@@ -85,6 +85,9 @@ from normlab.nn.weight_std import _StdConvNd
 __all__ = ["convert_norm", "fold_for_inference", "CONVERT_TARGETS"]
 
 _CONV_TARGETS = ("pws", "ws")
+#: What :func:`convert_norm` converts to: a norm name of :data:`normlab.nn.NORM_NAMES` (every torch BatchNorm
+#: becomes that layer) or a convolution kind, ``pws`` or ``ws`` (every plain convolution becomes its standardized
+#: version).
 CONVERT_TARGETS = NORM_NAMES + _CONV_TARGETS
 _PLAIN_CONVS = {cls: d for d, cls in CONV_CLASSES["conv"].items()}
 _PLAIN_CONVS_BY_DIM = {d: cls for cls, d in _PLAIN_CONVS.items()}
@@ -736,6 +739,15 @@ def fold_for_inference(
         UserWarning: listing each conv -> BatchNorm pair left unfolded and why (the conv's output has another
         consumer, the BN is shared, an activation sits in between, the dataflow could not be established, a
         BatchNorm subclass with its own forward, ...).
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+        >>> x = torch.randn(2, 3, 16, 16)
+        >>> folded = fold_for_inference(model, example_input=x)
+        >>> [type(m).__name__ for m in folded]
+        ['Conv2d', 'Identity', 'ReLU']
+        >>> torch.allclose(folded(x), model(x), atol=1e-5)
+        True
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold_for_inference: model must be an nn.Module, got {type(model).__name__}")

@@ -23,7 +23,7 @@ from conftest import ROOT, needs
 DOCS = ROOT / "docs"
 # Every module whose __all__ the API pages document (normlab.integrations has no names of its own: its modules do).
 PUBLIC_MODULES = ["normlab.nn", "normlab.functional", "normlab.convert", "normlab.monitor", "normlab.monitor.stats",
-                  "normlab.integrations.tensorboard", "normlab.integrations.lightning"]
+                  "normlab.integrations.tensorboard", "normlab.integrations.lightning", "normlab.integrations.timm"]
 WARNING = re.compile(r"(WARNING|ERROR|CRITICAL):")
 
 

@@ -6,21 +6,16 @@ are the same layout on normlab's norms, with exactly ``BatchNormAct2d``'s constr
 ``(num_features, eps, momentum, affine, track_running_stats, apply_act, act_layer, act_kwargs, inplace,
 drop_layer, device, dtype)`` (plus keyword-only arguments of the norm):
 
-=========================  ==========================================  ===========================================
-class                      norm (registry name)                        notes
-=========================  ==========================================  ===========================================
-:class:`BatchRenormAct2d`  :class:`~normlab.nn.BatchRenorm2d` (brn)    state_dict keys equal ``BatchNormAct2d``'s
-                                                                       (timm checkpoints load); ``rmax``, ``dmax``,
-                                                                       ``schedule``, ``check_finite`` keyword-only
-:class:`SyncBatchRenormAct` :class:`~normlab.nn.SyncBatchRenorm`       ``process_group`` keyword-only
-:class:`SwitchableNormAct2d` :class:`~normlab.nn.SwitchableNorm2d` (sn) ``momentum`` in BatchNorm's convention
-                                                                       (weight of the new value; SN's is
-                                                                       ``1 - momentum``); always affine
-:class:`InstanceNormAct2d` :class:`~normlab.nn.InstanceNorm2d` (in)    ``track_running_stats`` defaults to False
-:class:`GroupNormAct2d`    ``nn.GroupNorm``, largest divisor <= 32      ``num_groups`` keyword-only; ``momentum``
-                           of C groups (gn)                            and ``track_running_stats`` unused
-:class:`GroupNorm1Act2d`   ``nn.GroupNorm`` with one group (ln)        as ``GroupNormAct2d``
-=========================  ==========================================  ===========================================
+- :class:`BatchRenormAct2d`: :class:`~normlab.nn.BatchRenorm2d` (``brn``); state_dict keys equal
+  ``BatchNormAct2d``'s (timm checkpoints load); ``rmax``, ``dmax``, ``schedule``, ``check_finite`` keyword-only.
+- :class:`SyncBatchRenormAct`: :class:`~normlab.nn.SyncBatchRenorm`; ``process_group`` keyword-only.
+- :class:`SwitchableNormAct2d`: :class:`~normlab.nn.SwitchableNorm2d` (``sn``); ``momentum`` in BatchNorm's
+  convention (the weight of the new value; SN's own is ``1 - momentum``); always affine.
+- :class:`InstanceNormAct2d`: :class:`~normlab.nn.InstanceNorm2d` (``in``); ``track_running_stats`` defaults to
+  False.
+- :class:`GroupNormAct2d`: ``nn.GroupNorm`` with the largest divisor <= 32 of C groups (``gn``); ``num_groups``
+  keyword-only; ``momentum`` and ``track_running_stats`` unused.
+- :class:`GroupNorm1Act2d`: ``nn.GroupNorm`` with one group (``ln``), as :class:`GroupNormAct2d`.
 
 Importing this module registers the classes with ``timm.layers.get_norm_act_layer`` (the factory timm's
 architectures call on their ``norm_layer`` argument), so ``timm.create_model("regnetx_002",
@@ -34,10 +29,13 @@ the class of the target here, reusing its ``drop``/``act`` modules. Needs ``pip 
 
 from __future__ import annotations
 
+from string import Template
 from typing import Any
 
+import torch  # noqa: F401 - the docstring examples use it
 from torch import Tensor, nn
 
+from normlab.nn._docs import fill
 from normlab.nn.batch_renorm import BatchRenorm2d, SyncBatchRenorm
 from normlab.nn.instance_norm import InstanceNorm2d
 from normlab.nn.registry import default_groups
@@ -72,26 +70,31 @@ class _NormAct:
         return self.act(self.drop(super().forward(x)))
 
 
-class BatchRenormAct2d(_NormAct, BatchRenorm2d):
-    """:class:`~normlab.nn.BatchRenorm2d`, then ``drop``, then ``act``: a drop-in for ``timm.layers.BatchNormAct2d``.
+_NORM_ACT_DOC = Template("""$summary
 
     Args:
-        num_features, eps, momentum, affine, track_running_stats: as ``nn.BatchNorm2d``.
-        apply_act, act_layer, act_kwargs, inplace, drop_layer: as ``timm.layers.BatchNormAct2d`` (``act_layer`` may be
-            a class or a timm activation name such as ``"silu"``).
-        device, dtype: factory arguments.
-        **norm_kwargs: keyword-only :class:`~normlab.nn.BatchRenorm2d` arguments (``rmax``, ``dmax``, ``schedule``,
-            ``check_finite``).
-
+        num_features: C, the number of channels (dim 1 of the input).
+        eps: added to the variance inside the square root.
+        momentum: $momentum
+        affine: $affine
+        track_running_stats: $track
+        apply_act: False: no activation (``act`` is ``nn.Identity``), as ``timm.layers.BatchNormAct2d``.
+        act_layer: the activation, a class or a timm activation name such as ``"silu"`` (default ``nn.ReLU``).
+        act_kwargs: keyword arguments of the activation.
+        inplace: the activation's ``inplace`` (unless ``act_kwargs`` sets it).
+        drop_layer: a dropout-like module class applied between the norm and the activation (default none).
+        device: factory argument of the parameters and buffers.
+        dtype: factory argument of the parameters and buffers.
+$extra
     Shape:
-        Input (N, C, H, W); output: the same.
+        $shape
 
     Example:
-        >>> m = BatchRenormAct2d(8, act_layer="silu")
-        >>> sorted(m.state_dict()) == sorted(timm.layers.BatchNormAct2d(8).state_dict())
-        True
-    """
+$example
+    """)
 
+
+class BatchRenormAct2d(_NormAct, BatchRenorm2d):
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
                  act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
@@ -101,14 +104,6 @@ class BatchRenormAct2d(_NormAct, BatchRenorm2d):
 
 
 class SyncBatchRenormAct(_NormAct, SyncBatchRenorm):
-    """:class:`~normlab.nn.SyncBatchRenorm`, then ``drop``, then ``act`` (timm's ``SyncBatchNormAct`` on BatchRenorm).
-
-    Args: as :class:`BatchRenormAct2d`, plus keyword-only ``process_group``.
-
-    Shape:
-        Input (N, C, *); output: the same.
-    """
-
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
                  act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
@@ -119,23 +114,6 @@ class SyncBatchRenormAct(_NormAct, SyncBatchRenorm):
 
 
 class SwitchableNormAct2d(_NormAct, SwitchableNorm2d):
-    """:class:`~normlab.nn.SwitchableNorm2d`, then ``drop``, then ``act``.
-
-    Args:
-        momentum: BatchNorm's convention, the weight of the new batch statistics (SwitchableNorm's own momentum,
-            the weight of the old value, is ``1 - momentum``).
-        affine: must be True (SwitchableNorm always has a weight and a bias).
-        track_running_stats: SwitchableNorm's ``using_moving_average`` (False: batch statistics in eval too).
-        others: as :class:`BatchRenormAct2d`; ``**norm_kwargs``: ``using_bn``, ``last_gamma``.
-
-    Shape:
-        Input (N, C, H, W) with H * W > 1; output: the same.
-
-    Example:
-        >>> SwitchableNormAct2d(8, momentum=0.1).momentum
-        0.9
-    """
-
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
                  act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
@@ -152,13 +130,6 @@ class SwitchableNormAct2d(_NormAct, SwitchableNorm2d):
 
 
 class InstanceNormAct2d(_NormAct, InstanceNorm2d):
-    """:class:`~normlab.nn.InstanceNorm2d`, then ``drop``, then ``act``; ``track_running_stats`` defaults to False
-    (instance statistics in eval too, the registry's ``in``).
-
-    Shape:
-        Input (N, C, H, W) with H * W > 1; output: the same.
-    """
-
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = False, apply_act: bool = True, act_layer: Any = nn.ReLU,
                  act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
@@ -168,18 +139,6 @@ class InstanceNormAct2d(_NormAct, InstanceNorm2d):
 
 
 class GroupNormAct2d(_NormAct, nn.GroupNorm):
-    """``nn.GroupNorm`` over ``num_groups`` groups (default: the largest divisor of C that is <= 32, the registry's
-    ``gn``), then ``drop``, then ``act``; BatchNormAct2d's constructor (``momentum`` and ``track_running_stats`` are
-    accepted and unused: GroupNorm has no running statistics).
-
-    Shape:
-        Input (N, C, *); output: the same.
-
-    Example:
-        >>> GroupNormAct2d(48).num_groups
-        24
-    """
-
     _one_group = False
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
@@ -195,13 +154,86 @@ class GroupNormAct2d(_NormAct, nn.GroupNorm):
 
 
 class GroupNorm1Act2d(GroupNormAct2d):
-    """``nn.GroupNorm`` with one group (over C and all positions: the registry's ``ln``), then ``drop``, then
-    ``act``; constructor as :class:`GroupNormAct2d` (``num_groups`` is ignored)."""
-
     _one_group = True
 
 
-# registry name -> NormAct class (what convert_norm builds for a timm BatchNormAct2d); "bn" is timm's own
+def _document(cls: type, example: str, **fields: str) -> None:
+    cls.__doc__ = fill(_NORM_ACT_DOC, example, optional=("extra",), **fields)
+
+
+_BN_LIKE = dict(affine="learnable per-channel weight and bias, as ``nn.BatchNorm2d``.",
+                momentum="running-statistics update factor (``None``: cumulative average), as ``nn.BatchNorm2d``.")
+_BRN_KWARGS = ("``rmax``, ``dmax``, ``schedule``,\n            ``check_finite``).\n")
+_document(
+    BatchRenormAct2d,
+    '''>>> m = BatchRenormAct2d(8, act_layer="silu")
+>>> sorted(m.state_dict()) == sorted(timm.layers.BatchNormAct2d(8).state_dict())
+True''',
+    summary=":class:`~normlab.nn.BatchRenorm2d`, then ``drop``, then ``act``: a drop-in for "
+            "``timm.layers.BatchNormAct2d``.",
+    track="running statistics (BatchRenorm renormalizes against them), as ``nn.BatchNorm2d``.",
+    extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.BatchRenorm2d` arguments (" + _BRN_KWARGS,
+    shape="Input (N, C, H, W); output: the same.", **_BN_LIKE,
+)
+_document(
+    SyncBatchRenormAct,
+    '''>>> SyncBatchRenormAct(8, rmax=2.0)(torch.randn(2, 8, 4, 4)).shape
+torch.Size([2, 8, 4, 4])''',
+    summary=":class:`~normlab.nn.SyncBatchRenorm`, then ``drop``, then ``act`` (timm's ``SyncBatchNormAct`` on "
+            "BatchRenorm).",
+    track="running statistics, as ``nn.SyncBatchNorm``.",
+    extra="        process_group: the ranks whose statistics are merged (default: the whole world).\n"
+          "        **norm_kwargs: keyword-only :class:`~normlab.nn.SyncBatchRenorm` arguments (" + _BRN_KWARGS,
+    shape="Input (N, C, *); output: the same.", **_BN_LIKE,
+)
+_document(
+    SwitchableNormAct2d,
+    '''>>> SwitchableNormAct2d(8, momentum=0.1).momentum
+0.9''',
+    summary=":class:`~normlab.nn.SwitchableNorm2d`, then ``drop``, then ``act``.",
+    momentum="BatchNorm's convention, the weight of the new batch statistics (SwitchableNorm's own momentum,\n"
+             "            the weight of the old value, is ``1 - momentum``); ``None`` is refused.",
+    affine="must be True (SwitchableNorm always has a weight and a bias).",
+    track="SwitchableNorm's ``using_moving_average`` (False: batch statistics in eval too).",
+    extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.SwitchableNorm2d` arguments (``using_bn``, "
+          "``last_gamma``).\n",
+    shape="Input (N, C, H, W) with H * W > 1; output: the same.",
+)
+_document(
+    InstanceNormAct2d,
+    '''>>> InstanceNormAct2d(4)(torch.randn(2, 4, 5, 5)).shape
+torch.Size([2, 4, 5, 5])''',
+    summary=":class:`~normlab.nn.InstanceNorm2d`, then ``drop``, then ``act``; ``track_running_stats`` defaults to "
+            "False\n    (instance statistics in eval too, the registry's ``in``).",
+    momentum="running-statistics update factor, as ``nn.InstanceNorm2d``.",
+    affine="learnable per-channel weight and bias.",
+    track="keep running statistics and use them in eval (default False).",
+    extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.InstanceNorm2d` arguments.\n",
+    shape="Input (N, C, H, W) with H * W > 1; output: the same.",
+)
+_GN_UNUSED = dict(momentum="accepted and unused (GroupNorm has no running statistics).",
+                  affine="learnable per-channel weight and bias.", track="accepted and unused.",
+                  shape="Input (N, C, *); output: the same.")
+_document(
+    GroupNormAct2d,
+    '''>>> GroupNormAct2d(48).num_groups
+24''',
+    summary="``nn.GroupNorm`` over ``num_groups`` groups (the registry's ``gn``), then ``drop``, then ``act``, with\n"
+            "    BatchNormAct2d's constructor.",
+    extra="        num_groups: keyword-only; default: the largest divisor of C that is <= 32.\n", **_GN_UNUSED,
+)
+_document(
+    GroupNorm1Act2d,
+    '''>>> GroupNorm1Act2d(48).num_groups
+1''',
+    summary="``nn.GroupNorm`` with one group (over C and all positions: the registry's ``ln``), then ``drop``, then\n"
+            "    ``act``, with BatchNormAct2d's constructor.",
+    extra="        num_groups: ignored (always one group).\n", **_GN_UNUSED,
+)
+
+
+#: The NormAct class of each registry name, which :func:`normlab.convert.convert_norm` builds for a timm
+#: ``BatchNormAct2d`` (for ``"bn"`` timm's own ``BatchNormAct2d``).
 NORM_ACT_CLASSES: dict[str, type] = {
     "bn": _timm_layers.BatchNormAct2d,
     "brn": BatchRenormAct2d,
