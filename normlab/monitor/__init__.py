@@ -23,7 +23,24 @@ from normlab.monitor.spp import signal_propagation
 def render_monitor_plots(jsonl_path, out_dir):
     """Render the paper's Figures 1a, 1b, 2, 6, output variance and SPP from a monitor JSONL log -> PNG paths.
 
-    Imported lazily so that importing the monitor does not import matplotlib."""
+    Imported lazily so that importing the monitor does not import matplotlib.
+
+    Args:
+        jsonl_path: a log written by :meth:`VarianceMonitor.to_jsonl` (or by ``normlab train --monitor-every``).
+        out_dir: where the PNG files go (created if needed).
+
+    Example:
+        >>> import tempfile, pathlib, torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> mon = VarianceMonitor(model, every=1, optimizer=opt)
+        >>> for _ in range(3):
+        ...     opt.zero_grad(); model(torch.randn(16, 4)).square().mean().backward(); opt.step()
+        >>> d = pathlib.Path(tempfile.mkdtemp())
+        >>> pngs = render_monitor_plots(mon.to_jsonl(d / "monitor.jsonl"), d)
+        >>> all(pathlib.Path(p).suffix == ".png" for p in pngs) and len(pngs) > 0
+        True
+    """
     from normlab.monitor.plots import render_monitor_plots as _render
 
     return _render(jsonl_path, out_dir)

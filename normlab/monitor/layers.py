@@ -78,7 +78,19 @@ def _inner(model: nn.Module) -> nn.Module | None:
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
-    """Strip DDP/DataParallel and torch.compile wrappers, in any nesting."""
+    """Strip DDP/DataParallel and torch.compile wrappers, in any nesting.
+
+    Args:
+        model: a module, possibly wrapped (``DistributedDataParallel``, ``DataParallel``, ``torch.compile``).
+
+    Returns:
+        The innermost module (``model`` itself when it is not wrapped).
+
+    Example:
+        >>> net = nn.Linear(2, 2)
+        >>> unwrap_model(nn.DataParallel(net)) is net
+        True
+    """
     for _ in range(_MAX_WRAPPERS):
         inner = _inner(model)
         if inner is None:
@@ -187,7 +199,21 @@ def layer_kind(module: nn.Module) -> str | None:
 
 
 def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[str, nn.Module, str]]:
-    """``(name, module, kind)`` of every watched layer of ``model``, in registration order."""
+    """``(name, module, kind)`` of every watched layer of ``model``, in registration order.
+
+    Args:
+        model: any module (wrappers are stripped by :func:`unwrap_model`).
+        include_norm: also list the normalization layers (kind ``"norm"``).
+
+    Returns:
+        One tuple per layer: its qualified name, the module and its kind (the :data:`LINEAR_MAP_RULES` kind of a
+        layer that applies a weight as a linear map, or ``"norm"``).
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+        >>> [(name, kind) for name, _, kind in supported_layers(model)]
+        [('0', 'conv'), ('1', 'norm'), ('4', 'linear')]
+    """
     out = []
     for name, mod in unwrap_model(model).named_modules():
         kind = layer_kind(mod)
@@ -227,6 +253,15 @@ def filter_kernel(module: nn.Module, kernel: Tensor | None = None) -> Tensor:
     """The applied kernel (or ``kernel``, in the layer's layout) with output filters on dim 0: (C_out, ...).
 
     Row o of ``filter_kernel(m).reshape(C_out, -1)`` holds the weights that produce output channel (feature) o.
+
+    Args:
+        module: a layer that applies a weight as a linear map (:data:`LINEAR_MAP_RULES`).
+        kernel: a kernel in the layer's own layout to bring to that view (default: the one the layer applies).
+
+    Example:
+        >>> up = nn.ConvTranspose2d(4, 6, 3)          # weight (C_in, C_out, k, k)
+        >>> filter_kernel(up).shape                   # the equivalent convolution's filters
+        torch.Size([6, 4, 3, 3])
     """
     rule = _rule_of(module, "filter_kernel")
     w = rule.kernel(module).detach() if kernel is None else kernel

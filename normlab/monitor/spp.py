@@ -86,6 +86,12 @@ def signal_propagation(
     Returns:
         {"input_shape": [...], "mode": "blocks" | "layers" | "modules", "entries": [{"name", "type",
         "avg_sq_mean", "avg_var", "residual_var"}, ...]} in forward order.
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3))
+        >>> spp = signal_propagation(model, (4, 3, 16, 16))
+        >>> spp["mode"], [e["name"] for e in spp["entries"]]
+        ('layers', ['0', '2'])
     """
     shape = tuple(int(s) for s in input_shape)
     if len(shape) < 2 or any(s <= 0 for s in shape):
