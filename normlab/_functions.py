@@ -236,7 +236,8 @@ def _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, ep
     None)``."""
     xs = stats_dtype(x)
     dims = tuple(range(2, x.dim()))
-    mu, var_in = (t.squeeze(dims) for t in centered_moments(xs, dims, x[0, 0].numel(), 1))  # (N, C), as moments()
+    count = x.shape[2:].numel()
+    mu, var_in = (t.squeeze(dims) for t in centered_moments(xs, dims, count, 1))  # (N, C), as moments() computes
     mean, var, (means, variances, _, _) = sn_mix(mu, var_in, mean_weight, var_weight, bn_stats)
     scale = torch.rsqrt(var + eps)
     if weight is not None:

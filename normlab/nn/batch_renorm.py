@@ -33,6 +33,7 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -62,6 +63,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclasses.dataclass(frozen=True)
 class RenormSchedule:
     """The paper's rmax/dmax schedule as a picklable callable ``step -> (rmax, dmax)``.
 
@@ -80,6 +82,8 @@ class RenormSchedule:
         dmax: the final limit of d (>= 0, finite). Default: 5.0.
         dmax_steps: the step at which ``dmax`` is reached (>= ``warmup_steps``). Default: 25000.
 
+    A frozen dataclass: equal by value, hashable, picklable.
+
     Example:
         >>> schedule = RenormSchedule(warmup_steps=100, rmax=3.0, rmax_steps=300, dmax=5.0, dmax_steps=200)
         >>> schedule(0), schedule(200), schedule(1000)
@@ -88,29 +92,26 @@ class RenormSchedule:
         (1.5, 2.5)
     """
 
-    def __init__(
-        self,
-        warmup_steps: int = 5000,
-        rmax: float = 3.0,
-        rmax_steps: int = 40000,
-        dmax: float = 5.0,
-        dmax_steps: int = 25000,
-    ) -> None:
+    warmup_steps: int = 5000
+    rmax: float = 3.0
+    rmax_steps: int = 40000
+    dmax: float = 5.0
+    dmax_steps: int = 25000
+
+    def __post_init__(self) -> None:
         where = "RenormSchedule"
-        for name, value in (("warmup_steps", warmup_steps), ("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
+        for name in ("warmup_steps", "rmax_steps", "dmax_steps"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
-        for name, value in (("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
-            if value < warmup_steps:
-                raise ValueError(f"{where}: {name} must be >= warmup_steps={warmup_steps}, got {value}")
-        _check_limits(where, rmax, dmax)
-        if math.isinf(rmax) or math.isinf(dmax):
-            raise ValueError(f"{where}: rmax and dmax must be finite, got rmax={rmax}, dmax={dmax}")
-        self.warmup_steps = warmup_steps
-        self.rmax = float(rmax)
-        self.rmax_steps = rmax_steps
-        self.dmax = float(dmax)
-        self.dmax_steps = dmax_steps
+        for name, value in (("rmax_steps", self.rmax_steps), ("dmax_steps", self.dmax_steps)):
+            if value < self.warmup_steps:
+                raise ValueError(f"{where}: {name} must be >= warmup_steps={self.warmup_steps}, got {value}")
+        _check_limits(where, self.rmax, self.dmax)
+        if math.isinf(self.rmax) or math.isinf(self.dmax):
+            raise ValueError(f"{where}: rmax and dmax must be finite, got rmax={self.rmax}, dmax={self.dmax}")
+        object.__setattr__(self, "rmax", float(self.rmax))  # frozen: the numbers are stored as floats, once
+        object.__setattr__(self, "dmax", float(self.dmax))
 
     @classmethod
     def scaled(cls, end_step: int, rmax: float = 3.0, dmax: float = 5.0) -> RenormSchedule:
@@ -140,15 +141,6 @@ class RenormSchedule:
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
-
-    def __repr__(self) -> str:
-        return (
-            f"RenormSchedule(warmup_steps={self.warmup_steps}, rmax={self.rmax}, rmax_steps={self.rmax_steps}, "
-            f"dmax={self.dmax}, dmax_steps={self.dmax_steps})"
-        )
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, RenormSchedule) and vars(self) == vars(other)
 
 
 
