@@ -349,7 +349,8 @@ def switchable_norm(
     device, empty inputs) use the composite formula from differentiable ops.
 
     Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
-    compiled); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
+    compiled) and warns in eager mode (RuntimeWarning, the layers' policy: ``docs/design.md``, "Non-finite
+    batches"); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
 
     Args:
         x: the input (N, C, *) with more than one spatial value per channel.

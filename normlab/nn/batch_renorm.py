@@ -73,16 +73,16 @@ class RenormSchedule:
     (if ``rmax_steps == warmup_steps`` the value jumps to ``rmax`` at that step). Same for dmax from 0.
 
     ``step`` may be a Python int (returns floats) or an integer tensor such as ``num_batches_tracked`` (returns
-    float64 scalar tensors on its device, without a host synchronisation).
+    float64 scalar tensors on its device, without a host synchronisation). A frozen dataclass: equal by value,
+    hashable, picklable; the constructor takes the fields in this order.
 
-    Args:
+    Attributes:
         warmup_steps: the steps with ``rmax = 1, dmax = 0`` (plain BatchNorm). Default: 5000.
         rmax: the final limit of r (>= 1, finite). Default: 3.0.
         rmax_steps: the step at which ``rmax`` is reached (>= ``warmup_steps``). Default: 40000.
         dmax: the final limit of d (>= 0, finite). Default: 5.0.
         dmax_steps: the step at which ``dmax`` is reached (>= ``warmup_steps``). Default: 25000.
 
-    A frozen dataclass: equal by value, hashable, picklable.
 
     Example:
         >>> schedule = RenormSchedule(warmup_steps=100, rmax=3.0, rmax_steps=300, dmax=5.0, dmax_steps=200)
