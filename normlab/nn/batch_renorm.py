@@ -83,7 +83,6 @@ class RenormSchedule:
         dmax: the final limit of d (>= 0, finite). Default: 5.0.
         dmax_steps: the step at which ``dmax`` is reached (>= ``warmup_steps``). Default: 25000.
 
-
     Example:
         >>> schedule = RenormSchedule(warmup_steps=100, rmax=3.0, rmax_steps=300, dmax=5.0, dmax_steps=200)
         >>> schedule(0), schedule(200), schedule(1000)
@@ -411,11 +410,11 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         return out
 
     def _train_step(self, input: Tensor, rmax, dmax, prior, plain: bool):
-        """One training step with running statistics: ``(output, stats)``. The fused path of
-        :func:`normlab.functional.batch_renorm` (taken where that function takes it) is called directly, with
-        ``prior``, for its batch statistics (the key of :meth:`_recompute`); otherwise the function itself, and the
-        statistics (eager only: nothing to key under a compiler or transform) from :func:`~normlab.functional.
-        batch_moments`, as its composite path computes them; None for the identity limits (BatchNorm itself)."""
+        """One training step with running statistics: ``(output, stats)``. Where
+        :func:`normlab.functional.batch_renorm` takes its fused path, that path is called directly, with ``prior``,
+        for the batch statistics it computes (the key of :meth:`_recompute`); otherwise the function itself, with
+        the statistics from :func:`normlab.functional.batch_moments` as its composite path computes them (eager
+        only: nothing is keyed under a compiler or a transform), or None for the identity limits."""
         factor = self._factor(plain)
         args = (self.running_mean, self.running_var, self.weight, self.bias, factor, self.eps, rmax, dmax)
         identity = is_identity(rmax, dmax) and not isinstance(factor, Tensor)
