@@ -126,7 +126,7 @@ def fused_step_moments(x: Tensor, running_mean: Tensor, running_var: Tensor) -> 
 # --------------------------------------------------------------------------------------------------
 # Switchable normalization
 # --------------------------------------------------------------------------------------------------
-def sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor, bn_stats):
+def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor, bn_stats):
     """Mixed (N, C) mean and variance of switchable normalization from the instance statistics.
 
     ``bn_stats``: None (batch statistics, derived here), False (no BN component) or ``(mean_bn, var_bn)`` (1, C)
@@ -164,7 +164,7 @@ def _scalars(w: Tensor):
 
 
 def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
-    """Backward of :func:`sn_mix`: gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed
+    """Backward of :func:`_sn_mix`: gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed
     mean and variance (all (N, C) but the logits).
 
     With the softmax weights a (means) and b (variances), ``rows(X)`` the mean over channels (N, 1) and ``cols(X)``
@@ -222,7 +222,7 @@ def _sn_update_running(running_mean, running_var, batch, momentum: float, using_
 
 
 def _sn_bn_stats(using_bn, training, running_mean, running_var, c: int, dtype):
-    """What :func:`sn_mix` takes as ``bn_stats`` (see there)."""
+    """What :func:`_sn_mix` takes as ``bn_stats`` (see there)."""
     if not using_bn:
         return False
     if training or running_mean is None or running_var is None:
@@ -238,7 +238,7 @@ def _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, ep
     dims = tuple(range(2, x.dim()))
     count = x.shape[2:].numel()
     mu, var_in = (t.squeeze(dims) for t in centered_moments(xs, dims, count, 1))  # (N, C), as moments() computes
-    mean, var, (means, variances, _, _) = sn_mix(mu, var_in, mean_weight, var_weight, bn_stats)
+    mean, var, (means, variances, _, _) = _sn_mix(mu, var_in, mean_weight, var_weight, bn_stats)
     scale = torch.rsqrt(var + eps)
     if weight is not None:
         scale = scale * weight.to(xs.dtype)
@@ -340,7 +340,7 @@ class _SwitchableNormFn(torch.autograd.Function):
         mu, var = _instance_stats(xs, layout)
         count = x[0, 0].numel()
         bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
-        mean, var_mix, parts = sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
+        mean, var_mix, parts = _sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
         s = torch.rsqrt(var_mix.add_(eps))
         scale = s if weight is None else s * weight.to(xs.dtype)
         shift = torch.mul(mean, scale).neg_()
