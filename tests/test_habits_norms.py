@@ -452,3 +452,39 @@ def test_converted_resnet_trains_with_its_inplace_ops(source, to, one_thread):
     x = torch.randn(2, 3, 40, 40)  # 2 x 2 in the last stage
     model(x).square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+# ------------------------------------------------------------------------------------------ non-finite policy
+POLICY_LAYERS = [
+    ("BatchRenorm1d", lambda: L.BatchRenorm1d(3, rmax=2.0, dmax=1.0), (4, 3, 5)),
+    ("BatchRenorm2d", lambda: L.BatchRenorm2d(3), (4, 3, 2, 3)),
+    ("BatchRenorm3d", lambda: L.BatchRenorm3d(3, rmax=2.0), (4, 3, 2, 2, 2)),
+    ("SyncBatchRenorm", lambda: L.SyncBatchRenorm(3, momentum=None, dmax=1.0), (4, 3, 2, 3)),
+    ("SwitchableNorm1d", lambda: L.SwitchableNorm1d(3), (4, 3, 5)),
+    ("SwitchableNorm2d", lambda: L.SwitchableNorm2d(3), (4, 3, 2, 3)),
+    ("SwitchableNorm3d", lambda: L.SwitchableNorm3d(3, using_moving_average=False), (4, 3, 2, 2, 2)),
+    ("InstanceNorm1d", lambda: L.InstanceNorm1d(3, track_running_stats=True), (4, 3, 5)),
+    ("InstanceNorm2d", lambda: L.InstanceNorm2d(3, affine=True, track_running_stats=True), (4, 3, 2, 3)),
+    ("InstanceNorm3d", lambda: L.InstanceNorm3d(3, momentum=None, track_running_stats=True), (4, 3, 2, 2, 2)),
+]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("name,make,shape", POLICY_LAYERS, ids=[f"{n}-{len(s)}D" for n, _, s in POLICY_LAYERS])
+def test_non_finite_batch_one_policy(name, make, shape, bad):
+    """docs/design.md "Non-finite batches": every layer with running statistics keeps its state (running statistics
+    and step counter), warns once naming itself, raises nothing and returns the NaN/inf output."""
+    m = make().double()
+    assert type(m).__name__ == name
+    m(torch.randn(shape, dtype=torch.float64))
+    before = copy.deepcopy(m.state_dict())
+    x = torch.randn(shape, dtype=torch.float64)
+    x.view(-1)[7] = bad
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = m(x)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and messages[0].startswith(f"{type(m).__name__}: non-finite batch statistics"), messages
+    assert not torch.isfinite(y).all()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k]), k

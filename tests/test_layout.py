@@ -121,3 +121,92 @@ def test_the_declared_torch_floor_is_the_release_the_tests_run_on():
 
     assert release(floor) == release(pin), f"pyproject declares torch>={floor}, make test runs torch=={pin}"
     assert release(torch.__version__) >= release(floor)
+
+
+# ------------------------------------------------------------------------------------------ private names
+PRIVATE_MODULES = ("normlab._functions", "normlab._dispatch")  # the machinery: may use each other's internals
+# Private base classes that other modules test with isinstance (not calls); their owners may make them public.
+PRIVATE_CLASS_IMPORTS = {
+    ("normlab.convert", "normlab.nn.batch_renorm", "_BatchRenorm"),
+    ("normlab.convert", "normlab.nn.weight_std", "_StdConvNd"),
+    ("normlab.nn.param_groups", "normlab.nn.weight_std", "_PWSConvNd"),
+}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    base = node.module or ""
+    if not node.level:
+        return base
+    package = module if is_package else module.rsplit(".", 1)[0]
+    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+    return ".".join(anchor + ([base] if base else []))
+
+
+def _private_uses(module: str, source: str, is_package: bool = False) -> list[str]:
+    """Private names of other normlab modules that ``source`` (the module ``module``) uses: ``from X import _name``
+    and ``X._name`` with X bound to a normlab module (``import normlab.x as X``, ``from normlab import x as X``)."""
+    tree = ast.parse(source)
+    aliases, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name: a.name for a in node.names if a.name.startswith("normlab")}
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve(module, is_package, node)
+            if not base.startswith("normlab") or base == module:
+                continue
+            for a in node.names:
+                if _private(a.name) and (module, base, a.name) not in PRIVATE_CLASS_IMPORTS:
+                    found.append(f"{module}: from {base} import {a.name}")
+                aliases[a.asname or a.name] = f"{base}.{a.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if _private(node.attr):
+                found.append(f"{module}: {node.value.id}.{node.attr} ({aliases[node.value.id]})")
+    return found
+
+
+def test_private_names_are_found():
+    src = "from .. import functional as NF\nfrom normlab.functional import _clip\ny = NF._plain_eager(x) + NF.moments()"
+    assert _private_uses("normlab.nn.batch_renorm", src) == [
+        "normlab.nn.batch_renorm: from normlab.functional import _clip",
+        "normlab.nn.batch_renorm: NF._plain_eager (normlab.functional)",
+    ]
+    ok = "import torch\nfrom .._dispatch import plain_eager\nfrom ._docs import fill\nz = torch._C\nself._x = 1"
+    assert _private_uses("normlab.nn.switchable", ok) == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    """Outside the private machinery modules, nothing reaches into another normlab module's ``_private`` names."""
+    found = []
+    for path in PACKAGE.rglob("*.py"):
+        name = _module_name(path)
+        if name not in PRIVATE_MODULES:
+            found += _private_uses(name, path.read_text(), path.name == "__init__.py")
+    assert not found, found
+
+
+def _defining(predicate) -> set[str]:
+    """The normlab modules whose code (docstrings and comments aside) has a node for which ``predicate`` holds."""
+    out = set()
+    for path in PACKAGE.rglob("*.py"):
+        if any(predicate(node) for node in ast.walk(ast.parse(path.read_text()))):
+            out.add(_module_name(path))
+    return out
+
+
+def _is_half_tuple(node) -> bool:
+    names = {e.attr for e in getattr(node, "elts", ()) if isinstance(e, ast.Attribute)}
+    return isinstance(node, (ast.Tuple, ast.List, ast.Set)) and {"float16", "bfloat16"} <= names
+
+
+def _is_channels_last(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr in ("channels_last", "channels_last_3d")
+
+
+def test_half_dtypes_and_channels_last_detection_are_defined_once():
+    assert _defining(_is_half_tuple) == {"normlab._dispatch"}
+    assert _defining(_is_channels_last) == {"normlab._dispatch"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-_HALF = (torch.float16, torch.bfloat16)
+from .._dispatch import HALF
 
 
 class Float32StatsModule(nn.Module):
@@ -23,7 +23,7 @@ class Float32StatsModule(nn.Module):
         super()._apply(fn, recurse)
         for name, old in before.items():
             buf = self._buffers.get(name)
-            if buf is not None and buf.dtype in _HALF:
-                keep = old.dtype if old.dtype not in _HALF else torch.float32
+            if buf is not None and buf.dtype in HALF:
+                keep = old.dtype if old.dtype not in HALF else torch.float32
                 self._buffers[name] = old.to(device=buf.device, dtype=keep)
         return self

@@ -33,6 +33,7 @@ silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batch
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -44,12 +45,13 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
+from .._dispatch import guarded_update, param_dtype, plain_eager, snapshot, warn_non_finite
+from .._functions import fused_batch_renorm, fused_step_moments, is_identity, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
 
-_HALF = (torch.float16, torch.bfloat16)
 _RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._recompute)
 
 
@@ -61,6 +63,7 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+@dataclasses.dataclass(frozen=True)
 class RenormSchedule:
     """The paper's rmax/dmax schedule as a picklable callable ``step -> (rmax, dmax)``.
 
@@ -70,9 +73,10 @@ class RenormSchedule:
     (if ``rmax_steps == warmup_steps`` the value jumps to ``rmax`` at that step). Same for dmax from 0.
 
     ``step`` may be a Python int (returns floats) or an integer tensor such as ``num_batches_tracked`` (returns
-    float64 scalar tensors on its device, without a host synchronisation).
+    float64 scalar tensors on its device, without a host synchronisation). A frozen dataclass: equal by value,
+    hashable, picklable; the constructor takes the fields in this order.
 
-    Args:
+    Attributes:
         warmup_steps: the steps with ``rmax = 1, dmax = 0`` (plain BatchNorm). Default: 5000.
         rmax: the final limit of r (>= 1, finite). Default: 3.0.
         rmax_steps: the step at which ``rmax`` is reached (>= ``warmup_steps``). Default: 40000.
@@ -87,29 +91,26 @@ class RenormSchedule:
         (1.5, 2.5)
     """
 
-    def __init__(
-        self,
-        warmup_steps: int = 5000,
-        rmax: float = 3.0,
-        rmax_steps: int = 40000,
-        dmax: float = 5.0,
-        dmax_steps: int = 25000,
-    ) -> None:
+    warmup_steps: int = 5000
+    rmax: float = 3.0
+    rmax_steps: int = 40000
+    dmax: float = 5.0
+    dmax_steps: int = 25000
+
+    def __post_init__(self) -> None:
         where = "RenormSchedule"
-        for name, value in (("warmup_steps", warmup_steps), ("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
+        for name in ("warmup_steps", "rmax_steps", "dmax_steps"):
+            value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
-        for name, value in (("rmax_steps", rmax_steps), ("dmax_steps", dmax_steps)):
-            if value < warmup_steps:
-                raise ValueError(f"{where}: {name} must be >= warmup_steps={warmup_steps}, got {value}")
-        _check_limits(where, rmax, dmax)
-        if math.isinf(rmax) or math.isinf(dmax):
-            raise ValueError(f"{where}: rmax and dmax must be finite, got rmax={rmax}, dmax={dmax}")
-        self.warmup_steps = warmup_steps
-        self.rmax = float(rmax)
-        self.rmax_steps = rmax_steps
-        self.dmax = float(dmax)
-        self.dmax_steps = dmax_steps
+        for name, value in (("rmax_steps", self.rmax_steps), ("dmax_steps", self.dmax_steps)):
+            if value < self.warmup_steps:
+                raise ValueError(f"{where}: {name} must be >= warmup_steps={self.warmup_steps}, got {value}")
+        _check_limits(where, self.rmax, self.dmax)
+        if math.isinf(self.rmax) or math.isinf(self.dmax):
+            raise ValueError(f"{where}: rmax and dmax must be finite, got rmax={self.rmax}, dmax={self.dmax}")
+        object.__setattr__(self, "rmax", float(self.rmax))  # frozen: the numbers are stored as floats, once
+        object.__setattr__(self, "dmax", float(self.dmax))
 
     @classmethod
     def scaled(cls, end_step: int, rmax: float = 3.0, dmax: float = 5.0) -> RenormSchedule:
@@ -139,15 +140,6 @@ class RenormSchedule:
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
-
-    def __repr__(self) -> str:
-        return (
-            f"RenormSchedule(warmup_steps={self.warmup_steps}, rmax={self.rmax}, rmax_steps={self.rmax_steps}, "
-            f"dmax={self.dmax}, dmax_steps={self.dmax_steps})"
-        )
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, RenormSchedule) and vars(self) == vars(other)
 
 
 
@@ -198,9 +190,11 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
             :class:`RenormSchedule` (keyword-only; not together with ``rmax``/``dmax``). Default: None, which is
             ``RenormSchedule()`` when neither ``rmax`` nor ``dmax`` is given.
         check_finite: after each training update check the running statistics; if the batch held NaN/inf values
-            (or a variance that overflows), restore them and the step counter and raise ``ValueError``. Costs one
-            host synchronisation per call; under torch.compile, torch.export, jit.trace and torch.func the restore
-            is done with tensor ops and nothing is raised (keyword-only). Default: True.
+            (or a variance that overflows), restore them and the step counter and warn (``RuntimeWarning``, eager;
+            the output carries the NaN), the non-finite policy of every normlab layer (``docs/design.md``,
+            "Non-finite batches"). Costs one host synchronisation per call; under torch.compile, torch.export and
+            jit.trace the restore is done with tensor ops and nothing is reported. False: no check (a non-finite
+            batch enters the running statistics, as in ``nn.BatchNorm``) (keyword-only). Default: True.
 
     Shape:
         - Input: $input
@@ -361,15 +355,15 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             self.num_batches_tracked.sub_(1)
         return True
 
-    def _restore_if_non_finite(self, prior) -> None:
+    def _restore_if_non_finite(self, prior) -> Tensor:
         """:meth:`_guard_failed` with tensor ops only (torch.compile, torch.export, jit.trace, torch.func): if the
-        update left non-finite running statistics, ``torch.where`` puts back ``prior`` and the step; nothing raises
-        and the host never waits for the device."""
+        update left non-finite running statistics, ``prior`` and the step are put back (the non-finite policy's
+        guarded update) and the host never waits for the device. Returns whether they were finite (0-dim bool)."""
         with torch.no_grad():
             finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
-            self.running_mean.copy_(torch.where(finite, self.running_mean, prior[0]))
-            self.running_var.copy_(torch.where(finite, self.running_var, prior[1]))
-            self.num_batches_tracked.sub_((~finite).to(self.num_batches_tracked.dtype))
+            step = self.num_batches_tracked
+            guarded_update((self.running_mean, self.running_var, step), (prior[0], prior[1], step - 1), ~finite)
+        return finite
 
     def _vmap_error(self, error: RuntimeError) -> RuntimeError:
         return RuntimeError(
@@ -378,11 +372,6 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({error})"
         )
 
-    def _non_finite_error(self) -> ValueError:
-        return ValueError(
-            f"{type(self).__name__}: non-finite batch statistics in training (NaN/inf in the input, or a variance "
-            f"that overflows); running_mean, running_var and num_batches_tracked were left unchanged"
-        )
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: Tensor) -> Tensor:
@@ -397,31 +386,42 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
                 input, self.running_mean if use_running else None, self.running_var if use_running else None,
                 self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum, self.eps,
             )
-        plain = NF._plain_eager(input)
+        plain = plain_eager(input)
         if plain and torch._C._current_graph_task_id() != -1:  # inside a backward pass: a checkpoint recomputation
             out = self._recompute(input)
             if out is not None:
                 return out
         rmax, dmax = self._step_limits(input, plain)
-        prior = NF._snapshot(self.running_mean, self.running_var)
+        prior = snapshot(self.running_mean, self.running_var)
         self.num_batches_tracked.add_(1)
         try:
-            out, stats = NF._batch_renorm_step(
-                input, self.running_mean, self.running_var, self.weight, self.bias, self._factor(plain), self.eps,
-                rmax, dmax, prior,
-            )
+            out, stats = self._train_step(input, rmax, dmax, prior, plain)
         except RuntimeError as e:
             self.num_batches_tracked.sub_(1)
             if torch._C._functorch.peek_interpreter_stack() is None:
                 raise
             raise self._vmap_error(e) from e
         if self.check_finite and plain and self._guard_failed(prior):
-            raise self._non_finite_error()
+            warn_non_finite(type(self).__name__, False, input)
         if self.check_finite and not plain and input.device.type != "meta":
-            self._restore_if_non_finite(prior)
+            warn_non_finite(type(self).__name__, self._restore_if_non_finite(prior), input)
         if plain:
             self._remember(stats, prior, rmax, dmax)
         return out
+
+    def _train_step(self, input: Tensor, rmax, dmax, prior, plain: bool):
+        """One training step with running statistics: ``(output, stats)``. Where
+        :func:`normlab.functional.batch_renorm` takes its fused path, that path is called directly, with ``prior``,
+        for the batch statistics it computes (the key of :meth:`_recompute`); otherwise the function itself, with
+        the statistics from :func:`normlab.functional.batch_moments` as its composite path computes them (eager
+        only: nothing is keyed under a compiler or a transform), or None for the identity limits."""
+        factor = self._factor(plain)
+        args = (self.running_mean, self.running_var, self.weight, self.bias, factor, self.eps, rmax, dmax)
+        identity = is_identity(rmax, dmax) and not isinstance(factor, Tensor)
+        if not identity and not isinstance(factor, Tensor) and takes_fused(input, *args[:2]):
+            return fused_batch_renorm(input, *args, prior)
+        out = NF.batch_renorm(input, args[0], args[1], args[2], args[3], True, *args[4:])
+        return out, (NF.batch_moments(input) if plain and not identity else None)
 
     # ------------------------------------------------------------------ activation checkpointing
     def _remember(self, stats, prior, rmax, dmax) -> None:
@@ -442,15 +442,19 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         """
         if not self.__dict__.get("_recent_steps"):
             return None
-        found = self._find_record(*NF._step_moments(input, self.running_mean, self.running_var))
+        found = self._find_record(*self._step_moments(input))
         if found is None:
             return None
         prior, rmax, dmax = found
         with torch.no_grad():
             scratch = (prior[0].clone(), prior[1].clone())
-        return NF._batch_renorm_step(
-            input, scratch[0], scratch[1], self.weight, self.bias, self._factor(), self.eps, rmax, dmax, prior
-        )[0]
+        return NF.batch_renorm(input, *scratch, self.weight, self.bias, True, self._factor(), self.eps, rmax, dmax)
+
+    def _step_moments(self, input: Tensor) -> tuple[Tensor, Tensor]:
+        """The batch statistics exactly as :meth:`_train_step` keys them (bit for bit)."""
+        if takes_fused(input, self.running_mean, self.running_var):
+            return fused_step_moments(input, self.running_mean, self.running_var)
+        return NF.batch_moments(input)
 
     def _find_record(self, mean: Tensor, var: Tensor):
         """``(prior, rmax, dmax)`` of the recorded forward a recomputation with these batch statistics replays: the
@@ -606,11 +610,12 @@ class SyncBatchRenorm(_BatchRenorm):
             )
         g_mean = total[:c] / n
         g_var = (total[c : 2 * c] / n - g_mean.square()).clamp_min(0.0)
-        if self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all()):
-            raise self._non_finite_error()
-
+        # identical on every rank, so every rank skips the update (and warns) together
+        skip = self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all())
+        if skip:
+            warn_non_finite(type(self).__name__, False, input)
         r = d = None
-        if self._updating():
+        if self._updating() and not skip:
             r, d = self._sync_step(g_mean, g_var, n)
 
         # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
@@ -624,7 +629,7 @@ class SyncBatchRenorm(_BatchRenorm):
         if self.bias is not None:
             b = b + self.bias.double()
         b = b - g_mean * a
-        comp = torch.float32 if input.dtype in _HALF else input.dtype
+        comp = param_dtype(input)
         shape = (1, c) + (1,) * (input.dim() - 2)
         out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
         return out.to(input.dtype)
@@ -637,7 +642,7 @@ class SyncBatchRenorm(_BatchRenorm):
         found = self._find_record(mean, var) if torch._C._current_graph_task_id() != -1 else None
         if found is None:
             rmax, dmax = self.renorm_limits(self.num_batches_tracked)
-            prior = NF._snapshot(self.running_mean, self.running_var)
+            prior = snapshot(self.running_mean, self.running_var)
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
                 f = self._factor()

@@ -14,13 +14,13 @@ torch checkpoint loads unchanged. Differences from torch:
 - with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
   silently skips the update) and ``num_batches_tracked`` counts the updates; running statistics stay float32 after
   ``.half()``, and a non-finite batch leaves them unchanged (RuntimeWarning; also under torch.compile, with
-  tensor ops), as does an empty batch; activation checkpointing updates them once.
+  tensor ops: the policy of every normlab layer, ``docs/design.md`` "Non-finite batches"), as does an empty batch;
+  activation checkpointing updates them once.
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from string import Template
 
 import torch
@@ -29,6 +29,15 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from .._dispatch import (
+    HALF,
+    channels_last_format,
+    guarded_update,
+    param_dtype,
+    recomputing,
+    stats_value,
+    warn_non_finite,
+)
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
@@ -46,7 +55,7 @@ _DOC = Template(r"""Instance normalization over $input inputs: per sample and ch
     ``state_dict`` keys) that rejects a channel-count mismatch even with ``affine=False`` and can learn ``bias``
     (``center``) and ``weight`` (``scale``) separately, tf.contrib style.$memory
     With ``track_running_stats`` the running statistics are used in eval mode; a non-finite batch leaves them
-    unchanged (RuntimeWarning).
+    unchanged (RuntimeWarning; the policy of every normlab layer, ``docs/design.md`` "Non-finite batches").
 
     Args:
         num_features: C, the number of channels (dim 1 of the input, dim 0 of an unbatched one).
@@ -72,14 +81,6 @@ $example
 
 
 _doc = functools.partial(fill, _DOC, optional=("memory",))
-
-
-def _channels_last_format(x: Tensor) -> torch.memory_format | None:
-    """channels_last / channels_last_3d when ``x`` is stored that way (and not also plain contiguous), else None."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-    if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
-        return fmt
-    return None
 
 
 class _InstanceNorm(Float32StatsModule):
@@ -192,9 +193,9 @@ class _InstanceNorm(Float32StatsModule):
         channels_last inputs go through a contiguous copy because torch's CPU channels_last group norm computes the
         variance as E[x^2] - E[x]^2 and loses all precision for large means; the output is returned in the input's
         memory format. float16/bfloat16: :func:`normlab.functional.instance_norm` (statistics in float32)."""
-        if x.dtype in (torch.float16, torch.bfloat16):
+        if x.dtype in HALF:
             return NF.instance_norm(x, self.weight, self.bias, self.eps)
-        fmt = _channels_last_format(x)
+        fmt = channels_last_format(x)
         if fmt is None:
             return F.group_norm(x, self.num_features, self.weight, self.bias, self.eps)
         y = F.group_norm(x.contiguous(), self.num_features, self.weight, self.bias, self.eps)
@@ -203,15 +204,9 @@ class _InstanceNorm(Float32StatsModule):
     def _track(self, x: Tensor) -> None:
         """Update the running statistics from a training batch (not an empty one, not again in checkpointing's
         recomputation); warn (eager) when the batch statistics were not finite."""
-        if x.shape[0] == 0 or NF._instance_recomputing():
+        if x.shape[0] == 0 or recomputing():
             return
-        finite = self._update_running_stats(x)
-        if x.device.type != "meta" and NF._instance_can_sync() and not bool(finite):
-            warnings.warn(
-                f"{type(self).__name__}: non-finite batch statistics; running statistics were not updated",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        warn_non_finite(type(self).__name__, self._update_running_stats(x), x)
 
     @torch.no_grad()
     def _update_running_stats(self, x: Tensor) -> Tensor:
@@ -222,8 +217,8 @@ class _InstanceNorm(Float32StatsModule):
         name = type(self).__name__
         dims = tuple(range(2, x.dim()))
         mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
-        batch_mean = NF._instance_stats_value(mean.mean(0), self.running_mean, name)
-        batch_var = NF._instance_stats_value(var.mean(0), self.running_var, name)
+        batch_mean = stats_value(mean.mean(0), self.running_mean, name)
+        batch_var = stats_value(var.mean(0), self.running_var, name)
         finite = torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
         count = self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype)
         if self.momentum is None:
@@ -232,14 +227,14 @@ class _InstanceNorm(Float32StatsModule):
             factor = self.momentum
         new_mean = self.running_mean.lerp(batch_mean.to(self.running_mean.dtype), factor)
         new_var = self.running_var.lerp(batch_var.to(self.running_var.dtype), factor)
-        NF._instance_guarded_update(
+        guarded_update(
             (self.running_mean, self.running_var, self.num_batches_tracked), (new_mean, new_var, count), finite
         )
         return finite
 
     def _normalize_with_running_stats(self, x: Tensor) -> Tensor:
         shape = (1, -1) + (1,) * (x.dim() - 2)
-        stats_dtype = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+        stats_dtype = param_dtype(x)
         scale = torch.rsqrt(self.running_var.to(stats_dtype) + self.eps)
         shift = -self.running_mean.to(stats_dtype) * scale
         if self.weight is not None:

@@ -11,21 +11,21 @@ With ``using_moving_average=False`` the buffers accumulate sums of batch means a
 behaviour; the caller is responsible for dividing by the number of batches before evaluation).
 
 A batch whose statistics are not finite leaves the running statistics unchanged (also under torch.compile, with
-tensor ops) and raises a RuntimeWarning (eager); an empty batch returns an empty output and leaves them unchanged.
+tensor ops) and emits a RuntimeWarning (eager): the non-finite policy of every normlab layer (``docs/design.md``,
+"Non-finite batches"); an empty batch returns an empty output and leaves them unchanged.
 Activation checkpointing updates them once (not again in the recomputation).
 """
 
 from __future__ import annotations
 
 import functools
-import warnings
 from string import Template
 
 import torch
 from torch import Tensor, nn
 
-from normlab import functional as NF
-
+from .._dispatch import channels_last_format
+from .._functions import switchable_forward
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
@@ -43,7 +43,8 @@ _DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input input
     and channel over $over), layer (LN, per sample) and batch (BN, per channel) statistics, computed by
     :func:`normlab.functional.switchable_norm`. In eval mode BN uses the running statistics.$details
     Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running statistics starting at 0).
-    A batch whose statistics are not finite leaves the running statistics unchanged (RuntimeWarning).
+    A batch whose statistics are not finite leaves the running statistics unchanged (RuntimeWarning; the policy of
+    every normlab layer, ``docs/design.md`` "Non-finite batches").
 
     Learnable parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with
     ``using_bn=False``), initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero
@@ -160,21 +161,13 @@ class _SwitchableNorm(Float32StatsModule):
     def forward(self, x: Tensor) -> Tensor:
         """x: (N, C, *spatial) -> same shape, dtype and memory format."""
         self._check_input(x)
-        name = type(self).__name__
-        y, finite = NF._sn_forward(
+        y = switchable_forward(
             x, self.mean_weight, self.var_weight, self.weight, self.bias, self.running_mean, self.running_var,
             training=self.training, momentum=self.momentum, eps=self.eps, using_bn=self.using_bn,
-            using_moving_average=self.using_moving_average, fused=None, where=name,
+            using_moving_average=self.using_moving_average, fused=None, where=type(self).__name__,
         )
-        if finite is not None and x.device.type != "meta" and NF._instance_can_sync() and not bool(finite):
-            warnings.warn(
-                f"{name}: non-finite batch statistics; running statistics were not updated", RuntimeWarning,
-                stacklevel=2,
-            )
-        fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
-        if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
-            y = y.contiguous(memory_format=fmt)
-        return y
+        fmt = channels_last_format(x)
+        return y if fmt is None else y.contiguous(memory_format=fmt)
 
 
 class SwitchableNorm1d(_SwitchableNorm):

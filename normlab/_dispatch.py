@@ -1,0 +1,174 @@
+"""Shared helpers of normlab's layers and functions (private): dtypes, memory formats, execution context and the
+non-finite policy. Each is defined here once; ``normlab.functional``, ``normlab._functions`` and the layers of
+``normlab.nn`` import them from here.
+
+Non-finite policy (every normalization layer with running statistics, see ``docs/design.md``): a training batch
+whose statistics are not finite (NaN/inf in the input, or a variance that overflows) never changes the running
+statistics nor the step counter ``num_batches_tracked`` (eager and compiled, with tensor ops where no host
+synchronisation is allowed); eager additionally emits one RuntimeWarning per call naming the layer
+(:func:`warn_non_finite`). No exception: the output carries the NaN, as torch's layers do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+HALF = (torch.float16, torch.bfloat16)
+"""The half-precision dtypes whose statistics normlab computes in float32."""
+
+
+def stats_dtype(x: Tensor) -> Tensor:
+    """Half-precision tensors are promoted to float32 for statistics; others are returned unchanged."""
+    return x.float() if x.dtype in HALF else x
+
+
+def param_dtype(x: Tensor) -> torch.dtype:
+    """dtype of the per-channel parameters the fused kernels take with input ``x`` (float32 for half inputs)."""
+    return torch.float32 if x.dtype in HALF else x.dtype
+
+
+def as_param(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype`` (a module converted with ``.half()`` has half weights; the kernels want float32)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def centered_moments(y: Tensor, dims: tuple[int, ...], count: int, correction: int) -> tuple[Tensor, Tensor]:
+    """Two-pass mean and variance of ``y`` over ``dims`` (kept), the arithmetic of :func:`normlab.functional.moments`:
+    the variance is centred on the detached mean, and ``(mean - stop_grad(mean))^2``, zero in value and in first
+    derivative, is subtracted so that double backward is exact (``var = E[(x-c)^2] - (E[x]-c)^2`` for any c)."""
+    mean = y.mean(dims, keepdim=True)
+    shift = mean.detach()
+    var = (y - shift).square().sum(dims, keepdim=True) / (count - correction)
+    return mean, var - (mean - shift).square() * (count / (count - correction))
+
+
+# ------------------------------------------------------------------------------------------ memory format
+def channels_last_format(x: Tensor) -> torch.memory_format | None:
+    """channels_last / channels_last_3d when ``x`` is stored that way (and not also plain contiguous), else None."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    if fmt is not None and not x.is_contiguous() and x.is_contiguous(memory_format=fmt):
+        return fmt
+    return None
+
+
+def same_layout(g: Tensor, x: Tensor) -> Tensor:
+    """``g`` in ``x``'s memory format (contiguous, channels_last or channels_last_3d; others: ``g`` as it is)."""
+    if x.is_contiguous():
+        return g.contiguous()
+    fmt = channels_last_format(x)
+    return g.contiguous(memory_format=fmt) if fmt is not None else g
+
+
+# ------------------------------------------------------------------------------------------ execution context
+def can_sync() -> bool:
+    """True when a host synchronisation is allowed (eager, not torch.compile / torch.export / jit.trace)."""
+    return not torch.compiler.is_compiling() and not torch.jit.is_tracing()
+
+
+def plain_eager(x: Tensor) -> bool:
+    """The fused paths' test: eager on CPU/CUDA, and none of torch.compile, torch.export, torch.jit.trace or a
+    torch.func transform (grad, vmap, jacrev, ...), which need plain differentiable aten ops without host
+    synchronisation (the composite paths). The meta device is not eager either (shapes only)."""
+    if x.device.type not in ("cpu", "cuda") or not can_sync():
+        return False
+    return torch._C._functorch.peek_interpreter_stack() is None
+
+
+def recomputing() -> bool:
+    """True while autograd runs a backward pass: a forward then is activation checkpointing's recomputation
+    (``torch.utils.checkpoint``, reentrant or not), which must not update the running statistics a second time."""
+    return not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1
+
+
+def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
+    """Copies of the running statistics before a step updates them (one ``torch.stack`` under torch.compile).
+
+    Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
+    buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
+    updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
+    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves. Eager: two clones
+    (fewer dispatched ops).
+    """
+    with torch.no_grad():
+        same = running_mean.dtype == running_var.dtype and running_mean.shape == running_var.shape
+        if not (same and torch.compiler.is_compiling()):
+            return running_mean.clone(), running_var.clone()
+        both = torch.stack([running_mean, running_var])
+        return both[0], both[1]
+
+
+def clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
+    """``t`` clipped (in place for a number limit unless ``in_place=False``: vmap has no batching rule for
+    ``clamp_``) to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
+    if isinstance(limit, Tensor):
+        limit = limit.to(t)
+        return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    if not in_place:
+        return torch.clamp(t, 1.0 / limit if inverse else -limit, limit)
+    return t.clamp_(1.0 / limit if inverse else -limit, limit)
+
+
+# ------------------------------------------------------------------------------------------ running statistics
+def stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
+    """``t`` (detached statistics) at the functorch level of the running ``buffer`` it will be written into: the
+    grad wrappers of ``torch.func.grad`` are peeled (it then updates the buffers it captures, as torch's
+    InstanceNorm does). Under ``vmap`` of a plain buffer the statistics differ per mapped sample, so no single
+    update exists: an error, as torch's BatchNorm/InstanceNorm give (buffers batched by ensembling are updated)."""
+    ft = torch._C._functorch
+    if torch.compiler.is_compiling():
+        return t
+    floor = ft.maybe_get_level(buffer) if ft.is_functorch_wrapped_tensor(buffer) else -1
+    while ft.is_functorch_wrapped_tensor(t) and ft.maybe_get_level(t) > floor:
+        if ft.is_batchedtensor(t):
+            raise RuntimeError(
+                f"{where}: under torch.func.vmap a training step would update running_mean/running_var from "
+                "per-sample batches; call .eval() (running statistics) or disable the running statistics"
+            )
+        if not ft.is_gradtrackingtensor(t):
+            break
+        t = ft.get_unwrapped(t)
+    return t
+
+
+@torch.no_grad()
+def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor) -> None:
+    """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else unchanged: the non-finite policy's
+    tensor ops (no host synchronisation or data-dependent branch, so torch.compile and torch.export protect the
+    buffers as eager does)."""
+    for buf, new in zip(buffers, values):
+        new = torch.where(finite, new.to(buf.dtype), buf)
+        with _outside_transforms(buf, new):
+            buf.copy_(new)
+
+
+def _outside_transforms(buf: Tensor, new: Tensor):
+    """A context without torch.func's transforms for writing a plain value into a plain buffer (torch.func.grad
+    refuses writes to captured tensors), else a no-op."""
+    ft = torch._C._functorch
+    if torch.compiler.is_compiling() or not torch._C._are_functorch_transforms_active():
+        return contextlib.nullcontext()
+    if ft.is_functorch_wrapped_tensor(buf) or ft.is_batchedtensor(new):  # batched buffers (ensembling): vmap writes
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
+
+
+def warn_non_finite(where: str, finite: Tensor | bool, x: Tensor) -> None:
+    """The non-finite policy's eager part: one RuntimeWarning naming the layer when ``finite`` is False. Nothing
+    where the host may not wait for the device (torch.compile, torch.export, jit.trace), on the meta device, or
+    when ``finite`` is batched by torch.func.vmap (no single answer)."""
+    if x.device.type == "meta" or not can_sync():
+        return
+    if isinstance(finite, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(finite):
+        return
+    if not bool(finite):
+        warnings.warn(
+            f"{where}: non-finite batch statistics (NaN/inf in the input, or a variance that overflows); "
+            "the running statistics (and num_batches_tracked) were left unchanged",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -1,0 +1,433 @@
+"""The machinery behind :mod:`normlab.functional` (private): the autograd Functions with explicit backward passes
+(:class:`_BatchNormWithAffine` for batch renormalization, :class:`_SwitchableNormFn` for switchable normalization),
+the CPU layout dispatch of their per-(n, c) statistics kernels, and the training steps of switchable normalization.
+torch keeps its layers' autograd Functions apart from ``torch.nn.functional`` in the same way
+(``torch/nn/modules/_functions.py``). This module sits below ``normlab.functional`` (which imports it): it uses
+only :mod:`normlab._dispatch`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._dispatch import (
+    as_param,
+    centered_moments,
+    channels_last_format,
+    clip,
+    guarded_update,
+    param_dtype,
+    plain_eager,
+    recomputing,
+    same_layout,
+    stats_dtype,
+    stats_value,
+    warn_non_finite,
+)
+
+__all__ = [
+    "is_identity", "takes_fused", "fused_batch_renorm", "fused_step_moments", "switchable_forward",
+]
+
+
+# --------------------------------------------------------------------------------------------------
+# Batch renormalization: the fused step
+# --------------------------------------------------------------------------------------------------
+def is_identity(rmax: float | Tensor, dmax: float | Tensor) -> bool:
+    """True when the limits are the numbers rmax=1, dmax=0 (then r = 1, d = 0: the layer is BatchNorm)."""
+    return not isinstance(rmax, Tensor) and not isinstance(dmax, Tensor) and rmax == 1 and dmax == 0
+
+
+def takes_fused(x: Tensor, running_mean: Tensor, running_var: Tensor) -> bool:
+    """Whether :func:`_batch_renorm_step` takes the fused path by default for these tensors."""
+    pdtype = param_dtype(x)
+    return plain_eager(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
+
+
+class _BatchNormWithAffine(torch.autograd.Function):
+    """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
+
+    Forward: ``y = (x - mean) * invstd * (weight * r) + (bias + weight * d)`` in one pass of BatchNorm's own
+    normalize kernel. Backward: BatchNorm's backward kernel (``native_batch_norm_backward`` with the saved mean and
+    inverse std, as in BatchNorm training), then ``dL/dweight = dL/dscale * r + dL/dshift * d``, ``dL/dbias =
+    dL/dshift``. r and d are constants (no gradient). The backward is built from differentiable ops, so double
+    backward works as for BatchNorm.
+    """
+
+    @staticmethod
+    def forward(x, weight, bias, mean, invstd, r, d, eps):
+        if weight is None:
+            scale, shift = r, d if bias is None else bias + d
+        else:
+            scale = weight * r
+            shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+        return _channel_affine(x, mean, invstd * scale, shift)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # the separate form torch.func.grad/jacrev/functional_call can run
+        x, weight, bias, mean, invstd, r, d, eps = inputs
+        ctx.save_for_backward(x, weight, mean, invstd, r, d)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, mean, invstd, r, d = ctx.saved_tensors
+        scale = r if weight is None else weight * r
+        need_affine = weight is not None or ctx.has_bias
+        mask = [ctx.needs_input_grad[0], need_affine, need_affine]
+        gx, gscale, gshift = torch.ops.aten.native_batch_norm_backward(
+            grad, x, scale, None, None, mean, invstd, True, ctx.eps, mask
+        )
+        gw = None if weight is None else torch.addcmul(gscale * r, gshift, d).to(weight.dtype)
+        gb = gshift if ctx.has_bias else None
+        return gx, gw, gb, None, None, None, None, None
+
+
+def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Tensor:
+    """``(x - mean) * alpha + shift`` per channel, with BatchNorm's inference kernel where it is exact.
+
+    BatchNorm's normalize step is ``x * a + (shift - mean * a)`` with ``a = invstd * weight``; its inference kernel
+    with ``running_var = 1`` and ``eps = 0`` computes exactly that for ``weight = a`` (same kernel, same rounding as
+    BatchNorm training, any memory format). CUDA: the same native kernel (cuDNN is bypassed).
+    """
+    ones = torch.ones_like(mean)
+    return torch.native_batch_norm(x, alpha, shift, mean, ones, False, 0.0, 0.0)[0]
+
+
+def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None):
+    """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
+    statistics, exactly as BatchNorm does), r and d from ``prior`` (the running statistics before this batch; cloned
+    here when not given), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few in-place
+    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm.
+    For the inputs :func:`takes_fused` accepts and a float ``momentum``. Returns ``(y, (batch_mean, batch_var))``."""
+    pdtype = param_dtype(x)
+    weight, bias = as_param(weight, pdtype), as_param(bias, pdtype)
+    with torch.no_grad():
+        if prior is None:
+            prior = (running_mean.clone(), running_var.clone())
+        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+        # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
+        # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
+        invstd = var.double().add(eps).rsqrt_().to(var.dtype)  # not in place: var.double() is var for float64
+        inv_sigma = torch.rsqrt(prior[1] + eps)
+        r = clip(inv_sigma.div(invstd), rmax, inverse=True)
+        d = clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
+    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
+
+
+def fused_step_moments(x: Tensor, running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
+    """The batch mean and biased variance exactly as :func:`fused_batch_renorm` computes them with these running
+    buffers (bit for bit: the key that matches a checkpoint recomputation to its original forward)."""
+    with torch.no_grad():  # the fused path's kernel call; momentum 0 leaves the copies as they are
+        return torch.batch_norm_update_stats(x.detach(), running_mean.clone(), running_var.clone(), 0.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Switchable normalization
+# --------------------------------------------------------------------------------------------------
+def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor, bn_stats):
+    """Mixed (N, C) mean and variance of switchable normalization from the instance statistics.
+
+    ``bn_stats``: None (batch statistics, derived here), False (no BN component) or ``(mean_bn, var_bn)`` (1, C)
+    (the running statistics in eval). Returns ``(mean, var, parts)`` with ``parts = (means, variances, mw, vw)``:
+    the component statistics (IN, LN[, BN]) and the softmax weights.
+    """
+    second = var_in + mu.square()
+    mean_ln = mu.mean(1, keepdim=True)
+    var_ln = second.mean(1, keepdim=True) - mean_ln.square()
+    means, variances = [mu, mean_ln], [var_in, var_ln]
+    if bn_stats is not False:
+        if bn_stats is None:
+            mean_bn = mu.mean(0, keepdim=True)
+            bn_stats = (mean_bn, second.mean(0, keepdim=True) - mean_bn.square())
+        means.append(bn_stats[0])
+        variances.append(bn_stats[1])
+    mw = torch.softmax(mean_weight.to(mu.dtype), 0)
+    vw = torch.softmax(var_weight.to(mu.dtype), 0)
+    if torch.is_grad_enabled() or mw.device.type != "cpu" or not _sn_fused_ok(mu):  # differentiable / traceable
+        mean = sum(w * m for w, m in zip(mw, means))
+        var = sum(w * v for w, v in zip(vw, variances))
+    else:  # inside the fused Function: the same sums with Python-float weights (fewer dispatched ops)
+        a, b = mw.tolist(), vw.tolist()
+        mean, var = means[0] * a[0], variances[0] * b[0]
+        for k in range(1, len(means)):
+            mean.add_(means[k], alpha=a[k])
+            var.add_(variances[k], alpha=b[k])
+    return mean, var, (means, variances, mw, vw)
+
+
+def _scalars(w: Tensor):
+    """The softmax weights as Python floats on CPU (scalar arithmetic dispatches fewer ops), 0-dim tensors elsewhere
+    (no device synchronisation)."""
+    return w.tolist() if w.device.type == "cpu" else w.unbind()
+
+
+def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
+    """Backward of :func:`_sn_mix`: gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed
+    mean and variance (all (N, C) but the logits).
+
+    With the softmax weights a (means) and b (variances), ``rows(X)`` the mean over channels (N, 1) and ``cols(X)``
+    the mean over the batch (1, C): ``mean = a0 mu + a1 rows(mu) + a2 cols(mu)`` is self-adjoint in mu, and
+    ``var = b0 q + b1 rows(q) + b2 cols(q) - (b0 mu^2 + b1 rows(mu)^2 + b2 cols(mu)^2)`` with
+    ``q = var_in + mu^2``, so::
+
+        d var_in = b0 d_var + b1 rows(d_var) + b2 cols(d_var)
+        d mu     = a0 d_mean + a1 rows(d_mean) + a2 cols(d_mean)
+                   + 2 b1 (mu - mean_ln) rows(d_var) + 2 b2 (mu - mean_bn) cols(d_var)
+        d logits = softmax backward of g_k = sum(d_mean * mean_k)  (resp. d_var, variances)
+
+    The BN terms only with batch statistics (``batch_bn``); running statistics are constants.
+    """
+    means, variances, mw, vw = parts
+    mu = means[0]
+    a, b = _scalars(mw), _scalars(vw)
+    rows_m, rows_v = d_mean.mean(1, keepdim=True), d_var.mean(1, keepdim=True)
+    d_var_in = torch.add(d_var * b[0], rows_v, alpha=b[1])
+    d_mu = torch.add(d_mean * a[0], rows_m, alpha=a[1]).addcmul_(mu - means[1], rows_v, value=2 * b[1])
+    if batch_bn:
+        cols_m, cols_v = d_mean.mean(0, keepdim=True), d_var.mean(0, keepdim=True)
+        d_var_in.add_(cols_v, alpha=b[2])
+        d_mu.add_(cols_m, alpha=a[2]).addcmul_(mu - means[2], cols_v, value=2 * b[2])
+    n, c = mu.shape
+    reduced_m, reduced_v = [d_mean, rows_m * c], [d_var, rows_v * c]
+    if len(means) == 3:
+        reduced_m.append(d_mean.sum(0, keepdim=True))
+        reduced_v.append(d_var.sum(0, keepdim=True))
+    # g_k = sum(d_mean * mean_k) with the broadcast summed first: (N, C) . (N, C), (N, 1) . (N, 1), (1, C) . (1, C)
+    g_mw = torch.stack([torch.vdot(r.flatten(), m.flatten()) for r, m in zip(reduced_m, means)])
+    g_vw = torch.stack([torch.vdot(r.flatten(), v.flatten()) for r, v in zip(reduced_v, variances)])
+    d_mw = torch._softmax_backward_data(g_mw, mw, 0, mw.dtype)
+    d_vw = torch._softmax_backward_data(g_vw, vw, 0, vw.dtype)
+    return d_mu, d_var_in, d_mw, d_vw
+
+
+@torch.no_grad()
+def _sn_update_running(running_mean, running_var, batch, momentum: float, using_moving_average: bool,
+                       where: str = "switchable_norm") -> Tensor:
+    """Official convention: ``running = momentum * running + (1 - momentum) * batch`` (or sums without moving
+    average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
+    whether the batch statistics were finite (a 0-dim bool tensor)."""
+    c = running_mean.numel()
+    mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
+    finite = torch.isfinite(torch.cat([mean_bn, var_bn])).all()
+    if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
+        new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
+        new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)
+    else:
+        new_mean = running_mean + mean_bn.to(running_mean)
+        new_var = running_var + (mean_bn.square() + var_bn).to(running_var)
+    guarded_update((running_mean, running_var), (new_mean, new_var), finite)
+    return finite
+
+
+def _sn_bn_stats(using_bn, training, running_mean, running_var, c: int, dtype):
+    """What :func:`_sn_mix` takes as ``bn_stats`` (see there)."""
+    if not using_bn:
+        return False
+    if training or running_mean is None or running_var is None:
+        return None
+    return running_mean.reshape(1, c).to(dtype), running_var.reshape(1, c).to(dtype)
+
+
+def _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps):
+    """Switchable normalization from differentiable torch ops (the reference for the fused path, what
+    torch.compile traces, and what double backward differentiates). Returns ``(y in float32/64, batch BN stats or
+    None)``."""
+    xs = stats_dtype(x)
+    dims = tuple(range(2, x.dim()))
+    count = x.shape[2:].numel()
+    mu, var_in = (t.squeeze(dims) for t in centered_moments(xs, dims, count, 1))  # (N, C), as moments() computes
+    mean, var, (means, variances, _, _) = _sn_mix(mu, var_in, mean_weight, var_weight, bn_stats)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight.to(xs.dtype)
+    shift = -mean * scale
+    if bias is not None:
+        shift = shift + bias.to(xs.dtype)
+    shape = x.shape[:2] + (1,) * (x.dim() - 2)
+    # One pass as x * scale + shift with (N, C) coefficients; keeps x's memory format.
+    batch = (means[2], variances[2]) if bn_stats is None else None
+    return torch.addcmul(shift.reshape(shape), xs, scale.reshape(shape)), batch
+
+
+def _instance_layout(x: Tensor) -> str:
+    """Which kernels compute per-(n, c) statistics of ``x`` fastest: ``rows`` (CPU, contiguous: each (n, c) is one
+    contiguous row, BatchNorm's kernels on the (1, N*C, L) view), ``samples`` (CPU, channels_last: BatchNorm's
+    kernels per sample), ``generic`` (any other device or layout: plain reductions)."""
+    if x.device.type != "cpu":
+        return "generic"
+    if x.is_contiguous():
+        return "rows"
+    return "samples" if channels_last_format(x) is not None else "generic"
+
+
+def _instance_stats(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """Per-(n, c) mean and biased variance of ``x`` (N, C, *) over the spatial dims, both (N, C), two-pass."""
+    n, c = x.shape[:2]
+    if layout == "samples":  # BatchNorm's channels_last statistics kernel, one sample at a time
+        stats = [torch.batch_norm_update_stats(x[i : i + 1], None, None, 0.0) for i in range(n)]
+        return torch.stack([m for m, _ in stats]), torch.stack([v for _, v in stats])
+    dims = tuple(range(2, x.dim()))
+    if layout == "generic" and x.device.type != "cpu":
+        var, mu = torch.var_mean(x, dims, correction=0)
+        return mu, var
+    mu = x.mean(dims)
+    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
+    var = torch.linalg.vector_norm(centered, dim=dims).square_().div_(x[0, 0].numel())
+    return mu, var
+
+
+def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tensor, Tensor]:
+    """Per-(n, c) sums ``sum(g)`` and ``sum(g * (x - mu))`` over the spatial dims, both (N, C). On CPU this is
+    BatchNorm's backward reduction (centred dot product and sum in one pass, no temporary)."""
+    n, c = x.shape[:2]
+    mask = [False, True, True]
+    if layout == "rows":
+        ones = torch.ones(n * c, dtype=mu.dtype)
+        _, dot, total = torch.ops.aten.native_batch_norm_backward(
+            g.reshape(1, n * c, -1), x.reshape(1, n * c, -1), None, None, None, mu.reshape(-1), ones, True, 0.0, mask
+        )
+        return total.reshape(n, c), dot.reshape(n, c)
+    if layout == "samples":
+        ones = torch.ones(c, dtype=mu.dtype)
+        parts = [torch.ops.aten.native_batch_norm_backward(
+            g[i : i + 1], x[i : i + 1], None, None, None, mu[i], ones, True, 0.0, mask) for i in range(n)]
+        return torch.stack([p[2] for p in parts]), torch.stack([p[1] for p in parts])
+    dims = tuple(range(2, x.dim()))
+    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
+    return g.sum(dims), (g * centered).sum(dims)
+
+
+def _instance_affine(x: Tensor, scale: Tensor, shift: Tensor, layout: str) -> Tensor:
+    """``x * scale + shift`` with (N, C) coefficients, in x's memory format (CPU rows: BatchNorm's normalize
+    kernel on the (1, N*C, L) view, with running_var 1 and eps 0 it is exactly this affine)."""
+    n, c = x.shape[:2]
+    if layout == "rows":  # written through a (1, N*C, L) view into y, which is returned: y is not a view
+        zeros = torch.zeros(n * c, dtype=scale.dtype)
+        ones = torch.ones(n * c, dtype=scale.dtype)
+        y, flat, unused = torch.empty_like(x), (1, n * c, -1), scale.new_empty(0)
+        torch.ops.aten.native_batch_norm.out(
+            x.view(flat), scale.reshape(-1), shift.reshape(-1), zeros, ones, False, 0.0, 0.0,
+            out=y.view(flat), save_mean=unused, save_invstd=unused,
+        )
+        return y
+    shape = (n, c) + (1,) * (x.dim() - 2)
+    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+
+
+class _SwitchableNormFn(torch.autograd.Function):
+    """Switchable normalization with an explicit backward (see :func:`switchable_norm` for the formula).
+
+    Forward: one statistics pass for the per-(n, c) mean and variance (LN and BN statistics are their averages), the
+    (N, C)-sized mixture, one normalize pass ``x * scale + shift``. Backward, with ``G1 = sum_hw(g)`` and
+    ``G2 = sum_hw(g * (x - mu))`` from one reduction pass (``s = rsqrt(var + eps)``, ``scale = s * weight``)::
+
+        dL/dscale = G2 + (mu - mean) * G1        dL/dmean = -scale * G1        dL/dbias = sum_n(G1)
+        dL/dweight = sum_n(dL/dscale * s)        dL/dvar = -dL/dscale * weight * s^3 / 2
+        (dL/dmu, dL/dvar_in, dL/dlogits) = _sn_mix_backward(dL/dmean, dL/dvar)
+        dL/dx = g * scale + dL/dmu / S + dL/dvar_in * 2 (x - mu) / (S - 1)        (one pass)
+
+    Double backward (``create_graph=True``) differentiates the composite formula instead. Outputs: y (never a
+    view, so in-place ops on it work) and, with batch BN statistics, their (1, C) mean and variance (no gradient;
+    the caller updates the running statistics with them), else two None.
+    """
+
+    @staticmethod
+    def forward(ctx, x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg):
+        eps, using_bn = cfg
+        xs, layout = stats_dtype(x), _instance_layout(x)
+        mu, var = _instance_stats(xs, layout)
+        count = x[0, 0].numel()
+        bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
+        mean, var_mix, parts = _sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
+        s = torch.rsqrt(var_mix.add_(eps))
+        scale = s if weight is None else s * weight.to(xs.dtype)
+        shift = torch.mul(mean, scale).neg_()
+        if bias is not None:
+            shift = shift.add_(bias.to(xs.dtype))
+        ctx.save_for_backward(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var)
+        ctx.stats = (mean, s, scale, parts, bn_stats is None)
+        ctx.cfg, ctx.layout = cfg, layout
+        y = _instance_affine(xs, scale, shift, layout).to(x.dtype)
+        if bn_stats is not None:
+            return y, None, None
+        batch = (parts[0][2], parts[1][2])
+        ctx.mark_non_differentiable(*batch)
+        ctx.set_materialize_grads(False)  # no zero gradients built for the statistics
+        return (y,) + batch
+
+    @staticmethod
+    def backward(ctx, grad, *_batch_stats):
+        if grad is None:  # only the (non-differentiable) statistics were differentiated
+            return (None,) * 8
+        if torch.is_grad_enabled():
+            return _switchable_double_backward(ctx, grad)
+        x, mean_weight, var_weight, weight, bias = ctx.saved_tensors[:5]
+        mean, s, scale, parts, batch_bn = ctx.stats
+        mu, layout, count = parts[0][0], ctx.layout, x[0, 0].numel()
+        xs = stats_dtype(x)
+        g = same_layout(grad, x).to(xs.dtype)
+        g1, g2 = _instance_dots(g, xs, mu, layout)
+        d_scale = torch.addcmul(g2, mu - mean, g1)
+        d_mean = torch.mul(scale, g1).neg_()
+        d_s = d_scale if weight is None else d_scale * weight.to(xs.dtype)
+        d_var = d_s.mul_(s.pow(3)).mul_(-0.5)
+        d_mu, d_var_in, d_mw, d_vw = _sn_mix_backward(d_mean, d_var, parts, batch_bn)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            a = d_var_in.mul_(2.0 / (count - 1))
+            b = torch.addcmul(d_mu.div_(count), a, mu, value=-1.0)
+            spatial = (1,) * (x.dim() - 2)
+            gx = _instance_affine(xs, a, b, layout).addcmul_(g, scale.reshape(scale.shape + spatial)).to(x.dtype)
+        d_w = None if weight is None else (d_scale * s).sum(0).to(weight.dtype)
+        d_b = None if bias is None else g1.sum(0).to(bias.dtype)
+        return gx, d_mw.to(mean_weight.dtype), d_vw.to(var_weight.dtype), d_w, d_b, None, None, None
+
+
+def _switchable_double_backward(ctx, grad):
+    """Backward with ``create_graph=True``: the gradient of the composite formula, itself differentiable."""
+    x, mean_weight, var_weight, weight, bias, bn_mean, bn_var = ctx.saved_tensors
+    eps, using_bn = ctx.cfg[:2]
+    bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
+    inputs = [t for t in (x, mean_weight, var_weight, weight, bias) if t is not None and t.requires_grad]
+    y, _ = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
+    found = torch.autograd.grad(y.to(x.dtype), inputs, grad, create_graph=True, allow_unused=True)
+    by_id = {id(t): g for t, g in zip(inputs, found)}
+    return tuple(by_id.get(id(t)) if t is not None else None for t in (x, mean_weight, var_weight, weight, bias)) + (
+        None, None, None)
+
+
+def _sn_fused_ok(x: Tensor) -> bool:
+    """Whether :class:`_SwitchableNormFn` may run: eager on CPU/CUDA with a non-empty input. torch.compile,
+    torch.export, jit.trace, torch.func transforms, other devices (meta) and empty inputs take the composite path."""
+    return x.numel() > 0 and plain_eager(x)
+
+
+def switchable_forward(x, mean_weight, var_weight, weight, bias, running_mean, running_var, training, momentum, eps,
+                       using_bn, using_moving_average, fused, where="switchable_norm"):
+    """:func:`normlab.functional.switchable_norm` (which calls this), and the layers' forward with their name as
+    ``where``. A non-finite batch leaves the running statistics unchanged and warns (eager; the non-finite policy of
+    :mod:`normlab._dispatch`)."""
+    if x.dim() < 3:
+        raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
+    n, c = x.shape[:2]
+    spatial = x.shape[2:].numel()
+    if spatial < 2:
+        raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
+    has_running = running_mean is not None and running_var is not None
+    update = training and using_bn and has_running and n > 0 and not recomputing()
+    bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, c, stats_dtype(x).dtype)
+    if fused is None:
+        fused = _sn_fused_ok(x)
+    if fused:
+        bn_mean, bn_var = bn_stats if isinstance(bn_stats, tuple) else (None, None)
+        y, *batch = _SwitchableNormFn.apply(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, (eps, using_bn))
+        batch = None if batch[0] is None else batch
+    else:
+        y, batch = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
+        y = y.to(x.dtype)
+    if update and batch is not None:
+        finite = _sn_update_running(running_mean, running_var, batch, momentum, using_moving_average, where)
+        warn_non_finite(where, finite, x)
+    return y
