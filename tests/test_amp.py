@@ -16,8 +16,8 @@ from normlab.cli import main
 from normlab.monitor import VarianceMonitor
 from normlab.nn import PrimaryCapsules, RoutingCapsules, SyncBatchRenorm
 from normlab.nn.registry import CONV_CLASSES, DIMS, NORM_CLASSES, create_conv, create_norm
-from normlab.runner.config import TrainConfig
-from normlab.runner.train import Trainer, train
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import Trainer, train
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
 NORMS = [(name, dim) for name in NORM_CLASSES if name != "none" for dim in DIMS]

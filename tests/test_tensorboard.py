@@ -115,8 +115,8 @@ def test_train_tensorboard_has_the_run_and_the_monitor(tmp_path):
 
 
 def test_a_resumed_run_purges_the_events_after_its_checkpoint(tmp_path, monkeypatch):
-    from normlab.runner.config import TrainConfig
-    from normlab.runner.train import Trainer, train
+    from normlab.runner.training.config import TrainConfig
+    from normlab.runner.training.train import Trainer, train
 
     cfg = TrainConfig(norm="bn", width=0.125, batch_size=16, epochs=2, max_steps_per_epoch=4, monitor_every=1)
     real, calls = Trainer._train_step, []
