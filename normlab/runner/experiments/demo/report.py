@@ -203,10 +203,10 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str]) -> list[str]
 
 def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
     """Write ``report.md`` and the plots; returns the paths written. The evidence from the runs' files
-    (:func:`~normlab.runner.experiments.demo.claims.collect_evidence`) is taken from ``demo["evidence"]`` when
-    present, else gathered from ``out_dir``."""
+    (:func:`~normlab.runner.experiments.demo.claims.collect_evidence`) is gathered again where the runs' files are
+    in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs)."""
     out = Path(out_dir)
-    if not demo.get("evidence"):
+    if (out / "collapse" / "runs").is_dir() or not demo.get("evidence"):
         demo = {**demo, "evidence": collect_evidence(out, demo["sections"])}
     evidence = demo["evidence"]
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
