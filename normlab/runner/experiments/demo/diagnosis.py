@@ -136,7 +136,7 @@ def _panel(ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, ala
         ax.text(0.5, 0.5 if not layers else 0.08, f"{'every' if not layers else hidden} value{'s' if layers else ''} "
                 f"< {level:g} {of}:\nrounding noise of zero-mean filters,\nnot drawn", ha="center", va="center",
                 fontsize=8, color="0.3", transform=ax.transAxes)
-    if not layers:
+    if not layers and hidden:
         ax.set_yticks([])
     elif not log:
         ax.ticklabel_format(axis="y", useOffset=False)

@@ -23,7 +23,7 @@ def _label(name: str) -> str:
 
 def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None, right: float = 0.84) -> Path:
     """Lay out the panels left of ``right`` (a fraction of the width), the legend in the space to their right."""
-    fig.tight_layout(rect=(0, 0, right, 0.93))
+    fig.tight_layout(rect=(0, 0, right, 1 - 0.45 / fig.get_figheight()))
     if legend_handles:
         fig.legend(handles=legend_handles, loc="center left", bbox_to_anchor=(right, 0.5), fontsize=8,
                    frameon=False, title=legend_title, title_fontsize=8)
@@ -41,8 +41,11 @@ def _seed_values(results: dict, name: str, key: str, x_key: str) -> dict[float, 
     return dict(sorted(out.items()))
 
 
-def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple[float, bool]]], color: str, **line) -> Any:
-    """Faint point per seed (x where it collapsed), bold mean line with its std as error bars."""
+def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple[float, bool]]], color: str, dodge: float = 1.0,
+                    **line) -> Any:
+    """Faint point per seed (x where it collapsed), bold mean line with its std as error bars; ``dodge`` multiplies
+    the x values (a log axis), so norms at the same x stand side by side instead of on top of each other."""
+    xs_vals = {x * dodge: v for x, v in xs_vals.items()}
     xs = list(xs_vals)
     for x, vals in xs_vals.items():
         ok = [v for v, col in vals if not col]
@@ -81,7 +84,8 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     handles = []
     for i, name in enumerate(results["spec"]["norms"]):
         color = f"C{i % 10}"
-        _seeds_and_mean(ax, _seed_values(results, name, "final_test_acc", "lr"), color)
+        dodge = 10 ** (0.025 * (i - (len(results["spec"]["norms"]) - 1) / 2))
+        _seeds_and_mean(ax, _seed_values(results, name, "final_test_acc", "lr"), color, dodge)
         handles.append(Line2D([], [], color=color, linewidth=2.2, label=_label(name)))
     chance = chance_level(results)
     if chance:
@@ -90,7 +94,8 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     ax.set_xticks(lrs)
     ax.set_xticklabels([f"{x:g}" for x in lrs])
     ax.minorticks_off()
-    ax.set(xlabel="learning rate (log scale)", ylabel="final test accuracy (%)", ylim=(0, 100))
+    ax.set(xlabel="learning rate (log scale; norms side by side at each rate)", ylabel="final test accuracy (%)",
+           ylim=(0, 100))
     ax.grid(alpha=0.3)
     fig.suptitle(f"(a) accuracy vs learning rate, batch {results['spec']['base_batch_size']}", fontsize=10)
     dotted = Line2D([], [], color="0.4", linestyle=":", label="chance (10 %)")
@@ -122,11 +127,19 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
     return [sum(v) / len(v) if len(v) == len(curves) else math.nan for v in cols]
 
 
+LOSS_TOP = 20.0  # the loss axis ends here (about 9 x ln 10); a run above it diverged and is marked at the edge
+
+
 def _end_mark(ax, curve: list[float], color: str) -> None:
-    """A run whose loss became non-finite: an X at its last finite value."""
+    """A run whose loss left the axis (diverged): a triangle at the top edge where it crossed; one whose loss became
+    non-finite: an X where its last finite value was (at the edge if above it)."""
+    up = next((i for i, v in enumerate(curve) if math.isfinite(v) and v > LOSS_TOP), None)
+    if up is not None:
+        ax.plot([up], [LOSS_TOP], "^", color=color, markersize=7, markeredgecolor="k", clip_on=False, zorder=5)
     finite = [i for i, v in enumerate(curve) if math.isfinite(v)]
     if finite and finite[-1] < len(curve) - 1:
-        ax.plot([finite[-1]], [curve[finite[-1]]], "X", color=color, markersize=8, markeredgecolor="k")
+        ax.plot([finite[-1]], [min(curve[finite[-1]], LOSS_TOP)], "X", color=color, markersize=8,
+                markeredgecolor="k", clip_on=False, zorder=6)
 
 
 def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
@@ -154,6 +167,7 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         ax.axhline(math.log(10), color="0.3", linestyle=":", linewidth=1)
         ax.set_title(_label(name), fontsize=9)
         ax.set_yscale("log")
+        ax.set_ylim(0.05, LOSS_TOP)
         ax.grid(alpha=0.3, which="both")
     for ax in axes.flat[len(names):]:
         ax.set_visible(False)
@@ -164,9 +178,11 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     handles = [Line2D([], [], color=colors[lr], linewidth=2.0, label=f"lr {lr:g}") for lr in lrs] + [
         Line2D([], [], color="0.3", linewidth=2.0, label="mean over seeds"),
         Line2D([], [], color="0.3", linewidth=0.7, alpha=0.5, label="one seed"),
+        Line2D([], [], color="0.5", marker="^", markeredgecolor="k", linestyle="",
+               label=f"loss above {LOSS_TOP:g}: diverged"),
         Line2D([], [], color="0.5", marker="X", markeredgecolor="k", linestyle="", label="loss became non-finite"),
         Line2D([], [], color="0.3", linestyle=":", label="ln 10 (chance)")]
-    fig.suptitle("(a) training loss (running mean of 10 steps; log scale)", fontsize=10)
+    fig.suptitle("(a) training loss per norm (running mean of 10 steps; log scale)", fontsize=10)
     return _save(fig, path, handles, "learning rate", right=1 - 2.3 / fig.get_figwidth())
 
 
@@ -185,15 +201,16 @@ def batch_plot(results: dict, path: Path) -> Path | None:
         for ax, key in zip(axes, ("final_test_acc", "final_test_acc_train_mode")):
             vals = _seed_values(results, name, key, "batch_size")
             if vals:
-                _seeds_and_mean(ax, vals, color)
+                _seeds_and_mean(ax, vals, color, 2 ** (0.04 * (i - (len(results["spec"]["norms"]) - 1) / 2)))
         handles.append(Line2D([], [], color=color, linewidth=2.2, label=name))
     chance = chance_level(results)
+    steps = {int(c["batch_size"]): c.get("steps_run") for c in results["cells"]}
     for ax, title in zip(axes, ("eval mode: running statistics", "train mode: statistics of each test batch")):
         if chance:
             ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(bss)
-        ax.set_xticklabels([str(b) for b in bss])
+        ax.set_xticklabels([f"{b}\n({steps.get(b)} steps)" for b in bss], fontsize=8)
         ax.minorticks_off()
         ax.set(xlabel="batch size (log scale; lr scaled linearly, equal epochs)", title=title, ylim=(0, 100))
         ax.grid(alpha=0.3)
