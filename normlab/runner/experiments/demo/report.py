@@ -95,7 +95,8 @@ def _plateau_table(results: dict, evidence: dict) -> list[str]:
                       and int(c["batch_size"]) == b]
             falls = [x["fall"] for x in checks if x and x["fall"] is not None]
             at = sum(1 for x in checks if x and x["plateau"])
-            cells.append(f"{', '.join(f'{100 * f:.0f} %' for f in falls) or 'n/a'} ({at}/{len(checks)} at plateau)")
+            cells.append(f"{', '.join(f'{round(100 * f) + 0:d} %' for f in falls) or 'n/a'} ({at}/{len(checks)} at "
+                         f"plateau)")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
 
