@@ -186,13 +186,20 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
     assert rc == 0
     out = capsys.readouterr().out
+    report = (tmp_path / "report.md").read_text()
     for section in ("## (a) Learning rate", "## (b) Batch size", "## (c) Collapse diagnosis", "## (d) Cost"):
-        assert section in out
-    assert "Claim 1" in out and "Mechanism" in out and "Monitor target" in out and "false alarm" in out
+        assert section in report and section not in out  # the terminal shows the first table, not the report
+    # the report opens with the claims table; the terminal ends with the same table and the report's path
+    table = report.split("\n\n")[1]
+    assert table.startswith("| # | claim (as its source states it) | verdict | the numbers |")
+    assert [row.split(" | ")[0] for row in table.splitlines()[2:]] == ["| 1", "| 2", "| 3", "| 3a", "| 4", "| 5",
+                                                                        "| BRN", "| mon"]
+    assert table in out and out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
+    assert "false alarm" in report and "at plateau" in report
     demo = json.loads((tmp_path / "demo.json").read_text())
     assert set(demo["sections"]) == {"lr_sweep", "collapse", "batch_size"}
     assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}
-    for png in ("a_acc_vs_lr.png", "a_training_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png"):
+    for png in ("a_acc_vs_lr.png", "a_loss_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the batch-size section reports train-mode accuracy; every run of the demo is monitored
     assert all(c["final_test_acc_train_mode"] is not None for c in demo["sections"]["batch_size"]["cells"])

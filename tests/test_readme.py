@@ -21,3 +21,40 @@ def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
     assert "None" in capsys.readouterr().out  # the examples print mon.alarm, None on a healthy step
     if (tmp_path / "runs" / "tb").is_dir():  # the TensorBoard example wrote its event file
         assert list((tmp_path / "runs" / "tb").glob("events.out.tfevents.*"))
+
+
+DEMO_RECORD = README.parent / "docs" / "demo_record.json"
+BEGIN, END = "<!-- demo-claims:begin -->", "<!-- demo-claims:end -->"
+
+
+def test_readme_demo_table_is_the_reports_table_of_the_recorded_demo():
+    """The README quotes the first table of the demo's report. It must be exactly what the report's builder makes of
+    the recorded run (docs/demo_record.json, saved from runs/demo): a hand-edited number, a changed criterion or
+    wording in the builder, or a new record without the README updated all fail here."""
+    import json
+
+    from normlab.runner.experiments.demo.claims import claims_markdown
+
+    text = README.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, "README lacks the demo-claims markers"
+    quoted = text.split(BEGIN)[1].split(END)[0].strip()
+    built = "\n".join(claims_markdown(json.loads(DEMO_RECORD.read_text()))).strip()
+    assert quoted == built, ("README's demo table differs from the report's: refresh both with `python -m "
+                             "normlab.runner.experiments.demo.claims runs/demo docs/demo_record.json` and paste "
+                             "its output between the markers")
+
+
+def test_demo_record_keeps_every_verdict():
+    """docs/demo_record.json drops the runs' histories only: the table built from it is the demo's own."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_demo_report import _demo
+
+    from normlab.runner.experiments.demo.claims import claims_record, claims_table
+
+    demo = _demo()
+    for sec in demo["sections"].values():
+        for c in sec["cells"]:
+            c["history"] = [{"test_acc": 0.5}]
+    assert claims_table(claims_record(demo)) == claims_table(demo)

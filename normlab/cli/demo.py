@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from normlab.runner.experiments.demo.experiment import run_demo
+from normlab.runner.experiments.demo.report import first_table
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 
@@ -35,6 +36,9 @@ def run(args: argparse.Namespace) -> int:
     with out_lock(out, NAME):
         for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
             remove_stale_temps(d)
-        run_demo(out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress)
-    print((out / "report.md").read_text())
+        demo = run_demo(out, quick=args.quick, workers=args.workers, threads=args.threads,
+                        progress=not args.no_progress)
+    print("\n".join(first_table(demo)))
+    print(f"\nreport: {out / 'report.md'} (the criteria of each verdict, every section's numbers, the plots "
+          f"{', '.join(p.name for p in sorted(out.glob('*.png')))})")
     return 0

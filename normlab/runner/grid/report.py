@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.grid.verdicts import CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.grid.verdicts import COST_CRITERION, CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
 from normlab.runner.io import atomic_savefig, atomic_write_text
 
 # --------------------------------------------------------------------------------------------------
@@ -26,13 +26,30 @@ def _pm(m: float | None, s: float | None, n: int, scale: float = 100.0, fmt: str
     return f"{scale * m:{fmt}}"
 
 
+def lr_used(results: dict[str, Any], lr: float, bs: int) -> float:
+    """The learning rate the runs of base lr ``lr`` at batch ``bs`` trained with (the grid scales it with the batch
+    size under ``lr_scaling``), read from the runs themselves."""
+    for c in results.get("cells", []):
+        if float(c["lr"]) == float(lr) and int(c["batch_size"]) == int(bs) and c.get("train_lr") is not None:
+            return float(c["train_lr"])
+    spec = results["spec"]
+    if spec.get("lr_scaling") == "linear":
+        return float(lr) * int(bs) / int(spec["base_batch_size"])
+    return float(lr)
+
+
+def _lr_text(results: dict[str, Any], lr: float, bs: int) -> str:
+    used = lr_used(results, lr, bs)
+    return f"{used:g}" if used == float(lr) else f"{used:g} (base {lr:g})"
+
+
 def markdown_table(results: dict[str, Any]) -> str:
     """One row per (norm, lr, batch size): accuracies as mean ± std over seeds (percent)."""
     spec = results["spec"]
     order = {n: i for i, n in enumerate(spec["norms"])}
     target = spec.get("target_acc")
     tgt = f"epochs to {100 * target:.0f} %" if target else "epochs to target"
-    head = ["norm", "lr", "batch", "seeds", "final test acc %", "best test acc %", "collapsed", tgt,
+    head = ["norm", "lr used", "batch", "seeds", "final test acc %", "best test acc %", "collapsed", tgt,
             "step time ms"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     groups = sorted(results["groups"], key=lambda g: (order.get(g["name"], 99), g["batch_size"], g["lr"]))
@@ -47,7 +64,7 @@ def markdown_table(results: dict[str, Any]) -> str:
             ett = f"not reached (0/{n})"
         step = f"{1000 * g['step_time_s']:.1f}" if g["step_time_s"] else "n/a"
         rows.append("| " + " | ".join([
-            g["name"], f"{g['lr']:g}", str(g["batch_size"]), str(n),
+            g["name"], _lr_text(results, g["lr"], g["batch_size"]), str(g["batch_size"]), str(n),
             _pm(g["final_mean"], g["final_std"], n), _pm(g["best_mean"], g["best_std"], n), coll, ett, step,
         ]) + " |")
     return "\n".join(rows)
@@ -84,9 +101,10 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "",
     ]
     for e in headline_effects(results):
-        mark = {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
+        mark = "**tie**" if e.get("mark") == "tie" else {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
         lines.append(f"- {e['effect']}: {mark}. {e['text']}")
-    lines += ["", f"Criteria: {CRITERIA} {DEGRADE_CRITERION}", "", "## Results", "", markdown_table(results), ""]
+    lines += ["", f"Criteria: {CRITERIA} {DEGRADE_CRITERION} {COST_CRITERION}", "", "## Results", "",
+              markdown_table(results), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -151,7 +169,9 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
         ax.minorticks_off()
         ax.set_xlabel("learning rate" if axis == "lr" else "batch size")
         ax.set_ylabel("final test accuracy (%)")
-        ax.set_title(f"{other.replace('_', ' ')} = {o:g}" if axis == "lr" else f"lr = {o:g}")
+        scaled = spec.get("lr_scaling") == "linear"
+        ax.set_title(f"{other.replace('_', ' ')} = {o:g}" if axis == "lr" else
+                     f"base lr {o:g} at batch {spec['base_batch_size']}" + (", scaled linearly" if scaled else ""))
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     _legend(fig, axes)
@@ -199,7 +219,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("epoch")
         ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"lr {lr:g}, batch size {bs}")
+        ax.set_title(f"lr {_lr_text(results, lr, bs)}, batch size {bs}", fontsize=10)
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     _legend(fig, axes)
@@ -253,7 +273,7 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
     """Short console summary: the headline effects, one line each."""
     out = []
     for e in headline_effects(results):
-        mark = {True: "YES", False: "NO", None: "info"}[e["appeared"]]
+        mark = "TIE" if e.get("mark") == "tie" else {True: "YES", False: "NO", None: "info"}[e["appeared"]]
         out.append(f"[{mark}] {e['effect']}: {e['text']}")
     return out
 

@@ -203,18 +203,46 @@ def _effect_identical(ctx: _Context) -> dict[str, Any] | None:
               "Batch Renorm before its rmax/dmax schedule leaves warm-up is exactly BN)"}
 
 
+TIME_TIE = 0.03  # step times closer than 3 % of PWS's (or than the spread over seeds) are a tie
+COST_CRITERION = (
+    f"PWS's step is *cheaper* (or *dearer*) than a norm's when their mean step times at the base point differ by more "
+    f"than the larger of the two norms' spread over seeds (max - min) and at least {100 * TIME_TIE:.0f} % of PWS's "
+    f"step; otherwise it is a *tie*."
+)
+
+
+def _step_times(ctx: _Context, name: str) -> list[float]:
+    """The step times of ``name``'s runs at the base point, one per seed (the group's mean without cells)."""
+    ts = [c["step_time_s"] for c in ctx.results.get("cells", []) if c["name"] == name and c.get("step_time_s")
+          and float(c["lr"]) == ctx.base_lr and int(c["batch_size"]) == ctx.base_bs]
+    g = ctx.get(name, ctx.base_lr)
+    return ts or ([g["step_time_s"]] if g is not None and g.get("step_time_s") else [])
+
+
+def cost_comparison(pws: list[float], other: list[float]) -> str:
+    """"cheaper" / "dearer" / "tie": PWS's step times (one per seed) against another norm's (COST_CRITERION)."""
+    mp, mo = sum(pws) / len(pws), sum(other) / len(other)
+    spread = max(max(pws) - min(pws), max(other) - min(other), TIME_TIE * mp)
+    return "tie" if abs(mo - mp) <= spread else "cheaper" if mo > mp else "dearer"
+
+
 def _effect_cost(ctx: _Context) -> dict[str, Any] | None:
-    """(4) Step time of PWS against the output normalizations at the base point."""
-    st = {n: g["step_time_s"] for n in ctx.names if (g := ctx.get(n, ctx.base_lr)) is not None and g["step_time_s"]}
+    """(4) Step time of PWS against the output normalizations at the base point, a tie within the spread."""
+    st = {n: ts for n in ctx.names if (ts := _step_times(ctx, n))}
     others = [n for n in ("bn", "brn", "gn", "sn") if n in st]
     if "pws" not in st or not others:
         return None
-    ratios = ", ".join(f"{n.upper()} {st[n] / st['pws']:.2f}x" for n in others)
-    return {"effect": "PWS step is cheaper than output normalization (CPU, this model)",
-            "appeared": all(st[n] >= st["pws"] for n in others),
-            "text": f"step time relative to PWS ({1000 * st['pws']:.1f} ms): {ratios} (mean step times of runs made "
-                    f"at different moments, noisy on a shared machine; `normlab bench --steps` times them side by "
-                    f"side)"}
+    said = {n: cost_comparison(st["pws"], st[n]) for n in others}
+    mean = {n: sum(v) / len(v) for n, v in st.items()}
+    ratios = ", ".join(f"{n.upper()} {mean[n] / mean['pws']:.2f}x ({'a tie' if said[n] == 'tie' else 'PWS ' + said[n]})"
+                       for n in others)
+    appeared = True if all(v == "cheaper" for v in said.values()) else \
+        False if any(v == "dearer" for v in said.values()) else None
+    return {"effect": "PWS step is cheaper than output normalization (CPU, this model)", "appeared": appeared,
+            "mark": "tie" if appeared is None else None,
+            "text": f"{'a tie within the timing spread: ' if appeared is None else ''}step time relative to PWS "
+                    f"({1000 * mean['pws']:.1f} ms): {ratios} (mean step times of runs made at different moments, "
+                    f"noisy on a shared machine; `normlab bench --steps` times them side by side)"}
 
 
 def _identical_norms(results: dict[str, Any]) -> list[list[str]]:

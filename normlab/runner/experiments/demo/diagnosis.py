@@ -91,34 +91,83 @@ def _loss_trace(run_dir: Path) -> list[float | None]:
     return json.loads(path.read_text())["losses"] if path.is_file() else []
 
 
-def _series(records: list[dict], key: str, max_step: int | None) -> dict[str, tuple[list, list]]:
+# Values at float32 rounding level are no signal: the shift of a net with zero-mean filters (PWS, WS: ~1e-14 of
+# n Var[W]) and the spread of their mean updates (~1e-7 of the weights' std). Below these floors a point is not drawn.
+NOISE_FLOORS = {
+    "shift": ("shift_scale_free", 1e-6, "of n Var[W]"),
+    "mean_update_std": ("_mean_update_rel", 1e-5, "of the weights' std"),
+}
+
+
+def _relative(r: dict, key: str) -> float | None:
+    if key == "_mean_update_rel":
+        wv = r.get("weight_var")
+        return None if not wv or r.get("mean_update_std") is None else r["mean_update_std"] / math.sqrt(wv)
+    return r.get(key)
+
+
+def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[str, tuple[list, list]], int]:
+    """layer -> (steps, values) of ``key`` (conv and linear layers), and how many values were at rounding level
+    (:data:`NOISE_FLOORS`) and left out."""
     out: dict[str, tuple[list, list]] = {}
+    floor, hidden = NOISE_FLOORS.get(key), 0
     for r in records:
         if r.get(key) is None or r.get("kind") == "norm" or (max_step is not None and r["step"] > max_step):
+            continue
+        rel = _relative(r, floor[0]) if floor else None
+        if rel is not None and abs(rel) < floor[1]:
+            hidden += 1
             continue
         steps, vals = out.setdefault(r["layer"], ([], []))
         steps.append(r["step"])
         vals.append(r[key])
-    return out
+    return out, hidden
 
 
-def _panel(ax, series: dict, title: str, ylabel: str, log: bool, alarm: dict | None) -> None:
-    for layer, (steps, vals) in series.items():
+def _panel(ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, alarm: dict | None,
+           key: str | None = None) -> None:
+    layers, hidden = series
+    for layer, (steps, vals) in layers.items():
         ax.plot(steps, vals, linewidth=1.0, label=layer)
-    if log and any(v > 0 for _, vals in series.values() for v in vals if v is not None and math.isfinite(v)):
+    if log and any(v > 0 for _, vals in layers.values() for v in vals if v is not None and math.isfinite(v)):
         ax.set_yscale("log", nonpositive="mask")
+    if hidden and key in NOISE_FLOORS:
+        _, level, of = NOISE_FLOORS[key]
+        ax.text(0.5, 0.5 if not layers else 0.08, f"{'every' if not layers else hidden} value{'s' if layers else ''} "
+                f"< {level:g} {of}:\nrounding noise of zero-mean filters,\nnot drawn", ha="center", va="center",
+                fontsize=8, color="0.3", transform=ax.transAxes)
+    if not layers and hidden:
+        ax.set_yticks([])
+    elif not log:
+        ax.ticklabel_format(axis="y", useOffset=False)
     if alarm and alarm.get("step") is not None:
-        ax.axvline(alarm["step"], color="r", linestyle="--", linewidth=1)
+        ax.axvline(alarm["step"], color="r", linestyle="--", linewidth=1.2)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel, fontsize=8)
     ax.grid(alpha=0.3)
 
 
+_COLUMNS = (("update_ratio_mean", "Fig. 1(a): Var[W - dW] / Var[W]", "ratio", False),
+            ("mean_update_std", "Fig. 1(b): spread of mean(dW_o) over filters", "std (log)", True),
+            ("shift", "shift of the average: Var_o[n mean(W_o)]", "shift (log)", True),
+            ("output_var", "output variance per layer", "Var[Y] (log)", True))
+
+
+def _share_log_limits(axes, col: int) -> None:
+    """The same y range for a log column in every row, so rows compare at a glance."""
+    lims = [ax.get_ylim() for ax in axes[:, col] if ax.get_yscale() == "log" and ax.lines]
+    if lims:
+        lo, hi = min(a for a, _ in lims), max(b for _, b in lims)
+        for ax in axes[:, col]:
+            if ax.get_yscale() == "log":
+                ax.set_ylim(lo, hi)
+
+
 def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int | None = 100) -> Path | None:
     """One row per (label, run dir): loss, Fig. 1(a) update ratio, Fig. 1(b) spread of the per-filter mean update,
     the shift of the average and the output variance per layer over the first ``max_step`` steps; the red dashed
-    line is the alarm."""
+    line is the monitor's alarm (named in the row's loss panel). Values at rounding level are not drawn."""
     runs = [(label, Path(d)) for label, d in runs if (Path(d) / "monitor.jsonl").is_file()]
     if not runs:
         return None
@@ -126,25 +175,30 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(len(runs), 5, figsize=(22, 3.2 * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(len(runs), 5, figsize=(22, 3.2 * len(runs)), squeeze=False, sharex=True)
     for row, (label, run_dir) in zip(axes, runs):
         records, _ = load_records(run_dir)
         alarm = diagnose_run(run_dir)["alarm"]
         losses = _loss_trace(run_dir)[: (max_step or 10**9) + 1]
         row[0].plot(range(len(losses)), [math.nan if v is None else v for v in losses], color="k", linewidth=1)
         row[0].axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
-        _panel(row[0], {}, f"{label}: training loss (dotted: ln 10)", "loss", False, alarm)
-        _panel(row[1], _series(records, "update_ratio_mean", max_step), "Fig. 1(a): Var[W - dW] / Var[W]", "ratio",
-               False, alarm)
-        _panel(row[2], _series(records, "mean_update_std", max_step), "Fig. 1(b): spread of mean(dW_o) over filters",
-               "std", True, alarm)
-        _panel(row[3], _series(records, "shift", max_step), "shift of the average: Var_o[n mean(W_o)]", "shift", True,
-               alarm)
-        _panel(row[4], _series(records, "output_var", max_step), "output variance per layer", "Var[Y]", True, alarm)
+        said = (f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm
+                else "no alarm")
+        row[0].text(0.97, 0.95, said, ha="right", va="top", fontsize=8, color="r" if alarm else "0.3",
+                    transform=row[0].transAxes)
+        _panel(row[0], ({}, 0), f"{label}: training loss", "loss", False, alarm)
+        for ax, (key, title, ylabel, log) in zip(row[1:], _COLUMNS):
+            _panel(ax, _series(records, key, max_step), title, ylabel, log, alarm, key)
+    for col in range(1, 5):
+        _share_log_limits(axes, col)
     handles, labels = axes[0][4].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center right", fontsize=7, title="layer")
-    fig.tight_layout(rect=(0, 0, 0.92, 1))
+    handles += [Line2D([], [], color="r", linestyle="--"), Line2D([], [], color="0.5", linestyle=":")]
+    labels += ["monitor alarm\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
+               "whose input collapsed)", "ln 10 (chance loss)"]
+    fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
     atomic_savefig(fig, path, dpi=90)
     plt.close(fig)
     return path

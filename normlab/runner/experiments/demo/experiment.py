@@ -29,6 +29,7 @@ from typing import Any
 from normlab.runner.bench import step_times
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.experiments.compare import COMPARE
+from normlab.runner.experiments.demo.claims import collect_evidence
 from normlab.runner.experiments.demo.report import render_demo_report
 from normlab.runner.grid.execute import GridRun, plan_grid, run_cells
 from normlab.runner.grid.spec import GridSpec
@@ -108,8 +109,9 @@ def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:
 
 def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | None = None,
              threads: int | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "sections",
-    "cost"}`` (the sections' results dicts)."""
+    """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick",
+    "sections", "cost", "evidence"}`` (the sections' results dicts; the evidence the claims' verdicts take from the
+    runs' files, :func:`~normlab.runner.experiments.demo.claims.collect_evidence`)."""
     p = QUICK_PROTOCOL if quick else PROTOCOL
     out = Path(out_dir)
     get_dataset("mnist1d", out / "data", num_samples=p.num_samples)  # generate once, before the workers start
@@ -122,6 +124,7 @@ def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | 
     run_cells(list(grids.values()), workers=workers, threads=threads, progress=progress)
     demo = {"protocol": dataclasses.asdict(p), "quick": quick,
             "sections": {k: g.finish(render=False) for k, g in grids.items()}, "cost": _step_cost(p, out)}
+    demo["evidence"] = collect_evidence(out, demo["sections"])
     atomic_write_json(out / "demo.json", demo)
     render_demo_report(demo, out)
     return demo
