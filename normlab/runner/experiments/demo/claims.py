@@ -263,8 +263,8 @@ def _cost_rows(cost: dict) -> list[dict[str, str]]:
             continue
         said = {n: timing_verdict(t, n) for n in others}
         words = "; ".join(f"{n.upper()} {1000 * t[n]['median_s']:.2f} ms: {_SAID[v]}" for n, (v, _) in said.items())
-        nums = (f"batch {bs}: PWS {1000 * t['pws']['median_s']:.2f} ms; {words} (a tie: closer than the timing "
-                f"spread, here up to {1000 * max(s for _, s in said.values()):.2f} ms)")
+        nums = (f"batch {bs}: PWS {1000 * t['pws']['median_s']:.2f} ms; {words}. A tie is a difference within the "
+                f"timing spread (here up to {1000 * max(s for _, s in said.values()):.2f} ms)")
         verdict = REPRODUCED if all(v == "cheaper" for v, _ in said.values()) else NOT_REPRODUCED
         rows.append(_row("4", verdict, nums))
     return rows
