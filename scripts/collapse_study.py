@@ -92,8 +92,9 @@ def _accuracy(model, x, y) -> float:
     return acc
 
 
-def train_run(cfg, steps=STEPS, guard_kwargs=None):
+def train_run(cfg, steps=None, guard_kwargs=None):
     """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard."""
+    steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.collapse import CollapseTracker
 
