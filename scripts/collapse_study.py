@@ -92,8 +92,25 @@ def _accuracy(model, x, y) -> float:
     return acc
 
 
+def _old_detector():
+    """The monitor's alarm before the countdown (factor rules, defaults; only the output layer exempt)."""
+    from normlab.monitor.alarm import CollapseDetector
+    from normlab.monitor.hooks import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
+
+    return CollapseDetector(dict(DEFAULT_EXPLODE_FACTOR), ("output_var", "shift"), dict(DEFAULT_MIN_INITIAL), 1,
+                            dict(DEFAULT_IMPLODE_FACTOR))
+
+
+def _old_check(old, step, records):
+    ran = [r for r in records if r["kind"] != "norm" and "output_var" in r]
+    out = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
+    return old.check(step, records, out, shrink_layers=out)
+
+
 def train_run(cfg, steps=None, guard_kwargs=None):
-    """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard."""
+    """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard (the
+    monitor then has its default alarm and regime warning); else the monitor only records, and the old alarm
+    (:func:`_old_detector`) is replayed on its records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.collapse import CollapseTracker
@@ -102,7 +119,10 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     x, y, xt, yt = _data()
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    study = guard_kwargs is None
+    mon = VarianceMonitor(model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False)
+                                                            if study else {}))
+    old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
     tracker = CollapseTracker(10)
@@ -120,6 +140,9 @@ def train_run(cfg, steps=None, guard_kwargs=None):
             gave_up = str(e)
             break
         lv = float(loss.detach())
+        if study and old_alarm is None and len(mon.records) > n_rec:
+            hit = _old_check(old, step, mon.records[n_rec:])
+            old_alarm = None if hit is None else {"step": hit.step, "layer": hit.layer}
         tracker.update(lv if math.isfinite(lv) else None)
         lines.append({"t": step, "loss": lv if math.isfinite(lv) else None,
                       "gnorm": gnorm if math.isfinite(gnorm) else None, "L": _layer_line(mon.records[n_rec:])})
@@ -133,6 +156,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     summary = {"kind": kind, "collapse_step": tracker.step, "steps": len(lines),
                "test_acc": _accuracy(model, xt, yt) if kind != "non_finite" else None,
                "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
+               "old_alarm": old_alarm,
                "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict()}
     if guard is not None:
         summary["rescues"] = [r.to_dict() for r in guard.rescues]
@@ -146,7 +170,9 @@ def _collect_one(args):
     torch.set_num_threads(1)
     path = Path(out_dir) / f"{run_name(cfg)}.jsonl"
     if path.is_file():
-        return run_name(cfg), "done before", 0.0
+        with open(path) as f:
+            if "old_alarm" in json.loads(f.readline())["summary"]:
+                return run_name(cfg), "done before", 0.0
     t0 = time.time()
     header, lines, summary = train_run(cfg)
     tmp = path.with_suffix(".tmp")
@@ -229,22 +255,26 @@ def prepare(run) -> dict:
     v0 = {n: steps[0]["L"][n][0] for n in hidden}
     vt0 = {n: steps[0]["L"][n][2] for n in hidden}
     nonfin, growth, level, gratio, shift_in, pws_ratio = [], [], [], [], [], []
+    growth_x, level_x = [], []  # exploratory: only the layers not renormalized downstream
     for t, x in enumerate(steps):
         vs = [x["L"].get(n, [None] * 4) for n in hidden]
         bad = x["loss"] is None or x["gnorm"] is None or any(v[0] is None for v in vs)
         nonfin.append(bad)
         if bad:
-            growth.append(INF), level.append(INF), gratio.append(INF)
+            growth.append(INF), level.append(INF), gratio.append(INF), growth_x.append(INF), level_x.append(INF)
             shift_in.append(set(hidden)), pws_ratio.append({n: INF for n in hidden})
             continue
         prev = steps[t - 2]["L"] if t >= 2 else None
-        g = -INF
+        rates = {n: -INF for n in hidden}
         if prev is not None:
             for n, v in zip(hidden, vs):
                 p = prev[n][0]
-                g = max(g, INF if not p or p <= 0 or v[0] <= 0 else (math.log(v[0]) - math.log(p)) / 2)
-        growth.append(g)
-        level.append(max(v[0] / v0[n] if v0[n] else INF for n, v in zip(hidden, vs)))
+                rates[n] = INF if not p or p <= 0 or v[0] <= 0 else (math.log(v[0]) - math.log(p)) / 2
+        levels = {n: v[0] / v0[n] if v0[n] else INF for n, v in zip(hidden, vs)}
+        growth.append(max(rates.values()))
+        level.append(max(levels.values()))
+        growth_x.append(max([rates[n] for n in hidden if n not in exempt], default=-INF))
+        level_x.append(max([levels[n] for n in hidden if n not in exempt], default=-INF))
         past = [s["gnorm"] for s in steps[:t]]
         gratio.append(x["gnorm"] / statistics.median(past) if t >= 5 and statistics.median(past) > 0 else -INF)
         shift_in.append({n for n, v in zip(hidden, vs) if n not in exempt and v[1] is not None and v[1] > v[2]})
@@ -252,8 +282,9 @@ def prepare(run) -> dict:
     first_nf = next((t for t, b in enumerate(nonfin) if b), INF)
     standardized = all(abs(steps[0]["L"][n][1] or 0.0) < 1e-12 for n in hidden[1:])
     return dict(cfg=run["cfg"], kind=run["summary"]["kind"], cstep=_collapse_step(run), nonfin=first_nf,
-                growth=growth, level=level, gratio=gratio, shift_in=shift_in, pws_ratio=pws_ratio,
-                standardized=standardized, old=(run["summary"]["alarm"] or {}).get("step", INF))
+                growth=growth, level=level, gratio=gratio, growth_x=growth_x, level_x=level_x, shift_in=shift_in,
+                pws_ratio=pws_ratio,
+                standardized=standardized, old=(run["summary"]["old_alarm"] or {}).get("step", INF))
 
 
 def regime_step(r, w, p) -> float:
@@ -280,10 +311,11 @@ def countdown_step(r, rule, th, regime=None) -> float:
     if rule == "gnorm":
         return min(_first(r["gratio"], th), r["nonfin"])
     a, b = th
-    start = 0 if rule == "growth|level" else regime
+    start = regime if rule == "armed" else 0
     if start == INF:
         return r["nonfin"]
-    return min(_first(r["growth"], a, start), _first(r["level"], b, start), r["nonfin"])
+    g, lv = ("growth_x", "level_x") if rule == EXEMPT_RULE else ("growth", "level")
+    return min(_first(r[g], a, start), _first(r[lv], b, start), r["nonfin"])
 
 
 def score_countdown(runs, fire) -> dict:
@@ -295,9 +327,10 @@ def score_countdown(runs, fire) -> dict:
                 false=sum(fire(r) < INF for r in healthy), healthy=len(healthy))
 
 
-COUNTDOWN_GRIDS = {"growth": GROWTH_GRID, "level": LEVEL_GRID, "gnorm": GNORM_GRID,
-                   "growth|level": [(a, b) for a in GROWTH_GRID for b in LEVEL_GRID], "nonfinite": [None],
-                   "old": [None]}
+EXEMPT_RULE = "growth|level, not renormalized [exploratory]"
+PAIRS = [(a, b) for a in GROWTH_GRID for b in LEVEL_GRID]
+COUNTDOWN_GRIDS = {"growth": GROWTH_GRID, "level": LEVEL_GRID, "gnorm": GNORM_GRID, "growth|level": PAIRS,
+                   EXEMPT_RULE: PAIRS, "nonfinite": [None], "old": [None]}
 
 
 def _conservative_key(th):
@@ -378,7 +411,7 @@ def analyze(raw_runs) -> str:
         w, p = choose_regime(cal)
         out.append(f"regime w={w} p={p}: cal {_fmt(score_regime(cal, w, p))}")
         out.append(f"regime w={w} p={p}: REPORT {_fmt(score_regime(rep, w, p))}")
-        for rule in ("nonfinite", "old", "growth", "level", "gnorm", "growth|level", "armed"):
+        for rule in ("nonfinite", "old", "growth", "level", "gnorm", "growth|level", "armed", EXEMPT_RULE):
             reg = (lambda r, w=w, p=p: regime_step(r, w, p)) if rule == "armed" else None
             th = choose_countdown(cal, rule, reg)
             if th is None and rule not in ("nonfinite", "old"):

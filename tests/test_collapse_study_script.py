@@ -30,7 +30,7 @@ def fake_run(seed, norm="none", lr=0.1, kind=None, cstep=None, blow=None, shift_
                                                                "head": [1.0, 5.0, 1.0, 1.0]}})
     return {"cfg": dict(norm=norm, width=0.5, lr=lr, seed=seed), "layers": LAYERS,
             "order": ["c1", "c2", "head"], "steps": lines,
-            "summary": {"kind": kind, "collapse_step": cstep, "alarm": None}}
+            "summary": {"kind": kind, "collapse_step": cstep, "alarm": None, "old_alarm": None}}
 
 
 def full_seed(study, seed, collapse_at=30):
@@ -87,4 +87,5 @@ def test_a_tiny_real_run_is_written_once(study, tmp_path, monkeypatch, one_threa
     head, steps = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
     assert head["cfg"] == cfg and head["order"][-1] == "head" and len(steps) == 3
     assert set(steps[0]["L"]) == {n for n, _ in head["layers"]} and steps[2]["gnorm"] > 0
+    assert "old_alarm" in head["summary"]  # the alarm before the countdown, replayed on the records
     assert study._collect_one((cfg, str(tmp_path)))[1] == "done before"
