@@ -314,8 +314,9 @@ def countdown_step(r, rule, th, regime=None) -> float:
     start = regime if rule == "armed" else 0
     if start == INF:
         return r["nonfin"]
-    g, lv = ("growth_x", "level_x") if rule == EXEMPT_RULE else ("growth", "level")
-    return min(_first(r[g], a, start), _first(r[lv], b, start), r["nonfin"])
+    g, lv = ("growth_x", "level_x") if rule in (EXEMPT_RULE, LIBRARY_RULE) else ("growth", "level")
+    level = _first(r[lv], b, start) if rule != LIBRARY_RULE or not r["standardized"] else INF
+    return min(_first(r[g], a, start), level, r["nonfin"])
 
 
 def score_countdown(runs, fire) -> dict:
@@ -328,9 +329,10 @@ def score_countdown(runs, fire) -> dict:
 
 
 EXEMPT_RULE = "growth|level, not renormalized [exploratory]"
+LIBRARY_RULE = "growth|level, not renormalized, no level on standardized kernels [exploratory]"
 PAIRS = [(a, b) for a in GROWTH_GRID for b in LEVEL_GRID]
 COUNTDOWN_GRIDS = {"growth": GROWTH_GRID, "level": LEVEL_GRID, "gnorm": GNORM_GRID, "growth|level": PAIRS,
-                   EXEMPT_RULE: PAIRS, "nonfinite": [None], "old": [None]}
+                   EXEMPT_RULE: PAIRS, LIBRARY_RULE: PAIRS, "nonfinite": [None], "old": [None]}
 
 
 def _conservative_key(th):
@@ -411,7 +413,8 @@ def analyze(raw_runs) -> str:
         w, p = choose_regime(cal)
         out.append(f"regime w={w} p={p}: cal {_fmt(score_regime(cal, w, p))}")
         out.append(f"regime w={w} p={p}: REPORT {_fmt(score_regime(rep, w, p))}")
-        for rule in ("nonfinite", "old", "growth", "level", "gnorm", "growth|level", "armed", EXEMPT_RULE):
+        for rule in ("nonfinite", "old", "growth", "level", "gnorm", "growth|level", "armed", EXEMPT_RULE,
+                     LIBRARY_RULE):
             reg = (lambda r, w=w, p=p: regime_step(r, w, p)) if rule == "armed" else None
             th = choose_countdown(cal, rule, reg)
             if th is None and rule not in ("nonfinite", "old"):

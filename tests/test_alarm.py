@@ -156,3 +156,27 @@ def test_shift_of_a_conv_followed_by_a_norm_raises_no_alarm():
         mon.step()
     assert mon.records[-3]["shift"] > 100 * mon.records[0]["shift"]
     assert mon.alarm is None
+
+
+def test_no_level_test_on_a_standardized_kernel_but_growth_still_fires():
+    det = CountdownDetector(growth=1.0, level=15.0)
+    pws = lambda t, v: [dict(layer="c1", index=0, kind="conv", output_var=v, shift_scale_free=0.0)]  # noqa: E731
+    for t in range(40):  # x1.2 per step: level 1,400x after 40 steps, rate 0.18
+        assert det.check(t, pws(t, 1.2 ** t)) is None
+    assert det.check(40, pws(40, 1e6)).quantity == "output_var_growth"
+
+
+def test_monitor_countdown_skips_a_layer_renormalized_downstream():
+    torch.manual_seed(0)
+    model = ConvBN()
+    mon = VarianceMonitor(model, every=1, factor_rules=False, risk=False)
+    x = torch.randn(16, 2, 12)
+    for t in range(4):
+        if t == 2:
+            with torch.no_grad():
+                model.conv.weight.mul_(100.0)  # conv output x1e4, BN output unchanged
+        model(x)
+        mon.step()
+    conv = [r["output_var"] for r in mon.records if r["layer"] == "conv"]
+    assert conv[-1] > 1e3 * conv[0]
+    assert mon.alarm is None

@@ -195,7 +195,9 @@ class CountdownDetector:
 
     - ``growth``: the growth rate of the output variance, ``[ln V_l(t) - ln V_l(t')] / (t - t')`` with ``t'`` the
       newest earlier record at least ``span`` steps back, exceeds ``growth``, or
-    - ``level``: the output variance over its first recorded value, ``V_l(t) / V_l(t_0)``, exceeds ``level``, or
+    - ``level``: the output variance over its first recorded value, ``V_l(t) / V_l(t_0)``, exceeds ``level``
+      (not tested on standardized kernels, WS/PWS: ``shift_scale_free`` = 0; their output variance grows 1,000x
+      and more in healthy training, docs/monitor.md), or
     - ``grad_ratio`` (optional): the gradient norm over the median of its last ``history`` values (at least 5 of
       them) exceeds ``grad_ratio``, or
     - a watched value (output variance of any layer, the gradient norm) is non-finite.
@@ -250,7 +252,8 @@ class CountdownDetector:
         if not tested:
             return None
         v0 = self.first[name]
-        if self.level is not None and v0 > 0 and v / v0 > self.level:
+        standardized = (rec.get("shift_scale_free") if rec.get("shift_scale_free") is not None else 1.0) < 1e-6
+        if self.level is not None and not standardized and v0 > 0 and v / v0 > self.level:
             return {**flag, "quantity": "output_var_level", "value": v, "growth": v / v0,
                     "reason": f"output variance {v / v0:.3g}x its first value > level {self.level:g}"}
         if self.growth is not None and past and past[-1][1] > 0 and v > 0:

@@ -441,7 +441,7 @@ class VarianceMonitor:
                 self.risk = risk
         if self.countdown is not None:
             grad_norm, self._grad_norm = self._grad_norm, None
-            late = self.countdown.check(step, step_records, exempt=output_layer, grad_norm=grad_norm)
+            late = self.countdown.check(step, step_records, exempt=exempt | output_layer, grad_norm=grad_norm)
             alarm = alarm or late
         return alarm
 
