@@ -448,14 +448,15 @@ def guard_study(out_dir: Path, steps: int, parity: int = 1, workers: int = 2) ->
     """Train the collapsing runs (norm none/pws) and the healthy runs of the half with seed parity ``parity``
     under CollapseGuard; report how many end healthy and whether a healthy run was changed."""
     runs = [r for r in load_runs(out_dir) if r["cfg"]["seed"] % 2 == parity]
-    jobs = [(r["cfg"], str(out_dir), steps) for r in runs if r["cfg"]["width"] == 0.5]
+    runs = [r for r in complete_seeds(runs) if r["cfg"]["norm"] != "bn"]  # bn: healthy, exempt from the rules
+    jobs = [(r["cfg"], str(out_dir), steps) for r in runs]
     with ProcessPoolExecutor(workers) as ex:
         results = list(ex.map(_guard_one, jobs))
     before = {run_name(r["cfg"]): r["summary"]["kind"] for r in runs}
     coll = [g for g in results if before[run_name(g["cfg"])] is not None]
     healthy = [g for g in results if before[run_name(g["cfg"])] is None]
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
-    lines = [f"guarded collapsing runs (width 0.5, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
+    lines = [f"guarded collapsing runs (none/pws, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
              f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}"]
     for g in results:
         twin = g.get("twin") or {}

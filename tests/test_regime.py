@@ -117,3 +117,9 @@ def test_monitor_raises_risk_only_where_the_shift_reaches_the_next_layer(with_no
         mon2 = VarianceMonitor(_net(False), every=1, risk={"window": 3})
         mon2.load_state_dict(state)
         assert mon2.risk == mon.risk and mon2.regime.state_dict() == mon.regime.state_dict()
+
+
+def test_pws_case_is_off_by_default():
+    det = RegimeDetector(window=1)
+    recs = lambda v: [conv("c1", 0, 0.0, v, ssf=0.0), conv("head", 1, 0.0, 1.0, ssf=0.0)]  # noqa: E731
+    assert all(det.check(t, recs(10.0 ** t)) is None for t in range(6))

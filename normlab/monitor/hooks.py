@@ -88,7 +88,7 @@ DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
 DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
 # Countdown alarm and regime warning (CountdownDetector, RegimeDetector): calibrated in docs/monitor.md.
 DEFAULT_COUNTDOWN = {"growth": 1.0, "level": 15.0, "grad_ratio": None}
-DEFAULT_RISK = {"window": 3, "pws_factor": 10.0}
+DEFAULT_RISK = {"window": 3, "pws_factor": None}
 
 def _make(cls, arg, defaults: Mapping):
     """The detector ``cls`` from a monitor argument: True (defaults), False/None (off) or a mapping of overrides."""

@@ -76,7 +76,8 @@ class RegimeDetector:
 
     Args:
         window: consecutive checked steps a layer must stay in the regime (int >= 1).
-        pws_factor: PWS case: variance term over its first value that counts as growing (> 1).
+        pws_factor: PWS case: variance term over its first value that counts as growing (> 1); None (the
+            default) for no PWS case: in the calibration runs healthy PWS nets grew it as much as collapsing ones.
 
     Calibrated on MNIST-1D plain1d (docs/monitor.md): window and pws_factor chosen on one half of the seeds.
 
@@ -88,13 +89,14 @@ class RegimeDetector:
         (True, 'c1')
     """
 
-    def __init__(self, window: int = 3, pws_factor: float = 10.0) -> None:
+    def __init__(self, window: int = 3, pws_factor: float | None = None) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"RegimeDetector: window must be an int >= 1, got {window!r}")
-        if isinstance(pws_factor, bool) or not (isinstance(pws_factor, int | float) and 1 < pws_factor < math.inf):
-            raise ValueError(f"RegimeDetector: pws_factor must be a finite number > 1, got {pws_factor!r}")
+        if pws_factor is not None and (isinstance(pws_factor, bool) or not isinstance(pws_factor, int | float)
+                                       or not 1 < pws_factor < math.inf):
+            raise ValueError(f"RegimeDetector: pws_factor must be None or a finite number > 1, got {pws_factor!r}")
         self.window = window
-        self.pws_factor = float(pws_factor)
+        self.pws_factor = None if pws_factor is None else float(pws_factor)
         self.streak: dict[str, int] = {}  # consecutive checked steps in the regime, per layer
         self.first_variance: dict[str, float] = {}  # variance term at the first check (PWS case)
 
@@ -106,6 +108,8 @@ class RegimeDetector:
         name = rec["layer"]
         v0 = self.first_variance.setdefault(name, vt)
         if (rec.get("shift_scale_free") or 0.0) < STANDARDIZED:
+            if self.pws_factor is None:
+                return None
             ratio = vt / v0 if v0 > 0 else 0.0
             return ("pws", ratio) if ratio > self.pws_factor else None
         return ("shift", st / vt if vt > 0 else math.inf) if st > vt else None
