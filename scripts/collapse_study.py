@@ -444,7 +444,7 @@ def _guard_one(args):
     return out
 
 
-def guard_study(out_dir: Path, steps: int, parity: int = 1, workers: int = 2) -> str:
+def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2) -> str:
     """Train the collapsing runs (norm none/pws) and the healthy runs of the half with seed parity ``parity``
     under CollapseGuard; report how many end healthy and whether a healthy run was changed."""
     runs = [r for r in load_runs(out_dir) if r["cfg"]["seed"] % 2 == parity]

@@ -108,7 +108,7 @@ def test_monitor_countdown_alarm_in_a_real_loop_and_resume():
     torch.manual_seed(0)
     model = Chain()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    mon = VarianceMonitor(model, every=1, optimizer=opt, factor_rules=False, countdown={"grad_ratio": 50.0})
+    mon = VarianceMonitor(model, every=1, optimizer=opt, factor_rules=False, countdown={"level": 15.0})
     x = torch.randn(32, 8)
     for t in range(6):
         if t == 4:
@@ -125,7 +125,7 @@ def test_monitor_countdown_alarm_in_a_real_loop_and_resume():
     twin = Chain()  # the same run from the state saved after step 3: step 4 raises the same alarm
     with torch.no_grad():
         twin.b.weight.mul_(5.0)
-    resumed = VarianceMonitor(twin, every=1, factor_rules=False, countdown={"grad_ratio": 50.0})
+    resumed = VarianceMonitor(twin, every=1, factor_rules=False, countdown={"level": 15.0})
     resumed.load_state_dict(state)
     twin(x).square().mean().backward()
     resumed.step(torch.optim.SGD(twin.parameters(), lr=0.0))

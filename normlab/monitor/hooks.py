@@ -87,8 +87,8 @@ DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
 DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
 DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
 # Countdown alarm and regime warning (CountdownDetector, RegimeDetector): calibrated in docs/monitor.md.
-DEFAULT_COUNTDOWN = {"growth": 1.0, "level": 15.0, "grad_ratio": None}
-DEFAULT_RISK = {"window": 3, "pws_factor": None}
+DEFAULT_COUNTDOWN = {"growth": 1.0, "level": None, "grad_ratio": None}
+DEFAULT_RISK = {"window": 20, "pws_factor": None}
 
 def _make(cls, arg, defaults: Mapping):
     """The detector ``cls`` from a monitor argument: True (defaults), False/None (off) or a mapping of overrides."""
