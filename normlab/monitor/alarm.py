@@ -160,11 +160,14 @@ class CollapseDetector:
         return None
 
     def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = (),
-              shrink_layers: Collection[str] | None = None) -> CollapseAlarm | None:
+              shrink_layers: Collection[str] | None = None,
+              shift_exempt: Collection[str] = ()) -> CollapseAlarm | None:
         """Check one recorded step. ``records`` are dicts with 'layer', 'index' (forward order) and quantities.
 
         Layers named in ``growth_exempt`` keep their baselines but get no growth test (they are flagged when a
-        growth quantity is non-finite); implosion tests run on the layers in ``shrink_layers`` (None: every layer).
+        growth quantity is non-finite); layers in ``shift_exempt`` get no growth test of ``shift`` only (a layer
+        whose output is renormalized downstream); implosion tests run on the layers in ``shrink_layers`` (None:
+        every layer).
         Updates the baselines (max of the first ``baseline_records`` finite values per layer and quantity) and
         returns an alarm for the first flagged layer in forward order, or None.
         """
@@ -176,7 +179,9 @@ class CollapseDetector:
                 shrink = q in self.shrink and (shrink_layers is None or rec["layer"] in shrink_layers)
                 if q not in self.factors and not shrink:
                     continue
-                flag = self._judge(rec, q, q in self.factors and rec["layer"] not in growth_exempt, shrink)
+                grow = q in self.factors and rec["layer"] not in growth_exempt
+                grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
+                flag = self._judge(rec, q, grow, shrink)
                 if flag is not None:
                     flagged.append(flag)
         if not flagged:

@@ -209,8 +209,10 @@ class VarianceMonitor:
         risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.regime.RegimeDetector`: shift term above
             the variance term for ``window`` steps in a layer not normalized downstream, or the variance term of a
             standardized conv growing): True for ``DEFAULT_RISK``, a dict of overrides, False for off.
-        factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). Layers whose
-            output feeds a normalization layer get no growth test (the normalization undoes the growth).
+        factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). A layer whose
+            output feeds a normalization layer gets no shift growth test (the normalization removes the per-channel
+            offsets before the next layer: the SwitchableNorm U-Net's 116x shift was no collapse); the countdown
+            skips such layers entirely.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -420,7 +422,6 @@ class VarianceMonitor:
         ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
         output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
         exempt = set() if self.watch_output_layer else set(output_layer)
-        exempt |= exempt_layers(step_records) - output_layer  # renormalized downstream: growth does not reach on
         alarm = self._check(step_records, exempt, output_layer)
         if self.tensorboard is not None:
             self._to_tensorboard(step_records, updates, alarm if self.alarm is None else None)
@@ -433,15 +434,17 @@ class VarianceMonitor:
         """Run the regime test (sets ``self.risk`` once) and the alarm rules; the alarm of this step or None."""
         step = self.current_step
         alarm = None
+        renormalized = exempt_layers(step_records) - output_layer  # output renormalized before the next layer
         if self.factor_rules:
-            alarm = self.detector.check(step, step_records, exempt, shrink_layers=output_layer)
+            alarm = self.detector.check(step, step_records, exempt, shrink_layers=output_layer,
+                                        shift_exempt=renormalized)
         if self.regime is not None:
             risk = self.regime.check(step, step_records)
             if risk is not None and self.risk is None:
                 self.risk = risk
         if self.countdown is not None:
             grad_norm, self._grad_norm = self._grad_norm, None
-            late = self.countdown.check(step, step_records, exempt=exempt | output_layer, grad_norm=grad_norm)
+            late = self.countdown.check(step, step_records, exempt=renormalized | output_layer, grad_norm=grad_norm)
             alarm = alarm or late
         return alarm
 
