@@ -180,3 +180,17 @@ def test_monitor_countdown_skips_a_layer_renormalized_downstream():
     conv = [r["output_var"] for r in mon.records if r["layer"] == "conv"]
     assert conv[-1] > 1e3 * conv[0]
     assert mon.alarm is None
+
+
+def test_output_variance_growth_of_a_renormalized_conv_still_alarms_with_the_factor_rules():
+    torch.manual_seed(0)
+    model = ConvBN()
+    mon = VarianceMonitor(model, every=1, countdown=False, risk=False)
+    x = torch.randn(16, 2, 12)
+    for t in range(3):
+        if t == 1:
+            with torch.no_grad():
+                model.conv.weight.mul_(1e3)
+        model(x)
+        mon.step()
+    assert mon.alarm.layer == "conv" and mon.alarm.quantity == "output_var" and mon.alarm.step == 1
