@@ -202,11 +202,11 @@ class VarianceMonitor:
             needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
             (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
             optimizer step itself: do not call ``opt.step()`` as well) or ``before_update``/``after_update``.
-        countdown: the countdown alarm (:class:`~normlab.monitor.alarm.CountdownDetector`: output-variance growth
+        countdown: the countdown alarm (:class:`~normlab.monitor.CountdownDetector`: output-variance growth
             rate and level in the hidden layers, optionally the gradient norm over its running median, non-finite
             values): True for ``DEFAULT_COUNTDOWN``, a dict overriding some of its arguments, False for off. Its
             alarm and the factor rules' share ``mon.alarm`` (the first to fire). Thresholds: docs/monitor.md.
-        risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.regime.RegimeDetector`: shift term above
+        risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.RegimeDetector`: shift term above
             the variance term for ``window`` steps in a layer not normalized downstream, or the variance term of a
             standardized conv growing): True for ``DEFAULT_RISK``, a dict of overrides, False for off.
         factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). A layer whose
