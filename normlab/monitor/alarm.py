@@ -1,4 +1,9 @@
-"""Collapse early warning.
+"""Collapse early warning: the countdown (:class:`CountdownDetector`) and the factor rules (:class:`CollapseDetector`).
+
+The countdown fires when the output variance of a hidden layer (not the output layer, not a layer renormalized
+downstream) grows faster than ``growth`` per step, optionally above a ``level`` or on a gradient-norm jump, or on any
+non-finite value; its thresholds and what they achieve are in docs/monitor.md. The factor rules below are kept: in
+the calibration runs they raised no false alarm (0 of 47 healthy runs) and add the implosion test (dead ReLUs).
 
 A layer is flagged when one of the watched quantities (default: output variance ``output_var`` and shift of the
 average ``shift``) exceeds ``factor`` times its baseline, when a quantity of the implosion test falls below its
