@@ -7,16 +7,18 @@ rescue (:class:`CollapseGuard`), plots::
             loss_fn(model(x), y).backward()
             mon.step(optimizer)            # performs optimizer.step() and records on every 10th step
             optimizer.zero_grad()
-            if mon.should_stop:            # collapse early warning: mon.alarm.layer / .step / .quantity
+            if mon.risk is not None: ...   # unstable regime: mon.risk.layer / .step / .suggestion
+            if mon.should_stop:            # countdown alarm: mon.alarm.layer / .step / .quantity
                 break
         mon.to_jsonl("monitor.jsonl")      # then: normlab monitor monitor.jsonl --out plots/
 """
 
 from normlab.monitor import stats
-from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
 from normlab.monitor.guard import CollapseGuard, Rescue, RunCollapsed
 from normlab.monitor.hooks import VarianceMonitor
 from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
+from normlab.monitor.regime import RegimeDetector, RegimeWarning
 from normlab.monitor.spp import signal_propagation
 
 
@@ -50,6 +52,9 @@ __all__ = [
     "VarianceMonitor",
     "CollapseAlarm",
     "CollapseDetector",
+    "CountdownDetector",
+    "RegimeDetector",
+    "RegimeWarning",
     "CollapseGuard",
     "Rescue",
     "RunCollapsed",

@@ -75,8 +75,9 @@ from torch import Tensor, nn
 
 from normlab._files import atomic_write
 from normlab.monitor import stats
-from normlab.monitor.alarm import CollapseAlarm, CollapseDetector
+from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
 from normlab.monitor.layers import filter_kernel, input_channel_dims, is_compiled, supported_layers, unwrap_model
+from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers
 from normlab.monitor.spp import signal_propagation
 
 __all__ = ["VarianceMonitor"]
@@ -85,6 +86,27 @@ __all__ = ["VarianceMonitor"]
 DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
 DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
 DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
+# Countdown alarm and regime warning (CountdownDetector, RegimeDetector): calibrated in docs/monitor.md.
+DEFAULT_COUNTDOWN = {"growth": 1.0, "level": None, "grad_ratio": None}
+DEFAULT_RISK = {"window": 20, "pws_factor": None}
+
+def _make(cls, arg, defaults: Mapping):
+    """The detector ``cls`` from a monitor argument: True (defaults), False/None (off) or a mapping of overrides."""
+    if arg is None or arg is False:
+        return None
+    if arg is True:
+        return cls(**defaults)
+    if not isinstance(arg, Mapping):
+        raise TypeError(f"VarianceMonitor: {cls.__name__} argument must be True, False or a dict of its arguments, "
+                        f"got {type(arg).__name__}")
+    return cls(**{**defaults, **arg})
+
+
+def _grad_norm(model: nn.Module) -> float:
+    """Euclidean norm of every parameter gradient of ``model`` (one read-back)."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0
+
 
 def _finite_or_none(v):
     if isinstance(v, float) and not math.isfinite(v):
@@ -181,6 +203,17 @@ class VarianceMonitor:
             needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
             (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
             optimizer step itself: do not call ``opt.step()`` as well) or ``before_update``/``after_update``.
+        countdown: the countdown alarm (:class:`~normlab.monitor.CountdownDetector`: output-variance growth
+            rate and level in the hidden layers, optionally the gradient norm over its running median, non-finite
+            values): True for ``DEFAULT_COUNTDOWN``, a dict overriding some of its arguments, False for off. Its
+            alarm and the factor rules' share ``mon.alarm`` (the first to fire). Thresholds: docs/monitor.md.
+        risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.RegimeDetector`: shift term above
+            the variance term for ``window`` steps in a layer not normalized downstream, or the variance term of a
+            standardized conv growing): True for ``DEFAULT_RISK``, a dict of overrides, False for off.
+        factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). A layer whose
+            output feeds a normalization layer gets no shift growth test (the normalization removes the per-channel
+            offsets before the next layer: the SwitchableNorm U-Net's 116x shift was no collapse); the countdown
+            skips such layers entirely.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -209,6 +242,9 @@ class VarianceMonitor:
         record_eval: bool = False,
         tensorboard: str | os.PathLike | object | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        countdown: Mapping | bool = True,
+        risk: Mapping | bool = True,
+        factor_rules: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
@@ -231,6 +267,11 @@ class VarianceMonitor:
         if implode_factor is None:
             implode_factor = dict(DEFAULT_IMPLODE_FACTOR)
         self.detector = CollapseDetector(explode_factor, watch, min_initial, baseline_records, implode_factor)
+        self.factor_rules = factor_rules
+        self.countdown = _make(CountdownDetector, countdown, DEFAULT_COUNTDOWN)
+        self.regime = _make(RegimeDetector, risk, DEFAULT_RISK)
+        self.risk: RegimeWarning | None = None
+        self._grad_norm: float | None = None
         self.layers = supported_layers(self.model, include_norm=include_norm)
         if not self.layers:
             raise ValueError(
@@ -329,6 +370,8 @@ class VarianceMonitor:
         """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
         on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step."""
         self._before = None
+        if self.is_recording and self.countdown is not None and self.countdown.grad_ratio is not None:
+            self._grad_norm = _grad_norm(self.model)
         if self.is_recording:
             self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
@@ -379,14 +422,32 @@ class VarianceMonitor:
         self.records.extend(step_records)
         ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
         output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-        exempt = set() if self.watch_output_layer else output_layer
-        alarm = self.detector.check(self.current_step, step_records, exempt, shrink_layers=output_layer)
+        exempt = set() if self.watch_output_layer else set(output_layer)
+        alarm = self._check(step_records, exempt, output_layer)
         if self.tensorboard is not None:
             self._to_tensorboard(step_records, updates, alarm if self.alarm is None else None)
         if alarm is not None and self.alarm is None:
             self.alarm = alarm
             if self.on_alarm is not None:
                 self.on_alarm(alarm)
+
+    def _check(self, step_records: list[dict], exempt: set, output_layer: set) -> CollapseAlarm | None:
+        """Run the regime test (sets ``self.risk`` once) and the alarm rules; the alarm of this step or None."""
+        step = self.current_step
+        alarm = None
+        renormalized = exempt_layers(step_records) - output_layer  # output renormalized before the next layer
+        if self.factor_rules:
+            alarm = self.detector.check(step, step_records, exempt, shrink_layers=output_layer,
+                                        shift_exempt=renormalized)
+        if self.regime is not None:
+            risk = self.regime.check(step, step_records)
+            if risk is not None and self.risk is None:
+                self.risk = risk
+        if self.countdown is not None:
+            grad_norm, self._grad_norm = self._grad_norm, None
+            late = self.countdown.check(step, step_records, exempt=renormalized | output_layer, grad_norm=grad_norm)
+            alarm = alarm or late
+        return alarm
 
     def _to_tensorboard(self, records: list[dict], updates: dict[str, Tensor], alarm) -> None:
         self.tensorboard.write_records(records, updates)
@@ -433,6 +494,9 @@ class VarianceMonitor:
             "order": dict(self._order),
             "detector": self.detector.state_dict(),
             "alarm": None if self.alarm is None else self.alarm.to_dict(),
+            "countdown": None if self.countdown is None else self.countdown.state_dict(),
+            "regime": None if self.regime is None else self.regime.state_dict(),
+            "risk": None if self.risk is None else self.risk.to_dict(),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -463,6 +527,12 @@ class VarianceMonitor:
                 f"VarianceMonitor.load_state_dict: state names layers this model does not have: {unknown[:5]}"
             )
         self.detector.load_state_dict(state["detector"])
+        for name in ("countdown", "regime"):
+            det = getattr(self, name)
+            if det is not None and state.get(name) is not None:
+                det.load_state_dict(state[name])
+        risk = state.get("risk")
+        self.risk = None if risk is None else RegimeWarning(**risk)
         alarm = state.get("alarm")
         self.alarm = None if alarm is None else CollapseAlarm(**alarm)
         self._order = {str(k): int(v) for k, v in order.items()}

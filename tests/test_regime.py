@@ -1,0 +1,125 @@
+"""Regime warning (mon.risk): shift term over variance term, sustained, in a layer not normalized downstream."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from normlab.monitor import VarianceMonitor
+from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers
+
+
+def conv(name, index, shift, variance=1.0, ssf=1.0):
+    return dict(layer=name, index=index, kind="conv", shift_term=shift, variance_term=variance, shift_scale_free=ssf)
+
+
+def norm(name, index):
+    return dict(layer=name, index=index, kind="norm", output_var=1.0)
+
+
+def plain(shift):  # c1 -> c2 -> head, no normalization
+    return [conv("c1", 0, 0.1), conv("c2", 1, shift), conv("head", 2, 50.0)]
+
+
+def test_warning_needs_the_window_and_names_the_layer():
+    det = RegimeDetector(window=3)
+    assert [det.check(t, plain(2.0)) for t in range(2)] == [None, None]
+    w = det.check(2, plain(2.0))
+    assert isinstance(w, RegimeWarning) and w.layer == "c2" and w.step == 2 and w.case == "shift"
+    assert w.shift_term == 2.0 and w.variance_term == 1.0 and w.ratio == 2.0
+    assert "c2" in w.suggestion and "PWS" in w.suggestion and "c2" in str(w)
+
+
+def test_a_step_below_the_variance_term_resets_the_streak():
+    det = RegimeDetector(window=3)
+    for t, s in enumerate([2.0, 2.0, 0.5, 2.0, 2.0]):
+        assert det.check(t, plain(s)) is None
+    assert det.check(5, plain(2.0)).step == 5
+
+
+def test_no_warning_when_the_shift_stays_below_the_variance_term():
+    det = RegimeDetector(window=1)
+    assert all(det.check(t, plain(0.99)) is None for t in range(10))
+
+
+@pytest.mark.parametrize("norm_kind", ["bn", "gn", "sn"])
+def test_a_layer_followed_by_a_normalization_and_the_output_layer_are_exempt(norm_kind):
+    recs = [conv("c1", 0, 5.0), norm(f"{norm_kind}1", 1), conv("c2", 2, 0.1), conv("c3", 3, 0.1),
+            norm(f"{norm_kind}2", 4), conv("head", 5, 50.0)]
+    assert exempt_layers(recs) == {"c1", "c3", "head"}
+    det = RegimeDetector(window=1)
+    assert all(det.check(t, recs) is None for t in range(5))
+    recs[3]["shift_term"] = 5.0  # c3 is followed by a norm: still exempt
+    assert det.check(5, recs) is None
+    recs[2]["shift_term"] = 5.0  # c2 feeds c3 directly: in the regime
+    assert det.check(6, recs).layer == "c2"
+
+
+def test_exemption_follows_forward_order_not_list_order():
+    recs = [conv("head", 2, 50.0), norm("bn", 1), conv("c1", 0, 5.0)]
+    assert exempt_layers(recs) == {"c1", "head"}
+
+
+def test_pws_case_growing_variance_term_of_a_standardized_conv():
+    det = RegimeDetector(window=2, pws_factor=10.0)
+    recs = lambda v: [conv("c1", 0, 0.0, v, ssf=0.0), conv("head", 1, 0.0, 1.0, ssf=0.0)]  # noqa: E731
+    assert det.check(0, recs(0.5)) is None  # first value 0.5
+    assert det.check(1, recs(4.0)) is None  # 8x: below the factor
+    assert det.check(2, recs(6.0)) is None  # 12x: first step of the streak
+    w = det.check(3, recs(6.0))
+    assert w.case == "pws" and w.layer == "c1" and w.ratio == pytest.approx(12.0)
+
+
+def test_state_dict_round_trip_gives_the_same_warning():
+    a, b = RegimeDetector(window=3), RegimeDetector(window=3)
+    a.check(0, plain(2.0)), a.check(1, plain(2.0))
+    b.load_state_dict(a.state_dict())
+    assert b.check(2, plain(2.0)) == a.check(2, plain(2.0))
+    with pytest.raises(ValueError, match="window=3"):
+        RegimeDetector(window=2).load_state_dict(a.state_dict())
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_window_is_validated(bad):
+    with pytest.raises(ValueError, match="window"):
+        RegimeDetector(window=bad)
+
+
+def _net(with_norm: bool) -> nn.Module:
+    torch.manual_seed(0)
+    layers = [nn.Conv1d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv1d(8, 8, 3, padding=1)]
+    layers += [nn.BatchNorm1d(8)] if with_norm else []
+    layers += [nn.ReLU(), nn.Flatten(), nn.Linear(8 * 16, 4)]
+    net = nn.Sequential(*layers)
+    with torch.no_grad():  # spread the filter means of the second conv: its shift term dominates
+        net[2].weight += torch.linspace(-2, 2, 8).view(8, 1, 1)
+    return net
+
+
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_monitor_raises_risk_only_where_the_shift_reaches_the_next_layer(with_norm):
+    net = _net(with_norm)
+    opt = torch.optim.SGD(net.parameters(), lr=0.0)
+    mon = VarianceMonitor(net, every=1, optimizer=opt, risk={"window": 3})
+    x = torch.randn(32, 1, 16)
+    for t in range(4):
+        net(x).square().mean().backward()
+        opt.step()
+        if t == 1:
+            assert mon.risk is None
+    if with_norm:
+        assert mon.risk is None
+    else:
+        assert mon.risk is not None and mon.risk.layer == "2" and mon.risk.step == 2
+        assert mon.risk.shift_term > mon.risk.variance_term
+        state = mon.state_dict()
+        mon2 = VarianceMonitor(_net(False), every=1, risk={"window": 3})
+        mon2.load_state_dict(state)
+        assert mon2.risk == mon.risk and mon2.regime.state_dict() == mon.regime.state_dict()
+
+
+def test_pws_case_is_off_by_default():
+    det = RegimeDetector(window=1)
+    recs = lambda v: [conv("c1", 0, 0.0, v, ssf=0.0), conv("head", 1, 0.0, 1.0, ssf=0.0)]  # noqa: E731
+    assert all(det.check(t, recs(10.0 ** t)) is None for t in range(6))
