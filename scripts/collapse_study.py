@@ -112,8 +112,9 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     monitor then has its default alarm and regime warning); else the monitor only records, and the old alarm
     (:func:`_old_detector`) is replayed on its records."""
     steps = STEPS if steps is None else steps
-    from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.collapse import CollapseTracker
+
+    from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
 
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()

@@ -30,9 +30,24 @@ STANDARDIZED = 1e-6  # shift_scale_free below this: a standardized (WS/PWS) kern
 
 @dataclass
 class RegimeWarning:
-    """The run is in the unstable regime: ``layer`` (module name) at ``step``, its ``shift_term`` and
-    ``variance_term`` (``ratio`` = shift_term / variance_term; for the PWS case ``ratio`` is the variance term over
-    its first value), the ``case`` ("shift" or "pws") and the ``suggestion`` (what to change)."""
+    """The run is in the unstable regime (``mon.risk``): which layer, since when, and what to change.
+
+    Attributes:
+        step: the first step of the window over which the regime held.
+        layer: the module name of the layer.
+        shift_term: ``E^2[X] Var_o[n E[W_o]]`` of that layer at ``step``.
+        variance_term: ``n E[W^2] Var[X]`` of that layer at ``step``.
+        ratio: ``shift_term / variance_term``; for the PWS case the variance term over its first value.
+        case: ``"shift"`` (the shift term dominates) or ``"pws"`` (the variance term of a standardized conv grows).
+        suggestion: the change the docs justify (a lower learning rate, PWS/WS for the layer, a normalization after
+            it).
+
+    Example:
+        >>> w = RegimeWarning(step=12, layer="conv3", shift_term=4.0, variance_term=1.0, ratio=4.0, case="shift",
+        ...                   suggestion="halve the learning rate")
+        >>> str(w).startswith("unstable regime since step 12: layer 'conv3' shift term > variance term")
+        True
+    """
 
     step: int
     layer: str
