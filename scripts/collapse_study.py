@@ -58,7 +58,7 @@ def run_name(cfg) -> str:
 
 
 def _data():
-    from normlab.runner.data import get_dataset
+    from normlab.runner.data.datasets import get_dataset
 
     train, test, _ = get_dataset("mnist1d", num_samples=NUM_SAMPLES)
     return train.x.float(), train.y, test.x.float(), test.y
@@ -112,9 +112,8 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     monitor then has its default alarm and regime warning); else the monitor only records, and the old alarm
     (:func:`_old_detector`) is replayed on its records."""
     steps = STEPS if steps is None else steps
-    from normlab.runner.collapse import CollapseTracker
-
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
+    from normlab.runner.training.collapse import CollapseTracker
 
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()

@@ -110,7 +110,9 @@ def test_the_installed_quick_demo_writes_its_report(venv, tmp_path):
     proc = run([venv / "bin" / "normlab", "demo", "--quick", "--out", out, "--workers", "1", "--threads", "1",
                 "--no-progress"], cwd=cwd)
     report = (out / "report.md").read_text()
-    assert report.strip() and report.strip() in proc.stdout  # the report is printed too
+    table = [line for line in report.splitlines() if line.startswith("| ")][:3]  # the claims table opens it
+    assert table and all(line in proc.stdout for line in table)  # the terminal shows the claims table ...
+    assert "report: " in proc.stdout and "report.md" in proc.stdout  # ... and the report's path
     summary = json.loads((out / "demo.json").read_text())
     assert "protocol" in summary
     for section in ("lr_sweep", "batch_size", "collapse"):
