@@ -25,7 +25,12 @@ __all__ = ["CollapseGuard", "Rescue", "RunCollapsed"]
 
 
 class RunCollapsed(RuntimeError):
-    """Raised by :meth:`CollapseGuard.step` when the run still collapses after ``max_rescues`` rescues."""
+    """Raised by :meth:`CollapseGuard.step` when the run still collapses after ``max_rescues`` rescues;
+    ``alarm`` tells whether the last trouble was the monitor's alarm (else a non-finite loss or gradient)."""
+
+    def __init__(self, message: str, alarm: bool = False) -> None:
+        super().__init__(message)
+        self.alarm = alarm
 
 
 @dataclass(frozen=True)
@@ -186,13 +191,14 @@ class CollapseGuard:
         """
         reason = self._trouble_before(loss)
         if reason is not None:
-            self._rescue(reason, self.steps)
+            self._rescue(reason, self.steps, alarm=False)
             return False
         self._optimizer_step()
         self.steps += 1
         alarm = getattr(self.monitor, "alarm", None)
         if alarm is not None and alarm is not self._alarm:
-            self._rescue(f"monitor alarm: {alarm}", min(int(getattr(alarm, "step", self.steps)), self.steps))
+            onset = min(int(getattr(alarm, "step", self.steps)), self.steps)
+            self._rescue(f"monitor alarm: {alarm}", onset, alarm=True)
             return False
         if self.steps % self.every == 0:
             self._take_snapshot()
@@ -273,12 +279,13 @@ class CollapseGuard:
             if hasattr(sched, "_last_lr"):
                 sched._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
 
-    def _rescue(self, reason: str, onset: int) -> None:
+    def _rescue(self, reason: str, onset: int, alarm: bool) -> None:
         if len(self.rescues) >= self.max_rescues:
             lr = float(self.optimizer.param_groups[0]["lr"])
             raise RunCollapsed(
                 f"CollapseGuard: gave up after {len(self.rescues)} rescue(s): {reason}; the learning rate is now "
-                f"{lr:g} (see guard.rescues)"
+                f"{lr:g} (see guard.rescues)",
+                alarm=alarm,
             )
         step = self.steps
         lr_before = float(self.optimizer.param_groups[0]["lr"])

@@ -45,7 +45,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
-from .._dispatch import guarded_update, param_dtype, plain_eager, snapshot, warn_non_finite
+from .._dispatch import guarded_update, param_dtype, plain_eager, recomputing, snapshot, warn_non_finite
 from .._functions import fused_batch_renorm, fused_step_moments, is_identity, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
@@ -387,7 +387,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
                 self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum, self.eps,
             )
         plain = plain_eager(input)
-        if plain and torch._C._current_graph_task_id() != -1:  # inside a backward pass: a checkpoint recomputation
+        if plain and recomputing():  # inside a backward pass: a checkpoint recomputation
             out = self._recompute(input)
             if out is not None:
                 return out
@@ -639,7 +639,7 @@ class SyncBatchRenorm(_BatchRenorm):
         a checkpoint recomputation (inside a backward pass, matched by its bit-identical global statistics, see
         :meth:`_BatchRenorm._recompute`) replays its original step instead and updates nothing."""
         mean, var = g_mean.detach(), g_var.detach()
-        found = self._find_record(mean, var) if torch._C._current_graph_task_id() != -1 else None
+        found = self._find_record(mean, var) if recomputing() else None
         if found is None:
             rmax, dmax = self.renorm_limits(self.num_batches_tracked)
             prior = snapshot(self.running_mean, self.running_var)

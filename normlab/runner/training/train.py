@@ -443,7 +443,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if math.isfinite(value):
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        if self.guard.step(loss.detach()):
+        if self.guard.step(value):  # the loss value read above (no second host synchronisation)
             return out, value
         st, cfg = self.state, self.config
         st.steps_total = self.guard.steps
@@ -490,7 +490,7 @@ class Trainer:
             out, value = self._step(x, y)
         except RunCollapsed as e:  # --guard gave up: a collapse the rescues did not save; the run stops here
             self.state.guard_gave_up = str(e)
-            if "non-finite" in str(e):
+            if not e.alarm:
                 win.collapse = self.tracker.kind = "non_finite"
                 self.tracker.step = self.state.steps_total
             else:
