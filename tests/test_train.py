@@ -359,8 +359,15 @@ def _ddp_worker(rank, world, port, root, cfg_dict):
     from normlab.runner.training.train import train
 
     s = train(TrainConfig(**cfg_dict), Path(root) / f"rank{rank}", progress=False)
+    left = not dist.is_initialized()  # train joined the torchrun group, so it left it (no gloo abort at exit)
+    # a group the caller initialised stays the caller's
+    dist.init_process_group("gloo")
+    again = train(TrainConfig(**{**cfg_dict, "epochs": 1, "max_steps_per_epoch": 1}), Path(root) / "again",
+                  progress=False)
+    kept = dist.is_initialized()
     dist.barrier()
-    Path(root, f"summary{rank}.json").write_text(json.dumps(s))
+    Path(root, f"summary{rank}.json").write_text(json.dumps({**s, "left": left, "kept": kept,
+                                                             "again": again["world_size"]}))
     dist.destroy_process_group()
 
 
@@ -379,6 +386,7 @@ def test_ddp_two_processes(tmp_path):
     s0 = json.loads((tmp_path / "summary0.json").read_text())
     s1 = json.loads((tmp_path / "summary1.json").read_text())
     assert s0["world_size"] == s1["world_size"] == 2
+    assert s0["left"] and s1["left"] and s0["kept"] and s1["kept"] and s0["again"] == s1["again"] == 2
     # DDP keeps the replicas identical: both evaluate to exactly the same test loss; train metrics are all-reduced
     assert without_time(s0["history"]) == without_time(s1["history"])
     assert s0["epochs_run"] == 2

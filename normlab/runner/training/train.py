@@ -684,9 +684,31 @@ def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True
     (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost`` and ``guard_gave_up``
     (the message when it gave up, else None).
 
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group when none is initialised and destroys it
+    before returning; a group the caller initialised stays the caller's.
+
     Raises:
         UsageError: a configuration that cannot work (before any training step), or an ``out_dir`` holding a run
             of another configuration.
         RunError: an unreadable checkpoint, or results without a checkpoint in ``out_dir``.
     """
-    return Trainer(config, out_dir, progress, tensorboard).run()
+    joined = not dist.is_initialized()  # train() joins the torchrun group itself: then it also leaves it
+    finished = False
+    try:
+        summary = Trainer(config, out_dir, progress, tensorboard).run()
+        finished = True
+        return summary
+    finally:
+        if joined and dist.is_initialized():
+            _leave_group(finished)
+
+
+def _leave_group(finished: bool) -> None:
+    """Destroy the process group :func:`train` created (all ranks first meet at a barrier when the run finished).
+
+    A gloo group left alive to interpreter exit can abort the process (SIGABRT, "terminate called without an active
+    exception") while its worker threads still hold work; a failed rank does not wait for the others.
+    """
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
