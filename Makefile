@@ -30,8 +30,10 @@ setup: $(VENV)/.installed
 
 setup-extras: $(VENV)/.extras
 
+# ruff check (lint rules) and ruff format --check (the code is as `ruff format` writes it: run that to mend).
 lint: setup
-	$(VENV)/bin/ruff check normlab tests benchmarks scripts
+	$(VENV)/bin/ruff check normlab tests benchmarks scripts docs
+	$(VENV)/bin/ruff format --check normlab tests benchmarks scripts docs
 
 # The API reference, warnings as errors (-E: every page is read again, so no warning hides in a cached page);
 # docs/_build is git-ignored.

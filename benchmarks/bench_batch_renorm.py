@@ -84,16 +84,21 @@ def run(shape, repeats: int, iters: int, warmup: int, seed: int = 0) -> list[dic
         times = {name: [] for name in mods}
         names = list(mods)
         for rep in range(repeats):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for name in order:
                 times[name].append(_time(mods[name], x, grad, iters))
         base = statistics.median(times["nn.BatchNorm2d"])
         for name in names:
             med = statistics.median(times[name])
-            rows.append({
-                "layout": layout, "module": name, "median_ms": med * 1e3,
-                "min_ms": min(times[name]) * 1e3, "ratio_vs_bn": med / base,
-            })
+            rows.append(
+                {
+                    "layout": layout,
+                    "module": name,
+                    "median_ms": med * 1e3,
+                    "min_ms": min(times[name]) * 1e3,
+                    "ratio_vs_bn": med / base,
+                }
+            )
     return rows
 
 
@@ -109,15 +114,25 @@ def main(argv=None) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run(tuple(args.shape), args.repeats, args.iters, args.warmup)
-    print(f"forward+backward, float32, shape {tuple(args.shape)}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} x {args.iters} iterations")
+    print(
+        f"forward+backward, float32, shape {tuple(args.shape)}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, median of {args.repeats} x {args.iters} iterations"
+    )
     print(f"{'layout':<14} {'module':<36} {'median ms':>10} {'min ms':>9} {'vs BN':>7}")
     for r in rows:
-        print(f"{r['layout']:<14} {r['module']:<36} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} "
-              f"{r['ratio_vs_bn']:>7.2f}")
+        print(
+            f"{r['layout']:<14} {r['module']:<36} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['ratio_vs_bn']:>7.2f}"
+        )
     if args.out:
-        meta = {"shape": args.shape, "repeats": args.repeats, "iters": args.iters, "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "machine": platform.machine(), "device": "cpu"}
+        meta = {
+            "shape": args.shape,
+            "repeats": args.repeats,
+            "iters": args.iters,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "device": "cpu",
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return rows

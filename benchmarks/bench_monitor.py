@@ -29,8 +29,15 @@ from normlab.runner.models import build_model
 
 
 def make_model(norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str]:
-    model = build_model("plain", norm=norm, conv="conv", in_channels=in_channels, num_classes=10,
-                        input_shape=(in_channels, size, size), width=width)
+    model = build_model(
+        "plain",
+        norm=norm,
+        conv="conv",
+        in_channels=in_channels,
+        num_classes=10,
+        input_shape=(in_channels, size, size),
+        width=width,
+    )
     return model, "normlab.runner.models.build_model('plain')"
 
 
@@ -50,8 +57,13 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     base, source = make_model(args.norm, args.channels, args.size, args.width)
     gen = torch.Generator().manual_seed(0)
-    data = [(torch.randn(args.batch_size, args.channels, args.size, args.size, generator=gen),
-             torch.randint(0, 10, (args.batch_size,), generator=gen)) for _ in range(args.steps)]
+    data = [
+        (
+            torch.randn(args.batch_size, args.channels, args.size, args.size, generator=gen),
+            torch.randint(0, 10, (args.batch_size,), generator=gen),
+        )
+        for _ in range(args.steps)
+    ]
 
     variants = {}
     for name, every in (("unmonitored", None), ("every=10", 10), ("every=1", 1)):
@@ -77,23 +89,34 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.repeats):
-        for k in names[r % len(names):] + names[: r % len(names)]:
+        for k in names[r % len(names) :] + names[: r % len(names)]:
             times[k].append(run_block(*variants[k]))
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["unmonitored"]
-    print(f"plain net ({source}), norm {args.norm}, width {args.width}, input {args.channels}x{args.size}x"
-          f"{args.size}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved repeats of "
-          f"{args.steps} steps")
+    print(
+        f"plain net ({source}), norm {args.norm}, width {args.width}, input {args.channels}x{args.size}x"
+        f"{args.size}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved repeats of "
+        f"{args.steps} steps"
+    )
     print(f"{'variant':<14}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}")
     for k in names:
         print(f"{k:<14}{med[k] * 1e3:>16.2f}{min(times[k]) * 1e3:>14.2f}{med[k] / ref:>8.3f}")
     records = {k: len(v[2].records) if v[2] else 0 for k, v in variants.items()}
     result = {
-        "benchmark": "bench_monitor", "model": source, "norm": args.norm, "width": args.width,
-        "input_shape": [args.batch_size, args.channels, args.size, args.size], "threads": args.threads,
-        "steps_per_block": args.steps, "repeats": args.repeats, "platform": platform.platform(),
-        "torch": torch.__version__, "note": "shared machine: ratios are the result, absolute times are noisy",
-        "median_step_s": med, "all_step_s": times, "ratio_to_unmonitored": {k: med[k] / ref for k in names},
+        "benchmark": "bench_monitor",
+        "model": source,
+        "norm": args.norm,
+        "width": args.width,
+        "input_shape": [args.batch_size, args.channels, args.size, args.size],
+        "threads": args.threads,
+        "steps_per_block": args.steps,
+        "repeats": args.repeats,
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "note": "shared machine: ratios are the result, absolute times are noisy",
+        "median_step_s": med,
+        "all_step_s": times,
+        "ratio_to_unmonitored": {k: med[k] / ref for k in names},
         "monitor_records": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -107,14 +107,21 @@ def run(shape, c_out: int, k: int, repeats: int, iters: int, warmup: int, device
             timer(mods[nm], x, grad, warmup, device)
         times = {nm: [] for nm in names}
         for rep in range(repeats):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             for nm in order:
                 times[nm].append(timer(mods[nm], x, grad, iters, device))
         base = statistics.median(times["nn.Conv2d"])
         for nm in names:
             med = statistics.median(times[nm])
-            rows.append({"mode": mode, "module": nm, "median_ms": med * 1e3, "min_ms": min(times[nm]) * 1e3,
-                         "ratio_vs_conv": med / base})
+            rows.append(
+                {
+                    "mode": mode,
+                    "module": nm,
+                    "median_ms": med * 1e3,
+                    "min_ms": min(times[nm]) * 1e3,
+                    "ratio_vs_conv": med / base,
+                }
+            )
     return rows
 
 
@@ -134,17 +141,28 @@ def main(argv=None) -> list[dict]:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     rows = run(tuple(args.shape), args.out_channels, args.kernel, args.repeats, args.iters, args.warmup, device)
-    print(f"conv {args.kernel}x{args.kernel} {args.shape[1]}->{args.out_channels}, float32, input {tuple(args.shape)}, "
-          f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} x {args.iters} iterations")
+    print(
+        f"conv {args.kernel}x{args.kernel} {args.shape[1]}->{args.out_channels}, float32, input {tuple(args.shape)}, "
+        f"{device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"median of {args.repeats} x {args.iters} iterations"
+    )
     print(f"{'mode':<6} {'module':<22} {'median ms':>10} {'min ms':>9} {'vs conv':>8}")
     for r in rows:
-        print(f"{r['mode']:<6} {r['module']:<22} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} "
-              f"{r['ratio_vs_conv']:>8.3f}")
+        print(
+            f"{r['mode']:<6} {r['module']:<22} {r['median_ms']:>10.3f} {r['min_ms']:>9.3f} {r['ratio_vs_conv']:>8.3f}"
+        )
     if args.out:
-        meta = {"shape": args.shape, "out_channels": args.out_channels, "kernel": args.kernel,
-                "repeats": args.repeats, "iters": args.iters, "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "machine": platform.machine(), "device": str(device)}
+        meta = {
+            "shape": args.shape,
+            "out_channels": args.out_channels,
+            "kernel": args.kernel,
+            "repeats": args.repeats,
+            "iters": args.iters,
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "device": str(device),
+        }
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=2)
     return rows

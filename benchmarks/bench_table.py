@@ -89,7 +89,7 @@ def interleaved(cases: dict, refs: dict, rounds: int, block_s: float, device, wa
     names = list(cases)
     times = {name: [] for name in names}
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         if device.type == "cuda":  # one synchronized block per case
             for name in order:
                 times[name].append(_block(cases[name], iters[name], device))
@@ -106,8 +106,13 @@ def interleaved(cases: dict, refs: dict, rounds: int, block_s: float, device, wa
             times[name].append(spent[name] / iters[name])
     out = {}
     for name in names:
-        out[name] = {"median_ms": 1e3 * statistics.median(times[name]), "min_ms": 1e3 * min(times[name]),
-                     "max_ms": 1e3 * max(times[name]), "iters": iters[name], "times_s": times[name]}
+        out[name] = {
+            "median_ms": 1e3 * statistics.median(times[name]),
+            "min_ms": 1e3 * min(times[name]),
+            "max_ms": 1e3 * max(times[name]),
+            "iters": iters[name],
+            "times_s": times[name],
+        }
     for name, ref in refs.items():
         out[name].update(pair_ratios(out, name, ref))
     return out
@@ -125,6 +130,7 @@ def _train_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
         for p in module.parameters():
             p.grad = None
         module(x).backward(g)
+
     return step
 
 
@@ -148,8 +154,12 @@ def _norm_layers(c: int) -> dict[str, nn.Module]:
     }
 
 
-LAYER_PAIRS = (("BatchRenorm2d", "nn.BatchNorm2d"), ("BatchRenorm2d(check_finite=False)", "nn.BatchNorm2d"),
-               ("SwitchableNorm2d", "nn.BatchNorm2d"), ("InstanceNorm2d", "nn.InstanceNorm2d"))
+LAYER_PAIRS = (
+    ("BatchRenorm2d", "nn.BatchNorm2d"),
+    ("BatchRenorm2d(check_finite=False)", "nn.BatchNorm2d"),
+    ("SwitchableNorm2d", "nn.BatchNorm2d"),
+    ("InstanceNorm2d", "nn.InstanceNorm2d"),
+)
 
 
 def _rows(group: str, res: dict, refs: dict, **fields) -> list[dict]:
@@ -158,10 +168,21 @@ def _rows(group: str, res: dict, refs: dict, **fields) -> list[dict]:
         r = res[cand]
         key = (cand.split("(")[0], ref) + ((fields["mode"],) if "mode" in fields else ())
         target = TARGETS.get(key) if "compile" not in group else None
-        rows.append({"group": group, **fields, "candidate": cand, "reference": ref,
-                     "ratio_min": r["ratio_min"], "ratio_median": r["ratio_median"], "ratio_max": r["ratio_max"],
-                     "candidate_ms": r["median_ms"], "reference_ms": res[ref]["median_ms"], "target": target,
-                     "met": None if target is None else r["ratio_median"] <= target})
+        rows.append(
+            {
+                "group": group,
+                **fields,
+                "candidate": cand,
+                "reference": ref,
+                "ratio_min": r["ratio_min"],
+                "ratio_median": r["ratio_median"],
+                "ratio_max": r["ratio_max"],
+                "candidate_ms": r["median_ms"],
+                "reference_ms": res[ref]["median_ms"],
+                "target": target,
+                "met": None if target is None else r["ratio_median"] <= target,
+            }
+        )
     return rows
 
 
@@ -189,25 +210,31 @@ def bench_layers(shapes, rounds: int, block_s: float, device, compiled: bool = F
 def bench_convs(shape, rounds: int, block_s: float, device) -> list[dict]:
     torch.manual_seed(0)
     c = shape[1]
-    convs = {"nn.Conv2d": nn.Conv2d(c, c, 3, padding=1), "PWSConv2d": PWSConv2d(c, c, 3, padding=1),
-             "WSConv2d": WSConv2d(c, c, 3, padding=1)}
+    convs = {
+        "nn.Conv2d": nn.Conv2d(c, c, 3, padding=1),
+        "PWSConv2d": PWSConv2d(c, c, 3, padding=1),
+        "WSConv2d": WSConv2d(c, c, 3, padding=1),
+    }
     convs = {k: m.to(device) for k, m in convs.items()}
     x = torch.randn(shape, device=device).requires_grad_()
     g = torch.randn(shape, device=device)
     refs = {"PWSConv2d": "nn.Conv2d", "WSConv2d": "nn.Conv2d"}
     train = {k: _train_step(m.train(), x, g) for k, m in convs.items()}
-    rows = _rows("convolutions", interleaved(train, refs, rounds, block_s, device), refs, shape=list(shape),
-                 mode="train")
+    rows = _rows(
+        "convolutions", interleaved(train, refs, rounds, block_s, device), refs, shape=list(shape), mode="train"
+    )
 
     def infer(m):
         def run():
             with torch.no_grad():
                 m(x)
+
         return run
 
     evals = {k: infer(m.eval()) for k, m in convs.items()}
-    rows += _rows("convolutions", interleaved(evals, refs, rounds, block_s, device), refs, shape=list(shape),
-                  mode="eval")
+    rows += _rows(
+        "convolutions", interleaved(evals, refs, rounds, block_s, device), refs, shape=list(shape), mode="eval"
+    )
     print("  convolutions done", flush=True)
     return rows
 
@@ -229,6 +256,7 @@ def _net_step(model: str, norm: str, width: float, batch: int, device):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
     return step
 
 
@@ -241,9 +269,17 @@ def bench_nets(width: float, batch: int, rounds: int, block_s: float, device, no
         res = interleaved(cases, {}, rounds, block_s, device, warmup=1)
         vs = {ref: pair_ratios(res, "pws", ref) for ref in ("bn", "gn")}
         for norm in norms:
-            row = {"group": "whole step", "model": model, "norm": norm, "width": width, "batch": batch,
-                   "median_ms": res[norm]["median_ms"], "min_ms": res[norm]["min_ms"],
-                   "max_ms": res[norm]["max_ms"], "peak_mb": memory.get(f"{model}/{norm}")}
+            row = {
+                "group": "whole step",
+                "model": model,
+                "norm": norm,
+                "width": width,
+                "batch": batch,
+                "median_ms": res[norm]["median_ms"],
+                "min_ms": res[norm]["min_ms"],
+                "max_ms": res[norm]["max_ms"],
+                "peak_mb": memory.get(f"{model}/{norm}"),
+            }
             if norm == "pws":
                 for ref in ("bn", "gn"):
                     row.update({f"vs_{ref}_{k}": vs[ref][f"ratio_{k}"] for k in ("min", "median", "max")})
@@ -317,8 +353,12 @@ def _renorm_pair(x, g, fused: bool):
 
 def _switchable_pair(x, g, fused: bool):
     c = x.shape[1]
-    params = [torch.tensor([0.3, -0.2, 0.1], device=x.device), torch.tensor([-0.1, 0.4, 0.0], device=x.device),
-              torch.linspace(0.5, 1.5, c, device=x.device), torch.linspace(-1, 1, c, device=x.device)]
+    params = [
+        torch.tensor([0.3, -0.2, 0.1], device=x.device),
+        torch.tensor([-0.1, 0.4, 0.0], device=x.device),
+        torch.linspace(0.5, 1.5, c, device=x.device),
+        torch.linspace(-1, 1, c, device=x.device),
+    ]
     params = [p.requires_grad_() for p in params]
     rm, rv = torch.zeros(c, device=x.device), torch.ones(c, device=x.device)
     xx = x.clone().requires_grad_()
@@ -329,8 +369,14 @@ def _switchable_pair(x, g, fused: bool):
 
 # ------------------------------------------------------------------------------------------------ report
 def machine(device) -> dict:
-    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": str(device)}
+    info = {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         found = re.search(r"model name\s*:\s*(.+)", cpuinfo.read_text())
@@ -338,8 +384,9 @@ def machine(device) -> dict:
     if hasattr(os, "getloadavg"):
         info["load_average"] = round(os.getloadavg()[0], 2)
     if device.type == "cuda":
-        info.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
-                    cudnn=torch.backends.cudnn.version())
+        info.update(
+            gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version()
+        )
     return info
 
 
@@ -354,13 +401,19 @@ def _met(row: dict) -> str:
 def markdown(data: dict) -> str:
     m, cfg = data["machine"], data["config"]
     title = m.get("gpu", m.get("cpu", m["platform"]))
-    lines = [f"## {m['device']}: {title}", "",
-             f"torch {m['torch']}" + (f", CUDA {m['cuda']}" if "cuda" in m else "") + f", {m['threads']} thread(s), "
-             f"{m['cpu_count']} CPU cores, load average {m.get('load_average', '?')} at the start; {data['date']}; "
-             f"{cfg['rounds']} interleaved rounds per group ({data['wall_s']:.0f} s in all).", "",
-             f"Command: `{data['command']}`", "",
-             f"Fused BatchRenorm/SwitchableNorm paths checked against the composite formulas on this device: "
-             f"{data['fused_check']}.", ""]
+    lines = [
+        f"## {m['device']}: {title}",
+        "",
+        f"torch {m['torch']}" + (f", CUDA {m['cuda']}" if "cuda" in m else "") + f", {m['threads']} thread(s), "
+        f"{m['cpu_count']} CPU cores, load average {m.get('load_average', '?')} at the start; {data['date']}; "
+        f"{cfg['rounds']} interleaved rounds per group ({data['wall_s']:.0f} s in all).",
+        "",
+        f"Command: `{data['command']}`",
+        "",
+        f"Fused BatchRenorm/SwitchableNorm paths checked against the composite formulas on this device: "
+        f"{data['fused_check']}.",
+        "",
+    ]
     for group, rows in _by_group(data["rows"]).items():
         lines += _group_table(group, rows) + [""]
     return "\n".join(lines)
@@ -376,25 +429,40 @@ def _by_group(rows):
 def _group_table(group: str, rows: list[dict]) -> list[str]:
     if group == "whole step":
         r0 = rows[0]
-        out = [f"### Whole training step (SGD + cross entropy), width {r0['width']}, batch {r0['batch']}, 3x32x32",
-               "", "| net | norm | median ms | min ms | PWS / BN (min, median, max) | PWS / GN (min, median, max) "
-               "| peak MB (one step) | PWS <= BN and <= GN |", "|---|---|---|---|---|---|---|---|"]
+        out = [
+            f"### Whole training step (SGD + cross entropy), width {r0['width']}, batch {r0['batch']}, 3x32x32",
+            "",
+            "| net | norm | median ms | min ms | PWS / BN (min, median, max) | PWS / GN (min, median, max) "
+            "| peak MB (one step) | PWS <= BN and <= GN |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
-            vs = (_r(r, "vs_bn").replace(" | ", ", "), _r(r, "vs_gn").replace(" | ", ", ")) if r["norm"] == "pws" \
+            vs = (
+                (_r(r, "vs_bn").replace(" | ", ", "), _r(r, "vs_gn").replace(" | ", ", "))
+                if r["norm"] == "pws"
                 else ("", "")
+            )
             peak = "" if r.get("peak_mb") is None else f"{r['peak_mb']:.0f}"
-            out.append(f"| {r['model']} | {r['norm']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {vs[0]} | "
-                       f"{vs[1]} | {peak} | {_met(r)} |")
+            out.append(
+                f"| {r['model']} | {r['norm']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | {vs[0]} | "
+                f"{vs[1]} | {peak} | {_met(r)} |"
+            )
         return out
     head = "mode" if group == "convolutions" else "layout"
-    out = [f"### {group}: ratio = candidate time / reference time in the same round", "",
-           f"| shape | {head} | candidate | reference | ratio min | median | max | target | met | candidate ms "
-           f"| reference ms |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {group}: ratio = candidate time / reference time in the same round",
+        "",
+        f"| shape | {head} | candidate | reference | ratio min | median | max | target | met | candidate ms "
+        f"| reference ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         target = "" if r["target"] is None else f"<= {r['target']:.2f}"
-        out.append(f"| {tuple(r['shape'])} | {r.get('mode', r.get('layout'))} | {r['candidate']} | "
-                   f"{r['reference']} | {_r(r)} | {target} | {_met(r)} | {r['candidate_ms']:.3f} | "
-                   f"{r['reference_ms']:.3f} |")
+        out.append(
+            f"| {tuple(r['shape'])} | {r.get('mode', r.get('layout'))} | {r['candidate']} | "
+            f"{r['reference']} | {_r(r)} | {target} | {_met(r)} | {r['candidate_ms']:.3f} | "
+            f"{r['reference_ms']:.3f} |"
+        )
     return out
 
 
@@ -404,7 +472,7 @@ def write_results(path: Path, device: str, section: str) -> None:
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = f"{start}\n{section}\n{end}"
     if start in text and end in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
@@ -416,8 +484,12 @@ def _args(argv):
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quick", action="store_true", help="small shapes, 3 rounds, no torch.compile: seconds")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per group (default 7, quick 3)")
-    p.add_argument("--block-ms", type=float, default=None, help="target length of one timed block (default 60 ms "
-                   "on CPU, 20 ms on CUDA, quick 2 ms)")
+    p.add_argument(
+        "--block-ms",
+        type=float,
+        default=None,
+        help="target length of one timed block (default 60 ms on CPU, 20 ms on CUDA, quick 2 ms)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (CPU; default 1)")
     p.add_argument("--sections", default="layers,convs,nets,compile", help="comma-separated subset to run")
     p.add_argument("--out", default="runs/bench/bench_table.json", help="JSON results")
@@ -456,18 +528,24 @@ def main(argv=None) -> dict:
         torch.set_num_threads(args.threads)
     if args.memory_only:  # internal: the CPU peak-memory subprocess ("model/norm,...")
         pairs = args.memory_only.split(",")
-        print(json.dumps({p: _peak_here(_net_step(*p.split("/"), args.width, args.batch, device), device)
-                          for p in pairs}))
+        print(
+            json.dumps({p: _peak_here(_net_step(*p.split("/"), args.width, args.batch, device), device) for p in pairs})
+        )
         return {}
     t0 = time.perf_counter()
     info = machine(device)
     fused = check_fused_paths(device)
     rows = run(args, device)
     command = " ".join(["python", "benchmarks/bench_table.py"] + (sys.argv[1:] if argv is None else list(argv)))
-    data = {"machine": info, "fused_check": fused, "rows": rows, "command": command,
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "config": {"rounds": args.rounds or (3 if args.quick else 7), "quick": args.quick,
-                       "sections": args.sections}, "wall_s": time.perf_counter() - t0}
+    data = {
+        "machine": info,
+        "fused_check": fused,
+        "rows": rows,
+        "command": command,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "config": {"rounds": args.rounds or (3 if args.quick else 7), "quick": args.quick, "sections": args.sections},
+        "wall_s": time.perf_counter() - t0,
+    }
     section = markdown(data)
     print(section)
     if args.out:

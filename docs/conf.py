@@ -118,12 +118,9 @@ def _fix_docstring(app, what, name, obj, options, lines):
     """Escape shape stars; give a constant its ``#:`` comment (a constant's own docstring is its type's: a tuple's,
     a dict's, which documents nothing of the constant)."""
     _escape_shape_stars(lines)
-    if what == "data" and (not lines or (type(obj).__doc__ and
-                                         "\n".join(lines).strip() == type(obj).__doc__.strip())):
+    if what == "data" and (not lines or (type(obj).__doc__ and "\n".join(lines).strip() == type(obj).__doc__.strip())):
         lines[:] = _defining_comment(name, obj)
 
 
 def setup(app):
     app.connect("autodoc-process-docstring", _fix_docstring)
-
-

@@ -28,8 +28,22 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["Flow", "fx_flow", "hook_flow"]
 
 # tensor functions that read only metadata (shape, dtype, ...): not a use of the values
-_METADATA = {"__get__", "size", "dim", "numel", "ndimension", "is_contiguous", "is_floating_point", "is_complex",
-             "element_size", "stride", "get_device", "__len__", "data_ptr", "nelement"}
+_METADATA = {
+    "__get__",
+    "size",
+    "dim",
+    "numel",
+    "ndimension",
+    "is_contiguous",
+    "is_floating_point",
+    "is_complex",
+    "element_size",
+    "stride",
+    "get_device",
+    "__len__",
+    "data_ptr",
+    "nelement",
+}
 
 
 @dataclass
@@ -145,8 +159,9 @@ class _Recorder(TorchFunctionMode):
             self.keep.append(out)  # keeps ids unique while the trace runs
 
 
-def hook_flow(model: nn.Module, convs: Iterable[nn.Module], norms: Iterable[nn.Module],
-              x: torch.Tensor) -> tuple[Flow, torch.Tensor]:
+def hook_flow(
+    model: nn.Module, convs: Iterable[nn.Module], norms: Iterable[nn.Module], x: torch.Tensor
+) -> tuple[Flow, torch.Tensor]:
     """The dataflow of one forward of ``model`` on ``x`` (no_grad); returns it with the model's output."""
     flow = Flow("hooks")
     rec = _Recorder(flow)

@@ -27,7 +27,11 @@ from ._dispatch import (
 )
 
 __all__ = [
-    "is_identity", "takes_fused", "fused_batch_renorm", "fused_step_moments", "switchable_forward",
+    "is_identity",
+    "takes_fused",
+    "fused_batch_renorm",
+    "fused_step_moments",
+    "switchable_forward",
 ]
 
 
@@ -203,8 +207,9 @@ def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
 
 
 @torch.no_grad()
-def _sn_update_running(running_mean, running_var, batch, momentum: float, using_moving_average: bool,
-                       where: str = "switchable_norm") -> Tensor:
+def _sn_update_running(
+    running_mean, running_var, batch, momentum: float, using_moving_average: bool, where: str = "switchable_norm"
+) -> Tensor:
     """Official convention: ``running = momentum * running + (1 - momentum) * batch`` (or sums without moving
     average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
     whether the batch statistics were finite (a 0-dim bool tensor)."""
@@ -291,8 +296,12 @@ def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tenso
         return total.reshape(n, c), dot.reshape(n, c)
     if layout == "samples":
         ones = torch.ones(c, dtype=mu.dtype)
-        parts = [torch.ops.aten.native_batch_norm_backward(
-            g[i : i + 1], x[i : i + 1], None, None, None, mu[i], ones, True, 0.0, mask) for i in range(n)]
+        parts = [
+            torch.ops.aten.native_batch_norm_backward(
+                g[i : i + 1], x[i : i + 1], None, None, None, mu[i], ones, True, 0.0, mask
+            )
+            for i in range(n)
+        ]
         return torch.stack([p[2] for p in parts]), torch.stack([p[1] for p in parts])
     dims = tuple(range(2, x.dim()))
     centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
@@ -308,8 +317,17 @@ def _instance_affine(x: Tensor, scale: Tensor, shift: Tensor, layout: str) -> Te
         ones = torch.ones(n * c, dtype=scale.dtype)
         y, flat, unused = torch.empty_like(x), (1, n * c, -1), scale.new_empty(0)
         torch.ops.aten.native_batch_norm.out(
-            x.view(flat), scale.reshape(-1), shift.reshape(-1), zeros, ones, False, 0.0, 0.0,
-            out=y.view(flat), save_mean=unused, save_invstd=unused,
+            x.view(flat),
+            scale.reshape(-1),
+            shift.reshape(-1),
+            zeros,
+            ones,
+            False,
+            0.0,
+            0.0,
+            out=y.view(flat),
+            save_mean=unused,
+            save_invstd=unused,
         )
         return y
     shape = (n, c) + (1,) * (x.dim() - 2)
@@ -395,7 +413,10 @@ def _switchable_double_backward(ctx, grad):
     found = torch.autograd.grad(y.to(x.dtype), inputs, grad, create_graph=True, allow_unused=True)
     by_id = {id(t): g for t, g in zip(inputs, found)}
     return tuple(by_id.get(id(t)) if t is not None else None for t in (x, mean_weight, var_weight, weight, bias)) + (
-        None, None, None)
+        None,
+        None,
+        None,
+    )
 
 
 def _sn_fused_ok(x: Tensor) -> bool:
@@ -404,8 +425,22 @@ def _sn_fused_ok(x: Tensor) -> bool:
     return x.numel() > 0 and plain_eager(x)
 
 
-def switchable_forward(x, mean_weight, var_weight, weight, bias, running_mean, running_var, training, momentum, eps,
-                       using_bn, using_moving_average, fused, where="switchable_norm"):
+def switchable_forward(
+    x,
+    mean_weight,
+    var_weight,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    training,
+    momentum,
+    eps,
+    using_bn,
+    using_moving_average,
+    fused,
+    where="switchable_norm",
+):
     """:func:`normlab.functional.switchable_norm` (which calls this), and the layers' forward with their name as
     ``where``. A non-finite batch leaves the running statistics unchanged and warns (eager; the non-finite policy of
     :mod:`normlab._dispatch`)."""

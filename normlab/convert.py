@@ -133,8 +133,9 @@ def _describe(m: nn.Module, known: dict) -> _BN | None:
     if spec is None or (spec.act and not (hasattr(m, "drop") and hasattr(m, "act"))):
         return None
     if spec.dim is None and not spec.sync:
-        dim = next((d for d, cls in enumerate((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), 1)
-                    if isinstance(m, cls)), None)
+        dim = next(
+            (d for d, cls in enumerate((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d), 1) if isinstance(m, cls)), None
+        )
         return _BN(dim=dim) if dim is not None else None
     return spec
 
@@ -172,8 +173,12 @@ def _swap(model: nn.Module, new: dict[int, nn.Module]) -> nn.Module:
 def _warn_unknown(model: nn.Module, known: dict, names: dict, where: str) -> None:
     unknown = [f"{names[id(m)]} ({type(m).__name__})" for m in _unique_modules(model, lambda m: _unknown_bn(m, known))]
     if unknown:
-        warnings.warn(f"{where}: left as they are (BatchNorm subclasses with their own forward, which computes "
-                      f"something else than a BatchNorm): {', '.join(unknown)}", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"{where}: left as they are (BatchNorm subclasses with their own forward, which computes "
+            f"something else than a BatchNorm): {', '.join(unknown)}",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager
@@ -298,8 +303,11 @@ def _refusals(model, to: str, bns: list, names: dict, example_input) -> list[str
     if to not in _NEEDS_LENGTH:
         return []
     bn1d = [m for m, spec in bns if spec.dim == 1]
-    check = bn1d + [m for m, spec in bns if example_input is not None and m not in bn1d
-                    and (spec.dim is None or to in _INSTANCE_STATS)]
+    check = bn1d + [
+        m
+        for m, spec in bns
+        if example_input is not None and m not in bn1d and (spec.dim is None or to in _INSTANCE_STATS)
+    ]
     if not check:
         return []
     seen = _seen_shapes(model, check, example_input) if example_input is not None else {}
@@ -311,19 +319,27 @@ def _refusals(model, to: str, bns: list, names: dict, example_input) -> list[str
             out.append(f"{where} sees (N, C) input on example_input: {_NEEDS_LENGTH[to]} needs (N, C, L)")
         elif to in _INSTANCE_STATS and any(s[2:].numel() < 2 for s in shapes):
             small = next(tuple(s) for s in shapes if s[2:].numel() < 2)
-            out.append(f"{where} sees input {small} on example_input: instance statistics need more than one "
-                       "position per channel")
+            out.append(
+                f"{where} sees input {small} on example_input: instance statistics need more than one "
+                "position per channel"
+            )
         elif m in bn1d and not shapes and context.get(id(m)) != "conv1d":
-            why = ("its input is an nn.Linear output (N, C)" if context.get(id(m)) == "linear"
-                   else "its input may be (N, C) (give example_input to show it sees (N, C, L))")
+            why = (
+                "its input is an nn.Linear output (N, C)"
+                if context.get(id(m)) == "linear"
+                else "its input may be (N, C) (give example_input to show it sees (N, C, L))"
+            )
             out.append(f"{where}: {why}; {_NEEDS_LENGTH[to]} needs (N, C, L)")
     return out
 
 
 def _convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Module:
     known, names = _known_bn_forwards(), _names(model)
-    bns = [(m, spec) for m in _unique_modules(model, lambda m: _describe(m, known) is not None)
-           for spec in [_describe(m, known)]]
+    bns = [
+        (m, spec)
+        for m in _unique_modules(model, lambda m: _describe(m, known) is not None)
+        for spec in [_describe(m, known)]
+    ]
     refused = _refusals(model, to, bns, names, example_input)
     if refused:
         raise ValueError(f"convert_norm(to={to!r}): cannot replace {'; '.join(refused)}")
@@ -371,7 +387,7 @@ def _make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> 
 
 
 def _timm_std_kind(m: nn.Module) -> str | None:
-    """"std" / "scaled" for timm's StdConv2d / ScaledStdConv2d (by their forward), else None."""
+    """ "std" / "scaled" for timm's StdConv2d / ScaledStdConv2d (by their forward), else None."""
     sc = sys.modules.get("timm.layers.std_conv")
     if sc is None:
         return None
@@ -403,8 +419,12 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
     with _eval_mode(model):
         flow, _, _, why = _trace(model, convs, norms, example_input)
     if flow is None:
-        warnings.warn(f"convert_norm: remove_norm: the dataflow could not be established ({why}); no BatchNorm "
-                      "removed (give example_input)", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"convert_norm: remove_norm: the dataflow could not be established ({why}); no BatchNorm "
+            "removed (give example_input)",
+            UserWarning,
+            stacklevel=3,
+        )
         return [], set()
     by_id = {id(c): c for c in convs}
     out, feeding = [], set()
@@ -434,8 +454,15 @@ def _convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, 
     return _swap(model, new)
 
 
-def convert_norm(model: nn.Module, to: str = "pws", *, remove_norm: bool | None = None, inplace: bool = True,
-                 example_input: Tensor | None = None, **kw) -> nn.Module:
+def convert_norm(
+    model: nn.Module,
+    to: str = "pws",
+    *,
+    remove_norm: bool | None = None,
+    inplace: bool = True,
+    example_input: Tensor | None = None,
+    **kw,
+) -> nn.Module:
     """Swap the normalization of ``model`` (see the module docstring for the rules).
 
     Args:
@@ -569,7 +596,8 @@ def _foldable_norm(m: nn.Module, known: dict) -> bool:
     if spec is None and not (isinstance(m, _BatchRenorm) and _brn_act(m) is not None):
         return False
     return ((spec is not None and spec.frozen) or not m.training) and all(
-        getattr(m, k, None) is not None for k in ("running_mean", "running_var"))
+        getattr(m, k, None) is not None for k in ("running_mean", "running_var")
+    )
 
 
 def _brn_act(m: nn.Module) -> bool | None:
@@ -642,8 +670,9 @@ def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -
     reason = f"dataflow unknown ({why})" if flow is None else flow.verdict(conv, bn)
     if reason is None and conv.out_channels != _channels(bn):
         reason = "channel counts differ"
-    if reason is None and (conv._forward_hooks or conv._forward_pre_hooks or bn._forward_hooks
-                           or bn._forward_pre_hooks):
+    if reason is None and (
+        conv._forward_hooks or conv._forward_pre_hooks or bn._forward_hooks or bn._forward_pre_hooks
+    ):
         reason = "a module has hooks"
     if reason is None and any(conv is c for c, _ in pairs):
         reason = "the conv already folds another BatchNorm"
@@ -697,8 +726,9 @@ def _exact_output(original: nn.Module | None, x: Tensor) -> Tensor | None:
         return copy.deepcopy(original).double().eval()(x.double())
 
 
-def _check_outputs(folded: nn.Module, x: Tensor, reference: Tensor, rtol: float,
-                   original: nn.Module | None = None) -> None:
+def _check_outputs(
+    folded: nn.Module, x: Tensor, reference: Tensor, rtol: float, original: nn.Module | None = None
+) -> None:
     """``max|folded(x) - reference| <= rtol * max|reference|``, or, where the rounding of a deep float32 model
     exceeds that, the folded output is as close to the exact function (``original`` in float64) as the original's
     own output is: within ``rtol * max|y|`` plus twice the original's own rounding error."""
@@ -770,8 +800,11 @@ def fold_for_inference(
         pairs, skipped, x, y = _fold_plan(folded, example_input, known)
         folded = _apply_fold(folded, pairs, known)
         if skipped:
-            warnings.warn("fold_for_inference: left unfolded: " + "; ".join(
-                f"{c} -> {b} ({why})" for c, b, why in skipped), UserWarning, stacklevel=2)
+            warnings.warn(
+                "fold_for_inference: left unfolded: " + "; ".join(f"{c} -> {b} ({why})" for c, b, why in skipped),
+                UserWarning,
+                stacklevel=2,
+            )
         if x is not None:
             _check_outputs(folded.eval(), x, y, rtol, original)
     folded.eval()

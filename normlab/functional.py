@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 
-
 def _normalize_dims(dims: int | Sequence[int], ndim: int, where: str) -> tuple[int, ...]:
     if isinstance(dims, int):
         dims = (dims,)
@@ -49,9 +48,7 @@ def _normalize_dims(dims: int | Sequence[int], ndim: int, where: str) -> tuple[i
 # --------------------------------------------------------------------------------------------------
 # Moments
 # --------------------------------------------------------------------------------------------------
-def moments(
-    x: Tensor, dims: int | Sequence[int], keepdim: bool = False, correction: int = 0
-) -> tuple[Tensor, Tensor]:
+def moments(x: Tensor, dims: int | Sequence[int], keepdim: bool = False, correction: int = 0) -> tuple[Tensor, Tensor]:
     """Mean and variance of ``x`` over ``dims``, like ``tf.nn.moments`` (note the (mean, var) order).
 
     ``mean = E[x]``; ``var = sum((x - stop_grad(mean))^2) / (count - correction)``.
@@ -81,9 +78,7 @@ def moments(
     dims = _normalize_dims(dims, x.dim(), "moments")
     count = math.prod([x.shape[d] for d in dims])
     if count - correction <= 0:
-        raise ValueError(
-            f"moments: need more than correction={correction} elements over dims {dims}, got {count}"
-        )
+        raise ValueError(f"moments: need more than correction={correction} elements over dims {dims}, got {count}")
     mean, var = centered_moments(stats_dtype(x), dims, count, correction)
     if not keepdim:
         mean, var = mean.squeeze(dims), var.squeeze(dims)
@@ -93,9 +88,7 @@ def moments(
 # --------------------------------------------------------------------------------------------------
 # Instance normalization
 # --------------------------------------------------------------------------------------------------
-def instance_norm(
-    x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
-) -> Tensor:
+def instance_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Per-sample, per-channel normalization over the spatial dimensions.
 
     ``y[n, c] = (x[n, c] - mean_nc) / sqrt(var_nc + eps) * weight[c] + bias[c]`` with the biased variance.
@@ -342,11 +335,9 @@ def switchable_norm(
     the *old* value); without moving average the buffers accumulate sums. In eval the running buffers are used.
     Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
 
-    Implementation: eager on CPU/CUDA (``fused`` None or True) an autograd Function with an explicit backward:
-    one statistics pass and one normalize pass forward, one reduction pass and one final pass backward,
-    BatchNorm's CPU kernels doing the passes; its output is never a view (in-place ops such as
-    ``relu_`` work). ``fused=False`` (and torch.compile/torch.export, jit.trace, torch.func transforms, the meta
-    device, empty inputs) use the composite formula from differentiable ops.
+    Implementation: eager on CPU/CUDA an autograd Function with an explicit backward (two passes each way, done by
+    BatchNorm's CPU kernels; its output is never a view, so in-place ops such as ``relu_`` work); ``fused=False``,
+    torch.compile/export, jit.trace, torch.func, the meta device and empty inputs use the composite formula.
 
     Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
     compiled) and warns in eager mode (RuntimeWarning, the layers' policy: ``docs/design.md``, "Non-finite
@@ -378,8 +369,21 @@ def switchable_norm(
         >>> switchable_norm(torch.randn(4, 8, 6, 6), logits, logits, training=True).shape
         torch.Size([4, 8, 6, 6])
     """
-    return switchable_forward(x, mean_weight, var_weight, weight, bias, running_mean, running_var, training, momentum,
-                              eps, using_bn, using_moving_average, fused)
+    return switchable_forward(
+        x,
+        mean_weight,
+        var_weight,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        training,
+        momentum,
+        eps,
+        using_bn,
+        using_moving_average,
+        fused,
+    )
 
 
 # --------------------------------------------------------------------------------------------------

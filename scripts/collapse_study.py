@@ -97,8 +97,13 @@ def _old_detector():
     from normlab.monitor.alarm import CollapseDetector
     from normlab.monitor.hooks import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
 
-    return CollapseDetector(dict(DEFAULT_EXPLODE_FACTOR), ("output_var", "shift"), dict(DEFAULT_MIN_INITIAL), 1,
-                            dict(DEFAULT_IMPLODE_FACTOR))
+    return CollapseDetector(
+        dict(DEFAULT_EXPLODE_FACTOR),
+        ("output_var", "shift"),
+        dict(DEFAULT_MIN_INITIAL),
+        1,
+        dict(DEFAULT_IMPLODE_FACTOR),
+    )
 
 
 def _old_check(old, step, records):
@@ -120,8 +125,9 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     study = guard_kwargs is None
-    mon = VarianceMonitor(model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False)
-                                                            if study else {}))
+    mon = VarianceMonitor(
+        model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False) if study else {})
+    )
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -144,8 +150,14 @@ def train_run(cfg, steps=None, guard_kwargs=None):
             hit = _old_check(old, step, mon.records[n_rec:])
             old_alarm = None if hit is None else {"step": hit.step, "layer": hit.layer}
         tracker.update(lv if math.isfinite(lv) else None)
-        lines.append({"t": step, "loss": lv if math.isfinite(lv) else None,
-                      "gnorm": gnorm if math.isfinite(gnorm) else None, "L": _layer_line(mon.records[n_rec:])})
+        lines.append(
+            {
+                "t": step,
+                "loss": lv if math.isfinite(lv) else None,
+                "gnorm": gnorm if math.isfinite(gnorm) else None,
+                "L": _layer_line(mon.records[n_rec:]),
+            }
+        )
         del mon.records[:]
         if guard is None and tracker.kind == "non_finite":
             break
@@ -153,11 +165,15 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     layers = [[n, k] for n, _, k in mon.layers]
     order = sorted(mon._order, key=mon._order.get)
     header = {"cfg": cfg, "layers": layers, "order": order}
-    summary = {"kind": kind, "collapse_step": tracker.step, "steps": len(lines),
-               "test_acc": _accuracy(model, xt, yt) if kind != "non_finite" else None,
-               "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
-               "old_alarm": old_alarm,
-               "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict()}
+    summary = {
+        "kind": kind,
+        "collapse_step": tracker.step,
+        "steps": len(lines),
+        "test_acc": _accuracy(model, xt, yt) if kind != "non_finite" else None,
+        "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
+        "old_alarm": old_alarm,
+        "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict(),
+    }
     if guard is not None:
         summary["rescues"] = [r.to_dict() for r in guard.rescues]
         summary["gave_up"] = gave_up
@@ -212,8 +228,6 @@ def load_runs(out_dir: Path) -> list[dict]:
     return runs
 
 
-
-
 # ---------------------------------------------------------------------------------------------- analysis
 GROWTH_GRID = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 LEVEL_GRID = (3, 5, 10, 15, 30, 100, 300, 1000)
@@ -232,7 +246,7 @@ def _collapse_step(run) -> int | None:
     losses = [x["loss"] for x in run["steps"]]
     thr, start = 0.95 * math.log(10), 0
     for t in range(9, len(losses)):
-        if statistics.fmean(losses[t - 9:t + 1]) < thr:
+        if statistics.fmean(losses[t - 9 : t + 1]) < thr:
             start = t - 9 + 1
     return start
 
@@ -281,10 +295,21 @@ def prepare(run) -> dict:
         pws_ratio.append({n: v[2] / vt0[n] if vt0[n] else 0.0 for n, v in zip(hidden, vs) if n not in exempt})
     first_nf = next((t for t, b in enumerate(nonfin) if b), INF)
     standardized = all(abs(steps[0]["L"][n][1] or 0.0) < 1e-12 for n in hidden[1:])
-    return dict(cfg=run["cfg"], kind=run["summary"]["kind"], cstep=_collapse_step(run), nonfin=first_nf,
-                growth=growth, level=level, gratio=gratio, growth_x=growth_x, level_x=level_x, shift_in=shift_in,
-                pws_ratio=pws_ratio,
-                standardized=standardized, old=(run["summary"]["old_alarm"] or {}).get("step", INF))
+    return dict(
+        cfg=run["cfg"],
+        kind=run["summary"]["kind"],
+        cstep=_collapse_step(run),
+        nonfin=first_nf,
+        growth=growth,
+        level=level,
+        gratio=gratio,
+        growth_x=growth_x,
+        level_x=level_x,
+        shift_in=shift_in,
+        pws_ratio=pws_ratio,
+        standardized=standardized,
+        old=(run["summary"]["old_alarm"] or {}).get("step", INF),
+    )
 
 
 def regime_step(r, w, p) -> float:
@@ -323,16 +348,28 @@ def score_countdown(runs, fire) -> dict:
     warnable = [r for r in runs if r["kind"] is not None and r["cstep"] > WARNABLE]
     healthy = [r for r in runs if r["kind"] is None]
     leads = [r["cstep"] - fire(r) for r in warnable if fire(r) < INF]
-    return dict(warned=sum(lead >= LEAD for lead in leads), warnable=len(warnable),
-                median_lead=statistics.median(leads) if leads else None,
-                false=sum(fire(r) < INF for r in healthy), healthy=len(healthy))
+    return dict(
+        warned=sum(lead >= LEAD for lead in leads),
+        warnable=len(warnable),
+        median_lead=statistics.median(leads) if leads else None,
+        false=sum(fire(r) < INF for r in healthy),
+        healthy=len(healthy),
+    )
 
 
 EXEMPT_RULE = "growth|level, not renormalized [exploratory]"
 LIBRARY_RULE = "growth|level, not renormalized, no level on standardized kernels [exploratory]"
 PAIRS = [(a, b) for a in GROWTH_GRID for b in LEVEL_GRID]
-COUNTDOWN_GRIDS = {"growth": GROWTH_GRID, "level": LEVEL_GRID, "gnorm": GNORM_GRID, "growth|level": PAIRS,
-                   EXEMPT_RULE: PAIRS, LIBRARY_RULE: PAIRS, "nonfinite": [None], "old": [None]}
+COUNTDOWN_GRIDS = {
+    "growth": GROWTH_GRID,
+    "level": LEVEL_GRID,
+    "gnorm": GNORM_GRID,
+    "growth|level": PAIRS,
+    EXEMPT_RULE: PAIRS,
+    LIBRARY_RULE: PAIRS,
+    "nonfinite": [None],
+    "old": [None],
+}
 
 
 def _conservative_key(th):
@@ -363,16 +400,21 @@ def score_regime(runs, w, p) -> dict:
     leads = [r["cstep"] - regime_step(r, w, p) for r in coll if regime_step(r, w, p) < INF]
     pws = [r for r in runs if r["cfg"]["norm"] == "pws"]
     pws_coll = [r for r in pws if r["kind"] is not None]
-    return dict(recall=sum(regime_step(r, w, p) <= r["cstep"] for r in coll), collapsing=len(coll),
-                median_lead=statistics.median(leads) if leads else None,
-                healthy_plain_flagged=sum(regime_step(r, w, p) < INF for r in plain if r["kind"] is None),
-                healthy_plain=sum(r["kind"] is None for r in plain),
-                bn_healthy_flagged=sum(regime_step(r, w, p) < INF for r in runs
-                                       if r["cfg"]["norm"] == "bn" and r["kind"] is None),
-                bn_healthy=sum(r["cfg"]["norm"] == "bn" and r["kind"] is None for r in runs),
-                pws_recall=sum(regime_step(r, w, p) <= r["cstep"] for r in pws_coll), pws_collapsing=len(pws_coll),
-                pws_healthy_flagged=sum(regime_step(r, w, p) < INF for r in pws if r["kind"] is None),
-                pws_healthy=sum(r["kind"] is None for r in pws))
+    return dict(
+        recall=sum(regime_step(r, w, p) <= r["cstep"] for r in coll),
+        collapsing=len(coll),
+        median_lead=statistics.median(leads) if leads else None,
+        healthy_plain_flagged=sum(regime_step(r, w, p) < INF for r in plain if r["kind"] is None),
+        healthy_plain=sum(r["kind"] is None for r in plain),
+        bn_healthy_flagged=sum(
+            regime_step(r, w, p) < INF for r in runs if r["cfg"]["norm"] == "bn" and r["kind"] is None
+        ),
+        bn_healthy=sum(r["cfg"]["norm"] == "bn" and r["kind"] is None for r in runs),
+        pws_recall=sum(regime_step(r, w, p) <= r["cstep"] for r in pws_coll),
+        pws_collapsing=len(pws_coll),
+        pws_healthy_flagged=sum(regime_step(r, w, p) < INF for r in pws if r["kind"] is None),
+        pws_healthy=sum(r["kind"] is None for r in pws),
+    )
 
 
 def choose_regime(runs) -> tuple[int, float]:
@@ -403,18 +445,31 @@ def complete_seeds(raw_runs) -> list:
 
 def analyze(raw_runs) -> str:
     runs = [prepare(r) for r in complete_seeds(raw_runs)]
-    out = [f"{len(runs)} runs; " + ", ".join(
-        f"{k}: {sum(str(r['kind']) == k for r in runs)}" for k in sorted({str(r['kind']) for r in runs}))]
-    for cal_parity, name in ((0, "calibrate A (even seeds) -> report B (odd)"),
-                             (1, "calibrate B (odd seeds) -> report A (even)")):
+    out = [
+        f"{len(runs)} runs; "
+        + ", ".join(f"{k}: {sum(str(r['kind']) == k for r in runs)}" for k in sorted({str(r["kind"]) for r in runs}))
+    ]
+    for cal_parity, name in (
+        (0, "calibrate A (even seeds) -> report B (odd)"),
+        (1, "calibrate B (odd seeds) -> report A (even)"),
+    ):
         cal = [r for r in runs if r["cfg"]["seed"] % 2 == cal_parity]
         rep = [r for r in runs if r["cfg"]["seed"] % 2 != cal_parity]
         out.append(f"\n## {name}: {len(cal)} calibration runs, {len(rep)} report runs")
         w, p = choose_regime(cal)
         out.append(f"regime w={w} p={p}: cal {_fmt(score_regime(cal, w, p))}")
         out.append(f"regime w={w} p={p}: REPORT {_fmt(score_regime(rep, w, p))}")
-        for rule in ("nonfinite", "old", "growth", "level", "gnorm", "growth|level", "armed", EXEMPT_RULE,
-                     LIBRARY_RULE):
+        for rule in (
+            "nonfinite",
+            "old",
+            "growth",
+            "level",
+            "gnorm",
+            "growth|level",
+            "armed",
+            EXEMPT_RULE,
+            LIBRARY_RULE,
+        ):
             reg = (lambda r, w=w, p=p: regime_step(r, w, p)) if rule == "armed" else None
             th = choose_countdown(cal, rule, reg)
             if th is None and rule not in ("nonfinite", "old"):
@@ -456,14 +511,18 @@ def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2) ->
     coll = [g for g in results if before[run_name(g["cfg"])] is not None]
     healthy = [g for g in results if before[run_name(g["cfg"])] is None]
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
-    lines = [f"guarded collapsing runs (none/pws, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
-             f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}"]
+    lines = [
+        f"guarded collapsing runs (none/pws, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
+        f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}",
+    ]
     for g in results:
         twin = g.get("twin") or {}
-        lines.append(f"  {run_name(g['cfg'])}: unguarded {before[run_name(g['cfg'])]} -> guarded {g['kind']} "
-                     f"acc {g['test_acc']} rescues {len(g['rescues'])} lost "
-                     f"{sum(r['steps_lost'] for r in g['rescues'])} gave_up {bool(g.get('gave_up'))} "
-                     f"twin(lr {twin.get('lr')}) {twin.get('kind')} acc {twin.get('test_acc')}")
+        lines.append(
+            f"  {run_name(g['cfg'])}: unguarded {before[run_name(g['cfg'])]} -> guarded {g['kind']} "
+            f"acc {g['test_acc']} rescues {len(g['rescues'])} lost "
+            f"{sum(r['steps_lost'] for r in g['rescues'])} gave_up {bool(g.get('gave_up'))} "
+            f"twin(lr {twin.get('lr')}) {twin.get('kind')} acc {twin.get('test_acc')}"
+        )
     return "\n".join(lines)
 
 

@@ -38,16 +38,26 @@ MARKS = (0, 5_000, 10_000, 15_000, 20_000)
 
 def conv_norm(state: dict[str, torch.Tensor]) -> float:
     """sqrt of the summed squares of every stored conv kernel (parameters of 3 or more dims)."""
-    return math.sqrt(sum(float(v.double().square().sum()) for k, v in state.items()
-                         if k.endswith("weight") and v.ndim >= 3))
+    return math.sqrt(
+        sum(float(v.double().square().sum()) for k, v in state.items() if k.endswith("weight") and v.ndim >= 3)
+    )
 
 
 def init_state(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     """The run's model as the trainer built it (same seed, same constructor), before any step."""
     _, _, info = get_dataset(cfg.dataset, cfg.data_dir, num_samples=cfg.num_samples, num_train=cfg.num_train)
     seed_everything(cfg.seed)
-    model = build_model(cfg.model, cfg.norm, cfg.conv, info["in_channels"], info["num_classes"],
-                        info["input_shape"], cfg.width, conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs)
+    model = build_model(
+        cfg.model,
+        cfg.norm,
+        cfg.conv,
+        info["in_channels"],
+        info["num_classes"],
+        info["input_shape"],
+        cfg.width,
+        conv_kwargs=cfg.conv_kwargs,
+        **cfg.model_kwargs,
+    )
     return model.state_dict()
 
 
@@ -68,7 +78,7 @@ def worst_window(run: Path, after: int = 2_000) -> tuple[float, int]:
     """(highest windowed mean training loss after step ``after``, the step where that window starts)."""
     trace = json.loads((run / "loss_trace.json").read_text())
     losses, w = trace["losses"], int(trace["window"])
-    means = [(sum(losses[i:i + w]) / w, i) for i in range(after, len(losses) - w + 1, w)]
+    means = [(sum(losses[i : i + w]) / w, i) for i in range(after, len(losses) - w + 1, w)]
     return max(means, default=(float("nan"), -1))
 
 
@@ -82,11 +92,19 @@ def describe(run: Path) -> dict:
     late = [h["test_acc"] for h in summary["history"] if h["step"] >= 2_000]
     ck = torch.load(run / "checkpoint.pt", weights_only=True, map_location="cpu")
     series = monitor_at(run / "monitor.jsonl")
-    return {"norm": run.name.split("_lr")[0], "seed": cfg.seed, "steps": summary["steps_run"],
-            "collapsed": summary["collapsed"], "reason": summary["collapse_reason"],
-            "final": summary["final_test_acc"], "worst_late": min(late, default=float("nan")),
-            "worst_loss": worst_window(run), "raw0": conv_norm(init_state(cfg)), "raw_end": conv_norm(ck["model"]),
-            "marks": {m: nearest(series, m) for m in MARKS}}
+    return {
+        "norm": run.name.split("_lr")[0],
+        "seed": cfg.seed,
+        "steps": summary["steps_run"],
+        "collapsed": summary["collapsed"],
+        "reason": summary["collapse_reason"],
+        "final": summary["final_test_acc"],
+        "worst_late": min(late, default=float("nan")),
+        "worst_loss": worst_window(run),
+        "raw0": conv_norm(init_state(cfg)),
+        "raw_end": conv_norm(ck["model"]),
+        "marks": {m: nearest(series, m) for m in MARKS},
+    }
 
 
 def main() -> None:
@@ -94,14 +112,18 @@ def main() -> None:
     p.add_argument("out", nargs="?", default="runs/long_regime", help="the grid's --out directory")
     out = Path(p.parse_args().out)
     rows = [describe(d) for d in sorted((out / "runs").iterdir()) if (d / "summary.json").exists()]
-    print("| run | steps | collapsed | final acc | worst acc after step 2k | worst loss (step) | "
-          "raw ||W|| init -> end | " + " | ".join(f"eff ||W|| / shift @{m // 1000}k" for m in MARKS) + " |")
+    print(
+        "| run | steps | collapsed | final acc | worst acc after step 2k | worst loss (step) | "
+        "raw ||W|| init -> end | " + " | ".join(f"eff ||W|| / shift @{m // 1000}k" for m in MARKS) + " |"
+    )
     print("|" + "---|" * (7 + len(MARKS)))
     for r in rows:
         cells = " | ".join(f"{r['marks'][m][0]:.1f} / {r['marks'][m][1]:.3g}" for m in MARKS)
-        print(f"| {r['norm']} s{r['seed']} | {r['steps']} | {r['reason'] or 'no'} | {100 * r['final']:.2f} | "
-              f"{100 * r['worst_late']:.2f} | {r['worst_loss'][0]:.3g} ({r['worst_loss'][1]}) | "
-              f"{r['raw0']:.1f} -> {r['raw_end']:.1f} | {cells} |")
+        print(
+            f"| {r['norm']} s{r['seed']} | {r['steps']} | {r['reason'] or 'no'} | {100 * r['final']:.2f} | "
+            f"{100 * r['worst_late']:.2f} | {r['worst_loss'][0]:.3g} ({r['worst_loss'][1]}) | "
+            f"{r['raw0']:.1f} -> {r['raw_end']:.1f} | {cells} |"
+        )
 
 
 if __name__ == "__main__":

@@ -136,16 +136,23 @@ def _hf(kind: str) -> Callable[[], nn.Module]:
 
         small = dict(hidden_sizes=[16, 32], depths=[1, 1], num_channels=3)
         if kind == "resnet":
-            return HFOutput(tf.ResNetModel(tf.ResNetConfig(embedding_size=16, layer_type="basic", **small)),
-                            "pooler_output")
+            return HFOutput(
+                tf.ResNetModel(tf.ResNetConfig(embedding_size=16, layer_type="basic", **small)), "pooler_output"
+            )
         if kind == "convnext":
             return HFOutput(tf.ConvNextModel(tf.ConvNextConfig(num_stages=2, **small)), "pooler_output")
         text = dict(vocab_size=VOCAB)
         if kind == "gpt2":
             cfg = tf.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=TOKENS, **text)
             return HFOutput(tf.GPT2LMHeadModel(cfg), "logits")
-        cfg = tf.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                            max_position_embeddings=TOKENS, **text)
+        cfg = tf.BertConfig(
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=TOKENS,
+            **text,
+        )
         return HFOutput(tf.BertModel(cfg), "last_hidden_state")
 
     return build
@@ -390,11 +397,17 @@ def monitor_cell(base: nn.Module, x: Tensor, monitor_cls=VarianceMonitor) -> dic
     recorded = {r["layer"] for r in mon.records if r.get("kind") != "norm" and "output_var" in r}
     bad = [(r["layer"], k) for r in mon.records for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
     missing = sorted(ran - recorded)
-    cell.update(status="ok" if not missing else "MISS", ran=len(ran), recorded=len(ran & recorded),
-                records=len(mon.records), nonfinite=len(bad), nonfinite_keys=dict(Counter(k for _, k in bad)),
-                nonfinite_first=bad[:10],
-                missing_first=[f"{n} ({type(mods[n]).__name__})" for n in missing[:10]],
-                missing_types=dict(Counter(type(mods[n]).__name__ for n in missing)))
+    cell.update(
+        status="ok" if not missing else "MISS",
+        ran=len(ran),
+        recorded=len(ran & recorded),
+        records=len(mon.records),
+        nonfinite=len(bad),
+        nonfinite_keys=dict(Counter(k for _, k in bad)),
+        nonfinite_first=bad[:10],
+        missing_first=[f"{n} ({type(mods[n]).__name__})" for n in missing[:10]],
+        missing_types=dict(Counter(type(mods[n]).__name__ for n in missing)),
+    )
     return cell
 
 
@@ -408,8 +421,15 @@ def _build(spec: ModelSpec) -> tuple[nn.Module, Tensor, Tensor]:
     return model, x, _eval_output(model, x)
 
 
-def survey_model(spec: ModelSpec, targets: Iterable[str], emit: Callable[[str, dict], None], *,
-                 convert=convert_norm, fold=fold_for_inference, monitor_cls=VarianceMonitor) -> None:
+def survey_model(
+    spec: ModelSpec,
+    targets: Iterable[str],
+    emit: Callable[[str, dict], None],
+    *,
+    convert=convert_norm,
+    fold=fold_for_inference,
+    monitor_cls=VarianceMonitor,
+) -> None:
     """Run every cell of ``spec``'s row, calling ``emit(column, cell)`` as each is done ("model" first)."""
     t = time.perf_counter()
     try:
@@ -417,8 +437,15 @@ def survey_model(spec: ModelSpec, targets: Iterable[str], emit: Callable[[str, d
     except Exception as e:  # noqa: BLE001
         emit("model", _error(e, "build"))
         return
-    emit("model", {"status": "ok", "params": sum(p.numel() for p in base.parameters()), "input": list(x.shape),
-                   "seconds": round(time.perf_counter() - t, 3)})
+    emit(
+        "model",
+        {
+            "status": "ok",
+            "params": sum(p.numel() for p in base.parameters()),
+            "input": list(x.shape),
+            "seconds": round(time.perf_counter() - t, 3),
+        },
+    )
 
     def timed(column: str, fn, *args) -> None:
         start = time.perf_counter()
@@ -494,10 +521,12 @@ def markdown(rows: list[dict], targets: list[str], seconds: float | None = None)
         else:
             texts = [cell_text(c, row["cells"].get(c)) for c in cols]
         lines.append("| " + " | ".join([f"`{row['model']}`", *texts]) + " |")
-    legend = (f"Cells: see scripts/real_models.py. Keep/fold tolerance: relative output difference {TOL:g}. "
-              "fold cells: relative error, BatchNorms folded / BatchNorm-like layers; monitor: recorded/ran; "
-              "sub:N: N replaced layers were subclasses of a torch BatchNorm (timm's BatchNormAct2d: its activation "
-              "is replaced too); wN: N warnings (texts in the JSON).")
+    legend = (
+        f"Cells: see scripts/real_models.py. Keep/fold tolerance: relative output difference {TOL:g}. "
+        "fold cells: relative error, BatchNorms folded / BatchNorm-like layers; monitor: recorded/ran; "
+        "sub:N: N replaced layers were subclasses of a torch BatchNorm (timm's BatchNormAct2d: its activation "
+        "is replaced too); wN: N warnings (texts in the JSON)."
+    )
     timing = f" Whole run: {seconds:.0f} s." if seconds is not None else ""
     return "\n".join(lines) + "\n\n" + legend + timing + "\n"
 
@@ -506,8 +535,7 @@ def markdown(rows: list[dict], targets: list[str], seconds: float | None = None)
 # running: in this process or one subprocess per model
 # --------------------------------------------------------------------------------------------------
 def _row(spec: ModelSpec, cells: dict, seconds: float) -> dict:
-    return {"model": spec.name, "family": spec.family, "note": spec.note, "seconds": round(seconds, 2),
-            "cells": cells}
+    return {"model": spec.name, "family": spec.family, "note": spec.note, "seconds": round(seconds, 2), "cells": cells}
 
 
 def _rows_inline(specs: list[ModelSpec], targets: list[str], on_row, **fns) -> None:
@@ -525,8 +553,18 @@ class _Worker:
     def __init__(self, names: list[str], targets: list[str], threads: int, tmp: Path) -> None:
         self.out, self.err = tmp / "cells.jsonl", tmp / "stderr.txt"
         self.out.touch()
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", ",".join(names), "--targets",
-               ",".join(targets), "--threads", str(threads), "--cells-out", str(self.out)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            ",".join(names),
+            "--targets",
+            ",".join(targets),
+            "--threads",
+            str(threads),
+            "--cells-out",
+            str(self.out),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         with open(self.err, "w") as ferr:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=ferr, env=env, cwd=ROOT)
@@ -591,13 +629,20 @@ def _fill_missing(cells: dict, targets: list[str], rc: int | None, timeout: floa
 def _summary(row: dict, targets: list[str]) -> str:
     cells = row["cells"]
     texts = {c: cell_text(c, cells.get(c)) for c in columns(targets)}
-    bad = [f"{c}={t}" for c, t in texts.items()
-           if not t.startswith(("ok", "noop")) or ";" in t or "nonfinite" in t]
+    bad = [f"{c}={t}" for c, t in texts.items() if not t.startswith(("ok", "noop")) or ";" in t or "nonfinite" in t]
     return ", ".join(bad) if bad else "all ok"
 
 
-def survey(models: Iterable[str | ModelSpec], targets: Iterable[str] = CONVERT_TARGETS, *, isolate: bool = True,
-           threads: int = 1, timeout: float = 180.0, progress: bool = True, **fns) -> list[dict]:
+def survey(
+    models: Iterable[str | ModelSpec],
+    targets: Iterable[str] = CONVERT_TARGETS,
+    *,
+    isolate: bool = True,
+    threads: int = 1,
+    timeout: float = 180.0,
+    progress: bool = True,
+    **fns,
+) -> list[dict]:
     """Rows of the survey for ``models`` (names of :func:`model_specs` or ModelSpec objects).
 
     ``isolate``: run the models in a worker subprocess (one import for all); a model that crashes it or runs
@@ -613,19 +658,23 @@ def survey(models: Iterable[str | ModelSpec], targets: Iterable[str] = CONVERT_T
     def on_row(row: dict) -> None:
         rows.append(row)
         if progress:
-            print(f"[{len(rows)}/{len(specs)}] {row['model']} {row['seconds']:.1f}s: {_summary(row, targets)}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{len(rows)}/{len(specs)}] {row['model']} {row['seconds']:.1f}s: {_summary(row, targets)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     if not isolate:
         _rows_inline(specs, targets, on_row, **fns)
     while len(rows) < len(specs):
-        _run_worker(specs[len(rows):], targets, threads, timeout, on_row)
+        _run_worker(specs[len(rows) :], targets, threads, timeout, on_row)
     return rows
 
 
 def _worker(names: list[str], targets: list[str], cells_out: str) -> int:
     specs = model_specs()
     with open(cells_out, "a") as f:
+
         def emit(column: str, cell: dict) -> None:
             f.write(json.dumps({"column": column, "cell": cell}, default=str) + "\n")
             f.flush()
@@ -642,8 +691,9 @@ def _csv(value: str, valid: Iterable[str], what: str) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     unknown = [v for v in items if v not in valid]
     if unknown or not items:
-        raise SystemExit(f"real_models: unknown {what} {', '.join(unknown) or '(none given)'}; "
-                         f"expected some of {', '.join(valid)}")
+        raise SystemExit(
+            f"real_models: unknown {what} {', '.join(unknown) or '(none given)'}; expected some of {', '.join(valid)}"
+        )
     return items
 
 
@@ -673,8 +723,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         sys.stdout.write(table)
     if args.json:
-        doc = {"targets": targets, "tolerance": TOL, "threads": args.threads, "seconds": round(seconds, 1),
-               "torch": torch.__version__, "rows": rows}
+        doc = {
+            "targets": targets,
+            "tolerance": TOL,
+            "threads": args.threads,
+            "seconds": round(seconds, 1),
+            "torch": torch.__version__,
+            "rows": rows,
+        }
         Path(args.json).write_text(json.dumps(doc, indent=1, default=str) + "\n")
     print(f"real_models: {len(rows)} models in {seconds:.0f} s", file=sys.stderr)
     return 0

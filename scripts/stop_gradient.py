@@ -96,16 +96,26 @@ def first_order(seed: int = 1) -> list[dict[str, object]]:
             grads[name] = (gv, gn)
         ref_v, ref_n = grads["naive (through the mean)"]
         for name, (gv, gn) in grads.items():
-            rows.append({"reduction": red, "variance": name,
-                         "var_grad_rel_diff": _rel_diff(gv, ref_v),
-                         "norm_grad_rel_diff": _rel_diff(gn, ref_n)})
+            rows.append(
+                {
+                    "reduction": red,
+                    "variance": name,
+                    "var_grad_rel_diff": _rel_diff(gv, ref_v),
+                    "norm_grad_rel_diff": _rel_diff(gn, ref_n),
+                }
+            )
         torch_out = _torch_norm(x.clone().requires_grad_(), dims)
         if torch_out is not None:
             xt = x.clone().requires_grad_()
             (gt,) = torch.autograd.grad((_torch_norm(xt, dims) * w_out).sum(), xt)
-            rows.append({"reduction": red, "variance": "torch F.batch_norm / F.instance_norm",
-                         "var_grad_rel_diff": None,
-                         "norm_grad_rel_diff": _rel_diff(gt, ref_n)})
+            rows.append(
+                {
+                    "reduction": red,
+                    "variance": "torch F.batch_norm / F.instance_norm",
+                    "var_grad_rel_diff": None,
+                    "norm_grad_rel_diff": _rel_diff(gt, ref_n),
+                }
+            )
     return rows
 
 
@@ -129,10 +139,15 @@ def second_order(seed: int = 2) -> list[dict[str, object]]:
             res[name] = (hvp, h1, gp)
         ref_h, _, ref_p = res["naive (through the mean)"]
         for name, (h, h1, p) in res.items():
-            rows.append({"reduction": red, "variance": name,
-                         "H v, random v: rel diff": _rel_diff(h, ref_h),
-                         "H 1: max abs (exact 0)": h1.abs().max().item(),
-                         "penalty gradient: rel diff": _rel_diff(p, ref_p)})
+            rows.append(
+                {
+                    "reduction": red,
+                    "variance": name,
+                    "H v, random v: rel diff": _rel_diff(h, ref_h),
+                    "H 1: max abs (exact 0)": h1.abs().max().item(),
+                    "penalty gradient: rel diff": _rel_diff(p, ref_p),
+                }
+            )
     return rows
 
 
@@ -147,10 +162,16 @@ def half_precision() -> dict[str, float]:
     y_naive = _normalize(x, (2, 3), var_naive)
     y_nl = instance_norm(x)
     y_ref = _normalize(x.double(), (2, 3), var_naive)
-    return {"float16 max": float(torch.finfo(torch.float16).max), "float64 reference": ref,
-            "naive float16": naive, "torch.var float16": tv, "moments": mv.item(), "moments dtype": str(mv.dtype),
-            "instance norm, naive float16: max abs error": (y_naive.double() - y_ref).abs().max().item(),
-            "instance norm, normlab: max abs error": (y_nl.double() - y_ref).abs().max().item()}
+    return {
+        "float16 max": float(torch.finfo(torch.float16).max),
+        "float64 reference": ref,
+        "naive float16": naive,
+        "torch.var float16": tv,
+        "moments": mv.item(),
+        "moments dtype": str(mv.dtype),
+        "instance norm, naive float16: max abs error": (y_naive.double() - y_ref).abs().max().item(),
+        "instance norm, normlab: max abs error": (y_nl.double() - y_ref).abs().max().item(),
+    }
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,12 +194,16 @@ def _routing_grad(u_hat, iterations: int, detach: bool, w: torch.Tensor):
 def routing_one_iteration(seed: int = 3) -> dict[str, float | bool]:
     """With one iteration there is no inner iteration: detach_inner changes neither v nor the gradient."""
     u_hat = _u_hat(seed, 0.3)
-    w = torch.randn(u_hat.shape[0], u_hat.shape[2], u_hat.shape[3], generator=torch.Generator().manual_seed(seed),
-                    dtype=DT)
+    w = torch.randn(
+        u_hat.shape[0], u_hat.shape[2], u_hat.shape[3], generator=torch.Generator().manual_seed(seed), dtype=DT
+    )
     v_d, _, g_d = _routing_grad(u_hat, 1, True, w)
     v_f, _, g_f = _routing_grad(u_hat, 1, False, w)
-    return {"v identical": bool(torch.equal(v_d, v_f)), "gradient identical": bool(torch.equal(g_d, g_f)),
-            "max abs gradient difference": (g_d - g_f).abs().max().item()}
+    return {
+        "v identical": bool(torch.equal(v_d, v_f)),
+        "gradient identical": bool(torch.equal(g_d, g_f)),
+        "max abs gradient difference": (g_d - g_f).abs().max().item(),
+    }
 
 
 def routing_frozen_coupling(seed: int = 4) -> list[dict[str, float]]:
@@ -188,18 +213,25 @@ def routing_frozen_coupling(seed: int = 4) -> list[dict[str, float]]:
     rows = []
     for scale in (0.03, 0.3):
         u_hat = _u_hat(seed, scale)
-        w = torch.randn(u_hat.shape[0], u_hat.shape[2], u_hat.shape[3],
-                        generator=torch.Generator().manual_seed(seed + 1), dtype=DT)
+        w = torch.randn(
+            u_hat.shape[0], u_hat.shape[2], u_hat.shape[3], generator=torch.Generator().manual_seed(seed + 1), dtype=DT
+        )
         for r in (2, 3, 5):
             _, c, g_det = _routing_grad(u_hat, r, True, w)
             _, _, g_full = _routing_grad(u_hat, r, False, w)
             u = u_hat.clone().requires_grad_()
             (g_frozen,) = torch.autograd.grad((squash(torch.einsum("nij,nijd->njd", c, u)) * w).sum(), u)
             ent = -(c * c.log()).sum(-1).mean().item()
-            rows.append({"u_hat scale": scale, "iterations": r, "coupling entropy": ent,
-                         "detached vs frozen c: rel diff": ((g_det - g_frozen).norm() / g_frozen.norm()).item(),
-                         "detached vs full: rel diff": ((g_det - g_full).norm() / g_full.norm()).item(),
-                         "cosine(detached, full)": F.cosine_similarity(g_det.flatten(), g_full.flatten(), 0).item()})
+            rows.append(
+                {
+                    "u_hat scale": scale,
+                    "iterations": r,
+                    "coupling entropy": ent,
+                    "detached vs frozen c: rel diff": ((g_det - g_frozen).norm() / g_frozen.norm()).item(),
+                    "detached vs full: rel diff": ((g_det - g_full).norm() / g_full.norm()).item(),
+                    "cosine(detached, full)": F.cosine_similarity(g_det.flatten(), g_full.flatten(), 0).item(),
+                }
+            )
     return rows
 
 
@@ -233,12 +265,18 @@ def _kv(d: dict[str, object]) -> str:
 
 def markdown() -> str:
     parts = [
-        "### 1. d/dmu sum (x - mu)^2 (1000 values, float64)", _kv(mean_stationarity()),
-        "### 2. First derivatives (relative to the naive gradient)", _table(first_order()),
-        "### 3. Second derivatives (relative to the naive, exact ones)", _table(second_order()),
-        "### 4. Half precision (sixteen float16 values +-300, variance 90000)", _kv(half_precision()),
-        "### 5. Routing with one iteration", _kv(routing_one_iteration()),
-        "### 6. Routing with inner iterations (u_hat (4, 32, 10, 16), float64)", _table(routing_frozen_coupling()),
+        "### 1. d/dmu sum (x - mu)^2 (1000 values, float64)",
+        _kv(mean_stationarity()),
+        "### 2. First derivatives (relative to the naive gradient)",
+        _table(first_order()),
+        "### 3. Second derivatives (relative to the naive, exact ones)",
+        _table(second_order()),
+        "### 4. Half precision (sixteen float16 values +-300, variance 90000)",
+        _kv(half_precision()),
+        "### 5. Routing with one iteration",
+        _kv(routing_one_iteration()),
+        "### 6. Routing with inner iterations (u_hat (4, 32, 10, 16), float64)",
+        _table(routing_frozen_coupling()),
     ]
     return "\n\n".join(parts) + f"\n\n(ln 10 = {math.log(10):.4f})\n"
 

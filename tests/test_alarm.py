@@ -13,8 +13,10 @@ from normlab.monitor.alarm import CountdownDetector
 
 
 def recs(v1, head=1.0):
-    return [dict(layer="c1", index=0, kind="conv", output_var=v1), dict(layer="head", index=1, kind="conv",
-                                                                          output_var=head)]
+    return [
+        dict(layer="c1", index=0, kind="conv", output_var=v1),
+        dict(layer="head", index=1, kind="conv", output_var=head),
+    ]
 
 
 def run(det, values, **kw):
@@ -27,7 +29,7 @@ def run(det, values, **kw):
 
 
 def test_growth_rate_fires_over_the_span_and_not_on_slow_growth():
-    slow = [1.0 * 1.5 ** t for t in range(6)]  # rate ln 1.5 = 0.41 per step, level 7.6 at the end
+    slow = [1.0 * 1.5**t for t in range(6)]  # rate ln 1.5 = 0.41 per step, level 7.6 at the end
     assert run(CountdownDetector(growth=1.0, level=15.0), slow) is None
     fast = [1.0, 1.0, 1.0, 3.0, 9.0]  # (ln 9 - ln 1) / 2 = 1.1 at step 4; (ln 3 - ln 1) / 2 = 0.55 at step 3
     a = run(CountdownDetector(growth=1.0, level=None), fast)
@@ -88,8 +90,10 @@ def test_state_dict_round_trip_gives_the_same_alarm():
         CountdownDetector(span=3).load_state_dict(a.state_dict())
 
 
-@pytest.mark.parametrize("kw", [dict(growth=0.0), dict(level=1.0), dict(grad_ratio=math.inf), dict(span=0),
-                                dict(history=4), dict(level=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(growth=0.0), dict(level=1.0), dict(grad_ratio=math.inf), dict(span=0), dict(history=4), dict(level=True)],
+)
 def test_arguments_are_validated(kw):
     with pytest.raises(ValueError, match=next(iter(kw))):
         CountdownDetector(**kw)
@@ -162,7 +166,7 @@ def test_no_level_test_on_a_standardized_kernel_but_growth_still_fires():
     det = CountdownDetector(growth=1.0, level=15.0)
     pws = lambda t, v: [dict(layer="c1", index=0, kind="conv", output_var=v, shift_scale_free=0.0)]  # noqa: E731
     for t in range(40):  # x1.2 per step: level 1,400x after 40 steps, rate 0.18
-        assert det.check(t, pws(t, 1.2 ** t)) is None
+        assert det.check(t, pws(t, 1.2**t)) is None
     assert det.check(40, pws(40, 1e6)).quantity == "output_var_growth"
 
 

@@ -88,8 +88,9 @@ def test_conv_under_autocast_standardizes_in_float32(kind, dim, dtype, one_threa
 @pytest.mark.parametrize("dtype", AMP_DTYPES, ids=str)
 def test_capsules_under_autocast(dtype, one_thread):
     torch.manual_seed(0)
-    caps = nn.Sequential(PrimaryCapsules(4, num_capsules=2, capsule_dim=4, kernel_size=3, stride=1),
-                         RoutingCapsules(2 * 4 * 4, 4, 3, 5))
+    caps = nn.Sequential(
+        PrimaryCapsules(4, num_capsules=2, capsule_dim=4, kernel_size=3, stride=1), RoutingCapsules(2 * 4 * 4, 4, 3, 5)
+    )
     ref = copy.deepcopy(caps)
     x = (1e4 * torch.randn(2, 4, 6, 6)).to(dtype)  # |s|^2 ~ 1e8: squashed in float32
     y, grad = _run(caps, x, dtype)
@@ -99,8 +100,16 @@ def test_capsules_under_autocast(dtype, one_thread):
 
 
 def _net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), create_conv("pws", 8, 8, 3), nn.ReLU(),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        create_conv("pws", 8, 8, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
 
 
 def _one_step(model: nn.Module, x, y, amp: bool) -> list[dict]:
@@ -166,8 +175,30 @@ def test_amp_is_a_result_changing_field_and_old_checkpoints_stay_resumable():
 
 
 def test_cli_train_amp(tmp_path):
-    assert main(["train", "--amp", "--norm", "pws", "--epochs", "1", "--width", "0.125", "--batch-size", "16",
-                 "--max-steps-per-epoch", "2", "--threads", "1", "--quiet", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--amp",
+                "--norm",
+                "pws",
+                "--epochs",
+                "1",
+                "--width",
+                "0.125",
+                "--batch-size",
+                "16",
+                "--max-steps-per-epoch",
+                "2",
+                "--threads",
+                "1",
+                "--quiet",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["config"]["amp"] is True and summary["final_test_acc"] is not None
 

@@ -57,9 +57,7 @@ def reference_renorm(x, gamma, beta, running_mean, running_var, eps, rmax, dmax)
 
 
 # ---------------------------------------------------------------------------------------------- BatchNorm equality
-@pytest.mark.parametrize(
-    "dim,shape", [(1, (6, 4)), (1, (5, 4, 7)), (2, (4, 4, 5, 3)), (3, (3, 4, 3, 2, 4))]
-)
+@pytest.mark.parametrize("dim,shape", [(1, (6, 4)), (1, (5, 4, 7)), (2, (4, 4, 5, 3)), (3, (3, 4, 3, 2, 4))])
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("kw", [{}, {"affine": False}, {"track_running_stats": False}, {"bias": False}])
 def test_identity_limits_equal_batchnorm_exactly(dim, shape, momentum, kw):
@@ -199,8 +197,13 @@ def test_schedule_values_and_validation():
     rt, dt = s(torch.tensor(25000))
     assert rt.item() == pytest.approx(r) and dt.item() == pytest.approx(5.0)
     assert RenormSchedule(warmup_steps=10, rmax_steps=10, dmax_steps=10)(10) == (3.0, 5.0)
-    for kw, word in [({"rmax": 0.5}, "rmax"), ({"dmax": -1.0}, "dmax"), ({"warmup_steps": -1}, "warmup_steps"),
-                     ({"rmax_steps": 100}, "rmax_steps"), ({"warmup_steps": 1.5}, "warmup_steps")]:
+    for kw, word in [
+        ({"rmax": 0.5}, "rmax"),
+        ({"dmax": -1.0}, "dmax"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"rmax_steps": 100}, "rmax_steps"),
+        ({"warmup_steps": 1.5}, "warmup_steps"),
+    ]:
         with pytest.raises(ValueError, match=f"RenormSchedule: {word}"):
             RenormSchedule(**kw)
 
@@ -500,10 +503,15 @@ def _bn_step_pair(dim, shape, dtype, fmt, kw, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
 @pytest.mark.parametrize(
     "dim,shape,fmt",
-    [(1, (6, 4), torch.contiguous_format), (1, (5, 4, 7), torch.contiguous_format),
-     (2, (8, 16, 9, 7), torch.contiguous_format), (2, (8, 16, 9, 7), torch.channels_last),
-     (2, (2, 64, 8, 8), torch.channels_last), (3, (3, 4, 3, 2, 4), torch.contiguous_format),
-     (3, (3, 4, 3, 2, 4), torch.channels_last_3d)],
+    [
+        (1, (6, 4), torch.contiguous_format),
+        (1, (5, 4, 7), torch.contiguous_format),
+        (2, (8, 16, 9, 7), torch.contiguous_format),
+        (2, (8, 16, 9, 7), torch.channels_last),
+        (2, (2, 64, 8, 8), torch.channels_last),
+        (3, (3, 4, 3, 2, 4), torch.contiguous_format),
+        (3, (3, 4, 3, 2, 4), torch.channels_last_3d),
+    ],
 )
 @pytest.mark.parametrize("kw", [{}, {"affine": False}, {"bias": False}])
 def test_fused_path_with_identity_limits_is_batchnorm_bit_for_bit(dim, shape, fmt, dtype, kw):
@@ -537,8 +545,14 @@ def test_fused_path_equals_composite_path_when_clipping(dtype, fmt, kw):
         y = NF.batch_renorm(xx, rm, rv, w, b, True, 0.1, 1e-3, 1.5, 0.5, fused=fused)
         (y * g).sum().backward()
         results.append([y, xx.grad, rm, rv] + [p.grad for p in (w, b) if p is not None])
-    r, _ = NF.renorm_correction(*NF.batch_moments(x), torch.linspace(-1, 1, c, dtype=dtype),
-                                torch.linspace(0.1, 4, c, dtype=dtype), 1e-3, 1.5, 0.5)
+    r, _ = NF.renorm_correction(
+        *NF.batch_moments(x),
+        torch.linspace(-1, 1, c, dtype=dtype),
+        torch.linspace(0.1, 4, c, dtype=dtype),
+        1e-3,
+        1.5,
+        0.5,
+    )
     assert ((r == 1.5) | (r == 1 / 1.5)).any() and ((r < 1.5) & (r > 1 / 1.5)).any()  # clipping active and not
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     for a, b in zip(*results):
@@ -592,8 +606,13 @@ def test_torch_compile_fullgraph_matches_eager():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     "cls,shape",
-    [(BatchRenorm1d, (16, 3)), (BatchRenorm1d, (8, 3, 5)), (BatchRenorm2d, (8, 3, 4, 4)),
-     (BatchRenorm3d, (4, 3, 2, 3, 4)), (SyncBatchRenorm, (8, 3, 4, 4))],
+    [
+        (BatchRenorm1d, (16, 3)),
+        (BatchRenorm1d, (8, 3, 5)),
+        (BatchRenorm2d, (8, 3, 4, 4)),
+        (BatchRenorm3d, (4, 3, 2, 3, 4)),
+        (SyncBatchRenorm, (8, 3, 4, 4)),
+    ],
 )
 def test_half_module_keeps_float32_running_stats_on_1e4_inputs(cls, shape, dtype):
     """Issue 9: a module converted with .half() (or bfloat16) keeps running statistics in float32, so a running
@@ -643,8 +662,16 @@ def test_training_step_runs_only_batchnorms_kernels_over_the_activations(fmt):
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         y = m(x)
         y.backward(g)
-    bookkeeping = {"aten::empty_like", "aten::empty", "aten::empty_strided", "aten::detach", "detach",
-                   "torch::autograd::AccumulateGrad", "_BatchNormWithAffine", "_BatchNormWithAffineBackward"}
+    bookkeeping = {
+        "aten::empty_like",
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::detach",
+        "detach",
+        "torch::autograd::AccumulateGrad",
+        "_BatchNormWithAffine",
+        "_BatchNormWithAffineBackward",
+    }
     big = [e.name for e in prof.events() if shape in [list(s) for s in e.input_shapes if isinstance(s, list)]]
     compute = sorted(n for n in big if n not in bookkeeping)
     assert compute == ["aten::batch_norm_update_stats", "aten::native_batch_norm", "aten::native_batch_norm_backward"]

@@ -145,8 +145,7 @@ def test_detached_gradient_reaches_primary_capsules_only_through_the_last_iterat
     frozen, i.e. only the last iteration's s = sum_i c_ij u_hat_j|i carries gradient; the full gradient differs
     (it also flows through the coupling), except with one iteration where both are the same computation."""
     torch.manual_seed(3)
-    net = build_capsnet("digits", iterations=iterations, detach_inner=True,
-                        stem_channels=8, primary_types=2).double()
+    net = build_capsnet("digits", iterations=iterations, detach_inner=True, stem_channels=8, primary_types=2).double()
     with torch.no_grad():
         net.digits.weight.mul_(30)  # non-uniform coupling, so the two gradients can differ
     x, y = torch.randn(3, 1, 16, 16, dtype=torch.float64), torch.tensor([0, 4, 9])
@@ -160,12 +159,15 @@ def test_detached_gradient_reaches_primary_capsules_only_through_the_last_iterat
         assert (g_full - g_det).norm() > 1e-3 * g_full.norm()
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"preset": "cifar"}, "unknown preset"),
-    ({"preset": "digits", "iterations": 0}, "iterations must be integers >= 1"),
-    ({"preset": "digits", "depth": 3}, "unknown spec field"),
-    ({"preset": "digits", "input_shape": (1, 8, 8)}, "too small"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"preset": "cifar"}, "unknown preset"),
+        ({"preset": "digits", "iterations": 0}, "iterations must be integers >= 1"),
+        ({"preset": "digits", "depth": 3}, "unknown spec field"),
+        ({"preset": "digits", "input_shape": (1, 8, 8)}, "too small"),
+    ],
+)
 def test_build_errors(kwargs, match):
     with pytest.raises(UsageError, match=match):
         build_capsnet(**kwargs)

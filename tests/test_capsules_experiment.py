@@ -20,13 +20,26 @@ def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
     out = tmp_path / "caps"
     assert main(["capsules", "--quick", "--workers", "1", "--no-progress", "--out", str(out)]) == 0
     captured = capsys.readouterr()
-    for name in ("results.json", "results.md", "capsules.json", "error_by_variant.png", "training_curves.png",
-                 "step_time.png", "coupling_entropy.png"):
+    for name in (
+        "results.json",
+        "results.md",
+        "capsules.json",
+        "error_by_variant.png",
+        "training_curves.png",
+        "step_time.png",
+        "coupling_entropy.png",
+    ):
         assert (out / name).is_file(), name
     res = json.loads((out / "results.json").read_text())
     assert res["kind"] == "capsules" and res["complete"] and len(res["cells"]) == 12
-    assert {v["variant"] for v in res["variants"]} == {"r1", "r3 detached", "r3 full", "r1 +rec",
-                                                        "r3 detached +rec", "r3 full +rec"}
+    assert {v["variant"] for v in res["variants"]} == {
+        "r1",
+        "r3 detached",
+        "r3 full",
+        "r1 +rec",
+        "r3 detached +rec",
+        "r3 full +rec",
+    }
     for v in res["variants"]:  # one iteration keeps the coupling uniform: entropy ln 10
         if v["iterations"] == 1:
             assert abs(v["entropy_mean"] - math.log(10)) < 1e-5
@@ -49,8 +62,15 @@ def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
 
 
 def _tiny(**kw) -> CapsSpec:
-    base = dict(iterations=(1, 2), grads=("detached",), recons=("off",), seeds=(0,), epochs=1,
-                max_steps_per_epoch=2, test_subset=16)
+    base = dict(
+        iterations=(1, 2),
+        grads=("detached",),
+        recons=("off",),
+        seeds=(0,),
+        epochs=1,
+        max_steps_per_epoch=2,
+        test_subset=16,
+    )
     return CapsSpec(**{**base, **kw})
 
 
@@ -72,16 +92,19 @@ def test_r1_is_run_once_and_cells_are_paired():
     assert {cfg.detach_inner for cfg in same_seed if cfg.iterations == 3} == {True, False}
 
 
-@pytest.mark.parametrize("argv, must", [
-    (["--iterations", "0"], ">= 1"),
-    (["--iterations", "1,0,3"], ">= 1"),
-    (["--iterations", "two"], "integers"),
-    (["--grads", "detached,stop"], "detached, full"),
-    (["--recon", "maybe"], "off, on"),
-    (["--dataset", "cifar10"], "digits, mnist1d"),
-    (["--seeds", "-1"], ">= 0"),
-    (["--seeds", "1,1"], "duplicates"),
-])
+@pytest.mark.parametrize(
+    "argv, must",
+    [
+        (["--iterations", "0"], ">= 1"),
+        (["--iterations", "1,0,3"], ">= 1"),
+        (["--iterations", "two"], "integers"),
+        (["--grads", "detached,stop"], "detached, full"),
+        (["--recon", "maybe"], "off, on"),
+        (["--dataset", "cifar10"], "digits, mnist1d"),
+        (["--seeds", "-1"], ">= 0"),
+        (["--seeds", "1,1"], "duplicates"),
+    ],
+)
 def test_bad_arguments_one_line(argv, must, capsys, tmp_path):
     err = refused(["capsules", *argv, "--out", str(tmp_path / "o")], capsys)
     assert must in err
@@ -108,6 +131,7 @@ def test_coupling_entropy():
 # statistics and verdicts on hand-made results
 # --------------------------------------------------------------------------------------------------
 
+
 def _results(errs: dict[str, list[float]]) -> dict:
     """A results dict with the given per-seed test errors; the margin loss mirrors the error."""
     cells, variants = [], []
@@ -116,8 +140,7 @@ def _results(errs: dict[str, list[float]]) -> dict:
         grad = "-" if r == 1 else name.split()[1]
         for s, x in enumerate(xs):
             cells.append({"variant": name, "seed": s, "final_test_err": x, "final_test_margin": x / 10})
-        variants.append({"variant": name, "iterations": r, "grad": grad, "recon": "off",
-                         "err_mean": sum(xs) / len(xs)})
+        variants.append({"variant": name, "iterations": r, "grad": grad, "recon": "off", "err_mean": sum(xs) / len(xs)})
     spec = {"iterations": [1, 3], "grads": ["detached", "full"], "recons": ["off"]}
     return {"spec": spec, "cells": cells, "variants": variants}
 

@@ -76,8 +76,26 @@ def test_report_without_resultsrefused(capsys, tmp_path):
 
 def test_train_tiny_run(tmp_path, capsys):
     out = tmp_path / "run"
-    rc = main(["train", "--norm", "pws", "--width", "0.125", "--epochs", "1", "--max-steps-per-epoch", "2",
-               "--batch-size", "16", "--out", str(out), "--quiet", "--threads", "1"])
+    rc = main(
+        [
+            "train",
+            "--norm",
+            "pws",
+            "--width",
+            "0.125",
+            "--epochs",
+            "1",
+            "--max-steps-per-epoch",
+            "2",
+            "--batch-size",
+            "16",
+            "--out",
+            str(out),
+            "--quiet",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0
     s = json.loads((out / "summary.json").read_text())
     assert s["config"]["norm"] == "none" and s["config"]["conv"] == "pws"
@@ -103,8 +121,22 @@ def test_monitor_subcommand_is_wired(capsys):
 
 
 def test_bench_steps_times_each_norm(capsys):
-    rc = main(["bench", "--steps", "--norms", "bn,pws", "--width", "0.125", "--batch-size", "8", "--repeats", "2",
-               "--iters", "1"])
+    rc = main(
+        [
+            "bench",
+            "--steps",
+            "--norms",
+            "bn,pws",
+            "--width",
+            "0.125",
+            "--batch-size",
+            "8",
+            "--repeats",
+            "2",
+            "--iters",
+            "1",
+        ]
+    )
     assert rc == 0
     rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| bn") or r.startswith("| pws")]
     assert len(rows) == 2 and rows[1].endswith("| 1.00x |")
@@ -116,15 +148,39 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     # leaves it alone
     from normlab.runner.grid.spec import GridSpec, expand_grid
 
-    spec = GridSpec(norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
-                    max_steps_per_epoch=1)
+    spec = GridSpec(
+        norms=("bn",), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125, max_steps_per_epoch=1
+    )
     (cell,) = expand_grid(spec)
     ck = tmp_path / "runs" / cell.cell_id / "checkpoint.pt"
     ck.parent.mkdir(parents=True)
     ck.write_bytes(b"not a checkpoint")
-    rc = main(["compare", "--norms", "bn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--epochs", "1",
-               "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1",
-               "--no-progress", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "compare",
+            "--norms",
+            "bn",
+            "--lrs",
+            "0.05",
+            "--batch-sizes",
+            "16",
+            "--seeds",
+            "0",
+            "--epochs",
+            "1",
+            "--width",
+            "0.125",
+            "--max-steps-per-epoch",
+            "1",
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 1
     assert err[-1].startswith(f"normlab compare: error: 1 run(s) failed (first: {cell.cell_id}: RunError: train:")
@@ -134,8 +190,28 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
 
 
 def test_grid_of_another_config_in_out_dirrefused(tmp_path, capsys):
-    args = ["compare", "--norms", "gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--width", "0.125",
-            "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    args = [
+        "compare",
+        "--norms",
+        "gn",
+        "--lrs",
+        "0.05",
+        "--batch-sizes",
+        "16",
+        "--seeds",
+        "0",
+        "--width",
+        "0.125",
+        "--max-steps-per-epoch",
+        "1",
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args + ["--epochs", "1"]) == 0
     capsys.readouterr()
     err = refused(args + ["--epochs", "2"], capsys)
@@ -145,9 +221,30 @@ def test_grid_of_another_config_in_out_dirrefused(tmp_path, capsys):
 def test_compare_says_its_size_and_time_first_and_a_long_grid_needs_yes(tmp_path, capsys, monkeypatch):
     from normlab.cli import compare
 
-    args = ["compare", "--norms", "gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--width", "0.125",
-            "--max-steps-per-epoch", "1", "--epochs", "1", "--workers", "1", "--threads", "1", "--no-progress",
-            "--out", str(tmp_path / "c")]
+    args = [
+        "compare",
+        "--norms",
+        "gn",
+        "--lrs",
+        "0.05",
+        "--batch-sizes",
+        "16",
+        "--seeds",
+        "0",
+        "--width",
+        "0.125",
+        "--max-steps-per-epoch",
+        "1",
+        "--epochs",
+        "1",
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "c"),
+    ]
     assert main(args) == 0
     err = capsys.readouterr().err
     assert "normlab compare: 1 run to train (1 norms x 1 lrs x 1 batch sizes x 1 seeds, 1 epochs each" in err
@@ -173,8 +270,11 @@ def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
     assert cell_steps(cfg) == 3 * (1437 // 16)
     assert cell_steps(TrainConfig(dataset="digits", batch_size=16, epochs=2, max_steps_per_epoch=5)) == 10
     assert 0 < step_seconds(cfg) < 60
-    cells = expand_grid(GridSpec(norms=("bn",), lrs=(0.1,), batch_sizes=(16,), seeds=(0, 1), epochs=1, width=0.125,
-                                 max_steps_per_epoch=2))
+    cells = expand_grid(
+        GridSpec(
+            norms=("bn",), lrs=(0.1,), batch_sizes=(16,), seeds=(0, 1), epochs=1, width=0.125, max_steps_per_epoch=2
+        )
+    )
     assert estimate_minutes(cells, 1) > 0
     monkeypatch.setattr(estimate, "step_seconds", lambda cfg: 0.5)
     assert estimate_minutes(cells, 1) == 2 * 2 * 0.5 / 60  # 2 cells x 2 steps x 0.5 s
@@ -192,8 +292,16 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     # the report opens with the claims table; the terminal ends with the same table and the report's path
     table = report.split("\n\n")[1]
     assert table.startswith("| # | claim (as its source states it) | verdict | the numbers |")
-    assert [row.split(" | ")[0] for row in table.splitlines()[2:]] == ["| 1", "| 2", "| 3", "| 3a", "| 4", "| 5",
-                                                                        "| BRN", "| mon"]
+    assert [row.split(" | ")[0] for row in table.splitlines()[2:]] == [
+        "| 1",
+        "| 2",
+        "| 3",
+        "| 3a",
+        "| 4",
+        "| 5",
+        "| BRN",
+        "| mon",
+    ]
     assert table in out and out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
     assert "false alarm" in report and "at plateau" in report
     demo = json.loads((tmp_path / "demo.json").read_text())
@@ -210,16 +318,56 @@ def test_demo_quick_writes_report(tmp_path, capsys):
 
 def test_guard_flag_reaches_every_cell_and_its_rescues_are_in_the_results(tmp_path, capsys):
     out = tmp_path / "grid"
-    rc = main(["compare", "--norms", "none", "--lrs", "0.3", "--batch-sizes", "32", "--seeds", "100", "--epochs", "2",
-               "--width", "0.125", "--max-steps-per-epoch", "40", "--workers", "1", "--threads", "1", "--no-progress",
-               "--guard", "--out", str(out)])
+    rc = main(
+        [
+            "compare",
+            "--norms",
+            "none",
+            "--lrs",
+            "0.3",
+            "--batch-sizes",
+            "32",
+            "--seeds",
+            "100",
+            "--epochs",
+            "2",
+            "--width",
+            "0.125",
+            "--max-steps-per-epoch",
+            "40",
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--guard",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
     (cell,) = results["cells"]
     assert cell["rescues"] == 1 and cell["steps_lost"] > 0 and cell["guard_gave_up"] is None
     assert results["groups"][0]["rescued_count"] == 1
-    rc = main(["train", "--norm", "bn", "--epochs", "1", "--width", "0.125", "--max-steps-per-epoch", "2", "--guard",
-               "--threads", "1", "--out", str(tmp_path / "one")])
+    rc = main(
+        [
+            "train",
+            "--norm",
+            "bn",
+            "--epochs",
+            "1",
+            "--width",
+            "0.125",
+            "--max-steps-per-epoch",
+            "2",
+            "--guard",
+            "--threads",
+            "1",
+            "--out",
+            str(tmp_path / "one"),
+        ]
+    )
     assert rc == 0
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["config"]["guard"] is True and summary["rescues"] == []

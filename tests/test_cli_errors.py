@@ -41,8 +41,19 @@ def _log(tmp: Path, lines: list[str]) -> str:
 
 
 _RECORD = json.dumps({"layer": "conv", "step": 0, "output_var": 1.0})
-_SPEC = {"norms": ["bn"], "lrs": [0.1], "batch_sizes": [8], "seeds": [0], "epochs": 1, "dataset": "digits",
-         "model": "plain", "width": 0.25, "layout": "product", "base_lr": 0.1, "base_batch_size": 8}
+_SPEC = {
+    "norms": ["bn"],
+    "lrs": [0.1],
+    "batch_sizes": [8],
+    "seeds": [0],
+    "epochs": 1,
+    "dataset": "digits",
+    "model": "plain",
+    "width": 0.25,
+    "layout": "product",
+    "base_lr": 0.1,
+    "base_batch_size": 8,
+}
 
 # (id, argv with {out}/{file}/{unwritable} placeholders, words the message must contain, setup(tmp) -> extra
 # placeholders). {out} does not exist; {file} is a file.
@@ -84,8 +95,12 @@ BAD = [
     ("compare-lrs-word", ["compare", "--lrs", "0.1,fast"], ["--lrs", "learning rate"], None),
     ("compare-lrs-zero", ["compare", "--lrs", "0"], ["--lrs"], None),
     ("compare-base-batch-size-zero", ["compare", "--base-batch-size", "0"], ["--base-batch-size"], None),
-    ("compare-base-lr-not-in-lrs", ["compare", "--layout", "cross", "--lrs", "0.1", "--base-lr", "0.3"],
-     ["--base-lr", "--lrs"], None),
+    (
+        "compare-base-lr-not-in-lrs",
+        ["compare", "--layout", "cross", "--lrs", "0.1", "--base-lr", "0.3"],
+        ["--base-lr", "--lrs"],
+        None,
+    ),
     ("compare-workers-negative", ["compare", "--workers", "-1"], ["--workers"], None),
     ("compare-workers-absurd", ["compare", "--workers", "100000"], ["--workers", "256"], None),
     ("compare-variant-bad", ["compare", "--norms", "pws:gamma=abc"], ["--norms", "gamma"], None),
@@ -97,32 +112,64 @@ BAD = [
     ("train-tensorboard-empty", ["train", "--tensorboard", ""], ["--tensorboard", "empty"], None),
     ("compare-backend-bad", ["compare", "--backend", "dask"], ["--backend", "invalid choice"], None),
     ("compare-address-without-ray", ["compare", "--address", "auto"], ["--address", "--backend ray"], None),
-    ("compare-address-with-workers", ["compare", "--backend", "ray", "--address", "auto", "--workers", "2"],
-     ["--workers", "--address"], None),
+    (
+        "compare-address-with-workers",
+        ["compare", "--backend", "ray", "--address", "auto", "--workers", "2"],
+        ["--workers", "--address"],
+        None,
+    ),
     ("compare-out-empty", ["compare", "--out", ""], ["--out", "empty"], None),
     ("compare-lrs-empty-item", ["compare", "--lrs", "0.1,,0.2"], ["--lrs", "empty item"], None),
     ("compare-norms-trailing-comma", ["compare", "--norms", "bn,"], ["--norms", "empty item"], None),
     ("compare-seeds-empty", ["compare", "--seeds", ""], ["--seeds", "empty list"], None),
     ("train-milestones-empty-item", ["train", "--milestones", "2,,4"], ["--milestones", "empty item"], None),
-    ("compare-long-grid-without-yes", ["compare", "--norms", "bn", "--seeds", "0", "--epochs", "5000"],
-     ["--yes", "1 run to train", "min"], None),
+    (
+        "compare-long-grid-without-yes",
+        ["compare", "--norms", "bn", "--seeds", "0", "--epochs", "5000"],
+        ["--yes", "1 run to train", "min"],
+        None,
+    ),
     ("demo-out-is-file", ["demo", "--out", "{file}"], ["--out", "is a file"], None),
     ("demo-threads-zero", ["demo", "--threads", "0"], ["--threads"], None),
     ("report-list", ["report", "{rep}"], ["results.json", "JSON object"], lambda t: {"rep": _report_dir(t, [])}),
-    ("report-group-not-object", ["report", "{rep}"], ["groups[0]"],
-     lambda t: {"rep": _report_dir(t, {"spec": _SPEC, "groups": [1], "cells": []})}),
-    ("report-spec-wrong-type", ["report", "{rep}"], ["spec.norms"],
-     lambda t: {"rep": _report_dir(t, {"spec": {**_SPEC, "norms": "bn"}, "groups": [], "cells": []})}),
+    (
+        "report-group-not-object",
+        ["report", "{rep}"],
+        ["groups[0]"],
+        lambda t: {"rep": _report_dir(t, {"spec": _SPEC, "groups": [1], "cells": []})},
+    ),
+    (
+        "report-spec-wrong-type",
+        ["report", "{rep}"],
+        ["spec.norms"],
+        lambda t: {"rep": _report_dir(t, {"spec": {**_SPEC, "norms": "bn"}, "groups": [], "cells": []})},
+    ),
     ("report-on-file", ["report", "{file}"], ["DIR", "file"], None),
-    ("report-demo-wrong-shape", ["report", "{rep}"], ["demo.json", "demo record", "'protocol' is missing"],
-     lambda t: {"rep": str(_demo_dir(t))}),
-    ("monitor-non-object-line", ["monitor", "{log}", "--out", "{out}"], ["LOG", "not a JSON object"],
-     lambda t: {"log": _log(t, [_RECORD, "[1, 2]"])}),
-    ("monitor-bad-step", ["monitor", "{log}", "--out", "{out}"], ["LOG", "'step'"],
-     lambda t: {"log": _log(t, [json.dumps({"layer": "conv", "step": "x"})])}),
+    (
+        "report-demo-wrong-shape",
+        ["report", "{rep}"],
+        ["demo.json", "demo record", "'protocol' is missing"],
+        lambda t: {"rep": str(_demo_dir(t))},
+    ),
+    (
+        "monitor-non-object-line",
+        ["monitor", "{log}", "--out", "{out}"],
+        ["LOG", "not a JSON object"],
+        lambda t: {"log": _log(t, [_RECORD, "[1, 2]"])},
+    ),
+    (
+        "monitor-bad-step",
+        ["monitor", "{log}", "--out", "{out}"],
+        ["LOG", "'step'"],
+        lambda t: {"log": _log(t, [json.dumps({"layer": "conv", "step": "x"})])},
+    ),
     ("monitor-missing-log", ["monitor", "{out}/none.jsonl", "--out", "{out}"], ["LOG", "does not exist"], None),
-    ("monitor-out-is-file", ["monitor", "{log}", "--out", "{file}"], ["--out", "is a file"],
-     lambda t: {"log": _log(t, [_RECORD])}),
+    (
+        "monitor-out-is-file",
+        ["monitor", "{log}", "--out", "{file}"],
+        ["--out", "is a file"],
+        lambda t: {"log": _log(t, [_RECORD])},
+    ),
     ("bench-width-absurd", ["bench", "--steps", "--width", "1e9"], ["--width"], None),
     ("unknown-command", ["frobnicate"], ["invalid choice", "frobnicate"], None),
 ]
@@ -186,8 +233,12 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
 def test_console_entry_point_refusal_is_one_line(tmp_path):
     # through the real entry point (sys.exit): a run-time refusal after a parse-time check passed
     (tmp_path / "f").write_text("x")
-    r = subprocess.run([sys.executable, "-m", "normlab", "compare", "--lrs", "0.1", "--out", str(tmp_path / "f")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "normlab", "compare", "--lrs", "0.1", "--out", str(tmp_path / "f")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--out" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 

@@ -29,7 +29,7 @@ def test_return_to_chance_after_learning():
     kind, step = classify_trace(learned + back, 10, window=10)
     assert kind == "returned_to_chance"
     # the collapse is dated at the first step of the window whose mean crossed 0.95 ln C
-    means = [sum((learned + back)[i - 9:i + 1]) / 10 for i in range(9, 60)]
+    means = [sum((learned + back)[i - 9 : i + 1]) / 10 for i in range(9, 60)]
     crossing = next(i for i, m in zip(range(9, 60), means) if m >= CHANCE * LN10)
     assert step == crossing - 9
     # worse than chance (a finite loss far above ln C) also counts

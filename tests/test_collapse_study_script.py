@@ -25,12 +25,21 @@ def fake_run(seed, norm="none", lr=0.1, kind=None, cstep=None, blow=None, shift_
         v2 = 100.0 if blow is not None and t >= blow else 1.0
         shift = 2.0 if shift_from is not None and t >= shift_from else 0.1
         loss = 1.0 if kind is None or t < (cstep or 0) else math.log(10)
-        lines.append({"t": t, "loss": loss, "gnorm": 1.0, "L": {"c1": [1.0, 0.1, 1.0, 1.0],
-                                                               "c2": [v2, shift, 1.0, 1.0],
-                                                               "head": [1.0, 5.0, 1.0, 1.0]}})
-    return {"cfg": dict(norm=norm, width=0.5, lr=lr, seed=seed), "layers": LAYERS,
-            "order": ["c1", "c2", "head"], "steps": lines,
-            "summary": {"kind": kind, "collapse_step": cstep, "alarm": None, "old_alarm": None}}
+        lines.append(
+            {
+                "t": t,
+                "loss": loss,
+                "gnorm": 1.0,
+                "L": {"c1": [1.0, 0.1, 1.0, 1.0], "c2": [v2, shift, 1.0, 1.0], "head": [1.0, 5.0, 1.0, 1.0]},
+            }
+        )
+    return {
+        "cfg": dict(norm=norm, width=0.5, lr=lr, seed=seed),
+        "layers": LAYERS,
+        "order": ["c1", "c2", "head"],
+        "steps": lines,
+        "summary": {"kind": kind, "collapse_step": cstep, "alarm": None, "old_alarm": None},
+    }
 
 
 def full_seed(study, seed, collapse_at=30):
@@ -38,8 +47,11 @@ def full_seed(study, seed, collapse_at=30):
     runs = []
     for cfg in study.configs([seed]):
         if cfg["norm"] == "none":
-            runs.append(fake_run(seed, "none", cfg["lr"], "returned_to_chance", collapse_at, blow=collapse_at - 10,
-                                 shift_from=2))
+            runs.append(
+                fake_run(
+                    seed, "none", cfg["lr"], "returned_to_chance", collapse_at, blow=collapse_at - 10, shift_from=2
+                )
+            )
         else:
             runs.append(fake_run(seed, cfg["norm"], cfg["lr"]))
     return runs

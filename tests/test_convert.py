@@ -86,7 +86,12 @@ def test_convert_to_pws_replaces_convs_and_removes_following_bn():
         c = new[name]
         assert type(c) is PWSConv2d and c.gamma == 1e-4
         assert (c.stride, c.padding, c.kernel_size, c.in_channels, c.out_channels) == (
-            old.stride, old.padding, old.kernel_size, old.in_channels, old.out_channels)
+            old.stride,
+            old.padding,
+            old.kernel_size,
+            old.in_channels,
+            old.out_channels,
+        )
         assert torch.equal(c.weight, old.weight)  # same raw weights
         assert c.bias is not None and torch.equal(c.bias, torch.zeros_like(c.bias))  # bias takes BN's shift role
     assert isinstance(model.bn1, nn.Identity) and isinstance(model.layer2[0].downsample[1], nn.Identity)
@@ -231,8 +236,17 @@ def test_fold_batch_renorm_and_weight_norm():
 
 def test_fold_pws_with_every_conv_argument_is_a_plain_conv():
     torch.manual_seed(5)
-    conv = PWSConv2d(4, 6, (3, 2), stride=(2, 1), padding=(1, 1), dilation=(1, 2), groups=2,
-                     padding_mode="circular", dtype=torch.float64)
+    conv = PWSConv2d(
+        4,
+        6,
+        (3, 2),
+        stride=(2, 1),
+        padding=(1, 1),
+        dilation=(1, 2),
+        groups=2,
+        padding_mode="circular",
+        dtype=torch.float64,
+    )
     bn = nn.BatchNorm2d(6, dtype=torch.float64)
     with torch.no_grad():
         bn.running_mean.uniform_(-1, 1)
@@ -367,13 +381,16 @@ class Unrunnable(nn.Module):  # fx fails and no default input fits (the first re
         return self.head(y if y.sum() > -1e9 else -y)
 
 
-@pytest.mark.parametrize("model_cls, cin, unfolded, why", [
-    (ActBetween, 3, {"bn"}, "its input is not the conv's output"),
-    (Residual, 4, {"bn"}, "also used elsewhere"),
-    (ConvTwice, 4, {"bn"}, "runs 2 times"),
-    (SharedBN, 3, {"bn"}, "runs 2 times"),
-    (lambda: BranchOnData(act=True), 3, {"bn"}, "its input is not the conv's output"),
-])
+@pytest.mark.parametrize(
+    "model_cls, cin, unfolded, why",
+    [
+        (ActBetween, 3, {"bn"}, "its input is not the conv's output"),
+        (Residual, 4, {"bn"}, "also used elsewhere"),
+        (ConvTwice, 4, {"bn"}, "runs 2 times"),
+        (SharedBN, 3, {"bn"}, "runs 2 times"),
+        (lambda: BranchOnData(act=True), 3, {"bn"}, "its input is not the conv's output"),
+    ],
+)
 def test_fold_leaves_pairs_the_forward_does_not_chain(model_cls, cin, unfolded, why):
     torch.manual_seed(8)
     model = randomize_bns(model_cls()).eval()
@@ -460,8 +477,20 @@ def test_param_groups_each_param_once_and_no_decay_on_alpha_and_norms():
     decay, keep = ids(groups[0]["params"]), ids(groups[1]["params"])
     all_ids = decay + keep
     assert len(all_ids) == len(set(all_ids)) == len({id(p) for p in m.parameters()})  # each param exactly once
-    expected_keep = [m[0].alpha, m[0].bias, m[1].weight, m[1].bias, m[2].bias, m[3].weight, m[3].bias,
-                     m[4].scale, m[5].weight, m[5].bias, m[7].bias, m[9].bias]
+    expected_keep = [
+        m[0].alpha,
+        m[0].bias,
+        m[1].weight,
+        m[1].bias,
+        m[2].bias,
+        m[3].weight,
+        m[3].bias,
+        m[4].scale,
+        m[5].weight,
+        m[5].bias,
+        m[7].bias,
+        m[9].bias,
+    ]
     assert set(keep) == set(ids(expected_keep))
     assert set(decay) == set(ids([m[0].weight, m[2].weight, m[7].weight, m[8].weight]))
 
@@ -499,8 +528,16 @@ def test_is_norm_layer_covers_torch_and_normlab_norms():
     from normlab.nn.batch_renorm import BatchRenorm2d
     from normlab.nn.instance_norm import InstanceNorm2d
 
-    for mod in (nn.BatchNorm1d(3), nn.SyncBatchNorm(3), nn.InstanceNorm2d(3), nn.GroupNorm(1, 3), nn.LayerNorm(3),
-                BatchRenorm2d(3), InstanceNorm2d(3), MyNorm(3)):
+    for mod in (
+        nn.BatchNorm1d(3),
+        nn.SyncBatchNorm(3),
+        nn.InstanceNorm2d(3),
+        nn.GroupNorm(1, 3),
+        nn.LayerNorm(3),
+        BatchRenorm2d(3),
+        InstanceNorm2d(3),
+        MyNorm(3),
+    ):
         assert is_norm_layer(mod), type(mod).__name__
     for mod in (nn.Conv2d(3, 3, 1), PWSConv2d(3, 3, 1), nn.Linear(3, 3)):
         assert not is_norm_layer(mod)
@@ -552,7 +589,7 @@ class InputNorm(nn.Module):  # registered conv, bn_in, bn; applied conv(bn_in(x)
 def test_pws_removes_the_norm_the_dataflow_feeds_not_the_next_registered():
     model = convert_norm(InputNorm(), "pws")
     assert type(model.bn_in) is nn.BatchNorm2d  # normalizes the input, not a conv's output: kept
-    assert isinstance(model.bn, nn.Identity)    # head's output norm (not head's registration neighbour): removed
+    assert isinstance(model.bn, nn.Identity)  # head's output norm (not head's registration neighbour): removed
     assert model.head.bias is not None and type(model.head) is PWSConv2d
     assert model(torch.randn(2, 4, 5, 5)).shape == (2, 4, 5, 5)
 
@@ -647,8 +684,9 @@ class PlainSubclassBN(nn.BatchNorm2d):  # same forward as BatchNorm2d: converted
 
 @pytest.mark.parametrize("to", ["brn", "none", "pws"])
 def test_unknown_batchnorm_subclasses_are_left_and_named_in_one_warning(to):
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), OwnForwardBN(4), nn.Conv2d(4, 4, 1), OwnForwardBN(4),
-                          nn.Conv2d(4, 4, 1), PlainSubclassBN(4))
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), OwnForwardBN(4), nn.Conv2d(4, 4, 1), OwnForwardBN(4), nn.Conv2d(4, 4, 1), PlainSubclassBN(4)
+    )
     with pytest.warns(UserWarning) as record:
         convert_norm(model, to)
     msgs = [str(w.message) for w in record if "own forward" in str(w.message)]
@@ -744,8 +782,9 @@ class SamePadConv(nn.Conv2d):  # a conv subclass with its own forward (like timm
 
 
 def test_fold_names_the_pairs_of_conv_subclasses_it_cannot_fold():
-    model = randomize_bns(nn.Sequential(SamePadConv(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1),
-                                        nn.BatchNorm2d(4))).eval()
+    model = randomize_bns(
+        nn.Sequential(SamePadConv(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4))
+    ).eval()
     x = torch.randn(2, 3, 6, 6)
     with pytest.warns(UserWarning, match=r"left unfolded: 0 -> 1 \(SamePadConv is a conv subclass with its own"):
         folded = fold_for_inference(model, example_input=x)

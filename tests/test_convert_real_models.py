@@ -68,8 +68,11 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def norm_act_acts(model: nn.Module) -> list[str]:
     """The activations of norm + act modules (BatchNormAct2d, its conversions, nn.Sequential(drop, act))."""
-    return sorted(type(m.act).__name__ for m in model.modules() if hasattr(m, "drop") and hasattr(m, "act")
-                  and isinstance(m.act, nn.Module))
+    return sorted(
+        type(m.act).__name__
+        for m in model.modules()
+        if hasattr(m, "drop") and hasattr(m, "act") and isinstance(m.act, nn.Module)
+    )
 
 
 def norm_types(model: nn.Module) -> set[type]:

@@ -190,8 +190,11 @@ def test_cifar10_crafted_pickle_is_refused_without_running_code(tmp_path):
     marker = tmp_path / "pwned"
     with open(d / "data_batch_2", "wb") as f:
         pickle.dump({b"data": _Exploit(marker), b"labels": [0]}, f)
-    with pytest.raises(ValueError, match=r"data_batch_2 is not a CIFAR-10 python batch \(refusing to load "
-                                         r"posix.system"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_batch_2 is not a CIFAR-10 python batch \(refusing to load "
+        r"posix.system",
+    ):
         get_dataset("cifar10", data_dir=tmp_path)
     assert not marker.exists()
 

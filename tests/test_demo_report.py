@@ -12,49 +12,123 @@ LR_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws+gn", "pws", "pws:gamma=0.
 
 
 def _group(name, lr, bs, acc, collapsed=0, train_mode=None):
-    return {"name": name, "lr": lr, "batch_size": bs, "n_seeds": 3, "final_mean": acc, "final_std": 0.01,
-            "collapsed_count": collapsed, "collapse_kinds": {"never_left_chance": collapsed} if collapsed else {},
-            "train_mode_mean": train_mode, "step_time_s": 0.01}
+    return {
+        "name": name,
+        "lr": lr,
+        "batch_size": bs,
+        "n_seeds": 3,
+        "final_mean": acc,
+        "final_std": 0.01,
+        "collapsed_count": collapsed,
+        "collapse_kinds": {"never_left_chance": collapsed} if collapsed else {},
+        "train_mode_mean": train_mode,
+        "step_time_s": 0.01,
+    }
 
 
 def _cells(groups, base_bs=128):
-    return [{"cell": f"{g['name']}_lr{g['lr']}_bs{g['batch_size']}_s{s}", "name": g["name"], "lr": g["lr"],
-             "batch_size": g["batch_size"], "seed": s, "train_lr": g["lr"] * g["batch_size"] / base_bs,
-             "steps_run": 2000 // g["batch_size"], "final_test_acc": g["final_mean"], "collapsed": False,
-             "final_test_acc_train_mode": g["train_mode_mean"], "step_time_s": 0.01} for g in groups for s in (0, 1, 2)]
+    return [
+        {
+            "cell": f"{g['name']}_lr{g['lr']}_bs{g['batch_size']}_s{s}",
+            "name": g["name"],
+            "lr": g["lr"],
+            "batch_size": g["batch_size"],
+            "seed": s,
+            "train_lr": g["lr"] * g["batch_size"] / base_bs,
+            "steps_run": 2000 // g["batch_size"],
+            "final_test_acc": g["final_mean"],
+            "collapsed": False,
+            "final_test_acc_train_mode": g["train_mode_mean"],
+            "step_time_s": 0.01,
+        }
+        for g in groups
+        for s in (0, 1, 2)
+    ]
 
 
 def _demo(lr_acc=None, batch_acc=None, plateau=True, cost_ms=None):
     """A demo record: in (a) the plain net collapses at lr 0.2 where BN trains and PWS collapses too."""
     lr_acc = lr_acc or {}
     acc = {n: {0.02: 0.9, 0.1: 0.9, 0.2: 0.9} for n in LR_NORMS}
-    acc.update({"none": {0.02: 0.5, 0.1: 0.3, 0.2: 0.1}, "pws": {0.02: 0.9, 0.1: 0.3, 0.2: 0.1},
-                "wn": {0.02: 0.6, 0.1: 0.3, 0.2: 0.15}, "pws:gamma=0.01": {0.02: 0.5, 0.1: 0.5, 0.2: 0.11}})
+    acc.update(
+        {
+            "none": {0.02: 0.5, 0.1: 0.3, 0.2: 0.1},
+            "pws": {0.02: 0.9, 0.1: 0.3, 0.2: 0.1},
+            "wn": {0.02: 0.6, 0.1: 0.3, 0.2: 0.15},
+            "pws:gamma=0.01": {0.02: 0.5, 0.1: 0.5, 0.2: 0.11},
+        }
+    )
     acc.update(lr_acc)
     a_groups = [_group(n, lr, 128, v, collapsed=2 if v <= 0.2 else 0) for n, d in acc.items() for lr, v in d.items()]
     bacc = {"bn": (0.26, 0.5), "brn": (0.46, 0.48), "gn": (0.16, 0.43), "sn": (0.22, 0.48), "pws": (0.23, 0.58)}
     bacc.update(batch_acc or {})
-    b_groups = [_group(n, 0.05, bs, v, train_mode=v - (0.16 if n == "bn" and bs == 2 else 0.0))
-                for n, (v128, v2) in bacc.items() for bs, v in ((128, v128), (2, v2))]
-    a = {"spec": {"norms": list(acc), "lrs": [0.02, 0.1, 0.2], "base_batch_size": 128, "base_lr": 0.02},
-         "num_classes": 10, "groups": a_groups, "cells": _cells(a_groups)}
-    b = {"spec": {"norms": list(bacc), "batch_sizes": [128, 2], "base_batch_size": 128, "base_lr": 0.05,
-                  "lr_scaling": "linear", "lrs": [0.05]},
-         "num_classes": 10, "groups": b_groups, "cells": _cells(b_groups)}
-    plateaus = {c["cell"]: {"steps": c["steps_run"], "fall": 0.01 if plateau or c["batch_size"] < 128 else 0.4,
-                            "plateau": plateau or c["batch_size"] < 128} for c in b["cells"]}
-    collapse = {"spec": {"norms": ["none"]}, "groups": [], "cells": [
-        {"cell": f"none_s{s}", "name": "none", "lr": 0.1, "batch_size": 128, "seed": s} for s in (0, 1, 2)]}
-    diag = {f"none_s{s}": {"monitored": True, "collapsed": s < 2, "collapse_reason": "never_left_chance" if s < 2
-                           else None, "collapse_step": None, "alarm": {"layer": "head", "step": 70} if s < 2 else None,
-                           "lead_steps": None} for s in (0, 1, 2)}
+    b_groups = [
+        _group(n, 0.05, bs, v, train_mode=v - (0.16 if n == "bn" and bs == 2 else 0.0))
+        for n, (v128, v2) in bacc.items()
+        for bs, v in ((128, v128), (2, v2))
+    ]
+    a = {
+        "spec": {"norms": list(acc), "lrs": [0.02, 0.1, 0.2], "base_batch_size": 128, "base_lr": 0.02},
+        "num_classes": 10,
+        "groups": a_groups,
+        "cells": _cells(a_groups),
+    }
+    b = {
+        "spec": {
+            "norms": list(bacc),
+            "batch_sizes": [128, 2],
+            "base_batch_size": 128,
+            "base_lr": 0.05,
+            "lr_scaling": "linear",
+            "lrs": [0.05],
+        },
+        "num_classes": 10,
+        "groups": b_groups,
+        "cells": _cells(b_groups),
+    }
+    plateaus = {
+        c["cell"]: {
+            "steps": c["steps_run"],
+            "fall": 0.01 if plateau or c["batch_size"] < 128 else 0.4,
+            "plateau": plateau or c["batch_size"] < 128,
+        }
+        for c in b["cells"]
+    }
+    collapse = {
+        "spec": {"norms": ["none"]},
+        "groups": [],
+        "cells": [{"cell": f"none_s{s}", "name": "none", "lr": 0.1, "batch_size": 128, "seed": s} for s in (0, 1, 2)],
+    }
+    diag = {
+        f"none_s{s}": {
+            "monitored": True,
+            "collapsed": s < 2,
+            "collapse_reason": "never_left_chance" if s < 2 else None,
+            "collapse_step": None,
+            "alarm": {"layer": "head", "step": 70} if s < 2 else None,
+            "lead_steps": None,
+        }
+        for s in (0, 1, 2)
+    }
     cost_ms = cost_ms or {"bn": 17.3, "gn": 15.6, "sn": 22.8, "pws": 16.4}
-    cost = {"width": 0.25, "repeats": 3, "iters": 6, "by_batch": {"128": {
-        n: {"median_s": v / 1000, "min_s": v / 1000 * 0.99, "ratio_to_pws": v / cost_ms["pws"]}
-        for n, v in cost_ms.items()}}}
-    return {"protocol": {"collapse_lr": 0.1, "seeds": [0, 1, 2]}, "quick": False, "cost": cost,
-            "sections": {"lr_sweep": a, "batch_size": b, "collapse": collapse},
-            "evidence": {"plateau": plateaus, "diagnoses": {"collapse": diag}}}
+    cost = {
+        "width": 0.25,
+        "repeats": 3,
+        "iters": 6,
+        "by_batch": {
+            "128": {
+                n: {"median_s": v / 1000, "min_s": v / 1000 * 0.99, "ratio_to_pws": v / cost_ms["pws"]}
+                for n, v in cost_ms.items()
+            }
+        },
+    }
+    return {
+        "protocol": {"collapse_lr": 0.1, "seeds": [0, 1, 2]},
+        "quick": False,
+        "cost": cost,
+        "sections": {"lr_sweep": a, "batch_size": b, "collapse": collapse},
+        "evidence": {"plateau": plateaus, "diagnoses": {"collapse": diag}},
+    }
 
 
 def _verdicts(demo):
@@ -110,8 +184,9 @@ def test_plateau_check_on_the_loss_trace(tmp_path):
     (tmp_path / "loss_trace.json").write_text(json.dumps({"window": 10, "losses": [2.3 - 0.1 * i for i in range(15)]}))
     falling = plateau_check(tmp_path)
     assert not falling["plateau"] and falling["fall"] > 0.05 and falling["steps"] == 15
-    (tmp_path / "loss_trace.json").write_text(json.dumps({"window": 10, "losses": [0.5 + 0.01 * (i % 2)
-                                                                                  for i in range(100)]}))
+    (tmp_path / "loss_trace.json").write_text(
+        json.dumps({"window": 10, "losses": [0.5 + 0.01 * (i % 2) for i in range(100)]})
+    )
     assert plateau_check(tmp_path)["plateau"]
     (tmp_path / "loss_trace.json").write_text(json.dumps({"window": 10, "losses": [0.5] * 90 + [None] * 10}))
     assert not plateau_check(tmp_path)["plateau"]  # a loss that became non-finite is no plateau
@@ -133,16 +208,18 @@ def test_grid_cost_effect_reports_a_tie_within_the_spread_over_seeds():
     demo = _demo()
     a = demo["sections"]["lr_sweep"]
     for c in a["cells"]:  # GN 1.01x PWS within its spread over seeds; BN 1.25x
-        c["step_time_s"] = {"gn": 0.0100 + 0.0005 * c["seed"], "pws": 0.0100 + 0.0004 * c["seed"],
-                            "bn": 0.013}.get(c["name"], 0.02)
+        c["step_time_s"] = {"gn": 0.0100 + 0.0005 * c["seed"], "pws": 0.0100 + 0.0004 * c["seed"], "bn": 0.013}.get(
+            c["name"], 0.02
+        )
     line = next(x for x in summary_lines(a) if "PWS step is cheaper" in x)
     assert line.startswith("[TIE]") and "GN 1.01x (a tie)" in line and "BN 1.25x (PWS cheaper)" in line
 
 
 def test_grid_table_shows_the_learning_rate_each_run_used():
     b = _demo()["sections"]["batch_size"]
-    b["spec"].update(dataset="mnist1d", model="plain1d", width=0.25, epochs=1, seeds=[0, 1, 2], layout="cross",
-                     target_acc=None)
+    b["spec"].update(
+        dataset="mnist1d", model="plain1d", width=0.25, epochs=1, seeds=[0, 1, 2], layout="cross", target_acc=None
+    )
     for g in b["groups"]:
         g.update(best_mean=g["final_mean"], best_std=0.0, target_reached=0, epochs_to_target_mean=None)
     table = markdown_table(b)
@@ -150,10 +227,30 @@ def test_grid_table_shows_the_learning_rate_each_run_used():
 
 
 def test_rounding_noise_of_zero_mean_filters_is_not_drawn_as_signal():
-    recs = [{"layer": "c", "step": s, "kind": "conv", "shift": 2.7e-14, "shift_scale_free": 1.4e-14,
-             "mean_update_std": 8e-8, "weight_var": 0.66} for s in range(3)]
-    recs += [{"layer": "d", "step": s, "kind": "conv", "shift": 2.0, "shift_scale_free": 0.9,
-              "mean_update_std": 1e-2, "weight_var": 0.66} for s in range(3)]
+    recs = [
+        {
+            "layer": "c",
+            "step": s,
+            "kind": "conv",
+            "shift": 2.7e-14,
+            "shift_scale_free": 1.4e-14,
+            "mean_update_std": 8e-8,
+            "weight_var": 0.66,
+        }
+        for s in range(3)
+    ]
+    recs += [
+        {
+            "layer": "d",
+            "step": s,
+            "kind": "conv",
+            "shift": 2.0,
+            "shift_scale_free": 0.9,
+            "mean_update_std": 1e-2,
+            "weight_var": 0.66,
+        }
+        for s in range(3)
+    ]
     for key in ("shift", "mean_update_std"):
         layers, hidden = _series(recs, key, None)
         assert set(layers) == {"d"} and hidden == 3

@@ -22,8 +22,16 @@ from conftest import ROOT, needs
 
 DOCS = ROOT / "docs"
 # Every module whose __all__ the API pages document (normlab.integrations has no names of its own: its modules do).
-PUBLIC_MODULES = ["normlab.nn", "normlab.functional", "normlab.convert", "normlab.monitor", "normlab.monitor.stats",
-                  "normlab.integrations.tensorboard", "normlab.integrations.lightning", "normlab.integrations.timm"]
+PUBLIC_MODULES = [
+    "normlab.nn",
+    "normlab.functional",
+    "normlab.convert",
+    "normlab.monitor",
+    "normlab.monitor.stats",
+    "normlab.integrations.tensorboard",
+    "normlab.integrations.lightning",
+    "normlab.integrations.timm",
+]
 WARNING = re.compile(r"(WARNING|ERROR|CRITICAL):")
 
 
@@ -36,8 +44,21 @@ def docs_tools():
 
 def sphinx_build(src: Path, out: Path, conf_dir: Path = DOCS, **env: str) -> subprocess.CompletedProcess:
     """``make docs``'s command (warnings as errors, every page read) on ``src`` with docs/conf.py."""
-    cmd = [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-E", "-q", "-b", "html", "-c", str(conf_dir),
-           str(src), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sphinx",
+        "-W",
+        "--keep-going",
+        "-E",
+        "-q",
+        "-b",
+        "html",
+        "-c",
+        str(conf_dir),
+        str(src),
+        str(out),
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env})
 
 
@@ -184,8 +205,11 @@ def _section(doc: str, title: str) -> list[str] | None:
             body = [b for b in lines[i + 1 :] if b.strip()]
             end = next((k for k, b in enumerate(body) if len(b) - len(b.lstrip()) <= indent), len(body))
             entry = min((len(b) - len(b.lstrip()) for b in body[:end]), default=0)
-            return [(re.match(r"\s*\**(\w*)", b).group(1) or b.strip()) for b in body[:end]
-                    if len(b) - len(b.lstrip()) == entry]
+            return [
+                (re.match(r"\s*\**(\w*)", b).group(1) or b.strip())
+                for b in body[:end]
+                if len(b) - len(b.lstrip()) == entry
+            ]
     return None
 
 
@@ -232,10 +256,14 @@ def test_every_public_function_of_the_layers_documents_its_arguments_and_an_exam
 
 def _data_descriptions(html: Path) -> dict[str, str]:
     """Each constant (py:data) of the built API pages -> the text of its description."""
-    entry = re.compile(r'<dl class="py data">\s*<dt class="sig sig-object py" id="([^"]+)">.*?</dt>\s*<dd>(.*?)</dd>',
-                       re.S)
-    return {m.group(1): re.sub(r"<[^>]+>", "", m.group(2)).strip()
-            for page in (html / "api").glob("*.html") for m in entry.finditer(page.read_text())}
+    entry = re.compile(
+        r'<dl class="py data">\s*<dt class="sig sig-object py" id="([^"]+)">.*?</dt>\s*<dd>(.*?)</dd>', re.S
+    )
+    return {
+        m.group(1): re.sub(r"<[^>]+>", "", m.group(2)).strip()
+        for page in (html / "api").glob("*.html")
+        for m in entry.finditer(page.read_text())
+    }
 
 
 def test_every_constant_on_the_api_pages_has_a_description(built):

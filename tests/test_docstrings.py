@@ -8,10 +8,23 @@ import inspect
 
 import pytest
 
-MODULES = ["normlab.functional", "normlab.nn.batch_renorm", "normlab.nn.instance_norm", "normlab.nn.switchable",
-           "normlab.nn.weight_std", "normlab.nn.capsules", "normlab.nn.registry", "normlab.nn.param_groups",
-           "normlab.convert", "normlab.monitor", "normlab.monitor.hooks", "normlab.monitor.guard",
-           "normlab.monitor.layers", "normlab.monitor.spp", "normlab.runner.models"]
+MODULES = [
+    "normlab.functional",
+    "normlab.nn.batch_renorm",
+    "normlab.nn.instance_norm",
+    "normlab.nn.switchable",
+    "normlab.nn.weight_std",
+    "normlab.nn.capsules",
+    "normlab.nn.registry",
+    "normlab.nn.param_groups",
+    "normlab.convert",
+    "normlab.monitor",
+    "normlab.monitor.hooks",
+    "normlab.monitor.guard",
+    "normlab.monitor.layers",
+    "normlab.monitor.spp",
+    "normlab.runner.models",
+]
 # The public API: every class and function in these modules' __all__ documents itself with an Example.
 PUBLIC = ["normlab.nn", "normlab.functional", "normlab.convert", "normlab.monitor"]
 

@@ -19,11 +19,22 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 # ------------------------------------------------------------------ names and grid expansion
 
+
 @pytest.mark.parametrize(
     "name, expected",
-    [("none", ("none", "conv")), ("bn", ("bn", "conv")), ("brn", ("brn", "conv")), ("gn", ("gn", "conv")),
-     ("sn", ("sn", "conv")), ("wn", ("none", "wn")), ("ws", ("none", "ws")), ("pws", ("none", "pws")),
-     ("ws+gn", ("gn", "ws")), ("gn+ws", ("gn", "ws")), ("PWS", ("none", "pws"))],
+    [
+        ("none", ("none", "conv")),
+        ("bn", ("bn", "conv")),
+        ("brn", ("brn", "conv")),
+        ("gn", ("gn", "conv")),
+        ("sn", ("sn", "conv")),
+        ("wn", ("none", "wn")),
+        ("ws", ("none", "ws")),
+        ("pws", ("none", "pws")),
+        ("ws+gn", ("gn", "ws")),
+        ("gn+ws", ("gn", "ws")),
+        ("PWS", ("none", "pws")),
+    ],
 )
 def test_resolve_norm(name, expected):
     assert resolve_norm(name) == expected
@@ -52,8 +63,15 @@ def test_expand_grid_product():
 
 
 def test_expand_grid_cross_and_lr_scaling():
-    spec = GridSpec(norms=("bn",), lrs=(0.01, 0.1, 1.0), batch_sizes=(64, 8, 2), seeds=(0,), layout="cross",
-                    base_lr=0.1, lr_scaling="linear")
+    spec = GridSpec(
+        norms=("bn",),
+        lrs=(0.01, 0.1, 1.0),
+        batch_sizes=(64, 8, 2),
+        seeds=(0,),
+        layout="cross",
+        base_lr=0.1,
+        lr_scaling="linear",
+    )
     pts = {(c.lr, c.batch_size) for c in expand_grid(spec)}
     # lr sweep at the base batch size (first in the list) + batch-size sweep at the base lr, no duplicates
     assert pts == {(0.01, 64), (0.1, 64), (1.0, 64), (0.1, 8), (0.1, 2)}
@@ -62,9 +80,19 @@ def test_expand_grid_cross_and_lr_scaling():
     assert math.isclose(by_pt[(1.0, 64)], 1.0)
 
 
-@pytest.mark.parametrize("kw", [dict(norms=()), dict(lrs=(0.1, 0.1)), dict(lrs=(-1.0,)), dict(batch_sizes=(0,)),
-                                dict(layout="diagonal"), dict(layout="cross", base_lr=0.3), dict(epochs=0),
-                                dict(norms=("bn", "xyz"))])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(norms=()),
+        dict(lrs=(0.1, 0.1)),
+        dict(lrs=(-1.0,)),
+        dict(batch_sizes=(0,)),
+        dict(layout="diagonal"),
+        dict(layout="cross", base_lr=0.3),
+        dict(epochs=0),
+        dict(norms=("bn", "xyz")),
+    ],
+)
 def test_gridspec_rejects_bad_input(kw):
     with pytest.raises(ValueError, match="GridSpec|resolve_comparison"):
         GridSpec(**kw)
@@ -72,9 +100,18 @@ def test_gridspec_rejects_bad_input(kw):
 
 # ------------------------------------------------------------------ running a tiny grid (real training)
 
+
 def _tiny_spec(**kw):
-    base = dict(norms=("bn", "pws"), lrs=(0.05, 0.2), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
-                max_steps_per_epoch=2, target_acc=0.5)
+    base = dict(
+        norms=("bn", "pws"),
+        lrs=(0.05, 0.2),
+        batch_sizes=(16,),
+        seeds=(0,),
+        epochs=1,
+        width=0.125,
+        max_steps_per_epoch=2,
+        target_acc=0.5,
+    )
     base.update(kw)
     return GridSpec(**base)
 
@@ -179,10 +216,22 @@ def test_parallel_workers(tmp_path):
 
 # ------------------------------------------------------------------ judging the headline effects
 
+
 def _group(name, lr, bs, final, n=3, collapsed=0, std=0.01, step=0.01):
-    return {"name": name, "lr": lr, "batch_size": bs, "n_seeds": n, "final_mean": final, "final_std": std,
-            "best_mean": final, "best_std": std, "collapsed_count": collapsed, "target_reached": 0,
-            "epochs_to_target_mean": None, "step_time_s": step}
+    return {
+        "name": name,
+        "lr": lr,
+        "batch_size": bs,
+        "n_seeds": n,
+        "final_mean": final,
+        "final_std": std,
+        "best_mean": final,
+        "best_std": std,
+        "collapsed_count": collapsed,
+        "target_reached": 0,
+        "epochs_to_target_mean": None,
+        "step_time_s": step,
+    }
 
 
 def _results(groups, norms=("none", "bn", "brn", "gn", "pws")):
@@ -260,12 +309,16 @@ def test_render_report_on_synthetic_results(tmp_path):
 
 def test_identical_norms_reported():
     def cell(name, accs, seed=0):
-        return {"name": name, "lr": 0.05, "batch_size": 64, "seed": seed,
-                "history": [{"test_acc": a} for a in accs]}
+        return {"name": name, "lr": 0.05, "batch_size": 64, "seed": seed, "history": [{"test_acc": a} for a in accs]}
 
     res = _results(_base_groups())
-    res["cells"] = [cell("bn", [0.5, 0.9]), cell("brn", [0.5, 0.9]), cell("gn", [0.5, 0.8]),
-                    cell("none", [0.1, 0.1]), cell("pws", [0.1, 0.1])]
+    res["cells"] = [
+        cell("bn", [0.5, 0.9]),
+        cell("brn", [0.5, 0.9]),
+        cell("gn", [0.5, 0.8]),
+        cell("none", [0.1, 0.1]),
+        cell("pws", [0.1, 0.1]),
+    ]
     text = [e["text"] for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
     assert len(text) == 1 and text[0].startswith("bn = brn (")  # none/pws both stuck at chance: not listed
     res["cells"][1] = cell("brn", [0.5, 0.91])
@@ -316,6 +369,7 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
 
 # ------------------------------------------------------------------ one validator per fact (the compare path)
 
+
 def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(tmp_path, monkeypatch):
     # the data path of `normlab compare` (CLI -> GridSpec -> cells -> checks -> workers -> results.json): each
     # cell's TrainConfig is built once and its names and numbers are checked once, the data set is read once by
@@ -331,14 +385,36 @@ def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(t
         def wrapper(*a, **kw):
             counts[key] += 1
             return fn(*a, **kw)
+
         return wrapper
 
     monkeypatch.setattr(TrainConfig, "__init__", counting("built", init))
     monkeypatch.setattr(TrainConfig, "_check_names", counting("checked", check))
     monkeypatch.setattr(datasets, "_digits", counting("loaded", digits))
-    argv = ["compare", "--norms", "bn,gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0", "--epochs", "1",
-            "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--threads", "1", "--no-progress",
-            "--out", str(tmp_path)]
+    argv = [
+        "compare",
+        "--norms",
+        "bn,gn",
+        "--lrs",
+        "0.05",
+        "--batch-sizes",
+        "16",
+        "--seeds",
+        "0",
+        "--epochs",
+        "1",
+        "--width",
+        "0.125",
+        "--max-steps-per-epoch",
+        "1",
+        "--workers",
+        "1",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(argv) == 0
     assert len(json.loads((tmp_path / "results.json").read_text())["cells"]) == 2
     assert counts == {"built": 2, "checked": 2, "loaded": 1 + 2}
@@ -349,14 +425,17 @@ def test_records_refuse_unknown_keys_in_one_line():
     from normlab.runner.training.config import TrainConfig
     from normlab.runner.training.train import TrainState
 
-    for cls, d in ((GridSpec, {**GridSpec(norms=("bn",)).to_dict(), "bogus": 1, "extra": 2}),
-                   (TrainConfig, {**TrainConfig().to_dict(), "bogus": 1, "extra": 2}),
-                   (TrainState, {**TrainState().to_dict(), "bogus": 1, "extra": 2})):
+    for cls, d in (
+        (GridSpec, {**GridSpec(norms=("bn",)).to_dict(), "bogus": 1, "extra": 2}),
+        (TrainConfig, {**TrainConfig().to_dict(), "bogus": 1, "extra": 2}),
+        (TrainState, {**TrainState().to_dict(), "bogus": 1, "extra": 2}),
+    ):
         with pytest.raises(UsageError, match=r"unknown key\(s\) 'bogus', 'extra'") as e:
             cls.from_dict(d)
         assert len(str(e.value).splitlines()) == 1
         assert cls.from_dict({k: v for k, v in d.items() if k not in ("bogus", "extra")}) == cls.from_dict(
-            {k: v for k, v in d.items() if k not in ("bogus", "extra")})
+            {k: v for k, v in d.items() if k not in ("bogus", "extra")}
+        )
 
 
 def test_a_refused_field_names_the_field_in_the_library_and_the_option_on_the_command_line(capsys, tmp_path):
@@ -366,7 +445,23 @@ def test_a_refused_field_names_the_field_in_the_library_and_the_option_on_the_co
     with pytest.raises(FieldError, match=r"GridSpec base_lr: expected one of lrs \(0.1\) with layout cross") as e:
         GridSpec(norms=("bn",), lrs=(0.1,), layout="cross", base_lr=0.3)
     assert e.value.field == "base_lr"
-    assert main(["compare", "--norms", "bn", "--lrs", "0.1", "--layout", "cross", "--base-lr", "0.3",
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "compare",
+                "--norms",
+                "bn",
+                "--lrs",
+                "0.1",
+                "--layout",
+                "cross",
+                "--base-lr",
+                "0.3",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "--base-lr: expected one of --lrs (0.1) with --layout cross, got 0.3" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

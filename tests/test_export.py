@@ -45,8 +45,15 @@ def test_folded_model_runs_in_onnxruntime_as_in_torch(name, norm, conv, shape, k
     model.eval()
     x = torch.randn(2, *shape)
     folded = fold_for_inference(model, x)
-    program = torch.onnx.export(folded, (x,), dynamo=True, input_names=["input"], output_names=["logits"],
-                                dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},), verbose=False)
+    program = torch.onnx.export(
+        folded,
+        (x,),
+        dynamo=True,
+        input_names=["input"],
+        output_names=["logits"],
+        dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=1024)},),
+        verbose=False,
+    )
     session = ort.InferenceSession(program.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for n in (2, 5):  # any batch size
         xs = torch.randn(n, *shape)
@@ -79,10 +86,12 @@ def test_export_command_writes_onnx_and_torchscript_of_a_run(tmp_path, capsys):
 
 def test_export_refusals(tmp_path, capsys):
     (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    for argv, words in (([str(tmp_path)], "expected --onnx PATH and/or --torchscript PATH"),
-                        ([str(tmp_path / "nowhere"), "--onnx", str(tmp_path / "m.onnx")], "expected a normlab run"),
-                        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path / "m.onnx")], "is corrupt or unreadable"),
-                        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path)], "--onnx")):
+    for argv, words in (
+        ([str(tmp_path)], "expected --onnx PATH and/or --torchscript PATH"),
+        ([str(tmp_path / "nowhere"), "--onnx", str(tmp_path / "m.onnx")], "expected a normlab run"),
+        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path / "m.onnx")], "is corrupt or unreadable"),
+        ([str(tmp_path / "junk.pt"), "--onnx", str(tmp_path)], "--onnx"),
+    ):
         assert main(["export", *argv]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and words in err[0], err

@@ -114,4 +114,3 @@ def test_weight_std_classes_are_explicit_and_pickle(name):
     assert type(again) is cls and set(again.state_dict()) == set(m.state_dict())
     torch.testing.assert_close(again(x), m(x), rtol=0, atol=0)
     assert type(pickle.loads(pickle.dumps(m))) is cls
-

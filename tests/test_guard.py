@@ -193,14 +193,17 @@ def test_grad_scaler_state_is_snapshotted():
     assert guard.rescues[0].restored_step == 2 and scaler.get_scale() == 2.0**10 * 2 ** (6 - 4)
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"every": 0}, "every must be an int >= 1"),
-    ({"keep": 0}, "keep must be an int >= 1"),
-    ({"lr_factor": 0}, "lr_factor must be a number in (0, 1]"),
-    ({"lr_factor": 1.5}, "lr_factor"),
-    ({"margin": -1}, "margin must be an int >= 0"),
-    ({"max_rescues": -1}, "max_rescues must be an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"every": 0}, "every must be an int >= 1"),
+        ({"keep": 0}, "keep must be an int >= 1"),
+        ({"lr_factor": 0}, "lr_factor must be a number in (0, 1]"),
+        ({"lr_factor": 1.5}, "lr_factor"),
+        ({"margin": -1}, "margin must be an int >= 0"),
+        ({"max_rescues": -1}, "max_rescues must be an int >= 0"),
+    ],
+)
 def test_bad_arguments_are_one_line_errors(kw, words):
     model = _net()
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as e:

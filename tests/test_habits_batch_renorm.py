@@ -208,8 +208,9 @@ def test_torch_func_grad_and_jacrev_match_autograd(case, train, dtype, schedule)
         return torch.func.functional_call(probe, state, (t,)).sum(tuple(i for i in range(t.dim()) if i != 1))
 
     jac = jacrev(channel_sums)(x)
-    ref = torch.autograd.functional.jacobian(lambda t: copy.deepcopy(probe)(t).sum(
-        tuple(i for i in range(t.dim()) if i != 1)), x)
+    ref = torch.autograd.functional.jacobian(
+        lambda t: copy.deepcopy(probe)(t).sum(tuple(i for i in range(t.dim()) if i != 1)), x
+    )
     torch.testing.assert_close(jac, ref, **tol)
 
 
@@ -262,8 +263,12 @@ def _compile_step(m, x, g, backend):
 
 @pytest.mark.parametrize(
     "cls,shape,backend",
-    [(BatchRenorm1d, (4, C), "aot_eager"), (BatchRenorm2d, (4, C, 5, 5), "aot_eager"),
-     (BatchRenorm3d, (2, C, 2, 3, 3), "aot_eager"), (BatchRenorm2d, (4, C, 5, 5), "inductor")],
+    [
+        (BatchRenorm1d, (4, C), "aot_eager"),
+        (BatchRenorm2d, (4, C, 5, 5), "aot_eager"),
+        (BatchRenorm3d, (2, C, 2, 3, 3), "aot_eager"),
+        (BatchRenorm2d, (4, C, 5, 5), "inductor"),
+    ],
 )
 def test_compiled_training_matches_eager(cls, shape, backend):
     """torch.compile(fullgraph=True) in training (finite check included, no graph break): output, input, weight and
@@ -446,7 +451,8 @@ def test_bfloat16_autocast_checkpoint_and_func(case):
 
 # ---------------------------------------------------------------------------------------------- every mode
 @pytest.mark.parametrize(
-    "kw", [{"affine": False}, {"bias": False}, {"momentum": None}, {"track_running_stats": False}],
+    "kw",
+    [{"affine": False}, {"bias": False}, {"momentum": None}, {"track_running_stats": False}],
     ids=["no-affine", "no-bias", "cumulative", "no-running-stats"],
 )
 def test_every_mode_under_checkpoint_func_and_empty_batch(kw):

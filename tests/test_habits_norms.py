@@ -57,20 +57,37 @@ def _specs():
         inorm = getattr(L, f"InstanceNorm{d}d")
         for track in (False, True):
             for affine in (False, True):
-                out.append(Spec(
-                    f"IN{d}d-track{int(track)}-affine{int(affine)}",
-                    lambda inorm=inorm, t=track, a=affine: inorm(3, affine=a, track_running_stats=t),
-                    SHAPES[d], running=track, norm=True,
-                ))
-        out.append(Spec(f"IN{d}d-cumulative", lambda inorm=inorm: inorm(3, momentum=None, track_running_stats=True),
-                        SHAPES[d], running=True, norm=True))  # momentum=None: no host sync (meta, compile)
+                out.append(
+                    Spec(
+                        f"IN{d}d-track{int(track)}-affine{int(affine)}",
+                        lambda inorm=inorm, t=track, a=affine: inorm(3, affine=a, track_running_stats=t),
+                        SHAPES[d],
+                        running=track,
+                        norm=True,
+                    )
+                )
+        out.append(
+            Spec(
+                f"IN{d}d-cumulative",
+                lambda inorm=inorm: inorm(3, momentum=None, track_running_stats=True),
+                SHAPES[d],
+                running=True,
+                norm=True,
+            )
+        )  # momentum=None: no host sync (meta, compile)
         for kind in ("WSConv", "PWSConv"):
             conv = getattr(L, f"{kind}{d}d")
             out.append(Spec(f"{kind}{d}d", lambda conv=conv: conv(3, 4, 3, padding=1), SHAPES[d]))
-    out.append(Spec("PrimaryCapsules", lambda: L.PrimaryCapsules(3, 2, 4, kernel_size=3, stride=1),
-                    CAPS_SHAPES["PrimaryCapsules"]))
-    out.append(Spec("RoutingCapsules", lambda: L.RoutingCapsules(6, 4, 3, 5, init_std=0.5),
-                    CAPS_SHAPES["RoutingCapsules"]))
+    out.append(
+        Spec(
+            "PrimaryCapsules",
+            lambda: L.PrimaryCapsules(3, 2, 4, kernel_size=3, stride=1),
+            CAPS_SHAPES["PrimaryCapsules"],
+        )
+    )
+    out.append(
+        Spec("RoutingCapsules", lambda: L.RoutingCapsules(6, 4, 3, 5, init_std=0.5), CAPS_SHAPES["RoutingCapsules"])
+    )
     return out
 
 
@@ -260,8 +277,14 @@ def test_checkpoint_pws_init_alpha_and_weight_cache(d, reentrant):
 # 4. torch.compile (fullgraph): outputs, gradients and running statistics equal eager; a NaN batch is kept out
 # ------------------------------------------------------------------------------------------------------------------
 COMPILED = [  # a few compiles (each costs seconds); the inductor case below is SN2d train channels_last
-    ("SN1d", True), ("SN3d", True), ("SN2d", False), ("IN3d-cumulative", True), ("IN3d-track1-affine0", False),
-    ("IN2d-track0-affine1", True), ("PWSConv2d", True), ("RoutingCapsules", True),
+    ("SN1d", True),
+    ("SN3d", True),
+    ("SN2d", False),
+    ("IN3d-cumulative", True),
+    ("IN3d-track1-affine0", False),
+    ("IN2d-track0-affine1", True),
+    ("PWSConv2d", True),
+    ("RoutingCapsules", True),
 ]
 
 

@@ -39,20 +39,23 @@ def train_step(model: nn.Module) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("name, norm_layer, cls", [
-    ("resnetv2_18", BatchRenormAct2d, BatchRenormAct2d),     # resnet family (pre-activation ResNet-v2)
-    ("resnext26ts", BatchRenormAct2d, BatchRenormAct2d),     # resnet family (byobnet ResNeXt, SiLU)
-    ("regnetx_002", BatchRenormAct2d, BatchRenormAct2d),
-    ("regnetx_002", BatchRenorm2d, BatchRenormAct2d),        # the bare norm maps to its NormAct
-    ("regnetx_002", "batchrenorm", BatchRenormAct2d),
-    ("efficientnet_b0", BatchRenormAct2d, BatchRenormAct2d),  # SiLU
-    ("cspresnet50", BatchRenormAct2d, BatchRenormAct2d),
-    ("regnetx_002", SwitchableNormAct2d, SwitchableNormAct2d),
-    ("efficientnet_b0", SwitchableNorm2d, SwitchableNormAct2d),
-    ("regnetx_002", InstanceNormAct2d, InstanceNormAct2d),
-    ("regnetx_002", GroupNormAct2d, GroupNormAct2d),
-    ("regnetx_002", GroupNorm1Act2d, GroupNorm1Act2d),
-])
+@pytest.mark.parametrize(
+    "name, norm_layer, cls",
+    [
+        ("resnetv2_18", BatchRenormAct2d, BatchRenormAct2d),  # resnet family (pre-activation ResNet-v2)
+        ("resnext26ts", BatchRenormAct2d, BatchRenormAct2d),  # resnet family (byobnet ResNeXt, SiLU)
+        ("regnetx_002", BatchRenormAct2d, BatchRenormAct2d),
+        ("regnetx_002", BatchRenorm2d, BatchRenormAct2d),  # the bare norm maps to its NormAct
+        ("regnetx_002", "batchrenorm", BatchRenormAct2d),
+        ("efficientnet_b0", BatchRenormAct2d, BatchRenormAct2d),  # SiLU
+        ("cspresnet50", BatchRenormAct2d, BatchRenormAct2d),
+        ("regnetx_002", SwitchableNormAct2d, SwitchableNormAct2d),
+        ("efficientnet_b0", SwitchableNorm2d, SwitchableNormAct2d),
+        ("regnetx_002", InstanceNormAct2d, InstanceNormAct2d),
+        ("regnetx_002", GroupNormAct2d, GroupNormAct2d),
+        ("regnetx_002", GroupNorm1Act2d, GroupNorm1Act2d),
+    ],
+)
 def test_create_model_with_normlab_norm_act_layers(name, norm_layer, cls):
     torch.manual_seed(0)
     ref = timm.create_model(name, pretrained=False, num_classes=4)
@@ -73,9 +76,17 @@ def test_plain_norm_architecture_takes_the_bare_norm():
     assert torch.isfinite(train_step(model))
 
 
-@pytest.mark.parametrize("to, cls", [("brn", BatchRenormAct2d), ("sn", SwitchableNormAct2d),
-                                     ("in", InstanceNormAct2d), ("gn", GroupNormAct2d), ("ln", GroupNorm1Act2d),
-                                     ("bn", BatchNormAct2d)])
+@pytest.mark.parametrize(
+    "to, cls",
+    [
+        ("brn", BatchRenormAct2d),
+        ("sn", SwitchableNormAct2d),
+        ("in", InstanceNormAct2d),
+        ("gn", GroupNormAct2d),
+        ("ln", GroupNorm1Act2d),
+        ("bn", BatchNormAct2d),
+    ],
+)
 def test_convert_norm_of_a_timm_model_gives_the_norm_act_classes(to, cls):
     model = timm.create_model("efficientnet_b0", pretrained=False, num_classes=4).eval()
     old = {n: m for n, m in model.named_modules() if isinstance(m, BatchNormAct2d)}
@@ -101,9 +112,15 @@ def test_sync_batch_norm_act_to_brn():
 
 def test_constructors_have_batchnormact2d_signature():
     expected = list(inspect.signature(BatchNormAct2d.__init__).parameters)
-    for cls in (BatchRenormAct2d, SyncBatchRenormAct, SwitchableNormAct2d, InstanceNormAct2d, GroupNormAct2d,
-                GroupNorm1Act2d):
-        assert list(inspect.signature(cls.__init__).parameters)[:len(expected)] == expected, cls.__name__
+    for cls in (
+        BatchRenormAct2d,
+        SyncBatchRenormAct,
+        SwitchableNormAct2d,
+        InstanceNormAct2d,
+        GroupNormAct2d,
+        GroupNorm1Act2d,
+    ):
+        assert list(inspect.signature(cls.__init__).parameters)[: len(expected)] == expected, cls.__name__
     m = BatchRenormAct2d(8, act_layer="silu", drop_layer=nn.Dropout, rmax=2.0)
     assert type(m.act) is nn.SiLU and type(m.drop) is nn.Dropout and m.rmax == 2.0
     assert type(BatchRenormAct2d(8, apply_act=False).act) is nn.Identity

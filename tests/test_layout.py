@@ -57,7 +57,7 @@ def test_no_import_cycles_between_modules():
         state[node] = 1
         for dep in edges.get(node, ()):
             if state.get(dep) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep):] + [dep]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(dep) :] + [dep]))
             if dep not in state:
                 visit(dep, path + [dep])
         state[node] = 2

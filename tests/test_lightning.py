@@ -59,9 +59,17 @@ def _data(n: int = 64, batch: int = 8):
 def _fit(module, callback, tmp_path=None, ckpt_path=None, **kw) -> pl.Trainer:
     torch.manual_seed(0)
     logger = CSVLogger(str(tmp_path), name="csv") if tmp_path is not None else False
-    trainer = pl.Trainer(accelerator="cpu", devices=1, logger=logger, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
-                         log_every_n_steps=1, **kw)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+        log_every_n_steps=1,
+        **kw,
+    )
     trainer.fit(module, _data(), ckpt_path=ckpt_path)
     return trainer
 
@@ -140,9 +148,17 @@ class BlowUpOnRankOne(Tiny):
 
 def test_ddp_an_alarm_on_one_rank_stops_every_rank(tmp_path):
     cb = VarianceMonitorCallback(every=1, stop_on_alarm=True, log=False, jsonl=tmp_path / "rank0.jsonl")
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=20, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[cb])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy="ddp_spawn",
+        max_steps=20,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cb],
+    )
     trainer.fit(BlowUpOnRankOne(), _data())  # each rank trains on its half of the batches
     lines = [json.loads(x) for x in (tmp_path / "rank0.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in lines) == 3  # rank 0 saw no alarm itself but stopped with rank 1

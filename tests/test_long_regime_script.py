@@ -19,10 +19,20 @@ def lr_script():
 
 
 @pytest.mark.parametrize("norm, conv", [("none", "conv"), ("none", "pws")])
-def test_rebuilt_initial_weights_are_the_runs_and_the_table_prints(lr_script, norm, conv, tmp_path, capsys,
-                                                                   monkeypatch, one_thread):
-    cfg = TrainConfig(width=0.05, batch_size=32, epochs=2, max_steps_per_epoch=3, lr=0.05, norm=norm, conv=conv,
-                      seed=3, monitor_every=1)
+def test_rebuilt_initial_weights_are_the_runs_and_the_table_prints(
+    lr_script, norm, conv, tmp_path, capsys, monkeypatch, one_thread
+):
+    cfg = TrainConfig(
+        width=0.05,
+        batch_size=32,
+        epochs=2,
+        max_steps_per_epoch=3,
+        lr=0.05,
+        norm=norm,
+        conv=conv,
+        seed=3,
+        monitor_every=1,
+    )
     name = norm if conv == "conv" else conv  # the grid's cell ids start with the comparison name
     run = tmp_path / "runs" / f"{name}_lr0.05_bs32_s3"
     train(cfg, run, progress=False)

@@ -25,8 +25,16 @@ def test_every_model_name_builds_a_net_of_its_dimension_and_unknown_names_are_re
     dim = MODEL_DIMS[name]
     shape = (1, 40) if dim == 1 else (3, 16, 16)
     norm = "ln" if name == "resnet_pws" else "bn"
-    m = build_model(name, norm, "conv", in_channels=shape[0], num_classes=7, input_shape=shape, width=0.125,
-                    **({"blocks": 1} if name.startswith("resnet") else {})).eval()
+    m = build_model(
+        name,
+        norm,
+        "conv",
+        in_channels=shape[0],
+        num_classes=7,
+        input_shape=shape,
+        width=0.125,
+        **({"blocks": 1} if name.startswith("resnet") else {}),
+    ).eval()
     assert {type(c) for c in convs(m)} == {CONV_TYPES[dim - 1]}
     assert m(torch.randn(2, *shape)).shape == (2, 7)
     with pytest.raises(ValueError, match=f"unknown model '{name}x'; valid names: {', '.join(MODELS)}$"):
@@ -51,8 +59,17 @@ def test_plain_net_layout_matches_the_paper():
     out = m(torch.randn(2, 3, 32, 32))
     assert out.shape == (2, 10)
     # parameter count from the layout: convs without bias (norm follows), BN affine, head with bias
-    chans = [(3, 96, 3), (96, 96, 3), (96, 96, 3), (96, 192, 3), (192, 192, 3), (192, 192, 3), (192, 192, 3),
-             (192, 192, 1), (192, 192, 1)]
+    chans = [
+        (3, 96, 3),
+        (96, 96, 3),
+        (96, 96, 3),
+        (96, 192, 3),
+        (192, 192, 3),
+        (192, 192, 3),
+        (192, 192, 3),
+        (192, 192, 1),
+        (192, 192, 1),
+    ]
     expected = sum(ci * co * k * k + 2 * co for ci, co, k in chans) + 192 * 10 + 10
     assert sum(p.numel() for p in m.parameters()) == expected
 
@@ -92,8 +109,16 @@ def test_resnet_paper_layout():
     assert sizes == [32, 16, 16, 8, 8, 8]
     assert all(isinstance(b.branch, nn.Module) for b in blocks)  # signal propagation reads .branch
     assert len(blocks) == 18 // 3 * 1  # blocks=2 per stage
-    assert len([b for b in build_model("resnet", "bn", "conv", 3, 10, (3, 8, 8)).modules()
-                if isinstance(b, PreActBottleneck)]) == 18  # default 6 per stage
+    assert (
+        len(
+            [
+                b
+                for b in build_model("resnet", "bn", "conv", 3, 10, (3, 8, 8)).modules()
+                if isinstance(b, PreActBottleneck)
+            ]
+        )
+        == 18
+    )  # default 6 per stage
 
 
 def test_resnet_block_math_with_and_without_norm():
@@ -150,8 +175,15 @@ def test_cnn1d_mnist1d_paper_cnn():
         build_model("cnn1d", "bn", "conv", 1, 10, (1, 16, 16))
 
 
-@pytest.mark.parametrize("name,shape,kw", [("plain", (1, 16, 16), {}), ("resnet", (1, 16, 16), {"blocks": 1}),
-                                           ("plain1d", (1, 40), {}), ("cnn1d", (1, 40), {})])
+@pytest.mark.parametrize(
+    "name,shape,kw",
+    [
+        ("plain", (1, 16, 16), {}),
+        ("resnet", (1, 16, 16), {"blocks": 1}),
+        ("plain1d", (1, 40), {}),
+        ("cnn1d", (1, 40), {}),
+    ],
+)
 def test_every_norm_and_conv_kind_trains_a_step(name, shape, kw):
     for norm in NORM_NAMES:
         for conv in CONV_KINDS:

@@ -20,8 +20,13 @@ from normlab.monitor.spp import channel_signal_stats
 def small_cnn(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
-        nn.Conv2d(2, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-        nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 4 * 4, 5),
+        nn.Conv2d(2, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 5),
     )
 
 
@@ -383,11 +388,15 @@ def test_detector_floor_is_a_minimum_absolute_level():
 
 def test_detector_per_quantity_factors_and_forward_order():
     det = CollapseDetector(factor={"output_var": 1000.0, "shift": 10.0})
-    init = [{"layer": "b", "index": 1, "output_var": 1.0, "shift": 1.0},
-            {"layer": "a", "index": 0, "output_var": 1.0, "shift": 1.0}]
+    init = [
+        {"layer": "b", "index": 1, "output_var": 1.0, "shift": 1.0},
+        {"layer": "a", "index": 0, "output_var": 1.0, "shift": 1.0},
+    ]
     assert det.check(0, init) is None
-    grown = [{"layer": "b", "index": 1, "output_var": 1.0, "shift": 20.0},
-             {"layer": "a", "index": 0, "output_var": 500.0, "shift": 1.0}]
+    grown = [
+        {"layer": "b", "index": 1, "output_var": 1.0, "shift": 20.0},
+        {"layer": "a", "index": 0, "output_var": 500.0, "shift": 1.0},
+    ]
     alarm = det.check(5, grown)  # a's 500x stays under its 1000x factor; b's shift 20x exceeds 10x
     assert (alarm.layer, alarm.quantity, alarm.step, alarm.growth) == ("b", "shift", 5, 20.0)
     with pytest.raises(ValueError, match="factor for 'shift'"):
@@ -553,9 +562,16 @@ def test_export_jsonl_csv_and_plots(tmp_path):
     assert len(records) == len(mon.records) and alarm is None and len(spp["entries"]) == 4
     assert cli_main(["monitor", str(jl), "--out", str(tmp_path / "cli")]) == 0
     paths = sorted((tmp_path / "cli").iterdir())
-    assert [p.name for p in paths] == sorted(["fig1a_update_ratio.png", "fig1b_mean_update.png",
-                                              "fig2_weight_var.png", "fig6_input_ratio.png", "output_var.png",
-                                              "spp.png"])
+    assert [p.name for p in paths] == sorted(
+        [
+            "fig1a_update_ratio.png",
+            "fig1b_mean_update.png",
+            "fig2_weight_var.png",
+            "fig6_input_ratio.png",
+            "output_var.png",
+            "spp.png",
+        ]
+    )
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
     with pytest.raises(ValueError, match="no monitor records"):
         (tmp_path / "empty.jsonl").write_text("")
@@ -656,7 +672,6 @@ def test_every_layer_is_norm_layer_counts_is_recorded_as_a_norm():
     assert recorded["1"]["kind"] == "norm" and recorded["1"]["output_var"] > 0
 
 
-
 def test_records_carry_the_two_terms_of_the_output_variance():
     # 1x1 conv (no padding) on i.i.d. ReLU(N(0, 1)) input with filter means spread apart: the shift term matters
     torch.manual_seed(3)
@@ -677,8 +692,15 @@ def test_records_carry_the_two_terms_of_the_output_variance():
 def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
     # a collapse with a finite loss: every ReLU before the classifier dies; the head's input second moment falls
     torch.manual_seed(4)
-    model = nn.Sequential(nn.Conv1d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv1d(8, 8, 3, padding=1), nn.ReLU(),
-                          nn.AdaptiveAvgPool1d(1), nn.Flatten(), nn.Linear(8, 4))
+    model = nn.Sequential(
+        nn.Conv1d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv1d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool1d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
     mon = VarianceMonitor(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     x = torch.randn(16, 1, 20)
@@ -694,7 +716,6 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
     assert "fell to" in mon.alarm.reason and mon.alarm.growth < 1e-4
     with pytest.raises(ValueError, match="shrink_factor for 'input_sq' must be a finite number > 1"):
         CollapseDetector(shrink_factor={"input_sq": 0.5})
-
 
 
 # ----------------------------------------------------------------- linear-map rules, channel axes, dead channels
@@ -770,24 +791,27 @@ def test_unet_up_convolutions_are_monitored():
     assert up["index"] == 2 and (up["fan_in"], up["out_channels"]) == (16 * 4, 8) and "update_ratio_mean" in up
 
 
-@pytest.mark.parametrize("make, shape, dims", [
-    (lambda: nn.LayerNorm(4), (3, 5, 4), (2,)),  # (B, T, C): the features, not the sequence
-    (lambda: nn.LayerNorm((5, 4)), (3, 5, 4), (1, 2)),  # two normalized dims: T*C channels
-    (lambda: nn.RMSNorm(4), (3, 5, 4), (2,)),
-    (lambda: nn.LayerNorm(6), (2, 3, 5, 6), (3,)),  # channels-last image (B, H, W, C)
-    (lambda: nn.BatchNorm1d(4), (6, 4), (1,)),
-    (lambda: nn.BatchNorm1d(4), (3, 4, 5), (1,)),
-    (lambda: nn.BatchNorm2d(4), (3, 4, 5, 5), (1,)),
-    (lambda: nn.BatchNorm3d(4), (3, 4, 3, 3, 3), (1,)),
-    (lambda: nn.GroupNorm(2, 4), (3, 4, 5), (1,)),
-    (lambda: nn.InstanceNorm2d(4, affine=True), (3, 4, 5, 5), (1,)),
-    (lambda: __import__("normlab.nn", fromlist=["x"]).BatchRenorm2d(4), (3, 4, 5, 5), (1,)),
-    (lambda: __import__("normlab.nn", fromlist=["x"]).SwitchableNorm1d(4), (3, 4, 5), (1,)),
-    (lambda: nn.Linear(4, 3), (3, 5, 4), (2,)),  # a token sequence (B, T, F)
-    (lambda: nn.Linear(4, 3), (2, 3, 5, 4), (3,)),  # channels-last image (B, H, W, F)
-    (lambda: nn.Conv1d(4, 3, 3), (4, 7), (0,)),  # unbatched (C, L)
-    (lambda: nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
-])
+@pytest.mark.parametrize(
+    "make, shape, dims",
+    [
+        (lambda: nn.LayerNorm(4), (3, 5, 4), (2,)),  # (B, T, C): the features, not the sequence
+        (lambda: nn.LayerNorm((5, 4)), (3, 5, 4), (1, 2)),  # two normalized dims: T*C channels
+        (lambda: nn.RMSNorm(4), (3, 5, 4), (2,)),
+        (lambda: nn.LayerNorm(6), (2, 3, 5, 6), (3,)),  # channels-last image (B, H, W, C)
+        (lambda: nn.BatchNorm1d(4), (6, 4), (1,)),
+        (lambda: nn.BatchNorm1d(4), (3, 4, 5), (1,)),
+        (lambda: nn.BatchNorm2d(4), (3, 4, 5, 5), (1,)),
+        (lambda: nn.BatchNorm3d(4), (3, 4, 3, 3, 3), (1,)),
+        (lambda: nn.GroupNorm(2, 4), (3, 4, 5), (1,)),
+        (lambda: nn.InstanceNorm2d(4, affine=True), (3, 4, 5, 5), (1,)),
+        (lambda: __import__("normlab.nn", fromlist=["x"]).BatchRenorm2d(4), (3, 4, 5, 5), (1,)),
+        (lambda: __import__("normlab.nn", fromlist=["x"]).SwitchableNorm1d(4), (3, 4, 5), (1,)),
+        (lambda: nn.Linear(4, 3), (3, 5, 4), (2,)),  # a token sequence (B, T, F)
+        (lambda: nn.Linear(4, 3), (2, 3, 5, 4), (3,)),  # channels-last image (B, H, W, F)
+        (lambda: nn.Conv1d(4, 3, 3), (4, 7), (0,)),  # unbatched (C, L)
+        (lambda: nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
+    ],
+)
 def test_channel_statistics_are_taken_over_the_channel_axes(make, shape, dims):
     torch.manual_seed(0)
     layer = make()
@@ -801,15 +825,18 @@ def test_channel_statistics_are_taken_over_the_channel_axes(make, shape, dims):
     assert dead == 0
 
 
-@pytest.mark.parametrize("layer, shape, dims", [
-    (nn.Conv1d(4, 3, 3), (2, 4, 6), (1,)),
-    (nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
-    (nn.Conv3d(4, 3, 3), (2, 4, 3, 3, 3), (1,)),
-    (nn.Linear(4, 3), (6, 4), (1,)),
-    (nn.Linear(4, 3), (2, 5, 4), (2,)),
-    (nn.BatchNorm2d(4), (2, 4, 3, 3), (1,)),
-    (nn.LayerNorm(4), (2, 5, 4), (2,)),
-])
+@pytest.mark.parametrize(
+    "layer, shape, dims",
+    [
+        (nn.Conv1d(4, 3, 3), (2, 4, 6), (1,)),
+        (nn.Conv2d(4, 3, 3), (2, 4, 5, 5), (1,)),
+        (nn.Conv3d(4, 3, 3), (2, 4, 3, 3, 3), (1,)),
+        (nn.Linear(4, 3), (6, 4), (1,)),
+        (nn.Linear(4, 3), (2, 5, 4), (2,)),
+        (nn.BatchNorm2d(4), (2, 4, 3, 3), (1,)),
+        (nn.LayerNorm(4), (2, 5, 4), (2,)),
+    ],
+)
 def test_dead_input_channels_leave_the_per_channel_ratios_finite(layer, shape, dims):
     torch.manual_seed(0)
     x = torch.relu(torch.randn(shape))
@@ -922,8 +949,10 @@ def test_monitor_imports_neither_transformers_nor_timm_and_docstring_examples_ru
 
     for mod in (normlab.monitor.layers, normlab.monitor.stats):
         assert doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE).failed == 0
-    code = ("import sys, torch, normlab.monitor as m; m.VarianceMonitor(torch.nn.Linear(2, 2)); "
-            "print(sorted({'transformers', 'timm', 'torchvision'} & set(sys.modules)))")
+    code = (
+        "import sys, torch, normlab.monitor as m; m.VarianceMonitor(torch.nn.Linear(2, 2)); "
+        "print(sorted({'transformers', 'timm', 'torchvision'} & set(sys.modules)))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

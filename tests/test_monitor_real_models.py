@@ -45,14 +45,21 @@ def _timm(name, **kwargs):
 
 
 def _gpt2():
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def _bert():
-    cfg = transformers.BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                                  vocab_size=50, max_position_embeddings=16)
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+        max_position_embeddings=16,
+    )
     return transformers.BertModel(cfg)
 
 
@@ -101,8 +108,9 @@ def channel_dims(module: nn.Module, x: torch.Tensor) -> tuple[int, ...]:
     if isinstance(module, nn.Linear | Conv1D):
         return (x.dim() - 1,)
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
-        channels_first = (getattr(module, "data_format", None) == "channels_first"
-                          or re.search(r"[23]d(Fp32)?$", type(module).__name__))
+        channels_first = getattr(module, "data_format", None) == "channels_first" or re.search(
+            r"[23]d(Fp32)?$", type(module).__name__
+        )
         k = len(module.normalized_shape)
         return tuple(range(1, 1 + k)) if channels_first else tuple(range(x.dim() - k, x.dim()))
     return (1,)
@@ -132,6 +140,7 @@ def run_monitored(name: str, steps: int = 2):
                 if isinstance(_m, TIMM_STD_CONVS):  # the kernel and bias of this forward (SGD changes both)
                     kernel = (effective_weight(_m).clone(), None if _m.bias is None else _m.bias.detach().clone())
                 seen[mod_name] = (args[0].detach().clone(), out.detach().clone(), kernel)
+
         return hook
 
     handles = [m.register_forward_hook(capture(n)) for n, m in model.named_modules() if expected_kind(m)]
@@ -187,8 +196,9 @@ def test_every_weight_applying_module_is_recorded_with_its_kind(runs, name):
 def test_every_record_of_a_healthy_model_is_finite(runs, name):
     _, mon, _ = runs(name)
     assert len(mon.records) == 2 * len(mon.layers)
-    bad = [(r["layer"], k, v) for r in mon.records for k, v in r.items()
-           if isinstance(v, float) and not math.isfinite(v)]
+    bad = [
+        (r["layer"], k, v) for r in mon.records for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)
+    ]
     assert bad == []
 
 
@@ -210,8 +220,10 @@ def test_channel_input_ratios_are_taken_over_the_channel_axis(runs, name):
     assert checked == len(seen)
 
 
-@pytest.mark.parametrize("name", ["timm_resnetv2_50x1_bit", "timm_nf_resnet26", "timm_mobilenetv3_small_050",
-                                  "torchvision_resnet18", "hf_gpt2"])
+@pytest.mark.parametrize(
+    "name",
+    ["timm_resnetv2_50x1_bit", "timm_nf_resnet26", "timm_mobilenetv3_small_050", "torchvision_resnet18", "hf_gpt2"],
+)
 def test_dead_input_channels_are_counted_and_left_out(runs, name):
     model, mon, seen = runs(name)
     modules = dict(model.named_modules())

@@ -25,8 +25,9 @@ LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc")
 
 
 def _tiny(**kw) -> GridSpec:
-    base = dict(norms=("bn", "gn"), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125,
-                max_steps_per_epoch=1)
+    base = dict(
+        norms=("bn", "gn"), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=1, width=0.125, max_steps_per_epoch=1
+    )
     return GridSpec(**{**base, **kw})
 
 
@@ -60,8 +61,12 @@ def test_check_dir_option_refusals(tmp_path):
     f = tmp_path / "f"
     f.write_text("x")
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
-    for bad, words in (("", "empty"), (str(f), "is a file"), (str(f / "x" / "y"), "which is a file"),
-                       (str(tmp_path / "dangling"), "missing path")):
+    for bad, words in (
+        ("", "empty"),
+        (str(f), "is a file"),
+        (str(f / "x" / "y"), "which is a file"),
+        (str(tmp_path / "dangling"), "missing path"),
+    ):
         with pytest.raises(UsageError, match=words):
             check_dir_option(bad, "--out")
     (tmp_path / "link").symlink_to(tmp_path)  # a link to a directory is the user's choice
@@ -106,9 +111,33 @@ def _workers(pid: int) -> list[int]:
 def _start_compare(out: Path, in_cells: bool = True) -> subprocess.Popen:
     """A 2-worker compare that trains for minutes; returns once both workers are inside their cells (or, with
     ``in_cells=False``, once both worker processes exist)."""
-    argv = [sys.executable, "-m", "normlab", "compare", "--norms", "bn,gn", "--lrs", "0.05", "--batch-sizes", "16",
-            "--seeds", "0", "--epochs", "500", "--width", "0.05", "--max-steps-per-epoch", "20", "--workers", "2",
-            "--threads", "1", "--no-progress", "--out", str(out)]
+    argv = [
+        sys.executable,
+        "-m",
+        "normlab",
+        "compare",
+        "--norms",
+        "bn,gn",
+        "--lrs",
+        "0.05",
+        "--batch-sizes",
+        "16",
+        "--seeds",
+        "0",
+        "--epochs",
+        "500",
+        "--width",
+        "0.05",
+        "--max-steps-per-epoch",
+        "20",
+        "--workers",
+        "2",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     cells = [out / "runs" / c.cell_id / "checkpoint.pt" for c in expand_grid(_tiny())]
     deadline = time.monotonic() + 240
@@ -134,9 +163,30 @@ def test_killed_parent_leaves_no_worker_and_a_second_run_is_refused(tmp_path, ca
         kids = _children(proc.pid)
         assert len([k for k in kids if _alive(k)]) >= 2  # two workers (and the resource tracker)
         # the same command on the same --out while the first one runs: one line naming the holder
-        rc = main(["compare", "--norms", "bn,gn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "0",
-                   "--epochs", "500", "--width", "0.05", "--max-steps-per-epoch", "20", "--workers", "1",
-                   "--no-progress", "--out", str(out)])
+        rc = main(
+            [
+                "compare",
+                "--norms",
+                "bn,gn",
+                "--lrs",
+                "0.05",
+                "--batch-sizes",
+                "16",
+                "--seeds",
+                "0",
+                "--epochs",
+                "500",
+                "--width",
+                "0.05",
+                "--max-steps-per-epoch",
+                "20",
+                "--workers",
+                "1",
+                "--no-progress",
+                "--out",
+                str(out),
+            ]
+        )
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and len(err) == 1 and f"pid {proc.pid}" in err[0] and "in use" in err[0], err
         proc.kill()  # SIGKILL: no handler runs in the parent
@@ -229,7 +279,25 @@ def test_train_cleans_stale_temps_of_a_killed_writer(tmp_path, capsys):
     out.mkdir()
     stale = out / f".checkpoint.pt.dead{TEMP_SUFFIX}"
     stale.write_bytes(b"half a checkpoint")
-    rc = main(["train", "--norm", "bn", "--width", "0.125", "--epochs", "1", "--max-steps-per-epoch", "1",
-               "--batch-size", "16", "--out", str(out), "--quiet", "--threads", "1"])
+    rc = main(
+        [
+            "train",
+            "--norm",
+            "bn",
+            "--width",
+            "0.125",
+            "--epochs",
+            "1",
+            "--max-steps-per-epoch",
+            "1",
+            "--batch-size",
+            "16",
+            "--out",
+            str(out),
+            "--quiet",
+            "--threads",
+            "1",
+        ]
+    )
     assert rc == 0 and not stale.exists() and (out / "summary.json").is_file()
     assert not (out / LOCK_NAME).exists()

@@ -26,8 +26,9 @@ def _die(x: int) -> int:
 def test_results_and_errors_reach_the_parent(workers):
     done, errors = {}, {}
     jobs = [(_double, (1,)), (_fail, (2,)), (_double, (3,))]
-    n = run_jobs(jobs, workers=workers, threads=1, on_done=done.__setitem__,
-                 on_error=lambda i, e: errors.__setitem__(i, str(e)))
+    n = run_jobs(
+        jobs, workers=workers, threads=1, on_done=done.__setitem__, on_error=lambda i, e: errors.__setitem__(i, str(e))
+    )
     assert n == workers and done == {0: 2, 2: 6} and errors == {1: "job 2 failed"}
 
 
@@ -38,5 +39,6 @@ def test_without_on_error_a_failed_job_stops_the_run():
 
 def test_a_dead_worker_is_a_one_line_run_error():
     with pytest.raises(RunError, match="a worker process died"):
-        run_jobs([(_die, (0,)), (_double, (1,))], workers=2, threads=1, on_done=lambda i, r: None,
-                 on_error=lambda i, e: None)
+        run_jobs(
+            [(_die, (0,)), (_double, (1,))], workers=2, threads=1, on_done=lambda i, r: None, on_error=lambda i, e: None
+        )

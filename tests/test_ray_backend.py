@@ -31,16 +31,28 @@ _TIMING = ("step_time_s", "time_s")
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = needs("ray")
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING)
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        object_store_memory=128 * 2**20,
+        _node_ip_address="127.0.0.1",
+        logging_level=logging.WARNING,
+    )
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")  # the loopback only (conftest)
     yield ray
     ray.shutdown()
 
 
 def _spec(**kw) -> GridSpec:
-    base = dict(norms=("bn", "gn", "pws"), lrs=(0.05,), batch_sizes=(16,), seeds=(0,), epochs=2, width=0.125,
-                max_steps_per_epoch=3)
+    base = dict(
+        norms=("bn", "gn", "pws"),
+        lrs=(0.05,),
+        batch_sizes=(16,),
+        seeds=(0,),
+        epochs=2,
+        width=0.125,
+        max_steps_per_epoch=3,
+    )
     return GridSpec(**{**base, **kw})
 
 
@@ -93,8 +105,9 @@ def test_ray_matches_process_backend_and_resumes_its_grid(ray_cluster, tmp_path,
     assert _without_timing(whole) == _without_timing(ref) and _files(tmp_path / "ray") == _files(out)
     for cell in expand_grid(spec):  # the resumed cell trained exactly as an uninterrupted one
         a, b = (d / "runs" / cell.cell_id / "metrics.jsonl" for d in (out, tmp_path / "process"))
-        assert _without_timing([json.loads(x) for x in a.read_text().splitlines()]) == \
-            _without_timing([json.loads(x) for x in b.read_text().splitlines()])
+        assert _without_timing([json.loads(x) for x in a.read_text().splitlines()]) == _without_timing(
+            [json.loads(x) for x in b.read_text().splitlines()]
+        )
 
 
 def test_ray_records_a_cell_that_raises_and_finishes_the_others(ray_cluster, tmp_path):
@@ -141,8 +154,15 @@ def test_the_capsule_grid_runs_on_ray_like_on_processes(ray_cluster, tmp_path):
     # one engine: the capsule experiment gets the Ray backend of the grid, with the same cells and results
     from normlab.runner.experiments.capsules.experiment import CapsSpec, run_capsules
 
-    spec = CapsSpec(iterations=(1, 2), grads=("detached",), recons=("off",), seeds=(0,), epochs=1,
-                    max_steps_per_epoch=2, test_subset=16)
+    spec = CapsSpec(
+        iterations=(1, 2),
+        grads=("detached",),
+        recons=("off",),
+        seeds=(0,),
+        epochs=1,
+        max_steps_per_epoch=2,
+        test_subset=16,
+    )
     kw = dict(threads=1, progress=False, render=False, log=lambda s: None)
     here = run_capsules(spec, tmp_path / "process", workers=1, **kw)
     there = run_capsules(spec, tmp_path / "ray", backend="ray", **{**kw, "log": logging.info})
@@ -156,8 +176,9 @@ def test_ray_retries_a_cell_whose_worker_is_killed(ray_cluster, tmp_path):
     (cell,) = expand_grid(spec)
     killed: list[int] = []
     stop = threading.Event()
-    killer = threading.Thread(target=_kill_when_training, args=(tmp_path / "runs" / cell.cell_id, cell.cell_id,
-                                                                 killed, stop), daemon=True)
+    killer = threading.Thread(
+        target=_kill_when_training, args=(tmp_path / "runs" / cell.cell_id, cell.cell_id, killed, stop), daemon=True
+    )
     killer.start()
     try:
         res = run_grid(spec, tmp_path, threads=1, progress=False, render=False, backend="ray")
@@ -174,15 +195,49 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
     out = tmp_path / "grid"
     # lr 1000 diverges in its first epoch (a finished, collapsed cell); lr 0.05 trains for minutes
     slow, fast = expand_grid(_spec(norms=("none",), lrs=(0.05, 1000.0), epochs=400, max_steps_per_epoch=5))
-    argv = [sys.executable, "-m", "normlab", "compare", "--backend", "ray", "--address", address, "--norms", "none",
-            "--lrs", "0.05,1000", "--batch-sizes", "16", "--seeds", "0", "--epochs", "400", "--width", "0.125",
-            "--max-steps-per-epoch", "5", "--threads", "1", "--no-progress", "--out", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    argv = [
+        sys.executable,
+        "-m",
+        "normlab",
+        "compare",
+        "--backend",
+        "ray",
+        "--address",
+        address,
+        "--norms",
+        "none",
+        "--lrs",
+        "0.05,1000",
+        "--batch-sizes",
+        "16",
+        "--seeds",
+        "0",
+        "--epochs",
+        "400",
+        "--width",
+        "0.125",
+        "--max-steps-per-epoch",
+        "5",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
     try:
         deadline = time.monotonic() + 240
-        while not ((out / "results.json").is_file() and load_results(out)["cells"]
-                   and (out / "runs" / slow.cell_id / "checkpoint.pt").is_file()):
+        while not (
+            (out / "results.json").is_file()
+            and load_results(out)["cells"]
+            and (out / "runs" / slow.cell_id / "checkpoint.pt").is_file()
+        ):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "no cell finished"
             time.sleep(0.2)
@@ -221,8 +276,11 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
     grid = plan_grid(COMPARE, _spec(norms=("bn",)), tmp_path)
     with pytest.raises(RunError, match="not visible on .*needs --out on a filesystem shared by every node"):
         ray_backend._check_visible(grid, grid.cells[0], "other-host")  # finished elsewhere, no files here
-    for address, words in (("ray://h:10001", "expected host:port"), ("h", "expected host:port"),
-                           ("127.0.0.1:1", "no Ray cluster answers there")):  # port 1 on the loopback: closed
+    for address, words in (
+        ("ray://h:10001", "expected host:port"),
+        ("h", "expected host:port"),
+        ("127.0.0.1:1", "no Ray cluster answers there"),
+    ):  # port 1 on the loopback: closed
         with pytest.raises(UsageError, match=words):
             ray_backend.check_address(address)
     assert main(["compare", "--backend", "ray", "--address", "127.0.0.1:1", "--out", str(tmp_path / "cli")]) == 2

@@ -39,9 +39,11 @@ def test_readme_demo_table_is_the_reports_table_of_the_recorded_demo():
     assert text.count(BEGIN) == 1 and text.count(END) == 1, "README lacks the demo-claims markers"
     quoted = text.split(BEGIN)[1].split(END)[0].strip()
     built = "\n".join(claims_markdown(json.loads(DEMO_RECORD.read_text()))).strip()
-    assert quoted == built, ("README's demo table differs from the report's: refresh both with `python -m "
-                             "normlab.runner.experiments.demo.claims runs/demo docs/demo_record.json` and paste "
-                             "its output between the markers")
+    assert quoted == built, (
+        "README's demo table differs from the report's: refresh both with `python -m "
+        "normlab.runner.experiments.demo.claims runs/demo docs/demo_record.json` and paste "
+        "its output between the markers"
+    )
 
 
 def test_demo_record_keeps_every_verdict():

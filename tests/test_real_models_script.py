@@ -26,10 +26,20 @@ def rm():
 
 def _tiny(rm):
     """Conv-BN-ReLU-pool-Linear: a model every normlab function handles, so only the injected fault shows."""
-    build = lambda: nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),  # noqa: E731
-                                  nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
-    return rm.ModelSpec("tiny", "test", build, lambda: torch.randn(2, 3, 8, 8, generator=torch.Generator()
-                                                                    .manual_seed(0)))
+
+    def build():
+        return nn.Sequential(
+            nn.Conv2d(3, 4, 3, padding=1),
+            nn.BatchNorm2d(4),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(4, 4),
+        )
+
+    return rm.ModelSpec(
+        "tiny", "test", build, lambda: torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    )
 
 
 def _cells(rm, targets=("bn",), **fns):
@@ -39,8 +49,12 @@ def _cells(rm, targets=("bn",), **fns):
 
 def test_two_real_models_in_subprocesses(rm, tmp_path, capsys):
     md, js = tmp_path / "t.md", tmp_path / "t.json"
-    assert rm.main(["--models", "resnet10t,mobilenetv3_small_050", "--targets", "bn,pws", "--out", str(md),
-                    "--json", str(js)]) == 0
+    assert (
+        rm.main(
+            ["--models", "resnet10t,mobilenetv3_small_050", "--targets", "bn,pws", "--out", str(md), "--json", str(js)]
+        )
+        == 0
+    )
     lines = md.read_text().splitlines()
     assert lines[0] == "| model | bn | pws | fold | fold pws | monitor |"
     rows = [line for line in lines[2:] if line.startswith("| `")]
@@ -49,8 +63,10 @@ def test_two_real_models_in_subprocesses(rm, tmp_path, capsys):
         cells = [c.strip() for c in r.strip("|").split("|")][1:]
         assert len(cells) == 5 and all(CELL.match(c) for c in cells), r
     doc = json.loads(js.read_text())
-    assert doc["targets"] == ["bn", "pws"] and [r["model"] for r in doc["rows"]] == ["resnet10t",
-                                                                                      "mobilenetv3_small_050"]
+    assert doc["targets"] == ["bn", "pws"] and [r["model"] for r in doc["rows"]] == [
+        "resnet10t",
+        "mobilenetv3_small_050",
+    ]
     for row in doc["rows"]:
         assert set(row["cells"]) == {"model", "bn", "pws", "fold", "fold_pws", "monitor"}
         assert row["cells"]["model"]["status"] == "ok" and row["cells"]["model"]["input"] == [2, 3, 64, 64]
@@ -148,5 +164,6 @@ def test_a_model_over_its_timeout_is_killed_and_the_next_gets_a_new_worker(rm):
     assert [r["model"] for r in rows] == ["resnet10t", "regnetx_002"]
     for row in rows:
         assert {c: cell["status"] for c, cell in row["cells"].items()} == dict.fromkeys(
-            ["model", "bn", "fold", "fold_pws", "monitor"], "timeout")
+            ["model", "bn", "fold", "fold_pws", "monitor"], "timeout"
+        )
     assert "| `resnet10t` | timeout | timeout | timeout | timeout |" in rm.markdown(rows, ["bn"])

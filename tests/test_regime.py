@@ -45,8 +45,14 @@ def test_no_warning_when_the_shift_stays_below_the_variance_term():
 
 @pytest.mark.parametrize("norm_kind", ["bn", "gn", "sn"])
 def test_a_layer_followed_by_a_normalization_and_the_output_layer_are_exempt(norm_kind):
-    recs = [conv("c1", 0, 5.0), norm(f"{norm_kind}1", 1), conv("c2", 2, 0.1), conv("c3", 3, 0.1),
-            norm(f"{norm_kind}2", 4), conv("head", 5, 50.0)]
+    recs = [
+        conv("c1", 0, 5.0),
+        norm(f"{norm_kind}1", 1),
+        conv("c2", 2, 0.1),
+        conv("c3", 3, 0.1),
+        norm(f"{norm_kind}2", 4),
+        conv("head", 5, 50.0),
+    ]
     assert exempt_layers(recs) == {"c1", "c3", "head"}
     det = RegimeDetector(window=1)
     assert all(det.check(t, recs) is None for t in range(5))
@@ -122,4 +128,4 @@ def test_monitor_raises_risk_only_where_the_shift_reaches_the_next_layer(with_no
 def test_pws_case_is_off_by_default():
     det = RegimeDetector(window=1)
     recs = lambda v: [conv("c1", 0, 0.0, v, ssf=0.0), conv("head", 1, 0.0, 1.0, ssf=0.0)]  # noqa: E731
-    assert all(det.check(t, recs(10.0 ** t)) is None for t in range(6))
+    assert all(det.check(t, recs(10.0**t)) is None for t in range(6))

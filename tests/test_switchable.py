@@ -325,7 +325,8 @@ LAYOUTS = {
     "channels_last": lambda dt: (torch.randn(4, 3, 5, 6, dtype=dt) * 2 + 1).to(memory_format=torch.channels_last),
     "ncdhw": lambda dt: torch.randn(3, 3, 2, 3, 4, dtype=dt) * 2 + 1,
     "channels_last_3d": lambda dt: (torch.randn(3, 3, 2, 3, 4, dtype=dt) * 2 + 1).to(
-        memory_format=torch.channels_last_3d),
+        memory_format=torch.channels_last_3d
+    ),
     "ncl": lambda dt: torch.randn(4, 3, 7, dtype=dt) * 2 + 1,
     "strided": lambda dt: (torch.randn(4, 3, 6, 5, dtype=dt) * 2 + 1).transpose(2, 3),
 }

@@ -106,9 +106,15 @@ def _edge_cases(rank: int) -> dict:
     ml = _make_module("2d", sync=False)
     xs = torch.randn(SPLITS[rank], 3, 4, 3, dtype=F64)
     solo_ok = torch.equal(ms(xs), ml(xs)) and torch.equal(ms.running_var, ml.running_var)
-    return {"channels_last": keeps_layout, "error": error, "unchanged": unchanged, "half_ok": half_ok,
-            "half_running": (mb.running_mean.clone(), mb.running_var.clone()), "solo_ok": solo_ok,
-            "checkpoint": _checkpoint_case(rank)}
+    return {
+        "channels_last": keeps_layout,
+        "error": error,
+        "unchanged": unchanged,
+        "half_ok": half_ok,
+        "half_running": (mb.running_mean.clone(), mb.running_var.clone()),
+        "solo_ok": solo_ok,
+        "checkpoint": _checkpoint_case(rank),
+    }
 
 
 def _checkpoint_case(rank: int) -> dict:
@@ -177,8 +183,9 @@ def _bn_out(kind: str):
 def _empty_rank_worker(rank: int, init: str, out_dir: str) -> None:
     """Rank 0 trains on an empty slice, rank 1 on 5 samples; a short timeout turns a hang into a failure."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=30)
+    )
     try:
         result = {}
         for kind in ("2d", "1d"):
@@ -188,8 +195,13 @@ def _empty_rank_worker(rank: int, init: str, out_dir: str) -> None:
             xs = x[lo:hi].clone().requires_grad_()
             y = m(xs)
             (y * gy[lo:hi]).sum().backward()
-            result[kind] = {"out": y.detach(), "grad_x": xs.grad, "grad_w": m.weight.grad.clone(),
-                            "grad_b": m.bias.grad.clone(), "state": {k: v.clone() for k, v in m.state_dict().items()}}
+            result[kind] = {
+                "out": y.detach(),
+                "grad_x": xs.grad,
+                "grad_w": m.weight.grad.clone(),
+                "grad_b": m.bias.grad.clone(),
+                "state": {k: v.clone() for k, v in m.state_dict().items()},
+            }
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -47,8 +47,15 @@ def _check_scalars_equal_records(acc: EventAccumulator, records: list[dict]) -> 
 
 
 def _net() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.BatchNorm2d(8), nn.Conv2d(8, 6, 3), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(6 * 4 * 4, 5))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.BatchNorm2d(8),
+        nn.Conv2d(8, 6, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 5),
+    )
 
 
 def test_monitor_events_equal_its_jsonl_records_histograms_and_alarm(tmp_path, one_thread):
@@ -100,9 +107,35 @@ def test_monitor_writes_to_a_given_writer_and_leaves_it_open(tmp_path):
 
 def test_train_tensorboard_has_the_run_and_the_monitor(tmp_path):
     out, tb = tmp_path / "run", tmp_path / "tb"
-    assert main(["train", "--norm", "bn", "--epochs", "2", "--width", "0.125", "--max-steps-per-epoch", "4",
-                 "--batch-size", "16", "--monitor-every", "2", "--evals-per-epoch", "2", "--threads", "1", "--quiet",
-                 "--out", str(out), "--tensorboard", str(tb)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--norm",
+                "bn",
+                "--epochs",
+                "2",
+                "--width",
+                "0.125",
+                "--max-steps-per-epoch",
+                "4",
+                "--batch-size",
+                "16",
+                "--monitor-every",
+                "2",
+                "--evals-per-epoch",
+                "2",
+                "--threads",
+                "1",
+                "--quiet",
+                "--out",
+                str(out),
+                "--tensorboard",
+                str(tb),
+            ]
+        )
+        == 0
+    )
     acc = _events(tb)
     records, _ = _records(out / "monitor.jsonl")
     assert _check_scalars_equal_records(acc, records) > 0

@@ -50,8 +50,17 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
     cfg = tiny(epochs=3, milestones=(2,), target_acc=0.0)
     s = train(cfg, tmp_path / "run", progress=False)
     assert capfd.readouterr().err == ""  # progress=False: no bar
-    assert set(s) >= {"config", "final_test_acc", "best_test_acc", "collapsed", "collapse_epoch", "epochs_to_target",
-                      "step_time_s", "epochs_run", "history"}
+    assert set(s) >= {
+        "config",
+        "final_test_acc",
+        "best_test_acc",
+        "collapsed",
+        "collapse_epoch",
+        "epochs_to_target",
+        "step_time_s",
+        "epochs_run",
+        "history",
+    }
     assert s["epochs_run"] == 3 and not s["collapsed"] and s["collapse_epoch"] is None
     assert s["epochs_to_target"] == 1
     assert s["step_time_s"] > 0
@@ -73,7 +82,9 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
     assert all(g["momentum"] == 0.9 for g in groups)
     n_kernels = sum(v.dim() > 1 for k, v in ck["model"].items() if k.endswith("weight"))
     assert sorted((g["weight_decay"], len(g["params"])) for g in groups) == [
-        (0.0, len(groups[0]["params"]) + len(groups[1]["params"]) - n_kernels), (5e-4, n_kernels)]
+        (0.0, len(groups[0]["params"]) + len(groups[1]["params"]) - n_kernels),
+        (5e-4, n_kernels),
+    ]
     assert not list(out.glob("*.tmp")) and not list(out.glob(".*.tmp"))
     # a finished run is returned as is
     again = train(cfg, out, progress=True)
@@ -107,8 +118,9 @@ def _run_in_subprocess(cfg, out_dir, threads, log):
         """
     )
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL,
-                            stderr=open(log, "wb"))  # a file, not a pipe: a full pipe would block the child
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=open(log, "wb")
+    )  # a file, not a pipe: a full pipe would block the child
     proc.log = log
     return proc
 
@@ -121,7 +133,7 @@ def _kill_when(proc, predicate, timeout=120):
         if time.monotonic() - t0 > timeout:
             proc.kill()
             raise AssertionError("training subprocess made no progress")
-    # SIGKILL: no cleanup handlers run, exactly like an OOM kill or a power cut
+        # SIGKILL: no cleanup handlers run, exactly like an OOM kill or a power cut
         time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -339,8 +351,10 @@ def test_cifar10_format_trains_with_augmentation(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         with open(d / name, "wb") as f:
-            pickle.dump({b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8),
-                         b"labels": rng.integers(0, 10, 8).tolist()}, f)
+            pickle.dump(
+                {b"data": rng.integers(0, 256, (8, 3072), dtype=np.uint8), b"labels": rng.integers(0, 10, 8).tolist()},
+                f,
+            )
     cfg = tiny(dataset="cifar10", data_dir=str(tmp_path / "data"), batch_size=8, epochs=1, max_steps_per_epoch=2)
     s = train(cfg, tmp_path / "run", progress=False)
     assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
@@ -350,8 +364,9 @@ def test_cifar10_format_trains_with_augmentation(tmp_path, monkeypatch):
 
 
 def _ddp_worker(rank, world, port, root, cfg_dict):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -362,12 +377,14 @@ def _ddp_worker(rank, world, port, root, cfg_dict):
     left = not dist.is_initialized()  # train joined the torchrun group, so it left it (no gloo abort at exit)
     # a group the caller initialised stays the caller's
     dist.init_process_group("gloo")
-    again = train(TrainConfig(**{**cfg_dict, "epochs": 1, "max_steps_per_epoch": 1}), Path(root) / "again",
-                  progress=False)
+    again = train(
+        TrainConfig(**{**cfg_dict, "epochs": 1, "max_steps_per_epoch": 1}), Path(root) / "again", progress=False
+    )
     kept = dist.is_initialized()
     dist.barrier()
-    Path(root, f"summary{rank}.json").write_text(json.dumps({**s, "left": left, "kept": kept,
-                                                             "again": again["world_size"]}))
+    Path(root, f"summary{rank}.json").write_text(
+        json.dumps({**s, "left": left, "kept": kept, "again": again["world_size"]})
+    )
     dist.destroy_process_group()
 
 
@@ -397,11 +414,25 @@ def test_ddp_two_processes(tmp_path):
 
 
 def test_mnist1d_cnn1d_and_resnet_model_kwargs(tmp_path):
-    s = train(tiny(dataset="mnist1d", model="cnn1d", width=0.2, epochs=1, max_steps_per_epoch=3), tmp_path / "a",
-              progress=False)
+    s = train(
+        tiny(dataset="mnist1d", model="cnn1d", width=0.2, epochs=1, max_steps_per_epoch=3),
+        tmp_path / "a",
+        progress=False,
+    )
     assert s["epochs_run"] == 1 and s["history"][0]["train_loss"] is not None
-    s = train(tiny(model="resnet_pws", norm="none", conv="pws", width=0.125, epochs=1, max_steps_per_epoch=2,
-                   model_kwargs={"blocks": 1}), tmp_path / "b", progress=False)
+    s = train(
+        tiny(
+            model="resnet_pws",
+            norm="none",
+            conv="pws",
+            width=0.125,
+            epochs=1,
+            max_steps_per_epoch=2,
+            model_kwargs={"blocks": 1},
+        ),
+        tmp_path / "b",
+        progress=False,
+    )
     assert s["config"]["model_kwargs"] == {"blocks": 1} and s["history"][0]["train_loss"] is not None
 
 
@@ -495,8 +526,7 @@ def test_train_mode_accuracy_is_reported_and_equals_eval_mode_without_batch_stat
     from normlab.runner.data.datasets import get_dataset
     from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
 
-    s = train(tiny(norm="gn", epochs=1, max_steps_per_epoch=4, eval_train_mode=True), tmp_path / "g",
-              progress=False)
+    s = train(tiny(norm="gn", epochs=1, max_steps_per_epoch=4, eval_train_mode=True), tmp_path / "g", progress=False)
     assert s["final_test_acc_train_mode"] is not None
     _, test, _ = get_dataset("digits")
     torch.manual_seed(0)
@@ -517,7 +547,6 @@ def test_dead_network_is_a_collapse_with_a_finite_loss(tmp_path):
     assert s["epochs_run"] == 3 and s["history"][-1]["train_loss"] is not None
     trace = json.loads((tmp_path / "d" / "loss_trace.json").read_text())
     assert trace["window"] == 32 and len(trace["losses"]) == 132
-
 
 
 def test_guard_leaves_a_healthy_run_unchanged(tmp_path):

@@ -588,8 +588,12 @@ def test_autocast_bfloat16_matches_reference():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
     assert y.dtype == torch.bfloat16
-    ref = F.conv2d(x.double(), ref_pws_kernel(m.weight.double(), m.alpha.double(), m.gamma, m.fan).detach(),
-                   m.bias.double(), padding=1)
+    ref = F.conv2d(
+        x.double(),
+        ref_pws_kernel(m.weight.double(), m.alpha.double(), m.gamma, m.fan).detach(),
+        m.bias.double(),
+        padding=1,
+    )
     torch.testing.assert_close(y.double(), ref.detach(), rtol=3e-2, atol=3e-2 * ref.abs().max().item())
 
 
@@ -617,8 +621,9 @@ def test_init_alpha_pools_variance_over_ranks(tmp_path):
     k = ref_pws_kernel(r0["weight"].double(), torch.ones(4, dtype=F64), 1e-3, 27)
     ys = [F.conv2d(r["x"].double(), k) for r in (r0, r1)]
     pooled = torch.cat([y.reshape(-1) for y in ys]).var(unbiased=True)
-    torch.testing.assert_close(r0["alpha"].double(), torch.full((4,), math.sqrt(2 / pooled.item()), dtype=F64),
-                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        r0["alpha"].double(), torch.full((4,), math.sqrt(2 / pooled.item()), dtype=F64), rtol=1e-5, atol=0
+    )
 
 
 def test_ws_pws_kernels_have_exact_second_derivatives():

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.slow
 def run(cmd, cwd: Path, **kw) -> subprocess.CompletedProcess:
     """Run outside the checkout: cwd elsewhere and no PYTHONPATH, so only what is installed can be imported."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSAFEPATH")}
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True,
-                          env={**env, "OMP_NUM_THREADS": "1"}, **kw)
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, env={**env, "OMP_NUM_THREADS": "1"}, **kw
+    )
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -53,8 +54,10 @@ def venv(dist, tmp_path_factory) -> Path:
     python = env_dir / "bin" / "python"
     purelib = run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=env_dir).stdout
     (Path(purelib.strip()) / "_borrowed_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    run([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", dist[1]],
-        cwd=env_dir)
+    run(
+        [sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", "--no-index", dist[1]],
+        cwd=env_dir,
+    )
     return env_dir
 
 
@@ -76,8 +79,13 @@ def test_the_wheel_holds_the_package_and_nothing_else(dist):
 def test_the_sdist_builds_the_same_package(dist):
     root = f"normlab-{normlab.__version__}"
     names = {m.name for m in tarfile.open(dist[0]).getmembers()}
-    for required in ("pyproject.toml", "README.md", "normlab/__init__.py", "normlab/py.typed",
-                     "normlab/cli/__init__.py"):
+    for required in (
+        "pyproject.toml",
+        "README.md",
+        "normlab/__init__.py",
+        "normlab/py.typed",
+        "normlab/cli/__init__.py",
+    ):
         assert f"{root}/{required}" in names, required
     assert not any(n.startswith((f"{root}/runs", f"{root}/docs/_build", f"{root}/.venv")) for n in names)
 
@@ -90,8 +98,10 @@ def test_the_version_has_one_source():
 
 
 def test_the_installed_wheel_imports_from_the_venv(venv, tmp_path):
-    code = ("import importlib.metadata, json, normlab; print(json.dumps([normlab.__file__, normlab.__version__, "
-            "importlib.metadata.version('normlab')]))")
+    code = (
+        "import importlib.metadata, json, normlab; print(json.dumps([normlab.__file__, normlab.__version__, "
+        "importlib.metadata.version('normlab')]))"
+    )
     path, version, metadata = json.loads(run([venv / "bin" / "python", "-c", code], cwd=tmp_path).stdout)
     assert Path(path).resolve().is_relative_to(venv.resolve()), path  # not the checkout's editable install
     assert version == metadata == normlab.__version__
@@ -107,8 +117,21 @@ def test_the_installed_command_prints_its_version_and_help(venv, tmp_path):
 def test_the_installed_quick_demo_writes_its_report(venv, tmp_path):
     cwd, out = tmp_path / "cwd", tmp_path / "demo"
     cwd.mkdir()
-    proc = run([venv / "bin" / "normlab", "demo", "--quick", "--out", out, "--workers", "1", "--threads", "1",
-                "--no-progress"], cwd=cwd)
+    proc = run(
+        [
+            venv / "bin" / "normlab",
+            "demo",
+            "--quick",
+            "--out",
+            out,
+            "--workers",
+            "1",
+            "--threads",
+            "1",
+            "--no-progress",
+        ],
+        cwd=cwd,
+    )
     report = (out / "report.md").read_text()
     table = [line for line in report.splitlines() if line.startswith("| ")][:3]  # the claims table opens it
     assert table and all(line in proc.stdout for line in table)  # the terminal shows the claims table ...

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="normlab",
         description="Normalization layers, a variance-transmission monitor and an experiment runner that compares "
-                    "normalizations (none, BN, BRN, GN, SN, WN, WS, PWS) across learning rates and batch sizes.",
+        "normalizations (none, BN, BRN, GN, SN, WN, WS, PWS) across learning rates and batch sizes.",
         epilog="Start with `normlab demo`. `normlab <command> --help` for details.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -21,10 +21,31 @@ from normlab.runner.io import check_dir_option
 from normlab.runner.models import MODELS
 from normlab.runner.training.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
 
-__all__ = ["OneLineParser", "list_of", "names", "fraction", "positive_int", "finite_float", "number", "integer",
-           "device", "add_data_args", "add_optim_args", "add_out_arg", "add_run_args", "train_kwargs",
-           "option_name", "options_named", "check_name", "check_paths", "fetch_data", "DEFAULTS", "MAX_WIDTH",
-           "MAX_WORKERS", "MAX_SEED"]
+__all__ = [
+    "OneLineParser",
+    "list_of",
+    "names",
+    "fraction",
+    "positive_int",
+    "finite_float",
+    "number",
+    "integer",
+    "device",
+    "add_data_args",
+    "add_optim_args",
+    "add_out_arg",
+    "add_run_args",
+    "train_kwargs",
+    "option_name",
+    "options_named",
+    "check_name",
+    "check_paths",
+    "fetch_data",
+    "DEFAULTS",
+    "MAX_WIDTH",
+    "MAX_WORKERS",
+    "MAX_SEED",
+]
 
 DEFAULTS = TrainConfig()
 MAX_WIDTH = 16.0  # the plain net at width 16 already has about 2 GB of weights
@@ -47,8 +68,14 @@ def _interval(low, high, low_open: bool, high_open: bool) -> str:
     return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
 
 
-def number(low: float | None = None, high: float | None = None, *, low_open: bool = False,
-           high_open: bool = False, what: str = "a number"):
+def number(
+    low: float | None = None,
+    high: float | None = None,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    what: str = "a number",
+):
     """A finite float in the given interval (None: unbounded on that side)."""
     rng = "" if low is None else " " + _interval(low, high, low_open, high_open)
 
@@ -57,8 +84,11 @@ def number(low: float | None = None, high: float | None = None, *, low_open: boo
             v = float(s)
         except ValueError:
             v = math.nan
-        ok = math.isfinite(v) and (low is None or (v > low if low_open else v >= low)) and (
-            high is None or (v < high if high_open else v <= high))
+        ok = (
+            math.isfinite(v)
+            and (low is None or (v > low if low_open else v >= low))
+            and (high is None or (v < high if high_open else v <= high))
+        )
         if not ok:
             raise argparse.ArgumentTypeError(f"expected {what}{rng}, got {s!r}")
         return v
@@ -159,82 +189,164 @@ def add_out_arg(p: argparse.ArgumentParser, default: str, what: str = "output di
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dataset", default=DEFAULTS.dataset,
-                   help=f"data set: {', '.join(DATASETS)} (default {DEFAULTS.dataset}; mnist1d is generated locally, "
-                        f"cifar10 reads the python batches in --data-dir)")
-    p.add_argument("--model", default=DEFAULTS.model,
-                   help=f"network: {', '.join(MODELS)} (default {DEFAULTS.model})")
-    p.add_argument("--width", type=width_float, default=DEFAULTS.width,
-                   help=f"channel width multiplier in (0, {MAX_WIDTH:g}] (default {DEFAULTS.width})")
+    p.add_argument(
+        "--dataset",
+        default=DEFAULTS.dataset,
+        help=f"data set: {', '.join(DATASETS)} (default {DEFAULTS.dataset}; mnist1d is generated locally, "
+        f"cifar10 reads the python batches in --data-dir)",
+    )
+    p.add_argument("--model", default=DEFAULTS.model, help=f"network: {', '.join(MODELS)} (default {DEFAULTS.model})")
+    p.add_argument(
+        "--width",
+        type=width_float,
+        default=DEFAULTS.width,
+        help=f"channel width multiplier in (0, {MAX_WIDTH:g}] (default {DEFAULTS.width})",
+    )
     p.add_argument("--data-dir", default=None, help="directory with the data set files (cifar10) or its cache")
-    p.add_argument("--max-steps-per-epoch", type=positive_int, default=None,
-                   help="cap on training steps per epoch (quick runs)")
-    p.add_argument("--target-acc", type=fraction, default=None,
-                   help="test accuracy (fraction or percent) for the 'epochs to target' column")
+    p.add_argument(
+        "--max-steps-per-epoch", type=positive_int, default=None, help="cap on training steps per epoch (quick runs)"
+    )
+    p.add_argument(
+        "--target-acc",
+        type=fraction,
+        default=None,
+        help="test accuracy (fraction or percent) for the 'epochs to target' column",
+    )
     p.add_argument("--download", action="store_true", help="download the data set first (cifar10 only)")
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Options of what one run records and on how much data: shared by ``train`` and ``compare``."""
     d = DEFAULTS
-    p.add_argument("--num-samples", type=integer(MIN_SAMPLES, what="a number of samples"), default=None,
-                   help=f"mnist1d: samples to generate, train + test split 80/20 (default {DEFAULT_SAMPLES})")
-    p.add_argument("--num-train", type=positive_int, default=None,
-                   help="use only the first N training samples (default: all)")
-    p.add_argument("--evals-per-epoch", type=positive_int, default=d.evals_per_epoch,
-                   help=f"test evaluations per epoch, for training curves (default {d.evals_per_epoch})")
-    p.add_argument("--eval-train-mode", action="store_true",
-                   help="also report test accuracy with batch statistics (train mode) at the training batch size")
-    p.add_argument("--monitor-every", type=integer(0), default=d.monitor_every,
-                   help="record variance-monitor statistics every N steps (0: off)")
-    p.add_argument("--monitor-dense-steps", type=integer(0), default=d.monitor_dense_steps,
-                   help="also record every --monitor-dense-every steps during the first N steps (default 0)")
-    p.add_argument("--monitor-dense-every", type=positive_int, default=d.monitor_dense_every,
-                   help=f"see --monitor-dense-steps (default {d.monitor_dense_every})")
+    p.add_argument(
+        "--num-samples",
+        type=integer(MIN_SAMPLES, what="a number of samples"),
+        default=None,
+        help=f"mnist1d: samples to generate, train + test split 80/20 (default {DEFAULT_SAMPLES})",
+    )
+    p.add_argument(
+        "--num-train", type=positive_int, default=None, help="use only the first N training samples (default: all)"
+    )
+    p.add_argument(
+        "--evals-per-epoch",
+        type=positive_int,
+        default=d.evals_per_epoch,
+        help=f"test evaluations per epoch, for training curves (default {d.evals_per_epoch})",
+    )
+    p.add_argument(
+        "--eval-train-mode",
+        action="store_true",
+        help="also report test accuracy with batch statistics (train mode) at the training batch size",
+    )
+    p.add_argument(
+        "--monitor-every",
+        type=integer(0),
+        default=d.monitor_every,
+        help="record variance-monitor statistics every N steps (0: off)",
+    )
+    p.add_argument(
+        "--monitor-dense-steps",
+        type=integer(0),
+        default=d.monitor_dense_steps,
+        help="also record every --monitor-dense-every steps during the first N steps (default 0)",
+    )
+    p.add_argument(
+        "--monitor-dense-every",
+        type=positive_int,
+        default=d.monitor_dense_every,
+        help=f"see --monitor-dense-steps (default {d.monitor_dense_every})",
+    )
     p.add_argument("--stop-on-collapse", action="store_true", help="stop a run when the monitor raises its alarm")
 
 
 def add_optim_args(p: argparse.ArgumentParser) -> None:
     d = DEFAULTS
-    p.add_argument("--momentum", type=number(0, 1, high_open=True), default=d.momentum,
-                   help=f"SGD momentum in [0, 1) (default {d.momentum})")
-    p.add_argument("--weight-decay", type=number(0), default=d.weight_decay,
-                   help=f"weight decay >= 0 (default {d.weight_decay})")
-    p.add_argument("--wd-norm-alpha", action="store_true",
-                   help="also apply weight decay to norm parameters, biases and PWS alpha (default: not)")
-    p.add_argument("--milestones", type=list_of(positive_int, "epochs", increasing=True), default=list(d.milestones),
-                   help="epochs after which the lr is multiplied by --lr-gamma, e.g. 100,150,180")
-    p.add_argument("--lr-gamma", type=number(0, low_open=True), default=d.lr_gamma,
-                   help=f"lr decay factor at milestones, > 0 (default {d.lr_gamma})")
-    p.add_argument("--brn-schedule", choices=BRN_SCHEDULES, default=d.brn_schedule,
-                   help="rmax/dmax schedule of BatchRenorm layers: 'run' (default: the paper's schedule compressed to "
-                        "reach rmax 3 / dmax 5 halfway through the run) or 'paper' (5k-step warm-up, rmax 3 at 40k, "
-                        "dmax 5 at 25k steps)")
-    p.add_argument("--device", type=device, default=d.device,
-                   help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})")
-    p.add_argument("--num-workers", type=integer(0), default=d.num_workers,
-                   help="accepted for compatibility (data sets are in-memory tensors)")
-    p.add_argument("--amp", action="store_true",
-                   help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
-                        "layers keep float32 statistics; evaluation runs in float32)")
-    p.add_argument("--guard", action="store_true",
-                   help="rescue a collapsing run: on a non-finite loss or gradient, or the monitor's alarm (with "
-                        "--monitor-every), go back to a snapshot from before the trouble with half the learning rate "
-                        "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)")
-    p.add_argument("--threads", type=threads_int, default=None,
-                   help=f"torch threads per training process, 1 to {MAX_THREADS} (default: torch's choice for one "
-                        f"process, 1 per worker when several run in parallel; 1 is often fastest for these small "
-                        f"models)")
+    p.add_argument(
+        "--momentum",
+        type=number(0, 1, high_open=True),
+        default=d.momentum,
+        help=f"SGD momentum in [0, 1) (default {d.momentum})",
+    )
+    p.add_argument(
+        "--weight-decay", type=number(0), default=d.weight_decay, help=f"weight decay >= 0 (default {d.weight_decay})"
+    )
+    p.add_argument(
+        "--wd-norm-alpha",
+        action="store_true",
+        help="also apply weight decay to norm parameters, biases and PWS alpha (default: not)",
+    )
+    p.add_argument(
+        "--milestones",
+        type=list_of(positive_int, "epochs", increasing=True),
+        default=list(d.milestones),
+        help="epochs after which the lr is multiplied by --lr-gamma, e.g. 100,150,180",
+    )
+    p.add_argument(
+        "--lr-gamma",
+        type=number(0, low_open=True),
+        default=d.lr_gamma,
+        help=f"lr decay factor at milestones, > 0 (default {d.lr_gamma})",
+    )
+    p.add_argument(
+        "--brn-schedule",
+        choices=BRN_SCHEDULES,
+        default=d.brn_schedule,
+        help="rmax/dmax schedule of BatchRenorm layers: 'run' (default: the paper's schedule compressed to "
+        "reach rmax 3 / dmax 5 halfway through the run) or 'paper' (5k-step warm-up, rmax 3 at 40k, "
+        "dmax 5 at 25k steps)",
+    )
+    p.add_argument(
+        "--device", type=device, default=d.device, help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})"
+    )
+    p.add_argument(
+        "--num-workers",
+        type=integer(0),
+        default=d.num_workers,
+        help="accepted for compatibility (data sets are in-memory tensors)",
+    )
+    p.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
+        "layers keep float32 statistics; evaluation runs in float32)",
+    )
+    p.add_argument(
+        "--guard",
+        action="store_true",
+        help="rescue a collapsing run: on a non-finite loss or gradient, or the monitor's alarm (with "
+        "--monitor-every), go back to a snapshot from before the trouble with half the learning rate "
+        "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)",
+    )
+    p.add_argument(
+        "--threads",
+        type=threads_int,
+        default=None,
+        help=f"torch threads per training process, 1 to {MAX_THREADS} (default: torch's choice for one "
+        f"process, 1 per worker when several run in parallel; 1 is often fastest for these small "
+        f"models)",
+    )
 
 
 def train_kwargs(args: argparse.Namespace) -> dict:
     """The TrainConfig fields the optimisation and data options set."""
-    kw = dict(momentum=args.momentum, weight_decay=args.weight_decay, nowd_norm_alpha=not args.wd_norm_alpha,
-              milestones=tuple(args.milestones), lr_gamma=args.lr_gamma, device=args.device,
-              num_workers=args.num_workers, brn_schedule=args.brn_schedule, num_samples=args.num_samples,
-              num_train=args.num_train, evals_per_epoch=args.evals_per_epoch, eval_train_mode=args.eval_train_mode,
-              monitor_every=args.monitor_every, monitor_dense_steps=args.monitor_dense_steps,
-              monitor_dense_every=args.monitor_dense_every, stop_on_collapse=args.stop_on_collapse)
+    kw = dict(
+        momentum=args.momentum,
+        weight_decay=args.weight_decay,
+        nowd_norm_alpha=not args.wd_norm_alpha,
+        milestones=tuple(args.milestones),
+        lr_gamma=args.lr_gamma,
+        device=args.device,
+        num_workers=args.num_workers,
+        brn_schedule=args.brn_schedule,
+        num_samples=args.num_samples,
+        num_train=args.num_train,
+        evals_per_epoch=args.evals_per_epoch,
+        eval_train_mode=args.eval_train_mode,
+        monitor_every=args.monitor_every,
+        monitor_dense_steps=args.monitor_dense_steps,
+        monitor_dense_every=args.monitor_dense_every,
+        stop_on_collapse=args.stop_on_collapse,
+    )
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir
     for flag in ("amp", "guard"):  # only when asked: grids and checkpoints written before the flag stay resumable

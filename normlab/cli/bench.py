@@ -17,13 +17,17 @@ NAME = "bench"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="how to run the benchmarks in benchmarks/; --steps times training steps",
-                       description="Without options: print how to run the side-by-side layer benchmarks. With "
-                                   "--steps: time one SGD step of the model with each normalization, interleaved "
-                                   "(median over repeats).")
+    p = sub.add_parser(
+        NAME,
+        help="how to run the benchmarks in benchmarks/; --steps times training steps",
+        description="Without options: print how to run the side-by-side layer benchmarks. With "
+        "--steps: time one SGD step of the model with each normalization, interleaved "
+        "(median over repeats).",
+    )
     p.add_argument("--steps", action="store_true", help="time a training step per normalization")
-    p.add_argument("--norms", type=names, default=list(DEFAULT_NORMS),
-                   help=f"comparison names (default {','.join(DEFAULT_NORMS)})")
+    p.add_argument(
+        "--norms", type=names, default=list(DEFAULT_NORMS), help=f"comparison names (default {','.join(DEFAULT_NORMS)})"
+    )
     p.add_argument("--dataset", default="digits", help="data set (default digits)")
     p.add_argument("--model", default="plain", help="model (default plain)")
     p.add_argument("--width", type=width_float, default=0.25, help="width multiplier (default 0.25)")
@@ -36,8 +40,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def _print_steps(args: argparse.Namespace, res: dict) -> None:
-    print(f"training step, {args.model} (width {args.width:g}) on {args.dataset}, batch {args.batch_size}, "
-          f"{args.threads} thread(s); median of {args.repeats} interleaved repeats x {args.iters} steps")
+    print(
+        f"training step, {args.model} (width {args.width:g}) on {args.dataset}, batch {args.batch_size}, "
+        f"{args.threads} thread(s); median of {args.repeats} interleaved repeats x {args.iters} steps"
+    )
     print("| norm | ms / step (median) | ms / step (min) | relative to PWS |")
     print("|---|---|---|---|")
     for n, v in res.items():
@@ -52,8 +58,16 @@ def run(args: argparse.Namespace) -> int:
                 resolve_name(n, "norms", "bench")
         check_name(args.dataset, DATASETS, "--dataset", "data set")
         check_name(args.model, MODELS, "--model", "model")
-        res = step_times(args.norms, dataset=args.dataset, model=args.model, width=args.width,
-                         batch_size=args.batch_size, repeats=args.repeats, iters=args.iters, threads=args.threads)
+        res = step_times(
+            args.norms,
+            dataset=args.dataset,
+            model=args.model,
+            width=args.width,
+            batch_size=args.batch_size,
+            repeats=args.repeats,
+            iters=args.iters,
+            threads=args.threads,
+        )
         _print_steps(args, res)
         return 0
     here = Path(__file__).resolve().parents[2] / "benchmarks"

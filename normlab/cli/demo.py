@@ -15,17 +15,28 @@ NAME = "demo"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="main job: normalization and collapse on MNIST-1D, a report with plots",
-                       description="Run the demo (about 5 minutes on 2 CPU cores): (a) a learning-rate sweep of none, "
-                                   "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
-                                   "learning rate scaled linearly, (c) the monitor's collapse diagnosis, (d) the cost "
-                                   "of a training step. Writes OUT/report.md with its plots; rerun to resume.")
+    p = sub.add_parser(
+        NAME,
+        help="main job: normalization and collapse on MNIST-1D, a report with plots",
+        description="Run the demo (about 5 minutes on 2 CPU cores): (a) a learning-rate sweep of none, "
+        "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
+        "learning rate scaled linearly, (c) the monitor's collapse diagnosis, (d) the cost "
+        "of a training step. Writes OUT/report.md with its plots; rerun to resume.",
+    )
     add_out_arg(p, "runs/demo")
     p.add_argument("--quick", action="store_true", help="tiny version (seconds), only to check the pipeline works")
-    p.add_argument("--workers", type=integer(0, MAX_WORKERS, what="a number of workers"), default=0,
-                   help="worker processes (default 0: one per usable core)")
-    p.add_argument("--threads", type=threads_int, default=None,
-                   help="torch threads per worker (default 1 when several workers run)")
+    p.add_argument(
+        "--workers",
+        type=integer(0, MAX_WORKERS, what="a number of workers"),
+        default=0,
+        help="worker processes (default 0: one per usable core)",
+    )
+    p.add_argument(
+        "--threads",
+        type=threads_int,
+        default=None,
+        help="torch threads per worker (default 1 when several workers run)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
     return p
@@ -36,9 +47,12 @@ def run(args: argparse.Namespace) -> int:
     with out_lock(out, NAME):
         for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
             remove_stale_temps(d)
-        demo = run_demo(out, quick=args.quick, workers=args.workers, threads=args.threads,
-                        progress=not args.no_progress)
+        demo = run_demo(
+            out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress
+        )
     print("\n".join(first_table(demo)))
-    print(f"\nreport: {out / 'report.md'} (the criteria of each verdict, every section's numbers, the plots "
-          f"{', '.join(p.name for p in sorted(out.glob('*.png')))})")
+    print(
+        f"\nreport: {out / 'report.md'} (the criteria of each verdict, every section's numbers, the plots "
+        f"{', '.join(p.name for p in sorted(out.glob('*.png')))})"
+    )
     return 0

@@ -14,17 +14,31 @@ NAME = "export"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="export a trained run for inference (ONNX, TorchScript)",
-                       description="Rebuild the model of a normlab run from its checkpoint, fold WS/PWS/weight-norm "
-                                   "kernels and conv -> BatchNorm pairs into plain convs (normlab.convert."
-                                   "fold_for_inference), then write ONNX (checked in onnxruntime) and/or TorchScript. "
-                                   "Inputs have a dynamic batch axis.")
-    p.add_argument("checkpoint", metavar="CHECKPOINT",
-                   help="a run directory (normlab train --out, or OUT/runs/<cell> of a grid) or its checkpoint.pt")
-    p.add_argument("--onnx", metavar="PATH", default=None,
-                   help="write the ONNX model here (pip install 'normlab[onnx]'); input 'input', output 'logits'")
-    p.add_argument("--torchscript", metavar="PATH", default=None,
-                   help="write a traced TorchScript model here (torch.jit.load; deprecated by torch >= 2.9)")
+    p = sub.add_parser(
+        NAME,
+        help="export a trained run for inference (ONNX, TorchScript)",
+        description="Rebuild the model of a normlab run from its checkpoint, fold WS/PWS/weight-norm "
+        "kernels and conv -> BatchNorm pairs into plain convs (normlab.convert."
+        "fold_for_inference), then write ONNX (checked in onnxruntime) and/or TorchScript. "
+        "Inputs have a dynamic batch axis.",
+    )
+    p.add_argument(
+        "checkpoint",
+        metavar="CHECKPOINT",
+        help="a run directory (normlab train --out, or OUT/runs/<cell> of a grid) or its checkpoint.pt",
+    )
+    p.add_argument(
+        "--onnx",
+        metavar="PATH",
+        default=None,
+        help="write the ONNX model here (pip install 'normlab[onnx]'); input 'input', output 'logits'",
+    )
+    p.add_argument(
+        "--torchscript",
+        metavar="PATH",
+        default=None,
+        help="write a traced TorchScript model here (torch.jit.load; deprecated by torch >= 2.9)",
+    )
     p.set_defaults(run=run)
     return p
 
@@ -43,10 +57,14 @@ def _check_args(args: argparse.Namespace) -> None:
     for option, path in (("--onnx", args.onnx), ("--torchscript", args.torchscript)):
         if path is not None:
             _check_file_option(path, option)
-    if args.onnx is not None and args.torchscript is not None and \
-            os.path.realpath(args.onnx) == os.path.realpath(args.torchscript):
-        raise UsageError(f"--torchscript {args.torchscript}: expected another path than --onnx (one would overwrite "
-                         f"the other)")
+    if (
+        args.onnx is not None
+        and args.torchscript is not None
+        and os.path.realpath(args.onnx) == os.path.realpath(args.torchscript)
+    ):
+        raise UsageError(
+            f"--torchscript {args.torchscript}: expected another path than --onnx (one would overwrite the other)"
+        )
     if args.onnx is not None:
         require_onnx()
 

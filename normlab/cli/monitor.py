@@ -14,10 +14,13 @@ NAME = "monitor"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="render variance-transmission plots from a monitor JSONL log",
-                       description="Render PNG plots (PWS paper Figs. 1a, 1b, 2, 6, output variance, signal "
-                                   "propagation) from a JSONL log written by VarianceMonitor.to_jsonl or by "
-                                   "`normlab train --monitor-every N`.")
+    p = sub.add_parser(
+        NAME,
+        help="render variance-transmission plots from a monitor JSONL log",
+        description="Render PNG plots (PWS paper Figs. 1a, 1b, 2, 6, output variance, signal "
+        "propagation) from a JSONL log written by VarianceMonitor.to_jsonl or by "
+        "`normlab train --monitor-every N`.",
+    )
     p.add_argument("log", type=Path, help="monitor log (JSON lines)")
     p.add_argument("--out", default=None, help="output folder (default: LOG's folder / monitor_plots)")
     p.set_defaults(run=run)
@@ -35,8 +38,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # a log without records
         raise UsageError(f"LOG: {e}") from None
     if alarm is not None:
-        print(f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"
-              f" (value {alarm.get('value')}, initial {alarm.get('initial')})")
+        print(
+            f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"
+            f" (value {alarm.get('value')}, initial {alarm.get('initial')})"
+        )
     for p in paths:
         print(p)
     return 0

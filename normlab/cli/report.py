@@ -18,9 +18,12 @@ _SHAPE_ERRORS = (KeyError, TypeError, ValueError, IndexError, AttributeError, Ze
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser(NAME, help="re-render the report and plots of DIR (a compare or demo output directory)",
-                       description="Re-render the markdown report and PNG plots of a finished or partial grid "
-                                   "(DIR/results.json) or of the demo (DIR/demo.json).")
+    p = sub.add_parser(
+        NAME,
+        help="re-render the report and plots of DIR (a compare or demo output directory)",
+        description="Re-render the markdown report and PNG plots of a finished or partial grid "
+        "(DIR/results.json) or of the demo (DIR/demo.json).",
+    )
     p.add_argument("dir", help="output directory of `normlab compare` or `normlab demo`")
     p.set_defaults(run=run)
     return p
@@ -59,15 +62,18 @@ def _render_grid(d: Path) -> tuple[dict, list[Path]]:
     try:
         return results, render_report(results, d)
     except _SHAPE_ERRORS as e:
-        raise UsageError(f"{d / 'results.json'} is not a normlab results file ("
-                         f"{error_line(e, with_type=True)})") from None
+        raise UsageError(
+            f"{d / 'results.json'} is not a normlab results file ({error_line(e, with_type=True)})"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
     d = Path(args.dir)
     if not d.is_dir():
-        raise UsageError(f"DIR {args.dir!r}: expected the output directory of `normlab compare` or `normlab demo`"
-                         f"{', got a file' if d.exists() else ' (it does not exist)'}")
+        raise UsageError(
+            f"DIR {args.dir!r}: expected the output directory of `normlab compare` or `normlab demo`"
+            f"{', got a file' if d.exists() else ' (it does not exist)'}"
+        )
     with out_lock(d, NAME, option="DIR"):
         if (d / "demo.json").is_file():
             paths = _render_demo(d / "demo.json")

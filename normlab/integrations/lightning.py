@@ -34,8 +34,9 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
     from lightning.pytorch.utilities import rank_zero_warn
 except ImportError:  # pragma: no cover - the extra is not installed
-    raise ModuleNotFoundError("Lightning is not installed: pip install 'normlab[lightning]'",
-                              name="lightning") from None
+    raise ModuleNotFoundError(
+        "Lightning is not installed: pip install 'normlab[lightning]'", name="lightning"
+    ) from None
 
 __all__ = ["VarianceMonitorCallback", "SUPPORTED_STRATEGIES"]
 
@@ -72,8 +73,14 @@ class VarianceMonitorCallback(pl.Callback):
         True
     """
 
-    def __init__(self, every: int = 10, stop_on_alarm: bool = False, log: bool = True,
-                 jsonl: str | os.PathLike | None = None, **monitor_kwargs: Any) -> None:
+    def __init__(
+        self,
+        every: int = 10,
+        stop_on_alarm: bool = False,
+        log: bool = True,
+        jsonl: str | os.PathLike | None = None,
+        **monitor_kwargs: Any,
+    ) -> None:
         super().__init__()
         self.every, self.stop_on_alarm, self.log_scalars, self.jsonl = every, stop_on_alarm, log, jsonl
         self.monitor_kwargs = monitor_kwargs
@@ -87,9 +94,11 @@ class VarianceMonitorCallback(pl.Callback):
             return
         strategy = trainer.strategy
         if not isinstance(strategy, SUPPORTED_STRATEGIES):
-            raise ValueError(f"VarianceMonitorCallback: strategy {type(strategy).__name__} is not supported (it "
-                             f"shards or wraps the parameters, so no rank holds whole kernels); use a single device "
-                             f"or DDP")
+            raise ValueError(
+                f"VarianceMonitorCallback: strategy {type(strategy).__name__} is not supported (it "
+                f"shards or wraps the parameters, so no rank holds whole kernels); use a single device "
+                f"or DDP"
+            )
         kwargs = dict(self.monitor_kwargs)
         if trainer.global_rank != 0:  # one writer per event directory: rank 0's
             kwargs.pop("tensorboard", None)
@@ -105,8 +114,9 @@ class VarianceMonitorCallback(pl.Callback):
             self._stepping = True
             self._scale = _grad_scale(trainer)
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch: Any, batch_idx: int
+    ) -> None:
         mon = self.monitor
         if mon is None or not self._stepping:  # a micro-batch of gradient accumulation: no step yet
             return

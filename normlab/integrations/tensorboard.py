@@ -50,8 +50,9 @@ def summary_writer(log_dir: str | os.PathLike, **kwargs):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ModuleNotFoundError("TensorBoard is not installed: pip install 'normlab[tensorboard]'",
-                                  name="tensorboard") from None
+        raise ModuleNotFoundError(
+            "TensorBoard is not installed: pip install 'normlab[tensorboard]'", name="tensorboard"
+        ) from None
     return SummaryWriter(str(log_dir), **kwargs)
 
 

@@ -48,8 +48,16 @@ try:
 except ImportError:  # pragma: no cover - the extra is not installed
     raise ModuleNotFoundError("timm is not installed: pip install 'normlab[timm]'", name="timm") from None
 
-__all__ = ["BatchRenormAct2d", "SyncBatchRenormAct", "SwitchableNormAct2d", "InstanceNormAct2d", "GroupNormAct2d",
-           "GroupNorm1Act2d", "NORM_ACT_CLASSES", "register"]
+__all__ = [
+    "BatchRenormAct2d",
+    "SyncBatchRenormAct",
+    "SwitchableNormAct2d",
+    "InstanceNormAct2d",
+    "GroupNormAct2d",
+    "GroupNorm1Act2d",
+    "NORM_ACT_CLASSES",
+    "register",
+]
 
 
 class _NormAct:
@@ -95,45 +103,100 @@ $example
 
 
 class BatchRenormAct2d(_NormAct, BatchRenorm2d):
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
-                 dtype=None, **norm_kwargs) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        **norm_kwargs,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **norm_kwargs)
         self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
 
 
 class SyncBatchRenormAct(_NormAct, SyncBatchRenorm):
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
-                 dtype=None, *, process_group=None, **norm_kwargs) -> None:
-        super().__init__(num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype,
-                         **norm_kwargs)
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        *,
+        process_group=None,
+        **norm_kwargs,
+    ) -> None:
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, process_group, device, dtype, **norm_kwargs
+        )
         self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
 
 
 class SwitchableNormAct2d(_NormAct, SwitchableNorm2d):
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
-                 dtype=None, **norm_kwargs) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        **norm_kwargs,
+    ) -> None:
         if not affine:
-            raise ValueError("SwitchableNormAct2d: affine must be True (SwitchableNorm always has weight and bias), "
-                             "got affine=False")
+            raise ValueError(
+                "SwitchableNormAct2d: affine must be True (SwitchableNorm always has weight and bias), got affine=False"
+            )
         if momentum is None:
-            raise ValueError("SwitchableNormAct2d: momentum must be a number in [0, 1] (BatchNorm's convention), "
-                             "got None (cumulative average is not supported)")
-        super().__init__(num_features, eps, 1.0 - momentum, track_running_stats, device=device, dtype=dtype,
-                         **norm_kwargs)
+            raise ValueError(
+                "SwitchableNormAct2d: momentum must be a number in [0, 1] (BatchNorm's convention), "
+                "got None (cumulative average is not supported)"
+            )
+        super().__init__(
+            num_features, eps, 1.0 - momentum, track_running_stats, device=device, dtype=dtype, **norm_kwargs
+        )
         self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
 
 
 class InstanceNormAct2d(_NormAct, InstanceNorm2d):
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = False, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
-                 dtype=None, **norm_kwargs) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = False,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        **norm_kwargs,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype, **norm_kwargs)
         self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
 
@@ -141,10 +204,23 @@ class InstanceNormAct2d(_NormAct, InstanceNorm2d):
 class GroupNormAct2d(_NormAct, nn.GroupNorm):
     _one_group = False
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, apply_act: bool = True, act_layer: Any = nn.ReLU,
-                 act_kwargs: dict | None = None, inplace: bool = True, drop_layer: Any = None, device=None,
-                 dtype=None, *, num_groups: int | None = None) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        *,
+        num_groups: int | None = None,
+    ) -> None:
         if self._one_group:
             groups = 1
         else:
@@ -161,74 +237,83 @@ def _document(cls: type, example: str, **fields: str) -> None:
     cls.__doc__ = fill(_NORM_ACT_DOC, example, optional=("extra",), **fields)
 
 
-_BN_LIKE = dict(affine="learnable per-channel weight and bias, as ``nn.BatchNorm2d``.",
-                momentum="running-statistics update factor (``None``: cumulative average), as ``nn.BatchNorm2d``.")
-_BRN_KWARGS = ("``rmax``, ``dmax``, ``schedule``,\n            ``check_finite``).\n")
+_BN_LIKE = dict(
+    affine="learnable per-channel weight and bias, as ``nn.BatchNorm2d``.",
+    momentum="running-statistics update factor (``None``: cumulative average), as ``nn.BatchNorm2d``.",
+)
+_BRN_KWARGS = "``rmax``, ``dmax``, ``schedule``,\n            ``check_finite``).\n"
 _document(
     BatchRenormAct2d,
-    '''>>> m = BatchRenormAct2d(8, act_layer="silu")
+    """>>> m = BatchRenormAct2d(8, act_layer="silu")
 >>> sorted(m.state_dict()) == sorted(timm.layers.BatchNormAct2d(8).state_dict())
-True''',
+True""",
     summary=":class:`~normlab.nn.BatchRenorm2d`, then ``drop``, then ``act``: a drop-in for "
-            "``timm.layers.BatchNormAct2d``.",
+    "``timm.layers.BatchNormAct2d``.",
     track="running statistics (BatchRenorm renormalizes against them), as ``nn.BatchNorm2d``.",
     extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.BatchRenorm2d` arguments (" + _BRN_KWARGS,
-    shape="Input (N, C, H, W); output: the same.", **_BN_LIKE,
+    shape="Input (N, C, H, W); output: the same.",
+    **_BN_LIKE,
 )
 _document(
     SyncBatchRenormAct,
-    '''>>> SyncBatchRenormAct(8, rmax=2.0)(torch.randn(2, 8, 4, 4)).shape
-torch.Size([2, 8, 4, 4])''',
+    """>>> SyncBatchRenormAct(8, rmax=2.0)(torch.randn(2, 8, 4, 4)).shape
+torch.Size([2, 8, 4, 4])""",
     summary=":class:`~normlab.nn.SyncBatchRenorm`, then ``drop``, then ``act`` (timm's ``SyncBatchNormAct`` on "
-            "BatchRenorm).",
+    "BatchRenorm).",
     track="running statistics, as ``nn.SyncBatchNorm``.",
     extra="        process_group: the ranks whose statistics are merged (default: the whole world).\n"
-          "        **norm_kwargs: keyword-only :class:`~normlab.nn.SyncBatchRenorm` arguments (" + _BRN_KWARGS,
-    shape="Input (N, C, *); output: the same.", **_BN_LIKE,
+    "        **norm_kwargs: keyword-only :class:`~normlab.nn.SyncBatchRenorm` arguments (" + _BRN_KWARGS,
+    shape="Input (N, C, *); output: the same.",
+    **_BN_LIKE,
 )
 _document(
     SwitchableNormAct2d,
-    '''>>> SwitchableNormAct2d(8, momentum=0.1).momentum
-0.9''',
+    """>>> SwitchableNormAct2d(8, momentum=0.1).momentum
+0.9""",
     summary=":class:`~normlab.nn.SwitchableNorm2d`, then ``drop``, then ``act``.",
     momentum="BatchNorm's convention, the weight of the new batch statistics (SwitchableNorm's own momentum,\n"
-             "            the weight of the old value, is ``1 - momentum``); ``None`` is refused.",
+    "            the weight of the old value, is ``1 - momentum``); ``None`` is refused.",
     affine="must be True (SwitchableNorm always has a weight and a bias).",
     track="SwitchableNorm's ``using_moving_average`` (False: batch statistics in eval too).",
     extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.SwitchableNorm2d` arguments (``using_bn``, "
-          "``last_gamma``).\n",
+    "``last_gamma``).\n",
     shape="Input (N, C, H, W) with H * W > 1; output: the same.",
 )
 _document(
     InstanceNormAct2d,
-    '''>>> InstanceNormAct2d(4)(torch.randn(2, 4, 5, 5)).shape
-torch.Size([2, 4, 5, 5])''',
+    """>>> InstanceNormAct2d(4)(torch.randn(2, 4, 5, 5)).shape
+torch.Size([2, 4, 5, 5])""",
     summary=":class:`~normlab.nn.InstanceNorm2d`, then ``drop``, then ``act``; ``track_running_stats`` defaults to "
-            "False\n    (instance statistics in eval too, the registry's ``in``).",
+    "False\n    (instance statistics in eval too, the registry's ``in``).",
     momentum="running-statistics update factor, as ``nn.InstanceNorm2d``.",
     affine="learnable per-channel weight and bias.",
     track="keep running statistics and use them in eval (default False).",
     extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.InstanceNorm2d` arguments.\n",
     shape="Input (N, C, H, W) with H * W > 1; output: the same.",
 )
-_GN_UNUSED = dict(momentum="accepted and unused (GroupNorm has no running statistics).",
-                  affine="learnable per-channel weight and bias.", track="accepted and unused.",
-                  shape="Input (N, C, *); output: the same.")
+_GN_UNUSED = dict(
+    momentum="accepted and unused (GroupNorm has no running statistics).",
+    affine="learnable per-channel weight and bias.",
+    track="accepted and unused.",
+    shape="Input (N, C, *); output: the same.",
+)
 _document(
     GroupNormAct2d,
-    '''>>> GroupNormAct2d(48).num_groups
-24''',
+    """>>> GroupNormAct2d(48).num_groups
+24""",
     summary="``nn.GroupNorm`` over ``num_groups`` groups (the registry's ``gn``), then ``drop``, then ``act``, with\n"
-            "    BatchNormAct2d's constructor.",
-    extra="        num_groups: keyword-only; default: the largest divisor of C that is <= 32.\n", **_GN_UNUSED,
+    "    BatchNormAct2d's constructor.",
+    extra="        num_groups: keyword-only; default: the largest divisor of C that is <= 32.\n",
+    **_GN_UNUSED,
 )
 _document(
     GroupNorm1Act2d,
-    '''>>> GroupNorm1Act2d(48).num_groups
-1''',
+    """>>> GroupNorm1Act2d(48).num_groups
+1""",
     summary="``nn.GroupNorm`` with one group (over C and all positions: the registry's ``ln``), then ``drop``, then\n"
-            "    ``act``, with BatchNormAct2d's constructor.",
-    extra="        num_groups: ignored (always one group).\n", **_GN_UNUSED,
+    "    ``act``, with BatchNormAct2d's constructor.",
+    extra="        num_groups: ignored (always one group).\n",
+    **_GN_UNUSED,
 )
 
 
@@ -251,12 +336,22 @@ def register() -> None:
         >>> timm.layers.get_norm_act_layer(BatchRenorm2d, "silu").func is BatchRenormAct2d
         True
     """
-    classes = (BatchRenormAct2d, SyncBatchRenormAct, SwitchableNormAct2d, InstanceNormAct2d, GroupNormAct2d,
-               GroupNorm1Act2d)
+    classes = (
+        BatchRenormAct2d,
+        SyncBatchRenormAct,
+        SwitchableNormAct2d,
+        InstanceNormAct2d,
+        GroupNormAct2d,
+        GroupNorm1Act2d,
+    )
     _timm_factory._NORM_ACT_TYPES.update(classes)
     _timm_factory._NORM_ACT_REQUIRES_ARG.update(classes)
-    names = {"batchrenorm": BatchRenormAct2d, "batchrenorm2d": BatchRenormAct2d,
-             "switchablenorm": SwitchableNormAct2d, "switchablenorm2d": SwitchableNormAct2d}
+    names = {
+        "batchrenorm": BatchRenormAct2d,
+        "batchrenorm2d": BatchRenormAct2d,
+        "switchablenorm": SwitchableNormAct2d,
+        "switchablenorm2d": SwitchableNormAct2d,
+    }
     _timm_factory._NORM_ACT_MAP.update(names)
     _timm_factory._NORM_TO_NORM_ACT_MAP.update(names)
 

@@ -167,8 +167,13 @@ class CollapseDetector:
         key = (rec["layer"], q)
         flag = dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q, initial=self.initial.get(key, math.nan))
         if value is None or not math.isfinite(value):
-            return {**flag, "value": math.nan if value is None else float(value), "growth": math.inf,
-                    "severity": math.inf, "reason": "non-finite"}
+            return {
+                **flag,
+                "value": math.nan if value is None else float(value),
+                "growth": math.inf,
+                "severity": math.inf,
+                "reason": "non-finite",
+            }
         n_seen = self.seen.get(key, 0)
         if n_seen < self.baseline_records:  # still collecting the baseline: no test
             self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
@@ -177,18 +182,33 @@ class CollapseDetector:
         init = self.initial[key]
         ref = max(abs(init), self.min_initial[q])
         if grow and value > self.factors[q] * ref:
-            return {**flag, "value": float(value), "growth": value / ref, "severity": value / ref / self.factors[q],
-                    "reason": f"grew {value / ref:.3g}x > factor {self.factors[q]:g}"}
+            return {
+                **flag,
+                "value": float(value),
+                "growth": value / ref,
+                "severity": value / ref / self.factors[q],
+                "reason": f"grew {value / ref:.3g}x > factor {self.factors[q]:g}",
+            }
         if shrink and init > 0 and value * self.shrink[q] < init:
             ratio = value / init
             severity = math.inf if ratio == 0 else 1 / (ratio * self.shrink[q])
-            return {**flag, "value": float(value), "growth": ratio, "severity": severity,
-                    "reason": f"fell to {ratio:.3g}x < 1/{self.shrink[q]:g} of its baseline"}
+            return {
+                **flag,
+                "value": float(value),
+                "growth": ratio,
+                "severity": severity,
+                "reason": f"fell to {ratio:.3g}x < 1/{self.shrink[q]:g} of its baseline",
+            }
         return None
 
-    def check(self, step: int, records: Iterable[Mapping], growth_exempt: Collection[str] = (),
-              shrink_layers: Collection[str] | None = None,
-              shift_exempt: Collection[str] = ()) -> CollapseAlarm | None:
+    def check(
+        self,
+        step: int,
+        records: Iterable[Mapping],
+        growth_exempt: Collection[str] = (),
+        shrink_layers: Collection[str] | None = None,
+        shift_exempt: Collection[str] = (),
+    ) -> CollapseAlarm | None:
         """Check one recorded step. ``records`` are dicts with 'layer', 'index' (forward order) and quantities.
 
         Layers named in ``growth_exempt`` keep their baselines but get no growth test (they are flagged when a
@@ -217,8 +237,16 @@ class CollapseDetector:
         top = max((f for f in flagged if f["index"] == first_index), key=lambda f: f["severity"])
         for f in flagged:
             f.pop("severity")
-        return CollapseAlarm(layer=top["layer"], step=int(step), quantity=top["quantity"], value=top["value"],
-                             initial=top["initial"], growth=top["growth"], reason=top["reason"], flagged=flagged)
+        return CollapseAlarm(
+            layer=top["layer"],
+            step=int(step),
+            quantity=top["quantity"],
+            value=top["value"],
+            initial=top["initial"],
+            growth=top["growth"],
+            reason=top["reason"],
+            flagged=flagged,
+        )
 
 
 class CountdownDetector:
@@ -258,11 +286,18 @@ class CountdownDetector:
         'output_var_growth'
     """
 
-    def __init__(self, growth: float | None = 1.0, level: float | None = None, grad_ratio: float | None = None,
-                 span: int = 2, history: int = 256) -> None:
+    def __init__(
+        self,
+        growth: float | None = 1.0,
+        level: float | None = None,
+        grad_ratio: float | None = None,
+        span: int = 2,
+        history: int = 256,
+    ) -> None:
         for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                                      or not low < value < math.inf):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not low < value < math.inf
+            ):
                 raise ValueError(f"CountdownDetector: {name} must be None or a finite number > {low:g}, got {value!r}")
         for name, value, low in (("span", span, 1), ("history", history, 5)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -291,14 +326,24 @@ class CountdownDetector:
         v0 = self.first[name]
         standardized = (rec.get("shift_scale_free") if rec.get("shift_scale_free") is not None else 1.0) < 1e-6
         if self.level is not None and not standardized and v0 > 0 and v / v0 > self.level:
-            return {**flag, "quantity": "output_var_level", "value": v, "growth": v / v0,
-                    "reason": f"output variance {v / v0:.3g}x its first value > level {self.level:g}"}
+            return {
+                **flag,
+                "quantity": "output_var_level",
+                "value": v,
+                "growth": v / v0,
+                "reason": f"output variance {v / v0:.3g}x its first value > level {self.level:g}",
+            }
         if self.growth is not None and past and past[-1][1] > 0 and v > 0:
             t0, p = past[-1]
             rate = (math.log(v) - math.log(p)) / (step - t0)
             if rate > self.growth:
-                return {**flag, "quantity": "output_var_growth", "value": v, "growth": v / v0 if v0 > 0 else math.inf,
-                        "reason": f"output variance growing at {rate:.3g}/step > growth {self.growth:g}"}
+                return {
+                    **flag,
+                    "quantity": "output_var_growth",
+                    "value": v,
+                    "growth": v / v0 if v0 > 0 else math.inf,
+                    "reason": f"output variance growing at {rate:.3g}/step > growth {self.growth:g}",
+                }
         return None
 
     def _grad_flag(self, grad_norm: float | None) -> dict | None:
@@ -308,17 +353,22 @@ class CountdownDetector:
         if not math.isfinite(grad_norm):
             return {**flag, "initial": math.nan, "growth": math.inf, "reason": "non-finite gradient norm"}
         past = sorted(self.grad_norms)
-        self.grad_norms = (self.grad_norms + [float(grad_norm)])[-self.history:]
+        self.grad_norms = (self.grad_norms + [float(grad_norm)])[-self.history :]
         if self.grad_ratio is None or len(past) < 5:
             return None
         med = past[len(past) // 2] if len(past) % 2 else (past[len(past) // 2 - 1] + past[len(past) // 2]) / 2
         if med > 0 and grad_norm / med > self.grad_ratio:
-            return {**flag, "initial": med, "growth": grad_norm / med,
-                    "reason": f"gradient norm {grad_norm / med:.3g}x its running median > {self.grad_ratio:g}"}
+            return {
+                **flag,
+                "initial": med,
+                "growth": grad_norm / med,
+                "reason": f"gradient norm {grad_norm / med:.3g}x its running median > {self.grad_ratio:g}",
+            }
         return None
 
-    def check(self, step: int, records: Iterable[Mapping], exempt: Collection[str] = (),
-              grad_norm: float | None = None) -> CollapseAlarm | None:
+    def check(
+        self, step: int, records: Iterable[Mapping], exempt: Collection[str] = (), grad_norm: float | None = None
+    ) -> CollapseAlarm | None:
         """Check one recorded step (records as for :meth:`CollapseDetector.check`; ``grad_norm``: the gradient norm
         of this step, or None). Layers in ``exempt`` get only the non-finite test. Returns an alarm naming the
         first flagged layer in forward order (the gradient counts as before every layer), or None."""
@@ -327,8 +377,15 @@ class CountdownDetector:
             if rec.get("kind") in ("conv", "linear"):
                 flag = self._layer_flag(step, rec, rec["layer"] not in exempt)
             elif rec.get("output_var") is not None and not math.isfinite(rec["output_var"]):
-                flag = dict(layer=rec["layer"], index=rec.get("index", 0), quantity="output_var", initial=math.nan,
-                            value=float(rec["output_var"]), growth=math.inf, reason="non-finite")
+                flag = dict(
+                    layer=rec["layer"],
+                    index=rec.get("index", 0),
+                    quantity="output_var",
+                    initial=math.nan,
+                    value=float(rec["output_var"]),
+                    growth=math.inf,
+                    reason="non-finite",
+                )
             else:
                 flag = None
             if flag is not None:
@@ -339,23 +396,35 @@ class CountdownDetector:
         if not flagged:
             return None
         top = min(flagged, key=lambda f: f["index"])
-        return CollapseAlarm(layer=top["layer"], step=int(step), quantity=top["quantity"], value=top["value"],
-                             initial=top["initial"], growth=top["growth"], reason=top["reason"], flagged=flagged)
+        return CollapseAlarm(
+            layer=top["layer"],
+            step=int(step),
+            quantity=top["quantity"],
+            value=top["value"],
+            initial=top["initial"],
+            growth=top["growth"],
+            reason=top["reason"],
+            flagged=flagged,
+        )
 
     def state_dict(self) -> dict:
         """Everything that decides future alarms, as plain Python types."""
-        return {"span": self.span, "first": dict(self.first),
-                "recent": {k: [list(p) for p in v] for k, v in self.recent.items()},
-                "grad_norms": list(self.grad_norms)}
+        return {
+            "span": self.span,
+            "first": dict(self.first),
+            "recent": {k: [list(p) for p in v] for k, v in self.recent.items()},
+            "grad_norms": list(self.grad_norms),
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`; ValueError when it is malformed or was made with another span."""
         if not isinstance(state, Mapping) or not {"span", "first", "recent", "grad_norms"} <= set(state):
-            raise ValueError(f"CountdownDetector.load_state_dict: expected a dict from state_dict(), got "
-                             f"{state!r:.80}")
+            raise ValueError(f"CountdownDetector.load_state_dict: expected a dict from state_dict(), got {state!r:.80}")
         if state["span"] != self.span:
-            raise ValueError(f"CountdownDetector.load_state_dict: state was made with span={state['span']}, this "
-                             f"detector uses {self.span}")
+            raise ValueError(
+                f"CountdownDetector.load_state_dict: state was made with span={state['span']}, this "
+                f"detector uses {self.span}"
+            )
         self.first = {str(k): float(v) for k, v in state["first"].items()}
         self.recent = {str(k): [[int(a), float(b)] for a, b in v] for k, v in state["recent"].items()}
         self.grad_norms = [float(g) for g in state["grad_norms"]]

@@ -312,8 +312,10 @@ class CollapseGuard:
         towards ``max_rescues``) and the factor; the snapshots start again with one of the current state, at
         ``state["steps"]``."""
         if not isinstance(state, dict) or not {"steps", "rescues"} <= set(state):
-            raise ValueError("CollapseGuard.load_state_dict: expected a dict from CollapseGuard.state_dict() with "
-                             f"'steps' and 'rescues', got {type(state).__name__}")
+            raise ValueError(
+                "CollapseGuard.load_state_dict: expected a dict from CollapseGuard.state_dict() with "
+                f"'steps' and 'rescues', got {type(state).__name__}"
+            )
         self.steps = int(state["steps"])
         self.rescues = [Rescue(**r) for r in state["rescues"]]
         self._scale = float(state.get("lr_scale", 1.0))
@@ -321,5 +323,7 @@ class CollapseGuard:
         self._take_snapshot()
 
     def __repr__(self) -> str:
-        return (f"CollapseGuard(steps={self.steps}, every={self.every}, rescues={len(self.rescues)}, "
-                f"lr_factor={self.lr_factor})")
+        return (
+            f"CollapseGuard(steps={self.steps}, every={self.every}, rescues={len(self.rescues)}, "
+            f"lr_factor={self.lr_factor})"
+        )

@@ -90,6 +90,7 @@ DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
 DEFAULT_COUNTDOWN = {"growth": 1.0, "level": None, "grad_ratio": None}
 DEFAULT_RISK = {"window": 20, "pws_factor": None}
 
+
 def _make(cls, arg, defaults: Mapping):
     """The detector ``cls`` from a monitor argument: True (defaults), False/None (off) or a mapping of overrides."""
     if arg is None or arg is False:
@@ -97,8 +98,10 @@ def _make(cls, arg, defaults: Mapping):
     if arg is True:
         return cls(**defaults)
     if not isinstance(arg, Mapping):
-        raise TypeError(f"VarianceMonitor: {cls.__name__} argument must be True, False or a dict of its arguments, "
-                        f"got {type(arg).__name__}")
+        raise TypeError(
+            f"VarianceMonitor: {cls.__name__} argument must be True, False or a dict of its arguments, "
+            f"got {type(arg).__name__}"
+        )
     return cls(**{**defaults, **arg})
 
 
@@ -114,8 +117,13 @@ def _finite_or_none(v):
     return v
 
 
-_CHANNEL_KEYS = ("input_ratio_ch_mean", "input_ratio_ch_min", "input_ratio_ch_max", "input_dead_channels",
-                 "input_channels")
+_CHANNEL_KEYS = (
+    "input_ratio_ch_mean",
+    "input_ratio_ch_min",
+    "input_ratio_ch_max",
+    "input_dead_channels",
+    "input_channels",
+)
 
 
 def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
@@ -437,8 +445,9 @@ class VarianceMonitor:
         alarm = None
         renormalized = exempt_layers(step_records) - output_layer  # output renormalized before the next layer
         if self.factor_rules:
-            alarm = self.detector.check(step, step_records, exempt, shrink_layers=output_layer,
-                                        shift_exempt=renormalized)
+            alarm = self.detector.check(
+                step, step_records, exempt, shrink_layers=output_layer, shift_exempt=renormalized
+            )
         if self.regime is not None:
             risk = self.regime.check(step, step_records)
             if risk is not None and self.risk is None:
@@ -462,18 +471,39 @@ class VarianceMonitor:
         A constant filter (Var[W_o] = 0: a zero-initialized gain, skip-init) has no update ratio: it is left out of
         ``update_ratio_*`` and counted in ``constant_filters``; the keys are absent when every filter is constant."""
         wf = stats.filters(w)
-        names = ["weight_var", "weight_var_min", "weight_var_max", "weight_sq_mean", "weight_norm", "shift",
-                 "shift_scale_free", "constant_filters"]
+        names = [
+            "weight_var",
+            "weight_var_min",
+            "weight_var_max",
+            "weight_sq_mean",
+            "weight_norm",
+            "shift",
+            "shift_scale_free",
+            "constant_filters",
+        ]
         vo = stats.weight_variance(w)
-        values = [vo.mean(), vo.min(), vo.max(), wf.square().mean(), wf.norm(), stats.shift_of_average(w),
-                  stats.shift_scale_free(w), (vo == 0).sum()]
+        values = [
+            vo.mean(),
+            vo.min(),
+            vo.max(),
+            wf.square().mean(),
+            wf.norm(),
+            stats.shift_of_average(w),
+            stats.shift_scale_free(w),
+            (vo == 0).sum(),
+        ]
         if after is not None:
             varies = vo != 0  # a nan filter is kept: a non-finite kernel must show in the record
             ratio = stats.weight_variance(after) / torch.where(varies, vo, torch.ones_like(vo))
-            names += ["update_ratio_mean", "update_ratio_min", "update_ratio_max",
-                      "mean_update_mean", "mean_update_std", "mean_update_absmax"]
-            values += [*stats.masked_summary(ratio, varies).unbind(), mu.mean(), mu.std(unbiased=False),
-                       mu.abs().max()]
+            names += [
+                "update_ratio_mean",
+                "update_ratio_min",
+                "update_ratio_max",
+                "mean_update_mean",
+                "mean_update_std",
+                "mean_update_absmax",
+            ]
+            values += [*stats.masked_summary(ratio, varies).unbind(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]
         out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
         out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
         out["constant_filters"] = int(out["constant_filters"])
@@ -511,11 +541,13 @@ class VarianceMonitor:
                 f"'current_step' and 'detector', got {type(state).__name__}"
             )
         saved = "every={}, dense_steps={}, dense_every={}".format(
-            state["every"], *state.get("dense", [self.dense_steps, self.dense_every]))
+            state["every"], *state.get("dense", [self.dense_steps, self.dense_every])
+        )
         mine = f"every={self.every}, dense_steps={self.dense_steps}, dense_every={self.dense_every}"
         if saved != mine:
-            raise ValueError(f"VarianceMonitor.load_state_dict: state was recorded with {saved}, this monitor uses "
-                             f"{mine}")
+            raise ValueError(
+                f"VarianceMonitor.load_state_dict: state was recorded with {saved}, this monitor uses {mine}"
+            )
         step = state["current_step"]
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"VarianceMonitor.load_state_dict: current_step must be an int >= 0, got {step!r}")
@@ -593,5 +625,7 @@ class VarianceMonitor:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"VarianceMonitor({type(self.model).__name__}, every={self.every}, layers={len(self.layers)}, "
-                f"step={self.current_step}, records={len(self.records)}, alarm={self.alarm})")
+        return (
+            f"VarianceMonitor({type(self.model).__name__}, every={self.every}, layers={len(self.layers)}, "
+            f"step={self.current_step}, records={len(self.records)}, alarm={self.alarm})"
+        )

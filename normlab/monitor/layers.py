@@ -119,8 +119,12 @@ def _from_library(module: nn.Module, package: str, names: tuple[str, ...]) -> bo
 
 def _is_hf_conv1d(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
-    return (_from_library(module, "transformers", ("Conv1D",)) and isinstance(w, Tensor) and w.dim() == 2
-            and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+    return (
+        _from_library(module, "transformers", ("Conv1D",))
+        and isinstance(w, Tensor)
+        and w.dim() == 2
+        and tuple(w.shape) == (getattr(module, "nx", None), getattr(module, "nf", None))
+    )
 
 
 def _own_kernel(module: nn.Module) -> Tensor:
@@ -134,8 +138,9 @@ def _timm_std_kernel(module: nn.Module) -> Tensor:
     gain = getattr(module, "gain", None)
     scale = (gain * module.scale).view(-1) if gain is not None else None
     w = module.weight
-    return F.batch_norm(w.reshape(1, w.shape[0], -1), None, None, weight=scale, training=True, momentum=0.0,
-                        eps=module.eps).reshape_as(w)
+    return F.batch_norm(
+        w.reshape(1, w.shape[0], -1), None, None, weight=scale, training=True, momentum=0.0, eps=module.eps
+    ).reshape_as(w)
 
 
 def _transpose_filters(w: Tensor, module: nn.Module) -> Tensor:
@@ -175,8 +180,13 @@ def _is_timm_std_conv(module: nn.Module) -> bool:
 #: (``nn.Linear`` and subclasses) and ``hf_conv1d`` (transformers' ``Conv1D``, weight (in, out)).
 LINEAR_MAP_RULES: tuple[LinearMapRule, ...] = (
     LinearMapRule("timm_std_conv", "conv", _is_timm_std_conv, _timm_std_kernel),
-    LinearMapRule("conv_transpose", "conv", lambda m: isinstance(m, nn.modules.conv._ConvTransposeNd), _own_kernel,
-                  _transpose_filters),
+    LinearMapRule(
+        "conv_transpose",
+        "conv",
+        lambda m: isinstance(m, nn.modules.conv._ConvTransposeNd),
+        _own_kernel,
+        _transpose_filters,
+    ),
     LinearMapRule("conv", "conv", lambda m: isinstance(m, nn.modules.conv._ConvNd), _own_kernel),
     LinearMapRule("linear", "linear", lambda m: isinstance(m, nn.Linear), _own_kernel),
     LinearMapRule("hf_conv1d", "linear", _is_hf_conv1d, lambda m: m.weight, lambda w, m: w.t()),
@@ -226,8 +236,10 @@ def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[
 def _rule_of(module: nn.Module, fn: str) -> LinearMapRule:
     rule = linear_map_rule(module)
     if rule is None:
-        raise TypeError(f"{fn}: {type(module).__name__} applies no weight as a linear map "
-                        "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES)")
+        raise TypeError(
+            f"{fn}: {type(module).__name__} applies no weight as a linear map "
+            "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES)"
+        )
     return rule
 
 
@@ -275,8 +287,9 @@ _CHANNELS_FIRST_NAME = re.compile(r"[23]d(Fp32)?$")
 def _channels_first_layer_norm(module: nn.Module) -> bool:
     """LayerNorm subclasses that normalize dim 1 of (N, C, H, W): Hugging Face's ``data_format="channels_first"``
     and timm's ``LayerNorm2d``/``LayerNorm2dFp32``/``LayerNormExp2d`` (they permute around F.layer_norm)."""
-    return (getattr(module, "data_format", None) == "channels_first"
-            or bool(_CHANNELS_FIRST_NAME.search(type(module).__name__)))
+    return getattr(module, "data_format", None) == "channels_first" or bool(
+        _CHANNELS_FIRST_NAME.search(type(module).__name__)
+    )
 
 
 def _layer_norm_dims(module: nn.Module, x: Tensor) -> tuple[int, ...] | None:
@@ -308,4 +321,3 @@ def input_channel_dims(module: nn.Module, kind: str, x: Tensor) -> tuple[int, ..
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         return _layer_norm_dims(module, x)
     return (1,)
-

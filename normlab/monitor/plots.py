@@ -17,8 +17,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 __all__ = ["load_log", "render_monitor_plots"]
 
 
-_PLOTTED = ("update_ratio_mean", "mean_update_std", "shift", "weight_var", "shift_scale_free", "input_mean_sq",
-            "input_ratio", "output_var")
+_PLOTTED = (
+    "update_ratio_mean",
+    "mean_update_std",
+    "shift",
+    "weight_var",
+    "shift_scale_free",
+    "input_mean_sq",
+    "input_ratio",
+    "output_var",
+)
 
 
 def _is_number(v) -> bool:
@@ -28,8 +36,10 @@ def _is_number(v) -> bool:
 def _check_record(obj: dict, where: str) -> None:
     """A layer record must have a string ``layer``, an integer ``step`` and numbers (or null) where plotted."""
     if not isinstance(obj["layer"], str) or not isinstance(obj["step"], int) or isinstance(obj["step"], bool):
-        raise ValueError(f"load_log: {where}: expected a string 'layer' and an integer 'step', got "
-                         f"{obj['layer']!r} and {obj['step']!r}")
+        raise ValueError(
+            f"load_log: {where}: expected a string 'layer' and an integer 'step', got "
+            f"{obj['layer']!r} and {obj['step']!r}"
+        )
     if not (obj.get("index") is None or _is_number(obj.get("index"))):
         raise ValueError(f"load_log: {where}: 'index' must be a number, got {obj.get('index')!r}")
     for key in _PLOTTED:
@@ -41,12 +51,17 @@ def _check_spp(obj: dict, where: str) -> None:
     """A signal-propagation event: a list of entries with a name and the two averages."""
     entries = obj.get("entries", [])
     ok = isinstance(entries, list) and all(
-        isinstance(e, dict) and isinstance(e.get("name"), str) and _is_number(e.get("avg_sq_mean"))
-        and _is_number(e.get("avg_var")) and (e.get("residual_var") is None or _is_number(e.get("residual_var")))
-        for e in entries)
+        isinstance(e, dict)
+        and isinstance(e.get("name"), str)
+        and _is_number(e.get("avg_sq_mean"))
+        and _is_number(e.get("avg_var"))
+        and (e.get("residual_var") is None or _is_number(e.get("residual_var")))
+        for e in entries
+    )
     if not ok:
-        raise ValueError(f"load_log: {where}: 'entries' of an spp event must be objects with a name, avg_sq_mean "
-                         f"and avg_var")
+        raise ValueError(
+            f"load_log: {where}: 'entries' of an spp event must be objects with a name, avg_sq_mean and avg_var"
+        )
 
 
 def load_log(path: str | Path) -> tuple[list[dict], dict | None, dict | None]:
@@ -113,8 +128,9 @@ def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
     if hline is not None:
         ax.axhline(hline[0], color="k", linestyle=":", linewidth=1, label=hline[1])
     if alarm is not None and alarm.get("step") is not None:
-        ax.axvline(alarm["step"], color="r", linestyle="--", linewidth=1,
-                   label=f"collapse warning ({alarm.get('layer')})")
+        ax.axvline(
+            alarm["step"], color="r", linestyle="--", linewidth=1, label=f"collapse warning ({alarm.get('layer')})"
+        )
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -136,6 +152,29 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _spp_figure(spp: dict, path: Path) -> Path:
+    """The signal-propagation plot of ``spp`` (see :func:`~normlab.monitor.signal_propagation`) saved at ``path``."""
+    entries = spp["entries"]
+    x = list(range(len(entries)))
+    fig, ax = plt.subplots(figsize=(max(7, 0.5 * len(entries)), 4.5))
+    ax.plot(x, [e["avg_sq_mean"] for e in entries], "o-", label="average channel squared mean")
+    ax.plot(x, [e["avg_var"] for e in entries], "s-", label="average channel variance")
+    res = [(i, e["residual_var"]) for i, e in zip(x, entries) if e.get("residual_var") is not None]
+    if res:
+        ax.plot([i for i, _ in res], [v for _, v in res], "^-", label="residual-branch variance")
+    vals = [e["avg_sq_mean"] for e in entries] + [e["avg_var"] for e in entries]
+    if _positive(vals):
+        ax.set_yscale("log", nonpositive="mask")
+    ax.set_xticks(x)
+    ax.set_xticklabels([e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
+    ax.set_xlabel(f"{spp.get('mode', 'layer')} (forward order)")
+    ax.set_ylabel("value on N(0, 1) input")
+    ax.set_title(f"Signal propagation plot, input {tuple(spp.get('input_shape', ()))}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
 def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Render PNGs from a monitor log into ``out_dir`` and return their paths:
     fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png,
@@ -148,51 +187,64 @@ def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Pa
     paths = []
     if records:
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        _panel(ax, records, "update_ratio_mean", r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
-               "Fig. 1(a): update ratio per layer", hline=(1.0, "no change"))
+        _panel(
+            ax,
+            records,
+            "update_ratio_mean",
+            r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
+            "Fig. 1(a): update ratio per layer",
+            hline=(1.0, "no change"),
+        )
         paths.append(_save(fig, out / "fig1a_update_ratio.png"))
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "mean_update_std", r"std$_o$ of mean($\Delta W_o$)",
-               "Fig. 1(b): spread of the per-filter mean update", log=True)
-        _panel(axes[1], records, "shift", r"Var$_o$[$n_l$ mean($W_o$)]", "Shift of the average per layer",
-               log=True, alarm=alarm)
+        _panel(
+            axes[0],
+            records,
+            "mean_update_std",
+            r"std$_o$ of mean($\Delta W_o$)",
+            "Fig. 1(b): spread of the per-filter mean update",
+            log=True,
+        )
+        _panel(
+            axes[1],
+            records,
+            "shift",
+            r"Var$_o$[$n_l$ mean($W_o$)]",
+            "Shift of the average per layer",
+            log=True,
+            alarm=alarm,
+        )
         paths.append(_save(fig, out / "fig1b_mean_update.png"))
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance",
-               log=True)
-        _panel(axes[1], records, "shift_scale_free", r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
-               "Scale-free shift (1 = random init, 0 = zero-mean filters)", log=False, alarm=alarm)
+        _panel(axes[0], records, "weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance", log=True)
+        _panel(
+            axes[1],
+            records,
+            "shift_scale_free",
+            r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
+            "Scale-free shift (1 = random init, 0 = zero-mean filters)",
+            log=False,
+            alarm=alarm,
+        )
         paths.append(_save(fig, out / "fig2_weight_var.png"))
 
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         _panel(axes[0], records, "input_mean_sq", r"E$^2$[$X_l$]", "Fig. 6(a): squared input mean", log=True)
-        _panel(axes[1], records, "input_ratio", r"E$^2$[$X_l$] / E[$X_l^2$]", "Fig. 6(b): input ratio",
-               hline=(1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)"))
+        _panel(
+            axes[1],
+            records,
+            "input_ratio",
+            r"E$^2$[$X_l$] / E[$X_l^2$]",
+            "Fig. 6(b): input ratio",
+            hline=(1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)"),
+        )
         paths.append(_save(fig, out / "fig6_input_ratio.png"))
 
         fig, ax = plt.subplots(figsize=(7, 4.5))
         _panel(ax, records, "output_var", r"Var[$Y_l$]", "Output variance per layer", log=True, alarm=alarm)
         paths.append(_save(fig, out / "output_var.png"))
     if spp is not None and spp.get("entries"):
-        entries = spp["entries"]
-        x = list(range(len(entries)))
-        fig, ax = plt.subplots(figsize=(max(7, 0.5 * len(entries)), 4.5))
-        ax.plot(x, [e["avg_sq_mean"] for e in entries], "o-", label="average channel squared mean")
-        ax.plot(x, [e["avg_var"] for e in entries], "s-", label="average channel variance")
-        res = [(i, e["residual_var"]) for i, e in zip(x, entries) if e.get("residual_var") is not None]
-        if res:
-            ax.plot([i for i, _ in res], [v for _, v in res], "^-", label="residual-branch variance")
-        vals = [e["avg_sq_mean"] for e in entries] + [e["avg_var"] for e in entries]
-        if _positive(vals):
-            ax.set_yscale("log", nonpositive="mask")
-        ax.set_xticks(x)
-        ax.set_xticklabels([e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
-        ax.set_xlabel(f"{spp.get('mode', 'layer')} (forward order)")
-        ax.set_ylabel("value on N(0, 1) input")
-        ax.set_title(f"Signal propagation plot, input {tuple(spp.get('input_shape', ()))}", fontsize=10)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        paths.append(_save(fig, out / "spp.png"))
+        paths.append(_spp_figure(spp, out / "spp.png"))
     return paths

@@ -61,10 +61,11 @@ class RegimeWarning:
         return asdict(self)
 
     def __str__(self) -> str:
-        what = ("shift term > variance term" if self.case == "shift"
-                else "variance term of a standardized conv growing")
-        return (f"unstable regime since step {self.step}: layer '{self.layer}' {what} (shift {self.shift_term:.4g}, "
-                f"variance {self.variance_term:.4g}, ratio {self.ratio:.3g}); {self.suggestion}")
+        what = "shift term > variance term" if self.case == "shift" else "variance term of a standardized conv growing"
+        return (
+            f"unstable regime since step {self.step}: layer '{self.layer}' {what} (shift {self.shift_term:.4g}, "
+            f"variance {self.variance_term:.4g}, ratio {self.ratio:.3g}); {self.suggestion}"
+        )
 
 
 def exempt_layers(records: Iterable[Mapping]) -> set[str]:
@@ -80,10 +81,14 @@ def exempt_layers(records: Iterable[Mapping]) -> set[str]:
 
 def _suggest(layer: str, case: str) -> str:
     if case == "shift":
-        return (f"give '{layer}' a standardized kernel (PWS/WS: zero shift by construction) or put a normalization "
-                "layer after it, or lower the learning rate (CollapseGuard halves it per rescue)")
-    return (f"the standardized conv '{layer}' amplifies its input more and more: lower the learning rate, or put a "
-            "normalization layer after it")
+        return (
+            f"give '{layer}' a standardized kernel (PWS/WS: zero shift by construction) or put a normalization "
+            "layer after it, or lower the learning rate (CollapseGuard halves it per rescue)"
+        )
+    return (
+        f"the standardized conv '{layer}' amplifies its input more and more: lower the learning rate, or put a "
+        "normalization layer after it"
+    )
 
 
 class RegimeDetector:
@@ -110,8 +115,9 @@ class RegimeDetector:
     def __init__(self, window: int = 20, pws_factor: float | None = None) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"RegimeDetector: window must be an int >= 1, got {window!r}")
-        if pws_factor is not None and (isinstance(pws_factor, bool) or not isinstance(pws_factor, int | float)
-                                       or not 1 < pws_factor < math.inf):
+        if pws_factor is not None and (
+            isinstance(pws_factor, bool) or not isinstance(pws_factor, int | float) or not 1 < pws_factor < math.inf
+        ):
             raise ValueError(f"RegimeDetector: pws_factor must be None or a finite number > 1, got {pws_factor!r}")
         self.window = window
         self.pws_factor = None if pws_factor is None else float(pws_factor)
@@ -146,22 +152,34 @@ class RegimeDetector:
             self.streak[name] = self.streak.get(name, 0) + 1 if hot else 0
             if hot and found is None and self.streak[name] >= self.window:
                 case, ratio = hot
-                found = RegimeWarning(step=int(step), layer=name, shift_term=float(rec["shift_term"]),
-                                      variance_term=float(rec["variance_term"]), ratio=float(ratio), case=case,
-                                      suggestion=_suggest(name, case))
+                found = RegimeWarning(
+                    step=int(step),
+                    layer=name,
+                    shift_term=float(rec["shift_term"]),
+                    variance_term=float(rec["variance_term"]),
+                    ratio=float(ratio),
+                    case=case,
+                    suggestion=_suggest(name, case),
+                )
         return found
 
     def state_dict(self) -> dict:
         """``{"window", "pws_factor", "streak", "first_variance"}`` as plain Python types."""
-        return {"window": self.window, "pws_factor": self.pws_factor, "streak": dict(self.streak),
-                "first_variance": dict(self.first_variance)}
+        return {
+            "window": self.window,
+            "pws_factor": self.pws_factor,
+            "streak": dict(self.streak),
+            "first_variance": dict(self.first_variance),
+        }
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`; ValueError when it is malformed or was made with another window."""
         if not isinstance(state, Mapping) or not {"window", "streak", "first_variance"} <= set(state):
             raise ValueError(f"RegimeDetector.load_state_dict: expected a dict from state_dict(), got {state!r:.80}")
         if state["window"] != self.window:
-            raise ValueError(f"RegimeDetector.load_state_dict: state was made with window={state['window']}, this "
-                             f"detector uses {self.window}")
+            raise ValueError(
+                f"RegimeDetector.load_state_dict: state was made with window={state['window']}, this "
+                f"detector uses {self.window}"
+            )
         self.streak = {str(k): int(v) for k, v in state["streak"].items()}
         self.first_variance = {str(k): float(v) for k, v in state["first_variance"].items()}

@@ -66,6 +66,35 @@ def _targets(net: nn.Module, modules: Sequence[str] | None) -> tuple[list[tuple[
     return layers, "layers"
 
 
+def _output_hook(entries: dict[str, dict], name: str, mod: nn.Module, mode: str):
+    """A forward hook that stores the first output's per-channel signal statistics of ``mod`` in ``entries``."""
+    kind = layer_kind(mod) if mode != "blocks" else None
+
+    def hook(_m, _args, out):
+        if isinstance(out, Tensor) and out.dim() >= 2 and name not in entries:
+            dims = input_channel_dims(mod, kind, out) if kind is not None else None
+            sq, var = channel_signal_stats(out, dims or 1)
+            entries[name] = {
+                "name": name,
+                "type": type(mod).__name__,
+                "avg_sq_mean": sq,
+                "avg_var": var,
+                "residual_var": None,
+            }
+
+    return hook
+
+
+def _branch_hook(branch_var: dict[str, float], name: str):
+    """A forward hook that stores the first output variance of a block's residual branch in ``branch_var``."""
+
+    def hook(_m, _args, out):
+        if isinstance(out, Tensor) and out.dim() >= 2 and name not in branch_var:
+            branch_var[name] = channel_signal_stats(out)[1]
+
+    return hook
+
+
 @torch.no_grad()
 def signal_propagation(
     model: nn.Module,
@@ -107,30 +136,12 @@ def signal_propagation(
     entries: dict[str, dict] = {}
     branch_var: dict[str, float] = {}
     handles = []
-
-    def out_hook(name: str, mod: nn.Module):
-        kind = layer_kind(mod) if mode != "blocks" else None
-
-        def hook(_m, _args, out):
-            if isinstance(out, Tensor) and out.dim() >= 2 and name not in entries:
-                dims = input_channel_dims(mod, kind, out) if kind is not None else None
-                sq, var = channel_signal_stats(out, dims or 1)
-                entries[name] = {"name": name, "type": type(mod).__name__, "avg_sq_mean": sq, "avg_var": var,
-                                 "residual_var": None}
-        return hook
-
-    def branch_hook(name: str):
-        def hook(_m, _args, out):
-            if isinstance(out, Tensor) and out.dim() >= 2 and name not in branch_var:
-                branch_var[name] = channel_signal_stats(out)[1]
-        return hook
-
     try:
         for name, mod in targets:
-            handles.append(mod.register_forward_hook(out_hook(name, mod)))
+            handles.append(mod.register_forward_hook(_output_hook(entries, name, mod, mode)))
             branch = _branch_of(mod) if mode == "blocks" else None
             if branch is not None:
-                handles.append(branch.register_forward_hook(branch_hook(name)))
+                handles.append(branch.register_forward_hook(_branch_hook(branch_var, name)))
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(shape, generator=gen, dtype=dtype).to(device)
         net.to(device=device, dtype=dtype)

@@ -135,7 +135,8 @@ def _channel_dims(channel_dim: int | Sequence[int], ndim: int, fn: str) -> tuple
     dims = tuple(d % ndim for d in dims)
     if len(set(dims)) != len(dims) or len(dims) == ndim:
         raise ValueError(
-            f"{fn}: channel_dim must name distinct dims and leave one to average over, got {channel_dim!r}")
+            f"{fn}: channel_dim must name distinct dims and leave one to average over, got {channel_dim!r}"
+        )
     return dims
 
 
@@ -241,6 +242,7 @@ def variance_terms(record: dict) -> dict:
     need = ("fan_in", "weight_sq_mean", "input_var", "input_mean_sq", "shift")
     if any(record.get(k) is None for k in need):
         return {}
-    return {"variance_term": record["fan_in"] * record["weight_sq_mean"] * record["input_var"],
-            "shift_term": record["input_mean_sq"] * record["shift"]}
-
+    return {
+        "variance_term": record["fan_in"] * record["weight_sq_mean"] * record["input_var"],
+        "shift_term": record["input_mean_sq"] * record["shift"],
+    }

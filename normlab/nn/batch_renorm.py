@@ -142,12 +142,12 @@ class RenormSchedule:
         return rmax, dmax
 
 
-
 def _check_limits(where: str, rmax, dmax) -> None:
     if not _is_number(rmax) or math.isnan(rmax) or rmax < 1:
         raise ValueError(f"{where}: rmax must be a number >= 1, got {rmax!r}")
     if not _is_number(dmax) or math.isnan(dmax) or dmax < 0:
         raise ValueError(f"{where}: dmax must be a number >= 0, got {dmax!r}")
+
 
 # The docstring of the public classes: one text, filled in per class ($name, $torch_name, $input, ...).
 _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop-in for ``$torch_name``.
@@ -293,9 +293,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
     # ------------------------------------------------------------------ checks
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() not in self._expected_dims:
-            raise ValueError(
-                f"{type(self).__name__}: expected {self._shape_text}, got {input.dim()}D input"
-            )
+            raise ValueError(f"{type(self).__name__}: expected {self._shape_text}, got {input.dim()}D input")
 
     def _check_input(self, input: Tensor, bn_training: bool, local: bool = True) -> None:
         where = type(self).__name__
@@ -311,8 +309,7 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
         if bn_training and local and input.numel() // self.num_features == 1:
             raise ValueError(
-                f"{where}: expected more than 1 value per channel when training, got input shape "
-                f"{tuple(input.shape)}"
+                f"{where}: expected more than 1 value per channel when training, got input shape {tuple(input.shape)}"
             )
 
     # ------------------------------------------------------------------ limits
@@ -372,7 +369,6 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({error})"
         )
 
-
     # ------------------------------------------------------------------ forward
     def forward(self, input: Tensor) -> Tensor:
         """Input (N, C, *) -> output of the same shape, dtype and memory format."""
@@ -383,8 +379,14 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             # eval, no running statistics, or an empty batch (BatchNorm's empty output; unlike BatchNorm the step
             # counter does not advance: no data, no step of the schedule)
             return NF.batch_renorm(
-                input, self.running_mean if use_running else None, self.running_var if use_running else None,
-                self.weight, self.bias, bn_training, 0.0 if self.momentum is None else self.momentum, self.eps,
+                input,
+                self.running_mean if use_running else None,
+                self.running_var if use_running else None,
+                self.weight,
+                self.bias,
+                bn_training,
+                0.0 if self.momentum is None else self.momentum,
+                self.eps,
             )
         plain = plain_eager(input)
         if plain and recomputing():  # inside a backward pass: a checkpoint recomputation
@@ -495,12 +497,14 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
 class BatchRenorm1d(_BatchRenorm):
     __doc__ = _doc(
-        input="(N, C) or (N, C, L)", torch_name="nn.BatchNorm1d",
+        input="(N, C) or (N, C, L)",
+        torch_name="nn.BatchNorm1d",
         example="""
 >>> m = BatchRenorm1d(16, rmax=3.0, dmax=5.0)
 >>> m(torch.randn(8, 16, 40)).shape
 torch.Size([8, 16, 40])
-""")
+""",
+    )
 
     _expected_dims = (2, 3)
     _shape_text = "2D or 3D input (N, C) or (N, C, L)"
@@ -508,12 +512,14 @@ torch.Size([8, 16, 40])
 
 class BatchRenorm2d(_BatchRenorm):
     __doc__ = _doc(
-        input="(N, C, H, W)", torch_name="nn.BatchNorm2d",
+        input="(N, C, H, W)",
+        torch_name="nn.BatchNorm2d",
         example="""
 >>> m = BatchRenorm2d(64, schedule=RenormSchedule.scaled(10_000))   # the paper's schedule over 10k steps
 >>> m(torch.randn(2, 64, 8, 8)).shape
 torch.Size([2, 64, 8, 8])
-""")
+""",
+    )
 
     _expected_dims = (4,)
     _shape_text = "4D input (N, C, H, W)"
@@ -521,11 +527,13 @@ torch.Size([2, 64, 8, 8])
 
 class BatchRenorm3d(_BatchRenorm):
     __doc__ = _doc(
-        input="(N, C, D, H, W)", torch_name="nn.BatchNorm3d",
+        input="(N, C, D, H, W)",
+        torch_name="nn.BatchNorm3d",
         example="""
 >>> BatchRenorm3d(4, rmax=2.0)(torch.randn(2, 4, 3, 5, 5)).shape
 torch.Size([2, 4, 3, 5, 5])
-""")
+""",
+    )
 
     _expected_dims = (5,)
     _shape_text = "5D input (N, C, D, H, W)"
@@ -533,7 +541,8 @@ torch.Size([2, 4, 3, 5, 5])
 
 class SyncBatchRenorm(_BatchRenorm):
     __doc__ = _doc(
-        input="(N, C, *)", torch_name="nn.SyncBatchNorm",
+        input="(N, C, *)",
+        torch_name="nn.SyncBatchNorm",
         details="""
 
     With statistics over all ranks of a ``torch.distributed`` process group: in training with an initialized
@@ -553,7 +562,8 @@ class SyncBatchRenorm(_BatchRenorm):
 >>> model = SyncBatchRenorm.convert_sync_batchrenorm(model)   # before wrapping it in DDP
 >>> type(model[1]).__name__
 'SyncBatchRenorm'
-""")
+""",
+    )
 
     _expected_dims = tuple(range(2, 9))
     _shape_text = "at least 2D input (N, C, *)"
@@ -576,8 +586,18 @@ class SyncBatchRenorm(_BatchRenorm):
         check_finite: bool = True,
     ) -> None:
         super().__init__(
-            num_features, eps, momentum, affine, track_running_stats, device, dtype,
-            bias=bias, rmax=rmax, dmax=dmax, schedule=schedule, check_finite=check_finite,
+            num_features,
+            eps,
+            momentum,
+            affine,
+            track_running_stats,
+            device,
+            dtype,
+            bias=bias,
+            rmax=rmax,
+            dmax=dmax,
+            schedule=schedule,
+            check_finite=check_finite,
         )
         self.process_group = process_group
 
@@ -665,8 +685,14 @@ class SyncBatchRenorm(_BatchRenorm):
         out = module
         if isinstance(module, _BatchRenorm) and not isinstance(module, SyncBatchRenorm):
             out = cls(
-                module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                process_group, bias=module.bias is not None, check_finite=module.check_finite,
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group,
+                bias=module.bias is not None,
+                check_finite=module.check_finite,
             )
             out.schedule, out.rmax, out.dmax = module.schedule, module.rmax, module.dmax
             if module.affine:

@@ -248,11 +248,15 @@ class _InstanceNorm(Float32StatsModule):
 
 class InstanceNorm1d(_InstanceNorm):
     __doc__ = _doc(
-        input="(N, C, L)", unbatched="(C, L)", over="L", dim="1d",
+        input="(N, C, L)",
+        unbatched="(C, L)",
+        over="L",
+        dim="1d",
         example="""
 >>> InstanceNorm1d(16, affine=True)(torch.randn(8, 16, 40)).shape
 torch.Size([8, 16, 40])
-""")
+""",
+    )
 
     _spatial_dims = 1
     _layout = "(N, C, L)"
@@ -260,13 +264,17 @@ torch.Size([8, 16, 40])
 
 class InstanceNorm2d(_InstanceNorm):
     __doc__ = _doc(
-        input="(N, C, H, W)", unbatched="(C, H, W)", over="H, W", dim="2d",
+        input="(N, C, H, W)",
+        unbatched="(C, H, W)",
+        over="H, W",
+        dim="2d",
         memory=" channels_last inputs give channels_last outputs (torch's CPU kernel returns contiguous ones).",
         example="""
 >>> x = torch.randn(2, 64, 32, 32).to(memory_format=torch.channels_last)
 >>> InstanceNorm2d(64)(x).is_contiguous(memory_format=torch.channels_last)
 True
-""")
+""",
+    )
 
     _spatial_dims = 2
     _layout = "(N, C, H, W)"
@@ -274,12 +282,16 @@ True
 
 class InstanceNorm3d(_InstanceNorm):
     __doc__ = _doc(
-        input="(N, C, D, H, W)", unbatched="(C, D, H, W)", over="D, H, W", dim="3d",
+        input="(N, C, D, H, W)",
+        unbatched="(C, D, H, W)",
+        over="D, H, W",
+        dim="3d",
         memory=" channels_last_3d inputs give channels_last_3d outputs.",
         example="""
 >>> InstanceNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
 torch.Size([2, 4, 3, 5, 5])
-""")
+""",
+    )
 
     _spatial_dims = 3
     _layout = "(N, C, D, H, W)"

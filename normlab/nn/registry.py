@@ -39,9 +39,19 @@ from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
 from .weight_std import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
 __all__ = [
-    "NORM_NAMES", "CONV_KINDS", "DIMS", "NORM_CLASSES", "CONV_CLASSES",
-    "get_norm_class", "get_conv_class", "create_norm", "create_conv", "default_groups", "is_norm_layer",
-    "comparison_names", "resolve_comparison",
+    "NORM_NAMES",
+    "CONV_KINDS",
+    "DIMS",
+    "NORM_CLASSES",
+    "CONV_CLASSES",
+    "get_norm_class",
+    "get_conv_class",
+    "create_norm",
+    "create_conv",
+    "default_groups",
+    "is_norm_layer",
+    "comparison_names",
+    "resolve_comparison",
 ]
 
 #: The spatial dimensions every name has a class for (1, 2 and 3).

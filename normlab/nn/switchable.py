@@ -162,9 +162,20 @@ class _SwitchableNorm(Float32StatsModule):
         """x: (N, C, *spatial) -> same shape, dtype and memory format."""
         self._check_input(x)
         y = switchable_forward(
-            x, self.mean_weight, self.var_weight, self.weight, self.bias, self.running_mean, self.running_var,
-            training=self.training, momentum=self.momentum, eps=self.eps, using_bn=self.using_bn,
-            using_moving_average=self.using_moving_average, fused=None, where=type(self).__name__,
+            x,
+            self.mean_weight,
+            self.var_weight,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
+            using_bn=self.using_bn,
+            using_moving_average=self.using_moving_average,
+            fused=None,
+            where=type(self).__name__,
         )
         fmt = channels_last_format(x)
         return y if fmt is None else y.contiguous(memory_format=fmt)
@@ -172,14 +183,16 @@ class _SwitchableNorm(Float32StatsModule):
 
 class SwitchableNorm1d(_SwitchableNorm):
     __doc__ = _doc(
-        input="(N, C, L)", over="L",
+        input="(N, C, L)",
+        over="L",
         details="""
     Unlike the official ``SwitchNorm1d`` (which takes (N, C) and mixes only LN and BN), this layer uses all three
     statistics on sequences.""",
         example="""
 >>> SwitchableNorm1d(16)(torch.randn(8, 16, 40)).shape
 torch.Size([8, 16, 40])
-""")
+""",
+    )
 
     _spatial_dims = 1
     _layout = "(N, C, L)"
@@ -187,11 +200,14 @@ torch.Size([8, 16, 40])
 
 class SwitchableNorm2d(_SwitchableNorm):
     __doc__ = _doc(
-        input="(N, C, H, W)", over="H * W", details=" channels_last inputs give channels_last outputs.",
+        input="(N, C, H, W)",
+        over="H * W",
+        details=" channels_last inputs give channels_last outputs.",
         example="""
 >>> SwitchableNorm2d(64)(torch.randn(4, 64, 8, 8)).shape
 torch.Size([4, 64, 8, 8])
-""")
+""",
+    )
 
     _spatial_dims = 2
     _layout = "(N, C, H, W)"
@@ -199,11 +215,14 @@ torch.Size([4, 64, 8, 8])
 
 class SwitchableNorm3d(_SwitchableNorm):
     __doc__ = _doc(
-        input="(N, C, D, H, W)", over="D * H * W", details=" channels_last_3d inputs give channels_last_3d outputs.",
+        input="(N, C, D, H, W)",
+        over="D * H * W",
+        details=" channels_last_3d inputs give channels_last_3d outputs.",
         example="""
 >>> SwitchableNorm3d(4)(torch.randn(2, 4, 3, 5, 5)).shape
 torch.Size([2, 4, 3, 5, 5])
-""")
+""",
+    )
 
     _spatial_dims = 3
     _layout = "(N, C, D, H, W)"

@@ -47,6 +47,7 @@ def _capturing_graph() -> bool:
     """True while a graph is being captured (trace/compile): captured graphs must recompute the kernel."""
     return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.jit.is_scripting()
 
+
 # The docstrings of the public classes: one text per family, filled in per dimension ($conv, $input, $output,
 # $example); the convolution arguments, the same in both families, are written once.
 _CONV_ARGS = """in_channels: C_in, the number of channels of the input.
@@ -228,14 +229,29 @@ class _StdConvNd:
 class _WSConvNd(_StdConvNd):
     """The WS kernel and arguments of :class:`WSConv1d`/``2d``/``3d`` (docstring: ``_WS_DOC``)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 eps: float = 1e-5, weight_cache: str = "auto") -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        eps: float = 1e-5,
+        weight_cache: str = "auto",
+    ) -> None:
         where = type(self).__name__
         self.weight_cache = _check_cache_mode(where, weight_cache)
         self.eps = _check_positive(where, "eps", eps)
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         padding_mode, device, dtype)
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype
+        )
 
     def _compute_weight(self) -> Tensor:
         return standardize_weight(self.weight, self.eps)
@@ -253,10 +269,26 @@ class _WSConvNd(_StdConvNd):
 class _PWSConvNd(_StdConvNd):
     """The PWS kernel, ``alpha`` and arguments of :class:`PWSConv1d`/``2d``/``3d`` (docstring: ``_PWS_DOC``)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
-                 gamma: float = 1e-3, relative_gamma: bool = False, fan_mode: str = "fan_in",
-                 init_alpha: bool = False, weight_cache: str = "auto") -> None:
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size,
+        stride=1,
+        padding=0,
+        dilation=1,
+        groups: int = 1,
+        bias: bool = True,
+        padding_mode: str = "zeros",
+        device=None,
+        dtype=None,
+        *,
+        gamma: float = 1e-3,
+        relative_gamma: bool = False,
+        fan_mode: str = "fan_in",
+        init_alpha: bool = False,
+        weight_cache: str = "auto",
+    ) -> None:
         where = type(self).__name__
         self.weight_cache = _check_cache_mode(where, weight_cache)
         self.gamma = _check_positive(where, "gamma", gamma)
@@ -265,8 +297,9 @@ class _PWSConvNd(_StdConvNd):
         self.relative_gamma = bool(relative_gamma)
         self.fan_mode = fan_mode
         self.init_alpha = bool(init_alpha)
-        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
-                         padding_mode, device, dtype)
+        super().__init__(
+            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype
+        )
         per_filter = self.in_channels if fan_mode == "fan_in" else self.out_channels
         self.fan = per_filter // self.groups * math.prod(self.kernel_size)
         self.alpha = nn.Parameter(torch.ones(self.out_channels, device=device, dtype=dtype))
@@ -309,8 +342,9 @@ class _PWSConvNd(_StdConvNd):
         kernel = pws_weight(self.weight, None, self.gamma, self.relative_gamma, fan=self.fan)
         y = self._conv_forward(input, kernel, None).double()
         x_sq = input.detach().double().square()
-        stats = torch.stack([y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(),
-                             y.new_tensor(float(x_sq.numel()))])
+        stats = torch.stack(
+            [y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(), y.new_tensor(float(x_sq.numel()))]
+        )
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(stats)
         total, total_sq, count, input_sq, input_count = stats
@@ -321,13 +355,15 @@ class _PWSConvNd(_StdConvNd):
         self.alpha.copy_(torch.where(valid, alpha, self.alpha))
         self.alpha_initialized.copy_(self.alpha_initialized | valid)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                              error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         flag = prefix + "alpha_initialized"
         if flag not in state_dict and prefix + "alpha" in state_dict:
             state_dict[flag] = torch.tensor(True)  # a checkpoint carrying alpha is never re-initialized
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
-                                      error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         self._weight_cache = None
 
     def extra_repr(self) -> str:
@@ -343,63 +379,81 @@ class _PWSConvNd(_StdConvNd):
 
 class WSConv1d(_WSConvNd, nn.Conv1d):
     __doc__ = _doc(
-        _WS_DOC, conv="nn.Conv1d", input="(N, C_in, L_in) or (C_in, L_in)",
+        _WS_DOC,
+        conv="nn.Conv1d",
+        input="(N, C_in, L_in) or (C_in, L_in)",
         output="(N, C_out, L_out) or (C_out, L_out)",
         example="""
 >>> conv = WSConv1d(16, 32, 3, padding=1)
 >>> conv(torch.randn(8, 16, 40)).shape
 torch.Size([8, 32, 40])
-""")
+""",
+    )
 
 
 class WSConv2d(_WSConvNd, nn.Conv2d):
     __doc__ = _doc(
-        _WS_DOC, conv="nn.Conv2d", input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
+        _WS_DOC,
+        conv="nn.Conv2d",
+        input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
         output="(N, C_out, H_out, W_out) or (C_out, H_out, W_out)",
         example="""
 >>> model = nn.Sequential(WSConv2d(3, 64, 3, padding=1), nn.GroupNorm(32, 64), nn.ReLU())
 >>> model(torch.randn(2, 3, 32, 32)).shape
 torch.Size([2, 64, 32, 32])
-""")
+""",
+    )
 
 
 class WSConv3d(_WSConvNd, nn.Conv3d):
     __doc__ = _doc(
-        _WS_DOC, conv="nn.Conv3d", input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
+        _WS_DOC,
+        conv="nn.Conv3d",
+        input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
         output="(N, C_out, D_out, H_out, W_out) or (C_out, D_out, H_out, W_out)",
         example="""
 >>> WSConv3d(4, 8, 3)(torch.randn(2, 4, 6, 6, 6)).shape
 torch.Size([2, 8, 4, 4, 4])
-""")
+""",
+    )
 
 
 class PWSConv1d(_PWSConvNd, nn.Conv1d):
     __doc__ = _doc(
-        _PWS_DOC, conv="nn.Conv1d", input="(N, C_in, L_in) or (C_in, L_in)",
+        _PWS_DOC,
+        conv="nn.Conv1d",
+        input="(N, C_in, L_in) or (C_in, L_in)",
         output="(N, C_out, L_out) or (C_out, L_out)",
         example="""
 >>> conv = PWSConv1d(16, 32, 3, padding=1, gamma=1e-3)
 >>> conv(torch.randn(8, 16, 40)).shape
 torch.Size([8, 32, 40])
-""")
+""",
+    )
 
 
 class PWSConv2d(_PWSConvNd, nn.Conv2d):
     __doc__ = _doc(
-        _PWS_DOC, conv="nn.Conv2d", input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
+        _PWS_DOC,
+        conv="nn.Conv2d",
+        input="(N, C_in, H_in, W_in) or (C_in, H_in, W_in)",
         output="(N, C_out, H_out, W_out) or (C_out, H_out, W_out)",
         example="""
 >>> model = nn.Sequential(PWSConv2d(3, 64, 3, padding=1), nn.ReLU(), PWSConv2d(64, 10, 1))
 >>> model(torch.randn(2, 3, 32, 32)).shape
 torch.Size([2, 10, 32, 32])
-""")
+""",
+    )
 
 
 class PWSConv3d(_PWSConvNd, nn.Conv3d):
     __doc__ = _doc(
-        _PWS_DOC, conv="nn.Conv3d", input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
+        _PWS_DOC,
+        conv="nn.Conv3d",
+        input="(N, C_in, D_in, H_in, W_in) or (C_in, D_in, H_in, W_in)",
         output="(N, C_out, D_out, H_out, W_out) or (C_out, D_out, H_out, W_out)",
         example="""
 >>> PWSConv3d(4, 8, 3, padding=1)(torch.randn(2, 4, 6, 6, 6)).shape
 torch.Size([2, 8, 6, 6, 6])
-""")
+""",
+    )

@@ -65,7 +65,7 @@ def step_times(
     samples: dict[str, list[float]] = {n: [] for n in norms}
     order = list(norms)
     for r in range(repeats):
-        for name in order[r % len(order):] + order[: r % len(order)]:
+        for name in order[r % len(order) :] + order[: r % len(order)]:
             samples[name].append(_timed_steps(*nets[name], x, y, iters))
     out = {n: {"median_s": statistics.median(v), "min_s": min(v)} for n, v in samples.items()}
     if "pws" in out:

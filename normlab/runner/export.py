@@ -29,8 +29,15 @@ from normlab.runner.models import build_model
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import read_checkpoint
 
-__all__ = ["INPUT_SHAPES", "require_onnx", "load_run_model", "fold_run", "export_onnx", "export_torchscript",
-           "max_rel_diff"]
+__all__ = [
+    "INPUT_SHAPES",
+    "require_onnx",
+    "load_run_model",
+    "fold_run",
+    "export_onnx",
+    "export_torchscript",
+    "max_rel_diff",
+]
 
 
 def _checkpoint_path(path: str | os.PathLike) -> Path:
@@ -55,13 +62,23 @@ def load_run_model(path: str | os.PathLike) -> tuple[nn.Module, TrainConfig, tup
         raise UsageError(f"CHECKPOINT {ck_path} is {e}") from None
     cfg = TrainConfig.from_dict(ck["config"]).validate()
     shape = INPUT_SHAPES[cfg.dataset]
-    model = build_model(cfg.model, cfg.norm, cfg.conv, shape[0], DATASET_CLASSES[cfg.dataset], shape, cfg.width,
-                        conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs)
+    model = build_model(
+        cfg.model,
+        cfg.norm,
+        cfg.conv,
+        shape[0],
+        DATASET_CLASSES[cfg.dataset],
+        shape,
+        cfg.width,
+        conv_kwargs=cfg.conv_kwargs,
+        **cfg.model_kwargs,
+    )
     try:
         model.load_state_dict(ck["model"])
     except (RuntimeError, KeyError, TypeError) as e:  # written by another normlab version, or edited
-        raise UsageError(f"CHECKPOINT {ck_path}: its weights do not fit the model its config describes "
-                         f"({error_line(e)})") from None
+        raise UsageError(
+            f"CHECKPOINT {ck_path}: its weights do not fit the model its config describes ({error_line(e)})"
+        ) from None
     return model.eval(), cfg, shape
 
 
@@ -110,8 +127,15 @@ def _onnx_bytes(model: nn.Module, example: torch.Tensor) -> bytes:
     batch = torch.export.Dim("batch", min=1, max=2**20)
     try:
         with _quiet():
-            program = torch.onnx.export(model, (example,), dynamo=True, input_names=["input"],
-                                        output_names=["logits"], dynamic_shapes=({0: batch},), verbose=False)
+            program = torch.onnx.export(
+                model,
+                (example,),
+                dynamo=True,
+                input_names=["input"],
+                output_names=["logits"],
+                dynamic_shapes=({0: batch},),
+                verbose=False,
+            )
         return program.model_proto.SerializeToString()
     except Exception as e:  # the exporter's many error types (unsupported operator, export failure, ...)
         raise RunError(f"ONNX export failed: {error_line(e, with_type=True)}") from None
@@ -128,8 +152,9 @@ def _onnxruntime_diff(data: bytes, model: nn.Module, inputs: list[torch.Tensor])
         with torch.no_grad():
             return max(max_rel_diff(session.run(None, {"input": x.numpy()})[0], model(x)) for x in inputs)
     except Exception as e:  # onnxruntime's own error types
-        raise RunError(f"ONNX export: onnxruntime cannot run the exported model ({error_line(e, with_type=True)})"
-                       ) from None
+        raise RunError(
+            f"ONNX export: onnxruntime cannot run the exported model ({error_line(e, with_type=True)})"
+        ) from None
 
 
 def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, rtol: float = 1e-4) -> float | None:
@@ -149,8 +174,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, path: str | os.PathLike
     return diff
 
 
-def export_torchscript(model: nn.Module, example: torch.Tensor, path: str | os.PathLike,
-                       rtol: float = 1e-4) -> float:
+def export_torchscript(model: nn.Module, example: torch.Tensor, path: str | os.PathLike, rtol: float = 1e-4) -> float:
     """Trace ``model`` with ``torch.jit.trace`` and save it to ``path``; returns the relative difference of the
     loaded trace from torch at another batch size (RunError above ``rtol``; nothing is written then)."""
     try:

@@ -27,8 +27,18 @@ from normlab._files import TEMP_SUFFIX, append_bytes, atomic_savefig, atomic_wri
 from normlab.runner.errors import UsageError
 
 __all__ = [
-    "atomic_write", "atomic_write_text", "atomic_write_json", "atomic_torch_save", "atomic_savefig", "append_lines",
-    "remove_stale_temps", "to_jsonable", "json_line", "check_dir_option", "from_fields", "TEMP_SUFFIX",
+    "atomic_write",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_torch_save",
+    "atomic_savefig",
+    "append_lines",
+    "remove_stale_temps",
+    "to_jsonable",
+    "json_line",
+    "check_dir_option",
+    "from_fields",
+    "TEMP_SUFFIX",
 ]
 
 
@@ -125,6 +135,7 @@ def from_fields(cls, d: dict[str, Any], what: str | None = None):
         raise UsageError(f"{what or cls.__name__}: expected a JSON object of its fields, got {type(d).__name__}")
     unknown = sorted(set(d) - set(names))
     if unknown:
-        raise UsageError(f"{what or cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                         f"its fields: {', '.join(names)}")
+        raise UsageError(
+            f"{what or cls.__name__}: unknown key(s) {', '.join(map(repr, unknown))}; its fields: {', '.join(names)}"
+        )
     return cls(**d)

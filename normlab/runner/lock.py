@@ -54,8 +54,10 @@ def _make_dirs(out: Path, option: str) -> Path | None:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UsageError(f"{option} {out} cannot be created ({e.strerror or type(e).__name__}); expected a "
-                         f"directory this user may write into") from None
+        raise UsageError(
+            f"{option} {out} cannot be created ({e.strerror or type(e).__name__}); expected a "
+            f"directory this user may write into"
+        ) from None
     return missing[-1] if missing else None
 
 
@@ -78,16 +80,19 @@ def _open_locked(path: Path, out: Path, option: str) -> int:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o644)
         except OSError as e:
-            raise UsageError(f"{option} {out}: cannot open the lock file {path.name} ({e.strerror}); remove it if it "
-                             f"is a link") from None
+            raise UsageError(
+                f"{option} {out}: cannot open the lock file {path.name} ({e.strerror}); remove it if it is a link"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             h = lock_holder(out) or {}
-            raise UsageError(f"{option} {out} is in use by another normlab run (pid {h.get('pid', '?')} on "
-                             f"{h.get('host', '?')}: normlab {h.get('command', '?')}, since {h.get('since', '?')});"
-                             f" wait for it to finish or use another {option}") from None
+            raise UsageError(
+                f"{option} {out} is in use by another normlab run (pid {h.get('pid', '?')} on "
+                f"{h.get('host', '?')}: normlab {h.get('command', '?')}, since {h.get('since', '?')});"
+                f" wait for it to finish or use another {option}"
+            ) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
@@ -128,8 +133,12 @@ def out_lock(out_dir: str | os.PathLike, command: str, option: str = "--out") ->
     key = os.path.realpath(path)
     _held[key] = 1
     try:
-        info = {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-                "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": command,
+            "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
         yield out

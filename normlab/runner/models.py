@@ -30,8 +30,19 @@ from torch import nn
 from normlab.nn import CONV_KINDS, NORM_NAMES, create_conv, create_norm
 from normlab.runner.errors import UsageError
 
-__all__ = ["MODELS", "MODEL_DIMS", "build_model", "he_init_", "LayerFactory", "PlainNet", "PreActResNet",
-           "PWSResNet", "CNN1d", "PreActBottleneck", "PWSBottleneck"]
+__all__ = [
+    "MODELS",
+    "MODEL_DIMS",
+    "build_model",
+    "he_init_",
+    "LayerFactory",
+    "PlainNet",
+    "PreActResNet",
+    "PWSResNet",
+    "CNN1d",
+    "PreActBottleneck",
+    "PWSBottleneck",
+]
 
 MODEL_DIMS = {"plain": 2, "plain1d": 1, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}  # spatial dims each model takes
 MODELS = tuple(MODEL_DIMS)
@@ -286,13 +297,17 @@ def _check_args(name, norm, conv, in_channels, num_classes, width, kw) -> None:
         raise UsageError(f"build_model({name!r}): in_channels and num_classes must be >= 1")
     unknown = set(kw) - _MODEL_KWARGS.get(name, set())
     if unknown:
-        raise UsageError(f"build_model({name!r}): unexpected keyword(s) {sorted(unknown)}; "
-                         f"allowed: {sorted(_MODEL_KWARGS.get(name, set()))}")
+        raise UsageError(
+            f"build_model({name!r}): unexpected keyword(s) {sorted(unknown)}; "
+            f"allowed: {sorted(_MODEL_KWARGS.get(name, set()))}"
+        )
     if "blocks" in kw and int(kw["blocks"]) < 1:
         raise UsageError(f"build_model({name!r}): blocks must be >= 1, got {kw['blocks']}")
     if name == "resnet_pws" and norm not in ("none", "ln"):
-        raise UsageError(f"build_model('resnet_pws'): the official PWS layout has fixed GroupNorm(1) layers; norm "
-                         f"must be 'none' or 'ln', got {norm!r}")
+        raise UsageError(
+            f"build_model('resnet_pws'): the official PWS layout has fixed GroupNorm(1) layers; norm "
+            f"must be 'none' or 'ln', got {norm!r}"
+        )
 
 
 def build_model(

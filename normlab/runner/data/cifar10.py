@@ -32,9 +32,13 @@ CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 _ALLOWED_GLOBALS = {
-    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
-    ("numpy", "ndarray"), ("numpy", "dtype"), ("_codecs", "encode"),
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("_codecs", "encode"),
 }
 
 
@@ -43,16 +47,20 @@ class _BatchUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) not in _ALLOWED_GLOBALS:
-            raise pickle.UnpicklingError(f"refusing to load {module}.{name} (only numpy arrays and builtin "
-                                         f"containers are allowed in a CIFAR-10 batch)")
+            raise pickle.UnpicklingError(
+                f"refusing to load {module}.{name} (only numpy arrays and builtin "
+                f"containers are allowed in a CIFAR-10 batch)"
+            )
         return super().find_class(module, name)
 
 
 def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     """One python batch -> images (N, 3, 32, 32) uint8 and labels (N,) int64; one-line errors for bad files."""
     if not path.exists():
-        raise UsageError(f"cifar10: missing file {path}; expected the python batches ({', '.join(CIFAR10_TRAIN_FILES)},"
-                         f" {CIFAR10_TEST_FILE}) in --data-dir; use --download to fetch them")
+        raise UsageError(
+            f"cifar10: missing file {path}; expected the python batches ({', '.join(CIFAR10_TRAIN_FILES)},"
+            f" {CIFAR10_TEST_FILE}) in --data-dir; use --download to fetch them"
+        )
     try:
         with open(path, "rb") as f:
             d = _BatchUnpickler(f, encoding="bytes").load()
@@ -61,8 +69,10 @@ def read_batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise UsageError(f"cifar10: {path} is not a CIFAR-10 python batch ({error_line(e)})") from None
     if data.ndim != 2 or data.shape[1] != 3 * 32 * 32 or labels.shape != (data.shape[0],):
-        raise UsageError(f"cifar10: {path} holds data of shape {data.shape} and labels of shape {labels.shape}, "
-                         f"expected (N, 3072) and (N,)")
+        raise UsageError(
+            f"cifar10: {path} holds data of shape {data.shape} and labels of shape {labels.shape}, "
+            f"expected (N, 3072) and (N,)"
+        )
     if labels.size and (labels.min() < 0 or labels.max() > 9):
         raise UsageError(f"cifar10: {path} has labels outside 0..9")
     return data.reshape(-1, 3, 32, 32), labels
@@ -103,8 +113,10 @@ def _copy(src, dst) -> None:
 def load_cifar10(data_dir: str | os.PathLike | None, download: bool = False):
     """(x_train, y_train, x_test, y_test) as uint8 images and int64 labels from ``data_dir``."""
     if data_dir is None:
-        raise UsageError("cifar10: --data-dir is required (the directory holding cifar-10-batches-py; add "
-                         "--download to fetch the 170 MB archive into it)")
+        raise UsageError(
+            "cifar10: --data-dir is required (the directory holding cifar-10-batches-py; add "
+            "--download to fetch the 170 MB archive into it)"
+        )
     if download:
         download_cifar10(data_dir)
     root = Path(data_dir)

@@ -138,8 +138,13 @@ def _cifar10(data_dir, download: bool) -> tuple[ArrayDataset, ArrayDataset, str]
     return train, test, f"CIFAR-10 python batches from {data_dir}; train: random flip + pad-4 crop"
 
 
-def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None, download: bool = False,
-                num_samples: int | None = None, num_train: int | None = None):
+def get_dataset(
+    name: str = "digits",
+    data_dir: str | os.PathLike | None = None,
+    download: bool = False,
+    num_samples: int | None = None,
+    num_train: int | None = None,
+):
     """Load a data set by name: returns ``(train_ds, test_ds, info)``.
 
     Args:
@@ -165,12 +170,24 @@ def get_dataset(name: str = "digits", data_dir: str | os.PathLike | None = None,
         train_ds, test_ds, desc = _cifar10(data_dir, download)
     if num_train is not None:
         if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
-            raise FieldError("get_dataset", "num_train", f"expected an integer in [1, {len(train_ds)}] (the {name} "
-                                                         f"training set), got {num_train!r}")
-        train_ds = ArrayDataset(train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std,
-                                train_ds.augment)
+            raise FieldError(
+                "get_dataset",
+                "num_train",
+                f"expected an integer in [1, {len(train_ds)}] (the {name} training set), got {num_train!r}",
+            )
+        train_ds = ArrayDataset(
+            train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std, train_ds.augment
+        )
     input_shape = tuple(train_ds.x.shape[1:])
     classes = cifar10.CIFAR10_CLASSES if name == "cifar10" else tuple(str(i) for i in range(10))
-    info = {"name": name, "in_channels": input_shape[0], "num_classes": len(classes), "input_shape": input_shape,
-            "num_train": len(train_ds), "num_test": len(test_ds), "classes": classes, "description": desc}
+    info = {
+        "name": name,
+        "in_channels": input_shape[0],
+        "num_classes": len(classes),
+        "input_shape": input_shape,
+        "num_train": len(train_ds),
+        "num_test": len(test_ds),
+        "classes": classes,
+        "description": desc,
+    }
     return train_ds, test_ds, info

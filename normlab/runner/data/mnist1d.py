@@ -67,8 +67,12 @@ def _generate(args: dict) -> dict[str, np.ndarray]:
     finally:
         np.random.set_state(np_state)
         random.setstate(py_state)
-    return {"x": d["x"].astype(np.float32), "y": d["y"].astype(np.int64),
-            "x_test": d["x_test"].astype(np.float32), "y_test": d["y_test"].astype(np.int64)}
+    return {
+        "x": d["x"].astype(np.float32),
+        "y": d["y"].astype(np.int64),
+        "x_test": d["x_test"].astype(np.float32),
+        "y_test": d["y_test"].astype(np.int64),
+    }
 
 
 def _read_cache(path: Path) -> dict[str, np.ndarray] | None:

@@ -38,15 +38,34 @@ def _describe(summary: dict[str, Any]) -> str:
     return f"acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}"
 
 
-COMPARE = Experiment(name="compare", spec_file="grid.json", spec_type=GridSpec, expand=expand_grid, train=train_cell,
-                     collect=collect_results, render=render_report, check=check_grid, cost=_cost,
-                     describe=_describe)
+COMPARE = Experiment(
+    name="compare",
+    spec_file="grid.json",
+    spec_type=GridSpec,
+    expand=expand_grid,
+    train=train_cell,
+    collect=collect_results,
+    render=render_report,
+    check=check_grid,
+    cost=_cost,
+    describe=_describe,
+)
 
 
-def run_grid(spec: GridSpec, out_dir: str | os.PathLike, *, workers: int | None = None, progress: bool = True,
-             render: bool = True, threads: int | None = None, log: Callable[[str], None] | None = None,
-             backend: str = "process", address: str | None = None,
-             announce: Callable[[GridRun], None] | None = None, option: str = "out_dir") -> dict[str, Any]:
+def run_grid(
+    spec: GridSpec,
+    out_dir: str | os.PathLike,
+    *,
+    workers: int | None = None,
+    progress: bool = True,
+    render: bool = True,
+    threads: int | None = None,
+    log: Callable[[str], None] | None = None,
+    backend: str = "process",
+    address: str | None = None,
+    announce: Callable[[GridRun], None] | None = None,
+    option: str = "out_dir",
+) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
     Cells with a matching ``summary.json`` are not rerun; a half-trained cell resumes from its checkpoint; a grid
@@ -57,5 +76,17 @@ def run_grid(spec: GridSpec, out_dir: str | os.PathLike, *, workers: int | None 
     Raises:
         CellsFailed: some cells raised; the report of the others is written first.
     """
-    return run_experiment(COMPARE, spec, out_dir, render=render, announce=announce, option=option, workers=workers,
-                          threads=threads, progress=progress, log=log, backend=backend, address=address)
+    return run_experiment(
+        COMPARE,
+        spec,
+        out_dir,
+        render=render,
+        announce=announce,
+        option=option,
+        workers=workers,
+        threads=threads,
+        progress=progress,
+        log=log,
+        backend=backend,
+        address=address,
+    )

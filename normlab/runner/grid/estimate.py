@@ -42,8 +42,17 @@ def step_seconds(cfg: TrainConfig, repeats: int = 2) -> float:
     torch.set_num_threads(1)
     try:
         shape = INPUT_SHAPES[cfg.dataset]
-        model = build_model(cfg.model, cfg.norm, cfg.conv, shape[0], DATASET_CLASSES[cfg.dataset], shape, cfg.width,
-                            conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs)
+        model = build_model(
+            cfg.model,
+            cfg.norm,
+            cfg.conv,
+            shape[0],
+            DATASET_CLASSES[cfg.dataset],
+            shape,
+            cfg.width,
+            conv_kwargs=cfg.conv_kwargs,
+            **cfg.model_kwargs,
+        )
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
         x = torch.randn(cfg.batch_size, *shape)
         y = torch.randint(0, DATASET_CLASSES[cfg.dataset], (cfg.batch_size,))

@@ -46,8 +46,17 @@ from normlab.runner.grid.spec import DictSpec
 from normlab.runner.io import atomic_write_json, remove_stale_temps
 from normlab.runner.lock import out_lock
 
-__all__ = ["Experiment", "GridRun", "plan_grid", "run_cells", "run_experiment", "default_workers", "merge_grid",
-           "CellsFailed", "BACKENDS"]
+__all__ = [
+    "Experiment",
+    "GridRun",
+    "plan_grid",
+    "run_cells",
+    "run_experiment",
+    "default_workers",
+    "merge_grid",
+    "CellsFailed",
+    "BACKENDS",
+]
 
 BACKENDS = ("process", "ray")
 
@@ -98,8 +107,10 @@ def _cell_done(cell_dir: Path, cell) -> dict[str, Any] | None:
         return None
     diff = cell.config.differences(summary.get("config", {}))
     if diff:
-        raise UsageError(f"cell {cell.cell_id} in {cell_dir.parent.parent} was run with a different config "
-                         f"({', '.join(diff)}); use another output directory")
+        raise UsageError(
+            f"cell {cell.cell_id} in {cell_dir.parent.parent} was run with a different config "
+            f"({', '.join(diff)}); use another output directory"
+        )
     return summary
 
 
@@ -137,8 +148,11 @@ class GridRun:
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
         for d in [self.out, *(self.cell_dir(c) for c in self.cells)]:
             remove_stale_temps(d)
-        atomic_write_json(self.out / self.experiment.spec_file,
-                          {**self.spec.to_dict(), "requested_cells": sorted(c.cell_id for c in self.cells)}, indent=2)
+        atomic_write_json(
+            self.out / self.experiment.spec_file,
+            {**self.spec.to_dict(), "requested_cells": sorted(c.cell_id for c in self.cells)},
+            indent=2,
+        )
 
     def record(self, cell, summary: dict[str, Any]) -> None:
         """Keep a finished cell; results.json then holds every cell finished so far."""
@@ -174,8 +188,10 @@ def _previous_grid(experiment: Experiment, out: Path) -> tuple[Any, set[str] | N
         requested = d.pop("requested_cells", None)
         spec = experiment.spec_type.from_dict(d)
     except (OSError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
-        raise UsageError(f"{path} is not a normlab grid ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})"
-                         f"; move it away or use another output directory") from None
+        raise UsageError(
+            f"{path} is not a normlab grid ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else e})"
+            f"; move it away or use another output directory"
+        ) from None
     return spec, set(requested) if isinstance(requested, list) else None
 
 
@@ -190,15 +206,18 @@ def merge_grid(previous: DictSpec | None, spec: DictSpec, where: Path) -> DictSp
     old, new = previous.settings(), spec.settings()
     diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
     if diff:
-        raise UsageError(f"{where} holds a grid run with a different config ({'; '.join(diff)}); rerun with its "
-                         f"settings to extend it, or use another output directory for a new grid")
+        raise UsageError(
+            f"{where} holds a grid run with a different config ({'; '.join(diff)}); rerun with its "
+            f"settings to extend it, or use another output directory for a new grid"
+        )
     lists = {k: list(dict.fromkeys([*getattr(previous, k), *getattr(spec, k)])) for k in spec.LIST_FIELDS}
     newer = {k: v for k, v in spec.to_dict().items() if k in spec.NEWER_FIELDS}
     return type(spec).from_dict({**previous.to_dict(), **lists, **newer})
 
 
-def plan_grid(experiment: Experiment, spec: DictSpec, out_dir: str | os.PathLike,
-              data_cache: str | os.PathLike | None = None) -> GridRun:
+def plan_grid(
+    experiment: Experiment, spec: DictSpec, out_dir: str | os.PathLike, data_cache: str | os.PathLike | None = None
+) -> GridRun:
     """Read ``out_dir`` (nothing is written): merge ``spec`` into the grid recorded there, expand the merged grid
     once, check the cells of ``spec`` (``experiment.check``) and collect the finished ones.
 
@@ -226,8 +245,9 @@ class _Progress:
     def __init__(self, total: int, done: int, enabled: bool, desc: str):
         from tqdm.auto import tqdm
 
-        self.bar = tqdm(total=total, initial=done, desc=desc, unit="run", disable=not enabled, file=sys.stderr,
-                        dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total, initial=done, desc=desc, unit="run", disable=not enabled, file=sys.stderr, dynamic_ncols=True
+        )
 
     def update(self, cell, text: str) -> None:
         self.bar.update(1)
@@ -238,8 +258,10 @@ def _raise_failures(grids: Sequence[GridRun]) -> None:
     errors = [(cid, err) for g in grids for cid, err in g.failures.items()]
     if errors:
         cid, err = errors[0]
-        raise CellsFailed(f"{len(errors)} run(s) failed (first: {cid}: {err}); every error is in results.json "
-                          f"under 'failed'; rerun the same command to retry them")
+        raise CellsFailed(
+            f"{len(errors)} run(s) failed (first: {cid}: {err}); every error is in results.json "
+            f"under 'failed'; rerun the same command to retry them"
+        )
 
 
 def _cpu_times() -> float:
@@ -248,25 +270,49 @@ def _cpu_times() -> float:
     return t.user + t.system + t.children_user + t.children_system
 
 
-def _run_jobs(jobs: list, done: Callable, failed: Callable, *, workers: int | None, threads: int | None,
-              backend: str, address: str | None) -> tuple[float, str]:
+def _run_jobs(
+    jobs: list,
+    done: Callable,
+    failed: Callable,
+    *,
+    workers: int | None,
+    threads: int | None,
+    backend: str,
+    address: str | None,
+) -> tuple[float, str]:
     """Run ``jobs`` ((grid, cell) pairs) on ``backend``; returns (workers or Ray CPUs, where they ran)."""
     if backend == "ray" and jobs:
         from normlab.runner.grid.ray_backend import run_on_ray
 
-        cpus = run_on_ray(jobs, threads=int(threads or 1), done=done, failed=failed, address=address,
-                          num_cpus=int(workers or default_workers()) * int(threads or 1))
+        cpus = run_on_ray(
+            jobs,
+            threads=int(threads or 1),
+            done=done,
+            failed=failed,
+            address=address,
+            num_cpus=int(workers or default_workers()) * int(threads or 1),
+        )
         return cpus, f"Ray tasks ({cpus:g} CPUs)"
-    n = run_jobs([(g.experiment.train, (c.config, str(g.cell_dir(c)))) for g, c in jobs],
-                 workers=default_workers() if workers in (None, 0) else int(workers), threads=threads,
-                 on_done=lambda i, summary: done(*jobs[i], summary),
-                 on_error=lambda i, e: failed(*jobs[i], error_line(e, with_type=True)))
+    n = run_jobs(
+        [(g.experiment.train, (c.config, str(g.cell_dir(c)))) for g, c in jobs],
+        workers=default_workers() if workers in (None, 0) else int(workers),
+        threads=threads,
+        on_done=lambda i, summary: done(*jobs[i], summary),
+        on_error=lambda i, e: failed(*jobs[i], error_line(e, with_type=True)),
+    )
     return n, f"{n} worker(s)"
 
 
-def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: int | None = None,
-              progress: bool = True, log: Callable[[str], None] | None = None, backend: str = "process",
-              address: str | None = None) -> dict[str, Any]:
+def run_cells(
+    grids: Sequence[GridRun],
+    *,
+    workers: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] | None = None,
+    backend: str = "process",
+    address: str | None = None,
+) -> dict[str, Any]:
     """Run every unfinished cell of ``grids``, the most expensive first, with ``threads`` torch threads each
     (default 1 in a pool or on Ray).
 
@@ -310,10 +356,17 @@ def run_cells(grids: Sequence[GridRun], *, workers: int | None = None, threads: 
     return ran
 
 
-def run_experiment(experiment: Experiment, spec: DictSpec, out_dir: str | os.PathLike, *, render: bool = True,
-                   announce: Callable[[GridRun], None] | None = None,
-                   extras: Callable[[GridRun, dict[str, Any]], dict[str, Any]] | None = None,
-                   option: str = "out_dir", **run: Any) -> dict[str, Any]:
+def run_experiment(
+    experiment: Experiment,
+    spec: DictSpec,
+    out_dir: str | os.PathLike,
+    *,
+    render: bool = True,
+    announce: Callable[[GridRun], None] | None = None,
+    extras: Callable[[GridRun, dict[str, Any]], dict[str, Any]] | None = None,
+    option: str = "out_dir",
+    **run: Any,
+) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
     Holds the directory's lock throughout (the one place that takes it for a grid). Cells with a matching

@@ -76,19 +76,26 @@ def _stop_workers(pool: ProcessPoolExecutor) -> None:
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _pool(jobs: Sequence[tuple[Callable, tuple]], workers: int, threads: int,
-          on_done: Callable[[int, Any], None], on_error: Callable[[int, Exception], None] | None) -> None:
+def _pool(
+    jobs: Sequence[tuple[Callable, tuple]],
+    workers: int,
+    threads: int,
+    on_done: Callable[[int, Any], None],
+    on_error: Callable[[int, Exception], None] | None,
+) -> None:
     ctx = mp.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_init_worker,
-                             initargs=(threads, os.getpid())) as pool:
+    with ProcessPoolExecutor(
+        max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads, os.getpid())
+    ) as pool:
         futures = {pool.submit(fn, *args): i for i, (fn, args) in enumerate(jobs)}
         try:
             for f in as_completed(futures):
                 try:
                     result = f.result()
                 except BrokenProcessPool:  # a worker died: the pool cannot go on (a rerun resumes)
-                    raise RunError("a worker process died (killed, or out of memory?); rerun the same command "
-                                   "to resume") from None
+                    raise RunError(
+                        "a worker process died (killed, or out of memory?); rerun the same command to resume"
+                    ) from None
                 except Exception as e:
                     if on_error is None:
                         raise
@@ -100,8 +107,11 @@ def _pool(jobs: Sequence[tuple[Callable, tuple]], workers: int, threads: int,
             raise
 
 
-def _in_process(jobs: Sequence[tuple[Callable, tuple]], on_done: Callable[[int, Any], None],
-                on_error: Callable[[int, Exception], None] | None) -> None:
+def _in_process(
+    jobs: Sequence[tuple[Callable, tuple]],
+    on_done: Callable[[int, Any], None],
+    on_error: Callable[[int, Exception], None] | None,
+) -> None:
     for i, (fn, args) in enumerate(jobs):
         try:
             result = fn(*args)
@@ -113,8 +123,14 @@ def _in_process(jobs: Sequence[tuple[Callable, tuple]], on_done: Callable[[int, 
         on_done(i, result)
 
 
-def run_jobs(jobs: Sequence[tuple[Callable, tuple]], *, workers: int, threads: int | None,
-             on_done: Callable[[int, Any], None], on_error: Callable[[int, Exception], None] | None = None) -> int:
+def run_jobs(
+    jobs: Sequence[tuple[Callable, tuple]],
+    *,
+    workers: int,
+    threads: int | None,
+    on_done: Callable[[int, Any], None],
+    on_error: Callable[[int, Exception], None] | None = None,
+) -> int:
     """Run ``fn(*args)`` for every ``(fn, args)`` of ``jobs`` (in list order as workers free up) and call
     ``on_done(index, result)`` in the parent as each finishes. ``workers`` processes (capped by the number of jobs;
     1 runs them in this process, with ``threads`` torch threads if given) with ``threads`` torch threads each

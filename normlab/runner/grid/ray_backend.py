@@ -77,8 +77,12 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
     else:
         # nothing else joins an embedded Ray: on the loopback (see require_ray), without a dashboard, and without
         # usage statistics unless the user asked for them (RAY_USAGE_STATS_ENABLED=1)
-        kwargs = {"num_cpus": num_cpus, "include_dashboard": False, "object_store_memory": _OBJECT_STORE,
-                  "_node_ip_address": "127.0.0.1"}
+        kwargs = {
+            "num_cpus": num_cpus,
+            "include_dashboard": False,
+            "object_store_memory": _OBJECT_STORE,
+            "_node_ip_address": "127.0.0.1",
+        }
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         ray.init(**kwargs, logging_level=logging.WARNING)
@@ -103,8 +107,10 @@ def check_address(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=3).close()
     except OSError as e:
-        raise UsageError(f"--address {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
-                         f"start one with `ray start --head` or check the address") from None
+        raise UsageError(
+            f"--address {address}: no Ray cluster answers there ({e.strerror or type(e).__name__}); "
+            f"start one with `ray start --head` or check the address"
+        ) from None
 
 
 def check_device(device: str) -> None:
@@ -113,8 +119,10 @@ def check_device(device: str) -> None:
         return
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index not in (None, 0):
-        raise UsageError(f"--device {device} with --backend ray: Ray gives each cell its own GPU, which the cell "
-                         f"sees as cuda:0; use --device cuda")
+        raise UsageError(
+            f"--device {device} with --backend ray: Ray gives each cell its own GPU, which the cell "
+            f"sees as cuda:0; use --device cuda"
+        )
 
 
 def _gpus(device: str, cluster_gpus: float) -> int:
@@ -131,8 +139,10 @@ def _check_resources(ray, jobs: Sequence, threads: int) -> dict[str, float]:
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     largest = max((r.get("CPU", 0) for r in nodes), default=res.get("CPU", 0))
     if largest < threads:  # a task runs on one node: no node could take a cell
-        raise UsageError(f"--threads {threads}: the largest node of the Ray cluster has {largest:g} CPUs; each cell "
-                         f"asks for --threads CPUs on one node")
+        raise UsageError(
+            f"--threads {threads}: the largest node of the Ray cluster has {largest:g} CPUs; each cell "
+            f"asks for --threads CPUs on one node"
+        )
     if any(_gpus(c.config.device, res.get("GPU", 0)) for _, c in jobs) and res.get("GPU", 0) < 1:
         raise UsageError("--device cuda with --backend ray: the Ray cluster has no GPU")
     return res
@@ -140,9 +150,13 @@ def _check_resources(ray, jobs: Sequence, threads: int) -> dict[str, float]:
 
 def _submit(task, grid, cell, threads: int, cluster_gpus: float):
     """Start ``cell`` as a run of the remote function ``task`` with its resources; returns its object ref."""
-    return task.options(num_cpus=threads, num_gpus=_gpus(cell.config.device, cluster_gpus), max_retries=MAX_RETRIES,
-                        retry_exceptions=False, name=f"normlab:{cell.cell_id}").remote(
-        grid.experiment.train, cell.config, str(grid.cell_dir(cell)), threads)
+    return task.options(
+        num_cpus=threads,
+        num_gpus=_gpus(cell.config.device, cluster_gpus),
+        max_retries=MAX_RETRIES,
+        retry_exceptions=False,
+        name=f"normlab:{cell.cell_id}",
+    ).remote(grid.experiment.train, cell.config, str(grid.cell_dir(cell)), threads)
 
 
 def _error_text(ray, e: BaseException) -> str:
@@ -154,9 +168,11 @@ def _error_text(ray, e: BaseException) -> str:
 
 def _check_visible(grid, cell, host: str) -> None:
     if not (grid.cell_dir(cell) / "summary.json").is_file():
-        raise RunError(f"cell {cell.cell_id} finished on {host}, but {grid.cell_dir(cell) / 'summary.json'} is not "
-                       f"visible on {socket.gethostname()}: a Ray cluster of several machines needs --out on a "
-                       f"filesystem shared by every node, at the same path")
+        raise RunError(
+            f"cell {cell.cell_id} finished on {host}, but {grid.cell_dir(cell) / 'summary.json'} is not "
+            f"visible on {socket.gethostname()}: a Ray cluster of several machines needs --out on a "
+            f"filesystem shared by every node, at the same path"
+        )
 
 
 def _collect(ray, refs: dict, done: Callable, failed: Callable) -> None:
@@ -184,8 +200,15 @@ def _cancel(ray, refs: Sequence) -> None:
         ray.wait(list(refs), num_returns=len(refs), timeout=10)
 
 
-def run_on_ray(jobs: Sequence[tuple[Any, Any]], *, threads: int, done: Callable, failed: Callable,
-               address: str | None = None, num_cpus: int | None = None) -> float:
+def run_on_ray(
+    jobs: Sequence[tuple[Any, Any]],
+    *,
+    threads: int,
+    done: Callable,
+    failed: Callable,
+    address: str | None = None,
+    num_cpus: int | None = None,
+) -> float:
     """Run ``jobs`` ((grid run, cell) pairs, in submission order) as Ray tasks with ``threads`` CPUs each.
 
     Args:

@@ -18,6 +18,7 @@ from normlab.runner.io import atomic_savefig, atomic_write_text
 # Markdown
 # --------------------------------------------------------------------------------------------------
 
+
 def _pm(m: float | None, s: float | None, n: int, scale: float = 100.0, fmt: str = ".1f") -> str:
     if m is None:
         return "n/a"
@@ -49,8 +50,17 @@ def markdown_table(results: dict[str, Any]) -> str:
     order = {n: i for i, n in enumerate(spec["norms"])}
     target = spec.get("target_acc")
     tgt = f"epochs to {100 * target:.0f} %" if target else "epochs to target"
-    head = ["norm", "lr used", "batch", "seeds", "final test acc %", "best test acc %", "collapsed", tgt,
-            "step time ms"]
+    head = [
+        "norm",
+        "lr used",
+        "batch",
+        "seeds",
+        "final test acc %",
+        "best test acc %",
+        "collapsed",
+        tgt,
+        "step time ms",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     groups = sorted(results["groups"], key=lambda g: (order.get(g["name"], 99), g["batch_size"], g["lr"]))
     for g in groups:
@@ -63,10 +73,23 @@ def markdown_table(results: dict[str, Any]) -> str:
         else:
             ett = f"not reached (0/{n})"
         step = f"{1000 * g['step_time_s']:.1f}" if g["step_time_s"] else "n/a"
-        rows.append("| " + " | ".join([
-            g["name"], _lr_text(results, g["lr"], g["batch_size"]), str(g["batch_size"]), str(n),
-            _pm(g["final_mean"], g["final_std"], n), _pm(g["best_mean"], g["best_std"], n), coll, ett, step,
-        ]) + " |")
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    g["name"],
+                    _lr_text(results, g["lr"], g["batch_size"]),
+                    str(g["batch_size"]),
+                    str(n),
+                    _pm(g["final_mean"], g["final_std"], n),
+                    _pm(g["best_mean"], g["best_std"], n),
+                    coll,
+                    ett,
+                    step,
+                ]
+            )
+            + " |"
+        )
     return "\n".join(rows)
 
 
@@ -74,11 +97,17 @@ def status_lines(results: dict[str, Any]) -> list[str]:
     """The report's lines for a grid that is still running and for its failed cells (none when neither)."""
     lines = []
     if not results.get("complete", True):
-        lines += ["", f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
-                      f"complete the grid."]
+        lines += [
+            "",
+            f"**Partial results**: {len(results['cells'])} runs finished so far; rerun the same command to "
+            f"complete the grid.",
+        ]
     if results.get("failed"):
-        lines += ["", "**Failed runs** (rerun the same command to retry them): "
-                      + "; ".join(f"`{f['cell']}`: {f['error']}" for f in results["failed"])]
+        lines += [
+            "",
+            "**Failed runs** (rerun the same command to retry them): "
+            + "; ".join(f"`{f['cell']}`: {f['error']}" for f in results["failed"]),
+        ]
     return lines
 
 
@@ -103,8 +132,15 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     for e in headline_effects(results):
         mark = "**tie**" if e.get("mark") == "tie" else {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
         lines.append(f"- {e['effect']}: {mark}. {e['text']}")
-    lines += ["", f"Criteria: {CRITERIA} {DEGRADE_CRITERION} {COST_CRITERION}", "", "## Results", "",
-              markdown_table(results), ""]
+    lines += [
+        "",
+        f"Criteria: {CRITERIA} {DEGRADE_CRITERION} {COST_CRITERION}",
+        "",
+        "## Results",
+        "",
+        markdown_table(results),
+        "",
+    ]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -120,8 +156,12 @@ _STYLES = ("-", "--", "-.", ":")
 
 def _style(i: int) -> dict[str, Any]:
     """Distinct marker and line style per norm, so curves that coincide (e.g. BN and BRN) stay visible."""
-    return {"marker": _MARKERS[i % len(_MARKERS)], "linestyle": _STYLES[i % len(_STYLES)], "markersize": 5,
-            "markerfacecolor": "none" if i % 2 else None}
+    return {
+        "marker": _MARKERS[i % len(_MARKERS)],
+        "linestyle": _STYLES[i % len(_STYLES)],
+        "markersize": 5,
+        "markerfacecolor": "none" if i % 2 else None,
+    }
 
 
 def plt():
@@ -170,14 +210,20 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
         ax.set_xlabel("learning rate" if axis == "lr" else "batch size")
         ax.set_ylabel("final test accuracy (%)")
         scaled = spec.get("lr_scaling") == "linear"
-        ax.set_title(f"{other.replace('_', ' ')} = {o:g}" if axis == "lr" else
-                     f"base lr {o:g} at batch {spec['base_batch_size']}" + (", scaled linearly" if scaled else ""))
+        ax.set_title(
+            f"{other.replace('_', ' ')} = {o:g}"
+            if axis == "lr"
+            else f"base lr {o:g} at batch {spec['base_batch_size']}" + (", scaled linearly" if scaled else "")
+        )
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3)
     _legend(fig, axes)
-    fig.suptitle(f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
-                 f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
-                 f"dotted: chance)", fontsize=10)
+    fig.suptitle(
+        f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
+        f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
+        f"dotted: chance)",
+        fontsize=10,
+    )
     atomic_savefig(fig, path, dpi=100)
     pyplot.close(fig)
     return path
@@ -201,15 +247,21 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
     fig, axes = pyplot.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
     for ax, (lr, bs) in zip(axes[0], panels):
         for k, name in enumerate(spec["norms"]):
-            runs = [c for c in results["cells"]
-                    if c["name"] == name and float(c["lr"]) == lr and int(c["batch_size"]) == bs and c["history"]]
+            runs = [
+                c
+                for c in results["cells"]
+                if c["name"] == name and float(c["lr"]) == lr and int(c["batch_size"]) == bs and c["history"]
+            ]
             if not runs:
                 continue
             n_ep = max(len(c["history"]) for c in runs)
             xs, ys = [], []
             for i in range(n_ep):
-                vals = [c["history"][i]["test_acc"] for c in runs
-                        if i < len(c["history"]) and c["history"][i].get("test_acc") is not None]
+                vals = [
+                    c["history"][i]["test_acc"]
+                    for c in runs
+                    if i < len(c["history"]) and c["history"][i].get("test_acc") is not None
+                ]
                 if vals:
                     xs.append(runs[0]["history"][min(i, len(runs[0]["history"]) - 1)]["epoch"] or i + 1)
                     ys.append(100 * sum(vals) / len(vals))
@@ -253,8 +305,12 @@ def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Pa
     return [p for p in made if p is not None]
 
 
-def write_report(results: dict[str, Any], out_dir: str | os.PathLike, plots: Callable[[dict, Path], list[Path]],
-                 markdown: Callable[[dict, list[str]], str]) -> list[Path]:
+def write_report(
+    results: dict[str, Any],
+    out_dir: str | os.PathLike,
+    plots: Callable[[dict, Path], list[Path]],
+    markdown: Callable[[dict, list[str]], str],
+) -> list[Path]:
     """Draw ``plots(results, out)``, then write ``markdown(results, plot file names)`` to results.md; returns the
     paths written (shared by the grid's report and the capsule grid's)."""
     out = Path(out_dir)

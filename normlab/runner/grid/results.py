@@ -31,16 +31,29 @@ def mean_std(xs: Sequence[float | None]) -> tuple[float | None, float | None]:
 
 def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
     return {
-        "cell": cell.cell_id, "name": cell.name, "lr": cell.lr, "batch_size": cell.batch_size, "seed": cell.seed,
-        "norm": cell.config.norm, "conv": cell.config.conv, "train_lr": cell.config.lr,
-        "final_test_acc": summary.get("final_test_acc"), "best_test_acc": summary.get("best_test_acc"),
-        "collapsed": bool(summary.get("collapsed")), "collapse_epoch": summary.get("collapse_epoch"),
-        "collapse_reason": summary.get("collapse_reason"), "collapse_step": summary.get("collapse_step"),
-        "alarm": summary.get("monitor_alarm"), "monitored": bool(cell.config.monitor_every),
+        "cell": cell.cell_id,
+        "name": cell.name,
+        "lr": cell.lr,
+        "batch_size": cell.batch_size,
+        "seed": cell.seed,
+        "norm": cell.config.norm,
+        "conv": cell.config.conv,
+        "train_lr": cell.config.lr,
+        "final_test_acc": summary.get("final_test_acc"),
+        "best_test_acc": summary.get("best_test_acc"),
+        "collapsed": bool(summary.get("collapsed")),
+        "collapse_epoch": summary.get("collapse_epoch"),
+        "collapse_reason": summary.get("collapse_reason"),
+        "collapse_step": summary.get("collapse_step"),
+        "alarm": summary.get("monitor_alarm"),
+        "monitored": bool(cell.config.monitor_every),
         "final_test_acc_train_mode": summary.get("final_test_acc_train_mode"),
-        "epochs_to_target": summary.get("epochs_to_target"), "step_time_s": summary.get("step_time_s"),
-        "epochs_run": summary.get("epochs_run"), "steps_run": summary.get("steps_run"),
-        "rescues": len(summary.get("rescues") or []), "steps_lost": summary.get("steps_lost", 0),
+        "epochs_to_target": summary.get("epochs_to_target"),
+        "step_time_s": summary.get("step_time_s"),
+        "epochs_run": summary.get("epochs_run"),
+        "steps_run": summary.get("steps_run"),
+        "rescues": len(summary.get("rescues") or []),
+        "steps_lost": summary.get("steps_lost", 0),
         "guard_gave_up": summary.get("guard_gave_up"),
         "history": [{k: h.get(k) for k in _HISTORY_KEYS if k in h} for h in summary.get("history", [])],
     }
@@ -56,19 +69,29 @@ def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> 
         if r["collapsed"]:
             kinds[r["collapse_reason"]] = kinds.get(r["collapse_reason"], 0) + 1
     return {
-        "name": name, "lr": lr, "batch_size": bs, "n_seeds": len(recs),
-        "final_mean": fm, "final_std": fs, "best_mean": bm, "best_std": bsd,
-        "collapsed_count": sum(r["collapsed"] for r in recs), "collapse_kinds": kinds,
+        "name": name,
+        "lr": lr,
+        "batch_size": bs,
+        "n_seeds": len(recs),
+        "final_mean": fm,
+        "final_std": fs,
+        "best_mean": bm,
+        "best_std": bsd,
+        "collapsed_count": sum(r["collapsed"] for r in recs),
+        "collapse_kinds": kinds,
         "alarm_count": sum(r["alarm"] is not None for r in recs),
         "rescued_count": sum(bool(r.get("rescues")) for r in recs),
-        "train_mode_mean": tm, "train_mode_std": ts,
-        "target_reached": len(ett), "epochs_to_target_mean": mean_std(ett)[0],
+        "train_mode_mean": tm,
+        "train_mode_std": ts,
+        "target_reached": len(ett),
+        "epochs_to_target_mean": mean_std(ett)[0],
         "step_time_s": mean_std([r["step_time_s"] for r in recs])[0],
     }
 
 
-def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
-                    failed: Sequence[tuple[Any, str]] = ()) -> dict[str, Any]:
+def collect_results(
+    spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True, failed: Sequence[tuple[Any, str]] = ()
+) -> dict[str, Any]:
     """Aggregate ``(cell, summary)`` pairs over seeds into groups keyed by (name, lr, batch size).
 
     A collapsed run's final accuracy counts as recorded (usually chance level). ``complete=False`` marks a grid
@@ -86,8 +109,10 @@ def collect_results(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete:
         "complete": complete,
         "groups": [_group_record(*key, recs) for key, recs in groups.items()],
         "cells": cells,
-        "failed": [{"cell": c.cell_id, "name": c.name, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed,
-                    "error": error} for c, error in failed],
+        "failed": [
+            {"cell": c.cell_id, "name": c.name, "lr": c.lr, "batch_size": c.batch_size, "seed": c.seed, "error": error}
+            for c, error in failed
+        ],
     }
 
 
@@ -129,12 +154,33 @@ def _history_entry(h) -> bool:
     return isinstance(h, dict) and _opt(_num)(h.get("epoch")) and _opt(_num)(h.get("test_acc"))
 
 
-_SPEC_KEYS = {"norms": _list(_str), "lrs": _list(_num), "batch_sizes": _list(_int), "seeds": _list(_int),
-              "epochs": _int, "dataset": _str, "model": _str, "width": _num, "layout": _str, "base_lr": _num,
-              "base_batch_size": _int}
-_GROUP_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "n_seeds": _int, "final_mean": _opt(_num),
-               "final_std": _opt(_num), "best_mean": _opt(_num), "best_std": _opt(_num), "collapsed_count": _int,
-               "target_reached": _int, "epochs_to_target_mean": _opt(_num), "step_time_s": _opt(_num)}
+_SPEC_KEYS = {
+    "norms": _list(_str),
+    "lrs": _list(_num),
+    "batch_sizes": _list(_int),
+    "seeds": _list(_int),
+    "epochs": _int,
+    "dataset": _str,
+    "model": _str,
+    "width": _num,
+    "layout": _str,
+    "base_lr": _num,
+    "base_batch_size": _int,
+}
+_GROUP_KEYS = {
+    "name": _str,
+    "lr": _num,
+    "batch_size": _int,
+    "n_seeds": _int,
+    "final_mean": _opt(_num),
+    "final_std": _opt(_num),
+    "best_mean": _opt(_num),
+    "best_std": _opt(_num),
+    "collapsed_count": _int,
+    "target_reached": _int,
+    "epochs_to_target_mean": _opt(_num),
+    "step_time_s": _opt(_num),
+}
 _CELL_KEYS = {"name": _str, "lr": _num, "batch_size": _int, "seed": _int, "history": _list(_history_entry)}
 _FAILED_KEYS = {"cell": _str, "error": _str}
 
@@ -148,8 +194,12 @@ def _shape_error(results: Any) -> str | None:
             return f"expected an object with spec, groups and cells; {key!r} is missing or not a {kind.__name__}"
     if not isinstance(results.get("failed", []), list):
         return "'failed' is not a list"
-    tables = [("spec", [results["spec"]], _SPEC_KEYS), ("groups", results["groups"], _GROUP_KEYS),
-              ("cells", results["cells"], _CELL_KEYS), ("failed", results.get("failed", []), _FAILED_KEYS)]
+    tables = [
+        ("spec", [results["spec"]], _SPEC_KEYS),
+        ("groups", results["groups"], _GROUP_KEYS),
+        ("cells", results["cells"], _CELL_KEYS),
+        ("failed", results.get("failed", []), _FAILED_KEYS),
+    ]
     for where, items, keys in tables:
         for i, item in enumerate(items):
             label = where if where == "spec" else f"{where}[{i}]"

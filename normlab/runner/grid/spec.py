@@ -25,8 +25,17 @@ from normlab.runner.errors import FieldError
 from normlab.runner.io import from_fields, to_jsonable
 from normlab.runner.training.config import RESUME_FREE, TrainConfig, resolve_name
 
-__all__ = ["DictSpec", "GridSpec", "Cell", "expand_grid", "parse_variant", "unique",
-           "DEFAULT_NORMS", "LAYOUTS", "LR_SCALINGS"]
+__all__ = [
+    "DictSpec",
+    "GridSpec",
+    "Cell",
+    "expand_grid",
+    "parse_variant",
+    "unique",
+    "DEFAULT_NORMS",
+    "LAYOUTS",
+    "LR_SCALINGS",
+]
 
 DEFAULT_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")
 LAYOUTS = ("product", "cross")
@@ -156,12 +165,18 @@ class GridSpec(DictSpec):
         if self.layout != "cross":
             return
         if self.base_lr not in self.lrs:
-            self._bad("base_lr", f"expected one of {{lrs}} ({','.join(map(str, self.lrs))}) with {{layout}} cross, "
-                                 f"got {self.base_lr:g}", ("lrs", "layout"))
+            self._bad(
+                "base_lr",
+                f"expected one of {{lrs}} ({','.join(map(str, self.lrs))}) with {{layout}} cross, got {self.base_lr:g}",
+                ("lrs", "layout"),
+            )
         if self.base_batch_size not in self.batch_sizes:
-            values = ','.join(map(str, self.batch_sizes))
-            self._bad("base_batch_size", f"expected one of {{batch_sizes}} ({values}) with {{layout}} cross, "
-                                         f"got {self.base_batch_size}", ("batch_sizes", "layout"))
+            values = ",".join(map(str, self.batch_sizes))
+            self._bad(
+                "base_batch_size",
+                f"expected one of {{batch_sizes}} ({values}) with {{layout}} cross, got {self.base_batch_size}",
+                ("batch_sizes", "layout"),
+            )
 
     def settings(self) -> dict[str, Any]:
         """What must agree between grids that share a directory: every field but the lists and the RESUME_FREE
@@ -215,13 +230,18 @@ def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     for part in parts:
         key, _, text = part.partition("=")
         if key not in _VARIANT_ARGS or not text or conv not in ("ws", "pws"):
-            raise FieldError("GridSpec", "norms", f"variant {name!r}: expected <name>:key=value with key in "
-                                                  f"{', '.join(_VARIANT_ARGS)} for a ws/pws conv, got {part!r}")
+            raise FieldError(
+                "GridSpec",
+                "norms",
+                f"variant {name!r}: expected <name>:key=value with key in "
+                f"{', '.join(_VARIANT_ARGS)} for a ws/pws conv, got {part!r}",
+            )
         try:
             kwargs[key] = _parse_value(_VARIANT_ARGS[key], text)
         except ValueError:
-            raise FieldError("GridSpec", "norms", f"variant {name!r}: {key} must be a "
-                                                  f"{_VARIANT_ARGS[key].__name__}, got {text!r}") from None
+            raise FieldError(
+                "GridSpec", "norms", f"variant {name!r}: {key} must be a {_VARIANT_ARGS[key].__name__}, got {text!r}"
+            ) from None
     return norm, conv, kwargs
 
 
@@ -236,11 +256,22 @@ def expand_grid(spec: GridSpec, data_cache: str | os.PathLike | None = None) -> 
     for name in spec.norms:
         norm, conv, conv_kwargs = spec.variant(name)
         for (lr, bs), seed in itertools.product(spec.points(), spec.seeds):
-            cfg = TrainConfig.from_dict({
-                **shared, "conv_kwargs": conv_kwargs, "dataset": spec.dataset, "model": spec.model,
-                "norm": norm, "conv": conv,
-                "width": spec.width, "lr": spec.cell_lr(lr, bs), "batch_size": bs, "epochs": spec.epochs,
-                "seed": seed, "target_acc": spec.target_acc, "max_steps_per_epoch": spec.max_steps_per_epoch,
-            }).validate()
+            cfg = TrainConfig.from_dict(
+                {
+                    **shared,
+                    "conv_kwargs": conv_kwargs,
+                    "dataset": spec.dataset,
+                    "model": spec.model,
+                    "norm": norm,
+                    "conv": conv,
+                    "width": spec.width,
+                    "lr": spec.cell_lr(lr, bs),
+                    "batch_size": bs,
+                    "epochs": spec.epochs,
+                    "seed": seed,
+                    "target_acc": spec.target_acc,
+                    "max_steps_per_epoch": spec.max_steps_per_epoch,
+                }
+            ).validate()
             cells.append(Cell(name=name, lr=lr, batch_size=bs, seed=seed, config=cfg))
     return cells

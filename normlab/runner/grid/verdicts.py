@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 # Criteria for the headline effects (absolute accuracy, fractions in [0, 1]).
-FAIL_MARGIN = 0.10      # "failed": collapsed in most seeds, or final accuracy <= chance + FAIL_MARGIN
-TRAIN_FRACTION = 0.80   # "trains": no seed collapsed and final acc >= chance + 0.8 * (best acc in grid - chance)
-DEGRADE_DROP = 0.05     # "degrades": final acc at the small batch is >= 5 points below the base batch size
+FAIL_MARGIN = 0.10  # "failed": collapsed in most seeds, or final accuracy <= chance + FAIL_MARGIN
+TRAIN_FRACTION = 0.80  # "trains": no seed collapsed and final acc >= chance + 0.8 * (best acc in grid - chance)
+DEGRADE_DROP = 0.05  # "degrades": final acc at the small batch is >= 5 points below the base batch size
 CRITERIA = (
     f"A setting *failed* if most seeds collapsed or its mean final test accuracy is at most chance + "
     f"{FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final accuracy is at "
@@ -29,6 +29,7 @@ DEGRADE_CRITERION = (
 # --------------------------------------------------------------------------------------------------
 # Lookups
 # --------------------------------------------------------------------------------------------------
+
 
 def _groups(results: dict[str, Any]) -> dict[tuple[str, float, int], dict[str, Any]]:
     return {(g["name"], float(g["lr"]), int(g["batch_size"])): g for g in results["groups"]}
@@ -76,16 +77,29 @@ def format_acc(g: dict[str, Any] | None) -> str:
 # Headline effects
 # --------------------------------------------------------------------------------------------------
 
+
 def headline_effects(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Judge the PWS paper's headline effects from the numbers.
 
     Returns ``[{"effect", "appeared": True | False | None (not testable / information), "text"}, ...]``.
     """
     spec = results["spec"]
-    ctx = _Context(results, _groups(results), chance_level(results), _best_final(results), list(spec["norms"]),
-                   float(spec["base_lr"]), int(spec["base_batch_size"]))
-    effects = [_effect_high_lr(ctx), _effect_small_batch(ctx), _effect_top_lr(ctx), _effect_identical(ctx),
-               _effect_cost(ctx)]
+    ctx = _Context(
+        results,
+        _groups(results),
+        chance_level(results),
+        _best_final(results),
+        list(spec["norms"]),
+        float(spec["base_lr"]),
+        int(spec["base_batch_size"]),
+    )
+    effects = [
+        _effect_high_lr(ctx),
+        _effect_small_batch(ctx),
+        _effect_top_lr(ctx),
+        _effect_identical(ctx),
+        _effect_cost(ctx),
+    ]
     return [e for e in effects if e is not None]
 
 
@@ -116,32 +130,52 @@ def _effect_high_lr(ctx: _Context) -> dict[str, Any]:
     need = [n for n in ("none", "bn", "pws") if n not in ctx.names]
     lrs = sorted({lr for (n, lr, bs) in ctx.groups if n == "none" and bs == ctx.base_bs})
     if need or not lrs:
-        return {"effect": effect, "appeared": None,
-                "text": f"not testable: the grid lacks {', '.join(need) or 'a learning-rate sweep'}"}
+        return {
+            "effect": effect,
+            "appeared": None,
+            "text": f"not testable: the grid lacks {', '.join(need) or 'a learning-rate sweep'}",
+        }
     bad = [lr for lr in lrs if failed(ctx.get("none", lr), ctx.chance)]
     learns = [lr for lr in lrs if lr not in bad]
     bad_above = [lr for lr in bad if any(x < lr for x in learns)]  # learns at some lr, fails at a higher one
     where = ", ".join(f"{x:g}: {format_acc(ctx.get('none', x))}" for x in lrs)
     if not bad_above:
-        why = ("did not fail at any learning rate" if not bad else "failed at every learning rate" if not learns
-               else "failed already at the lowest learning rates")
-        return {"effect": effect, "appeared": False, "text": (
-            f"did not appear: without normalization the plain net {why} in the grid (batch size {ctx.base_bs}; "
-            f"lr {where}), so there is no learning rate at which it learns and a higher one at which it fails")}
-    parts = [f"without normalization the plain net learns at lr {_lrs(learns)} and fails at {_lrs(bad_above)} "
-             f"(lr {where})"]
+        why = (
+            "did not fail at any learning rate"
+            if not bad
+            else "failed at every learning rate"
+            if not learns
+            else "failed already at the lowest learning rates"
+        )
+        return {
+            "effect": effect,
+            "appeared": False,
+            "text": (
+                f"did not appear: without normalization the plain net {why} in the grid (batch size {ctx.base_bs}; "
+                f"lr {where}), so there is no learning rate at which it learns and a higher one at which it fails"
+            ),
+        }
+    parts = [
+        f"without normalization the plain net learns at lr {_lrs(learns)} and fails at {_lrs(bad_above)} (lr {where})"
+    ]
     ok = [lr for lr in bad_above if ctx.trains("bn", lr) and ctx.trains("pws", lr)]
     for lr in bad_above:
-        parts.append(f"lr {lr:g}: none {format_acc(ctx.get('none', lr))} (failed); " + "; ".join(
-            f"{n.upper()} {format_acc(ctx.get(n, lr))} ({'trains' if ctx.trains(n, lr) else 'does not train'})"
-            for n in ("bn", "pws")))
+        parts.append(
+            f"lr {lr:g}: none {format_acc(ctx.get('none', lr))} (failed); "
+            + "; ".join(
+                f"{n.upper()} {format_acc(ctx.get(n, lr))} ({'trains' if ctx.trains(n, lr) else 'does not train'})"
+                for n in ("bn", "pws")
+            )
+        )
     if ok:
         head = f"appeared at lr {_lrs(ok)}"
     else:
         lr = bad_above[0]
         miss = [n.upper() for n in ("bn", "pws") if not ctx.trains(n, lr)]
-        head = (f"did not appear: at lr {lr:g}{' (and above)' if len(bad_above) > 1 else ''} the unnormalized net "
-                f"fails, but {' and '.join(miss)} {'does' if len(miss) == 1 else 'do'} not train there either")
+        head = (
+            f"did not appear: at lr {lr:g}{' (and above)' if len(bad_above) > 1 else ''} the unnormalized net "
+            f"fails, but {' and '.join(miss)} {'does' if len(miss) == 1 else 'do'} not train there either"
+        )
     return {"effect": effect, "appeared": bool(ok), "text": head + ". " + "; ".join(parts)}
 
 
@@ -160,11 +194,16 @@ def _effect_small_batch(ctx: _Context) -> dict[str, Any]:
     bss = sorted({bs for (n, lr, bs) in ctx.groups if n == "bn" and lr == ctx.base_lr})
     need = [n for n in ("bn",) + holders if n not in ctx.names]
     small = bss[0] if bss else None
-    effect = f"At batch size {small if small is not None and small < ctx.base_bs else 2}, BN degrades while GN, " \
-             f"BRN and PWS hold"
+    effect = (
+        f"At batch size {small if small is not None and small < ctx.base_bs else 2}, BN degrades while GN, "
+        f"BRN and PWS hold"
+    )
     if need or small is None or small >= ctx.base_bs:
-        return {"effect": effect, "appeared": None,
-                "text": f"not testable: the grid lacks {', '.join(need) or 'a batch size below the base'}"}
+        return {
+            "effect": effect,
+            "appeared": None,
+            "text": f"not testable: the grid lacks {', '.join(need) or 'a batch size below the base'}",
+        }
     judged = {n: _degrades(ctx, n, small) for n in ("bn",) + holders}
     status = {n: v[0] for n, v in judged.items()}
     appeared = status["bn"] is True and all(status[h] is False for h in holders)
@@ -175,10 +214,16 @@ def _effect_small_batch(ctx: _Context) -> dict[str, Any]:
     else:
         held = [h.upper() for h in holders if status[h] is False]
         fell = [h.upper() for h in holders if status[h] is not False]
-        head = (f"partly: BN degraded at batch size {small}; held: {', '.join(held) or 'none'}; "
-                f"also degraded: {', '.join(fell)}")
-    return {"effect": effect, "appeared": appeared, "text": head + f" (lr {ctx.base_lr:g}, base batch size "
-            f"{ctx.base_bs}). " + "; ".join(v[1] for v in judged.values())}
+        head = (
+            f"partly: BN degraded at batch size {small}; held: {', '.join(held) or 'none'}; "
+            f"also degraded: {', '.join(fell)}"
+        )
+    return {
+        "effect": effect,
+        "appeared": appeared,
+        "text": head + f" (lr {ctx.base_lr:g}, base batch size "
+        f"{ctx.base_bs}). " + "; ".join(v[1] for v in judged.values()),
+    }
 
 
 def _effect_top_lr(ctx: _Context) -> dict[str, Any] | None:
@@ -188,8 +233,11 @@ def _effect_top_lr(ctx: _Context) -> dict[str, Any] | None:
         return None
     top = lrs[-1]
     bad = [n for n in ctx.names if ctx.get(n, top) is not None and not ctx.trains(n, top)]
-    return {"effect": f"Norms that do not train at the highest learning rate ({top:g})", "appeared": None,
-            "text": ", ".join(bad) if bad else "every norm in the grid trains there"}
+    return {
+        "effect": f"Norms that do not train at the highest learning rate ({top:g})",
+        "appeared": None,
+        "text": ", ".join(bad) if bad else "every norm in the grid trains there",
+    }
 
 
 def _effect_identical(ctx: _Context) -> dict[str, Any] | None:
@@ -197,10 +245,13 @@ def _effect_identical(ctx: _Context) -> dict[str, Any] | None:
     same = _identical_norms(ctx.results)
     if not same:
         return None
-    return {"effect": "Norms with identical results in every cell", "appeared": None,
-            "text": "; ".join(" = ".join(grp) for grp in same)
-            + " (same test accuracy every epoch of every run: these settings did not differ in this grid, e.g. "
-              "Batch Renorm before its rmax/dmax schedule leaves warm-up is exactly BN)"}
+    return {
+        "effect": "Norms with identical results in every cell",
+        "appeared": None,
+        "text": "; ".join(" = ".join(grp) for grp in same)
+        + " (same test accuracy every epoch of every run: these settings did not differ in this grid, e.g. "
+        "Batch Renorm before its rmax/dmax schedule leaves warm-up is exactly BN)",
+    }
 
 
 TIME_TIE = 0.03  # step times closer than 3 % of PWS's (or than the spread over seeds) are a tie
@@ -213,14 +264,20 @@ COST_CRITERION = (
 
 def _step_times(ctx: _Context, name: str) -> list[float]:
     """The step times of ``name``'s runs at the base point, one per seed (the group's mean without cells)."""
-    ts = [c["step_time_s"] for c in ctx.results.get("cells", []) if c["name"] == name and c.get("step_time_s")
-          and float(c["lr"]) == ctx.base_lr and int(c["batch_size"]) == ctx.base_bs]
+    ts = [
+        c["step_time_s"]
+        for c in ctx.results.get("cells", [])
+        if c["name"] == name
+        and c.get("step_time_s")
+        and float(c["lr"]) == ctx.base_lr
+        and int(c["batch_size"]) == ctx.base_bs
+    ]
     g = ctx.get(name, ctx.base_lr)
     return ts or ([g["step_time_s"]] if g is not None and g.get("step_time_s") else [])
 
 
 def cost_comparison(pws: list[float], other: list[float]) -> str:
-    """"cheaper" / "dearer" / "tie": PWS's step times (one per seed) against another norm's (COST_CRITERION)."""
+    """ "cheaper" / "dearer" / "tie": PWS's step times (one per seed) against another norm's (COST_CRITERION)."""
     mp, mo = sum(pws) / len(pws), sum(other) / len(other)
     spread = max(max(pws) - min(pws), max(other) - min(other), TIME_TIE * mp)
     return "tie" if abs(mo - mp) <= spread else "cheaper" if mo > mp else "dearer"
@@ -234,15 +291,25 @@ def _effect_cost(ctx: _Context) -> dict[str, Any] | None:
         return None
     said = {n: cost_comparison(st["pws"], st[n]) for n in others}
     mean = {n: sum(v) / len(v) for n, v in st.items()}
-    ratios = ", ".join(f"{n.upper()} {mean[n] / mean['pws']:.2f}x ({'a tie' if said[n] == 'tie' else 'PWS ' + said[n]})"
-                       for n in others)
-    appeared = True if all(v == "cheaper" for v in said.values()) else \
-        False if any(v == "dearer" for v in said.values()) else None
-    return {"effect": "PWS step is cheaper than output normalization (CPU, this model)", "appeared": appeared,
-            "mark": "tie" if appeared is None else None,
-            "text": f"{'a tie within the timing spread: ' if appeared is None else ''}step time relative to PWS "
-                    f"({1000 * mean['pws']:.1f} ms): {ratios} (mean step times of runs made at different moments, "
-                    f"noisy on a shared machine; `normlab bench --steps` times them side by side)"}
+    ratios = ", ".join(
+        f"{n.upper()} {mean[n] / mean['pws']:.2f}x ({'a tie' if said[n] == 'tie' else 'PWS ' + said[n]})"
+        for n in others
+    )
+    appeared = (
+        True
+        if all(v == "cheaper" for v in said.values())
+        else False
+        if any(v == "dearer" for v in said.values())
+        else None
+    )
+    return {
+        "effect": "PWS step is cheaper than output normalization (CPU, this model)",
+        "appeared": appeared,
+        "mark": "tie" if appeared is None else None,
+        "text": f"{'a tie within the timing spread: ' if appeared is None else ''}step time relative to PWS "
+        f"({1000 * mean['pws']:.1f} ms): {ratios} (mean step times of runs made at different moments, "
+        f"noisy on a shared machine; `normlab bench --steps` times them side by side)",
+    }
 
 
 def _identical_norms(results: dict[str, Any]) -> list[list[str]]:
@@ -266,5 +333,3 @@ def _identical_norms(results: dict[str, Any]) -> list[list[str]]:
         else:
             groups.append([n])
     return [g for g in groups if len(g) > 1]
-
-

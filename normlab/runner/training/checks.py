@@ -22,12 +22,25 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
     else cannot run. ``data`` may pass the already loaded ``(train_ds, test_ds, info)``."""
     train_ds, _test_ds, info = data if data is not None else load_data(config)
     if config.batch_size > len(train_ds):
-        raise FieldError("TrainConfig", "batch_size", f"batch size {config.batch_size} is larger than the "
-                                                      f"{config.dataset} training set ({len(train_ds)} samples)")
+        raise FieldError(
+            "TrainConfig",
+            "batch_size",
+            f"batch size {config.batch_size} is larger than the "
+            f"{config.dataset} training set ({len(train_ds)} samples)",
+        )
     shape = tuple(info["input_shape"])
     try:
-        net = build_model(config.model, config.norm, config.conv, info["in_channels"], info["num_classes"], shape,
-                          config.width, conv_kwargs=config.conv_kwargs, **config.model_kwargs).eval()
+        net = build_model(
+            config.model,
+            config.norm,
+            config.conv,
+            info["in_channels"],
+            info["num_classes"],
+            shape,
+            config.width,
+            conv_kwargs=config.conv_kwargs,
+            **config.model_kwargs,
+        ).eval()
     except (ValueError, TypeError) as e:  # a layer refusing its arguments (e.g. a PWS gamma <= 0)
         raise UsageError(str(e).strip().splitlines()[0]) from None
     try:
@@ -35,11 +48,14 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
             out = net(torch.zeros(2, *shape))
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"model {config.model!r} (norm={config.norm}, conv={config.conv}, width={config.width}) "
-                         f"cannot run on {config.dataset} input of shape {shape}: {first}") from None
+        raise UsageError(
+            f"model {config.model!r} (norm={config.norm}, conv={config.conv}, width={config.width}) "
+            f"cannot run on {config.dataset} input of shape {shape}: {first}"
+        ) from None
     if out.shape[-1] != info["num_classes"]:
-        raise UsageError(f"model {config.model!r} outputs {out.shape[-1]} classes, {config.dataset} has "
-                         f"{info['num_classes']}")
+        raise UsageError(
+            f"model {config.model!r} outputs {out.shape[-1]} classes, {config.dataset} has {info['num_classes']}"
+        )
 
 
 def load_data(config: TrainConfig):

@@ -50,8 +50,9 @@ class CollapseTracker:
 
     def __post_init__(self) -> None:
         if self.num_classes < 2 or self.window < 1:
-            raise ValueError(f"CollapseTracker: need num_classes >= 2 and window >= 1, got {self.num_classes}, "
-                             f"{self.window}")
+            raise ValueError(
+                f"CollapseTracker: need num_classes >= 2 and window >= 1, got {self.num_classes}, {self.window}"
+            )
         self._recent: deque[float] = deque(maxlen=self.window)
         self._sum = 0.0
         self._steps = 0
@@ -87,8 +88,9 @@ class CollapseTracker:
         return self.kind
 
 
-def classify_trace(losses: Iterable[float | None], num_classes: int, window: int = 10,
-                   finished: bool = True) -> tuple[str | None, int | None]:
+def classify_trace(
+    losses: Iterable[float | None], num_classes: int, window: int = 10, finished: bool = True
+) -> tuple[str | None, int | None]:
     """``(kind, step)`` of a whole loss trace (``finished``: the run ended there), ``(None, None)`` if healthy."""
     tracker = CollapseTracker(num_classes, window)
     for loss in losses:

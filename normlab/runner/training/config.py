@@ -53,8 +53,12 @@ def resolve_name(name: str, field: str = "norm", owner: str = "TrainConfig") -> 
     try:
         return resolve_comparison(name)
     except ValueError:
-        raise FieldError(owner, field, f"unknown comparison name {name!r}; valid names: "
-                                       f"{', '.join(comparison_names())} or <conv>+<norm> (e.g. ws+gn)") from None
+        raise FieldError(
+            owner,
+            field,
+            f"unknown comparison name {name!r}; valid names: "
+            f"{', '.join(comparison_names())} or <conv>+<norm> (e.g. ws+gn)",
+        ) from None
 
 
 @dataclass
@@ -137,15 +141,25 @@ class TrainConfig:
         raise FieldError("TrainConfig", name, f"must be {expected}, got {getattr(self, name)!r}", sep=" ")
 
     def _check_names(self) -> None:
-        for name, valid in (("dataset", DATASETS), ("model", MODELS), ("norm", NORM_NAMES), ("conv", CONV_KINDS),
-                            ("brn_schedule", BRN_SCHEDULES)):
+        for name, valid in (
+            ("dataset", DATASETS),
+            ("model", MODELS),
+            ("norm", NORM_NAMES),
+            ("conv", CONV_KINDS),
+            ("brn_schedule", BRN_SCHEDULES),
+        ):
             if getattr(self, name) not in valid:
-                raise FieldError("TrainConfig", name, f"unknown {name} {getattr(self, name)!r}; valid names: "
-                                                      f"{', '.join(valid)}")
+                raise FieldError(
+                    "TrainConfig", name, f"unknown {name} {getattr(self, name)!r}; valid names: {', '.join(valid)}"
+                )
         if MODEL_DIMS[self.model] != DATASET_DIMS[self.dataset]:
-            raise FieldError("TrainConfig", "model", f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs "
-                             f"but dataset {self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
-                             f"{', '.join(m for m, d in MODEL_DIMS.items() if d == 1)}")
+            raise FieldError(
+                "TrainConfig",
+                "model",
+                f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs "
+                f"but dataset {self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
+                f"{', '.join(m for m, d in MODEL_DIMS.items() if d == 1)}",
+            )
 
     def _check_numbers(self) -> None:
         for name in ("batch_size", "epochs"):
@@ -169,8 +183,9 @@ class TrainConfig:
             self._bad("milestones", "increasing epoch numbers >= 1")
         if not _is_int(self.monitor_every) or self.monitor_every < 0:
             self._bad("monitor_every", "an integer >= 0")
-        if self.max_steps_per_epoch is not None and (not _is_int(self.max_steps_per_epoch)
-                                                     or self.max_steps_per_epoch < 1):
+        if self.max_steps_per_epoch is not None and (
+            not _is_int(self.max_steps_per_epoch) or self.max_steps_per_epoch < 1
+        ):
             self._bad("max_steps_per_epoch", "None or an integer >= 1")
         if self.target_acc is not None and not (_is_number(self.target_acc) and 0.0 <= self.target_acc <= 1.0):
             self._bad("target_acc", "None or a fraction in [0, 1]")

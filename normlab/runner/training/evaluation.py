@@ -30,8 +30,9 @@ def evaluate(model: nn.Module, ds: ArrayDataset, device: torch.device, batch_siz
 
 
 @torch.no_grad()
-def evaluate_train_mode(model: nn.Module, ds: ArrayDataset, device: torch.device, batch_size: int,
-                        max_samples: int = TRAIN_MODE_SAMPLES) -> float:
+def evaluate_train_mode(
+    model: nn.Module, ds: ArrayDataset, device: torch.device, batch_size: int, max_samples: int = TRAIN_MODE_SAMPLES
+) -> float:
     """Accuracy of ``model`` in train mode (normalization by the statistics of each batch of ``batch_size`` test
     samples, as in training) on the first ``max_samples`` test samples, in whole batches.
 

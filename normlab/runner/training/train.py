@@ -164,8 +164,10 @@ def _load_checkpoint(path: Path) -> dict:
     try:
         return read_checkpoint(path)
     except ValueError as e:
-        raise RunError(f"train: checkpoint {path} is {e}; refusing to restart over existing results - move it "
-                       f"away or use another output directory") from None
+        raise RunError(
+            f"train: checkpoint {path} is {e}; refusing to restart over existing results - move it "
+            f"away or use another output directory"
+        ) from None
 
 
 def _alarm_dict(alarm) -> dict:
@@ -188,8 +190,13 @@ def _fmt(v) -> str:
 class Trainer:
     """One run of :func:`train`: set-up or resume, epochs, evaluation, checkpoints, summary."""
 
-    def __init__(self, config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
-                 tensorboard: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        out_dir: str | os.PathLike,
+        progress: bool = True,
+        tensorboard: str | os.PathLike | None = None,
+    ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
         self.config = config.validate()
@@ -208,8 +215,10 @@ class Trainer:
         self.scaler = None
         self.guard: CollapseGuard | None = None
         if config.guard and self.world > 1:
-            raise UsageError("train: guard: the CollapseGuard runs in one process only (its rollbacks are not "
-                             "synchronised across DDP ranks); drop --guard or train in one process")
+            raise UsageError(
+                "train: guard: the CollapseGuard runs in one process only (its rollbacks are not "
+                "synchronised across DDP ranks); drop --guard or train in one process"
+            )
 
     # -- paths ---------------------------------------------------------------------------------------------
     @property
@@ -264,8 +273,10 @@ class Trainer:
         ck = _load_checkpoint(self.checkpoint_path)
         diff = self.config.differences(ck["config"])
         if diff:
-            raise UsageError(f"train: {self.checkpoint_path} was written by a different config ({', '.join(diff)}); "
-                             f"use another output directory")
+            raise UsageError(
+                f"train: {self.checkpoint_path} was written by a different config ({', '.join(diff)}); "
+                f"use another output directory"
+            )
         saved_world = ck["state"].get("world_size", 1)
         if saved_world != self.world and not ck["state"]["finished"]:
             raise UsageError(
@@ -278,13 +289,15 @@ class Trainer:
     def _load_data(self):
         cfg = self.config
         cache = cfg.data_dir if cfg.data_dir is not None or cfg.dataset != "mnist1d" else self.out / "data"
-        self.train_ds, self.test_ds, info = get_dataset(cfg.dataset, cache, num_samples=cfg.num_samples,
-                                                        num_train=cfg.num_train)
+        self.train_ds, self.test_ds, info = get_dataset(
+            cfg.dataset, cache, num_samples=cfg.num_samples, num_train=cfg.num_train
+        )
         self.per_rank = len(self.train_ds) // self.world
         if cfg.batch_size > self.per_rank:
             where = "training set" if self.world == 1 else f"share of each of {self.world} processes"
-            raise UsageError(f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} {where} "
-                             f"({self.per_rank} samples)")
+            raise UsageError(
+                f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} {where} ({self.per_rank} samples)"
+            )
         return info
 
     def steps_per_epoch(self) -> int:
@@ -302,15 +315,24 @@ class Trainer:
         info = self._load_data()
         seed_everything(cfg.seed)
         self.raw_model = build_model(
-            cfg.model, cfg.norm, cfg.conv, info["in_channels"], info["num_classes"], info["input_shape"], cfg.width,
-            norm_kwargs=self._norm_kwargs(), conv_kwargs=cfg.conv_kwargs, **cfg.model_kwargs,
+            cfg.model,
+            cfg.norm,
+            cfg.conv,
+            info["in_channels"],
+            info["num_classes"],
+            info["input_shape"],
+            cfg.width,
+            norm_kwargs=self._norm_kwargs(),
+            conv_kwargs=cfg.conv_kwargs,
+            **cfg.model_kwargs,
         ).to(self.device)
         self.model = self.raw_model
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.model = torch.nn.parallel.DistributedDataParallel(self.raw_model, device_ids=ids)
-        groups = param_groups(self.raw_model, cfg.weight_decay, no_decay=() if not cfg.nowd_norm_alpha else
-                              ("alpha", "norm", "bias"))
+        groups = param_groups(
+            self.raw_model, cfg.weight_decay, no_decay=() if not cfg.nowd_norm_alpha else ("alpha", "norm", "bias")
+        )
         self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -324,9 +346,13 @@ class Trainer:
             self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
         if cfg.monitor_every > 0:
             board = {} if self.board is None else {"tensorboard": self.board.writer}
-            self.monitor = VarianceMonitor(self.raw_model, every=cfg.monitor_every,
-                                           dense_steps=cfg.monitor_dense_steps, dense_every=cfg.monitor_dense_every,
-                                           **board)
+            self.monitor = VarianceMonitor(
+                self.raw_model,
+                every=cfg.monitor_every,
+                dense_steps=cfg.monitor_dense_steps,
+                dense_every=cfg.monitor_dense_every,
+                **board,
+            )
 
     def _snapshot(self) -> dict:
         if self.guard is not None:
@@ -386,8 +412,12 @@ class Trainer:
         if self.world == 1:
             return torch.randperm(len(self.train_ds), generator=self.generator), self.generator
         sampler = torch.utils.data.distributed.DistributedSampler(
-            range(len(self.train_ds)), num_replicas=self.world, rank=self.rank, shuffle=True,
-            seed=self.config.seed, drop_last=True,
+            range(len(self.train_ds)),
+            num_replicas=self.world,
+            rank=self.rank,
+            shuffle=True,
+            seed=self.config.seed,
+            drop_last=True,
         )
         sampler.set_epoch(epoch)
         aug = torch.Generator().manual_seed(self.config.seed * 100_003 + epoch * 1009 + self.rank)
@@ -433,8 +463,14 @@ class Trainer:
         """A CollapseGuard over the model, optimizer, monitor and scaler, counting the run's optimizer steps."""
         if not self.config.guard:
             return
-        self.guard = CollapseGuard(self.raw_model, self.optimizer, self.monitor, every=GUARD_EVERY,
-                                   max_rescues=GUARD_MAX_RESCUES, scaler=self.scaler)
+        self.guard = CollapseGuard(
+            self.raw_model,
+            self.optimizer,
+            self.monitor,
+            every=GUARD_EVERY,
+            max_rescues=GUARD_MAX_RESCUES,
+            scaler=self.scaler,
+        )
         saved = self.state.guard or {"rescues": self.state.rescues}
         self.guard.load_state_dict({**saved, "steps": self.state.steps_total})
 
@@ -522,7 +558,7 @@ class Trainer:
         marks = set(eval_marks(n_steps, cfg.evals_per_epoch)) - {n_steps}
         bar = _progress_bar(n_steps, f"epoch {epoch + 1}/{cfg.epochs}", self.progress and self.is_main)
         for step in range(n_steps):
-            self._train_step(self.train_ds.batch(order[step * cfg.batch_size:(step + 1) * cfg.batch_size], gen), win)
+            self._train_step(self.train_ds.batch(order[step * cfg.batch_size : (step + 1) * cfg.batch_size], gen), win)
             if bar is not None:
                 bar.update(1)
                 if win.seen:
@@ -557,15 +593,17 @@ class Trainer:
             "time_s": time.perf_counter() - win.started,
         }
         if self.config.eval_train_mode:
-            entry["test_acc_train_mode"] = evaluate_train_mode(self.raw_model, self.test_ds, self.device,
-                                                               self.config.batch_size)
+            entry["test_acc_train_mode"] = evaluate_train_mode(
+                self.raw_model, self.test_ds, self.device, self.config.batch_size
+            )
         return entry
 
     def _board_entry(self, entry: dict) -> None:
         """An evaluation's numbers (train/test loss and accuracy, lr) as TensorBoard scalars at its step."""
         if self.board is not None:
-            self.board.write_scalars({k: v for k, v in entry.items() if k not in ("epoch", "step", "time_s")},
-                                     entry["step"])
+            self.board.write_scalars(
+                {k: v for k, v in entry.items() if k not in ("epoch", "step", "time_s")}, entry["step"]
+            )
             self.board.flush()
 
     def _flush_monitor(self) -> None:
@@ -573,7 +611,7 @@ class Trainer:
         mon = self.monitor
         if mon is None or not self.is_main:
             return
-        lines = [json_line(r) for r in mon.records[self._monitor_written:]]
+        lines = [json_line(r) for r in mon.records[self._monitor_written :]]
         if mon.alarm is not None and self.state.monitor_alarm is None:
             lines.append(json_line({"event": "alarm", **mon.alarm.to_dict()}))
             self.state.monitor_alarm = _alarm_dict(mon.alarm)
@@ -632,8 +670,9 @@ class Trainer:
 
     def _write_metrics(self) -> None:
         atomic_write_text(self.metrics_path, "".join(json_line(h) + "\n" for h in self.history))
-        atomic_write_json(self.out / "loss_trace.json", {"window": self.tracker.window, "losses": self.losses},
-                          indent=None)
+        atomic_write_json(
+            self.out / "loss_trace.json", {"window": self.tracker.window, "losses": self.losses}, indent=None
+        )
 
     def _write_summary(self) -> dict:
         st, hist = self.state, self.history
@@ -673,8 +712,9 @@ def _first_steps(losses: list, steps: int) -> list:
     return list(losses)
 
 
-def train(config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True,
-          tensorboard: str | os.PathLike | None = None) -> dict:
+def train(
+    config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True, tensorboard: str | os.PathLike | None = None
+) -> dict:
     """Train (or resume, or return the finished run in ``out_dir``) and return the summary dict.
 
     ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).

@@ -81,10 +81,22 @@ class CapsNetSpec:
 
 CAPSNET_PRESETS = {
     "mnist": CapsNetSpec(),
-    "digits": CapsNetSpec(input_shape=(1, 16, 16), stem_channels=64, stem_kernel=5, primary_types=8,
-                          primary_kernel=5, decoder_hidden=(256, 512)),
-    "mnist1d": CapsNetSpec(input_shape=(1, 40), stem_channels=64, stem_kernel=5, primary_types=8,
-                           primary_kernel=5, decoder_hidden=(256, 512)),
+    "digits": CapsNetSpec(
+        input_shape=(1, 16, 16),
+        stem_channels=64,
+        stem_kernel=5,
+        primary_types=8,
+        primary_kernel=5,
+        decoder_hidden=(256, 512),
+    ),
+    "mnist1d": CapsNetSpec(
+        input_shape=(1, 40),
+        stem_channels=64,
+        stem_kernel=5,
+        primary_types=8,
+        primary_kernel=5,
+        decoder_hidden=(256, 512),
+    ),
 }
 
 
@@ -120,18 +132,29 @@ class CapsNet(nn.Module):
         >>> loss, parts = net.loss(out, x, y)  # margin + 0.0005 * SSE
     """
 
-    def __init__(self, spec: CapsNetSpec, iterations: int = 3, detach_inner: bool = False,
-                 reconstruction: bool = True) -> None:
+    def __init__(
+        self, spec: CapsNetSpec, iterations: int = 3, detach_inner: bool = False, reconstruction: bool = True
+    ) -> None:
         super().__init__()
         self.spec = spec
         c_in, conv = spec.input_shape[0], (nn.Conv1d if spec.conv_dim == 1 else nn.Conv2d)
         self.stem = conv(c_in, spec.stem_channels, spec.stem_kernel)
         k, s = spec.primary_kernel, spec.primary_stride
-        self.primary = PrimaryCapsules(spec.stem_channels, spec.primary_types, spec.primary_dim,
-                                       kernel_size=(k, 1) if spec.conv_dim == 1 else k,
-                                       stride=(s, 1) if spec.conv_dim == 1 else s)
-        self.digits = RoutingCapsules(spec.num_primary, spec.primary_dim, spec.num_classes, spec.digit_dim,
-                                      iterations=iterations, detach_inner=detach_inner)
+        self.primary = PrimaryCapsules(
+            spec.stem_channels,
+            spec.primary_types,
+            spec.primary_dim,
+            kernel_size=(k, 1) if spec.conv_dim == 1 else k,
+            stride=(s, 1) if spec.conv_dim == 1 else s,
+        )
+        self.digits = RoutingCapsules(
+            spec.num_primary,
+            spec.primary_dim,
+            spec.num_classes,
+            spec.digit_dim,
+            iterations=iterations,
+            detach_inner=detach_inner,
+        )
         self.decoder = self._decoder(spec) if reconstruction else None
         lo, hi = spec.target_range
         self.register_buffer("target_lo", torch.tensor(float(lo)), persistent=False)
@@ -179,8 +202,9 @@ class CapsNet(nn.Module):
         return margin + RECON_SCALE * sse, {"margin": margin.item(), "recon": sse.item()}
 
 
-def build_capsnet(preset: str, iterations: int = 3, detach_inner: bool = False, reconstruction: bool = True,
-                  **overrides) -> CapsNet:
+def build_capsnet(
+    preset: str, iterations: int = 3, detach_inner: bool = False, reconstruction: bool = True, **overrides
+) -> CapsNet:
     """A :class:`CapsNet` from a preset of :data:`CAPSNET_PRESETS` with some spec fields replaced.
 
     Raises:
@@ -200,6 +224,8 @@ def build_capsnet(preset: str, iterations: int = 3, detach_inner: bool = False, 
         raise UsageError(f"build_capsnet: unknown spec field(s) {unknown}; valid: {', '.join(sorted(fields))}")
     spec = dataclasses.replace(CAPSNET_PRESETS[preset], **overrides)
     if min(spec.primary_grid()) < 1:
-        raise UsageError(f"build_capsnet({preset!r}): input {spec.input_shape} is too small for the stem "
-                         f"({spec.stem_kernel}) and primary ({spec.primary_kernel}) kernels")
+        raise UsageError(
+            f"build_capsnet({preset!r}): input {spec.input_shape} is too small for the stem "
+            f"({spec.stem_kernel}) and primary ({spec.primary_kernel}) kernels"
+        )
     return CapsNet(spec, iterations=iterations, detach_inner=detach_inner, reconstruction=reconstruction)

@@ -30,8 +30,22 @@ from normlab.runner.experiments.capsules.train import coupling_entropy, load_dat
 from normlab.runner.grid.execute import Experiment, GridRun, run_experiment
 from normlab.runner.grid.spec import DictSpec, unique
 
-__all__ = ["CapsSpec", "CapsConfig", "CapsCell", "CAPSULES", "GRADS", "RECONS", "DATASETS", "expand_cells",
-           "run_cell", "run_capsules", "coupling_entropy", "quick_spec", "step_benchmark", "RESULTS_KIND"]
+__all__ = [
+    "CapsSpec",
+    "CapsConfig",
+    "CapsCell",
+    "CAPSULES",
+    "GRADS",
+    "RECONS",
+    "DATASETS",
+    "expand_cells",
+    "run_cell",
+    "run_capsules",
+    "coupling_entropy",
+    "quick_spec",
+    "step_benchmark",
+    "RESULTS_KIND",
+]
 
 GRADS = ("detached", "full")  # detach_inner=True (naturomics' stop_gradient) / False (the paper's code)
 RECONS = ("off", "on")
@@ -128,8 +142,11 @@ class CapsConfig:
     def differences(self, saved: dict[str, Any]) -> list[str]:
         """``"field: saved -> now"`` for every field that differs from a saved :meth:`to_dict`."""
         now = self.to_dict()
-        return [f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(now) | set(saved))
-                if saved.get(k) != now.get(k)]
+        return [
+            f"{k}: {saved.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(now) | set(saved))
+            if saved.get(k) != now.get(k)
+        ]
 
 
 @dataclass(frozen=True)
@@ -156,9 +173,17 @@ def expand_cells(spec: CapsSpec, data_cache: str | os.PathLike | None = None) ->
     """Every (variant, seed) cell of ``spec`` with its config (``data_cache`` is not used: the data set is read
     from ``spec.data_dir``)."""
     shared = {k: v for k, v in spec.to_dict().items() if k not in CapsSpec.LIST_FIELDS}
-    return [CapsCell(r, g, rec, s, CapsConfig(**shared, iterations=r, detach_inner=g == "detached",
-                                              reconstruction=rec == "on", seed=s))
-            for r, g, rec in spec.variants() for s in spec.seeds]
+    return [
+        CapsCell(
+            r,
+            g,
+            rec,
+            s,
+            CapsConfig(**shared, iterations=r, detach_inner=g == "detached", reconstruction=rec == "on", seed=s),
+        )
+        for r, g, rec in spec.variants()
+        for s in spec.seeds
+    ]
 
 
 def quick_spec() -> CapsSpec:
@@ -182,14 +207,35 @@ def _describe(summary: dict[str, Any]) -> str:
     return f"test error {100 * summary['final_test_err']:.2f} % ({summary['wall_s']:.0f} s)"
 
 
-CAPSULES = Experiment(name="capsules", spec_file="capsules.json", spec_type=CapsSpec, expand=expand_cells,
-                      train=run_cell, collect=collect, render=render_report, check=_check, cost=_cost,
-                      describe=_describe, noun="cells", label="normlab capsules")
+CAPSULES = Experiment(
+    name="capsules",
+    spec_file="capsules.json",
+    spec_type=CapsSpec,
+    expand=expand_cells,
+    train=run_cell,
+    collect=collect,
+    render=render_report,
+    check=_check,
+    cost=_cost,
+    describe=_describe,
+    noun="cells",
+    label="normlab capsules",
+)
 
 
-def run_capsules(spec: CapsSpec, out_dir: str | os.PathLike, *, workers: int | None = None, threads: int = 1,
-                 progress: bool = True, render: bool = True, log: Callable[[str], None] | None = None,
-                 backend: str = "process", address: str | None = None, option: str = "out_dir") -> dict[str, Any]:
+def run_capsules(
+    spec: CapsSpec,
+    out_dir: str | os.PathLike,
+    *,
+    workers: int | None = None,
+    threads: int = 1,
+    progress: bool = True,
+    render: bool = True,
+    log: Callable[[str], None] | None = None,
+    backend: str = "process",
+    address: str | None = None,
+    option: str = "out_dir",
+) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
     Finished cells (a ``summary.json`` with the same config) are skipped; a grid already in ``out_dir`` is
@@ -212,9 +258,21 @@ def run_capsules(spec: CapsSpec, out_dir: str | os.PathLike, *, workers: int | N
             extra["step_bench"] = step_benchmark(grid.spec, threads=int(threads))
         return extra
 
-    return run_experiment(CAPSULES, spec, out_dir, render=render, announce=before, extras=timings, option=option,
-                          workers=workers, threads=threads, progress=progress, log=say, backend=backend,
-                          address=address)
+    return run_experiment(
+        CAPSULES,
+        spec,
+        out_dir,
+        render=render,
+        announce=before,
+        extras=timings,
+        option=option,
+        workers=workers,
+        threads=threads,
+        progress=progress,
+        log=say,
+        backend=backend,
+        address=address,
+    )
 
 
 def _previous(out: Path, spec: CapsSpec) -> tuple[list[dict[str, Any]], dict[str, float] | None]:

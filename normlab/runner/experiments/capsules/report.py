@@ -16,11 +16,23 @@ from normlab.runner.experiments.capsules.stats import CRITERIA
 from normlab.runner.grid.report import status_lines, write_report
 from normlab.runner.io import atomic_write
 
-__all__ = ["markdown_report", "variant_table", "comparison_table", "verdict_lines", "render_report",
-           "render_plots", "summary_lines"]
+__all__ = [
+    "markdown_report",
+    "variant_table",
+    "comparison_table",
+    "verdict_lines",
+    "render_report",
+    "render_plots",
+    "summary_lines",
+]
 
-_VERDICT_MARK = {"reproduced": "**reproduced**", "consistent": "**consistent**", "contradicted": "**contradicted**",
-                 "not resolved": "**not resolved** (within seed noise)", "not run": "not run"}
+_VERDICT_MARK = {
+    "reproduced": "**reproduced**",
+    "consistent": "**consistent**",
+    "contradicted": "**contradicted**",
+    "not resolved": "**not resolved** (within seed noise)",
+    "not run": "not run",
+}
 
 
 def _pm(m: float | None, s: float | None, scale: float = 100.0, fmt: str = ".2f") -> str:
@@ -44,37 +56,77 @@ def _detach_cell(v: dict[str, Any]) -> str:
 
 def variant_table(results: dict[str, Any]) -> str:
     """One row per variant: test error and margin loss (mean ± std over seeds), entropy, time per step."""
-    head = ["variant", "seeds", "test error %", "test margin loss x1e-3", "train loss x1e-3",
-            "coupling entropy (nats)", "entropy after iteration 1..r",
-            "detached vs full gradient: rel. diff, cosine, norm ratio", "recon / margin gradient on the encoder",
-            "ms / step in training", "ms / step round-robin", "x r1"]
+    head = [
+        "variant",
+        "seeds",
+        "test error %",
+        "test margin loss x1e-3",
+        "train loss x1e-3",
+        "coupling entropy (nats)",
+        "entropy after iteration 1..r",
+        "detached vs full gradient: rel. diff, cosine, norm ratio",
+        "recon / margin gradient on the encoder",
+        "ms / step in training",
+        "ms / step round-robin",
+        "x r1",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for v in results["variants"]:
         ent = ", ".join(f"{e:.4f}" for e in v["entropy_by_iteration"]) or "n/a"
-        rows.append("| " + " | ".join([
-            v["variant"], str(v["n_seeds"]), _pm(v["err_mean"], v["err_std"]),
-            _pm(v["margin_mean"], v["margin_std"], 1000.0, ".1f"),
-            "n/a" if v["train_loss_mean"] is None else f"{1000 * v['train_loss_mean']:.1f}",
-            "n/a" if v["entropy_mean"] is None else f"{v['entropy_mean']:.4f}", ent,
-            _detach_cell(v), "-" if v["recon_grad_ratio"] is None else f"{v['recon_grad_ratio']:.4f}",
-            "n/a" if not v["step_time_s"] else f"{1000 * v['step_time_s']:.1f}",
-            "n/a" if not v.get("bench_step_s") else f"{1000 * v['bench_step_s']:.1f}",
-            "n/a" if v["step_ratio"] is None else f"{v['step_ratio']:.2f}",
-        ]) + " |")
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    v["variant"],
+                    str(v["n_seeds"]),
+                    _pm(v["err_mean"], v["err_std"]),
+                    _pm(v["margin_mean"], v["margin_std"], 1000.0, ".1f"),
+                    "n/a" if v["train_loss_mean"] is None else f"{1000 * v['train_loss_mean']:.1f}",
+                    "n/a" if v["entropy_mean"] is None else f"{v['entropy_mean']:.4f}",
+                    ent,
+                    _detach_cell(v),
+                    "-" if v["recon_grad_ratio"] is None else f"{v['recon_grad_ratio']:.4f}",
+                    "n/a" if not v["step_time_s"] else f"{1000 * v['step_time_s']:.1f}",
+                    "n/a" if not v.get("bench_step_s") else f"{1000 * v['bench_step_s']:.1f}",
+                    "n/a" if v["step_ratio"] is None else f"{v['step_ratio']:.2f}",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(rows)
 
 
 def comparison_table(results: dict[str, Any]) -> str:
     """The pre-declared paired comparisons: mean difference A - B with its 95 % interval."""
-    head = ["family", "A", "B", "seeds", "error A - B, pp [95 % CI]", "error", "margin loss A - B x1e-3 [95 % CI]",
-            "margin loss"]
+    head = [
+        "family",
+        "A",
+        "B",
+        "seeds",
+        "error A - B, pp [95 % CI]",
+        "error",
+        "margin loss A - B x1e-3 [95 % CI]",
+        "margin loss",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in results["comparisons"]:
         e, m = c["err"], c["margin"]
-        rows.append("| " + " | ".join([
-            c["family"], c["a"], c["b"], "n/a" if e is None else str(e["n"]), _ci(e),
-            _label(e), _ci(m, 1000.0), _label(m),
-        ]) + " |")
+        rows.append(
+            "| "
+            + " | ".join(
+                [
+                    c["family"],
+                    c["a"],
+                    c["b"],
+                    "n/a" if e is None else str(e["n"]),
+                    _ci(e),
+                    _label(e),
+                    _ci(m, 1000.0),
+                    _label(m),
+                ]
+            )
+            + " |"
+        )
     return "\n".join(rows)
 
 
@@ -102,12 +154,16 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
 
 def _timing_line(results: dict[str, Any]) -> str:
     tot = results.get("totals") or {}
-    line = (f"Sum over the cells: {tot.get('cell_wall_s', 0.0):.0f} s wall, {tot.get('cell_cpu_s', 0.0):.0f} s CPU "
-            f"(each cell in one process with 1 torch thread).")
+    line = (
+        f"Sum over the cells: {tot.get('cell_wall_s', 0.0):.0f} s wall, {tot.get('cell_cpu_s', 0.0):.0f} s CPU "
+        f"(each cell in one process with 1 torch thread)."
+    )
     for t in results.get("timings") or []:
         load = "" if t.get("load_avg") is None else f", load average {t['load_avg']:.1f} at the end"
-        line += (f" An invocation ran {t['cells_run']} cells with {t['workers']} worker(s) in {t['wall_s']:.0f} s "
-                 f"wall, {t['cpu_s']:.0f} s CPU (all processes{load}).")
+        line += (
+            f" An invocation ran {t['cells_run']} cells with {t['workers']} worker(s) in {t['wall_s']:.0f} s "
+            f"wall, {t['cpu_s']:.0f} s CPU (all processes{load})."
+        )
     return line
 
 
@@ -116,27 +172,48 @@ def _setup_line(results: dict[str, Any]) -> str:
     params = sorted({c["num_parameters"] for c in cells if c.get("num_parameters")})
     size = (f"{cells[0].get('num_primary')} primary capsules, " if cells else "") + (
         f"{params[0]:,} parameters" + (f" ({params[-1]:,} with the decoder)" if len(params) > 1 else "")
-        if params else "")
+        if params
+        else ""
+    )
     capped = s.get("max_steps_per_epoch") or s.get("test_subset")
-    return (f"Dataset `{s['dataset']}`, CapsNet preset `{s['dataset']}` ({size}), Adam lr {s['lr']:g}, batch "
-            f"{s['batch_size']}, {s['epochs']} epochs"
-            + (f" of at most {s['max_steps_per_epoch']} steps" if s.get("max_steps_per_epoch") else "")
-            + (f", first {s['test_subset']} test examples" if s.get("test_subset") else "")
-            + f", seeds {', '.join(str(x) for x in s['seeds'])}. Test error is measured after the last epoch "
-              f"(mean ± sample std over seeds)."
-            + (" **Capped steps or test set: a pipeline check, not the documented protocol; its numbers mean "
-               "nothing.**" if capped else ""))
+    return (
+        f"Dataset `{s['dataset']}`, CapsNet preset `{s['dataset']}` ({size}), Adam lr {s['lr']:g}, batch "
+        f"{s['batch_size']}, {s['epochs']} epochs"
+        + (f" of at most {s['max_steps_per_epoch']} steps" if s.get("max_steps_per_epoch") else "")
+        + (f", first {s['test_subset']} test examples" if s.get("test_subset") else "")
+        + f", seeds {', '.join(str(x) for x in s['seeds'])}. Test error is measured after the last epoch "
+        f"(mean ± sample std over seeds)."
+        + (
+            " **Capped steps or test set: a pipeline check, not the documented protocol; its numbers mean nothing.**"
+            if capped
+            else ""
+        )
+    )
 
 
 def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
     lines = ["# normlab capsules report", "", _setup_line(results), "", _timing_line(results), *status_lines(results)]
-    lines += ["", "## Verdicts", "", *verdict_lines(results), "", f"Criteria: {CRITERIA}", "",
-              "## Variants", "", variant_table(results), "",
-              "`detached`: naturomics' stop_gradient (`detach_inner=True`); `full`: the official code; r1 has no "
-              "inner iteration, so both are the same computation there. Uniform coupling over 10 parents has "
-              f"entropy ln 10 = {math.log(10):.4f} nats.", "",
-              "## Paired comparisons (A - B per seed; negative: A has the lower error)", "",
-              comparison_table(results), ""]
+    lines += [
+        "",
+        "## Verdicts",
+        "",
+        *verdict_lines(results),
+        "",
+        f"Criteria: {CRITERIA}",
+        "",
+        "## Variants",
+        "",
+        variant_table(results),
+        "",
+        "`detached`: naturomics' stop_gradient (`detach_inner=True`); `full`: the official code; r1 has no "
+        "inner iteration, so both are the same computation there. Uniform coupling over 10 parents has "
+        f"entropy ln 10 = {math.log(10):.4f} nats.",
+        "",
+        "## Paired comparisons (A - B per seed; negative: A has the lower error)",
+        "",
+        comparison_table(results),
+        "",
+    ]
     if plots:
         lines += ["## Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots] + [""]
     return "\n".join(lines)
@@ -195,15 +272,24 @@ def _error_plot(results: dict[str, Any], path: Path) -> Path:
             errs = [100 * c["final_test_err"] for c in results["cells"] if c["variant"] == v["variant"]]
             xs = [i + 0.08 * (k - (len(errs) - 1) / 2) for k in range(len(errs))]
             ax.plot(xs, errs, "o", color=_COLORS[v["grad"]], alpha=0.45, markersize=4)
-            ax.errorbar([i + 0.3], [100 * v["err_mean"]], yerr=[100 * (v["err_std"] or 0.0)], fmt="s",
-                        color=_COLORS[v["grad"]], capsize=3)
+            ax.errorbar(
+                [i + 0.3],
+                [100 * v["err_mean"]],
+                yerr=[100 * (v["err_std"] or 0.0)],
+                fmt="s",
+                color=_COLORS[v["grad"]],
+                capsize=3,
+            )
         ax.set_xticks(range(len(vs)))
         ax.set_xticklabels([v["variant"].replace(" +rec", "") for v in vs], rotation=30, ha="right")
         ax.set_title(f"reconstruction {rec}")
         ax.set_ylabel("test error after the last epoch (%)")
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle("test error per variant (dots: seeds; square and bar: mean ± std)\ngrey: 1 iteration, blue: "
-                 "detached (stop_gradient), orange: full gradient", fontsize=9)
+    fig.suptitle(
+        "test error per variant (dots: seeds; square and bar: mean ± std)\ngrey: 1 iteration, blue: "
+        "detached (stop_gradient), orange: full gradient",
+        fontsize=9,
+    )
     fig.tight_layout()
     return _save(plt, fig, path)
 
@@ -228,8 +314,13 @@ def _curves_plot(results: dict[str, Any], path: Path) -> Path:
         for v in vs:
             for row, (key, scale) in enumerate((("test_err", 100.0), ("test_margin", 1.0))):
                 xs, ys = _curve(results, v["variant"], key)
-                axes[row][col].plot(xs, [scale * y for y in ys], label=v["variant"].replace(" +rec", ""),
-                                    linewidth=1.2, **_line_style(results, v))
+                axes[row][col].plot(
+                    xs,
+                    [scale * y for y in ys],
+                    label=v["variant"].replace(" +rec", ""),
+                    linewidth=1.2,
+                    **_line_style(results, v),
+                )
         axes[0][col].set_title(f"reconstruction {rec}")
         axes[0][col].set_ylabel("test error (%)")
         axes[1][col].set_ylabel("test margin loss")
@@ -272,8 +363,15 @@ def _entropy_plot(results: dict[str, Any], path: Path) -> Path:
     for v in results["variants"]:
         e = v["entropy_by_iteration"]
         if e:
-            ax.plot(range(1, len(e) + 1), e, marker="o" if v["recon"] == "on" else "x", label=v["variant"],
-                    markersize=4, alpha=0.8, **_line_style(results, v))
+            ax.plot(
+                range(1, len(e) + 1),
+                e,
+                marker="o" if v["recon"] == "on" else "x",
+                label=v["variant"],
+                markersize=4,
+                alpha=0.8,
+                **_line_style(results, v),
+            )
     ax.axhline(math.log(10), color="0.5", linewidth=0.8, linestyle=":")
     ax.set_xlabel("routing iteration k (the coupling used by iteration k)")
     ax.set_ylabel("entropy of c over the parents (nats)")
@@ -291,8 +389,12 @@ def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     if not results["variants"]:
         return []
-    return [_error_plot(results, out / "error_by_variant.png"), _curves_plot(results, out / "training_curves.png"),
-            _step_plot(results, out / "step_time.png"), _entropy_plot(results, out / "coupling_entropy.png")]
+    return [
+        _error_plot(results, out / "error_by_variant.png"),
+        _curves_plot(results, out / "training_curves.png"),
+        _step_plot(results, out / "step_time.png"),
+        _entropy_plot(results, out / "coupling_entropy.png"),
+    ]
 
 
 def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:

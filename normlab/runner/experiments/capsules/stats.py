@@ -13,15 +13,37 @@ from typing import Any
 
 from normlab.runner.grid.results import mean_std
 
-__all__ = ["collect", "paired", "t_quantile", "comparisons", "verdicts", "variant_name", "CRITERIA",
-           "RESULTS_KIND", "RESULTS_VERSION"]
+__all__ = [
+    "collect",
+    "paired",
+    "t_quantile",
+    "comparisons",
+    "verdicts",
+    "variant_name",
+    "CRITERIA",
+    "RESULTS_KIND",
+    "RESULTS_VERSION",
+]
 
 RESULTS_KIND = "capsules"
 RESULTS_VERSION = 1
 _HISTORY_KEYS = ("epoch", "train_loss", "train_err", "test_err", "test_margin", "entropy")
-_CELL_KEYS = ("final_test_err", "final_test_margin", "final_train_loss", "final_entropy", "entropy_by_iteration",
-              "detach_effect", "recon_share", "step_time_s", "wall_s", "cpu_s", "diverged", "epochs_run",
-              "num_parameters", "num_primary")
+_CELL_KEYS = (
+    "final_test_err",
+    "final_test_margin",
+    "final_train_loss",
+    "final_entropy",
+    "entropy_by_iteration",
+    "detach_effect",
+    "recon_share",
+    "step_time_s",
+    "wall_s",
+    "cpu_s",
+    "diverged",
+    "epochs_run",
+    "num_parameters",
+    "num_primary",
+)
 
 CRITERIA = (
     "The measured quantity is the test error (percent) after the last epoch. For two variants A and B the per-seed "
@@ -37,8 +59,38 @@ CRITERIA = (
 )
 
 # two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def variant_name(iterations: int, grad: str, recon: str) -> str:
@@ -57,10 +109,18 @@ def t_quantile(df: int) -> float:
 # Collecting
 # --------------------------------------------------------------------------------------------------
 
+
 def _cell_record(cell, s: dict[str, Any]) -> dict[str, Any]:
-    return {"cell": cell.cell_id, "variant": cell.variant, "iterations": cell.iterations, "grad": cell.grad,
-            "recon": cell.recon, "seed": cell.seed, **{k: s.get(k) for k in _CELL_KEYS},
-            "history": [{k: h.get(k) for k in _HISTORY_KEYS} for h in s.get("history", [])]}
+    return {
+        "cell": cell.cell_id,
+        "variant": cell.variant,
+        "iterations": cell.iterations,
+        "grad": cell.grad,
+        "recon": cell.recon,
+        "seed": cell.seed,
+        **{k: s.get(k) for k in _CELL_KEYS},
+        "history": [{k: h.get(k) for k in _HISTORY_KEYS} for h in s.get("history", [])],
+    }
 
 
 def _variant_record(recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -73,9 +133,17 @@ def _variant_record(recs: list[dict[str, Any]]) -> dict[str, Any]:
     shares = [r["recon_share"] for r in recs if r.get("recon_share")]
     depth = min((len(b) for b in by_it), default=0)
     return {
-        "variant": r0["variant"], "iterations": r0["iterations"], "grad": r0["grad"], "recon": r0["recon"],
-        "n_seeds": len(recs), "seeds": [r["seed"] for r in recs], "err_mean": em, "err_std": es,
-        "margin_mean": mm, "margin_std": ms, "train_loss_mean": mean_std([r["final_train_loss"] for r in recs])[0],
+        "variant": r0["variant"],
+        "iterations": r0["iterations"],
+        "grad": r0["grad"],
+        "recon": r0["recon"],
+        "n_seeds": len(recs),
+        "seeds": [r["seed"] for r in recs],
+        "err_mean": em,
+        "err_std": es,
+        "margin_mean": mm,
+        "margin_std": ms,
+        "train_loss_mean": mean_std([r["final_train_loss"] for r in recs])[0],
         "entropy_mean": mean_std([r["final_entropy"] for r in recs])[0],
         "entropy_by_iteration": [mean_std([b[k] for b in by_it])[0] for k in range(depth)],
         "detach_rel_diff": mean_std([e["rel_diff"] for e in effects])[0],
@@ -104,28 +172,43 @@ def _variants(cells: list[dict[str, Any]], bench: dict[str, float] | None) -> li
     return out
 
 
-def collect(spec, pairs: Sequence[tuple[Any, dict[str, Any]]], complete: bool = True,
-            failed: Sequence[tuple[Any, str]] = (), timings: Sequence[dict[str, Any]] = (),
-            step_bench: dict[str, float] | None = None) -> dict[str, Any]:
+def collect(
+    spec,
+    pairs: Sequence[tuple[Any, dict[str, Any]]],
+    complete: bool = True,
+    failed: Sequence[tuple[Any, str]] = (),
+    timings: Sequence[dict[str, Any]] = (),
+    step_bench: dict[str, float] | None = None,
+) -> dict[str, Any]:
     """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs);
     ``failed``: ``(cell, error line)`` of the cells that raised; ``timings``: wall and CPU time of each invocation
     that ran cells; ``step_bench``: seconds per training step of each variant timed round-robin
     (:func:`normlab.runner.experiments.capsules.train.step_benchmark`)."""
     cells = [_cell_record(c, s) for c, s in pairs]
-    results = {"kind": RESULTS_KIND, "version": RESULTS_VERSION, "spec": spec.to_dict(), "complete": complete,
-               "timings": list(timings), "step_bench": step_bench, "cells": cells,
-               "variants": _variants(cells, step_bench),
-               "failed": [{"cell": c.cell_id, "variant": c.variant, "seed": c.seed, "error": e} for c, e in failed]}
+    results = {
+        "kind": RESULTS_KIND,
+        "version": RESULTS_VERSION,
+        "spec": spec.to_dict(),
+        "complete": complete,
+        "timings": list(timings),
+        "step_bench": step_bench,
+        "cells": cells,
+        "variants": _variants(cells, step_bench),
+        "failed": [{"cell": c.cell_id, "variant": c.variant, "seed": c.seed, "error": e} for c, e in failed],
+    }
     results["comparisons"] = comparisons(results)
     results["verdicts"] = verdicts(results)
-    results["totals"] = {"cell_wall_s": sum(c["wall_s"] or 0.0 for c in cells),
-                         "cell_cpu_s": sum(c["cpu_s"] or 0.0 for c in cells)}
+    results["totals"] = {
+        "cell_wall_s": sum(c["wall_s"] or 0.0 for c in cells),
+        "cell_cpu_s": sum(c["cpu_s"] or 0.0 for c in cells),
+    }
     return results
 
 
 # --------------------------------------------------------------------------------------------------
 # Paired differences
 # --------------------------------------------------------------------------------------------------
+
 
 def _by_seed(results: dict[str, Any], variant: str, key: str) -> dict[int, float]:
     out = {}
@@ -149,8 +232,19 @@ def paired(results: dict[str, Any], a: str, b: str, key: str = "final_test_err")
     m, sd = mean_std(d)
     half = t_quantile(len(d) - 1) * sd / math.sqrt(len(d))
     lo, hi = m - half, m + half
-    return {"a": a, "b": b, "key": key, "n": len(d), "seeds": seeds, "diffs": d, "mean": m, "std": sd,
-            "lo": lo, "hi": hi, "real": bool(lo > 0 or hi < 0)}
+    return {
+        "a": a,
+        "b": b,
+        "key": key,
+        "n": len(d),
+        "seeds": seeds,
+        "diffs": d,
+        "mean": m,
+        "std": sd,
+        "lo": lo,
+        "hi": hi,
+        "real": bool(lo > 0 or hi < 0),
+    }
 
 
 def _names(results: dict[str, Any]) -> set[str]:
@@ -179,14 +273,22 @@ def comparisons(results: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for family, a, b in _comparison_pairs(results["spec"]):
         if a in names and b in names:
-            out.append({"family": family, "a": a, "b": b, "err": paired(results, a, b),
-                        "margin": paired(results, a, b, "final_test_margin")})
+            out.append(
+                {
+                    "family": family,
+                    "a": a,
+                    "b": b,
+                    "err": paired(results, a, b),
+                    "margin": paired(results, a, b, "final_test_margin"),
+                }
+            )
     return out
 
 
 # --------------------------------------------------------------------------------------------------
 # Verdicts
 # --------------------------------------------------------------------------------------------------
+
 
 def _judge(p: dict[str, Any] | None, claim: str) -> str:
     """``claim``: ``less`` (A better than B) or ``equal``; see CRITERIA."""
@@ -202,17 +304,26 @@ def _judge(p: dict[str, Any] | None, claim: str) -> str:
 def _interval(p: dict[str, Any] | None, scale: float = 100.0, unit: str = " pp") -> str:
     if p is None:
         return "n/a"
-    kind = ("identical in every seed" if all(d == 0 for d in p["diffs"])
-            else "real" if p["real"] else "within seed noise")
+    kind = (
+        "identical in every seed" if all(d == 0 for d in p["diffs"]) else "real" if p["real"] else "within seed noise"
+    )
     return f"{scale * p['mean']:+.2f}{unit} [{scale * p['lo']:+.2f}, {scale * p['hi']:+.2f}] ({kind}, n={p['n']})"
 
 
 def _verdict(results, claim_id: str, text: str, a: str, b: str, kind: str, source: str) -> dict[str, Any]:
     pe, pm = paired(results, a, b), paired(results, a, b, "final_test_margin")
-    return {"id": claim_id, "source": source, "claim": text, "a": a, "b": b, "kind": kind,
-            "verdict": _judge(pe, kind), "err": pe, "margin": pm,
-            "text": f"err({a}) - err({b}) = {_interval(pe)}; margin loss difference "
-                    f"{_interval(pm, 1000.0, ' x1e-3')}"}
+    return {
+        "id": claim_id,
+        "source": source,
+        "claim": text,
+        "a": a,
+        "b": b,
+        "kind": kind,
+        "verdict": _judge(pe, kind),
+        "err": pe,
+        "margin": pm,
+        "text": f"err({a}) - err({b}) = {_interval(pe)}; margin loss difference {_interval(pm, 1000.0, ' x1e-3')}",
+    }
 
 
 def _best_verdict(results, claim_id: str, text: str, best: str, rival: str, pool: list[str]) -> dict[str, Any]:
@@ -228,7 +339,8 @@ def _best_verdict(results, claim_id: str, text: str, best: str, rival: str, pool
     elif v["verdict"] == "reproduced" and lowest != best:
         v["verdict"] = "not resolved"
     v["text"] += f"; lowest mean error of {', '.join(pool)}: {lowest}" + (
-        f"; really better than {best}: {', '.join(beaten)}" if beaten else "")
+        f"; really better than {best}: {', '.join(beaten)}" if beaten else ""
+    )
     return v
 
 
@@ -239,25 +351,69 @@ def verdicts(results: dict[str, Any]) -> list[dict[str, Any]]:
     spec, names, out = results["spec"], _names(results), []
     for rec in spec["recons"]:
         tag = " (reconstruction on)" if rec == "on" else " (reconstruction off)"
-        paper = ("3 routing iterations beat 1 (MNIST 0.25 % vs 0.29 %)" if rec == "on"
-                 else "3 routing iterations do not beat 1 (MNIST 0.35 % vs 0.34 %)")
-        out.append(_verdict(results, f"paper-iterations-{rec}", paper + tag, vn(3, "full", rec), vn(1, "-", rec),
-                            "less" if rec == "on" else "equal", "paper"))
-        det = [n for n in (vn(1, "-", rec), *(vn(r, "detached", rec) for r in spec["iterations"] if r > 1))
-               if n in names]
-        full = [n for n in (vn(1, "-", rec), *(vn(r, "full", rec) for r in spec["iterations"] if r > 1))
-                if n in names]
-        out.append(_best_verdict(results, f"seed-detached-3-best-{rec}", "with stop_gradient, 3 iterations are best"
-                                 + tag, vn(3, "detached", rec), vn(1, "-", rec), det))
-        out.append(_best_verdict(results, f"seed-full-1-best-{rec}", "without stop_gradient, 1 iteration is best"
-                                 + tag, vn(1, "-", rec), vn(3, "full", rec), full))
-        out.append(_verdict(results, f"seed-stop-gradient-right-{rec}", "stop_gradient (detached) beats the full "
-                            "gradient at 3 iterations" + tag, vn(3, "detached", rec), vn(3, "full", rec), "less",
-                            "seed 001"))
+        paper = (
+            "3 routing iterations beat 1 (MNIST 0.25 % vs 0.29 %)"
+            if rec == "on"
+            else "3 routing iterations do not beat 1 (MNIST 0.35 % vs 0.34 %)"
+        )
+        out.append(
+            _verdict(
+                results,
+                f"paper-iterations-{rec}",
+                paper + tag,
+                vn(3, "full", rec),
+                vn(1, "-", rec),
+                "less" if rec == "on" else "equal",
+                "paper",
+            )
+        )
+        det = [
+            n for n in (vn(1, "-", rec), *(vn(r, "detached", rec) for r in spec["iterations"] if r > 1)) if n in names
+        ]
+        full = [n for n in (vn(1, "-", rec), *(vn(r, "full", rec) for r in spec["iterations"] if r > 1)) if n in names]
+        out.append(
+            _best_verdict(
+                results,
+                f"seed-detached-3-best-{rec}",
+                "with stop_gradient, 3 iterations are best" + tag,
+                vn(3, "detached", rec),
+                vn(1, "-", rec),
+                det,
+            )
+        )
+        out.append(
+            _best_verdict(
+                results,
+                f"seed-full-1-best-{rec}",
+                "without stop_gradient, 1 iteration is best" + tag,
+                vn(1, "-", rec),
+                vn(3, "full", rec),
+                full,
+            )
+        )
+        out.append(
+            _verdict(
+                results,
+                f"seed-stop-gradient-right-{rec}",
+                "stop_gradient (detached) beats the full gradient at 3 iterations" + tag,
+                vn(3, "detached", rec),
+                vn(3, "full", rec),
+                "less",
+                "seed 001",
+            )
+        )
     if "on" in spec["recons"] and "off" in spec["recons"]:
         for r, mnist in ((1, "0.29 % vs 0.34 %"), (3, "0.25 % vs 0.35 %")):
             g = "-" if r == 1 else "full"
-            out.append(_verdict(results, f"paper-reconstruction-r{r}", f"the reconstruction loss lowers the error at "
-                                f"{r} iteration{'s' if r > 1 else ''} (MNIST {mnist})", vn(r, g, "on"),
-                                vn(r, g, "off"), "less", "paper"))
+            out.append(
+                _verdict(
+                    results,
+                    f"paper-reconstruction-r{r}",
+                    f"the reconstruction loss lowers the error at {r} iteration{'s' if r > 1 else ''} (MNIST {mnist})",
+                    vn(r, g, "on"),
+                    vn(r, g, "off"),
+                    "less",
+                    "paper",
+                )
+            )
     return [v for v in out if v["a"] in names and v["b"] in names]

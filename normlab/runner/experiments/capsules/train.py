@@ -94,9 +94,11 @@ def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor]) -> torch.Tensor:
 
 def _compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     """|a - b| / |b|, cosine(a, b) and |a| / |b| of two flattened gradients."""
-    return {"rel_diff": ((a - b).norm() / b.norm()).item(),
-            "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
-            "norm_ratio": (a.norm() / b.norm()).item()}
+    return {
+        "rel_diff": ((a - b).norm() / b.norm()).item(),
+        "cosine": torch.nn.functional.cosine_similarity(a, b, dim=0).item(),
+        "norm_ratio": (a.norm() / b.norm()).item(),
+    }
 
 
 def _detach_effect(model, ds, n: int = 256) -> dict[str, float] | None:
@@ -152,8 +154,9 @@ def step_benchmark(spec, rounds: int = 15, warmup: int = 3, threads: int = 1) ->
     models = {}
     for r, g, rec in spec.variants():
         torch.manual_seed(0)
-        m = build_capsnet(spec.dataset, iterations=r, detach_inner=g == "detached", reconstruction=rec == "on",
-                          target_range=rng)
+        m = build_capsnet(
+            spec.dataset, iterations=r, detach_inner=g == "detached", reconstruction=rec == "on", target_range=rng
+        )
         models[variant_name(r, g, rec)] = (m.train(), torch.optim.Adam(m.parameters(), lr=spec.lr))
     times: dict[str, list[float]] = {name: [] for name in models}
     saved = torch.get_num_threads()
@@ -178,7 +181,7 @@ def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg) -> dict[str, Any]:
     totals = {"loss": 0.0, "margin": 0.0, "recon": 0.0, "wrong": 0.0, "seen": 0}
     times = []
     for start in starts:
-        x, y = ds.batch(perm[start:start + bs])
+        x, y = ds.batch(perm[start : start + bs])
         t0 = time.perf_counter()
         out, loss, parts = _step(model, opt, x, y)
         times.append(time.perf_counter() - t0)
@@ -189,8 +192,13 @@ def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg) -> dict[str, Any]:
         totals["wrong"] += (out.lengths.detach().argmax(1) != y).sum().item()
         totals["seen"] += k
     seen = max(totals["seen"], 1)
-    return {"train_loss": totals["loss"] / seen, "train_margin": totals["margin"] / seen,
-            "train_recon": totals["recon"] / seen, "train_err": totals["wrong"] / seen, "step_times": times}
+    return {
+        "train_loss": totals["loss"] / seen,
+        "train_margin": totals["margin"] / seen,
+        "train_recon": totals["recon"] / seen,
+        "train_err": totals["wrong"] / seen,
+        "step_times": times,
+    }
 
 
 def run_cell(cfg, out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -199,8 +207,13 @@ def run_cell(cfg, out_dir: str | os.PathLike) -> dict[str, Any]:
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     train_ds, test_ds, rng = load_data(cfg.dataset, cfg.data_dir)
     torch.manual_seed(cfg.seed)
-    model = build_capsnet(cfg.dataset, iterations=cfg.iterations, detach_inner=cfg.detach_inner,
-                          reconstruction=cfg.reconstruction, target_range=rng)
+    model = build_capsnet(
+        cfg.dataset,
+        iterations=cfg.iterations,
+        detach_inner=cfg.detach_inner,
+        reconstruction=cfg.reconstruction,
+        target_range=rng,
+    )
     opt = torch.optim.Adam(model.parameters(), lr=cfg.lr)
     order = torch.Generator().manual_seed(cfg.seed)  # same batches in the same order for every variant
     history, step_times = [], []
@@ -214,9 +227,13 @@ def run_cell(cfg, out_dir: str | os.PathLike) -> dict[str, Any]:
         history.append({"epoch": epoch, **rec})
     last = history[-1]
     summary = {
-        "config": cfg.to_dict(), "history": history, "epochs_run": len(history),
-        "final_test_err": last["test_err"], "final_test_margin": last["test_margin"],
-        "final_train_loss": last["train_loss"], "final_entropy": last["entropy"],
+        "config": cfg.to_dict(),
+        "history": history,
+        "epochs_run": len(history),
+        "final_test_err": last["test_err"],
+        "final_test_margin": last["test_margin"],
+        "final_train_loss": last["train_loss"],
+        "final_entropy": last["entropy"],
         "entropy_by_iteration": _entropy_by_iteration(model, test_ds, cfg.test_subset),
         "detach_effect": _detach_effect(model, train_ds),
         "recon_share": _recon_share(model, train_ds),
@@ -224,7 +241,8 @@ def run_cell(cfg, out_dir: str | os.PathLike) -> dict[str, Any]:
         "step_time_s": statistics.median(step_times[1:] or step_times),  # the first step warms up
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "num_primary": model.spec.num_primary,
-        "wall_s": time.perf_counter() - t_wall, "cpu_s": time.process_time() - t_cpu,
+        "wall_s": time.perf_counter() - t_wall,
+        "cpu_s": time.process_time() - t_cpu,
     }
     atomic_write_json(Path(out_dir) / "summary.json", summary)
     return summary

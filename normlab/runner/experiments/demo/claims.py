@@ -16,9 +16,21 @@ from typing import Any
 from normlab.runner.experiments.demo.diagnosis import alarm_audit, diagnose_run
 from normlab.runner.grid.verdicts import FAIL_MARGIN, TRAIN_FRACTION, chance_level, failed, format_acc, trains
 
-__all__ = ["CLAIM_CRITERIA", "DROP", "GAP_VISIBLE", "BRN_GAIN", "ALARM_SEEDS", "PLATEAU_FALL", "TIME_FLOOR",
-           "collect_evidence", "plateau_check", "claims_table", "claims_markdown", "criteria_markdown",
-           "timing_verdict"]
+__all__ = [
+    "CLAIM_CRITERIA",
+    "DROP",
+    "GAP_VISIBLE",
+    "BRN_GAIN",
+    "ALARM_SEEDS",
+    "PLATEAU_FALL",
+    "TIME_FLOOR",
+    "collect_evidence",
+    "plateau_check",
+    "claims_table",
+    "claims_markdown",
+    "criteria_markdown",
+    "timing_verdict",
+]
 
 DROP = 0.02  # a norm degrades at a small batch when its mean accuracy falls >= 2 points below batch 128
 GAP_VISIBLE = 0.05  # BN's eval - train-mode gap at the smallest batch >= 5 points, and >= 5 points above batch 128's
@@ -30,27 +42,27 @@ PAPER_HIGH_LR = 0.1  # claim 5's learning rate in the paper (1e-1)
 
 CLAIM_CRITERIA = {
     "1": f"reproduced if at some learning rate of the sweep the unnormalized net *fails* (most seeds collapsed, or "
-         f"mean accuracy <= chance + {100 * FAIL_MARGIN:.0f} points) after learning at a lower one, while BN *trains* "
-         f"(no seed collapsed, mean >= chance + {TRAIN_FRACTION:.1f} x (best mean of the sweep - chance))",
+    f"mean accuracy <= chance + {100 * FAIL_MARGIN:.0f} points) after learning at a lower one, while BN *trains* "
+    f"(no seed collapsed, mean >= chance + {TRAIN_FRACTION:.1f} x (best mean of the sweep - chance))",
     "2": "reproduced if PWS (gamma 1e-3 or 1e-2) *trains* at a learning rate where claim 1 is reproduced; not "
-         "testable where claim 1 is not",
+    "testable where claim 1 is not",
     "3": f"testable only if every BN, GN and PWS run of section (b) reached its plateau (mean training loss over the "
-         f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} % below the fifth before); then reproduced if "
-         f"BN's mean accuracy at the smallest batch is >= {100 * DROP:.0f} points below its batch-128 accuracy while "
-         f"PWS's is not",
+    f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} % below the fifth before); then reproduced if "
+    f"BN's mean accuracy at the smallest batch is >= {100 * DROP:.0f} points below its batch-128 accuracy while "
+    f"PWS's is not",
     "3a": f"reproduced if BN's train-mode accuracy (batch statistics) at the smallest batch is >= "
-          f"{100 * GAP_VISIBLE:.0f} points below its eval-mode accuracy (running statistics) and that gap is >= "
-          f"{100 * GAP_VISIBLE:.0f} points larger than at batch 128",
+    f"{100 * GAP_VISIBLE:.0f} points below its eval-mode accuracy (running statistics) and that gap is >= "
+    f"{100 * GAP_VISIBLE:.0f} points larger than at batch 128",
     "4": f"at each batch size, reproduced if PWS's median step is shorter than BN's, GN's and SN's by more than the "
-         f"timing spread (the larger of the two norms' median - fastest repeat, and at least {100 * TIME_FLOOR:.0f} % "
-         f"of PWS's step); a difference within the spread is a *tie*",
+    f"timing spread (the larger of the two norms' median - fastest repeat, and at least {100 * TIME_FLOOR:.0f} % "
+    f"of PWS's step); a difference within the spread is a *tie*",
     "5": f"reproduced if at lr {PAPER_HIGH_LR:g} (the paper's) PWS (gamma 1e-3) and WN do not *train* while BN does",
     "BRN": f"reproduced if at every small batch BRN's mean accuracy is >= {100 * BRN_GAIN:.0f} point above BN's "
-           f"(same data, same steps); 'close to large-batch BN' is judged only where batch 128 reached its plateau "
-           f"(then BRN at the smallest batch must be within {100 * DROP:.0f} points of BN at batch 128)",
+    f"(same data, same steps); 'close to large-batch BN' is judged only where batch 128 reached its plateau "
+    f"(then BRN at the smallest batch must be within {100 * DROP:.0f} points of BN at batch 128)",
     "mon": f"reproduced if the alarm comes before the collapse (a positive lead in steps; for a dead network, which "
-           f"has no moment of collapse, any alarm) on >= {ALARM_SEEDS} of the 3 seeds of the unnormalized net of "
-           f"section (c), and no monitored run of the demo that did not collapse raised an alarm",
+    f"has no moment of collapse, any alarm) on >= {ALARM_SEEDS} of the 3 seeds of the unnormalized net of "
+    f"section (c), and no monitored run of the demo that did not collapse raised an alarm",
 }
 
 _STATEMENTS = {
@@ -78,7 +90,7 @@ def plateau_check(run_dir: Path) -> dict[str, Any] | None:
     k = len(losses) // 5
     if k < 1:
         return {"steps": len(losses), "fall": None, "plateau": False}
-    last, prev = losses[-k:], losses[-2 * k:-k]
+    last, prev = losses[-k:], losses[-2 * k : -k]
     if any(v is None or not math.isfinite(v) for v in last + prev):
         return {"steps": len(losses), "fall": None, "plateau": False}
     a, b = sum(prev) / k, sum(last) / k
@@ -89,10 +101,13 @@ def plateau_check(run_dir: Path) -> dict[str, Any] | None:
 def collect_evidence(out: Path, sections: dict[str, dict]) -> dict[str, Any]:
     """What the verdicts need from the runs' files: every run's diagnosis, the batch-size runs' plateau check."""
     out = Path(out)
-    diag = {key: {c["cell"]: diagnose_run(out / key / "runs" / c["cell"]) for c in sec["cells"]}
-            for key, sec in sections.items()}
-    plateau = {c["cell"]: plateau_check(out / "batch_size" / "runs" / c["cell"])
-               for c in sections["batch_size"]["cells"]}
+    diag = {
+        key: {c["cell"]: diagnose_run(out / key / "runs" / c["cell"]) for c in sec["cells"]}
+        for key, sec in sections.items()
+    }
+    plateau = {
+        c["cell"]: plateau_check(out / "batch_size" / "runs" / c["cell"]) for c in sections["batch_size"]["cells"]
+    }
     return {"diagnoses": diag, "plateau": plateau}
 
 
@@ -126,15 +141,19 @@ def _lr_rows(a: dict) -> list[dict[str, str]]:
     def ok(n: str, lr: float) -> bool:
         return trains(g.get((n, lr)), chance, best)
 
-    bad = [lr for lr in lrs if failed(g.get(("none", lr)), chance)
-           and any(not failed(g.get(("none", x)), chance) for x in lrs if x < lr)]
+    bad = [
+        lr
+        for lr in lrs
+        if failed(g.get(("none", lr)), chance) and any(not failed(g.get(("none", x)), chance) for x in lrs if x < lr)
+    ]
     c1 = [lr for lr in bad if ok("bn", lr)]
     at = c1[-1] if c1 else (bad[-1] if bad else lrs[-1])
     nums1 = f"lr {at:g}: none {_acc(g.get(('none', at)))}, BN {_acc(g.get(('bn', at)))}"
     if c1:
         more = [x for x in c1 if x != at]
-        rows = [_row("1", REPRODUCED, f"{nums1}" + (f" (also at lr {', '.join(f'{x:g}' for x in more)})" if more
-                                                    else ""))]
+        rows = [
+            _row("1", REPRODUCED, f"{nums1}" + (f" (also at lr {', '.join(f'{x:g}' for x in more)})" if more else ""))
+        ]
     else:
         why = "the unnormalized net does not fail after learning at a lower rate" if not bad else "BN fails there too"
         rows = [_row("1", NOT_REPRODUCED, f"{why}; {nums1}")]
@@ -146,9 +165,17 @@ def _lr_rows(a: dict) -> list[dict[str, str]]:
     else:
         held = [(n, lr) for lr in c1 for n in pws if ok(n, lr)]
         nums = "; ".join(f"{_label(n)} {_acc(g.get((n, at)))}" for n in pws)
-        rows.append(_row("2", REPRODUCED if held else NOT_REPRODUCED,
-                         (f"PWS trains where the plain net collapses: lr {at:g}: {nums}" if held else
-                          f"PWS collapses too where the plain net does and BN trains: lr {at:g}: {nums}")))
+        rows.append(
+            _row(
+                "2",
+                REPRODUCED if held else NOT_REPRODUCED,
+                (
+                    f"PWS trains where the plain net collapses: lr {at:g}: {nums}"
+                    if held
+                    else f"PWS collapses too where the plain net does and BN trains: lr {at:g}: {nums}"
+                ),
+            )
+        )
     rows.append(_claim5(g, lrs, names, ok))
     return rows
 
@@ -196,9 +223,15 @@ def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
     nums = f"batch {base} -> {s}: BN {_acc(bn0)} -> {_acc(bns)}; PWS {_acc(pws0)} -> {_acc(pwss)}"
     unplateaued = _plateau_state(b, evidence, ("bn", "gn", "pws"))
     if unplateaued:
-        rows = [_row("3", NOT_TESTABLE, f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
-                     f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
-                     f"information, {nums}")]
+        rows = [
+            _row(
+                "3",
+                NOT_TESTABLE,
+                f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
+                f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
+                f"information, {nums}",
+            )
+        ]
     elif None in (_mean(bn0), _mean(bns), _mean(pws0), _mean(pwss)):
         rows = [_row("3", NOT_TESTABLE, f"a result is missing; {nums}")]
     else:
@@ -224,8 +257,14 @@ def _mechanism_row(g: dict, lr: float, base: int, s: int) -> dict[str, str]:
 
 
 def _brn_row(g: dict, lr: float, base: int, small: list[int], base_unplateaued: bool) -> dict[str, str]:
-    gains = {s: (None if None in (_mean(g.get(("brn", lr, s))), _mean(g.get(("bn", lr, s)))) else
-                 g[("brn", lr, s)]["final_mean"] - g[("bn", lr, s)]["final_mean"]) for s in small}
+    gains = {
+        s: (
+            None
+            if None in (_mean(g.get(("brn", lr, s))), _mean(g.get(("bn", lr, s))))
+            else g[("brn", lr, s)]["final_mean"] - g[("bn", lr, s)]["final_mean"]
+        )
+        for s in small
+    }
     nums = "BRN - BN: " + ", ".join(f"batch {s} {_pts(v)}" for s, v in gains.items())
     if any(v is None for v in gains.values()):
         return _row("BRN", NOT_TESTABLE, nums)
@@ -242,11 +281,14 @@ def _brn_row(g: dict, lr: float, base: int, small: list[int], base_unplateaued: 
 
 # ----------------------------------------------------------------------------------------------- (d) claim 4
 def timing_verdict(t: dict[str, dict[str, float]], other: str) -> tuple[str, float]:
-    """"cheaper" / "dearer" / "tie" for PWS's step against ``other``'s, and the spread that decided it (seconds):
+    """ "cheaper" / "dearer" / "tie" for PWS's step against ``other``'s, and the spread that decided it (seconds):
     the larger of the two norms' (median - fastest repeat), and at least TIME_FLOOR of PWS's median."""
     p, o = t["pws"], t[other]
-    spread = max(p["median_s"] - p.get("min_s", p["median_s"]), o["median_s"] - o.get("min_s", o["median_s"]),
-                 TIME_FLOOR * p["median_s"])
+    spread = max(
+        p["median_s"] - p.get("min_s", p["median_s"]),
+        o["median_s"] - o.get("min_s", o["median_s"]),
+        TIME_FLOOR * p["median_s"],
+    )
     diff = o["median_s"] - p["median_s"]
     return ("tie" if abs(diff) <= spread else "cheaper" if diff > 0 else "dearer"), spread
 
@@ -263,8 +305,10 @@ def _cost_rows(cost: dict) -> list[dict[str, str]]:
             continue
         said = {n: timing_verdict(t, n) for n in others}
         words = "; ".join(f"{n.upper()} {1000 * t[n]['median_s']:.2f} ms: {_SAID[v]}" for n, (v, _) in said.items())
-        nums = (f"batch {bs}: PWS {1000 * t['pws']['median_s']:.2f} ms; {words}. A tie is a difference within the "
-                f"timing spread (here up to {1000 * max(s for _, s in said.values()):.2f} ms)")
+        nums = (
+            f"batch {bs}: PWS {1000 * t['pws']['median_s']:.2f} ms; {words}. A tie is a difference within the "
+            f"timing spread (here up to {1000 * max(s for _, s in said.values()):.2f} ms)"
+        )
         verdict = REPRODUCED if all(v == "cheaper" for v, _ in said.values()) else NOT_REPRODUCED
         rows.append(_row("4", verdict, nums))
     return rows
@@ -282,11 +326,13 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
     dead = sum(1 for d in plain if d["collapse_reason"] == "never_left_chance" and d["alarm"])
     audit = alarm_audit([d for sec in diag.values() for d in sec.values()])
     met = dated + dead >= ALARM_SEEDS and audit["false_alarms"] == 0
-    nums = (f"unnormalized net, lr {demo['protocol']['collapse_lr']:g}: warned before {dated} dated collapse"
-            f"{'' if dated == 1 else 's'} and in {dead} dead network{'' if dead == 1 else 's'} of {len(plain)} seed"
-            f"{'' if len(plain) == 1 else 's'}; "
-            f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in "
-            f"{audit['healthy_runs']} runs that did not collapse")
+    nums = (
+        f"unnormalized net, lr {demo['protocol']['collapse_lr']:g}: warned before {dated} dated collapse"
+        f"{'' if dated == 1 else 's'} and in {dead} dead network{'' if dead == 1 else 's'} of {len(plain)} seed"
+        f"{'' if len(plain) == 1 else 's'}; "
+        f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in "
+        f"{audit['healthy_runs']} runs that did not collapse"
+    )
     return _row("mon", REPRODUCED if met else NOT_REPRODUCED, nums)
 
 
@@ -327,8 +373,13 @@ def claims_record(demo: dict[str, Any]) -> dict[str, Any]:
     sections = {k: {key: sec[key] for key in RECORD_KEYS if key in sec} for k, sec in demo["sections"].items()}
     for sec in sections.values():
         sec["cells"] = [{k: v for k, v in c.items() if k != "history"} for c in sec.get("cells", [])]
-    return {"protocol": demo["protocol"], "quick": demo.get("quick", False), "cost": demo["cost"],
-            "evidence": demo["evidence"], "sections": sections}
+    return {
+        "protocol": demo["protocol"],
+        "quick": demo.get("quick", False),
+        "cost": demo["cost"],
+        "evidence": demo["evidence"],
+        "sections": sections,
+    }
 
 
 def _main(argv: list[str]) -> None:

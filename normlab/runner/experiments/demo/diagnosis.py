@@ -80,10 +80,16 @@ def alarm_audit(diagnoses: Sequence[dict[str, Any]]) -> dict[str, Any]:
     in_time = [d for d in datable if d["lead_steps"] is not None and d["lead_steps"] > 0]
     healthy = [d for d in monitored if not d["collapsed"]]
     false_alarms = [d for d in healthy if d["alarm"]]
-    return {"monitored_runs": len(monitored), "collapsed_runs": len(collapsed), "datable_collapses": len(datable),
-            "warned_in_time": len(in_time), "leads": sorted(d["lead_steps"] for d in in_time),
-            "healthy_runs": len(healthy), "false_alarms": len(false_alarms),
-            "dead_runs_alarmed": sum(1 for d in collapsed if d["collapse_step"] is None and d["alarm"])}
+    return {
+        "monitored_runs": len(monitored),
+        "collapsed_runs": len(collapsed),
+        "datable_collapses": len(datable),
+        "warned_in_time": len(in_time),
+        "leads": sorted(d["lead_steps"] for d in in_time),
+        "healthy_runs": len(healthy),
+        "false_alarms": len(false_alarms),
+        "dead_runs_alarmed": sum(1 for d in collapsed if d["collapse_step"] is None and d["alarm"]),
+    }
 
 
 def _loss_trace(run_dir: Path) -> list[float | None]:
@@ -124,8 +130,9 @@ def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[s
     return out, hidden
 
 
-def _panel(ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, alarm: dict | None,
-           key: str | None = None) -> None:
+def _panel(
+    ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, alarm: dict | None, key: str | None = None
+) -> None:
     layers, hidden = series
     for layer, (steps, vals) in layers.items():
         ax.plot(steps, vals, linewidth=1.0, label=layer)
@@ -133,9 +140,17 @@ def _panel(ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, ala
         ax.set_yscale("log", nonpositive="mask")
     if hidden and key in NOISE_FLOORS:
         _, level, of = NOISE_FLOORS[key]
-        ax.text(0.5, 0.5 if not layers else 0.08, f"{'every' if not layers else hidden} value{'s' if layers else ''} "
-                f"< {level:g} {of}:\nrounding noise of zero-mean filters,\nnot drawn", ha="center", va="center",
-                fontsize=8, color="0.3", transform=ax.transAxes)
+        ax.text(
+            0.5,
+            0.5 if not layers else 0.08,
+            f"{'every' if not layers else hidden} value{'s' if layers else ''} "
+            f"< {level:g} {of}:\nrounding noise of zero-mean filters,\nnot drawn",
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="0.3",
+            transform=ax.transAxes,
+        )
     if not layers and hidden:
         ax.set_yticks([])
     elif not log:
@@ -148,10 +163,12 @@ def _panel(ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, ala
     ax.grid(alpha=0.3)
 
 
-_COLUMNS = (("update_ratio_mean", "Fig. 1(a): Var[W - dW] / Var[W]", "ratio", False),
-            ("mean_update_std", "Fig. 1(b): spread of mean(dW_o) over filters", "std (log)", True),
-            ("shift", "shift of the average: Var_o[n mean(W_o)]", "shift (log)", True),
-            ("output_var", "output variance per layer", "Var[Y] (log)", True))
+_COLUMNS = (
+    ("update_ratio_mean", "Fig. 1(a): Var[W - dW] / Var[W]", "ratio", False),
+    ("mean_update_std", "Fig. 1(b): spread of mean(dW_o) over filters", "std (log)", True),
+    ("shift", "shift of the average: Var_o[n mean(W_o)]", "shift (log)", True),
+    ("output_var", "output variance per layer", "Var[Y] (log)", True),
+)
 
 
 def _share_log_limits(axes, col: int) -> None:
@@ -184,10 +201,17 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
         losses = _loss_trace(run_dir)[: (max_step or 10**9) + 1]
         row[0].plot(range(len(losses)), [math.nan if v is None else v for v in losses], color="k", linewidth=1)
         row[0].axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
-        said = (f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm
-                else "no alarm")
-        row[0].text(0.97, 0.95, said, ha="right", va="top", fontsize=8, color="r" if alarm else "0.3",
-                    transform=row[0].transAxes)
+        said = f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm else "no alarm"
+        row[0].text(
+            0.97,
+            0.95,
+            said,
+            ha="right",
+            va="top",
+            fontsize=8,
+            color="r" if alarm else "0.3",
+            transform=row[0].transAxes,
+        )
         _panel(row[0], ({}, 0), f"{label}: training loss", "loss", False, alarm)
         for ax, (key, title, ylabel, log) in zip(row[1:], _COLUMNS):
             _panel(ax, _series(records, key, max_step), title, ylabel, log, alarm, key)
@@ -195,8 +219,11 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
         _share_log_limits(axes, col)
     handles, labels = axes[0][4].get_legend_handles_labels()
     handles += [Line2D([], [], color="r", linestyle="--"), Line2D([], [], color="0.5", linestyle=":")]
-    labels += ["monitor alarm\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
-               "whose input collapsed)", "ln 10 (chance loss)"]
+    labels += [
+        "monitor alarm\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
+        "whose input collapsed)",
+        "ln 10 (chance loss)",
+    ]
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)
     fig.tight_layout(rect=(0, 0, 0.9, 1))
     atomic_savefig(fig, path, dpi=90)

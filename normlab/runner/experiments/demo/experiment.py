@@ -71,9 +71,22 @@ class DemoProtocol:
 
 PROTOCOL = DemoProtocol()
 QUICK_PROTOCOL = DemoProtocol(
-    num_samples=2000, seeds=(0,), lr_width=0.125, lr_norms=("none", "bn", "pws"), lrs=(0.02, 0.1), lr_steps=8,
-    lr_evals=2, collapse_width=0.125, collapse_norms=("none", "pws"), collapse_steps=6, batch_width=0.125,
-    batch_norms=("bn", "gn"), batch_sizes=(64, 4), batch_num_train=128, cost_batch_sizes=(32,), cost_repeats=1,
+    num_samples=2000,
+    seeds=(0,),
+    lr_width=0.125,
+    lr_norms=("none", "bn", "pws"),
+    lrs=(0.02, 0.1),
+    lr_steps=8,
+    lr_evals=2,
+    collapse_width=0.125,
+    collapse_norms=("none", "pws"),
+    collapse_steps=6,
+    batch_width=0.125,
+    batch_norms=("bn", "gn"),
+    batch_sizes=(64, 4),
+    batch_num_train=128,
+    cost_batch_sizes=(32,),
+    cost_repeats=1,
     cost_iters=1,
 )
 
@@ -81,17 +94,49 @@ QUICK_PROTOCOL = DemoProtocol(
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
     """The grids of sections (a), (c) and (b), all on MNIST-1D with the plain net in 1-D."""
     data = {"num_samples": p.num_samples}
-    lr_sweep = GridSpec(norms=p.lr_norms, lrs=p.lrs, batch_sizes=(128,), seeds=p.seeds, epochs=1,
-                        dataset="mnist1d", model="plain1d", width=p.lr_width, max_steps_per_epoch=p.lr_steps,
-                        train_kwargs={**data, "evals_per_epoch": p.lr_evals, "monitor_every": p.monitor_every})
-    collapse = GridSpec(norms=p.collapse_norms, lrs=(p.collapse_lr,), batch_sizes=(128,), seeds=p.seeds, epochs=1,
-                        dataset="mnist1d", model="plain1d", width=p.collapse_width,
-                        max_steps_per_epoch=p.collapse_steps,
-                        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1})
-    batch = GridSpec(norms=p.batch_norms, lrs=(p.base_lr,), batch_sizes=p.batch_sizes, seeds=p.seeds, epochs=1,
-                     dataset="mnist1d", model="plain1d", width=p.batch_width, layout="cross", lr_scaling="linear",
-                     train_kwargs={**data, "num_train": p.batch_num_train, "eval_train_mode": True,
-                                   "evals_per_epoch": 1, "monitor_every": p.batch_monitor_every})
+    lr_sweep = GridSpec(
+        norms=p.lr_norms,
+        lrs=p.lrs,
+        batch_sizes=(128,),
+        seeds=p.seeds,
+        epochs=1,
+        dataset="mnist1d",
+        model="plain1d",
+        width=p.lr_width,
+        max_steps_per_epoch=p.lr_steps,
+        train_kwargs={**data, "evals_per_epoch": p.lr_evals, "monitor_every": p.monitor_every},
+    )
+    collapse = GridSpec(
+        norms=p.collapse_norms,
+        lrs=(p.collapse_lr,),
+        batch_sizes=(128,),
+        seeds=p.seeds,
+        epochs=1,
+        dataset="mnist1d",
+        model="plain1d",
+        width=p.collapse_width,
+        max_steps_per_epoch=p.collapse_steps,
+        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1},
+    )
+    batch = GridSpec(
+        norms=p.batch_norms,
+        lrs=(p.base_lr,),
+        batch_sizes=p.batch_sizes,
+        seeds=p.seeds,
+        epochs=1,
+        dataset="mnist1d",
+        model="plain1d",
+        width=p.batch_width,
+        layout="cross",
+        lr_scaling="linear",
+        train_kwargs={
+            **data,
+            "num_train": p.batch_num_train,
+            "eval_train_mode": True,
+            "evals_per_epoch": 1,
+            "monitor_every": p.batch_monitor_every,
+        },
+    )
     return {"lr_sweep": lr_sweep, "collapse": collapse, "batch_size": batch}
 
 
@@ -101,29 +146,52 @@ def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:
     result = {"width": p.lr_width, "repeats": p.cost_repeats, "iters": p.cost_iters, "by_batch": {}}
     for bs in p.cost_batch_sizes:
         result["by_batch"][str(bs)] = step_times(
-            norms, dataset="mnist1d", model="plain1d", width=p.lr_width, batch_size=bs, repeats=p.cost_repeats,
-            iters=p.cost_iters, threads=1, data_dir=str(out / "data"), num_samples=p.num_samples)
+            norms,
+            dataset="mnist1d",
+            model="plain1d",
+            width=p.lr_width,
+            batch_size=bs,
+            repeats=p.cost_repeats,
+            iters=p.cost_iters,
+            threads=1,
+            data_dir=str(out / "data"),
+            num_samples=p.num_samples,
+        )
     atomic_write_json(out / "step_cost.json", result)
     return result
 
 
-def run_demo(out_dir: str | os.PathLike, *, quick: bool = False, workers: int | None = None,
-             threads: int | None = None, progress: bool = True) -> dict[str, Any]:
+def run_demo(
+    out_dir: str | os.PathLike,
+    *,
+    quick: bool = False,
+    workers: int | None = None,
+    threads: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
     """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick",
     "sections", "cost", "evidence"}`` (the sections' results dicts; the evidence the claims' verdicts take from the
     runs' files, :func:`~normlab.runner.experiments.demo.claims.collect_evidence`)."""
     p = QUICK_PROTOCOL if quick else PROTOCOL
     out = Path(out_dir)
     get_dataset("mnist1d", out / "data", num_samples=p.num_samples)  # generate once, before the workers start
-    grids: dict[str, GridRun] = {k: plan_grid(COMPARE, spec, out / k, data_cache=out / "data")
-                                 for k, spec in demo_sections(p).items()}
+    grids: dict[str, GridRun] = {
+        k: plan_grid(COMPARE, spec, out / k, data_cache=out / "data") for k, spec in demo_sections(p).items()
+    }
     for grid in grids.values():
         grid.start()
-    print(f"normlab demo: {sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
-          f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}", file=sys.stderr)
+    print(
+        f"normlab demo: {sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
+        f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}",
+        file=sys.stderr,
+    )
     run_cells(list(grids.values()), workers=workers, threads=threads, progress=progress)
-    demo = {"protocol": dataclasses.asdict(p), "quick": quick,
-            "sections": {k: g.finish(render=False) for k, g in grids.items()}, "cost": _step_cost(p, out)}
+    demo = {
+        "protocol": dataclasses.asdict(p),
+        "quick": quick,
+        "sections": {k: g.finish(render=False) for k, g in grids.items()},
+        "cost": _step_cost(p, out),
+    }
     demo["evidence"] = collect_evidence(out, demo["sections"])
     atomic_write_json(out / "demo.json", demo)
     render_demo_report(demo, out)

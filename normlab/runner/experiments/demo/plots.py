@@ -25,8 +25,15 @@ def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None,
     """Lay out the panels left of ``right`` (a fraction of the width), the legend in the space to their right."""
     fig.tight_layout(rect=(0, 0, right, 1 - 0.45 / fig.get_figheight()))
     if legend_handles:
-        fig.legend(handles=legend_handles, loc="center left", bbox_to_anchor=(right, 0.5), fontsize=8,
-                   frameon=False, title=legend_title, title_fontsize=8)
+        fig.legend(
+            handles=legend_handles,
+            loc="center left",
+            bbox_to_anchor=(right, 0.5),
+            fontsize=8,
+            frameon=False,
+            title=legend_title,
+            title_fontsize=8,
+        )
     atomic_savefig(fig, path, dpi=100)
     plt().close(fig)
     return path
@@ -41,8 +48,7 @@ def _seed_values(results: dict, name: str, key: str, x_key: str) -> dict[float, 
     return dict(sorted(out.items()))
 
 
-def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple[float, bool]]], color: str, dodge: float = 1.0,
-                    **line) -> Any:
+def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple[float, bool]]], color: str, dodge: float = 1.0, **line) -> Any:
     """Faint point per seed (x where it collapsed), bold mean line with its std as error bars; ``dodge`` multiplies
     the x values (a log axis), so norms at the same x stand side by side instead of on top of each other."""
     xs_vals = {x * dodge: v for x, v in xs_vals.items()}
@@ -67,10 +73,12 @@ def _std(vals: list[float]) -> float:
 def _marks_legend(extra: list | None = None) -> list:
     from matplotlib.lines import Line2D
 
-    return [Line2D([], [], color="0.3", linewidth=2.2, label="mean over seeds (bar: ± std)"),
-            Line2D([], [], color="0.3", marker="o", alpha=0.4, linestyle="", label="one seed"),
-            Line2D([], [], color="0.3", marker="x", linestyle="", label="one seed, collapsed"),
-            *(extra or [])]
+    return [
+        Line2D([], [], color="0.3", linewidth=2.2, label="mean over seeds (bar: ± std)"),
+        Line2D([], [], color="0.3", marker="o", alpha=0.4, linestyle="", label="one seed"),
+        Line2D([], [], color="0.3", marker="x", linestyle="", label="one seed, collapsed"),
+        *(extra or []),
+    ]
 
 
 def lr_plot(results: dict, path: Path) -> Path | None:
@@ -94,8 +102,11 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     ax.set_xticks(lrs)
     ax.set_xticklabels([f"{x:g}" for x in lrs])
     ax.minorticks_off()
-    ax.set(xlabel="learning rate (log scale; norms side by side at each rate)", ylabel="final test accuracy (%)",
-           ylim=(0, 100))
+    ax.set(
+        xlabel="learning rate (log scale; norms side by side at each rate)",
+        ylabel="final test accuracy (%)",
+        ylim=(0, 100),
+    )
     ax.grid(alpha=0.3)
     fig.suptitle(f"(a) accuracy vs learning rate, batch {results['spec']['base_batch_size']}", fontsize=10)
     dotted = Line2D([], [], color="0.4", linestyle=":", label="chance (10 %)")
@@ -138,8 +149,16 @@ def _end_mark(ax, curve: list[float], color: str) -> None:
         ax.plot([up], [LOSS_TOP], "^", color=color, markersize=7, markeredgecolor="k", clip_on=False, zorder=5)
     finite = [i for i, v in enumerate(curve) if math.isfinite(v)]
     if finite and finite[-1] < len(curve) - 1:
-        ax.plot([finite[-1]], [min(curve[finite[-1]], LOSS_TOP)], "X", color=color, markersize=8,
-                markeredgecolor="k", clip_on=False, zorder=6)
+        ax.plot(
+            [finite[-1]],
+            [min(curve[finite[-1]], LOSS_TOP)],
+            "X",
+            color=color,
+            markersize=8,
+            markeredgecolor="k",
+            clip_on=False,
+            zorder=6,
+        )
 
 
 def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
@@ -153,8 +172,9 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     names, lrs = list(results["spec"]["norms"]), sorted(results["spec"]["lrs"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt().subplots(rows, cols, figsize=(4.2 * cols + 2.4, 2.9 * rows), squeeze=False, sharex=True,
-                               sharey=True)
+    fig, axes = plt().subplots(
+        rows, cols, figsize=(4.2 * cols + 2.4, 2.9 * rows), squeeze=False, sharex=True, sharey=True
+    )
     colors = {lr: f"C{i}" for i, lr in enumerate(lrs)}
     for ax, name in zip(axes.flat, names):
         for lr in lrs:
@@ -169,7 +189,7 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         ax.set_yscale("log")
         ax.set_ylim(0.05, LOSS_TOP)
         ax.grid(alpha=0.3, which="both")
-    for ax in axes.flat[len(names):]:
+    for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
     for ax in axes[-1]:
         ax.set_xlabel("step")
@@ -178,10 +198,18 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     handles = [Line2D([], [], color=colors[lr], linewidth=2.0, label=f"lr {lr:g}") for lr in lrs] + [
         Line2D([], [], color="0.3", linewidth=2.0, label="mean over seeds"),
         Line2D([], [], color="0.3", linewidth=0.7, alpha=0.5, label="one seed"),
-        Line2D([], [], color="0.5", marker="^", markeredgecolor="k", linestyle="",
-               label=f"loss above {LOSS_TOP:g}: diverged"),
+        Line2D(
+            [],
+            [],
+            color="0.5",
+            marker="^",
+            markeredgecolor="k",
+            linestyle="",
+            label=f"loss above {LOSS_TOP:g}: diverged",
+        ),
         Line2D([], [], color="0.5", marker="X", markeredgecolor="k", linestyle="", label="loss became non-finite"),
-        Line2D([], [], color="0.3", linestyle=":", label="ln 10 (chance)")]
+        Line2D([], [], color="0.3", linestyle=":", label="ln 10 (chance)"),
+    ]
     fig.suptitle("(a) training loss per norm (running mean of 10 steps; log scale)", fontsize=10)
     return _save(fig, path, handles, "learning rate", right=1 - 2.3 / fig.get_figwidth())
 
@@ -212,8 +240,12 @@ def batch_plot(results: dict, path: Path) -> Path | None:
         ax.set_xticks(bss)
         ax.set_xticklabels([f"{b}\n({steps.get(b)})" for b in bss], fontsize=8)
         ax.minorticks_off()
-        ax.set(xlabel="batch size, log scale (steps per run)", title=title, ylim=(0, 100),
-               xlim=(bss[0] / 1.5, bss[-1] * 1.5))
+        ax.set(
+            xlabel="batch size, log scale (steps per run)",
+            title=title,
+            ylim=(0, 100),
+            xlim=(bss[0] / 1.5, bss[-1] * 1.5),
+        )
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test accuracy (%)")
     fig.suptitle("(b) accuracy vs batch size (lr scaled linearly with the batch size, equal epochs)", fontsize=10)

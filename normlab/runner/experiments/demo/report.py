@@ -91,12 +91,14 @@ def _plateau_table(results: dict, evidence: dict) -> list[str]:
     for name in spec["norms"]:
         cells = []
         for b in bss:
-            checks = [plateau.get(c["cell"]) for c in results["cells"] if c["name"] == name
-                      and int(c["batch_size"]) == b]
+            checks = [
+                plateau.get(c["cell"]) for c in results["cells"] if c["name"] == name and int(c["batch_size"]) == b
+            ]
             falls = [x["fall"] for x in checks if x and x["fall"] is not None]
             at = sum(1 for x in checks if x and x["plateau"])
-            cells.append(f"{', '.join(f'{round(100 * f) + 0:d} %' for f in falls) or 'n/a'} ({at}/{len(checks)} at "
-                         f"plateau)")
+            cells.append(
+                f"{', '.join(f'{round(100 * f) + 0:d} %' for f in falls) or 'n/a'} ({at}/{len(checks)} at plateau)"
+            )
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
 
@@ -106,25 +108,32 @@ def _terms_text(d: dict) -> str:
     a, b = d.get("terms_initial") or {}, d.get("terms_at_alarm") or {}
     if a.get("variance_term") is None or b.get("variance_term") is None:
         return "n/a"
-    return (f"variance {a['variance_term']:.3g} -> {b['variance_term']:.3g}, shift {a['shift_term']:.3g} -> "
-            f"{b['shift_term']:.3g}")
+    return (
+        f"variance {a['variance_term']:.3g} -> {b['variance_term']:.3g}, shift {a['shift_term']:.3g} -> "
+        f"{b['shift_term']:.3g}"
+    )
 
 
 def _outcome(d: dict) -> str:
     """How a run ended, in words."""
     if not d["collapsed"]:
         return "did not collapse"
-    return {"non_finite_loss": f"non-finite loss at step {d['collapse_step']}",
-            "returned_to_chance": f"back to chance at step {d['collapse_step']}",
-            "never_left_chance": "dead (never learned)"}.get(d["collapse_reason"], str(d["collapse_reason"]))
+    return {
+        "non_finite_loss": f"non-finite loss at step {d['collapse_step']}",
+        "returned_to_chance": f"back to chance at step {d['collapse_step']}",
+        "never_left_chance": "dead (never learned)",
+    }.get(d["collapse_reason"], str(d["collapse_reason"]))
 
 
 def _diagnosis_section(out: Path, demo: dict, evidence: dict) -> tuple[list[str], list[tuple[str, Path]]]:
     lr = float(demo["protocol"]["collapse_lr"])
     diag = evidence.get("diagnoses") or {}
     cells = [c for c in demo["sections"]["collapse"]["cells"] if float(c["lr"]) == lr]
-    lines = ["| norm | seed | outcome | alarm (layer, step, quantity) | lead (steps) | terms of Var[Y] at the alarmed "
-             "layer, step 0 -> alarm |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| norm | seed | outcome | alarm (layer, step, quantity) | lead (steps) | terms of Var[Y] at the alarmed "
+        "layer, step 0 -> alarm |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in cells:
         d = diag.get("collapse", {}).get(c["cell"])
         if not d:
@@ -134,31 +143,46 @@ def _diagnosis_section(out: Path, demo: dict, evidence: dict) -> tuple[list[str]
         lead = "-" if d["lead_steps"] is None else d["lead_steps"]
         lines.append(f"| {c['name']} | {c['seed']} | {_outcome(d)} | {alarm} | {lead} | {_terms_text(d)} |")
     audit = alarm_audit([d for sec in diag.values() for d in sec.values()])
-    lines += ["", f"Over all {audit['monitored_runs']} monitored runs of the demo: {audit['collapsed_runs']} collapsed "
-              f"({audit['datable_collapses']} with a collapse step, {audit['warned_in_time']} warned before it, leads "
-              f"{audit['leads']} steps; {audit['dead_runs_alarmed']} of the dead ones alarmed), "
-              f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false "
-              f"alarm{'' if audit['false_alarms'] == 1 else 's'}** (an alarm in a run that did not collapse)."]
-    picks = [(f"{c['name']} seed {c['seed']}", out / "collapse" / "runs" / c["cell"]) for c in cells
-             if c["seed"] == min(demo["protocol"]["seeds"])]
+    lines += [
+        "",
+        f"Over all {audit['monitored_runs']} monitored runs of the demo: {audit['collapsed_runs']} collapsed "
+        f"({audit['datable_collapses']} with a collapse step, {audit['warned_in_time']} warned before it, leads "
+        f"{audit['leads']} steps; {audit['dead_runs_alarmed']} of the dead ones alarmed), "
+        f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false "
+        f"alarm{'' if audit['false_alarms'] == 1 else 's'}** (an alarm in a run that did not collapse).",
+    ]
+    picks = [
+        (f"{c['name']} seed {c['seed']}", out / "collapse" / "runs" / c["cell"])
+        for c in cells
+        if c["seed"] == min(demo["protocol"]["seeds"])
+    ]
     return lines, picks
 
 
 # ------------------------------------------------------------------------------------------------------ (d) cost
 def _cost_section(cost: dict) -> list[str]:
-    lines = [f"Width {cost['width']:g}, 1 thread, median of {cost['repeats']} interleaved repeats of {cost['iters']} "
-             f"steps (forward, backward, SGD step), every norm timed in the same run. Spread: median - fastest "
-             f"repeat. PWS is *cheaper* or *dearer* than a norm when the medians differ by more than the larger of "
-             f"the two spreads (and at least 3 % of PWS's step); otherwise it is a *tie*.", ""]
+    lines = [
+        f"Width {cost['width']:g}, 1 thread, median of {cost['repeats']} interleaved repeats of {cost['iters']} "
+        f"steps (forward, backward, SGD step), every norm timed in the same run. Spread: median - fastest "
+        f"repeat. PWS is *cheaper* or *dearer* than a norm when the medians differ by more than the larger of "
+        f"the two spreads (and at least 3 % of PWS's step); otherwise it is a *tie*.",
+        "",
+    ]
     for bs, t in cost["by_batch"].items():
-        lines += [f"Batch {bs}:", "", "| norm | ms / step | spread (ms) | relative to PWS | PWS's step is |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            f"Batch {bs}:",
+            "",
+            "| norm | ms / step | spread (ms) | relative to PWS | PWS's step is |",
+            "|---|---|---|---|---|",
+        ]
         for n, v in t.items():
             said = timing_verdict(t, n)[0] if "pws" in t and n != "pws" else "-"
             said = {"cheaper": "cheaper", "dearer": "dearer", "tie": "a tie"}.get(said, said)
             spread = v["median_s"] - v.get("min_s", v["median_s"])
-            lines.append(f"| {n} | {1000 * v['median_s']:.2f} | {1000 * spread:.2f} "
-                         f"| {v.get('ratio_to_pws', float('nan')):.2f}x | {said} |")
+            lines.append(
+                f"| {n} | {1000 * v['median_s']:.2f} | {1000 * spread:.2f} "
+                f"| {v.get('ratio_to_pws', float('nan')):.2f}x | {said} |"
+            )
         lines.append("")
     return lines
 
@@ -171,33 +195,68 @@ def first_table(demo: dict[str, Any]) -> list[str]:
 
 def _md_header(demo: dict) -> list[str]:
     p = demo["protocol"]
-    return ["# normlab demo: which of the paper's claims reproduce on MNIST-1D", "",
-            *first_table(demo), "",
-            "What *reproduced* means, per claim (fixed before the demo's seeds ran):", "", *criteria_markdown(),
-            f"- Terms: {CRITERIA}", "",
-            "## Protocol", "",
-            ("**Quick mode**: a pipeline check, too small for any verdict.\n" if demo.get("quick") else "")
-            + f"MNIST-1D generated locally ({p['num_samples']} samples, 80 % train), the paper's plain net in 1-D "
-            f"(width {p['lr_width']:g} in (a), (b), (d); {p['collapse_width']:g} in (c)), SGD momentum 0.9, weight "
-            f"decay 5e-4 (not on norm parameters, biases and PWS alpha), seeds {', '.join(map(str, p['seeds']))}. "
-            f"Accuracies: test set, mean ± sample std over seeds. The protocol: "
-            "`normlab.runner.experiments.demo.experiment.PROTOCOL`.", ""]
+    return [
+        "# normlab demo: which of the paper's claims reproduce on MNIST-1D",
+        "",
+        *first_table(demo),
+        "",
+        "What *reproduced* means, per claim (fixed before the demo's seeds ran):",
+        "",
+        *criteria_markdown(),
+        f"- Terms: {CRITERIA}",
+        "",
+        "## Protocol",
+        "",
+        ("**Quick mode**: a pipeline check, too small for any verdict.\n" if demo.get("quick") else "")
+        + f"MNIST-1D generated locally ({p['num_samples']} samples, 80 % train), the paper's plain net in 1-D "
+        f"(width {p['lr_width']:g} in (a), (b), (d); {p['collapse_width']:g} in (c)), SGD momentum 0.9, weight "
+        f"decay 5e-4 (not on norm parameters, biases and PWS alpha), seeds {', '.join(map(str, p['seeds']))}. "
+        f"Accuracies: test set, mean ± sample std over seeds. The protocol: "
+        "`normlab.runner.experiments.demo.experiment.PROTOCOL`.",
+        "",
+    ]
 
 
 def _sections_md(demo: dict, evidence: dict, diag_lines: list[str]) -> list[str]:
     a, b, p = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"], demo["protocol"]
-    md = [f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {p['lr_steps']} steps)", "",
-          "Final test accuracy; claims 1, 2 and 5 of the first table are judged from it.", "", *_lr_table(a), "",
-          "![](a_acc_vs_lr.png)", "", "![](a_loss_curves.png)", ""]
-    md += [f"## (b) Batch size (lr scaled linearly from {b['spec']['base_lr']:g} at batch "
-           f"{b['spec']['base_batch_size']}, equal epochs on {p['batch_num_train']} training samples)", "",
-           "Test accuracy with running statistics (eval mode) / with batch statistics (train mode); claims 3, 3a and "
-           "BRN are judged from it.", "", *_batch_table(b), "",
-           f"Has each run reached its plateau? How much its mean training loss fell over the last fifth of its steps "
-           f"(against the fifth before; < {100 * PLATEAU_FALL:.0f} % is a plateau), per seed:", "",
-           *_plateau_table(b, evidence), "", "![](b_acc_vs_batch_size.png)", ""]
-    md += [f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, the monitor recording "
-           f"every step of the first {p['collapse_steps']})", "", *diag_lines, "", "![](c_collapse_diagnosis.png)", ""]
+    md = [
+        f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {p['lr_steps']} steps)",
+        "",
+        "Final test accuracy; claims 1, 2 and 5 of the first table are judged from it.",
+        "",
+        *_lr_table(a),
+        "",
+        "![](a_acc_vs_lr.png)",
+        "",
+        "![](a_loss_curves.png)",
+        "",
+    ]
+    md += [
+        f"## (b) Batch size (lr scaled linearly from {b['spec']['base_lr']:g} at batch "
+        f"{b['spec']['base_batch_size']}, equal epochs on {p['batch_num_train']} training samples)",
+        "",
+        "Test accuracy with running statistics (eval mode) / with batch statistics (train mode); claims 3, 3a and "
+        "BRN are judged from it.",
+        "",
+        *_batch_table(b),
+        "",
+        f"Has each run reached its plateau? How much its mean training loss fell over the last fifth of its steps "
+        f"(against the fifth before; < {100 * PLATEAU_FALL:.0f} % is a plateau), per seed:",
+        "",
+        *_plateau_table(b, evidence),
+        "",
+        "![](b_acc_vs_batch_size.png)",
+        "",
+    ]
+    md += [
+        f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, the monitor recording "
+        f"every step of the first {p['collapse_steps']})",
+        "",
+        *diag_lines,
+        "",
+        "![](c_collapse_diagnosis.png)",
+        "",
+    ]
     md += ["## (d) Cost of a training step", "", *_cost_section(demo["cost"])]
     return md
 
@@ -211,8 +270,11 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
         demo = {**demo, "evidence": collect_evidence(out, demo["sections"])}
     evidence = demo["evidence"]
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
-    plots = [lr_plot(a, out / "a_acc_vs_lr.png"), loss_curves_plot(a, out / "lr_sweep", out / "a_loss_curves.png"),
-             batch_plot(b, out / "b_acc_vs_batch_size.png")]
+    plots = [
+        lr_plot(a, out / "a_acc_vs_lr.png"),
+        loss_curves_plot(a, out / "lr_sweep", out / "a_loss_curves.png"),
+        batch_plot(b, out / "b_acc_vs_batch_size.png"),
+    ]
     diag_lines, picks = _diagnosis_section(out, demo, evidence)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))
     md = _md_header(demo) + _sections_md(demo, evidence, diag_lines)
