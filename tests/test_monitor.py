@@ -1036,3 +1036,72 @@ def test_a_step_the_grad_scaler_skips_is_not_counted_by_an_attached_monitor():
         scaler.step(opt)
         scaler.update()
     assert mon.current_step == 2 and {r["step"] for r in mon.records} == {0, 1}
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("attached", [False, True])
+def test_opt_step_then_mon_step_is_refused_before_a_second_update(attached, every):
+    # the habit `opt.step(); mon.step(opt)` would apply the same gradients twice: it must raise, and the
+    # parameters must hold exactly one update when it does (first iteration: step 0 is always recorded)
+    model, opt = _attached()
+    mon = VarianceMonitor(model, every=every, optimizer=opt if attached else None)
+    x = torch.randn(16, 4)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    once = copy.deepcopy(model)
+    once_opt = torch.optim.SGD(once.parameters(), lr=0.1, momentum=0.9)
+    once_opt.load_state_dict(opt.state_dict())
+    for p, q in zip(model.parameters(), once.parameters()):
+        q.grad = p.grad.clone()
+    once_opt.step()
+    opt.step()
+    with pytest.raises(RuntimeError, match=r"VarianceMonitor.step: .*call either opt.step\(\) or mon.step\(opt\)"):
+        mon.step(opt)
+    for p, q in zip(model.parameters(), once.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_mon_step_twice_on_the_same_gradients_is_refused_on_unrecorded_steps_too(attached):
+    model, opt = _attached()
+    mon = VarianceMonitor(model, every=4, optimizer=opt if attached else None)
+    x = torch.randn(16, 4)
+    for _ in range(2):  # steps 0 (recorded) and 1 (not recorded)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        mon.step(opt)
+    with pytest.raises(RuntimeError, match="no backward ran since the last optimizer step"):
+        mon.step(opt)
+    assert mon.current_step == 2
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("attached", [False, True])
+def test_the_usual_loops_are_not_refused(attached, set_to_none):
+    # zero_grad either way, gradient accumulation over micro-batches, an eval forward in between, a closure
+    model, opt = _attached()
+    mon = VarianceMonitor(model, every=2, optimizer=opt if attached else None)
+    x = torch.randn(16, 4)
+    for _ in range(6):
+        opt.zero_grad(set_to_none=set_to_none)
+        for half in x.chunk(2):
+            model(half).square().mean().backward()
+        with torch.no_grad():
+            model.eval()
+            model(x)
+            model.train()
+        mon.step(opt)
+    no_reset, no_reset_opt = _attached()
+    mon2 = VarianceMonitor(no_reset, every=1)
+    for _ in range(3):  # no zero_grad at all: gradients accumulate in place, each backward is a new version
+        no_reset(x).square().mean().backward()
+        mon2.step(no_reset_opt)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    mon.step(opt, closure)
+    assert mon.current_step == 7 and mon2.current_step == 3

@@ -290,7 +290,12 @@ def test_timm_standardized_convs_are_recorded_on_the_kernel_they_apply(runs, nam
     assert len(zero_gain) == (8 if name == "timm_nf_resnet26" else 0)
     for n, m in std[:4] + std[-2:]:  # the kernel applied in the first forward reproduces the layer's output
         x, y, (w, b) = seen[n]
-        torch.testing.assert_close(F.conv2d(x, w, b, m.stride, m.padding, m.dilation, m.groups), y)
+        # float32 convs of 1-2k channels: the conv algorithm (it can change with the threads free) moves the last
+        # bits; the raw weight instead of the applied kernel would miss by O(|y|)
+        scale = y.abs().max().item()
+        torch.testing.assert_close(
+            F.conv2d(x, w, b, m.stride, m.padding, m.dilation, m.groups), y, rtol=1e-4, atol=1e-5 * scale
+        )
 
 
 @pytest.mark.parametrize("training", [True, False])

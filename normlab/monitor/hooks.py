@@ -167,6 +167,11 @@ def _activation_stats(module: nn.Module, kind: str, args, output) -> dict:
     return out
 
 
+def _versions(module: nn.Module) -> tuple[int, ...]:
+    """The version counters of ``module``'s parameters (an in-place update, e.g. an optimizer step, bumps them)."""
+    return tuple(p._version for p in module.parameters())
+
+
 class VarianceMonitor:
     """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps.
 
@@ -210,7 +215,8 @@ class VarianceMonitor:
             :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
             needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
             (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
-            optimizer step itself: do not call ``opt.step()`` as well) or ``before_update``/``after_update``.
+            optimizer step itself) or ``before_update``/``after_update``. ``opt.step(); mon.step(opt)`` (either
+            way) raises RuntimeError instead of applying the same gradients twice.
         countdown: the countdown alarm (:class:`~normlab.monitor.CountdownDetector`: output-variance growth
             rate and level in the hidden layers, optionally the gradient norm over its running median, non-finite
             values): True for ``DEFAULT_COUNTDOWN``, a dict overriding some of its arguments, False for off. Its
@@ -294,6 +300,10 @@ class VarianceMonitor:
         self.closed = False
         self._order: dict[str, int] = {}
         self._pending: dict[str, dict] = {}
+        # against a second optimizer step on the same gradients (see _refuse_second_step)
+        self._versions: dict[str, tuple[int, ...]] = {}  # parameter versions at this step's recorded forward
+        self._versions_step = -1
+        self._stepped_grad: tuple[Tensor, int] | None = None  # a gradient and its version at the last step
         self._handles: list = []
         self._warned_compiled = False
         self._before: dict[str, Tensor] | None = None
@@ -316,7 +326,7 @@ class VarianceMonitor:
         self.optimizer = optimizer
         self._optimizer_handles = [
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_update()),
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: self.after_update(stepped=True)),
+            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_attached_step()),
         ]
 
     # ----------------------------------------------------------------- hooks
@@ -354,6 +364,9 @@ class VarianceMonitor:
                 return
             with torch.no_grad():
                 self._pending[name] = _activation_stats(module, kind, args, output)
+            if self._versions_step != self.current_step:
+                self._versions, self._versions_step = {}, self.current_step
+            self._versions[name] = _versions(module)
             if name not in self._order:
                 self._order[name] = len(self._order)
 
@@ -367,12 +380,56 @@ class VarianceMonitor:
         this step's records and runs the collapse check. Returns what ``optimizer.step`` returned. For the optimizer
         the monitor is attached to (``optimizer=``), this is exactly ``optimizer.step(closure)``: its hooks record.
         """
+        if optimizer is not None and closure is None and not self.closed:
+            self._refuse_second_step()
         if optimizer is not None and optimizer is self.optimizer and not self.closed:
             return optimizer.step(closure)
         self.before_update()
         result = optimizer.step(closure) if optimizer is not None else None
+        self._stepped_grad = self._grad_mark() if optimizer is not None else None
         self.after_update(stepped=optimizer is not None)
         return result
+
+    def _after_attached_step(self) -> None:
+        self._stepped_grad = self._grad_mark()
+        self.after_update(stepped=True)
+
+    def _grad_mark(self) -> tuple[Tensor, int] | None:
+        """The first monitored parameter's gradient and its version counter (None: no gradient yet).
+
+        A backward either makes a new gradient tensor (after ``zero_grad()``) or accumulates into the old one in
+        place (a new version), so an unchanged mark means no backward ran since it was taken."""
+        for _name, mod, _kind in self.layers:
+            for p in mod.parameters():
+                if p.grad is not None:
+                    return p.grad, p.grad._version
+        return None
+
+    def _refuse_second_step(self) -> None:
+        """Raise when ``step(optimizer)`` would apply gradients that an optimizer step already used.
+
+        Two signs, both cheap: a monitored layer's parameters changed in place since this step's recorded forward
+        (the loop called ``optimizer.step()`` before ``mon.step(optimizer)``), or no backward ran since the last
+        step this monitor saw (``opt.step()`` of an attached optimizer, or ``mon.step(opt)`` twice)."""
+        changed = None
+        if self._versions_step == self.current_step:
+            changed = next((n for n, m, _k in self.layers if self._versions.get(n, ()) not in ((), _versions(m))), None)
+        mark, last = self._grad_mark(), self._stepped_grad
+        if changed is None and not (
+            mark is not None and last is not None and mark[0] is last[0] and mark[1] == last[1]
+        ):
+            return
+        why = (
+            f"the parameters of layer '{changed}' changed since this step's forward"
+            if changed
+            else ("no backward ran since the last optimizer step")
+        )
+        raise RuntimeError(
+            f"VarianceMonitor.step: {why}, so optimizer.step() was already called for these gradients and "
+            f"step(optimizer) would apply them a second time (it takes the optimizer step itself): call either "
+            f"opt.step() or mon.step(opt), not both; attached with VarianceMonitor(model, optimizer=opt), call only "
+            f"opt.step()"
+        )
 
     def before_update(self) -> None:
         """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
@@ -610,7 +667,7 @@ class VarianceMonitor:
     def close(self) -> None:
         """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""
         self.closed = True
-        self._pending = {}
+        self._pending, self._stepped_grad = {}, None
         self._remove_hooks()
         for h in self._optimizer_handles:
             h.remove()
