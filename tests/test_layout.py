@@ -127,8 +127,8 @@ def test_the_declared_torch_floor_is_the_release_the_tests_run_on():
 PRIVATE_MODULES = ("normlab._functions", "normlab._dispatch")  # the machinery: may use each other's internals
 # Private base classes that other modules test with isinstance (not calls); their owners may make them public.
 PRIVATE_CLASS_IMPORTS = {
-    ("normlab.convert", "normlab.nn.batch_renorm", "_BatchRenorm"),
-    ("normlab.convert", "normlab.nn.weight_std", "_StdConvNd"),
+    ("normlab.convert.fold", "normlab.nn.batch_renorm", "_BatchRenorm"),
+    ("normlab.convert.fold", "normlab.nn.weight_std", "_StdConvNd"),
     ("normlab.nn.param_groups", "normlab.nn.weight_std", "_PWSConvNd"),
 }
 
