@@ -17,6 +17,7 @@ MODULES = [
     "normlab.nn.capsules",
     "normlab.nn.registry",
     "normlab.nn.param_groups",
+    "normlab.convert.targets",
     "normlab.convert.fold",
     "normlab.monitor",
     "normlab.monitor.hooks",

@@ -129,6 +129,7 @@ PRIVATE_MODULES = ("normlab._functions", "normlab._dispatch")  # the machinery: 
 PRIVATE_CLASS_IMPORTS = {
     ("normlab.convert.fold", "normlab.nn.batch_renorm", "_BatchRenorm"),
     ("normlab.convert.fold", "normlab.nn.weight_std", "_StdConvNd"),
+    ("normlab.convert.convs", "normlab.nn.weight_std", "_StdConvNd"),
     ("normlab.nn.param_groups", "normlab.nn.weight_std", "_PWSConvNd"),
 }
 

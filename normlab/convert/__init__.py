@@ -63,6 +63,7 @@ whose own rounding error exceeds that passes when the folded output is as close 
 as the original is, up to ``rtol`` and twice the original's rounding error).
 """
 
-from normlab.convert.fold import CONVERT_TARGETS, convert_norm, fold_for_inference
+from normlab.convert.fold import fold_for_inference
+from normlab.convert.targets import CONVERT_TARGETS, convert_norm
 
 __all__ = ["convert_norm", "fold_for_inference", "CONVERT_TARGETS"]
