@@ -15,6 +15,7 @@ from normlab.convert.dataflow import eval_mode, trace_flow
 from normlab.convert.norms import new_norm
 from normlab.convert.recognize import (
     PLAIN_CONVS,
+    STD_CONVS,
     conv_kwargs,
     describe_batchnorm,
     known_batchnorm_forwards,
@@ -26,7 +27,6 @@ from normlab.convert.recognize import (
     warn_unknown_batchnorms,
 )
 from normlab.nn.registry import get_conv_class
-from normlab.nn.weight_std import _StdConvNd
 
 __all__ = ["make_std_conv", "convert_convs"]
 
@@ -49,7 +49,7 @@ def _left_convs(model: nn.Module, names: dict) -> list[str]:
     """Convs ``pws``/``ws`` leave as they are, with the reason."""
     out = []
     for m in unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd) and type(m) not in PLAIN_CONVS):
-        if isinstance(m, _StdConvNd):
+        if isinstance(m, STD_CONVS):
             continue  # a normlab WS/PWS conv already
         if isinstance(m, nn.modules.conv._ConvTransposeNd):
             why = "a transposed conv (normlab has no weight-standardized transposed conv)"

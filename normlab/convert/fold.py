@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 from normlab.convert.dataflow import Flow, trace_flow
 from normlab.convert.recognize import (
     PLAIN_CONVS,
+    STD_CONVS,
     conv_kwargs,
     describe_batchnorm,
     is_unknown_batchnorm,
@@ -28,8 +29,7 @@ from normlab.convert.recognize import (
     timm_std_kind,
     unique_modules,
 )
-from normlab.nn.batch_renorm import SyncBatchRenorm, _BatchRenorm
-from normlab.nn.weight_std import _StdConvNd
+from normlab.nn.batch_renorm import BATCH_RENORM_TYPES
 
 __all__ = ["fold_for_inference"]
 
@@ -47,7 +47,7 @@ def _conv_dim(m: nn.Module) -> int | None:
     for cls, d in PLAIN_CONVS.items():
         if type(m) is cls:
             return d
-        if isinstance(m, cls) and (isinstance(m, _StdConvNd) or parametrize.is_parametrized(m, "weight")):
+        if isinstance(m, cls) and (isinstance(m, STD_CONVS) or parametrize.is_parametrized(m, "weight")):
             return d  # WS/PWS conv, or a conv with a weight parametrization (e.g. weight_norm): fold its kernel
     return None
 
@@ -106,7 +106,7 @@ def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
 def _foldable_norm(m: nn.Module, known: dict) -> bool:
     """An eval-mode BatchNorm / BatchRenorm with running statistics (a frozen one, a BatchNorm + activation)."""
     spec = describe_batchnorm(m, known)
-    if spec is None and not (isinstance(m, _BatchRenorm) and _brn_act(m) is not None):
+    if spec is None and not (isinstance(m, BATCH_RENORM_TYPES) and _brn_act(m) is not None):
         return False
     return ((spec is not None and spec.frozen) or not m.training) and all(
         getattr(m, k, None) is not None for k in ("running_mean", "running_var")
@@ -115,10 +115,11 @@ def _foldable_norm(m: nn.Module, known: dict) -> bool:
 
 def _brn_act(m: nn.Module) -> bool | None:
     """For a BatchRenorm: False (plain), True (normlab's timm NormAct: then drop, act), None (own forward)."""
-    if type(m).forward is _BatchRenorm.forward or type(m).forward is SyncBatchRenorm.forward:
+    if any(type(m).forward is cls.forward for cls in BATCH_RENORM_TYPES):
         return False
     na = sys.modules.get("normlab.integrations.timm")
-    return True if na is not None and type(m).forward is na._NormAct.forward else None
+    norm_acts = (na.BatchRenormAct2d, na.SyncBatchRenormAct) if na is not None else ()
+    return True if any(type(m).forward is cls.forward for cls in norm_acts) else None
 
 
 def _folded_norm(m: nn.Module, known: dict) -> nn.Module:

@@ -4,8 +4,9 @@
   ``SyncBatchNormAct`` / ``FrozenBatchNormAct2d`` and torchvision's ``FrozenBatchNorm2d`` (whichever of timm and
   torchvision is loaded); a BatchNorm subclass with its own ``forward`` is none of them
   (:func:`is_unknown_batchnorm`).
-* timm's ``StdConv2d`` / ``ScaledStdConv2d`` (:func:`timm_std_kind`), torch's plain convolutions
-  (:data:`PLAIN_CONVS`) and their constructor arguments (:func:`conv_kwargs`).
+* timm's ``StdConv2d`` / ``ScaledStdConv2d`` (:func:`timm_std_kind`), normlab's WS/PWS convolutions
+  (:data:`STD_CONVS`), torch's plain convolutions (:data:`PLAIN_CONVS`) and their constructor arguments
+  (:func:`conv_kwargs`).
 * Aliases and shared modules: :func:`unique_modules` lists each module once, :func:`module_names` gives it its
   first name, :func:`swap_modules` puts a replacement under every name and parent that holds it.
 """
@@ -19,9 +20,11 @@ from dataclasses import dataclass
 from torch import nn
 
 from normlab.nn.registry import CONV_CLASSES
+from normlab.nn.weight_std import PWS_CONV_TYPES, WS_CONV_TYPES
 
 __all__ = [
     "PLAIN_CONVS",
+    "STD_CONVS",
     "BatchNormSpec",
     "known_batchnorm_forwards",
     "describe_batchnorm",
@@ -37,6 +40,8 @@ __all__ = [
 
 #: torch's plain convolution classes -> their spatial dimensions (exact types: a subclass may compute otherwise).
 PLAIN_CONVS = {cls: d for d, cls in CONV_CLASSES["conv"].items()}
+#: normlab's weight-standardized convolutions, WS and PWS (their kernel folds into a plain conv).
+STD_CONVS = WS_CONV_TYPES + PWS_CONV_TYPES
 
 
 @dataclass(frozen=True)
