@@ -88,6 +88,7 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
 
 
 def convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, kw: dict) -> nn.Module:
+    """``convert_norm(model, to)`` for ``to`` in ``pws``/``ws``, on ``model`` itself (the caller copies it)."""
     known, names = known_batchnorm_forwards(), module_names(model)
     left = _left_convs(model, names)
     if left:

@@ -130,6 +130,7 @@ def _refusals(model, to: str, bns: list, names: dict, example_input) -> list[str
 
 
 def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Module:
+    """``convert_norm(model, to)`` for a norm name ``to``, on ``model`` itself (the caller copies it)."""
     known, names = known_batchnorm_forwards(), module_names(model)
     bns = [
         (m, spec)
