@@ -76,7 +76,7 @@ nitpick_ignore_regex = [(r"py:class", r"(torch|numpy|lightning|tensorboard|colle
 #
 # References to names that no API page documents: normlab.integrations.timm (public, but its module docstring's
 # table is malformed reStructuredText, so docs/api/integrations.rst cannot include it until timm.py is fixed) and
-# the private module normlab._dataflow.
+# the private module normlab._dataflow (now normlab.convert.dataflow, referred to by its path).
 UNRESOLVED_REFERENCES: list[tuple[str, str]] = []
 STRICT = os.environ.get("NORMLAB_DOCS_STRICT") == "1"  # build without the workarounds above
 if not STRICT:

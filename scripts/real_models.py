@@ -326,10 +326,10 @@ def convert_cell(base: nn.Module, x: Tensor, target: str, reference: Tensor, con
 
 
 def _bn_like(model: nn.Module) -> int:
-    from normlab.nn.batch_renorm import _BatchRenorm
+    from normlab.nn import BATCH_RENORM_TYPES
 
     return sum(
-        isinstance(m, nn.modules.batchnorm._BatchNorm | _BatchRenorm) or type(m).__name__ == "FrozenBatchNorm2d"
+        isinstance(m, (nn.modules.batchnorm._BatchNorm, *BATCH_RENORM_TYPES)) or type(m).__name__ == "FrozenBatchNorm2d"
         for m in model.modules()
     )
 

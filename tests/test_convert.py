@@ -289,7 +289,7 @@ def test_fold_follows_dataflow_not_registration_order():
 
 
 def test_fold_check_catches_a_wrong_fold(monkeypatch):
-    import normlab.convert as conv_mod
+    import normlab.convert.fold as conv_mod
 
     real = conv_mod._plain_conv
 

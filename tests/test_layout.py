@@ -125,12 +125,8 @@ def test_the_declared_torch_floor_is_the_release_the_tests_run_on():
 
 # ------------------------------------------------------------------------------------------ private names
 PRIVATE_MODULES = ("normlab._functions", "normlab._dispatch")  # the machinery: may use each other's internals
-# Private base classes that other modules test with isinstance (not calls); their owners may make them public.
-PRIVATE_CLASS_IMPORTS = {
-    ("normlab.convert", "normlab.nn.batch_renorm", "_BatchRenorm"),
-    ("normlab.convert", "normlab.nn.weight_std", "_StdConvNd"),
-    ("normlab.nn.param_groups", "normlab.nn.weight_std", "_PWSConvNd"),
-}
+# No exceptions beyond them: a module that other modules test with isinstance exports what they need (the
+# BATCH_RENORM_TYPES / WS_CONV_TYPES / PWS_CONV_TYPES tuples of normlab.nn), never its private base classes.
 
 
 def _private(name: str) -> bool:
@@ -146,9 +142,23 @@ def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(anchor + ([base] if base else []))
 
 
+def _looked_up_module(node: ast.AST) -> str | None:
+    """The normlab module named by ``sys.modules.get("normlab.x")``, ``sys.modules["normlab.x"]`` or
+    ``importlib.import_module("normlab.x")``, else None."""
+    if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+        func, arg = ast.unparse(node.func), node.args[0]
+        if func in ("sys.modules.get", "importlib.import_module") and isinstance(arg, ast.Constant):
+            return arg.value if str(arg.value).startswith("normlab") else None
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+        key = node.slice
+        return key.value if isinstance(key, ast.Constant) and str(key.value).startswith("normlab") else None
+    return None
+
+
 def _private_uses(module: str, source: str, is_package: bool = False) -> list[str]:
     """Private names of other normlab modules that ``source`` (the module ``module``) uses: ``from X import _name``
-    and ``X._name`` with X bound to a normlab module (``import normlab.x as X``, ``from normlab import x as X``)."""
+    and ``X._name`` with X bound to a normlab module (``import normlab.x as X``, ``from normlab import x as X``,
+    ``X = sys.modules.get("normlab.x")``)."""
     tree = ast.parse(source)
     aliases, found = {}, []
     for node in ast.walk(tree):
@@ -159,9 +169,13 @@ def _private_uses(module: str, source: str, is_package: bool = False) -> list[st
             if not base.startswith("normlab") or base == module:
                 continue
             for a in node.names:
-                if _private(a.name) and (module, base, a.name) not in PRIVATE_CLASS_IMPORTS:
+                if _private(a.name):
                     found.append(f"{module}: from {base} import {a.name}")
                 aliases[a.asname or a.name] = f"{base}.{a.name}"
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            looked_up = _looked_up_module(node.value)
+            if looked_up is not None and looked_up != module:
+                aliases[node.targets[0].id] = looked_up
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
             if _private(node.attr):
@@ -177,6 +191,14 @@ def test_private_names_are_found():
     ]
     ok = "import torch\nfrom .._dispatch import plain_eager\nfrom ._docs import fill\nz = torch._C\nself._x = 1"
     assert _private_uses("normlab.nn.switchable", ok) == []
+    lookup = 'import sys\nna = sys.modules.get("normlab.integrations.timm")\nf = na._NormAct.forward, na.register'
+    assert _private_uses("normlab.convert.fold", lookup) == [
+        "normlab.convert.fold: na._NormAct (normlab.integrations.timm)"
+    ]
+    base = "from normlab.nn.weight_std import _StdConvNd, WS_CONV_TYPES\nimport sys\nt = sys.modules['timm.layers']._x"
+    assert _private_uses("normlab.convert.convs", base) == [
+        "normlab.convert.convs: from normlab.nn.weight_std import _StdConvNd"
+    ]
 
 
 def test_no_module_uses_another_modules_private_names():

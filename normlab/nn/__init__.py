@@ -5,7 +5,14 @@ One file per family (``batch_renorm``, ``instance_norm``, ``switchable``, ``weig
 optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases.
 """
 
-from .batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, RenormSchedule, SyncBatchRenorm
+from .batch_renorm import (
+    BATCH_RENORM_TYPES,
+    BatchRenorm1d,
+    BatchRenorm2d,
+    BatchRenorm3d,
+    RenormSchedule,
+    SyncBatchRenorm,
+)
 from .capsules import PrimaryCapsules, RoutingCapsules, dynamic_routing, margin_loss
 from .instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .param_groups import param_groups
@@ -22,7 +29,7 @@ from .registry import (
     resolve_comparison,
 )
 from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
-from .weight_std import PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
+from .weight_std import PWS_CONV_TYPES, WS_CONV_TYPES, PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
 __all__ = [
     "BatchRenorm1d",
@@ -30,6 +37,7 @@ __all__ = [
     "BatchRenorm3d",
     "RenormSchedule",
     "SyncBatchRenorm",
+    "BATCH_RENORM_TYPES",
     "InstanceNorm1d",
     "InstanceNorm2d",
     "InstanceNorm3d",
@@ -42,6 +50,8 @@ __all__ = [
     "PWSConv1d",
     "PWSConv2d",
     "PWSConv3d",
+    "WS_CONV_TYPES",
+    "PWS_CONV_TYPES",
     "PrimaryCapsules",
     "RoutingCapsules",
     "dynamic_routing",

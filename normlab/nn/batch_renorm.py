@@ -50,7 +50,7 @@ from .._functions import fused_batch_renorm, fused_step_moments, is_identity, ta
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 
-__all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm"]
+__all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
 
 _RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._recompute)
 
@@ -708,3 +708,9 @@ class SyncBatchRenorm(_BatchRenorm):
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchrenorm(child, process_group))
         return out
+
+
+#: The batch renormalization layers, for ``isinstance``: :class:`BatchRenorm1d`, :class:`BatchRenorm2d`,
+#: :class:`BatchRenorm3d` and :class:`SyncBatchRenorm`; their subclasses (the timm NormAct versions of
+#: :mod:`normlab.integrations.timm`) are instances too.
+BATCH_RENORM_TYPES = (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from torch import nn
 
 from .registry import is_norm_layer
-from .weight_std import _PWSConvNd
+from .weight_std import PWS_CONV_TYPES
 
 __all__ = ["param_groups", "NO_DECAY_KINDS"]
 
@@ -20,7 +20,7 @@ NO_DECAY_KINDS = ("alpha", "norm", "bias")
 
 def _kinds(module: nn.Module, name: str) -> set[str]:
     kinds = set()
-    if name == "alpha" and isinstance(module, _PWSConvNd):
+    if name == "alpha" and isinstance(module, PWS_CONV_TYPES):
         kinds.add("alpha")
     if is_norm_layer(module):
         kinds.add("norm")

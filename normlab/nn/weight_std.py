@@ -1,9 +1,10 @@
 """Weight-standardized convolutions: :class:`WSConv1d`/``2d``/``3d`` and :class:`PWSConv1d`/``2d``/``3d``.
 
 Each class is the ``nn.Conv{1,2,3}d`` it stands beside, with the same constructor arguments and state, that hands
-a standardized kernel to the parent's ``_conv_forward``. The logic lives once in :class:`_StdConvNd` (forward,
-input checks, inference cache) and in :class:`_WSConvNd` / :class:`_PWSConvNd` (the kernel); the six public classes
-only name the dimension. Design notes (the inference cache, ``init_alpha``): ``docs/design.md``.
+a standardized kernel to the parent's ``_conv_forward``. The logic lives once in a private base shared by both
+families (forward, input checks, inference cache) and in one private base per family (the kernel); the six public
+classes only name the dimension. ``isinstance`` tests: :data:`WS_CONV_TYPES`, :data:`PWS_CONV_TYPES`. Design
+notes (the inference cache, ``init_alpha``): ``docs/design.md``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,17 @@ from normlab.functional import pws_weight, standardize_weight
 
 from ._docs import fill
 
-__all__ = ["WSConv1d", "WSConv2d", "WSConv3d", "PWSConv1d", "PWSConv2d", "PWSConv3d", "WEIGHT_CACHE_MODES"]
+__all__ = [
+    "WSConv1d",
+    "WSConv2d",
+    "WSConv3d",
+    "PWSConv1d",
+    "PWSConv2d",
+    "PWSConv3d",
+    "WS_CONV_TYPES",
+    "PWS_CONV_TYPES",
+    "WEIGHT_CACHE_MODES",
+]
 
 #: The values of the PWS convolutions' ``fan_mode``: the fan ``n`` of the He gain.
 FAN_MODES = ("fan_in", "fan_out")
@@ -457,3 +468,11 @@ class PWSConv3d(_PWSConvNd, nn.Conv3d):
 torch.Size([2, 8, 6, 6, 6])
 """,
     )
+
+
+#: The Weight Standardization convolutions, for ``isinstance``: :class:`WSConv1d`, :class:`WSConv2d`,
+#: :class:`WSConv3d` (and their subclasses).
+WS_CONV_TYPES = (WSConv1d, WSConv2d, WSConv3d)
+#: The Parametric Weight Standardization convolutions (the ones with a learnable ``alpha``), for ``isinstance``:
+#: :class:`PWSConv1d`, :class:`PWSConv2d`, :class:`PWSConv3d` (and their subclasses).
+PWS_CONV_TYPES = (PWSConv1d, PWSConv2d, PWSConv3d)

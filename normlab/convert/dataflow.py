@@ -10,22 +10,28 @@ it, the first that works:
 * :func:`hook_flow`: one eval-mode forward on an example input, with module hooks on convs and norms and a
   ``TorchFunctionMode`` that sees every tensor operation between them (exact for the path this input takes).
 
-Both return a :class:`Flow`; :meth:`Flow.verdict` says whether a pair folds, or why not.
+Both return a :class:`Flow`; :meth:`Flow.verdict` says whether a pair folds, or why not. :func:`trace_flow` tries
+``torch.fx``, then hooks on ``example_input`` or on default inputs of a few sizes. For the BatchNorm1d refusals of
+:func:`normlab.convert.convert_norm`: :func:`seen_shapes` (the input shapes each norm sees on one forward) and
+:func:`input_producers` (a ``Linear`` or a ``Conv1d`` feeds it, by ``torch.fx``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["Flow", "fx_flow", "hook_flow"]
+from normlab.convert.recognize import unique_modules
+
+__all__ = ["Flow", "fx_flow", "hook_flow", "trace_flow", "eval_mode", "seen_shapes", "input_producers"]
 
 # tensor functions that read only metadata (shape, dtype, ...): not a use of the values
 _METADATA = {
@@ -179,3 +185,88 @@ def hook_flow(
         for h in handles:
             h.remove()
     return flow, out
+
+
+# sizes tried for a default example input, per spatial dimension (a model may accept only one)
+_DEFAULT_SIZES = {1: (40, 64, 32, 128, 256), 2: (32, 28, 16, 64, 224), 3: (16, 32, 8)}
+
+
+def _default_inputs(convs: list[nn.Module]):
+    """Example inputs for the first conv (registration order): batch 2, a few sizes per spatial dimension."""
+    first = convs[0]
+    dim = first.weight.dim() - 2
+    gen = torch.Generator().manual_seed(0)
+    for size in _DEFAULT_SIZES.get(dim, ()):
+        x = torch.randn(2, first.in_channels, *([size] * dim), generator=gen, dtype=first.weight.dtype)
+        yield x.to(first.weight.device)
+
+
+def trace_flow(model: nn.Module, convs, norms, example_input) -> tuple[Flow | None, Tensor | None, Tensor | None, str]:
+    """(flow, input, output) of the first trace that works; input/output only for a hook trace on a default
+    input (to check the result with); and what failed."""
+    try:
+        return fx_flow(model, convs, norms), None, None, ""
+    except Exception as e:  # noqa: BLE001 - any failure of symbolic tracing means: try the hooks
+        why = f"torch.fx: {type(e).__name__}"
+    inputs = [example_input] if example_input is not None else _default_inputs(convs)
+    last = "no input to try"
+    for x in inputs:
+        try:
+            flow, out = hook_flow(model, convs, norms, x)
+            return flow, (None if example_input is not None else x), out, why
+        except Exception as e:  # noqa: BLE001 - the model refuses this input: try the next size
+            last = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+    given = "example_input" if example_input is not None else "a default input"
+    return None, None, None, f"{why}; forward on {given} failed ({last})"
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Eval mode for a look at the dataflow (no running-statistics update); each module's mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def seen_shapes(model: nn.Module, norms: list[nn.Module], x) -> dict[int, list[torch.Size]]:
+    """Input shape of every call of each norm on one eval-mode forward of ``x``."""
+    seen: dict[int, list[torch.Size]] = {id(m): [] for m in norms}
+
+    def record(m, args):
+        if args and isinstance(args[0], Tensor):
+            seen[id(m)].append(args[0].shape)
+
+    handles = [m.register_forward_pre_hook(record) for m in norms]
+    try:
+        with torch.no_grad(), eval_mode(model):
+            model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def input_producers(model: nn.Module, norms: list[nn.Module]) -> dict[int, str]:
+    """norm id -> "conv1d" / "linear" when the torch.fx dataflow shows its only input is such a module's output."""
+    kinds = {}
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            kinds[id(m)] = "linear"
+        elif isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)):
+            kinds[id(m)] = "conv1d"
+    mods = unique_modules(model, lambda m: id(m) in kinds)
+    try:
+        flow = fx_flow(model, mods, norms)
+    except Exception:  # noqa: BLE001 - no symbolic trace: the producers stay unknown
+        return {}
+    out = {}
+    for n in norms:
+        srcs = flow.bn_inputs.get(id(n)) or [None]
+        found = {kinds[s[0]] if s is not None else None for s in srcs}
+        if len(found) == 1 and None not in found:
+            out[id(n)] = found.pop()
+    return out

@@ -1,0 +1,106 @@
+"""``convert_norm`` to ``pws`` / ``ws``: each plain convolution becomes its weight-standardized version, and
+(``remove_norm``) the BatchNorms that only normalize a converted conv's output are removed.
+
+The rules (which convs are left, which norms are removed): :mod:`normlab.convert`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from normlab.convert.dataflow import eval_mode, trace_flow
+from normlab.convert.norms import new_norm
+from normlab.convert.recognize import (
+    PLAIN_CONVS,
+    STD_CONVS,
+    conv_kwargs,
+    describe_batchnorm,
+    known_batchnorm_forwards,
+    module_names,
+    num_channels,
+    swap_modules,
+    timm_std_kind,
+    unique_modules,
+    warn_unknown_batchnorms,
+)
+from normlab.nn.registry import get_conv_class
+
+__all__ = ["make_std_conv", "convert_convs"]
+
+
+def make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> nn.Module:
+    """The ``to`` (``pws``/``ws``) conv of ``dim`` dims with ``conv``'s arguments, raw weight and bias (zero if new)."""
+    cls = get_conv_class(to, dim)
+    new = cls(**conv_kwargs(conv), **{"bias": bias, **kw})
+    with torch.no_grad():
+        new.weight.copy_(conv.weight)
+        if new.bias is not None:
+            if conv.bias is not None:
+                new.bias.copy_(conv.bias)
+            else:
+                new.bias.zero_()
+    return new.train(conv.training)
+
+
+def _left_convs(model: nn.Module, names: dict) -> list[str]:
+    """Convs ``pws``/``ws`` leave as they are, with the reason."""
+    out = []
+    for m in unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd) and type(m) not in PLAIN_CONVS):
+        if isinstance(m, STD_CONVS):
+            continue  # a normlab WS/PWS conv already
+        if isinstance(m, nn.modules.conv._ConvTransposeNd):
+            why = "a transposed conv (normlab has no weight-standardized transposed conv)"
+        elif timm_std_kind(m) is not None:
+            why = "already weight-standardized (timm StdConv)"
+        else:
+            why = "a conv subclass (its forward may differ)"
+        out.append(f"{names[id(m)]} ({type(m).__name__}: {why})")
+    return out
+
+
+def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) -> tuple[list, set[int]]:
+    """The BatchNorms each of whose calls takes one of ``convs``' outputs as its only input (dataflow), and the
+    ids of the convs that feed them."""
+    norms = unique_modules(model, lambda m: describe_batchnorm(m, known) is not None)
+    if not convs or not norms:
+        return [], set()
+    with eval_mode(model):
+        flow, _, _, why = trace_flow(model, convs, norms, example_input)
+    if flow is None:
+        warnings.warn(
+            f"convert_norm: remove_norm: the dataflow could not be established ({why}); no BatchNorm "
+            "removed (give example_input)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return [], set()
+    by_id = {id(c): c for c in convs}
+    out, feeding = [], set()
+    for bn in norms:
+        srcs = flow.bn_inputs.get(id(bn)) or [None]
+        if all(s is not None and s[0] in by_id and by_id[s[0]].out_channels == num_channels(bn) for s in srcs):
+            out.append(bn)
+            feeding |= {s[0] for s in srcs}
+    return out, feeding
+
+
+def convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, kw: dict) -> nn.Module:
+    """``convert_norm(model, to)`` for ``to`` in ``pws``/``ws``, on ``model`` itself (the caller copies it)."""
+    known, names = known_batchnorm_forwards(), module_names(model)
+    left = _left_convs(model, names)
+    if left:
+        warnings.warn(f"convert_norm(to={to!r}): left as they are: {', '.join(left)}", UserWarning, stacklevel=3)
+    convs = unique_modules(model, lambda m: type(m) in PLAIN_CONVS)
+    removed, with_norm = _removable_norms(model, convs, known, example_input) if remove_norm else ([], set())
+    warn_unknown_batchnorms(model, known, names, "convert_norm")
+    rest = {k: v for k, v in kw.items() if k != "bias"}
+    new = {}
+    for conv in convs:
+        bias = kw.get("bias", conv.bias is not None or id(conv) in with_norm)
+        new[id(conv)] = make_std_conv(conv, to, PLAIN_CONVS[type(conv)], bias, rest)
+    for bn in removed:
+        new[id(bn)] = new_norm(bn, describe_batchnorm(bn, known), "none", 2, {})
+    return swap_modules(model, new)

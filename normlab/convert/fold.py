@@ -1,0 +1,294 @@
+""":func:`fold_for_inference`: plain convolutions in place of WS/PWS/parametrized/StdConv ones, and each
+eval-mode BatchNorm that only normalizes a conv's output folded into that conv.
+
+The rules (which pairs fold, the output check): :mod:`normlab.convert`.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from normlab.convert.dataflow import Flow, trace_flow
+from normlab.convert.recognize import (
+    PLAIN_CONVS,
+    STD_CONVS,
+    conv_kwargs,
+    describe_batchnorm,
+    is_unknown_batchnorm,
+    known_batchnorm_forwards,
+    module_names,
+    num_channels,
+    swap_modules,
+    timm_std_kind,
+    unique_modules,
+)
+from normlab.nn.batch_renorm import BATCH_RENORM_TYPES
+
+__all__ = ["fold_for_inference"]
+
+_PLAIN_CONVS_BY_DIM = {d: cls for cls, d in PLAIN_CONVS.items()}
+_TRANSPOSED = {nn.ConvTranspose1d: 1, nn.ConvTranspose2d: 2, nn.ConvTranspose3d: 3}
+_TRANSPOSED_BY_DIM = {d: cls for cls, d in _TRANSPOSED.items()}
+
+
+def _conv_dim(m: nn.Module) -> int | None:
+    """Spatial dims of a conv whose kernel folds into a plain conv (or transposed conv), else None."""
+    if type(m) in _TRANSPOSED:
+        return _TRANSPOSED[type(m)]
+    if timm_std_kind(m) is not None:
+        return 2
+    for cls, d in PLAIN_CONVS.items():
+        if type(m) is cls:
+            return d
+        if isinstance(m, cls) and (isinstance(m, STD_CONVS) or parametrize.is_parametrized(m, "weight")):
+            return d  # WS/PWS conv, or a conv with a weight parametrization (e.g. weight_norm): fold its kernel
+    return None
+
+
+def _is_plain(m: nn.Module) -> bool:
+    return type(m) in PLAIN_CONVS or type(m) in _TRANSPOSED
+
+
+def _effective_weight(conv: nn.Module) -> Tensor:
+    """The kernel ``conv`` applies, in float64 (timm's StdConv: ``F.batch_norm`` over each filter, biased
+    variance, eps inside the root, times ``gain * scale`` for ScaledStdConv2d)."""
+    kind = timm_std_kind(conv)
+    if kind is None:
+        w = conv.effective_weight() if hasattr(conv, "effective_weight") else conv.weight
+        return w.detach().double()
+    w = conv.weight.detach().double()
+    flat = w.reshape(conv.out_channels, -1)
+    mean, var = flat.mean(1, keepdim=True), flat.var(1, unbiased=False, keepdim=True)
+    flat = (flat - mean) * torch.rsqrt(var + conv.eps)
+    if kind == "scaled":
+        flat = flat * (conv.gain.detach().double() * conv.scale).reshape(-1, 1)
+    return flat.reshape_as(w)
+
+
+def _scale_out_channels(w: Tensor, scale: Tensor, conv: nn.Module) -> Tensor:
+    """Multiply each output channel of kernel ``w`` by ``scale`` (transposed: (Cin, Cout/groups, *k))."""
+    if not getattr(conv, "transposed", False):
+        return w * scale.reshape((-1,) + (1,) * (w.dim() - 1))
+    g = conv.groups
+    grouped = w.reshape(g, w.shape[0] // g, *w.shape[1:])
+    return (grouped * scale.reshape(g, 1, -1, *([1] * (w.dim() - 2)))).reshape_as(w)
+
+
+def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
+    """A plain nn.Conv{dim}d (nn.ConvTranspose{dim}d) equal to ``conv`` (effective kernel) then the eval ``norm``."""
+    with torch.no_grad():
+        weight = conv.weight
+        w = _effective_weight(conv)
+        b = conv.bias.detach().double() if conv.bias is not None else None
+        if norm is not None:
+            inv_std = torch.rsqrt(norm.running_var.double() + norm.eps)
+            scale = inv_std if norm.weight is None else norm.weight.double() * inv_std
+            shift = -norm.running_mean.double() * scale
+            if norm.bias is not None:
+                shift = shift + norm.bias.double()
+            w = _scale_out_channels(w, scale, conv)
+            b = shift if b is None else b * scale + shift
+        cls = (_TRANSPOSED_BY_DIM if getattr(conv, "transposed", False) else _PLAIN_CONVS_BY_DIM)[dim]
+        out = cls(**{**conv_kwargs(conv), "bias": b is not None})
+        out.weight.copy_(w.to(weight.dtype))
+        if b is not None:
+            out.bias.copy_(b.to(out.bias.dtype))
+    return out.eval()
+
+
+def _foldable_norm(m: nn.Module, known: dict) -> bool:
+    """An eval-mode BatchNorm / BatchRenorm with running statistics (a frozen one, a BatchNorm + activation)."""
+    spec = describe_batchnorm(m, known)
+    if spec is None and not (isinstance(m, BATCH_RENORM_TYPES) and _brn_act(m) is not None):
+        return False
+    return ((spec is not None and spec.frozen) or not m.training) and all(
+        getattr(m, k, None) is not None for k in ("running_mean", "running_var")
+    )
+
+
+def _brn_act(m: nn.Module) -> bool | None:
+    """For a BatchRenorm: False (plain), True (normlab's timm NormAct: then drop, act), None (own forward)."""
+    if any(type(m).forward is cls.forward for cls in BATCH_RENORM_TYPES):
+        return False
+    na = sys.modules.get("normlab.integrations.timm")
+    norm_acts = (na.BatchRenormAct2d, na.SyncBatchRenormAct) if na is not None else ()
+    return True if any(type(m).forward is cls.forward for cls in norm_acts) else None
+
+
+def _folded_norm(m: nn.Module, known: dict) -> nn.Module:
+    """What is left of a norm folded into its conv: nothing, or its drop and act."""
+    spec = describe_batchnorm(m, known)
+    act = spec.act if spec is not None else bool(_brn_act(m))
+    return nn.Sequential(OrderedDict(drop=m.drop, act=m.act)) if act else nn.Identity()
+
+
+def _registration_pairs(parent: nn.Module, keep, out: list) -> list[tuple[nn.Module, nn.Module]]:
+    """(conv, BN) pairs that are neighbours in registration order: reported when the dataflow is unknown."""
+    children = list(parent.named_children())
+    for i, (_, child) in enumerate(children):
+        is_conv = isinstance(child, nn.modules.conv._ConvNd)
+        if is_conv and i + 1 < len(children):
+            nxt = children[i + 1][1]
+            if keep(nxt) and num_channels(nxt) == child.out_channels:
+                out.append((child, nxt))
+        elif not is_conv:
+            _registration_pairs(child, keep, out)
+    return out
+
+
+def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -> str | None:
+    if not foldable:
+        return "a BatchNorm subclass with its own forward"
+    if _conv_dim(conv) is None:
+        return f"{type(conv).__name__} is a conv subclass with its own forward"
+    reason = f"dataflow unknown ({why})" if flow is None else flow.verdict(conv, bn)
+    if reason is None and conv.out_channels != num_channels(bn):
+        reason = "channel counts differ"
+    if reason is None and (
+        conv._forward_hooks or conv._forward_pre_hooks or bn._forward_hooks or bn._forward_pre_hooks
+    ):
+        reason = "a module has hooks"
+    if reason is None and any(conv is c for c, _ in pairs):
+        reason = "the conv already folds another BatchNorm"
+    return reason
+
+
+def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
+    """Decide the conv -> BN pairs to fold: (pairs, [(conv name, BN name, why not)], default input, its output)."""
+    names = module_names(model)
+    convs = unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd))  # foldable or not
+    norms = unique_modules(model, lambda m: _foldable_norm(m, known) or is_unknown_batchnorm(m, known))
+    if not convs or not norms:
+        return [], [], None, None
+    flow, x, y, why = trace_flow(model, convs, norms, example_input)
+    by_id = {id(c): c for c in convs}
+    pairs, skipped = [], []
+    old = {id(b): c for c, b in _registration_pairs(model, lambda m: any(m is n for n in norms), [])}
+    for bn in norms:
+        conv = by_id.get(flow.source(bn)) if flow is not None else None
+        if conv is None and id(bn) not in old:
+            continue  # not fed by a conv, and nothing suggested it was: nothing to report
+        conv = conv if conv is not None else old[id(bn)]
+        reason = _pair_reason(flow, why, conv, bn, pairs, not is_unknown_batchnorm(bn, known))
+        if reason is None:
+            pairs.append((conv, bn))
+        else:
+            skipped.append((names[id(conv)], names[id(bn)], reason))
+    return pairs, skipped, x, y
+
+
+def _apply_fold(model: nn.Module, pairs: list[tuple[nn.Module, nn.Module]], known: dict) -> nn.Module:
+    """Fold each (conv, BN) pair, then turn the remaining WS/PWS/parametrized/StdConv convs into plain convs."""
+    new = {}
+    for conv, bn in pairs:
+        new[id(conv)] = _plain_conv(conv, _conv_dim(conv), bn)
+        new[id(bn)] = _folded_norm(bn, known)
+    for conv in unique_modules(model, lambda m: _conv_dim(m) is not None and not _is_plain(m)):
+        new.setdefault(id(conv), _plain_conv(conv, _conv_dim(conv), None))
+    return swap_modules(model, new)
+
+
+def _max_diff(a: Tensor, b: Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def _exact_output(original: nn.Module | None, x: Tensor) -> Tensor | None:
+    """The output of ``original`` in float64 (a copy), or None when there is nothing to compute it from."""
+    if original is None or not x.is_floating_point() or x.dtype == torch.float64:
+        return None
+    with torch.no_grad():
+        return copy.deepcopy(original).double().eval()(x.double())
+
+
+def _check_outputs(
+    folded: nn.Module, x: Tensor, reference: Tensor, rtol: float, original: nn.Module | None = None
+) -> None:
+    """``max|folded(x) - reference| <= rtol * max|reference|``, or, where the rounding of a deep float32 model
+    exceeds that, the folded output is as close to the exact function (``original`` in float64) as the original's
+    own output is: within ``rtol * max|y|`` plus twice the original's own rounding error."""
+    with torch.no_grad():
+        out = folded(x)
+    err, scale = _max_diff(out, reference), reference.double().abs().max().item()
+    tol = rtol * max(scale, 1e-30)
+    if err <= tol:
+        return
+    exact = _exact_output(original, x)
+    if exact is not None and _max_diff(out, exact) <= tol + 2 * _max_diff(reference, exact):
+        return
+    raise RuntimeError(
+        f"fold_for_inference: folded output differs from the original by {err:.3g} (max |y| {scale:.3g}); "
+        "a folded BatchNorm may not be applied to its conv's output on every path (data-dependent control flow)"
+    )
+
+
+def fold_for_inference(
+    model: nn.Module, example_input: Tensor | None = None, *, inplace: bool = False, rtol: float = 1e-5
+) -> nn.Module:
+    """An eval-mode model without WS/PWS kernels to recompute and without the BatchNorms that only normalize a
+    conv's output (the dataflow rule: :mod:`normlab.convert`).
+
+    Args:
+        model: any module. Put in eval mode first (a copy unless ``inplace``).
+        example_input: optional input; if given, it is used for the hook trace when ``torch.fx`` cannot trace the
+            model, and the folded model's output is compared with the original's (eval mode): ``RuntimeError``
+            when ``max|diff| > rtol * max|y|``. Without it a hook trace runs on a default input and is checked
+            the same way.
+        inplace: modify ``model`` itself instead of a deep copy.
+        rtol: tolerance of the check.
+
+    Returns:
+        The folded model, in eval mode. Model outputs are equal to the eval-mode original up to rounding.
+
+    Warns:
+        UserWarning: listing each conv -> BatchNorm pair left unfolded and why (the conv's output has another
+        consumer, the BN is shared, an activation sits in between, the dataflow could not be established, a
+        BatchNorm subclass with its own forward, ...).
+
+    Example:
+        >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+        >>> x = torch.randn(2, 3, 16, 16)
+        >>> folded = fold_for_inference(model, example_input=x)
+        >>> [type(m).__name__ for m in folded]
+        ['Conv2d', 'Identity', 'ReLU']
+        >>> torch.allclose(folded(x), model(x), atol=1e-5)
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fold_for_inference: model must be an nn.Module, got {type(model).__name__}")
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    reference = None
+    if example_input is not None:
+        with torch.no_grad():
+            reference = model(example_input)
+    folded = model if inplace else copy.deepcopy(model)
+    original = None if inplace else model  # unchanged: the float64 reference of the check
+    if not inplace:
+        for m, mode in modes:
+            m.training = mode
+    known = known_batchnorm_forwards()
+    dim = _conv_dim(folded)
+    if dim is not None and not _is_plain(folded):
+        folded = _plain_conv(folded, dim, None)
+    else:
+        pairs, skipped, x, y = _fold_plan(folded, example_input, known)
+        folded = _apply_fold(folded, pairs, known)
+        if skipped:
+            warnings.warn(
+                "fold_for_inference: left unfolded: " + "; ".join(f"{c} -> {b} ({why})" for c, b, why in skipped),
+                UserWarning,
+                stacklevel=2,
+            )
+        if x is not None:
+            _check_outputs(folded.eval(), x, y, rtol, original)
+    folded.eval()
+    if reference is not None:
+        _check_outputs(folded, example_input, reference, rtol, original)
+    return folded
