@@ -290,3 +290,17 @@ def test_guard_is_refused_under_ddp_and_with_two_optimizers(one_thread):
         _fit(Tiny(two_optimizers=True), VarianceMonitorCallback(every=1, log=False, guard=True), max_steps=2)
     with pytest.raises(ValueError, match=r"guard: \['optimizer'\] are taken from the trainer"):
         VarianceMonitorCallback(guard={"optimizer": None})
+
+
+def test_guard_leaves_steps_the_grad_scaler_skips_to_the_scaler(one_thread):
+    # 16-mixed: inf gradients make the scaler skip the step (and lower its scale); the guard sees a finite loss and
+    # leaves it to the scaler, and snapshots the scaler with the rest
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = Tiny()
+    module.net[0].weight.register_hook(lambda g: g * float("inf"))
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 1})
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    _fit(module, cb, max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert cb.guard.scaler is scaler and cb.guard.rescues == [] and cb.guard.steps == 3
+    assert scaler.get_scale() == 2.0**5 and all(torch.isfinite(p).all() for p in module.parameters())

@@ -222,7 +222,8 @@ class RegimeDetector:
     ) -> RegimeWarning | None:
         """Check one recorded step; returns a warning for the first layer in forward order whose streak reached
         ``window``, else None (streaks and first values are updated on the way). ``lr``: the learning rate (one
-        value, or one per layer name as :func:`~normlab.monitor.regime.layer_learning_rates` gives) for the warning's ``suggested_lr``."""
+        value, or one per layer name as :func:`~normlab.monitor.regime.layer_learning_rates` gives) for the
+        warning's ``suggested_lr``."""
         records = list(records)
         exempt = exempt_layers(records)
         found = None
