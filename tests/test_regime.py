@@ -251,3 +251,19 @@ def test_the_monitor_suggests_an_lr_only_when_it_knows_the_optimizer(tell):
     assert (mon.risk.suggested_lr is not None) == tell
     if tell:  # no initial shift: lr sqrt(V / S)
         assert mon.risk.suggested_lr == pytest.approx(0.1 * (mon.risk.variance_term / mon.risk.shift_term) ** 0.5)
+
+
+def test_layer_learning_rates_finds_a_parametrized_kernel_and_skips_frozen_layers():
+    from torch.nn.utils import parametrize
+
+    from normlab.monitor.regime import layer_learning_rates
+
+    class Same(nn.Module):
+        def forward(self, w):
+            return w
+
+    conv, frozen = nn.Conv1d(2, 3, 3), nn.Linear(3, 1)
+    parametrize.register_parametrization(conv, "weight", Same())  # the kernel lives in conv.parametrizations
+    conv.bias = None
+    opt = torch.optim.SGD(conv.parameters(), lr=0.3)
+    assert layer_learning_rates([("c", conv, "conv"), ("f", frozen, "linear")], opt) == {"c": 0.3}

@@ -128,9 +128,9 @@ def suggested_lr(lr: float, shift_term: float, variance_term: float, input_mean_
 
 
 def layer_learning_rates(layers: Iterable, optimizer) -> dict[str, float]:
-    """The learning rate of each layer's own parameters in ``optimizer`` (the param group of its first parameter
-    found there), for the ``(name, module, kind)`` triples of ``VarianceMonitor.layers``; layers whose
-    parameters the optimizer does not train are left out.
+    """The learning rate of each layer's parameters in ``optimizer`` (the param group of its first parameter found
+    there, its own before its submodules'), for the ``(name, module, kind)`` triples of ``VarianceMonitor.layers``;
+    layers whose parameters the optimizer does not train are left out.
 
     Example:
         >>> from torch import nn, optim
@@ -142,7 +142,7 @@ def layer_learning_rates(layers: Iterable, optimizer) -> dict[str, float]:
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = {}
     for name, module, _kind in layers:
-        for param in module.parameters(recurse=False):
+        for param in module.parameters():  # its own first, then its submodules' (parametrizations, wrappers)
             if id(param) in group_of:
                 out[name] = float(group_of[id(param)]["lr"])
                 break
