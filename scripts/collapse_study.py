@@ -3,12 +3,15 @@
     python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2]
     python scripts/collapse_study.py analyze  [--out runs/collapse_study] [--doc-table]
     python scripts/collapse_study.py guard    [--out runs/collapse_study] [--half report-seeds]
+    python scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
 
 ``collect`` trains every run of the protocol (norm x width x lr x seed) with a small loop of its own and writes one
 JSONL per run (first line: the run's header with the layer list; then one line per step with the loss, the gradient
 norm and per layer output_var, shift_term, variance_term, input_sq). A finished run is not rerun. ``analyze`` fits
 every candidate rule's threshold on one half of the seeds (seed parity) and reports it on the other, then swaps.
-``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
+``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`. ``suggest`` trains the plain (norm none)
+runs with the monitor's defaults and, where the regime warning suggested a learning rate (``mon.risk.suggested_lr``),
+the same run restarted at that rate.
 
 Seeds 0-99 are never used (kept for independent checks).
 """
@@ -112,10 +115,10 @@ def _old_check(old, step, records):
     return old.check(step, records, out, shrink_layers=out)
 
 
-def train_run(cfg, steps=None, guard_kwargs=None):
+def train_run(cfg, steps=None, guard_kwargs=None, defaults=False):
     """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard (the
-    monitor then has its default alarm and regime warning); else the monitor only records, and the old alarm
-    (:func:`_old_detector`) is replayed on its records."""
+    monitor then has its default alarm and regime warning; ``defaults``: the same without a guard); else the
+    monitor only records, and the old alarm (:func:`_old_detector`) is replayed on its records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.training.collapse import CollapseTracker
@@ -124,7 +127,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     x, y, xt, yt = _data()
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    study = guard_kwargs is None
+    study = guard_kwargs is None and not defaults
     mon = VarianceMonitor(
         model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False) if study else {})
     )
@@ -526,13 +529,51 @@ def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2) ->
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------------------------- suggest
+def _suggest_one(args):
+    cfg, out_dir, steps = args
+    torch.set_num_threads(1)
+    path = Path(out_dir) / "suggest" / f"{run_name(cfg)}.json"
+    if path.is_file():
+        return json.loads(path.read_text())
+    _, _, first = train_run(cfg, steps, defaults=True)
+    out = {"cfg": cfg, "kind": first["kind"], "collapse_step": first["collapse_step"], "test_acc": first["test_acc"]}
+    out["risk"] = first["risk"]
+    new_lr = (first["risk"] or {}).get("suggested_lr")
+    if new_lr is not None:  # the same run (seed, data order) restarted at the suggested rate
+        _, _, again = train_run({**cfg, "lr": new_lr}, steps, defaults=True)
+        out["restart"] = {k: again[k] for k in ("kind", "collapse_step", "test_acc", "risk")}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out))
+    return out
+
+
+def suggest_study(out_dir: Path, seeds, lrs, steps: int, workers: int = 2) -> str:
+    """Plain runs (norm none, width 0.5) under the default monitor: the regime warning's suggested learning rate,
+    and whether the run restarted at it trains without a collapse."""
+    jobs = [(dict(norm="none", width=0.5, lr=lr, seed=s), str(out_dir), steps) for s in seeds for lr in lrs]
+    with ProcessPoolExecutor(workers) as ex:
+        results = list(ex.map(_suggest_one, jobs))
+    lines = []
+    for r in results:
+        risk, again = r["risk"] or {}, r.get("restart") or {}
+        lines.append(
+            f"{run_name(r['cfg'])}: {r['kind']} (step {r['collapse_step']}, acc {r['test_acc']}); regime warning "
+            f"step {risk.get('step')} layer {risk.get('layer')} ratio {risk.get('ratio')} suggested_lr "
+            f"{risk.get('suggested_lr')} -> restart {again.get('kind', '-')} (step {again.get('collapse_step')}, "
+            f"acc {again.get('test_acc')}, its regime warning at step {(again.get('risk') or {}).get('step')})"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["collect", "analyze", "guard"])
+    p.add_argument("command", choices=["collect", "analyze", "guard", "suggest"])
     p.add_argument("--out", type=Path, default=Path("runs/collapse_study"))
     p.add_argument("--seeds", default="100-103")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--lrs", default="0.1,0.2", help="suggest: the learning rates of the plain runs")
     a = p.parse_args(argv)
     if a.command == "collect":
         collect(a.out, parse_seeds(a.seeds), a.workers)
@@ -540,6 +581,8 @@ def main(argv=None) -> int:
         print(analyze(load_runs(a.out)))
     elif a.command == "guard":
         print(guard_study(a.out, a.steps))
+    elif a.command == "suggest":
+        print(suggest_study(a.out, parse_seeds(a.seeds), [float(x) for x in a.lrs.split(",")], a.steps, a.workers))
     return 0
 
 

@@ -101,3 +101,20 @@ def test_a_tiny_real_run_is_written_once(study, tmp_path, monkeypatch, one_threa
     assert set(steps[0]["L"]) == {n for n, _ in head["layers"]} and steps[2]["gnorm"] > 0
     assert "old_alarm" in head["summary"]  # the alarm before the countdown, replayed on the records
     assert study._collect_one((cfg, str(tmp_path)))[1] == "done before"
+
+
+def test_suggest_restarts_a_warned_run_at_the_suggested_lr(study, tmp_path, monkeypatch):
+    calls = []
+
+    def fake_train_run(cfg, steps=None, guard_kwargs=None, defaults=False):
+        calls.append((cfg["lr"], defaults))
+        risk = {"step": 20, "layer": "c2", "ratio": 3.0, "suggested_lr": 0.04} if cfg["lr"] == 0.1 else None
+        return {}, [], {"kind": None if cfg["lr"] < 0.1 else "never_left_chance", "collapse_step": None,
+                        "test_acc": 0.5, "risk": risk}  # fmt: skip
+
+    monkeypatch.setattr(study, "train_run", fake_train_run)
+    out = study._suggest_one((dict(norm="none", width=0.5, lr=0.1, seed=100), str(tmp_path), 5))
+    assert calls == [(0.1, True), (0.04, True)]  # the run, then the same run at the suggested rate
+    assert out["risk"]["suggested_lr"] == 0.04 and out["restart"]["kind"] is None
+    assert study._suggest_one((dict(norm="none", width=0.5, lr=0.1, seed=100), str(tmp_path), 5)) == out
+    assert len(calls) == 2  # written once, read back the second time

@@ -235,3 +235,44 @@ def test_state_dict_round_trip_keeps_the_rescues_and_restarts_the_snapshots():
         _train(model, opt, _batches(6), other, poison=(0, 1, 2, 3, 4, 5))
     with pytest.raises(ValueError, match="expected a dict from CollapseGuard.state_dict"):
         other.load_state_dict({"steps": 1})
+
+
+def test_after_step_for_a_loop_that_steps_itself_matches_step():
+    """The loop takes opt.step() and then calls guard.after_step(loss): the same rescues and the same weights as
+    guard.step(loss), although the bad step was applied before the guard saw it."""
+    batches = _batches(16)
+    a, b = _net(), _net()
+    opt_a, opt_b = (torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (a, b))
+    guard_a, guard_b = CollapseGuard(a, opt_a, every=3), CollapseGuard(b, opt_b, every=3)
+    _train(a, opt_a, batches, guard_a, poison=(7, 12))
+    kept = []
+    for i, (x, y) in enumerate(batches):
+        opt_b.zero_grad()
+        loss = nn.functional.cross_entropy(b(x), y) * (float("nan") if i in (7, 12) else 1.0)
+        loss.backward()
+        opt_b.step()  # a NaN step: the weights are NaN now
+        kept.append(guard_b.after_step(loss))
+    assert kept.count(False) == 2 and guard_b.rescues == guard_a.rescues and guard_b.steps == guard_a.steps
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_roll_back_after_giving_up_ends_on_the_last_good_state():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, every=2, max_rescues=1)
+    batches = _batches(8)
+    _train(model, opt, batches[:4], guard)  # snapshots at 0, 2, 4
+    with pytest.raises(RunCollapsed):  # NaN at step 4: back to 2 (4 - margin 2); NaN again at 2: gives up
+        for x, y in batches[4:]:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y) * float("nan")
+            loss.backward()
+            opt.step()
+            guard.after_step(loss)
+    assert guard.rescues[0].restored_step == 2
+    assert not all(torch.isfinite(p).all() for p in model.parameters())  # the second NaN step was applied
+    assert guard.roll_back() == 0 and guard.steps == 0  # the newest snapshot at least margin (2) steps back
+    for p, q in zip(model.parameters(), _net().parameters()):  # the state of step 0: the initial weights
+        assert torch.equal(p, q)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)  # the rescue's factor stays, no new one

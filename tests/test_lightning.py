@@ -190,3 +190,117 @@ def test_a_step_the_grad_scaler_skips_is_recorded_as_no_update(overflow, one_thr
     updates = [r for r in callback.monitor.records if r["kind"] != "norm" and "update_ratio_mean" in r]
     assert callback.monitor.current_step == 2
     assert (updates == []) if overflow else len(updates) == 4  # 2 steps x (conv, linear)
+
+
+# ------------------------------------------------------------------------------------------------ guard=
+class NanLoss(Tiny):
+    """Tiny whose loss is NaN at the global steps in ``nan_at`` (Lightning then steps NaN gradients)."""
+
+    def __init__(self, nan_at=(), scheduler: bool = False, **kw):
+        super().__init__(**kw)
+        self.nan_at, self.scheduler = set(nan_at), scheduler
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if self.global_step in self.nan_at else loss
+
+    def configure_optimizers(self):
+        opt = super().configure_optimizers()
+        if not self.scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _params(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_guard_leaves_a_healthy_run_untouched(one_thread):
+    torch.manual_seed(100)
+    plain = Tiny()
+    torch.manual_seed(100)
+    guarded = Tiny()
+    _fit(plain, VarianceMonitorCallback(every=1, log=False), max_steps=12)
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 3})
+    _fit(guarded, cb, max_steps=12)
+    assert cb.guard.rescues == [] and cb.guard.steps == 12 and cb.gave_up is None
+    for p, q in zip(_params(plain), _params(guarded)):
+        assert torch.equal(p, q)
+
+
+def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
+    module = Tiny(blow_up_at=5)
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2})
+    with pytest.warns(UserWarning, match=r"rescue 1: monitor alarm: collapse warning at step 5.*0.05 -> 0.025"):
+        trainer = _fit(module, cb, max_steps=16)
+    (r,) = cb.guard.rescues
+    assert r.step == 6 and r.onset == 5 and r.restored_step == 2 and r.steps_lost == 4  # 2 <= 5 - margin 2
+    assert trainer.global_step == 16 and cb.guard.steps == 16 - 4  # the trainer counts the lost steps too
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
+    assert cb.monitor.alarm is None and all(torch.isfinite(p).all() for p in module.parameters())
+    assert float(module.net[0].weight.abs().max()) < 10  # the x1e3 kernel was thrown away
+
+
+def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread):
+    module = NanLoss(nan_at={7}, scheduler=True)
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    with pytest.warns(UserWarning, match="rescue 1: non-finite loss"):
+        trainer = _fit(module, cb, max_steps=14)
+    (r,) = cb.guard.rescues
+    # Lightning steps a step-interval scheduler before on_train_batch_end: the rates are those of the next step
+    assert r.step == 7 and r.restored_step == 6 and r.lr_before == pytest.approx(0.05 * 0.5**2)  # epoch 8
+    assert r.lr_after == pytest.approx(0.05 * 0.5 * 0.5)  # epoch 6 (StepLR: x0.5 at 4), x0.5 from the guard
+    sched = trainer.lr_scheduler_configs[0].scheduler
+    assert sched.base_lrs == [pytest.approx(0.025)]  # the schedule goes on from the lowered rate
+    # 14 scheduler steps, rolled back from epoch 8 to 6: epoch 12; lr = 0.025 * 0.5 ** (12 // 4)
+    assert sched.last_epoch == 12 and trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025 / 8)
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+def test_guard_gives_up_rolls_back_and_stops_the_trainer(one_thread):
+    module = NanLoss(nan_at=range(4, 100))
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "max_rescues": 2})
+    with pytest.warns(UserWarning, match=r"gave up after 2 rescue\(s\).*back on its state of guard step"):
+        trainer = _fit(module, cb, max_steps=30)
+    assert len(cb.guard.rescues) == 2 and cb.gave_up.startswith("CollapseGuard: gave up after 2 rescue(s)")
+    assert trainer.should_stop and trainer.global_step < 30
+    assert all(torch.isfinite(p).all() for p in module.parameters())  # ends on a snapshot, not on NaN
+
+
+def test_guard_state_travels_with_lightning_checkpoints(tmp_path, one_thread):
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    with pytest.warns(UserWarning, match="rescue 1"):
+        trainer = _fit(NanLoss(nan_at={3}), cb, max_steps=6)
+    trainer.save_checkpoint(tmp_path / "g.ckpt")
+    resumed = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    _fit(NanLoss(), resumed, ckpt_path=tmp_path / "g.ckpt", max_steps=8)
+    assert resumed.guard.rescues == cb.guard.rescues and resumed.guard.lr_scale == 0.5
+    assert resumed.guard.steps == cb.guard.steps + 2
+
+
+def test_guard_is_refused_under_ddp_and_with_two_optimizers(one_thread):
+    from lightning.pytorch.strategies import DDPStrategy
+
+    cb = VarianceMonitorCallback(guard=True)
+    trainer = types.SimpleNamespace(strategy=DDPStrategy(), global_rank=0, world_size=2)
+    with pytest.raises(ValueError, match="guard runs in one process only.*drop guard= or train on one device"):
+        cb.setup(trainer, Tiny(), "fit")
+    with pytest.raises(ValueError, match="guard needs exactly one optimizer, the trainer has 2"):
+        _fit(Tiny(two_optimizers=True), VarianceMonitorCallback(every=1, log=False, guard=True), max_steps=2)
+    with pytest.raises(ValueError, match=r"guard: \['optimizer'\] are taken from the trainer"):
+        VarianceMonitorCallback(guard={"optimizer": None})
+
+
+def test_guard_leaves_steps_the_grad_scaler_skips_to_the_scaler(one_thread):
+    # 16-mixed: inf gradients make the scaler skip the step (and lower its scale); the guard sees a finite loss and
+    # leaves it to the scaler, and snapshots the scaler with the rest
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    module = Tiny()
+    module.net[0].weight.register_hook(lambda g: g * float("inf"))
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 1})
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    _fit(module, cb, max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
+    assert cb.guard.scaler is scaler and cb.guard.rescues == [] and cb.guard.steps == 3
+    assert scaler.get_scale() == 2.0**5 and all(torch.isfinite(p).all() for p in module.parameters())

@@ -129,3 +129,141 @@ def test_pws_case_is_off_by_default():
     det = RegimeDetector(window=1)
     recs = lambda v: [conv("c1", 0, 0.0, v, ssf=0.0), conv("head", 1, 0.0, 1.0, ssf=0.0)]  # noqa: E731
     assert all(det.check(t, recs(10.0**t)) is None for t in range(6))
+
+
+def _shift_rec(name, index, shift, mean_sq, variance):
+    """A conv record with the raw quantities the suggested learning rate reads: shift term = E^2[X] * shift."""
+    return dict(
+        layer=name,
+        index=index,
+        kind="conv",
+        shift=shift,
+        input_mean_sq=mean_sq,
+        shift_term=mean_sq * shift,
+        variance_term=variance,
+        shift_scale_free=1.0,
+    )
+
+
+def test_suggested_lr_follows_the_formula_on_constructed_records():
+    # c1: shift 0.3 at the first check, then its filter means drift apart; E^2[X] = 0.7, V = 1.1 (float64 values)
+    det = RegimeDetector(window=2)
+    head = dict(layer="head", index=1, kind="linear")
+    assert det.check(0, [_shift_rec("c1", 0, 0.3, 0.7, 1.1), head], lr=0.2) is None
+    assert det.check(1, [_shift_rec("c1", 0, 2.5, 0.7, 1.1), head], lr=0.2) is None  # 1.75 > 1.1: streak 1
+    w = det.check(2, [_shift_rec("c1", 0, 3.0, 0.7, 1.1), head], lr={"c1": 0.2})
+    expected = 0.2 * ((1.1 - 0.7 * 0.3) / (0.7 * 3.0 - 0.7 * 0.3)) ** 0.5  # lr sqrt((V - E2 s0) / (S - E2 s0))
+    assert w.suggested_lr == pytest.approx(expected, rel=1e-12) and w.suggested_lr < 0.2
+    # a run at that rate: shift(t) = s0 + f^2 (shift - s0) puts the shift term exactly on the variance term
+    f2 = (w.suggested_lr / 0.2) ** 2
+    assert 0.7 * (0.3 + f2 * (3.0 - 0.3)) == pytest.approx(1.1, rel=1e-12)
+    assert f"{w.suggested_lr:.3g}" in w.suggestion and f"{w.suggested_lr:.3g}" in str(w)
+
+
+def test_no_suggested_lr_without_a_learning_rate_or_when_the_initial_shift_dominates():
+    head = dict(layer="head", index=1, kind="linear")
+    det = RegimeDetector(window=1)
+    assert det.check(0, [_shift_rec("c1", 0, 3.0, 1.0, 1.0), head]).suggested_lr is None  # lr unknown
+    det = RegimeDetector(window=1)
+    w = det.check(0, [_shift_rec("c1", 0, 3.0, 1.0, 1.0), head], lr=0.1)  # in the regime from the first check
+    assert w.suggested_lr is None and "does not remove it" in w.suggestion
+    det = RegimeDetector(window=1, pws_factor=2.0)
+    pws = [
+        dict(
+            layer="c1",
+            index=0,
+            kind="conv",
+            shift=0.0,
+            input_mean_sq=1.0,
+            shift_term=0.0,
+            variance_term=v,
+            shift_scale_free=0.0,
+        )
+        for v in (1.0, 5.0)
+    ]
+    det.check(0, [pws[0], head], lr=0.1)
+    assert det.check(1, [pws[1], head], lr=0.1).suggested_lr is None  # the PWS case: no rate from the shift
+
+
+def test_first_shift_travels_with_the_state_dict():
+    head = dict(layer="head", index=1, kind="linear")
+    a, b = RegimeDetector(window=2), RegimeDetector(window=2)
+    a.check(0, [_shift_rec("c1", 0, 0.3, 0.7, 1.1), head], lr=0.2)
+    a.check(1, [_shift_rec("c1", 0, 2.5, 0.7, 1.1), head], lr=0.2)
+    b.load_state_dict(a.state_dict())
+    rec = [_shift_rec("c1", 0, 3.0, 0.7, 1.1), head]
+    assert b.check(2, rec, lr=0.2) == a.check(2, rec, lr=0.2) and a.first_shift == {"c1": 0.3}
+
+
+def _plain_run(lr, steps, attach=True):
+    """The unnormalized plain1d net (width 0.25) on a synthetic 10-class task, SGD momentum 0.9, window-5 regime."""
+    from normlab.runner.models import build_model
+
+    torch.manual_seed(100)
+    model = build_model("plain1d", "none", "conv", 1, 10, (1, 40), 0.25)
+    g = torch.Generator().manual_seed(101)
+    x = torch.randn(512, 1, 40, generator=g)
+    y = (x[:, 0, :20].mean(1) * 10).long().clamp(-5, 4) + 5
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    kw = dict(every=1, risk={"window": 5}, countdown=False, factor_rules=False)
+    mon = VarianceMonitor(model, optimizer=opt if attach else None, **kw)
+    for _ in range(steps):
+        idx = torch.randint(0, 512, (64,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
+        if attach:
+            opt.step()
+        else:
+            mon.step(opt)
+    return mon
+
+
+@pytest.mark.parametrize("attach", [True, False])
+def test_a_real_run_suggests_the_formula_and_the_restart_enters_the_regime_later(attach, one_thread):
+    from normlab.monitor.regime import suggested_lr
+
+    mon = _plain_run(0.1, 12, attach)
+    risk = mon.risk
+    assert risk is not None and risk.case == "shift"
+    first = next(r for r in mon.records if r["layer"] == risk.layer)
+    at = next(r for r in mon.records if r["layer"] == risk.layer and r["step"] == risk.step)
+    expected = suggested_lr(0.1, at["shift_term"], at["variance_term"], at["input_mean_sq"], first["shift"])
+    assert risk.suggested_lr == pytest.approx(expected, rel=1e-12) and 0 < risk.suggested_lr < 0.1
+    again = _plain_run(risk.suggested_lr, risk.step + 1)  # same init and batches, at the suggested rate
+    assert again.risk is None  # not (yet) in the regime at the original warning step
+
+
+@pytest.mark.parametrize("tell", [False, True])
+def test_the_monitor_suggests_an_lr_only_when_it_knows_the_optimizer(tell):
+    net = _net(False)
+    with torch.no_grad():  # no initial spread of the filter means: the shift comes from the drift
+        net[2].weight -= net[2].weight.mean((1, 2), keepdim=True)
+    mon = VarianceMonitor(net, every=1, risk={"window": 1}, countdown=False, factor_rules=False)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        net(torch.randn(32, 1, 16)).square().mean().backward()
+        mon.before_update(opt if tell else None)
+        with torch.no_grad():
+            net[2].weight += 0.5 * torch.linspace(-1, 1, 8).view(8, 1, 1)  # the loop's own "step": filter means drift
+        mon.after_update()
+    assert mon.risk is not None and mon.risk.step == 1
+    assert (mon.risk.suggested_lr is not None) == tell
+    if tell:  # no initial shift: lr sqrt(V / S)
+        assert mon.risk.suggested_lr == pytest.approx(0.1 * (mon.risk.variance_term / mon.risk.shift_term) ** 0.5)
+
+
+def test_layer_learning_rates_finds_a_parametrized_kernel_and_skips_frozen_layers():
+    from torch.nn.utils import parametrize
+
+    from normlab.monitor.regime import layer_learning_rates
+
+    class Same(nn.Module):
+        def forward(self, w):
+            return w
+
+    conv, frozen = nn.Conv1d(2, 3, 3), nn.Linear(3, 1)
+    parametrize.register_parametrization(conv, "weight", Same())  # the kernel lives in conv.parametrizations
+    conv.bias = None
+    opt = torch.optim.SGD(conv.parameters(), lr=0.3)
+    assert layer_learning_rates([("c", conv, "conv"), ("f", frozen, "linear")], opt) == {"c": 0.3}

@@ -15,6 +15,13 @@ step of a training batch, ``on_train_batch_end`` records once the batch's steps 
 - strategies that shard or wrap parameters (FSDP, DeepSpeed, model parallel, multi-device XLA) are refused at
   ``setup``: no rank holds whole kernels to measure.
 
+With ``guard=True`` (or a dict of :class:`~normlab.monitor.CollapseGuard` arguments) the callback also rescues the
+run, in a single process: on the monitor's alarm, a non-finite loss or a non-finite gradient after an optimizer step
+it restores the newest in-memory snapshot from before the trouble (module, optimizer, LR schedulers, GradScaler,
+monitor, RNG), lowers the learning rate and lets the trainer go on; after ``max_rescues`` rescues it puts the module
+back on that snapshot, warns and stops the trainer (``trainer.should_stop``, as ``EarlyStopping`` does). Under DDP
+it is refused at ``setup``: the rollbacks are not synchronised across ranks.
+
 Scalars go to the module's loggers from rank 0 (``logger.log_metrics`` at the monitor's step; tags as in
 :mod:`normlab.integrations.tensorboard`: ``output_var/<layer>``, ``shift/<layer>``, ...);
 ``callback.monitor.records`` holds every record. Lightning
@@ -24,10 +31,14 @@ checkpoints carry the monitor's state (step counter, alarm baselines). Needs ``p
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from normlab.integrations.tensorboard import scalar_tags
-from normlab.monitor import VarianceMonitor
+from normlab.monitor import CollapseGuard, VarianceMonitor
+from normlab.monitor.guard import RunCollapsed
 
 try:
     import lightning.pytorch as pl
@@ -52,24 +63,68 @@ def _grad_scale(trainer: pl.Trainer) -> float | None:
     return float(scaler.get_scale()) if scaler is not None and scaler.is_enabled() else None
 
 
+def _scaler(trainer: pl.Trainer):
+    scaler = getattr(getattr(trainer, "precision_plugin", None), "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
+
+
+def _loss(outputs):
+    """The loss of a training step's outputs (a tensor, or a dict with "loss"), None when there is none."""
+    if isinstance(outputs, Mapping):
+        outputs = outputs.get("loss")
+    return outputs if isinstance(outputs, torch.Tensor | float) else None
+
+
+def _guard_kwargs(guard) -> dict | None:
+    if guard is None or guard is False:
+        return None
+    if guard is True:
+        return {}
+    if not isinstance(guard, Mapping):
+        raise TypeError(
+            f"VarianceMonitorCallback: guard must be True, False or a dict of CollapseGuard arguments, got "
+            f"{type(guard).__name__}"
+        )
+    bad = sorted(set(guard) & {"model", "optimizer", "monitor", "schedulers", "scaler"})
+    if bad:
+        raise ValueError(f"VarianceMonitorCallback: guard: {bad} are taken from the trainer, do not pass them")
+    return dict(guard)
+
+
 class VarianceMonitorCallback(pl.Callback):
-    """Record variance-transmission statistics of a LightningModule every ``every`` optimizer steps.
+    """Record variance-transmission statistics of a LightningModule every ``every`` optimizer steps, and optionally
+    rescue a collapsing run (``guard``).
 
     Args:
         every: record on monitor steps 0, every, 2 * every, ... (a monitor step is a training batch in which the
             optimizer stepped).
-        stop_on_alarm: stop the trainer (``trainer.should_stop``) when the collapse warning fires.
+        stop_on_alarm: stop the trainer (``trainer.should_stop``) when the collapse warning fires (with ``guard``,
+            an alarm is a rescue instead; only an alarm the guard leaves standing stops the trainer).
         log: log the recorded scalars through the module's logger.
         jsonl: write every record to this path when fitting ends (``normlab monitor PATH`` draws the figures).
+        guard: True, or a dict of :class:`~normlab.monitor.CollapseGuard` arguments (``every``, ``keep``,
+            ``margin``, ``lr_factor``, ``max_rescues``, ``check_grads``): after each optimizer step, a new monitor
+            alarm, a non-finite loss or a non-finite gradient rolls the module, the optimizer, the LR schedulers
+            (``configure_optimizers``), the GradScaler (``16-mixed``), the monitor and the RNG back to a snapshot from
+            before the trouble and multiplies the learning rate by ``lr_factor`` (the schedulers go on from the
+            lowered rate). After ``max_rescues`` rescues the module is put back on that snapshot, a warning says why
+            and the trainer stops (``callback.gave_up`` holds the message). One process and one optimizer only.
+            ``trainer.global_step`` keeps counting the steps taken, the rolled-back ones included.
         **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``explode_factor``,
             ``include_norm``, ``tensorboard`` (written by rank 0 only), ...).
 
     Attributes:
         monitor: the :class:`~normlab.monitor.VarianceMonitor` of the current (or last) fit, None before.
+        guard: the :class:`~normlab.monitor.CollapseGuard` of the current (or last) fit (``guard.rescues`` lists
+            the rescues), None without ``guard`` or before training starts.
+        gave_up: the guard's message when it gave up and stopped the trainer, else None.
 
     Example:
         >>> callback = VarianceMonitorCallback(every=10, stop_on_alarm=True)
         >>> callback.monitor is None        # attached when pl.Trainer(callbacks=[callback]).fit(module) starts
+        True
+        >>> guarded = VarianceMonitorCallback(every=1, guard={"every": 20, "max_rescues": 3})
+        >>> guarded.guard is None           # pl.Trainer(callbacks=[guarded]).fit(module): guarded.guard.rescues
         True
     """
 
@@ -79,15 +134,20 @@ class VarianceMonitorCallback(pl.Callback):
         stop_on_alarm: bool = False,
         log: bool = True,
         jsonl: str | os.PathLike | None = None,
+        guard: bool | Mapping[str, Any] | None = None,
         **monitor_kwargs: Any,
     ) -> None:
         super().__init__()
         self.every, self.stop_on_alarm, self.log_scalars, self.jsonl = every, stop_on_alarm, log, jsonl
         self.monitor_kwargs = monitor_kwargs
+        self.guard_kwargs = _guard_kwargs(guard)
         self.monitor: VarianceMonitor | None = None
+        self.guard: CollapseGuard | None = None
+        self.gave_up: str | None = None
         self._stepping = False
         self._scale: float | None = None
         self._state: dict | None = None
+        self._guard_state: dict | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -99,6 +159,11 @@ class VarianceMonitorCallback(pl.Callback):
                 f"shards or wraps the parameters, so no rank holds whole kernels); use a single device "
                 f"or DDP"
             )
+        if self.guard_kwargs is not None and trainer.world_size > 1:
+            raise ValueError(
+                f"VarianceMonitorCallback: guard runs in one process only (its rollbacks are not synchronised "
+                f"across DDP ranks; world size {trainer.world_size}); drop guard= or train on one device"
+            )
         kwargs = dict(self.monitor_kwargs)
         if trainer.global_rank != 0:  # one writer per event directory: rank 0's
             kwargs.pop("tensorboard", None)
@@ -107,10 +172,33 @@ class VarianceMonitorCallback(pl.Callback):
             self.monitor.load_state_dict(self._state)
             self._state = None
         self._stepping = False
+        self.guard, self.gave_up = None, None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The guard is made here: the optimizers, schedulers and a resumed checkpoint's states exist by now."""
+        if self.guard_kwargs is None or self.monitor is None:
+            return
+        if len(trainer.optimizers) != 1:
+            raise ValueError(
+                f"VarianceMonitorCallback: guard needs exactly one optimizer, the trainer has "
+                f"{len(trainer.optimizers)}; drop guard= or use one optimizer"
+            )
+        schedulers = [config.scheduler for config in trainer.lr_scheduler_configs]
+        self.guard = CollapseGuard(
+            pl_module,
+            trainer.optimizers[0],
+            self.monitor,
+            schedulers=schedulers,
+            scaler=_scaler(trainer),
+            **self.guard_kwargs,
+        )
+        if self._guard_state is not None:
+            self.guard.load_state_dict(self._guard_state)
+            self._guard_state = None
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer) -> None:
         if self.monitor is not None and not self._stepping:
-            self.monitor.before_update()
+            self.monitor.before_update(optimizer)
             self._stepping = True
             self._scale = _grad_scale(trainer)
 
@@ -125,16 +213,35 @@ class VarianceMonitorCallback(pl.Callback):
         before = len(mon.records)
         scale = _grad_scale(trainer)  # a GradScaler lowers its scale when it skips a step (inf gradients)
         mon.after_update(stepped=self._scale is None or scale is None or scale >= self._scale)
-        if not recording:
-            return
-        if self.log_scalars and trainer.is_global_zero:
+        if recording and self.log_scalars and trainer.is_global_zero:
             values = {tag: v for rec in mon.records[before:] for tag, v in scalar_tags(rec).items()}
             for logger in pl_module.loggers:  # at the monitor's step: the record's own x coordinate
                 logger.log_metrics(values, step=mon.current_step - 1)
-        if self.stop_on_alarm and trainer.strategy.reduce_boolean_decision(mon.alarm is not None, all=False):
-            if not trainer.should_stop:
-                rank_zero_warn(f"VarianceMonitorCallback: {mon.alarm or 'an alarm on another rank'}; stopping")
+        if self.guard is not None and not trainer.should_stop:
+            self._guard_step(trainer, outputs)
+        if recording and self.stop_on_alarm:
+            if trainer.strategy.reduce_boolean_decision(mon.alarm is not None, all=False):
+                if not trainer.should_stop:
+                    rank_zero_warn(f"VarianceMonitorCallback: {mon.alarm or 'an alarm on another rank'}; stopping")
+                trainer.should_stop = True
+
+    def _guard_step(self, trainer: pl.Trainer, outputs) -> None:
+        """The guard's look at the step just taken: a rescue (warned), or giving up (rolled back, warned, stop)."""
+        guard = self.guard
+        try:
+            if guard.after_step(_loss(outputs)):
+                return
+        except RunCollapsed as e:
+            restored = guard.roll_back()
+            self.gave_up = f"{e}; the module is back on its state of guard step {restored}"
+            rank_zero_warn(f"VarianceMonitorCallback: {self.gave_up}; stopping")
             trainer.should_stop = True
+            return
+        r = guard.rescues[-1]
+        rank_zero_warn(
+            f"VarianceMonitorCallback: rescue {len(guard.rescues)}: {r.reason}; back to guard step "
+            f"{r.restored_step}, learning rate {r.lr_before:g} -> {r.lr_after:g}"
+        )
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.monitor is not None and self.jsonl is not None and trainer.is_global_zero:
@@ -143,9 +250,14 @@ class VarianceMonitorCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self.monitor is not None:
             self.monitor.close()  # hooks removed; the records stay
+        if stage == "fit" and self.guard is not None:
+            self.guard._snapshots.clear()  # the in-memory copies of the module; guard.rescues stays
 
     def state_dict(self) -> dict[str, Any]:
-        return {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}
+        state = {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}
+        if self.guard is not None:
+            state["guard"] = self.guard.state_dict()
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state = state_dict.get("monitor")
@@ -153,3 +265,4 @@ class VarianceMonitorCallback(pl.Callback):
             self.monitor.load_state_dict(state)
         else:
             self._state = state
+        self._guard_state = state_dict.get("guard")  # applied when the guard is made (on_train_start)

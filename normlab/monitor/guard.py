@@ -5,7 +5,9 @@
 learning-rate schedulers, the GradScaler, the monitor and the random number generators. When the loss or a gradient
 is non-finite, or the monitor's alarm fires, it restores the newest snapshot taken at least ``margin`` steps before
 the trouble began, multiplies the learning rate by ``lr_factor`` (the schedulers keep working from the lowered
-rate), and lets training go on; after ``max_rescues`` rescues it gives up with :class:`RunCollapsed`.
+rate), and lets training go on; after ``max_rescues`` rescues it gives up with :class:`RunCollapsed`. A loop that
+takes the optimizer step itself (Lightning: :class:`normlab.integrations.lightning.VarianceMonitorCallback` with
+``guard=``) calls :meth:`CollapseGuard.after_step` after it instead.
 """
 
 from __future__ import annotations
@@ -194,6 +196,34 @@ class CollapseGuard:
             self._rescue(reason, self.steps, alarm=False)
             return False
         self._optimizer_step()
+        return self._after()
+
+    def after_step(self, loss: torch.Tensor | float | None = None) -> bool:
+        """The guard for a loop that took the optimizer step itself (Lightning): call right after the step, with the
+        step's loss. Same checks as :meth:`step` (a non-finite loss or gradient, a new monitor alarm; the monitor is
+        stepped by the loop, not here); on trouble the restore also undoes the step just taken. Returns True if the
+        step is kept, False after a rollback.
+
+        Raises:
+            RunCollapsed: trouble after ``max_rescues`` rescues.
+
+        Example:
+            >>> model = nn.Linear(4, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> guard = CollapseGuard(model, opt, every=1)
+            >>> loss = model(torch.randn(8, 4)).square().mean() * float("inf")
+            >>> loss.backward(); opt.step()                 # the loop's own step, with non-finite gradients
+            >>> guard.after_step(loss), guard.steps, torch.isfinite(model.weight).all().item()
+            (False, 0, True)
+        """
+        reason = self._trouble_before(loss)
+        if reason is not None:
+            self._rescue(reason, self.steps, alarm=False)
+            return False
+        return self._after()
+
+    def _after(self) -> bool:
+        """Count the step just taken; rescue on a new monitor alarm, else snapshot every ``every`` steps."""
         self.steps += 1
         alarm = getattr(self.monitor, "alarm", None)
         if alarm is not None and alarm is not self._alarm:
@@ -279,6 +309,16 @@ class CollapseGuard:
             if hasattr(sched, "_last_lr"):
                 sched._last_lr = [float(g["lr"]) for g in self.optimizer.param_groups]
 
+    def roll_back(self, onset: int | None = None) -> int:
+        """Restore the newest snapshot taken at least ``margin`` steps before ``onset`` (default: the current step),
+        or the oldest one, without changing the learning rate; returns the step restored. For a run that stops
+        after :class:`RunCollapsed` and should end on its last state from before the trouble."""
+        snap = self._choose(self.steps if onset is None else onset)
+        self._restore(snap)
+        self._scale_lr(self._scale / snap.state["lr_scale"])  # relative to the snapshot's rates (their factors)
+        self._snapshots = deque([s for s in self._snapshots if s.step <= snap.step], maxlen=self.keep)
+        return snap.step
+
     def _rescue(self, reason: str, onset: int, alarm: bool) -> None:
         if len(self.rescues) >= self.max_rescues:
             lr = float(self.optimizer.param_groups[0]["lr"])
@@ -289,13 +329,10 @@ class CollapseGuard:
             )
         step = self.steps
         lr_before = float(self.optimizer.param_groups[0]["lr"])
-        snap = self._choose(onset)
-        self._restore(snap)
-        self._scale *= self.lr_factor  # relative to the snapshot's rates, which carry the factors of their time
-        self._scale_lr(self._scale / snap.state["lr_scale"])
+        self._scale *= self.lr_factor
+        restored = self.roll_back(onset)
         lr_after = float(self.optimizer.param_groups[0]["lr"])
-        self.rescues.append(Rescue(step, reason, onset, snap.step, step - snap.step, lr_before, lr_after))
-        self._snapshots = deque([s for s in self._snapshots if s.step <= snap.step], maxlen=self.keep)
+        self.rescues.append(Rescue(step, reason, onset, restored, step - restored, lr_before, lr_after))
 
     @property
     def lr_scale(self) -> float:

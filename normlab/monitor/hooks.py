@@ -77,7 +77,7 @@ from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
 from normlab.monitor.layers import filter_kernel, input_channel_dims, is_compiled, supported_layers, unwrap_model
-from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers
+from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers, layer_learning_rates
 from normlab.monitor.spp import signal_propagation
 
 __all__ = ["VarianceMonitor"]
@@ -313,6 +313,7 @@ class VarianceMonitor:
 
             self.tensorboard = MonitorBoard(tensorboard)
         self.optimizer = None
+        self._lr_optimizer = None  # where the regime warning reads the learning rate (attached or last stepped)
         self._optimizer_handles: list = []
         if optimizer is not None:
             self._attach(optimizer)
@@ -323,7 +324,7 @@ class VarianceMonitor:
             raise TypeError(
                 f"VarianceMonitor: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        self.optimizer = optimizer
+        self.optimizer = self._lr_optimizer = optimizer
         self._optimizer_handles = [
             optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_update()),
             optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_attached_step()),
@@ -384,7 +385,7 @@ class VarianceMonitor:
             self._refuse_second_step()
         if optimizer is not None and optimizer is self.optimizer and not self.closed:
             return optimizer.step(closure)
-        self.before_update()
+        self.before_update(optimizer)
         result = optimizer.step(closure) if optimizer is not None else None
         self._stepped_grad = self._grad_mark() if optimizer is not None else None
         self.after_update(stepped=optimizer is not None)
@@ -431,9 +432,12 @@ class VarianceMonitor:
             f"opt.step()"
         )
 
-    def before_update(self) -> None:
+    def before_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
-        on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step."""
+        on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step. Given the
+        ``optimizer`` about to step, the regime warning reads its learning rate (``mon.risk.suggested_lr``)."""
+        if optimizer is not None:
+            self._lr_optimizer = optimizer
         self._before = None
         if self.is_recording and self.countdown is not None and self.countdown.grad_ratio is not None:
             self._grad_norm = _grad_norm(self.model)
@@ -506,7 +510,9 @@ class VarianceMonitor:
                 step, step_records, exempt, shrink_layers=output_layer, shift_exempt=renormalized
             )
         if self.regime is not None:
-            risk = self.regime.check(step, step_records)
+            opt = self._lr_optimizer if self.risk is None else None
+            lrs = None if opt is None else layer_learning_rates(self.layers, opt)
+            risk = self.regime.check(step, step_records, lrs)
             if risk is not None and self.risk is None:
                 self.risk = risk
         if self.countdown is not None:

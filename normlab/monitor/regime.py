@@ -15,6 +15,18 @@ so the shift does no harm there; and the output layer (the last conv/linear in f
 per-class offsets are wanted). Standardized kernels (WS/PWS: ``shift_scale_free`` = 0) have no shift term; for them
 the warning is the *PWS case*: the variance term grows above ``pws_factor`` times its first value for ``window``
 consecutive steps (a PWS net's collapse is a variance explosion, docs/monitor.md).
+
+Suggested learning rate (shift case, when the learning rate is known): the spread of the filter means is the
+initial one plus the drift of the accumulated mean updates, ``n E[W_o](t) = n E[W_o](0) + D_o(t)``, and for SGD
+the drift scales with the learning rate. With the drift uncorrelated with the initial means (a random init),
+``shift(t) = shift(0) + Var_o[D_o(t)]``, so a run at ``f * lr`` would have had the shift term
+``E^2[X] (shift(0) + f^2 (shift(t) - shift(0)))``, at most the variance term ``V`` when::
+
+    f = sqrt((V - E^2[X] shift(0)) / (S - E^2[X] shift(0)))      (S = shift term at the warning; f = sqrt(V / S)
+                                                                  when the initial shift is negligible)
+
+and ``suggested_lr = f * lr``: the largest rate that would have kept this layer out of the shift regime up to the
+warning step. None when ``E^2[X] shift(0) >= V`` (the initial spread alone dominates: no rate helps).
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 
-__all__ = ["RegimeDetector", "RegimeWarning", "exempt_layers"]
+__all__ = ["RegimeDetector", "RegimeWarning", "exempt_layers", "layer_learning_rates", "suggested_lr"]
 
 STANDARDIZED = 1e-6  # shift_scale_free below this: a standardized (WS/PWS) kernel, no shift term
 
@@ -33,7 +45,7 @@ class RegimeWarning:
     """The run is in the unstable regime (``mon.risk``): which layer, since when, and what to change.
 
     Attributes:
-        step: the first step of the window over which the regime held.
+        step: the step at which the layer had been in the regime for ``window`` consecutive checked steps.
         layer: the module name of the layer.
         shift_term: ``E^2[X] Var_o[n E[W_o]]`` of that layer at ``step``.
         variance_term: ``n E[W^2] Var[X]`` of that layer at ``step``.
@@ -41,10 +53,13 @@ class RegimeWarning:
         case: ``"shift"`` (the shift term dominates) or ``"pws"`` (the variance term of a standardized conv grows).
         suggestion: the change the docs justify (a lower learning rate, PWS/WS for the layer, a normalization after
             it).
+        suggested_lr: the learning rate that would have kept the layer's shift term below its variance term up to
+            ``step`` (:func:`~normlab.monitor.regime.suggested_lr`); None when the monitor does not know the optimizer's
+            learning rate, for the PWS case, or when the initial shift alone dominates (no rate helps).
 
     Example:
         >>> w = RegimeWarning(step=12, layer="conv3", shift_term=4.0, variance_term=1.0, ratio=4.0, case="shift",
-        ...                   suggestion="halve the learning rate")
+        ...                   suggestion="lower the learning rate to 0.05", suggested_lr=0.05)
         >>> str(w).startswith("unstable regime since step 12: layer 'conv3' shift term > variance term")
         True
     """
@@ -56,6 +71,7 @@ class RegimeWarning:
     ratio: float
     case: str
     suggestion: str
+    suggested_lr: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,16 +95,76 @@ def exempt_layers(records: Iterable[Mapping]) -> set[str]:
     return out
 
 
-def _suggest(layer: str, case: str) -> str:
-    if case == "shift":
+def suggested_lr(lr: float, shift_term: float, variance_term: float, input_mean_sq: float, first_shift: float):
+    """The learning rate that would have kept a layer's shift term below its variance term (module docstring).
+
+    .. math::
+        \\text{lr}^* = \\text{lr} \\sqrt{\\frac{V - E^2[X]\\,\\text{shift}(0)}{S - E^2[X]\\,\\text{shift}(0)}}
+
+    Args:
+        lr: the learning rate the layer trained with.
+        shift_term: ``S = E^2[X] shift(t)`` at the warning step.
+        variance_term: ``V = n E[W^2] Var[X]`` at the warning step.
+        input_mean_sq: ``E^2[X]`` at the warning step.
+        first_shift: ``shift(0) = Var_o[n E[W_o]]`` at the first checked step.
+
+    Returns:
+        ``lr^*`` (below ``lr`` when ``S > V``), or None when ``E^2[X] shift(0) >= V`` (the initial spread of the
+        filter means alone dominates: no learning rate removes it) or a quantity is not finite.
+
+    Example:
+        >>> suggested_lr(0.1, shift_term=4.0, variance_term=1.0, input_mean_sq=1.0, first_shift=0.0)  # sqrt(1/4)
+        0.05
+        >>> suggested_lr(0.1, shift_term=4.0, variance_term=1.0, input_mean_sq=1.0, first_shift=2.0) is None
+        True
+    """
+    values = (lr, shift_term, variance_term, input_mean_sq, first_shift)
+    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+        return None
+    initial = input_mean_sq * first_shift
+    if variance_term <= initial or shift_term <= initial:
+        return None
+    return float(lr * math.sqrt((variance_term - initial) / (shift_term - initial)))
+
+
+def layer_learning_rates(layers: Iterable, optimizer) -> dict[str, float]:
+    """The learning rate of each layer's parameters in ``optimizer`` (the param group of its first parameter found
+    there, its own before its submodules'), for the ``(name, module, kind)`` triples of ``VarianceMonitor.layers``;
+    layers whose parameters the optimizer does not train are left out.
+
+    Example:
+        >>> from torch import nn, optim
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+        >>> opt = optim.SGD([{"params": net[0].parameters()}, {"params": net[1].parameters(), "lr": 0.01}], lr=0.1)
+        >>> layer_learning_rates([("0", net[0], "linear"), ("1", net[1], "linear")], opt)
+        {'0': 0.1, '1': 0.01}
+    """
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = {}
+    for name, module, _kind in layers:
+        for param in module.parameters():  # its own first, then its submodules' (parametrizations, wrappers)
+            if id(param) in group_of:
+                out[name] = float(group_of[id(param)]["lr"])
+                break
+    return out
+
+
+def _suggest(layer: str, case: str, lr: float | None = None, new_lr: float | None = None) -> str:
+    if case != "shift":
         return (
-            f"give '{layer}' a standardized kernel (PWS/WS: zero shift by construction) or put a normalization "
-            "layer after it, or lower the learning rate (CollapseGuard halves it per rescue)"
+            f"the standardized conv '{layer}' amplifies its input more and more: lower the learning rate, or put a "
+            "normalization layer after it"
         )
-    return (
-        f"the standardized conv '{layer}' amplifies its input more and more: lower the learning rate, or put a "
-        "normalization layer after it"
-    )
+    change = f"give '{layer}' a standardized kernel (PWS/WS: zero shift by construction) or put a normalization layer "
+    change += "after it"
+    if new_lr is not None:
+        return (
+            f"lower the learning rate to {new_lr:.3g} (from {lr:.3g}: the rate at which this layer's shift would have "
+            f"stayed below its variance term so far), or {change}"
+        )
+    if lr is not None:
+        return f"{change} (its initial filter-mean spread alone dominates: a lower learning rate does not remove it)"
+    return f"{change}, or lower the learning rate (CollapseGuard halves it per rescue)"
 
 
 class RegimeDetector:
@@ -123,6 +199,7 @@ class RegimeDetector:
         self.pws_factor = None if pws_factor is None else float(pws_factor)
         self.streak: dict[str, int] = {}  # consecutive checked steps in the regime, per layer
         self.first_variance: dict[str, float] = {}  # variance term at the first check (PWS case)
+        self.first_shift: dict[str, float] = {}  # shift Var_o[n E[W_o]] at the first check (suggested_lr)
 
     def _hot(self, rec: Mapping) -> tuple[str, float] | None:
         """(case, ratio) when the layer is in the regime at this step, else None."""
@@ -131,6 +208,8 @@ class RegimeDetector:
             return None
         name = rec["layer"]
         v0 = self.first_variance.setdefault(name, vt)
+        if rec.get("shift") is not None:
+            self.first_shift.setdefault(name, float(rec["shift"]))
         if (rec.get("shift_scale_free") or 0.0) < STANDARDIZED:
             if self.pws_factor is None:
                 return None
@@ -138,9 +217,13 @@ class RegimeDetector:
             return ("pws", ratio) if ratio > self.pws_factor else None
         return ("shift", st / vt if vt > 0 else math.inf) if st > vt else None
 
-    def check(self, step: int, records: Iterable[Mapping]) -> RegimeWarning | None:
+    def check(
+        self, step: int, records: Iterable[Mapping], lr: float | Mapping[str, float] | None = None
+    ) -> RegimeWarning | None:
         """Check one recorded step; returns a warning for the first layer in forward order whose streak reached
-        ``window``, else None (streaks and first values are updated on the way)."""
+        ``window``, else None (streaks and first values are updated on the way). ``lr``: the learning rate (one
+        value, or one per layer name as :func:`~normlab.monitor.regime.layer_learning_rates` gives) for the
+        warning's ``suggested_lr``."""
         records = list(records)
         exempt = exempt_layers(records)
         found = None
@@ -151,25 +234,34 @@ class RegimeDetector:
             name = rec["layer"]
             self.streak[name] = self.streak.get(name, 0) + 1 if hot else 0
             if hot and found is None and self.streak[name] >= self.window:
-                case, ratio = hot
-                found = RegimeWarning(
-                    step=int(step),
-                    layer=name,
-                    shift_term=float(rec["shift_term"]),
-                    variance_term=float(rec["variance_term"]),
-                    ratio=float(ratio),
-                    case=case,
-                    suggestion=_suggest(name, case),
-                )
+                found = self._warning(step, rec, *hot, lr.get(name) if isinstance(lr, Mapping) else lr)
         return found
 
+    def _warning(self, step: int, rec: Mapping, case: str, ratio: float, lr: float | None) -> RegimeWarning:
+        name = rec["layer"]
+        new_lr = None
+        if lr is not None and case == "shift" and name in self.first_shift:
+            args = (rec["shift_term"], rec["variance_term"], rec.get("input_mean_sq"), self.first_shift[name])
+            new_lr = suggested_lr(lr, *args)
+        return RegimeWarning(
+            step=int(step),
+            layer=name,
+            shift_term=float(rec["shift_term"]),
+            variance_term=float(rec["variance_term"]),
+            ratio=float(ratio),
+            case=case,
+            suggestion=_suggest(name, case, lr, new_lr),
+            suggested_lr=new_lr,
+        )
+
     def state_dict(self) -> dict:
-        """``{"window", "pws_factor", "streak", "first_variance"}`` as plain Python types."""
+        """``{"window", "pws_factor", "streak", "first_variance", "first_shift"}`` as plain Python types."""
         return {
             "window": self.window,
             "pws_factor": self.pws_factor,
             "streak": dict(self.streak),
             "first_variance": dict(self.first_variance),
+            "first_shift": dict(self.first_shift),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -183,3 +275,4 @@ class RegimeDetector:
             )
         self.streak = {str(k): int(v) for k, v in state["streak"].items()}
         self.first_variance = {str(k): float(v) for k, v in state["first_variance"].items()}
+        self.first_shift = {str(k): float(v) for k, v in state.get("first_shift", {}).items()}
