@@ -376,7 +376,7 @@ def _ddp_worker(rank, world, port, root, cfg_dict):
     s = train(TrainConfig(**cfg_dict), Path(root) / f"rank{rank}", progress=False)
     left = not dist.is_initialized()  # train joined the torchrun group, so it left it (no gloo abort at exit)
     # a group the caller initialised stays the caller's
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=world)  # not the port
     again = train(
         TrainConfig(**{**cfg_dict, "epochs": 1, "max_steps_per_epoch": 1}), Path(root) / "again", progress=False
     )
