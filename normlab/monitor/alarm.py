@@ -167,9 +167,6 @@ def _alarm(step: int, top: dict, flagged: list[dict]) -> CollapseAlarm:
     )
 
 
-_UNSET = object()
-
-
 def _factors(name: str, factors, quantities: Sequence[str], low: float, default: float) -> dict[str, float]:
     """{quantity: factor} from a number or a mapping, each a finite number > ``low`` (>= for a floor of 0)."""
     per = dict(factors) if isinstance(factors, Mapping) else {q: factors for q in quantities}
@@ -198,8 +195,8 @@ class CollapseDetector:
             falls below its baseline divided by the factor (e.g. {"input_sq": 1e4}: the second moment of the
             classifier's input when the ReLUs before it died); the quantity need not be in ``watch`` (then
             only the implosion test runs on it). None or {} for no implosion test.
-        factor, quantities, shrink_factor: deprecated names of ``explode_factor``, ``watch`` and ``implode_factor``
-            (keywords only; a DeprecationWarning).
+        **deprecated: ``factor``, ``quantities`` and ``shrink_factor``, the deprecated names of ``explode_factor``,
+            ``watch`` and ``implode_factor`` (a DeprecationWarning).
 
     Attributes ``watch``, ``explode_factor``, ``implode_factor`` (both {quantity: factor}), ``min_initial`` and
     ``baselines`` ({(layer, quantity): baseline}, a running maximum while still collecting) hold the settings and
@@ -220,20 +217,20 @@ class CollapseDetector:
         min_initial: float | Mapping[str, float] = 1e-6,
         baseline_records: int = 1,
         implode_factor: Mapping[str, float] | None = None,
-        *,
-        factor=_UNSET,
-        quantities=_UNSET,
-        shrink_factor=_UNSET,
+        **deprecated,
     ) -> None:
-        if factor is not _UNSET:
+        unknown = sorted(set(deprecated) - {"factor", "quantities", "shrink_factor"})
+        if unknown:
+            raise TypeError(f"CollapseDetector: unexpected keyword argument {unknown[0]!r}")
+        if "factor" in deprecated:
             _deprecated("factor", "explode_factor", "CollapseDetector")
-            explode_factor = factor
-        if quantities is not _UNSET:
+            explode_factor = deprecated["factor"]
+        if "quantities" in deprecated:
             _deprecated("quantities", "watch", "CollapseDetector")
-            watch = quantities
-        if shrink_factor is not _UNSET:
+            watch = deprecated["quantities"]
+        if "shrink_factor" in deprecated:
             _deprecated("shrink_factor", "implode_factor", "CollapseDetector")
-            implode_factor = shrink_factor
+            implode_factor = deprecated["shrink_factor"]
         if isinstance(watch, str) or not watch:
             raise ValueError(f"CollapseDetector: watch must be a sequence of record keys, got {watch!r}")
         self.watch = tuple(watch)

@@ -38,14 +38,25 @@ __all__ = ["MonitorLog", "write_monitor_log", "load_log", "monitor_lines"]
 
 
 class MonitorLog(NamedTuple):
-    """What :func:`load_log` returns (unpacks as ``records, alarm, spp``)."""
+    """What :func:`load_log` returns; unpacks as ``records, alarm, spp``.
+
+    Attributes:
+        records: the layer records (:class:`~normlab.monitor.records.LayerRecord`,
+            :class:`~normlab.monitor.records.NormRecord`) in file order.
+        alarm: the alarm event (:class:`~normlab.monitor.records.AlarmEvent`), or None; its file keys ``initial``
+            and ``growth`` hold the baseline and the ratio (:meth:`normlab.monitor.CollapseAlarm.from_dict` makes
+            the alarm of it).
+        spp: the signal-propagation event (:class:`~normlab.monitor.records.SppEvent`), or None.
+
+    Example:
+        >>> records, alarm, spp = MonitorLog([], None, None)
+        >>> records, alarm, spp
+        ([], None, None)
+    """
 
     records: list[LayerRecord | NormRecord]
-    """The layer records in file order."""
     alarm: AlarmEvent | None
-    """The alarm event (its file keys: ``initial`` = baseline, ``growth`` = ratio), or None."""
     spp: SppEvent | None
-    """The signal-propagation event, or None."""
 
 
 def monitor_lines(
@@ -62,7 +73,7 @@ def monitor_lines(
     """
     lines = [json.dumps(finite_or_null(dict(r)), allow_nan=False) for r in records]
     if alarm is not None:
-        body = alarm.to_dict() if isinstance(alarm, CollapseAlarm) else {k: v for k, v in alarm.items() if k != "event"}
+        body = alarm.to_dict() if hasattr(alarm, "to_dict") else {k: v for k, v in alarm.items() if k != "event"}
         lines.append(json.dumps(finite_or_null({"event": ALARM_EVENT, **body}), allow_nan=False))
     if spp is not None:
         body = {k: v for k, v in spp.items() if k != "event"}
@@ -82,8 +93,8 @@ def write_monitor_log(
     Args:
         path: the log file; its directory is created if missing.
         records: layer records (:class:`~normlab.monitor.records.LayerRecord` / ``NormRecord`` dicts).
-        alarm: a :class:`~normlab.monitor.CollapseAlarm` (or its :meth:`~normlab.monitor.CollapseAlarm.to_dict`),
-            written as the alarm event after the records.
+        alarm: a :class:`~normlab.monitor.CollapseAlarm` (anything with its ``to_dict``) or such a dict, written as
+            the alarm event after the records.
         spp: :func:`~normlab.monitor.signal_propagation` data, written as the spp event last.
         append: append to ``path`` (refusing a link there) instead of replacing it atomically.
 
@@ -175,7 +186,7 @@ def _parse(line: str, where: str) -> dict:
 
 
 def load_log(path: str | os.PathLike) -> MonitorLog:
-    """Read a monitor log -> :class:`MonitorLog` ``(records, alarm, spp)``, validated line by line.
+    """Read a monitor log -> :class:`~normlab.monitor.log.MonitorLog` ``(records, alarm, spp)``, validated line by line.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
