@@ -20,7 +20,7 @@ __all__ = ["load_log", "render_monitor_plots"]  # load_log: normlab.monitor.log'
 
 
 def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
-    series = layer_series(records, layer_keys(key)[0])
+    series = layer_series(records, key)
     draw_series(ax, series)
     if log:
         log_scale(ax, [v for _, vals in series.values() for v in vals])
@@ -59,76 +59,72 @@ def _spp_figure(spp: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+# The figures of render_monitor_plots: file name -> its panels (record key, y label, title, options of _panel).
+FIGURES = {
+    "fig1a_update_ratio.png": [
+        (
+            "update_ratio_mean",
+            r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
+            "Fig. 1(a): update ratio per layer",
+            {"hline": (1.0, "no change")},
+        )
+    ],
+    "fig1b_mean_update.png": [
+        (
+            "mean_update_std",
+            r"std$_o$ of mean($\Delta W_o$)",
+            "Fig. 1(b): spread of the per-filter mean update",
+            {"log": True},
+        ),
+        ("shift", r"Var$_o$[$n_l$ mean($W_o$)]", "Shift of the average per layer", {"log": True, "alarm": True}),
+    ],
+    "fig2_weight_var.png": [
+        ("weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance", {"log": True}),
+        (
+            "shift_scale_free",
+            r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
+            "Scale-free shift (1 = random init, 0 = zero-mean filters)",
+            {"alarm": True},
+        ),
+    ],
+    "fig6_input_ratio.png": [
+        ("input_mean_sq", r"E$^2$[$X_l$]", "Fig. 6(a): squared input mean", {"log": True}),
+        (
+            "input_ratio",
+            r"E$^2$[$X_l$] / E[$X_l^2$]",
+            "Fig. 6(b): input ratio",
+            {"hline": (1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)")},
+        ),
+    ],
+    "output_var.png": [("output_var", r"Var[$Y_l$]", "Output variance per layer", {"log": True, "alarm": True})],
+}
+layer_keys(*(panel[0] for panels in FIGURES.values() for panel in panels))  # the keys of normlab.monitor.records
+
+
 def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Render PNGs from a monitor log into ``out_dir`` and return their paths:
-    fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png,
-    and spp.png when the log holds signal-propagation data."""
+    fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png
+    (``FIGURES``), and spp.png when the log holds signal-propagation data."""
     records, alarm, spp = load_log(jsonl_path)
     if not records and spp is None:
         raise ValueError(f"render_monitor_plots: {jsonl_path} holds no monitor records")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    if records:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _panel(
-            ax,
-            records,
-            "update_ratio_mean",
-            r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
-            "Fig. 1(a): update ratio per layer",
-            hline=(1.0, "no change"),
-        )
-        paths.append(save_figure(fig, out / "fig1a_update_ratio.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(
-            axes[0],
-            records,
-            "mean_update_std",
-            r"std$_o$ of mean($\Delta W_o$)",
-            "Fig. 1(b): spread of the per-filter mean update",
-            log=True,
-        )
-        _panel(
-            axes[1],
-            records,
-            "shift",
-            r"Var$_o$[$n_l$ mean($W_o$)]",
-            "Shift of the average per layer",
-            log=True,
-            alarm=alarm,
-        )
-        paths.append(save_figure(fig, out / "fig1b_mean_update.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance", log=True)
-        _panel(
-            axes[1],
-            records,
-            "shift_scale_free",
-            r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
-            "Scale-free shift (1 = random init, 0 = zero-mean filters)",
-            log=False,
-            alarm=alarm,
-        )
-        paths.append(save_figure(fig, out / "fig2_weight_var.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "input_mean_sq", r"E$^2$[$X_l$]", "Fig. 6(a): squared input mean", log=True)
-        _panel(
-            axes[1],
-            records,
-            "input_ratio",
-            r"E$^2$[$X_l$] / E[$X_l^2$]",
-            "Fig. 6(b): input ratio",
-            hline=(1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)"),
-        )
-        paths.append(save_figure(fig, out / "fig6_input_ratio.png"))
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _panel(ax, records, "output_var", r"Var[$Y_l$]", "Output variance per layer", log=True, alarm=alarm)
-        paths.append(save_figure(fig, out / "output_var.png"))
+    for name, panels in FIGURES.items() if records else ():
+        fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 12, 4.5), squeeze=False)
+        for ax, (key, ylabel, title, opts) in zip(axes[0], panels):
+            _panel(
+                ax,
+                records,
+                key,
+                ylabel,
+                title,
+                opts.get("log", False),
+                alarm if opts.get("alarm") else None,
+                opts.get("hline"),
+            )
+        paths.append(save_figure(fig, out / name))
     if spp is not None and spp.get("entries"):
         paths.append(_spp_figure(spp, out / "spp.png"))
     return paths
