@@ -98,14 +98,14 @@ def _accuracy(model, x, y) -> float:
 def _old_detector():
     """The monitor's alarm before the countdown (factor rules, defaults; only the output layer exempt)."""
     from normlab.monitor.alarm import CollapseDetector
-    from normlab.monitor.hooks import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
+    from normlab.monitor.monitor import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
 
     return CollapseDetector(
-        dict(DEFAULT_EXPLODE_FACTOR),
-        ("output_var", "shift"),
-        dict(DEFAULT_MIN_INITIAL),
-        1,
-        dict(DEFAULT_IMPLODE_FACTOR),
+        explode_factor=dict(DEFAULT_EXPLODE_FACTOR),
+        watch=("output_var", "shift"),
+        min_initial=dict(DEFAULT_MIN_INITIAL),
+        baseline_records=1,
+        implode_factor=dict(DEFAULT_IMPLODE_FACTOR),
     )
 
 

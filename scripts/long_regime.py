@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from normlab.monitor import load_log
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.grid.results import read_summary
 from normlab.runner.models import build_model
@@ -65,8 +66,7 @@ def monitor_at(path: Path) -> dict[int, tuple[float, float]]:
     """step -> (effective ||W|| over conv layers, mean shift over conv layers) from a run's monitor.jsonl."""
     sq: dict[int, float] = {}
     shifts: dict[int, list[float]] = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
+    for r in load_log(path).records:
         if r.get("kind") != "conv" or r.get("weight_norm") is None:
             continue
         sq[r["step"]] = sq.get(r["step"], 0.0) + r["weight_norm"] ** 2

@@ -33,7 +33,7 @@ def test_growth_rate_fires_over_the_span_and_not_on_slow_growth():
     assert run(CountdownDetector(growth=1.0, level=15.0), slow) is None
     fast = [1.0, 1.0, 1.0, 3.0, 9.0]  # (ln 9 - ln 1) / 2 = 1.1 at step 4; (ln 3 - ln 1) / 2 = 0.55 at step 3
     a = run(CountdownDetector(growth=1.0, level=None), fast)
-    assert a.step == 4 and a.layer == "c1" and a.quantity == "output_var_growth" and a.growth == 9.0
+    assert a.step == 4 and a.layer == "c1" and a.quantity == "output_var_growth" and a.ratio == 9.0
 
 
 def test_growth_rate_over_records_further_apart_than_the_span():
@@ -46,8 +46,8 @@ def test_growth_rate_over_records_further_apart_than_the_span():
 def test_level_fires_above_its_threshold_only():
     assert run(CountdownDetector(growth=None, level=15.0), [2.0, 20.0, 29.0]) is None
     a = run(CountdownDetector(growth=None, level=15.0), [2.0, 20.0, 31.0])
-    assert a.step == 2 and a.quantity == "output_var_level" and a.growth == pytest.approx(15.5)
-    assert a.initial == 2.0 and "15" in a.reason
+    assert a.step == 2 and a.quantity == "output_var_level" and a.ratio == pytest.approx(15.5)
+    assert a.baseline == 2.0 and "15" in a.reason
 
 
 def test_output_layer_is_exempt_but_still_non_finite():
@@ -70,7 +70,7 @@ def test_gradient_norm_over_its_running_median():
         assert det.check(t, recs(1.0), exempt={"head"}, grad_norm=g) is None
     assert det.check(5, recs(1.0), exempt={"head"}, grad_norm=9.0) is None  # 9x the median 1.0
     a = det.check(6, recs(1.0), exempt={"head"}, grad_norm=30.0)
-    assert a.quantity == "grad_norm" and a.growth == pytest.approx(30.0 / 1.25)
+    assert a.quantity == "grad_norm" and a.ratio == pytest.approx(30.0 / 1.25)
     assert CountdownDetector().check(0, recs(1.0), grad_norm=math.inf).reason == "non-finite gradient norm"
 
 

@@ -13,6 +13,7 @@ import re
 import runpy
 import subprocess
 import sys
+import typing
 import zlib
 from pathlib import Path
 
@@ -28,6 +29,9 @@ PUBLIC_MODULES = [
     "normlab.convert",
     "normlab.monitor",
     "normlab.monitor.stats",
+    "normlab.monitor.records",
+    "normlab.monitor.log",
+    "normlab.monitor.plotting",
     "normlab.integrations.tensorboard",
     "normlab.integrations.lightning",
     "normlab.integrations.timm",
@@ -213,6 +217,19 @@ def _section(doc: str, title: str) -> list[str] | None:
     return None
 
 
+def _check_typeddict_keys(name, cls) -> None:
+    """A TypedDict record documents the keys it declares under ``Attributes:``; every key it has (its bases' too) is
+    documented by one TypedDict of its module, so each key is described once."""
+    entries = _section(cls.__doc__ or "", "Attributes") or []
+    assert set(entries) <= set(cls.__annotations__), f"{name}: documents keys it does not have: {entries}"
+    module = importlib.import_module(cls.__module__)
+    documented = [
+        k for o in vars(module).values() if typing.is_typeddict(o) for k in _section(o.__doc__, "Attributes") or []
+    ]
+    missing = sorted(set(cls.__annotations__) - set(documented))
+    assert not missing, f"{name}: keys documented by no TypedDict of {cls.__module__}: {missing}"
+
+
 @pytest.mark.parametrize("name, cls", [pytest.param(n, c, id=n) for n, c in _public_classes()])
 def test_every_public_class_documents_its_own_arguments_and_an_example(name, cls):
     """Each public class carries its own docstring (not a private base's, which the API pages hide) with one
@@ -221,8 +238,14 @@ def test_every_public_class_documents_its_own_arguments_and_an_example(name, cls
     doc = cls.__dict__.get("__doc__") or ""
     assert doc, f"{name} has no docstring of its own"
     assert not re.search(r":(class|func|meth|mod):`~?([\w.]*\.)?_[A-Za-z]", doc), f"{name} points to a private name"
+    if typing.is_typeddict(cls):
+        _check_typeddict_keys(name, cls)
+        assert "Example:" in doc and ">>> " in doc, f"{name}: no Example"
+        return
     if dataclasses.is_dataclass(cls):
         expected, title = [f.name for f in dataclasses.fields(cls)], "Attributes"
+    elif issubclass(cls, tuple) and hasattr(cls, "_fields"):  # a NamedTuple record
+        expected, title = list(cls._fields), "Attributes"
     else:
         expected, title = [p for p in inspect.signature(cls).parameters if p != "self"], "Args"
     entries = _section(doc, title)

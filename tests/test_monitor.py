@@ -315,7 +315,7 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     assert mon.alarm is not None and mon.should_stop
     assert mon.alarm.layer == "early" and mon.alarm.step == 4
     assert mon.alarm.quantity in ("output_var", "shift")
-    assert mon.alarm.value > 50 * mon.alarm.initial
+    assert mon.alarm.value > 50 * mon.alarm.baseline
     assert {f["layer"] for f in mon.alarm.flagged} == {"early", "late"}
     assert fired == [mon.alarm]  # callback called exactly once
 
@@ -365,29 +365,29 @@ def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
 
 
 def test_detector_ignores_round_off_on_zero_initial_shift():
-    det = CollapseDetector(factor=10.0, quantities=("shift",), min_initial=1e-6)
+    det = CollapseDetector(explode_factor=10.0, watch=("shift",), min_initial=1e-6)
     assert det.check(0, [{"layer": "a", "index": 0, "shift": 1e-15}]) is None
     assert det.check(1, [{"layer": "a", "index": 0, "shift": 1e-12}]) is None
     assert det.check(2, [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
 
 
 def test_detector_floor_is_a_minimum_absolute_level():
-    det = CollapseDetector(factor=1000.0, quantities=("output_var",), min_initial={"output_var": 1.0})
+    det = CollapseDetector(explode_factor=1000.0, watch=("output_var",), min_initial={"output_var": 1.0})
     rec = lambda v: [{"layer": "a", "index": 0, "output_var": v}]  # noqa: E731
     assert det.check(0, rec(0.01)) is None  # a layer whose signal starts tiny
     assert det.check(1, rec(50.0)) is None  # 5000x its start, but only 50x unit variance
     alarm = det.check(2, rec(1500.0))
-    assert alarm.initial == 0.01 and alarm.growth == 1500.0  # growth is measured against the floor
+    assert alarm.baseline == 0.01 and alarm.ratio == 1500.0  # the ratio is measured against the floor
     with pytest.raises(ValueError, match="min_initial for 'shift'"):
         CollapseDetector(min_initial={"shift": -1.0})
     mon = VarianceMonitor(nn.Linear(2, 2))  # monitor defaults: unit-variance floor for output_var
     assert mon.detector.min_initial == {"output_var": 1.0, "shift": 1e-6, "input_sq": 1e-6}
-    assert mon.detector.factors == {"output_var": 1e3, "shift": 100.0}
-    assert mon.detector.shrink == {"input_sq": 1e4}
+    assert mon.detector.explode_factor == {"output_var": 1e3, "shift": 100.0}
+    assert mon.detector.implode_factor == {"input_sq": 1e4}
 
 
 def test_detector_per_quantity_factors_and_forward_order():
-    det = CollapseDetector(factor={"output_var": 1000.0, "shift": 10.0})
+    det = CollapseDetector(explode_factor={"output_var": 1000.0, "shift": 10.0})
     init = [
         {"layer": "b", "index": 1, "output_var": 1.0, "shift": 1.0},
         {"layer": "a", "index": 0, "output_var": 1.0, "shift": 1.0},
@@ -398,24 +398,24 @@ def test_detector_per_quantity_factors_and_forward_order():
         {"layer": "a", "index": 0, "output_var": 500.0, "shift": 1.0},
     ]
     alarm = det.check(5, grown)  # a's 500x stays under its 1000x factor; b's shift 20x exceeds 10x
-    assert (alarm.layer, alarm.quantity, alarm.step, alarm.growth) == ("b", "shift", 5, 20.0)
+    assert (alarm.layer, alarm.quantity, alarm.step, alarm.ratio) == ("b", "shift", 5, 20.0)
     with pytest.raises(ValueError, match="factor for 'shift'"):
-        CollapseDetector(factor={"shift": 1.0})
+        CollapseDetector(explode_factor={"shift": 1.0})
 
 
 def test_detector_baseline_window_takes_max_of_first_records():
     rec = lambda v: [{"layer": "a", "index": 0, "shift": v}]  # noqa: E731
-    one = CollapseDetector(factor=10.0, quantities=("shift",))
-    three = CollapseDetector(factor=10.0, quantities=("shift",), baseline_records=3)
+    one = CollapseDetector(explode_factor=10.0, watch=("shift",))
+    three = CollapseDetector(explode_factor=10.0, watch=("shift",), baseline_records=3)
     # an early transient (1 -> 5 -> 8) then a 60x value: with a 1-record baseline (1.0) the transient already fires
     assert one.check(0, rec(1.0)) is None
-    assert one.check(1, rec(15.0)).growth == 15.0
+    assert one.check(1, rec(15.0)).ratio == 15.0
     for step, v in enumerate([1.0, 5.0, 8.0]):
         assert three.check(step, rec(v)) is None  # no growth test while the baseline is collected
-    assert three.initial[("a", "shift")] == 8.0
+    assert three.baselines[("a", "shift")] == 8.0
     assert three.check(3, rec(79.0)) is None  # 9.9x the max of the window
     alarm = three.check(4, rec(81.0))
-    assert alarm.initial == 8.0 and alarm.growth == pytest.approx(81.0 / 8.0)
+    assert alarm.baseline == 8.0 and alarm.ratio == pytest.approx(81.0 / 8.0)
     assert three.check(5, rec(float("nan"))).reason == "non-finite"
     with pytest.raises(ValueError, match="baseline_records"):
         CollapseDetector(baseline_records=0)
@@ -452,7 +452,7 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
     assert resumed.current_step == 4 and resumed.is_recording
     run(model, resumed, range(4, 10), x)
     a, b = resumed.alarm, ref.alarm
-    assert (a.layer, a.step, a.quantity, a.value, a.initial) == (b.layer, b.step, b.quantity, b.value, b.initial)
+    assert (a.layer, a.step, a.quantity, a.value, a.baseline) == (b.layer, b.step, b.quantity, b.value, b.baseline)
     # without the state, the baseline would be the (already grown) value at step 6: no alarm at all
     fresh_model = copy.deepcopy(ref_model)
     run(fresh_model, VarianceMonitor(fresh_model, **kw), range(4), x)
@@ -645,7 +645,7 @@ def test_copies_of_monitored_model_do_not_record():
 
 
 def test_normlab_norm_layers_are_monitored():
-    from normlab.monitor.hooks import supported_layers
+    from normlab.monitor.layers import supported_layers
     from normlab.nn import BatchRenorm2d, InstanceNorm2d, SwitchableNorm2d
 
     model = nn.Sequential(
@@ -713,9 +713,9 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
     model(x).sum().backward()
     mon.step(opt)
     assert mon.alarm is not None and mon.alarm.layer == "6" and mon.alarm.quantity == "input_sq"
-    assert "fell to" in mon.alarm.reason and mon.alarm.growth < 1e-4
-    with pytest.raises(ValueError, match="shrink_factor for 'input_sq' must be a finite number > 1"):
-        CollapseDetector(shrink_factor={"input_sq": 0.5})
+    assert "fell to" in mon.alarm.reason and mon.alarm.ratio < 1e-4 and mon.alarm.direction == "shrank"
+    with pytest.raises(ValueError, match="implode_factor for 'input_sq' must be a finite number > 1"):
+        CollapseDetector(implode_factor={"input_sq": 0.5})
 
 
 # ----------------------------------------------------------------- linear-map rules, channel axes, dead channels

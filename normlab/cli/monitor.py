@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from normlab.monitor import render_monitor_plots
-from normlab.monitor.plots import load_log
+from normlab.monitor import load_log, render_monitor_plots
 from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option
 

@@ -30,6 +30,8 @@ from typing import Any
 
 from torch import Tensor
 
+from normlab.monitor.records import LayerRecord, NormRecord, layer_keys
+
 __all__ = ["MonitorBoard", "SCALARS", "summary_writer", "scalar_tags"]
 
 #: The scalars written per layer, as monitor record key -> (tag section, chart title of the Custom Scalars
@@ -41,6 +43,7 @@ SCALARS = {
     "update_ratio_mean": ("update_ratio", "Fig. 1a: update ratio Var[W - dW] / Var[W]"),
     "input_ratio": ("input_ratio", "Fig. 6b: input ratio E^2[X] / E[X^2]"),
 }
+layer_keys(*SCALARS)  # the keys of normlab.monitor.records
 #: The title of the Custom Scalars layout that groups the charts of :data:`SCALARS`.
 LAYOUT_TITLE = "normlab: the paper's figures"
 
@@ -64,8 +67,9 @@ def _layer(name: str) -> str:
     return name or "model"
 
 
-def scalar_tags(record: Mapping[str, Any]) -> dict[str, float]:
-    """``{tag: value}`` of the :data:`SCALARS` a monitor record holds (finite values only)."""
+def scalar_tags(record: LayerRecord | NormRecord | Mapping[str, Any]) -> dict[str, float]:
+    """``{tag: value}`` of the :data:`SCALARS` a monitor record (:mod:`normlab.monitor.records`) holds (finite values
+    only)."""
     out = {}
     for key, (section, _) in SCALARS.items():
         value = record.get(key)
@@ -110,7 +114,9 @@ class MonitorBoard:
         self.writer.add_custom_scalars({LAYOUT_TITLE: charts})
         self._layout = True
 
-    def write_records(self, records: Iterable[Mapping[str, Any]], mean_updates: Mapping[str, Tensor] = ()) -> None:
+    def write_records(
+        self, records: Iterable[LayerRecord | NormRecord], mean_updates: Mapping[str, Tensor] = ()
+    ) -> None:
         """Scalars of ``records`` (one recorded step) and a histogram of each layer's per-filter mean updates."""
         self._write_layout()
         step = None

@@ -16,8 +16,9 @@ rescue (:class:`CollapseGuard`), plots::
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
 from normlab.monitor.guard import CollapseGuard, Rescue, RunCollapsed
-from normlab.monitor.hooks import VarianceMonitor
 from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
+from normlab.monitor.log import load_log, write_monitor_log
+from normlab.monitor.monitor import VarianceMonitor
 from normlab.monitor.regime import RegimeDetector, RegimeWarning
 from normlab.monitor.spp import signal_propagation
 
@@ -60,6 +61,8 @@ __all__ = [
     "RunCollapsed",
     "signal_propagation",
     "render_monitor_plots",
+    "load_log",
+    "write_monitor_log",
     "effective_weight",
     "filter_kernel",
     "LINEAR_MAP_RULES",

@@ -6,8 +6,8 @@ non-finite value; its thresholds and what they achieve are in docs/monitor.md. T
 the calibration runs they raised no false alarm (0 of 47 healthy runs) and add the implosion test (dead ReLUs).
 
 A layer is flagged when one of the watched quantities (default: output variance ``output_var`` and shift of the
-average ``shift``) exceeds ``factor`` times its baseline, when a quantity of the implosion test falls below its
-baseline divided by its ``shrink_factor`` (the monitor's default: the second moment of the classifier's input,
+average ``shift``) exceeds ``explode_factor`` times its baseline, when a quantity of the implosion test falls below its
+baseline divided by its ``implode_factor`` (the monitor's default: the second moment of the classifier's input,
 ``input_sq``, falling 10,000x: dead ReLUs), or when any watched quantity is non-finite. The alarm names the FIRST
 flagged layer in forward order and the step at which it was flagged.
 
@@ -27,10 +27,35 @@ and restored by :meth:`CollapseDetector.load_state_dict`, so a resumed run raise
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 __all__ = ["CollapseAlarm", "CollapseDetector", "CountdownDetector"]
+
+
+_DIRECTIONS = ("grew", "shrank", "non-finite")
+
+
+def direction_of(d: Mapping) -> str:
+    """``"grew"``, ``"shrank"`` or ``"non-finite"``: the direction of an alarm or flag dict of an older log (written
+    before the key ``direction`` existed), from its value and reason.
+
+    Example:
+        >>> direction_of({"value": 1e-6, "reason": "fell to 1e-06x < 1/1e+04 of its baseline"})
+        'shrank'
+    """
+    value = d.get("value")
+    if value is None or not math.isfinite(value) or str(d.get("reason", "")).startswith("non-finite"):
+        return "non-finite"
+    return "shrank" if str(d.get("reason", "")).startswith("fell") else "grew"
+
+
+_NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
+
+
+def _deprecated(old: str, new: str, owner: str) -> None:
+    warnings.warn(f"{owner}: {old!r} is deprecated, use {new!r}", DeprecationWarning, stacklevel=3)
 
 
 @dataclass
@@ -42,102 +67,213 @@ class CollapseAlarm:
         step: the recorded step at which it fired.
         quantity: the record key that fired (``"output_var"``, ``"shift"``, ``"input_sq"``, ...).
         value: the quantity's value at that step.
-        initial: its baseline.
-        growth: ``value / initial`` (inf when the value is not finite).
-        reason: why, in words (``"non-finite"``, ``"grew 500x > factor 100"``, ...).
-        flagged: every (layer, quantity) flagged at that step, as dicts with the keys ``layer``, ``index`` (forward
-            order), ``quantity``, ``initial``, ``value``, ``growth`` and ``reason``.
+        baseline: what it was measured against: the maximum of its first ``baseline_records`` values (the countdown:
+            its first value; the gradient rule: the running median).
+        ratio: ``value / baseline``: above 1 when the quantity grew (the growth test divides by the baseline floored
+            at ``min_initial``), below 1 when it shrank (the implosion test: 1e-5 is a fall to 1e-5 of the
+            baseline), inf when the value is not finite.
+        reason: why, in words (``"non-finite"``, ``"grew 500x > factor 100"``, ``"fell to 1e-05x < 1/1e+04 of its
+            baseline"``, ...).
+        flagged: every (layer, quantity) flagged at that step, as :class:`~normlab.monitor.records.FlaggedEntry`
+            dicts (the keys of the log: ``initial`` is the baseline, ``growth`` the ratio).
+        direction: ``"grew"``, ``"shrank"`` or ``"non-finite"``.
+
+    ``initial`` and ``growth`` are deprecated read-only aliases of ``baseline`` and ``ratio``. :meth:`to_dict` (the
+    log's alarm event and the monitor's ``state_dict``) keeps the keys ``initial`` and ``growth`` so that logs and
+    checkpoints stay readable by earlier versions; :meth:`from_dict` reads both.
 
     Example:
         >>> alarm = CollapseAlarm("conv1", 10, "output_var", 500.0, 1.0, 500.0, "grew 500x > factor 100")
         >>> print(alarm)
-        collapse warning at step 10: layer 'conv1' output_var = 500 (initial 1, grew 500x > factor 100)
+        collapse warning at step 10: layer 'conv1' output_var = 500 (baseline 1, grew 500x > factor 100)
+        >>> alarm.to_dict()["initial"], CollapseAlarm.from_dict(alarm.to_dict()) == alarm
+        (1.0, True)
     """
 
     layer: str
     step: int
     quantity: str
     value: float
-    initial: float
-    growth: float
+    baseline: float
+    ratio: float
     reason: str
     flagged: list[dict] = field(default_factory=list)
+    direction: str = "grew"
+
+    def __post_init__(self) -> None:
+        if self.direction not in _DIRECTIONS:
+            raise ValueError(f"CollapseAlarm: direction must be one of {_DIRECTIONS}, got {self.direction!r}")
+
+    @property
+    def initial(self) -> float:
+        """Deprecated alias of :attr:`baseline`."""
+        _deprecated("CollapseAlarm.initial", "baseline", "CollapseAlarm")
+        return self.baseline
+
+    @property
+    def growth(self) -> float:
+        """Deprecated alias of :attr:`ratio`."""
+        _deprecated("CollapseAlarm.growth", "ratio", "CollapseAlarm")
+        return self.ratio
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The alarm as plain types with the log's keys (:class:`~normlab.monitor.records.AlarmEvent` without
+        ``event``): ``initial`` = baseline, ``growth`` = ratio."""
+        d = asdict(self)
+        return {
+            **{k: d[k] for k in ("layer", "step", "quantity", "value")},
+            "initial": d["baseline"],
+            "growth": d["ratio"],
+            **{k: d[k] for k in ("reason", "flagged", "direction")},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> CollapseAlarm:
+        """The alarm of :meth:`to_dict` or of a log's alarm event (old or new keys; ``event`` ignored; a missing
+        ``direction`` is derived from the value and reason); null numbers become nan (inf for the ratio)."""
+        baseline = d["baseline"] if "baseline" in d else d["initial"]
+        ratio = d["ratio"] if "ratio" in d else d["growth"]
+        return cls(
+            layer=d["layer"],
+            step=d["step"],
+            quantity=d["quantity"],
+            value=math.nan if d.get("value") is None else d["value"],
+            baseline=math.nan if baseline is None else baseline,
+            ratio=math.inf if ratio is None else ratio,
+            reason=d["reason"],
+            flagged=[dict(f) for f in d.get("flagged", [])],
+            direction=d.get("direction") or direction_of(d),
+        )
 
     def __str__(self) -> str:
         return (
             f"collapse warning at step {self.step}: layer '{self.layer}' {self.quantity} = {self.value:.4g} "
-            f"(initial {self.initial:.4g}, {self.reason})"
+            f"(baseline {self.baseline:.4g}, {self.reason})"
         )
 
 
+def _alarm(step: int, top: dict, flagged: list[dict]) -> CollapseAlarm:
+    """The alarm naming flag ``top`` among the ``flagged`` ones of this step."""
+    return CollapseAlarm(
+        layer=top["layer"],
+        step=int(step),
+        quantity=top["quantity"],
+        value=top["value"],
+        baseline=top["initial"],
+        ratio=top["growth"],
+        reason=top["reason"],
+        flagged=flagged,
+        direction=top["direction"],
+    )
+
+
+def _factors(name: str, factors, quantities: Sequence[str], low: float, default: float) -> dict[str, float]:
+    """{quantity: factor} from a number or a mapping, each a finite number > ``low`` (>= for a floor of 0)."""
+    per = dict(factors) if isinstance(factors, Mapping) else {q: factors for q in quantities}
+    for q, f in per.items():
+        ok = isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f)
+        if not ok or not (f > low if low > 0 else f >= low):
+            bound = f"> {low:g}" if low > 0 else f">= {low:g}"
+            raise ValueError(f"CollapseDetector: {name} for {q!r} must be a finite number {bound}, got {f!r}")
+    return {q: float(per.get(q, default)) for q in quantities} if quantities else {q: float(f) for q, f in per.items()}
+
+
 class CollapseDetector:
-    """Stateful checker over per-layer records.
+    """Stateful checker over per-layer records. The arguments are :class:`~normlab.monitor.VarianceMonitor`'s.
 
     Args:
-        factor: growth factor over the initial value that raises the alarm (> 1); a float for every watched
+        explode_factor: growth factor over the baseline that raises the alarm (> 1); a float for every watched
             quantity or a mapping {quantity: factor} (quantities missing from it use 100).
-        quantities: record keys to watch.
+        watch: record keys to watch (the growth test and the non-finite test).
         min_initial: baselines below this are replaced by it (a zero shift, e.g. PWS, must not make
             float round-off look like infinite growth); a float for every quantity or a mapping {quantity: floor}
             (quantities missing from it use 1e-6). A floor is also a minimum absolute level: with floor f and
             factor k a quantity is flagged only above k * f.
         baseline_records: how many first finite records of each (layer, quantity) form its baseline (their
             maximum); int >= 1.
-        shrink_factor: {quantity: factor} for the *implosion* test: a layer is also flagged when the quantity
+        implode_factor: {quantity: factor} for the *implosion* test: a layer is also flagged when the quantity
             falls below its baseline divided by the factor (e.g. {"input_sq": 1e4}: the second moment of the
-            classifier's input when the ReLUs before it died); the quantity need not be in ``quantities`` (then
+            classifier's input when the ReLUs before it died); the quantity need not be in ``watch`` (then
             only the implosion test runs on it). None or {} for no implosion test.
+        **deprecated: ``factor``, ``quantities`` and ``shrink_factor``, the deprecated names of ``explode_factor``,
+            ``watch`` and ``implode_factor`` (a DeprecationWarning).
+
+    Attributes ``watch``, ``explode_factor``, ``implode_factor`` (both {quantity: factor}), ``min_initial`` and
+    ``baselines`` ({(layer, quantity): baseline}, a running maximum while still collecting) hold the settings and
+    state; ``quantities``, ``factors``, ``shrink`` and ``initial`` are their deprecated aliases.
 
     Example:
-        >>> detector = CollapseDetector(factor=100.0)
+        >>> detector = CollapseDetector(explode_factor=100.0)
         >>> detector.check(0, [{"layer": "conv1", "index": 0, "output_var": 1.0, "shift": 0.01}])  # the baseline
         >>> alarm = detector.check(10, [{"layer": "conv1", "index": 0, "output_var": 500.0, "shift": 0.02}])
-        >>> alarm.layer, alarm.quantity, alarm.growth
-        ('conv1', 'output_var', 500.0)
+        >>> alarm.layer, alarm.quantity, alarm.ratio, alarm.direction
+        ('conv1', 'output_var', 500.0, 'grew')
     """
 
     def __init__(
         self,
-        factor: float | Mapping[str, float] = 100.0,
-        quantities: Sequence[str] = ("output_var", "shift"),
+        explode_factor: float | Mapping[str, float] = 100.0,
+        watch: Sequence[str] = ("output_var", "shift"),
         min_initial: float | Mapping[str, float] = 1e-6,
         baseline_records: int = 1,
-        shrink_factor: Mapping[str, float] | None = None,
+        implode_factor: Mapping[str, float] | None = None,
+        **deprecated,
     ) -> None:
-        if isinstance(quantities, str) or not quantities:
-            raise ValueError(f"CollapseDetector: quantities must be a sequence of record keys, got {quantities!r}")
-        self.quantities = tuple(quantities)
-        per = dict(factor) if isinstance(factor, Mapping) else {q: factor for q in self.quantities}
-        for q, f in per.items():
-            if isinstance(f, bool) or not (isinstance(f, int | float) and f > 1 and math.isfinite(f)):
-                raise ValueError(f"CollapseDetector: factor for {q!r} must be a finite number > 1, got {f!r}")
-        floors = dict(min_initial) if isinstance(min_initial, Mapping) else {q: min_initial for q in self.quantities}
-        for q, f in floors.items():
-            if isinstance(f, bool) or not (isinstance(f, int | float) and f >= 0 and math.isfinite(f)):
-                raise ValueError(f"CollapseDetector: min_initial for {q!r} must be a finite number >= 0, got {f!r}")
+        unknown = sorted(set(deprecated) - {"factor", "quantities", "shrink_factor"})
+        if unknown:
+            raise TypeError(f"CollapseDetector: unexpected keyword argument {unknown[0]!r}")
+        if "factor" in deprecated:
+            _deprecated("factor", "explode_factor", "CollapseDetector")
+            explode_factor = deprecated["factor"]
+        if "quantities" in deprecated:
+            _deprecated("quantities", "watch", "CollapseDetector")
+            watch = deprecated["quantities"]
+        if "shrink_factor" in deprecated:
+            _deprecated("shrink_factor", "implode_factor", "CollapseDetector")
+            implode_factor = deprecated["shrink_factor"]
+        if isinstance(watch, str) or not watch:
+            raise ValueError(f"CollapseDetector: watch must be a sequence of record keys, got {watch!r}")
+        self.watch = tuple(watch)
+        self.explode_factor = _factors("explode_factor", explode_factor, self.watch, 1.0, 100.0)
+        self.implode_factor = _factors("implode_factor", implode_factor or {}, (), 1.0, 1.0)
+        self.checked = self.watch + tuple(q for q in self.implode_factor if q not in self.watch)
+        self.min_initial = _factors("min_initial", min_initial, self.checked, 0.0, 1e-6)
         if isinstance(baseline_records, bool) or not isinstance(baseline_records, int) or baseline_records < 1:
             raise ValueError(f"CollapseDetector: baseline_records must be an int >= 1, got {baseline_records!r}")
-        shrink = dict(shrink_factor or {})
-        for q, f in shrink.items():
-            if isinstance(f, bool) or not (isinstance(f, int | float) and f > 1 and math.isfinite(f)):
-                raise ValueError(f"CollapseDetector: shrink_factor for {q!r} must be a finite number > 1, got {f!r}")
-        self.shrink = {q: float(f) for q, f in shrink.items()}
-        self.factors = {q: float(per.get(q, 100.0)) for q in self.quantities}
-        self.watched = self.quantities + tuple(q for q in self.shrink if q not in self.quantities)
-        self.min_initial = {q: float(floors.get(q, 1e-6)) for q in self.watched}
         self.baseline_records = baseline_records
-        self.initial: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
+        self.baselines: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
         self.seen: dict[tuple[str, str], int] = {}  # finite values that went into the baseline
+
+    @property
+    def quantities(self) -> tuple[str, ...]:
+        """Deprecated alias of ``watch``."""
+        _deprecated("CollapseDetector.quantities", "watch", "CollapseDetector")
+        return self.watch
+
+    @property
+    def factors(self) -> dict[str, float]:
+        """Deprecated alias of ``explode_factor``."""
+        _deprecated("CollapseDetector.factors", "explode_factor", "CollapseDetector")
+        return self.explode_factor
+
+    @property
+    def shrink(self) -> dict[str, float]:
+        """Deprecated alias of ``implode_factor``."""
+        _deprecated("CollapseDetector.shrink", "implode_factor", "CollapseDetector")
+        return self.implode_factor
+
+    @property
+    def initial(self) -> dict[tuple[str, str], float]:
+        """Deprecated alias of ``baselines``."""
+        _deprecated("CollapseDetector.initial", "baselines", "CollapseDetector")
+        return self.baselines
 
     def state_dict(self) -> dict:
         """Everything that decides future alarms, as plain Python types (``torch.load(weights_only=True)`` safe):
         ``{"baseline_records", "baselines": [[layer, quantity, baseline, n_seen], ...]}``."""
         return {
             "baseline_records": self.baseline_records,
-            "baselines": [[layer, q, v, self.seen.get((layer, q), 1)] for (layer, q), v in self.initial.items()],
+            "baselines": [[layer, q, v, self.seen.get((layer, q), 1)] for (layer, q), v in self.baselines.items()],
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -149,55 +285,55 @@ class CollapseDetector:
                 f"CollapseDetector.load_state_dict: state was made with baseline_records="
                 f"{state['baseline_records']}, this detector uses {self.baseline_records}"
             )
-        initial, seen = {}, {}
+        baselines, seen = {}, {}
         for row in state["baselines"]:
             try:
                 layer, q, value, n = row
-                initial[(str(layer), str(q))], seen[(str(layer), str(q))] = float(value), int(n)
+                baselines[(str(layer), str(q))], seen[(str(layer), str(q))] = float(value), int(n)
             except (TypeError, ValueError) as e:
                 raise ValueError(
                     f"CollapseDetector.load_state_dict: bad baseline row {row!r}, expected [layer, quantity, "
                     f"value, n_seen]"
                 ) from e
-        self.initial, self.seen = initial, seen
+        self.baselines, self.seen = baselines, seen
 
     def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool) -> dict | None:
         """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
         value = rec.get(q)
         key = (rec["layer"], q)
-        flag = dict(layer=rec["layer"], index=rec.get("index", 0), quantity=q, initial=self.initial.get(key, math.nan))
+        flag = dict(
+            layer=rec["layer"], index=rec.get("index", 0), quantity=q, initial=self.baselines.get(key, math.nan)
+        )
         if value is None or not math.isfinite(value):
-            return {
-                **flag,
-                "value": math.nan if value is None else float(value),
-                "growth": math.inf,
-                "severity": math.inf,
-                "reason": "non-finite",
-            }
+            value = math.nan if value is None else float(value)
+            return {**flag, "value": value, "growth": math.inf, "severity": math.inf, **_NON_FINITE}
         n_seen = self.seen.get(key, 0)
         if n_seen < self.baseline_records:  # still collecting the baseline: no test
-            self.initial[key] = max(self.initial.get(key, -math.inf), float(value))
+            self.baselines[key] = max(self.baselines.get(key, -math.inf), float(value))
             self.seen[key] = n_seen + 1
             return None
-        init = self.initial[key]
-        ref = max(abs(init), self.min_initial[q])
-        if grow and value > self.factors[q] * ref:
+        base = self.baselines[key]
+        ref = max(abs(base), self.min_initial[q])
+        factor = self.explode_factor.get(q)
+        if grow and value > factor * ref:
             return {
                 **flag,
                 "value": float(value),
                 "growth": value / ref,
-                "severity": value / ref / self.factors[q],
-                "reason": f"grew {value / ref:.3g}x > factor {self.factors[q]:g}",
+                "severity": value / ref / factor,
+                "reason": f"grew {value / ref:.3g}x > factor {factor:g}",
+                "direction": "grew",
             }
-        if shrink and init > 0 and value * self.shrink[q] < init:
-            ratio = value / init
-            severity = math.inf if ratio == 0 else 1 / (ratio * self.shrink[q])
+        shrink_by = self.implode_factor.get(q)
+        if shrink and base > 0 and value * shrink_by < base:
+            ratio = value / base
             return {
                 **flag,
                 "value": float(value),
                 "growth": ratio,
-                "severity": severity,
-                "reason": f"fell to {ratio:.3g}x < 1/{self.shrink[q]:g} of its baseline",
+                "severity": math.inf if ratio == 0 else 1 / (ratio * shrink_by),
+                "reason": f"fell to {ratio:.3g}x < 1/{shrink_by:g} of its baseline",
+                "direction": "shrank",
             }
         return None
 
@@ -220,13 +356,13 @@ class CollapseDetector:
         """
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
-            for q in self.watched:
+            for q in self.checked:
                 if rec.get(q) is None and q not in rec:
                     continue  # layer does not have this quantity (e.g. norm layers have no shift)
-                shrink = q in self.shrink and (shrink_layers is None or rec["layer"] in shrink_layers)
-                if q not in self.factors and not shrink:
+                shrink = q in self.implode_factor and (shrink_layers is None or rec["layer"] in shrink_layers)
+                if q not in self.explode_factor and not shrink:
                     continue
-                grow = q in self.factors and rec["layer"] not in growth_exempt
+                grow = q in self.explode_factor and rec["layer"] not in growth_exempt
                 grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
                 flag = self._judge(rec, q, grow, shrink)
                 if flag is not None:
@@ -237,16 +373,7 @@ class CollapseDetector:
         top = max((f for f in flagged if f["index"] == first_index), key=lambda f: f["severity"])
         for f in flagged:
             f.pop("severity")
-        return CollapseAlarm(
-            layer=top["layer"],
-            step=int(step),
-            quantity=top["quantity"],
-            value=top["value"],
-            initial=top["initial"],
-            growth=top["growth"],
-            reason=top["reason"],
-            flagged=flagged,
-        )
+        return _alarm(step, top, flagged)
 
 
 class CountdownDetector:
@@ -314,7 +441,7 @@ class CountdownDetector:
         if v is None:
             return None
         if not math.isfinite(v):
-            return {**flag, "quantity": "output_var", "value": float(v), "growth": math.inf, "reason": "non-finite"}
+            return {**flag, "quantity": "output_var", "value": float(v), "growth": math.inf, **_NON_FINITE}
         v = float(v)
         self.first.setdefault(name, v)
         past = [p for p in self.recent.get(name, []) if step - p[0] >= self.span]
@@ -332,6 +459,7 @@ class CountdownDetector:
                 "value": v,
                 "growth": v / v0,
                 "reason": f"output variance {v / v0:.3g}x its first value > level {self.level:g}",
+                "direction": "grew",
             }
         if self.growth is not None and past and past[-1][1] > 0 and v > 0:
             t0, p = past[-1]
@@ -343,6 +471,7 @@ class CountdownDetector:
                     "value": v,
                     "growth": v / v0 if v0 > 0 else math.inf,
                     "reason": f"output variance growing at {rate:.3g}/step > growth {self.growth:g}",
+                    "direction": "grew",
                 }
         return None
 
@@ -351,7 +480,13 @@ class CountdownDetector:
             return None
         flag = dict(layer="(gradient)", index=-1, quantity="grad_norm", value=float(grad_norm))
         if not math.isfinite(grad_norm):
-            return {**flag, "initial": math.nan, "growth": math.inf, "reason": "non-finite gradient norm"}
+            return {
+                **flag,
+                "initial": math.nan,
+                "growth": math.inf,
+                **_NON_FINITE,
+                "reason": "non-finite gradient norm",
+            }
         past = sorted(self.grad_norms)
         self.grad_norms = (self.grad_norms + [float(grad_norm)])[-self.history :]
         if self.grad_ratio is None or len(past) < 5:
@@ -363,6 +498,7 @@ class CountdownDetector:
                 "initial": med,
                 "growth": grad_norm / med,
                 "reason": f"gradient norm {grad_norm / med:.3g}x its running median > {self.grad_ratio:g}",
+                "direction": "grew",
             }
         return None
 
@@ -384,7 +520,7 @@ class CountdownDetector:
                     initial=math.nan,
                     value=float(rec["output_var"]),
                     growth=math.inf,
-                    reason="non-finite",
+                    **_NON_FINITE,
                 )
             else:
                 flag = None
@@ -396,16 +532,7 @@ class CountdownDetector:
         if not flagged:
             return None
         top = min(flagged, key=lambda f: f["index"])
-        return CollapseAlarm(
-            layer=top["layer"],
-            step=int(step),
-            quantity=top["quantity"],
-            value=top["value"],
-            initial=top["initial"],
-            growth=top["growth"],
-            reason=top["reason"],
-            flagged=flagged,
-        )
+        return _alarm(step, top, flagged)
 
     def state_dict(self) -> dict:
         """Everything that decides future alarms, as plain Python types."""

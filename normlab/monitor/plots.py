@@ -1,136 +1,32 @@
 """PNG plots of a VarianceMonitor log (matplotlib, Agg backend): the PWS paper's Figures 1a, 1b, 2, 6, the
-output variance per layer and a signal propagation plot. One line per layer, labelled axes and legends."""
+output variance per layer and a signal propagation plot. One line per layer, labelled axes and legends; the log is
+read by :func:`normlab.monitor.log.load_log` and drawn with :mod:`normlab.monitor.plotting`."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import matplotlib
 
-from normlab._files import atomic_savefig
+from normlab.monitor.log import load_log
+from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
+from normlab.monitor.records import layer_keys
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-__all__ = ["load_log", "render_monitor_plots"]
-
-
-_PLOTTED = (
-    "update_ratio_mean",
-    "mean_update_std",
-    "shift",
-    "weight_var",
-    "shift_scale_free",
-    "input_mean_sq",
-    "input_ratio",
-    "output_var",
-)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _check_record(obj: dict, where: str) -> None:
-    """A layer record must have a string ``layer``, an integer ``step`` and numbers (or null) where plotted."""
-    if not isinstance(obj["layer"], str) or not isinstance(obj["step"], int) or isinstance(obj["step"], bool):
-        raise ValueError(
-            f"load_log: {where}: expected a string 'layer' and an integer 'step', got "
-            f"{obj['layer']!r} and {obj['step']!r}"
-        )
-    if not (obj.get("index") is None or _is_number(obj.get("index"))):
-        raise ValueError(f"load_log: {where}: 'index' must be a number, got {obj.get('index')!r}")
-    for key in _PLOTTED:
-        if key in obj and not (obj[key] is None or _is_number(obj[key])):
-            raise ValueError(f"load_log: {where}: {key!r} must be a number or null, got {obj[key]!r}")
-
-
-def _check_spp(obj: dict, where: str) -> None:
-    """A signal-propagation event: a list of entries with a name and the two averages."""
-    entries = obj.get("entries", [])
-    ok = isinstance(entries, list) and all(
-        isinstance(e, dict)
-        and isinstance(e.get("name"), str)
-        and _is_number(e.get("avg_sq_mean"))
-        and _is_number(e.get("avg_var"))
-        and (e.get("residual_var") is None or _is_number(e.get("residual_var")))
-        for e in entries
-    )
-    if not ok:
-        raise ValueError(
-            f"load_log: {where}: 'entries' of an spp event must be objects with a name, avg_sq_mean and avg_var"
-        )
-
-
-def load_log(path: str | Path) -> tuple[list[dict], dict | None, dict | None]:
-    """Read a monitor JSONL file -> (layer records, alarm dict or None, spp dict or None).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file.
-        ValueError: a line that is not a JSON object, or a layer record with values of the wrong type.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"load_log: monitor log {path} does not exist or is not a file")
-    records, alarm, spp = [], None, None
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"load_log: {path}:{lineno} is not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"load_log: {path}:{lineno} is not a JSON object (got {type(obj).__name__})")
-            event = obj.get("event")
-            if event == "alarm":
-                alarm = obj
-            elif event == "spp":
-                _check_spp(obj, f"{path}:{lineno}")
-                spp = obj
-            elif "layer" in obj and "step" in obj:
-                _check_record(obj, f"{path}:{lineno}")
-                records.append(obj)
-    return records, alarm, spp
-
-
-def _series(records: list[dict], key: str) -> dict[str, tuple[list[int], list[float]]]:
-    """layer -> (steps, values) for layers that have ``key``, in forward order; None -> nan."""
-    order: dict[str, int] = {}
-    out: dict[str, tuple[list[int], list[float]]] = {}
-    for r in records:
-        if key not in r:
-            continue
-        name = r["layer"]
-        order.setdefault(name, r.get("index", len(order)))
-        steps, vals = out.setdefault(name, ([], []))
-        steps.append(r["step"])
-        v = r[key]
-        vals.append(float("nan") if v is None else float(v))
-    return {k: out[k] for k in sorted(out, key=lambda n: order[n])}
-
-
-def _positive(values: list[float]) -> bool:
-    """Any finite positive value (a log axis then masks the non-positive ones)."""
-    return any(math.isfinite(v) and v > 0 for v in values)
+__all__ = ["load_log", "render_monitor_plots"]  # load_log: normlab.monitor.log's, kept importable from here
 
 
 def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
-    series = _series(records, key)
-    for name, (steps, vals) in series.items():
-        ax.plot(steps, vals, label=name, linewidth=1.2)
-    if log and any(_positive(v) for _, v in series.values()):
-        ax.set_yscale("log", nonpositive="mask")
+    series = layer_series(records, key)
+    draw_series(ax, series)
+    if log:
+        log_scale(ax, [v for _, vals in series.values() for v in vals])
     if hline is not None:
         ax.axhline(hline[0], color="k", linestyle=":", linewidth=1, label=hline[1])
-    if alarm is not None and alarm.get("step") is not None:
-        ax.axvline(
-            alarm["step"], color="r", linestyle="--", linewidth=1, label=f"collapse warning ({alarm.get('layer')})"
-        )
+    mark_alarm(ax, alarm, f"collapse warning ({alarm.get('layer')})" if alarm else None)
     ax.set_xlabel("training step")
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
@@ -140,16 +36,6 @@ def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
     else:
         ax.text(0.5, 0.5, f"no '{key}' in log", ha="center", va="center", transform=ax.transAxes)
     return bool(series)
-
-
-def _save(fig, path: Path) -> Path:
-    """Save ``fig`` as ``path`` (atomically, replacing a link there instead of following it) and close it."""
-    fig.tight_layout()
-    try:
-        atomic_savefig(fig, path, dpi=110)
-    finally:
-        plt.close(fig)
-    return path
 
 
 def _spp_figure(spp: dict, path: Path) -> Path:
@@ -162,9 +48,7 @@ def _spp_figure(spp: dict, path: Path) -> Path:
     res = [(i, e["residual_var"]) for i, e in zip(x, entries) if e.get("residual_var") is not None]
     if res:
         ax.plot([i for i, _ in res], [v for _, v in res], "^-", label="residual-branch variance")
-    vals = [e["avg_sq_mean"] for e in entries] + [e["avg_var"] for e in entries]
-    if _positive(vals):
-        ax.set_yscale("log", nonpositive="mask")
+    log_scale(ax, [e["avg_sq_mean"] for e in entries] + [e["avg_var"] for e in entries])
     ax.set_xticks(x)
     ax.set_xticklabels([e["name"] for e in entries], rotation=60, ha="right", fontsize=7)
     ax.set_xlabel(f"{spp.get('mode', 'layer')} (forward order)")
@@ -172,79 +56,75 @@ def _spp_figure(spp: dict, path: Path) -> Path:
     ax.set_title(f"Signal propagation plot, input {tuple(spp.get('input_shape', ()))}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    return _save(fig, path)
+    return save_figure(fig, path)
+
+
+# The figures of render_monitor_plots: file name -> its panels (record key, y label, title, options of _panel).
+FIGURES = {
+    "fig1a_update_ratio.png": [
+        (
+            "update_ratio_mean",
+            r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
+            "Fig. 1(a): update ratio per layer",
+            {"hline": (1.0, "no change")},
+        )
+    ],
+    "fig1b_mean_update.png": [
+        (
+            "mean_update_std",
+            r"std$_o$ of mean($\Delta W_o$)",
+            "Fig. 1(b): spread of the per-filter mean update",
+            {"log": True},
+        ),
+        ("shift", r"Var$_o$[$n_l$ mean($W_o$)]", "Shift of the average per layer", {"log": True, "alarm": True}),
+    ],
+    "fig2_weight_var.png": [
+        ("weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance", {"log": True}),
+        (
+            "shift_scale_free",
+            r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
+            "Scale-free shift (1 = random init, 0 = zero-mean filters)",
+            {"alarm": True},
+        ),
+    ],
+    "fig6_input_ratio.png": [
+        ("input_mean_sq", r"E$^2$[$X_l$]", "Fig. 6(a): squared input mean", {"log": True}),
+        (
+            "input_ratio",
+            r"E$^2$[$X_l$] / E[$X_l^2$]",
+            "Fig. 6(b): input ratio",
+            {"hline": (1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)")},
+        ),
+    ],
+    "output_var.png": [("output_var", r"Var[$Y_l$]", "Output variance per layer", {"log": True, "alarm": True})],
+}
+layer_keys(*(panel[0] for panels in FIGURES.values() for panel in panels))  # the keys of normlab.monitor.records
 
 
 def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Path]:
     """Render PNGs from a monitor log into ``out_dir`` and return their paths:
-    fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png,
-    and spp.png when the log holds signal-propagation data."""
+    fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png
+    (``FIGURES``), and spp.png when the log holds signal-propagation data."""
     records, alarm, spp = load_log(jsonl_path)
     if not records and spp is None:
         raise ValueError(f"render_monitor_plots: {jsonl_path} holds no monitor records")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    if records:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _panel(
-            ax,
-            records,
-            "update_ratio_mean",
-            r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
-            "Fig. 1(a): update ratio per layer",
-            hline=(1.0, "no change"),
-        )
-        paths.append(_save(fig, out / "fig1a_update_ratio.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(
-            axes[0],
-            records,
-            "mean_update_std",
-            r"std$_o$ of mean($\Delta W_o$)",
-            "Fig. 1(b): spread of the per-filter mean update",
-            log=True,
-        )
-        _panel(
-            axes[1],
-            records,
-            "shift",
-            r"Var$_o$[$n_l$ mean($W_o$)]",
-            "Shift of the average per layer",
-            log=True,
-            alarm=alarm,
-        )
-        paths.append(_save(fig, out / "fig1b_mean_update.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "weight_var", r"mean$_o$ Var[$W_o$]", "Fig. 2(a): filter weight variance", log=True)
-        _panel(
-            axes[1],
-            records,
-            "shift_scale_free",
-            r"Var$_o$[$n_l$ mean($W_o$)] / ($n_l$ Var[W])",
-            "Scale-free shift (1 = random init, 0 = zero-mean filters)",
-            log=False,
-            alarm=alarm,
-        )
-        paths.append(_save(fig, out / "fig2_weight_var.png"))
-
-        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        _panel(axes[0], records, "input_mean_sq", r"E$^2$[$X_l$]", "Fig. 6(a): squared input mean", log=True)
-        _panel(
-            axes[1],
-            records,
-            "input_ratio",
-            r"E$^2$[$X_l$] / E[$X_l^2$]",
-            "Fig. 6(b): input ratio",
-            hline=(1 / math.pi, r"1/$\pi$ (ReLU of a Gaussian)"),
-        )
-        paths.append(_save(fig, out / "fig6_input_ratio.png"))
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        _panel(ax, records, "output_var", r"Var[$Y_l$]", "Output variance per layer", log=True, alarm=alarm)
-        paths.append(_save(fig, out / "output_var.png"))
+    for name, panels in FIGURES.items() if records else ():
+        fig, axes = plt.subplots(1, len(panels), figsize=(7 if len(panels) == 1 else 12, 4.5), squeeze=False)
+        for ax, (key, ylabel, title, opts) in zip(axes[0], panels):
+            _panel(
+                ax,
+                records,
+                key,
+                ylabel,
+                title,
+                opts.get("log", False),
+                alarm if opts.get("alarm") else None,
+                opts.get("hline"),
+            )
+        paths.append(save_figure(fig, out / name))
     if spp is not None and spp.get("entries"):
         paths.append(_spp_figure(spp, out / "spp.png"))
     return paths

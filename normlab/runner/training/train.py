@@ -51,12 +51,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
+from normlab.monitor import CollapseAlarm, CollapseGuard, RunCollapsed, VarianceMonitor, write_monitor_log
 from normlab.nn import RenormSchedule, param_groups
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import RunError, UsageError
 from normlab.runner.io import (
-    append_lines,
     atomic_torch_save,
     atomic_write_json,
     atomic_write_text,
@@ -170,9 +169,10 @@ def _load_checkpoint(path: Path) -> dict:
         ) from None
 
 
-def _alarm_dict(alarm) -> dict:
-    """layer, step, quantity, value, initial of a monitor alarm."""
-    return {k: getattr(alarm, k, None) for k in ("layer", "step", "quantity", "value", "initial")}
+def _alarm_dict(alarm: CollapseAlarm) -> dict:
+    """layer, step, quantity, value, initial (the baseline: the key of the log's alarm event) of a monitor alarm."""
+    d = alarm.to_dict()
+    return {k: d[k] for k in ("layer", "step", "quantity", "value", "initial")}
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):
@@ -611,12 +611,11 @@ class Trainer:
         mon = self.monitor
         if mon is None or not self.is_main:
             return
-        lines = [json_line(r) for r in mon.records[self._monitor_written :]]
-        if mon.alarm is not None and self.state.monitor_alarm is None:
-            lines.append(json_line({"event": "alarm", **mon.alarm.to_dict()}))
-            self.state.monitor_alarm = _alarm_dict(mon.alarm)
-        append_lines(self.monitor_path, lines)
-        self.state.monitor_lines += len(lines)
+        alarm = mon.alarm if mon.alarm is not None and self.state.monitor_alarm is None else None
+        if alarm is not None:
+            self.state.monitor_alarm = _alarm_dict(alarm)
+        new = mon.records[self._monitor_written :]
+        self.state.monitor_lines += write_monitor_log(self.monitor_path, new, alarm, append=True)
         self._monitor_written = len(mon.records)
 
     def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:

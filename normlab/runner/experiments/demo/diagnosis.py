@@ -18,26 +18,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.io import atomic_savefig
+from normlab.monitor.log import load_log
+from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
+from normlab.monitor.records import layer_keys
 
 __all__ = ["load_records", "diagnose_run", "alarm_audit", "plot_diagnosis"]
 
 
 def load_records(run_dir: Path) -> tuple[list[dict], dict | None]:
-    """(layer records, alarm event or None) of ``run_dir/monitor.jsonl``; empty when the run had no monitor."""
+    """(layer records, alarm event or None) of ``run_dir/monitor.jsonl`` read by the validated
+    :func:`~normlab.monitor.log.load_log` (ValueError naming file:line for a bad line); empty when the run had no
+    monitor."""
     path = Path(run_dir) / "monitor.jsonl"
     if not path.is_file():
         return [], None
-    records, alarm = [], None
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        obj = json.loads(line)
-        if obj.get("event") == "alarm":
-            alarm = obj
-        elif "layer" in obj and "step" in obj:
-            records.append(obj)
-    return records, alarm
+    log = load_log(path)
+    return log.records, log.alarm
 
 
 def _terms(records: list[dict], layer: str, step: int | None) -> dict[str, float | None]:
@@ -112,32 +108,34 @@ def _relative(r: dict, key: str) -> float | None:
     return r.get(key)
 
 
+def _drawn(key: str):
+    """The records of conv and linear layers with a value of ``key`` above its noise floor (:data:`NOISE_FLOORS`)."""
+    floor = NOISE_FLOORS.get(key)
+
+    def keep(r: dict) -> bool:
+        if r.get(key) is None or r.get("kind") == "norm":
+            return False
+        rel = _relative(r, floor[0]) if floor else None
+        return rel is None or abs(rel) >= floor[1]
+
+    return keep
+
+
 def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[str, tuple[list, list]], int]:
     """layer -> (steps, values) of ``key`` (conv and linear layers), and how many values were at rounding level
     (:data:`NOISE_FLOORS`) and left out."""
-    out: dict[str, tuple[list, list]] = {}
-    floor, hidden = NOISE_FLOORS.get(key), 0
-    for r in records:
-        if r.get(key) is None or r.get("kind") == "norm" or (max_step is not None and r["step"] > max_step):
-            continue
-        rel = _relative(r, floor[0]) if floor else None
-        if rel is not None and abs(rel) < floor[1]:
-            hidden += 1
-            continue
-        steps, vals = out.setdefault(r["layer"], ([], []))
-        steps.append(r["step"])
-        vals.append(r[key])
-    return out, hidden
+    shown = layer_series(records, key, max_step, keep=_drawn(key))
+    values = layer_series(records, key, max_step, keep=lambda r: r.get(key) is not None and r.get("kind") != "norm")
+    return shown, sum(len(v) for _, v in values.values()) - sum(len(v) for _, v in shown.values())
 
 
 def _panel(
     ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, alarm: dict | None, key: str | None = None
 ) -> None:
     layers, hidden = series
-    for layer, (steps, vals) in layers.items():
-        ax.plot(steps, vals, linewidth=1.0, label=layer)
-    if log and any(v > 0 for _, vals in layers.values() for v in vals if v is not None and math.isfinite(v)):
-        ax.set_yscale("log", nonpositive="mask")
+    draw_series(ax, layers, linewidth=1.0)
+    if log:
+        log_scale(ax, [v for _, vals in layers.values() for v in vals])
     if hidden and key in NOISE_FLOORS:
         _, level, of = NOISE_FLOORS[key]
         ax.text(
@@ -155,8 +153,7 @@ def _panel(
         ax.set_yticks([])
     elif not log:
         ax.ticklabel_format(axis="y", useOffset=False)
-    if alarm and alarm.get("step") is not None:
-        ax.axvline(alarm["step"], color="r", linestyle="--", linewidth=1.2)
+    mark_alarm(ax, alarm)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel, fontsize=8)
@@ -169,6 +166,7 @@ _COLUMNS = (
     ("shift", "shift of the average: Var_o[n mean(W_o)]", "shift (log)", True),
     ("output_var", "output variance per layer", "Var[Y] (log)", True),
 )
+layer_keys(*NOISE_FLOORS, "shift_scale_free", "weight_var", *(column[0] for column in _COLUMNS))  # record keys
 
 
 def _share_log_limits(axes, col: int) -> None:
@@ -225,7 +223,4 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
         "ln 10 (chance loss)",
     ]
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)
-    fig.tight_layout(rect=(0, 0, 0.9, 1))
-    atomic_savefig(fig, path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90, rect=(0, 0, 0.9, 1))

@@ -1,0 +1,229 @@
+"""The monitor log (``monitor.jsonl``): its one writer and its one reader.
+
+:func:`write_monitor_log` writes :mod:`~normlab.monitor.records` as strict JSON lines (non-finite values as null):
+the layer records, then the alarm event, then the spp event. It replaces the file atomically (a link at the target is
+replaced, not followed) or, with ``append=True``, appends (refusing a link): ``VarianceMonitor.to_jsonl``, the
+trainer (one append per epoch) and the Lightning callback all write through it.
+
+:func:`load_log` reads a log back, validated: every line a JSON object, layer records with a string ``layer``, an
+integer ``step`` and numbers (or null) under the number keys, well-formed events; the first bad line is refused in one
+line naming ``file:line``. Logs of earlier versions load (``NaN``/``Infinity`` tokens read as null; an alarm event
+without ``direction`` gets one derived from its value and reason). Lines of events this version does not know are
+skipped, so a newer log still loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from normlab._files import append_bytes, atomic_write
+from normlab.monitor.alarm import CollapseAlarm, direction_of
+from normlab.monitor.records import (
+    ALARM_EVENT,
+    COUNT_KEYS,
+    NUMBER_KEYS,
+    SPP_EVENT,
+    AlarmEvent,
+    LayerRecord,
+    NormRecord,
+    SppEvent,
+    finite_or_null,
+)
+
+__all__ = ["MonitorLog", "write_monitor_log", "load_log", "monitor_lines"]
+
+
+class MonitorLog(NamedTuple):
+    """What :func:`load_log` returns; unpacks as ``records, alarm, spp``.
+
+    Attributes:
+        records: the layer records (:class:`~normlab.monitor.records.LayerRecord`,
+            :class:`~normlab.monitor.records.NormRecord`) in file order.
+        alarm: the alarm event (:class:`~normlab.monitor.records.AlarmEvent`), or None; its file keys ``initial``
+            and ``growth`` hold the baseline and the ratio (:meth:`normlab.monitor.CollapseAlarm.from_dict` makes
+            the alarm of it).
+        spp: the signal-propagation event (:class:`~normlab.monitor.records.SppEvent`), or None.
+
+    Example:
+        >>> records, alarm, spp = MonitorLog([], None, None)
+        >>> records, alarm, spp
+        ([], None, None)
+    """
+
+    records: list[LayerRecord | NormRecord]
+    alarm: AlarmEvent | None
+    spp: SppEvent | None
+
+
+def monitor_lines(
+    records: Iterable[Mapping[str, Any]],
+    alarm: CollapseAlarm | Mapping[str, Any] | None = None,
+    spp: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """The log lines (without newlines) of ``records``, an alarm and spp data: strict JSON, non-finite as null.
+
+    Example:
+        >>> monitor_lines([{"step": 0, "layer": "fc", "index": 0, "type": "Linear", "kind": "linear",
+        ...                 "output_var": float("nan")}])
+        ['{"step": 0, "layer": "fc", "index": 0, "type": "Linear", "kind": "linear", "output_var": null}']
+    """
+    lines = [json.dumps(finite_or_null(dict(r)), allow_nan=False) for r in records]
+    if alarm is not None:
+        body = alarm.to_dict() if hasattr(alarm, "to_dict") else {k: v for k, v in alarm.items() if k != "event"}
+        lines.append(json.dumps(finite_or_null({"event": ALARM_EVENT, **body}), allow_nan=False))
+    if spp is not None:
+        body = {k: v for k, v in spp.items() if k != "event"}
+        lines.append(json.dumps(finite_or_null({"event": SPP_EVENT, **body}), allow_nan=False))
+    return lines
+
+
+def write_monitor_log(
+    path: str | os.PathLike,
+    records: Iterable[Mapping[str, Any]],
+    alarm: CollapseAlarm | Mapping[str, Any] | None = None,
+    spp: Mapping[str, Any] | None = None,
+    append: bool = False,
+) -> int:
+    """Write (or append to) a monitor log; returns the number of lines written.
+
+    Args:
+        path: the log file; its directory is created if missing.
+        records: layer records (:class:`~normlab.monitor.records.LayerRecord` / ``NormRecord`` dicts).
+        alarm: a :class:`~normlab.monitor.CollapseAlarm` (anything with its ``to_dict``) or such a dict, written as
+            the alarm event after the records.
+        spp: :func:`~normlab.monitor.signal_propagation` data, written as the spp event last.
+        append: append to ``path`` (refusing a link there) instead of replacing it atomically.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "monitor.jsonl"
+        >>> rec = {"step": 0, "layer": "fc", "index": 0, "type": "Linear", "kind": "linear", "output_var": 2.0}
+        >>> write_monitor_log(path, [rec]), write_monitor_log(path, [{**rec, "step": 1}], append=True)
+        (1, 1)
+        >>> [r["step"] for r in load_log(path).records]
+        [0, 1]
+    """
+    text = "".join(line + "\n" for line in monitor_lines(records, alarm, spp))
+    data = text.encode("utf-8")
+    if append:
+        append_bytes(path, data)
+    else:
+        atomic_write(path, lambda f: f.write(data))
+    return text.count("\n")
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_record(obj: dict) -> str | None:
+    """What is wrong with a layer record, or None."""
+    if not isinstance(obj["layer"], str) or not _is_int(obj["step"]):
+        return f"expected a string 'layer' and an integer 'step', got {obj['layer']!r} and {obj['step']!r}"
+    if not (obj.get("index") is None or _is_number(obj["index"])):
+        return f"'index' must be a number, got {obj['index']!r}"
+    for key in ("type", "kind"):
+        if key in obj and not isinstance(obj[key], str):
+            return f"{key!r} must be a string, got {obj[key]!r}"
+    for key in NUMBER_KEYS:
+        if key in obj and not (obj[key] is None or _is_number(obj[key])):
+            return f"{key!r} must be a number or null, got {obj[key]!r}"
+    for key in COUNT_KEYS:
+        if key in obj and not (obj[key] is None or _is_int(obj[key])):
+            return f"{key!r} must be an integer, got {obj[key]!r}"
+    return None
+
+
+def _check_alarm(obj: dict) -> str | None:
+    """What is wrong with an alarm event, or None; adds ``direction`` to an old one."""
+    if not (isinstance(obj.get("layer"), str) and _is_int(obj.get("step")) and isinstance(obj.get("quantity"), str)):
+        return "an alarm event needs a string 'layer', an integer 'step' and a string 'quantity'"
+    if any(not (obj.get(k) is None or _is_number(obj[k])) for k in ("value", "initial", "growth")):
+        return "'value', 'initial' and 'growth' of an alarm event must be numbers or null"
+    flagged = obj.setdefault("flagged", [])
+    if not isinstance(flagged, list) or not all(isinstance(f, dict) for f in flagged):
+        return "'flagged' of an alarm event must be a list of objects"
+    for entry in (obj, *flagged):
+        entry.setdefault("direction", direction_of(entry))
+    return None
+
+
+def _check_spp(obj: dict) -> str | None:
+    """What is wrong with a signal-propagation event, or None."""
+    entries = obj.get("entries", [])
+    ok = isinstance(entries, list) and all(
+        isinstance(e, dict)
+        and isinstance(e.get("name"), str)
+        and all(e.get(k) is None or _is_number(e[k]) for k in ("avg_sq_mean", "avg_var", "residual_var"))
+        and "avg_sq_mean" in e
+        and "avg_var" in e
+        for e in entries
+    )
+    return None if ok else "'entries' of an spp event must be objects with a name, avg_sq_mean and avg_var"
+
+
+def _null(token: str) -> None:
+    """``NaN``/``Infinity`` tokens of older logs read as null."""
+    return None
+
+
+def _parse(line: str, where: str) -> dict:
+    try:
+        obj = json.loads(line, parse_constant=_null)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"load_log: {where} is not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"load_log: {where} is not a JSON object (got {type(obj).__name__})")
+    return obj
+
+
+def load_log(path: str | os.PathLike) -> MonitorLog:
+    """Read a monitor log -> :class:`~normlab.monitor.log.MonitorLog` ``(records, alarm, spp)``, validated line by line.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a file.
+        ValueError: the first bad line, named ``file:line``: not a JSON object, a layer record with values of the
+            wrong type, a malformed alarm or spp event, or an object that is neither a record nor an event.
+
+    Example:
+        >>> import tempfile, pathlib
+        >>> path = pathlib.Path(tempfile.mkdtemp()) / "monitor.jsonl"
+        >>> _ = path.write_text('{"step": 0, "layer": "fc", "output_var": NaN}\\n{"step": "0", "layer": "fc"}\\n')
+        >>> load_log(path)
+        Traceback (most recent call last):
+        ...
+        ValueError: load_log: ...monitor.jsonl:2: expected a string 'layer' and an integer 'step', got 'fc' and '0'
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"load_log: monitor log {path} does not exist or is not a file")
+    records, alarm, spp = [], None, None
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            obj = _parse(line, where)
+            event = obj.get("event")
+            if event == ALARM_EVENT:
+                problem, alarm = _check_alarm(obj), obj
+            elif event == SPP_EVENT:
+                problem, spp = _check_spp(obj), obj
+            elif event is not None:
+                continue  # an event of a newer version
+            elif "layer" in obj and "step" in obj:
+                problem = _check_record(obj)
+                records.append(obj)
+            else:
+                problem = "neither a layer record (with 'layer' and 'step') nor an event"
+            if problem is not None:
+                raise ValueError(f"load_log: {where}: {problem}")
+    return MonitorLog(records, alarm, spp)
