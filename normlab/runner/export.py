@@ -22,10 +22,9 @@ import torch
 from torch import nn
 
 from normlab.convert import fold_for_inference
-from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
+from normlab.runner.data.datasets import INPUT_SHAPES
 from normlab.runner.errors import RunError, UsageError, error_line
 from normlab.runner.io import atomic_write
-from normlab.runner.models import build_model
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import read_checkpoint
 
@@ -62,17 +61,7 @@ def load_run_model(path: str | os.PathLike) -> tuple[nn.Module, TrainConfig, tup
         raise UsageError(f"CHECKPOINT {ck_path} is {e}") from None
     cfg = TrainConfig.from_dict(ck["config"]).validate()
     shape = INPUT_SHAPES[cfg.dataset]
-    model = build_model(
-        cfg.model,
-        cfg.norm,
-        cfg.conv,
-        shape[0],
-        DATASET_CLASSES[cfg.dataset],
-        shape,
-        cfg.width,
-        conv_kwargs=cfg.conv_kwargs,
-        **cfg.model_kwargs,
-    )
+    model = cfg.make_model()
     try:
         model.load_state_dict(ck["model"])
     except (RuntimeError, KeyError, TypeError) as e:  # written by another normlab version, or edited

@@ -18,7 +18,6 @@ import torch
 
 from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
 from normlab.runner.grid.spec import Cell
-from normlab.runner.models import build_model
 from normlab.runner.training.config import TrainConfig
 
 __all__ = ["CONFIRM_MINUTES", "cell_steps", "step_seconds", "estimate_minutes"]
@@ -42,17 +41,7 @@ def step_seconds(cfg: TrainConfig, repeats: int = 2) -> float:
     torch.set_num_threads(1)
     try:
         shape = INPUT_SHAPES[cfg.dataset]
-        model = build_model(
-            cfg.model,
-            cfg.norm,
-            cfg.conv,
-            shape[0],
-            DATASET_CLASSES[cfg.dataset],
-            shape,
-            cfg.width,
-            conv_kwargs=cfg.conv_kwargs,
-            **cfg.model_kwargs,
-        )
+        model = cfg.make_model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-6)
         x = torch.randn(cfg.batch_size, *shape)
         y = torch.randint(0, DATASET_CLASSES[cfg.dataset], (cfg.batch_size,))

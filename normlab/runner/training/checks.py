@@ -11,7 +11,6 @@ import torch
 
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import FieldError, UsageError
-from normlab.runner.models import build_model
 from normlab.runner.training.config import TrainConfig
 
 __all__ = ["check_feasible", "check_grid", "load_data"]
@@ -30,17 +29,7 @@ def check_feasible(config: TrainConfig, *, data: tuple | None = None) -> None:
         )
     shape = tuple(info["input_shape"])
     try:
-        net = build_model(
-            config.model,
-            config.norm,
-            config.conv,
-            info["in_channels"],
-            info["num_classes"],
-            shape,
-            config.width,
-            conv_kwargs=config.conv_kwargs,
-            **config.model_kwargs,
-        ).eval()
+        net = config.make_model().eval()
     except (ValueError, TypeError) as e:  # a layer refusing its arguments (e.g. a PWS gamma <= 0)
         raise UsageError(str(e).strip().splitlines()[0]) from None
     try:

@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names, resolve_comparison
-from normlab.runner.data.datasets import DATASET_DIMS, DATASETS
+from normlab.runner.data.datasets import DATASET_CLASSES, DATASET_DIMS, DATASETS, INPUT_SHAPES
 from normlab.runner.errors import FieldError, UsageError
 from normlab.runner.io import from_fields, json_line, to_jsonable
-from normlab.runner.models import MODEL_DIMS, MODELS
+from normlab.runner.models import MODEL_DIMS, MODELS, build_model
 
 __all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device", "resolve_name"]
 
@@ -207,6 +207,30 @@ class TrainConfig:
             resolve_device(self.device)
         except UsageError as e:
             raise FieldError("TrainConfig", "device", str(e)) from None
+
+    def make_model(self, norm_kwargs: dict | None = None) -> torch.nn.Module:
+        """The model this config trains, for its data set's input shape and classes (He init from torch's RNG).
+
+        ``norm_kwargs``: further arguments of every normalization layer (the trainer's BatchRenorm schedule).
+
+        Example:
+            >>> TrainConfig(dataset="mnist1d", model="plain1d", norm="bn", width=0.5).make_model()(
+            ...     torch.randn(2, 1, 40)).shape
+            torch.Size([2, 10])
+        """
+        shape = INPUT_SHAPES[self.dataset]
+        return build_model(
+            self.model,
+            self.norm,
+            self.conv,
+            shape[0],
+            DATASET_CLASSES[self.dataset],
+            shape,
+            self.width,
+            norm_kwargs=norm_kwargs,
+            conv_kwargs=self.conv_kwargs,
+            **self.model_kwargs,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""

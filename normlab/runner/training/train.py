@@ -63,7 +63,6 @@ from normlab.runner.io import (
     json_line,
     remove_stale_temps,
 )
-from normlab.runner.models import build_model
 from normlab.runner.training.collapse import CollapseTracker, loss_window
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
@@ -314,18 +313,7 @@ class Trainer:
         cfg = self.config
         info = self._load_data()
         seed_everything(cfg.seed)
-        self.raw_model = build_model(
-            cfg.model,
-            cfg.norm,
-            cfg.conv,
-            info["in_channels"],
-            info["num_classes"],
-            info["input_shape"],
-            cfg.width,
-            norm_kwargs=self._norm_kwargs(),
-            conv_kwargs=cfg.conv_kwargs,
-            **cfg.model_kwargs,
-        ).to(self.device)
+        self.raw_model = cfg.make_model(norm_kwargs=self._norm_kwargs()).to(self.device)
         self.model = self.raw_model
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
