@@ -255,6 +255,7 @@ def test_real_monitor_writes_records_and_continues_after_resume(tmp_path):
     assert steps == [0, 2, 4, 6, 8]  # 9 optimizer steps, recorded every 2nd
     assert all("output_var" in r for r in recs if "layer" in r)
     assert not s["collapsed"]
+    assert s["monitor_risk"] is None  # 9 healthy steps: no regime warning (the key is there; its plumbing: below)
     # interrupted after epoch 1 (simulated: the first epoch's checkpoint), then resumed: same record steps
     part = tmp_path / "part"
     train(dataclasses.replace(cfg, epochs=1), part, progress=False)
