@@ -222,3 +222,6 @@ def test_the_report_renders_section_c_with_both_figures(tmp_path):
     c = md.split("## (c)")[1].split("## (d)")[0]
     assert "*Regime warning* at step 24" in c and "### Guarded twins" in c and "![](c_guarded_twins.png)" in c
     assert "1 of 1 collapsing runs ended healthy" in md.split("## Protocol")[0]  # the claims table's monitor row
+    del demo["sections"]["guard"]  # a demo.json of an earlier version re-rendered (``normlab report``)
+    render_demo_report(demo, out)
+    assert "No guarded twins in this record" in (out / "report.md").read_text()
