@@ -255,6 +255,7 @@ def test_real_monitor_writes_records_and_continues_after_resume(tmp_path):
     assert steps == [0, 2, 4, 6, 8]  # 9 optimizer steps, recorded every 2nd
     assert all("output_var" in r for r in recs if "layer" in r)
     assert not s["collapsed"]
+    assert s["monitor_risk"] is None  # 9 healthy steps: no regime warning (the key is there; its plumbing: below)
     # interrupted after epoch 1 (simulated: the first epoch's checkpoint), then resumed: same record steps
     part = tmp_path / "part"
     train(dataclasses.replace(cfg, epochs=1), part, progress=False)
@@ -281,17 +282,32 @@ class FakeAlarm:
         return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass
+class FakeRisk:
+    step: int
+    layer: str = "features.1.conv"
+    ratio: float = 2.5
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
 class FakeMonitor:
-    """Stands in for VarianceMonitor: records every step and raises the alarm at step ``fire_at``."""
+    """Stands in for VarianceMonitor: records every step, raises the regime warning at step ``risk_at`` and the alarm
+    at step ``fire_at``."""
 
     fire_at = 4
+    risk_at = 1
 
     def __init__(self, model, every=10, dense_steps=0, dense_every=1):
         self.model, self.every, self.current_step, self.records, self.alarm = model, every, 0, [], None
+        self.risk = None
 
     def step(self, optimizer):
         optimizer.step()
         self.records.append({"step": self.current_step, "layer": "x", "output_var": 1.0})
+        if self.current_step == self.risk_at:
+            self.risk = FakeRisk(self.current_step)
         if self.current_step == self.fire_at:
             self.alarm = FakeAlarm("features.0.conv", self.current_step, "shift", 1e6, 1.0)
         self.current_step += 1
@@ -311,6 +327,7 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
     # the alarm fires at step 4 = the 2nd step of epoch 2
     assert s["collapsed"] and s["collapse_reason"] == "monitor_alarm" and s["collapse_epoch"] == 2
     assert s["monitor_alarm"]["layer"] == "features.0.conv" and s["monitor_alarm"]["step"] == 4
+    assert s["monitor_risk"] == {"step": 1, "layer": "features.1.conv", "ratio": 2.5}  # the regime warning, as is
     assert s["epochs_run"] == 2
     ck = load_ckpt(out / "checkpoint.pt")
     assert ck["state"]["finished"]
@@ -325,6 +342,7 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
     # without stop_on_collapse the alarm is recorded but training goes on
     s2 = train(dataclasses.replace(cfg, stop_on_collapse=False), tmp_path / "go", progress=False)
     assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
+    assert s2["monitor_risk"]["step"] == 1
 
 
 def test_cifar10_format_trains_with_augmentation(tmp_path, monkeypatch):

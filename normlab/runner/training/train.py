@@ -84,6 +84,7 @@ class TrainState:
     collapse_step: int | None = None
     collapse_reason: str | None = None
     monitor_alarm: dict | None = None
+    monitor_risk: dict | None = None  # the monitor's regime warning (mon.risk) as a dict, once raised
     epochs_to_target: int | None = None
     step_time_total: float = 0.0
     steps_total: int = 0
@@ -602,6 +603,8 @@ class Trainer:
         alarm = mon.alarm if mon.alarm is not None and self.state.monitor_alarm is None else None
         if alarm is not None:
             self.state.monitor_alarm = _alarm_dict(alarm)
+        if mon.risk is not None and self.state.monitor_risk is None:
+            self.state.monitor_risk = mon.risk.to_dict()
         new = mon.records[self._monitor_written :]
         self.state.monitor_lines += write_monitor_log(self.monitor_path, new, alarm, append=True)
         self._monitor_written = len(mon.records)
@@ -673,6 +676,7 @@ class Trainer:
             "collapse_step": st.collapse_step,
             "collapse_reason": st.collapse_reason,
             "monitor_alarm": st.monitor_alarm,
+            "monitor_risk": st.monitor_risk,
             "epochs_to_target": st.epochs_to_target,
             "step_time_s": st.step_time_total / st.steps_total if st.steps_total else None,
             "final_test_acc_train_mode": hist[-1].get("test_acc_train_mode") if hist else None,
@@ -707,7 +711,8 @@ def train(
     ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
 
     Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
-    monitor_alarm, epochs_to_target, step_time_s, epochs_run, world_size, history``, and for ``guard``: ``rescues``
+    monitor_alarm, monitor_risk (the regime warning ``mon.risk`` as a dict, or None), epochs_to_target, step_time_s,
+    epochs_run, world_size, history``, and for ``guard``: ``rescues``
     (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost`` and ``guard_gave_up``
     (the message when it gave up, else None).
 

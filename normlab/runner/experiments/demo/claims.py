@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.demo.diagnosis import alarm_audit, diagnose_run
+from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, diagnose_run
+from normlab.runner.experiments.demo.twins import guard_clause, twin_pairs
 from normlab.runner.grid.verdicts import FAIL_MARGIN, TRAIN_FRACTION, chance_level, failed, format_acc, trains
 
 __all__ = [
@@ -324,7 +325,7 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
         return _row("mon", NOT_TESTABLE, "no monitored run of the unnormalized net in section (c)")
     dated = sum(1 for d in plain if d["lead_steps"] is not None and d["lead_steps"] > 0)
     dead = sum(1 for d in plain if d["collapse_reason"] == "never_left_chance" and d["alarm"])
-    audit = alarm_audit([d for sec in diag.values() for d in sec.values()])
+    audit = alarm_audit(audited_runs(diag))
     met = dated + dead >= ALARM_SEEDS and audit["false_alarms"] == 0
     nums = (
         f"unnormalized net, lr {demo['protocol']['collapse_lr']:g}: warned before {dated} dated collapse"
@@ -333,7 +334,8 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
         f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in "
         f"{audit['healthy_runs']} runs that did not collapse"
     )
-    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, nums)
+    guard = guard_clause(twin_pairs(demo, evidence))  # stated as measured; the verdict is the alarm's alone
+    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, nums + (f"; {guard}" if guard else ""))
 
 
 # ------------------------------------------------------------------------------------------------- the table

@@ -1,10 +1,11 @@
-"""Collapse diagnosis from the files a monitored run leaves: alarm, collapse, lead time, variance decomposition.
+"""Collapse diagnosis from the files a monitored run leaves: alarm, regime warning, collapse, lead, decomposition.
 
 For each run (``<cell dir>/summary.json``, ``monitor.jsonl``, ``loss_trace.json``) :func:`diagnose_run` says how it
-ended (:mod:`normlab.runner.training.collapse`), when and where the monitor's alarm fired,
-the lead of the alarm in steps
-(collapse step - alarm step; positive: the alarm came first) and, for the alarmed layer, the two terms of
-``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` at the first record and at the alarm.
+ended (:mod:`normlab.runner.training.collapse`), when and where the monitor's countdown alarm fired and its regime
+warning (``mon.risk``, ``summary.json``'s ``monitor_risk``) was raised, the lead of each in steps
+(collapse step - its step; positive: it came first), for the alarmed layer the two terms of
+``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` at the first record and at the alarm, and for a run with
+``guard=True`` what its :class:`~normlab.monitor.CollapseGuard` did.
 :func:`alarm_audit` counts, over many runs, the alarms before a collapse and the false alarms (runs that did not
 collapse but alarmed). :func:`plot_diagnosis` draws the paper's Figures 1(a), 1(b) and the per-layer output
 variance next to the loss, with the alarm marked.
@@ -22,7 +23,9 @@ from normlab.monitor.log import load_log
 from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
 from normlab.monitor.records import layer_keys
 
-__all__ = ["load_records", "diagnose_run", "alarm_audit", "plot_diagnosis"]
+__all__ = ["load_records", "diagnose_run", "alarm_audit", "audited_runs", "plot_diagnosis", "GUARDED"]
+
+GUARDED = "guard"  # the demo's section of guarded twins: their alarms were acted on, so no audit counts them
 
 
 def load_records(run_dir: Path) -> tuple[list[dict], dict | None]:
@@ -45,8 +48,21 @@ def _terms(records: list[dict], layer: str, step: int | None) -> dict[str, float
     return {"variance_term": row.get("variance_term"), "shift_term": row.get("shift_term"), "step": row.get("step")}
 
 
+def _lead(collapse_step: int | None, event: dict | None) -> int | None:
+    """collapse step - the event's step (None without either)."""
+    if collapse_step is None or not event or event.get("step") is None:
+        return None
+    return collapse_step - event["step"]
+
+
 def diagnose_run(run_dir: Path) -> dict[str, Any]:
-    """How one run ended and what its monitor said, with the decomposition terms at the alarm."""
+    """How one run ended and what its monitor said, with the decomposition terms at the alarm.
+
+    Keys: ``collapsed`` (an alarm that stopped the run is not a collapse), ``collapse_reason``, ``collapse_step``,
+    ``final_test_acc``, ``alarm`` and ``lead_steps``, ``risk`` (the regime warning, None for runs of earlier
+    versions) and ``risk_lead_steps``, ``monitored``, ``steps_run``, ``rescues`` (the guard's, one dict each),
+    ``steps_lost``, ``guard_gave_up``, and ``terms_initial`` / ``terms_at_alarm`` for an alarmed run with records.
+    """
     summary = json.loads((Path(run_dir) / "summary.json").read_text())
     records, event = load_records(run_dir)
     alarm = summary.get("monitor_alarm") or (event and {k: event.get(k) for k in ("layer", "step", "quantity")})
@@ -56,11 +72,15 @@ def diagnose_run(run_dir: Path) -> dict[str, Any]:
         "collapse_step": summary.get("collapse_step"),
         "final_test_acc": summary.get("final_test_acc"),
         "alarm": alarm or None,
-        "lead_steps": None,
+        "lead_steps": _lead(summary.get("collapse_step"), alarm),
+        "risk": summary.get("monitor_risk"),
+        "risk_lead_steps": _lead(summary.get("collapse_step"), summary.get("monitor_risk")),
         "monitored": bool(records),
+        "steps_run": summary.get("steps_run"),
+        "rescues": list(summary.get("rescues") or []),
+        "steps_lost": summary.get("steps_lost") or 0,
+        "guard_gave_up": summary.get("guard_gave_up"),
     }
-    if alarm and out["collapse_step"] is not None and alarm.get("step") is not None:
-        out["lead_steps"] = out["collapse_step"] - alarm["step"]
     if alarm and records:
         out["terms_initial"] = _terms(records, alarm["layer"], None)
         out["terms_at_alarm"] = _terms(records, alarm["layer"], alarm.get("step"))
@@ -86,6 +106,12 @@ def alarm_audit(diagnoses: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "false_alarms": len(false_alarms),
         "dead_runs_alarmed": sum(1 for d in collapsed if d["collapse_step"] is None and d["alarm"]),
     }
+
+
+def audited_runs(diagnoses: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
+    """The diagnoses (section -> cell -> diagnosis) that :func:`alarm_audit` counts: every section's but the guarded
+    twins' (:data:`GUARDED`), whose alarms rolled the run back instead of being observed."""
+    return [d for key, sec in diagnoses.items() if key != GUARDED for d in sec.values()]
 
 
 def _loss_trace(run_dir: Path) -> list[float | None]:
@@ -129,9 +155,19 @@ def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[s
     return shown, sum(len(v) for _, v in values.values()) - sum(len(v) for _, v in shown.values())
 
 
+RISK_STYLE = {"color": "darkorange", "linestyle": "-.", "linewidth": 1.2}  # the regime warning's mark
+
+
 def _panel(
-    ax, series: tuple[dict, int], title: str, ylabel: str, log: bool, alarm: dict | None, key: str | None = None
+    ax,
+    series: tuple[dict, int],
+    title: str,
+    ylabel: str,
+    log: bool,
+    marks: tuple[dict | None, dict | None],
+    key: str | None = None,
 ) -> None:
+    alarm, risk = marks
     layers, hidden = series
     draw_series(ax, layers, linewidth=1.0)
     if log:
@@ -154,6 +190,8 @@ def _panel(
     elif not log:
         ax.ticklabel_format(axis="y", useOffset=False)
     mark_alarm(ax, alarm)
+    if risk and risk.get("step") is not None:
+        ax.axvline(risk["step"], **RISK_STYLE)
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel, fontsize=8)
@@ -179,10 +217,28 @@ def _share_log_limits(axes, col: int) -> None:
                 ax.set_ylim(lo, hi)
 
 
+def _said(ax, alarm: dict | None, risk: dict | None) -> None:
+    """The loss panel's note: where and when the countdown alarm fired and the regime warning was raised."""
+    said = f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm else "no alarm"
+    ax.text(0.97, 0.95, said, ha="right", va="top", fontsize=8, color="r" if alarm else "0.3", transform=ax.transAxes)
+    said = f"regime warning: {risk['layer']}, step {risk['step']}" if risk else "no regime warning"
+    ax.text(
+        0.97,
+        0.62,
+        said,
+        ha="right",
+        va="top",
+        fontsize=8,
+        color=RISK_STYLE["color"] if risk else "0.3",
+        transform=ax.transAxes,
+    )
+
+
 def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int | None = 100) -> Path | None:
     """One row per (label, run dir): loss, Fig. 1(a) update ratio, Fig. 1(b) spread of the per-filter mean update,
     the shift of the average and the output variance per layer over the first ``max_step`` steps; the red dashed
-    line is the monitor's alarm (named in the row's loss panel). Values at rounding level are not drawn."""
+    line is the monitor's countdown alarm, the orange dash-dotted line its regime warning (both named in the row's
+    loss panel). Values at rounding level are not drawn."""
     runs = [(label, Path(d)) for label, d in runs if (Path(d) / "monitor.jsonl").is_file()]
     if not runs:
         return None
@@ -195,31 +251,28 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     fig, axes = plt.subplots(len(runs), 5, figsize=(22, 3.2 * len(runs)), squeeze=False, sharex=True)
     for row, (label, run_dir) in zip(axes, runs):
         records, _ = load_records(run_dir)
-        alarm = diagnose_run(run_dir)["alarm"]
+        diag = diagnose_run(run_dir)
+        marks = (diag["alarm"], diag["risk"])
         losses = _loss_trace(run_dir)[: (max_step or 10**9) + 1]
         row[0].plot(range(len(losses)), [math.nan if v is None else v for v in losses], color="k", linewidth=1)
         row[0].axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
-        said = f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm else "no alarm"
-        row[0].text(
-            0.97,
-            0.95,
-            said,
-            ha="right",
-            va="top",
-            fontsize=8,
-            color="r" if alarm else "0.3",
-            transform=row[0].transAxes,
-        )
-        _panel(row[0], ({}, 0), f"{label}: training loss", "loss", False, alarm)
+        _said(row[0], *marks)
+        _panel(row[0], ({}, 0), f"{label}: training loss", "loss", False, marks)
         for ax, (key, title, ylabel, log) in zip(row[1:], _COLUMNS):
-            _panel(ax, _series(records, key, max_step), title, ylabel, log, alarm, key)
+            _panel(ax, _series(records, key, max_step), title, ylabel, log, marks, key)
     for col in range(1, 5):
         _share_log_limits(axes, col)
     handles, labels = axes[0][4].get_legend_handles_labels()
-    handles += [Line2D([], [], color="r", linestyle="--"), Line2D([], [], color="0.5", linestyle=":")]
+    handles += [
+        Line2D([], [], color="r", linestyle="--"),
+        Line2D([], [], **RISK_STYLE),
+        Line2D([], [], color="0.5", linestyle=":"),
+    ]
     labels += [
-        "monitor alarm\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
+        "countdown alarm (mon.alarm)\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
         "whose input collapsed)",
+        "regime warning (mon.risk)\n(a layer's shift term stayed\nabove its variance term, or\na PWS layer's variance\n"
+        "term kept growing)",
         "ln 10 (chance loss)",
     ]
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)

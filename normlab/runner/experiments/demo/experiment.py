@@ -9,8 +9,9 @@ b. ``batch_size``: BN / BRN / GN / SN / PWS at batch 128, 4 and 2 with the learn
    (train mode);
 c. ``collapse``: the collapse diagnosis at the paper's width, the monitor recording every step of the first steps
    of none / BN / PWS at the collapsing learning rate (alarm, lead time in steps, the two terms of the output
-   variance, Figures 1(a), 1(b), the shift and the output variance per layer) and the false-alarm count over every
-   monitored run of the demo;
+   variance, Figures 1(a), 1(b), the shift and the output variance per layer), the regime warning (``mon.risk``),
+   the false-alarm count over every monitored run of the demo, and ``guard``: the guarded twins, the unnormalized
+   runs of (c) again with a :class:`~normlab.monitor.CollapseGuard` (``guard=True``), beside their unguarded runs;
 d. the cost of one training step per normalization, timed side by side.
 
 The protocol (:data:`PROTOCOL`) was fixed from pilot runs on other seeds before the demo's own seeds ran;
@@ -56,6 +57,10 @@ class DemoProtocol:
     collapse_norms: tuple[str, ...] = ("none", "bn", "pws", "pws:gamma=0.01")
     collapse_lr: float = 0.1
     collapse_steps: int = 100
+    # (c) guarded twins: section (c)'s runs of guard_norm (same width, lr, steps, monitor) with guard=True, on
+    # guard_seeds (the rule was fixed before any guarded run: every demo seed of the unnormalized net)
+    guard_norm: str = "none"
+    guard_seeds: tuple[int, ...] = (0, 1, 2)
     # (b) batch size, lr scaled linearly, equal epochs on a subset
     batch_width: float = 0.25
     batch_norms: tuple[str, ...] = ("bn", "brn", "gn", "sn", "pws")
@@ -81,6 +86,7 @@ QUICK_PROTOCOL = DemoProtocol(
     collapse_width=0.125,
     collapse_norms=("none", "pws"),
     collapse_steps=6,
+    guard_seeds=(0,),
     batch_width=0.125,
     batch_norms=("bn", "gn"),
     batch_sizes=(64, 4),
@@ -92,7 +98,7 @@ QUICK_PROTOCOL = DemoProtocol(
 
 
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
-    """The grids of sections (a), (c) and (b), all on MNIST-1D with the plain net in 1-D."""
+    """The grids of sections (a), (c), (c)'s guarded twins and (b), all on MNIST-1D with the plain net in 1-D."""
     data = {"num_samples": p.num_samples}
     lr_sweep = GridSpec(
         norms=p.lr_norms,
@@ -118,6 +124,12 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
         max_steps_per_epoch=p.collapse_steps,
         train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1},
     )
+    guard = dataclasses.replace(
+        collapse,
+        norms=(p.guard_norm,),
+        seeds=p.guard_seeds,
+        train_kwargs={**collapse.train_kwargs, "guard": True},
+    )
     batch = GridSpec(
         norms=p.batch_norms,
         lrs=(p.base_lr,),
@@ -137,7 +149,7 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
             "monitor_every": p.batch_monitor_every,
         },
     )
-    return {"lr_sweep": lr_sweep, "collapse": collapse, "batch_size": batch}
+    return {"lr_sweep": lr_sweep, "collapse": collapse, "guard": guard, "batch_size": batch}
 
 
 def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:

@@ -18,12 +18,13 @@ from normlab.runner.experiments.demo.claims import (
     criteria_markdown,
     timing_verdict,
 )
-from normlab.runner.experiments.demo.diagnosis import alarm_audit, plot_diagnosis
+from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, plot_diagnosis
 from normlab.runner.experiments.demo.plots import batch_plot, loss_curves_plot, lr_plot
+from normlab.runner.experiments.demo.twins import plot_twins, twin_pairs, twins_markdown
 from normlab.runner.grid.verdicts import CRITERIA, format_acc
 from normlab.runner.io import atomic_write_text
 
-__all__ = ["render_demo_report", "first_table"]
+__all__ = ["render_demo_report", "first_table", "risk_sentence", "alarm_sentence"]
 
 
 def _groups(results: dict) -> dict[tuple[str, float, int], dict]:
@@ -125,15 +126,63 @@ def _outcome(d: dict) -> str:
     }.get(d["collapse_reason"], str(d["collapse_reason"]))
 
 
+def _risk_cell(d: dict) -> str:
+    r = d.get("risk")
+    return "none" if not r else f"{r['layer']}, {r['step']}, {r['ratio']:.3g}"
+
+
+def risk_sentence(d: dict) -> str:
+    """The regime warning of a run in one or two sentences (``mon.risk``: step, layer, the two terms, their ratio,
+    the suggestion and ``suggested_lr``)."""
+    r = d.get("risk")
+    if not r:
+        return "*Regime warning*: none."
+    if r["case"] == "pws":
+        what = (
+            f"the variance term n E[W^2] Var[X] of this standardized conv grew to {r['variance_term']:.3g}, "
+            f"{r['ratio']:.3g}x its first value"
+        )
+    else:
+        what = (
+            f"its shift term E^2[X] Var_o[n E[W_o]] = {r['shift_term']:.3g} exceeded its variance term "
+            f"n E[W^2] Var[X] = {r['variance_term']:.3g} (ratio {r['ratio']:.3g})"
+        )
+    lead = d.get("risk_lead_steps")
+    when = "" if lead is None else f", {lead} steps before the collapse" if lead >= 0 else f", {-lead} steps after it"
+    lr = r.get("suggested_lr")
+    return (
+        f"*Regime warning* at step {r['step']} in `{r['layer']}`: {what}, sustained over the monitor's window{when}. "
+        f'Its suggestion: "{r["suggestion"]}"' + ("." if lr is None else f" (`suggested_lr` {lr:.3g}).")
+    )
+
+
+def alarm_sentence(d: dict) -> str:
+    """The countdown alarm of a run in one sentence: step, layer, quantity, the lead before the collapse."""
+    a = d.get("alarm")
+    if not a:
+        return "*Countdown alarm*: none."
+    lead = d.get("lead_steps")
+    if d.get("collapse_reason") == "never_left_chance":
+        when = "the network never learned (dead), so there is no moment of collapse for it to precede"
+    elif lead is None:
+        when = "the run did not collapse"
+    elif lead >= 0:
+        when = f"{lead} step{'' if lead == 1 else 's'} before the collapse at step {d['collapse_step']}"
+    else:
+        when = f"{-lead} step{'' if lead == -1 else 's'} after the collapse at step {d['collapse_step']} (too late)"
+    return f"*Countdown alarm* at step {a['step']} in `{a['layer']}` ({a.get('quantity')}): {when}."
+
+
 def _diagnosis_section(out: Path, demo: dict, evidence: dict) -> tuple[list[str], list[tuple[str, Path]]]:
     lr = float(demo["protocol"]["collapse_lr"])
     diag = evidence.get("diagnoses") or {}
     cells = [c for c in demo["sections"]["collapse"]["cells"] if float(c["lr"]) == lr]
     lines = [
-        "| norm | seed | outcome | alarm (layer, step, quantity) | lead (steps) | terms of Var[Y] at the alarmed "
-        "layer, step 0 -> alarm |",
-        "|---|---|---|---|---|---|",
+        "| norm | seed | outcome | regime warning (layer, step, shift / variance) | alarm (layer, step, quantity) "
+        "| lead (steps) | terms of Var[Y] at the alarmed layer, step 0 -> alarm |",
+        "|---|---|---|---|---|---|---|",
     ]
+    told = []
     for c in cells:
         d = diag.get("collapse", {}).get(c["cell"])
         if not d:
@@ -141,11 +190,20 @@ def _diagnosis_section(out: Path, demo: dict, evidence: dict) -> tuple[list[str]
         a = d["alarm"]
         alarm = "none" if not a else f"{a['layer']}, {a['step']}, {a['quantity']}"
         lead = "-" if d["lead_steps"] is None else d["lead_steps"]
-        lines.append(f"| {c['name']} | {c['seed']} | {_outcome(d)} | {alarm} | {lead} | {_terms_text(d)} |")
-    audit = alarm_audit([d for sec in diag.values() for d in sec.values()])
+        lines.append(
+            f"| {c['name']} | {c['seed']} | {_outcome(d)} | {_risk_cell(d)} | {alarm} | {lead} | {_terms_text(d)} |"
+        )
+        if d["collapsed"]:
+            told.append(f"- **{c['name']} seed {c['seed']}** ({_outcome(d)}): {risk_sentence(d)} {alarm_sentence(d)}")
+    audit = alarm_audit(audited_runs(diag))
     lines += [
         "",
-        f"Over all {audit['monitored_runs']} monitored runs of the demo: {audit['collapsed_runs']} collapsed "
+        "What the monitor said of each run that collapsed:",
+        "",
+        *(told or ["- no run of this section collapsed."]),
+        "",
+        f"Over all {audit['monitored_runs']} monitored runs of the demo (the guarded twins below not counted): "
+        f"{audit['collapsed_runs']} collapsed "
         f"({audit['datable_collapses']} with a collapse step, {audit['warned_in_time']} warned before it, leads "
         f"{audit['leads']} steps; {audit['dead_runs_alarmed']} of the dead ones alarmed), "
         f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false "
@@ -217,7 +275,7 @@ def _md_header(demo: dict) -> list[str]:
     ]
 
 
-def _sections_md(demo: dict, evidence: dict, diag_lines: list[str]) -> list[str]:
+def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: list[str]) -> list[str]:
     a, b, p = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"], demo["protocol"]
     md = [
         f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {p['lr_steps']} steps)",
@@ -256,6 +314,11 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str]) -> list[str]
         "",
         "![](c_collapse_diagnosis.png)",
         "",
+        f"### Guarded twins: the {p.get('guard_norm', 'none')} runs above again with `guard=True` "
+        "(`normlab train --guard`)",
+        "",
+        *twin_lines,
+        "",
     ]
     md += ["## (d) Cost of a training step", "", *_cost_section(demo["cost"])]
     return md
@@ -277,6 +340,9 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     ]
     diag_lines, picks = _diagnosis_section(out, demo, evidence)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))
-    md = _md_header(demo) + _sections_md(demo, evidence, diag_lines)
+    pairs = twin_pairs(demo, evidence)
+    plots.append(plot_twins(pairs, out, out / "c_guarded_twins.png"))
+    twin_lines = twins_markdown(pairs, "c_guarded_twins.png" if plots[-1] is not None else None)
+    md = _md_header(demo) + _sections_md(demo, evidence, diag_lines, twin_lines)
     path = atomic_write_text(out / "report.md", "\n".join(md))
     return [path, *(p for p in plots if p is not None)]

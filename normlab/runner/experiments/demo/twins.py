@@ -1,0 +1,200 @@
+"""The demo's guarded twins: section (c)'s unnormalized runs again with ``guard=True``, beside their unguarded runs.
+
+A twin is the same configuration and seed (same width, learning rate, steps, monitor), trained through a
+:class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``): on a countdown alarm or a non-finite loss it
+restores the last snapshot from before the trouble and halves the learning rate. Both runs take the same batches; the
+steps thrown away at a rollback are not taken again, so the guarded twin ends after ``steps - steps_lost`` kept steps.
+
+:func:`twin_pairs` pairs the runs from a demo record's diagnoses, :func:`twins_markdown` writes the report's lines,
+:func:`guard_clause` the clause of the claims table's monitor row and :func:`plot_twins` the figure (loss curves of
+both twins, rescues marked).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from normlab.monitor.plotting import save_figure
+from normlab.runner.experiments.demo.diagnosis import GUARDED
+from normlab.runner.training.train import GUARD_EVERY
+
+__all__ = ["twin_pairs", "ended_healthy", "twin_summary", "rescue_text", "twins_markdown", "guard_clause", "plot_twins"]
+
+
+def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any]) -> list[dict[str, Any]]:
+    """The guarded runs of ``demo`` and their unguarded twins in section (c): ``[{"cell", "name", "seed",
+    "unguarded", "guarded"}]`` (the two runs' diagnoses), in the guarded section's order; empty for a record without
+    guarded twins (earlier versions)."""
+    sec = demo["sections"].get(GUARDED)
+    diag = evidence.get("diagnoses") or {}
+    if not sec:
+        return []
+    guarded, plain = diag.get(GUARDED) or {}, diag.get("collapse") or {}
+    return [
+        {**{k: c[k] for k in ("cell", "name", "seed")}, "unguarded": plain[c["cell"]], "guarded": guarded[c["cell"]]}
+        for c in sec["cells"]
+        if c["cell"] in guarded and c["cell"] in plain
+    ]
+
+
+def ended_healthy(d: dict[str, Any]) -> bool:
+    """A run ended healthy: it did not collapse (not dead, not back to chance, no non-finite loss), has a final
+    accuracy, and its guard (if any) did not give up."""
+    return not d["collapsed"] and not d.get("guard_gave_up") and d.get("final_test_acc") is not None
+
+
+def twin_summary(pairs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Counts over the pairs: ``collapsing`` (unguarded twin collapsed), ``saved`` (of those, the guarded twin ended
+    healthy), ``healthy`` (unguarded twin did not collapse) and ``changed`` (of those, the guard rescued anyway)."""
+    collapsing = [p for p in pairs if p["unguarded"]["collapsed"]]
+    healthy = [p for p in pairs if not p["unguarded"]["collapsed"]]
+    return {
+        "pairs": len(pairs),
+        "collapsing": len(collapsing),
+        "saved": sum(ended_healthy(p["guarded"]) for p in collapsing),
+        "healthy": len(healthy),
+        "changed": sum(bool(p["guarded"]["rescues"]) for p in healthy),
+    }
+
+
+def rescue_text(r: dict[str, Any]) -> str:
+    """One rescue in words: ``step 10 (monitor alarm: ...): back to step 0, lr 0.1 -> 0.05, 10 steps lost``."""
+    why = str(r.get("reason", "?")).split(" (baseline")[0]
+    return (
+        f"step {r['step']} ({why}): back to step {r['restored_step']}, lr {r['lr_before']:g} -> {r['lr_after']:g}, "
+        f"{r['steps_lost']} step{'' if r['steps_lost'] == 1 else 's'} lost"
+    )
+
+
+def _acc(d: dict[str, Any]) -> str:
+    a = d.get("final_test_acc")
+    return "n/a" if a is None else f"{100 * a:.1f} %"
+
+
+def _ended(d: dict[str, Any]) -> str:
+    if d.get("guard_gave_up"):
+        return "guard gave up"
+    if not d["collapsed"]:
+        return "did not collapse"
+    return {"non_finite_loss": "non-finite", "returned_to_chance": "back to chance", "never_left_chance": "dead"}.get(
+        d["collapse_reason"], str(d["collapse_reason"])
+    )
+
+
+def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None) -> list[str]:
+    """The report's lines on the guarded twins: a table (outcome and final accuracy of each twin, the guard's rescues),
+    the counts of :func:`twin_summary` and the figure."""
+    if not pairs:
+        return ["No guarded twins in this record (a demo of an earlier version)."]
+    lines = [
+        "| run | unguarded: ended, final acc | guarded: ended, final acc | the guard's rescues | steps kept |",
+        "|---|---|---|---|---|",
+    ]
+    for p in pairs:
+        u, g = p["unguarded"], p["guarded"]
+        rescues = "; ".join(rescue_text(r) for r in g["rescues"]) or "none"
+        if g.get("guard_gave_up"):
+            rescues += f"; gave up: {g['guard_gave_up']}"
+        lines.append(
+            f"| {p['name']} seed {p['seed']} | {_ended(u)}, {_acc(u)} | {_ended(g)}, {_acc(g)} | {rescues} "
+            f"| {g.get('steps_run')} |"
+        )
+    s = twin_summary(pairs)
+    lines += [
+        "",
+        f"Of the {s['collapsing']} unguarded run{'' if s['collapsing'] == 1 else 's'} that collapsed, **{s['saved']} "
+        f"ended healthy with the guard** (not dead, not back to chance, finite); of the {s['healthy']} that did not "
+        f"collapse, the guard rescued {s['changed']} anyway (a rescue on a healthy run changes it: it counts against "
+        f"the guard). A rescue restores the newest snapshot (one every {GUARD_EVERY} steps) taken at least "
+        f"{GUARD_EVERY} steps before the trouble, or the first one (step 0), and lowers the learning rate; the batches "
+        f"of the lost steps are not replayed.",
+    ]
+    if figure:
+        lines += ["", f"![]({figure})"]
+    return lines
+
+
+def guard_clause(pairs: Sequence[dict[str, Any]]) -> str | None:
+    """The clause of the claims table's monitor row, as measured: ``guard (...): 2 of 2 collapsing runs ended healthy
+    (acc 36.6 %, 30.6 % vs 10.3 %, 9.6 % unguarded); 1 of 1 healthy run rescued anyway``; None without twins."""
+    if not pairs:
+        return None
+    s = twin_summary(pairs)
+    coll = [p for p in pairs if p["unguarded"]["collapsed"]]
+    text = f"guard (the same runs with --guard): {s['saved']} of {s['collapsing']} collapsing runs ended healthy"
+    if coll:
+        text += (
+            f" (acc {', '.join(_acc(p['guarded']) for p in coll)} vs {', '.join(_acc(p['unguarded']) for p in coll)} "
+            f"unguarded)"
+        )
+    if s["healthy"]:
+        text += f"; {s['changed']} of {s['healthy']} healthy run{'' if s['healthy'] == 1 else 's'} rescued anyway"
+    return text
+
+
+def _loss(run_dir: Path) -> list[float]:
+    """The run's loss of every kept step (NaN where it was not finite); empty without a loss trace."""
+    path = run_dir / "loss_trace.json"
+    return [math.nan if v is None else v for v in json.loads(path.read_text())["losses"]] if path.is_file() else []
+
+
+def _panel(ax, pair: dict[str, Any], out: Path) -> None:
+    """One pair: both loss curves, each rescue's trouble step and the step it went back to."""
+    u, g = pair["unguarded"], pair["guarded"]
+    runs = ((u, out / "collapse", "0.45", "unguarded"), (g, out / GUARDED, "tab:blue", "guarded"))
+    for d, run_dir, color, who in runs:
+        losses = _loss(run_dir / "runs" / pair["cell"])
+        ax.plot(range(len(losses)), losses, color=color, linewidth=1.1, label=f"{who}: {_ended(d)}, {_acc(d)}")
+    ax.axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
+    for i, r in enumerate(g["rescues"]):
+        ax.axvline(r["step"], color="r", linestyle=":", linewidth=1.2)
+        ax.axvline(r["restored_step"], color="tab:green", linestyle="--", linewidth=1.2)
+        ax.text(
+            0.97,
+            0.76 - 0.08 * i,
+            f"rescue {i + 1}: trouble at step {r['step']}, back to {r['restored_step']}, lr {r['lr_before']:g} -> "
+            f"{r['lr_after']:g}",
+            ha="right",
+            fontsize=7,
+            color="tab:green",
+            transform=ax.transAxes,
+        )
+    ax.set_title(f"{pair['name']} seed {pair['seed']}: loss, unguarded vs guarded", fontsize=9)
+    ax.set_xlabel("step (kept steps of each run)")
+    ax.set_ylabel("training loss", fontsize=8)
+    ax.legend(fontsize=7, loc="upper right")
+    ax.grid(alpha=0.3)
+
+
+def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path) -> Path | None:
+    """One panel per pair: the training loss of the unguarded (grey) and the guarded (blue) run; for each rescue a red
+    dotted line where the guard saw the trouble and a green dashed line at the step it restored (from there on the
+    guarded run goes on at the lowered learning rate). None without pairs that have loss traces."""
+    pairs = [p for p in pairs if (Path(out) / GUARDED / "runs" / p["cell"] / "loss_trace.json").is_file()]
+    if not pairs:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 3.6), squeeze=False, sharey=True)
+    for ax, pair in zip(axes[0], pairs):
+        _panel(ax, pair, Path(out))
+    handles = [
+        Line2D([], [], color="r", linestyle=":"),
+        Line2D([], [], color="tab:green", linestyle="--"),
+        Line2D([], [], color="0.5", linestyle=":"),
+    ]
+    labels = [
+        "guard saw trouble\n(countdown alarm or\nnon-finite loss/gradient)",
+        "rolled back to this step,\nlearning rate lowered",
+        "ln 10 (chance loss)",
+    ]
+    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
+    return save_figure(fig, path, dpi=90, rect=(0, 0, 0.86, 1))
