@@ -155,6 +155,19 @@ def test_rng_and_monitor_state_are_restored():
     assert torch.equal(torch.rand(4), expected)
     _train(model, opt, batches[3:5], guard, poison=(1,))  # trouble at step 4 -> back to step 0 (4 - 3 = 1 < 3)
     assert guard.rescues[0].restored_step == 0 and mon.current_step == 0 and guard.steps == 0
+    assert mon.records == []  # the abandoned steps' records went with them
+
+
+def test_the_monitor_keeps_one_record_per_layer_and_step_across_rescues():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, every=1)
+    guard = CollapseGuard(model, opt, mon, every=2, margin=2, max_rescues=3)
+    _train(model, opt, _batches(12), guard, poison=(5, 9))
+    assert len(guard.rescues) == 2
+    keys = [(r["step"], r["layer"]) for r in mon.records]
+    assert len(keys) == len(set(keys)) and [k[0] for k in keys] == sorted(k[0] for k in keys)
+    assert {k[0] for k in keys} == set(range(mon.current_step))
 
 
 def test_a_monitor_alarm_is_trouble_dated_to_the_alarm():

@@ -594,6 +594,20 @@ def test_guard_rolls_a_diverging_run_back_with_half_the_rate(tmp_path):
     assert len(losses) == s["steps_run"] and all(v is not None for v in losses)
 
 
+def test_a_rollback_into_an_earlier_epoch_leaves_no_abandoned_records_in_monitor_jsonl(tmp_path):
+    # epochs of 5 steps, snapshots every 50 steps: the alarms at steps 3, 4, 5 (seed 100, lr 0.3) each go back
+    # to step 0, the later ones past records an earlier epoch already wrote; the log then holds each (step, layer)
+    # once, the steps actually kept
+    cfg = tiny(norm="none", width=0.125, lr=0.3, epochs=4, max_steps_per_epoch=5, seed=100, guard=True, monitor_every=1)
+    s = train(cfg, tmp_path / "run", progress=False)
+    lost = sum(r["steps_lost"] for r in s["rescues"])
+    assert lost > 5 and s["steps_run"] > 0  # a rollback reached into an earlier epoch; some steps were kept
+    log = normlab.monitor.load_log(tmp_path / "run" / "monitor.jsonl")
+    keys = [(rec["step"], rec["layer"]) for rec in log.records]
+    assert len(keys) == len(set(keys))
+    assert {k[0] for k in keys} == set(range(s["steps_run"]))
+
+
 def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):
     cfg = tiny(norm="none", width=0.125, lr=10.0, epochs=3, max_steps_per_epoch=20, seed=100, guard=True)
     s = train(cfg, tmp_path / "run", progress=False)

@@ -293,6 +293,9 @@ class CollapseGuard:
         if self.monitor is not None:
             self.monitor.load_state_dict(copy.deepcopy(s["monitor"]))
             self._alarm = getattr(self.monitor, "alarm", None)
+            records = getattr(self.monitor, "records", None)
+            if isinstance(records, list):  # the abandoned steps' records go with them
+                records[:] = [r for r in records if r.get("step", -1) < self.monitor.current_step]
         _set_rng_state(s["rng"])
         self.optimizer.zero_grad(set_to_none=True)
         self.steps = snap.step

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from normlab.monitor import CollapseAlarm, CollapseGuard, RunCollapsed, VarianceMonitor, write_monitor_log
+from normlab.monitor import CollapseAlarm, CollapseGuard, RunCollapsed, VarianceMonitor, load_log, write_monitor_log
 from normlab.nn import RenormSchedule, param_groups
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import RunError, UsageError
@@ -605,6 +605,10 @@ class Trainer:
             self.state.monitor_alarm = _alarm_dict(alarm)
         if mon.risk is not None and self.state.monitor_risk is None:
             self.state.monitor_risk = mon.risk.to_dict()
+        if len(mon.records) < self._monitor_written:  # the guard rolled back past records already in the file
+            logged = load_log(self.monitor_path).alarm if self.monitor_path.exists() else None
+            self.state.monitor_lines = write_monitor_log(self.monitor_path, mon.records, logged)
+            self._monitor_written = len(mon.records)
         new = mon.records[self._monitor_written :]
         self.state.monitor_lines += write_monitor_log(self.monitor_path, new, alarm, append=True)
         self._monitor_written = len(mon.records)
