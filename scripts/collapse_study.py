@@ -41,14 +41,14 @@ FIRST_SEED = 100
 
 
 # ---------------------------------------------------------------------------------------------- collection
-def configs(seeds):
+def configs(seeds, widths=WIDTHS):
     out = []
     for seed in seeds:
         for norm in NORMS:
-            for width in WIDTHS:
+            for width in widths:
                 for lr in LRS:
                     out.append(dict(norm=norm, width=width, lr=lr, seed=seed))
-        for width in WIDTHS:
+        for width in widths:
             out.append(dict(norm="bn", width=width, lr=CONTROL_LR, seed=seed))
     return out
 
@@ -76,10 +76,15 @@ def _grad_norm(model) -> float:
     return float(torch.cat(gs).norm()) if gs else 0.0
 
 
+LAYER_KEYS = ("output_var", "shift_term", "variance_term", "input_sq", "shift", "shift_scale_free")
+
+
 def _layer_line(records) -> dict:
+    """Per layer the values of LAYER_KEYS (non-finite and absent as None); the last two (the kernel's shift and
+    scale-free shift) are what the shipped detectors read besides the first four (``evaluate``)."""
     out = {}
     for r in records:
-        d = {k: r.get(k) for k in ("output_var", "shift_term", "variance_term", "input_sq")}
+        d = {k: r.get(k) for k in LAYER_KEYS}
         out[r["layer"]] = [None if (v is None or not math.isfinite(v)) else v for v in d.values()]
     return out
 
@@ -113,9 +118,10 @@ def _old_check(old, step, records):
 
 
 def train_run(cfg, steps=None, guard_kwargs=None):
-    """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard (the
-    monitor then has its default alarm and regime warning); else the monitor only records, and the old alarm
-    (:func:`_old_detector`) is replayed on its records."""
+    """Train one run; returns (header, step lines, summary). The monitor has the shipped defaults (factor rules,
+    countdown alarm, regime warning): ``summary["alarm"]`` and ``summary["risk"]`` are what it raised (they do not
+    change the run). ``guard_kwargs``: train under a CollapseGuard; else the old alarm (:func:`_old_detector`) is
+    replayed on the records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.training.collapse import CollapseTracker
@@ -125,9 +131,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     study = guard_kwargs is None
-    mon = VarianceMonitor(
-        model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False) if study else {})
-    )
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -208,10 +212,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def collect(out_dir: Path, seeds, workers: int) -> None:
+def parse_widths(text: str) -> tuple[float, ...]:
+    try:
+        widths = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--widths: expected comma-separated numbers such as 0.5,1.0, got {text!r}") from None
+    if not widths or min(widths) <= 0:
+        raise SystemExit(f"--widths: expected widths > 0, got {text!r}")
+    return widths
+
+
+def collect(out_dir: Path, seeds, workers: int, widths=WIDTHS) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _data()  # generate once so that the workers read the same arrays
-    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds)]
+    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds, widths)]
     with ProcessPoolExecutor(workers) as ex:
         for name, kind, dt in ex.map(_collect_one, jobs):
             print(f"{name}: {kind} ({dt:.0f} s)", flush=True)
@@ -533,9 +547,10 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="100-103")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--widths", default=",".join(str(w) for w in WIDTHS), help="collect: comma-separated widths")
     a = p.parse_args(argv)
     if a.command == "collect":
-        collect(a.out, parse_seeds(a.seeds), a.workers)
+        collect(a.out, parse_seeds(a.seeds), a.workers, parse_widths(a.widths))
     elif a.command == "analyze":
         print(analyze(load_runs(a.out)))
     elif a.command == "guard":
