@@ -574,6 +574,20 @@ def evaluated(run) -> dict:
     )
 
 
+def _outcomes(runs) -> list[str]:
+    """Per norm and learning rate: how many runs ended each way, and their collapse steps."""
+    out = []
+    for norm, lr in sorted({(r["cfg"]["norm"], r["cfg"]["lr"]) for r in runs}):
+        cell = [r for r in runs if (r["cfg"]["norm"], r["cfg"]["lr"]) == (norm, lr)]
+        kinds = sorted({str(r["kind"]) for r in cell})
+        parts = []
+        for k in kinds:
+            steps = sorted(r["cstep"] for r in cell if str(r["kind"]) == k and r["cstep"] is not None)
+            parts.append(f"{k} {sum(str(r['kind']) == k for r in cell)}" + (f" (steps {steps})" if steps else ""))
+        out.append(f"  {norm} lr {lr}: " + ", ".join(parts))
+    return out
+
+
 def _run_line(r) -> str:
     return (
         f"  {run_name(r['cfg'])}: {r['kind']} at {r['cstep']} acc {r['test_acc']} | alarm {r['alarm']} "
@@ -591,6 +605,7 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
         + ", ".join(f"{k}: {sum(str(r['kind']) == k for r in runs)}" for k in kinds)
     ]
     off = [run_name(r["cfg"]) for r in runs if (r["alarm"], r["risk"]) != (r["replay_alarm"], r["replay_risk"])]
+    out += _outcomes(runs)
     out.append(f"replay of the shipped detectors differs from the live monitor on {len(off)} runs {off}")
     for rule in ("alarm", "countdown", "old"):
         name = {"alarm": "shipped alarm (mon.alarm)", "countdown": "shipped countdown only", "old": "old factor rules"}
