@@ -653,7 +653,8 @@ def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2, wi
     healthy = [g for g in results if before[run_name(g["cfg"])] is None]
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
     lines = [
-        f"guarded collapsing runs (none/pws, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
+        f"guarded collapsing runs (none/pws, {f'seeds {seeds}' if seeds else f'seed parity {parity}'}): "
+        f"{len(ok)} of {len(coll)} end healthy",
         f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}",
     ]
     for g in results:
