@@ -1,17 +1,20 @@
 """Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d`` (docs/monitor.md).
 
-    python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2]
-    python scripts/collapse_study.py analyze  [--out runs/collapse_study] [--doc-table]
-    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--half report-seeds]
+    python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
+    python scripts/collapse_study.py analyze  [--out runs/collapse_study]
+    python scripts/collapse_study.py evaluate [--out runs/collapse_study] [--widths 0.5]
+    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--widths 0.5]
     python scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
 
 ``collect`` trains every run of the protocol (norm x width x lr x seed) with a small loop of its own and writes one
 JSONL per run (first line: the run's header with the layer list; then one line per step with the loss, the gradient
 norm and per layer output_var, shift_term, variance_term, input_sq). A finished run is not rerun. ``analyze`` fits
 every candidate rule's threshold on one half of the seeds (seed parity) and reports it on the other, then swaps.
-``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`. ``suggest`` trains the plain (norm none)
-runs with the monitor's defaults and, where the regime warning suggested a learning rate (``mon.risk.suggested_lr``),
-the same run restarted at that rate.
+``evaluate`` fits nothing: it scores the rules the library ships, with their default thresholds, on every complete
+seed (the held-out width 1.0: docs/monitor.md), replaying the detector classes on the records.
+``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
+``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
+learning rate (``mon.risk.suggested_lr``), the same run restarted at that rate.
 
 Seeds 0-99 are never used (kept for independent checks).
 """
@@ -44,14 +47,14 @@ FIRST_SEED = 100
 
 
 # ---------------------------------------------------------------------------------------------- collection
-def configs(seeds):
+def configs(seeds, widths=WIDTHS):
     out = []
     for seed in seeds:
         for norm in NORMS:
-            for width in WIDTHS:
+            for width in widths:
                 for lr in LRS:
                     out.append(dict(norm=norm, width=width, lr=lr, seed=seed))
-        for width in WIDTHS:
+        for width in widths:
             out.append(dict(norm="bn", width=width, lr=CONTROL_LR, seed=seed))
     return out
 
@@ -79,10 +82,15 @@ def _grad_norm(model) -> float:
     return float(torch.cat(gs).norm()) if gs else 0.0
 
 
+LAYER_KEYS = ("output_var", "shift_term", "variance_term", "input_sq", "shift", "shift_scale_free")
+
+
 def _layer_line(records) -> dict:
+    """Per layer the values of LAYER_KEYS (non-finite and absent as None); the last two (the kernel's shift and
+    scale-free shift) are what the shipped detectors read besides the first four (``evaluate``)."""
     out = {}
     for r in records:
-        d = {k: r.get(k) for k in ("output_var", "shift_term", "variance_term", "input_sq")}
+        d = {k: r.get(k) for k in LAYER_KEYS}
         out[r["layer"]] = [None if (v is None or not math.isfinite(v)) else v for v in d.values()]
     return out
 
@@ -115,10 +123,11 @@ def _old_check(old, step, records):
     return old.check(step, records, out, shrink_layers=out)
 
 
-def train_run(cfg, steps=None, guard_kwargs=None, defaults=False):
-    """Train one run; returns (header, step lines, summary). ``guard_kwargs``: train under a CollapseGuard (the
-    monitor then has its default alarm and regime warning; ``defaults``: the same without a guard); else the
-    monitor only records, and the old alarm (:func:`_old_detector`) is replayed on its records."""
+def train_run(cfg, steps=None, guard_kwargs=None):
+    """Train one run; returns (header, step lines, summary). The monitor has the shipped defaults (factor rules,
+    countdown alarm, regime warning): ``summary["alarm"]`` and ``summary["risk"]`` are what it raised (they do not
+    change the run). ``guard_kwargs``: train under a CollapseGuard; else the old alarm (:func:`_old_detector`) is
+    replayed on the records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
     from normlab.runner.training.collapse import CollapseTracker
@@ -127,10 +136,8 @@ def train_run(cfg, steps=None, guard_kwargs=None, defaults=False):
     x, y, xt, yt = _data()
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
-    study = guard_kwargs is None and not defaults
-    mon = VarianceMonitor(
-        model, every=1, optimizer=opt, **(dict(countdown=False, risk=False, factor_rules=False) if study else {})
-    )
+    study = guard_kwargs is None
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -211,10 +218,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def collect(out_dir: Path, seeds, workers: int) -> None:
+def parse_widths(text: str) -> tuple[float, ...]:
+    try:
+        widths = tuple(float(w) for w in text.split(","))
+    except ValueError:
+        raise SystemExit(f"--widths: expected comma-separated numbers such as 0.5,1.0, got {text!r}") from None
+    if not widths or min(widths) <= 0:
+        raise SystemExit(f"--widths: expected widths > 0, got {text!r}")
+    return widths
+
+
+def collect(out_dir: Path, seeds, workers: int, widths=WIDTHS) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _data()  # generate once so that the workers read the same arrays
-    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds)]
+    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds, widths)]
     with ProcessPoolExecutor(workers) as ex:
         for name, kind, dt in ex.map(_collect_one, jobs):
             print(f"{name}: {kind} ({dt:.0f} s)", flush=True)
@@ -398,24 +415,27 @@ def choose_countdown(runs, rule, regime_of=None) -> object:
 
 
 def score_regime(runs, w, p) -> dict:
+    return score_regime_steps(runs, lambda r: regime_step(r, w, p))
+
+
+def score_regime_steps(runs, step_of) -> dict:
+    """The regime warning's counts over prepared runs; ``step_of(run)``: its warning step (INF: none)."""
     plain = [r for r in runs if r["cfg"]["norm"] == "none"]
     coll = [r for r in plain if r["kind"] is not None]
-    leads = [r["cstep"] - regime_step(r, w, p) for r in coll if regime_step(r, w, p) < INF]
+    leads = [r["cstep"] - step_of(r) for r in coll if step_of(r) < INF]
     pws = [r for r in runs if r["cfg"]["norm"] == "pws"]
     pws_coll = [r for r in pws if r["kind"] is not None]
     return dict(
-        recall=sum(regime_step(r, w, p) <= r["cstep"] for r in coll),
+        recall=sum(step_of(r) <= r["cstep"] for r in coll),
         collapsing=len(coll),
         median_lead=statistics.median(leads) if leads else None,
-        healthy_plain_flagged=sum(regime_step(r, w, p) < INF for r in plain if r["kind"] is None),
+        healthy_plain_flagged=sum(step_of(r) < INF for r in plain if r["kind"] is None),
         healthy_plain=sum(r["kind"] is None for r in plain),
-        bn_healthy_flagged=sum(
-            regime_step(r, w, p) < INF for r in runs if r["cfg"]["norm"] == "bn" and r["kind"] is None
-        ),
+        bn_healthy_flagged=sum(step_of(r) < INF for r in runs if r["cfg"]["norm"] == "bn" and r["kind"] is None),
         bn_healthy=sum(r["cfg"]["norm"] == "bn" and r["kind"] is None for r in runs),
-        pws_recall=sum(regime_step(r, w, p) <= r["cstep"] for r in pws_coll),
+        pws_recall=sum(step_of(r) <= r["cstep"] for r in pws_coll),
         pws_collapsing=len(pws_coll),
-        pws_healthy_flagged=sum(regime_step(r, w, p) < INF for r in pws if r["kind"] is None),
+        pws_healthy_flagged=sum(step_of(r) < INF for r in pws if r["kind"] is None),
         pws_healthy=sum(r["kind"] is None for r in pws),
     )
 
@@ -437,12 +457,13 @@ def _fmt(s) -> str:
     return " ".join(f"{k}={v}" for k, v in s.items())
 
 
-def complete_seeds(raw_runs) -> list:
-    """The runs of the seeds whose every configuration is there (a stopped collection leaves a partial seed)."""
+def complete_seeds(raw_runs, widths=WIDTHS) -> list:
+    """The runs of the seeds whose every configuration (at ``widths``) is there (a stopped collection leaves a
+    partial seed); runs at other widths are left out."""
     have = {run_name(r["cfg"]) for r in raw_runs}
     seeds = {r["cfg"]["seed"] for r in raw_runs}
-    full = {s for s in seeds if all(run_name(c) in have for c in configs([s]))}
-    wanted = {run_name(c) for c in configs(sorted(full))}
+    full = {s for s in seeds if all(run_name(c) in have for c in configs([s], widths))}
+    wanted = {run_name(c) for c in configs(sorted(full), widths)}
     return [r for r in raw_runs if run_name(r["cfg"]) in wanted]
 
 
@@ -483,6 +504,121 @@ def analyze(raw_runs) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------------------------- evaluation
+def replay_records(run, line) -> list[dict]:
+    """The monitor records of one collected step, rebuilt from the run's header (layer kinds, forward order) and the
+    step's LAYER_KEYS. A stored None is a non-finite value (nan), as in the monitor's own records; a norm layer has
+    only output_var and input_sq."""
+    kinds, index = dict(run["layers"]), {n: i for i, n in enumerate(run["order"])}
+    out = []
+    for name, values in line["L"].items():
+        if len(values) != len(LAYER_KEYS):
+            raise ValueError(
+                f"evaluate: run {run_name(run['cfg'])} was collected without {LAYER_KEYS[len(values) :]} per layer; "
+                "collect it again with this script"
+            )
+        rec = {"step": line["t"], "layer": name, "index": index.get(name, len(index)), "kind": kinds[name]}
+        keys = LAYER_KEYS if kinds[name] != "norm" else ("output_var", "input_sq")
+        rec.update({k: math.nan if values[LAYER_KEYS.index(k)] is None else values[LAYER_KEYS.index(k)] for k in keys})
+        out.append(rec)
+    return out
+
+
+def shipped_detectors():
+    """The factor rules (the same detector as :func:`_old_detector`; the monitor adds the shift exemption of
+    renormalized layers), the countdown alarm and the regime warning, with the defaults VarianceMonitor ships."""
+    from normlab.monitor.alarm import CountdownDetector
+    from normlab.monitor.monitor import DEFAULT_COUNTDOWN, DEFAULT_RISK
+    from normlab.monitor.regime import RegimeDetector
+
+    return _old_detector(), CountdownDetector(**DEFAULT_COUNTDOWN), RegimeDetector(**DEFAULT_RISK)
+
+
+def replay(run) -> dict:
+    """First step of the shipped alarm (factor rules or countdown, as ``VarianceMonitor`` combines them), of the
+    countdown alone and of the regime warning, replayed on the collected records (None: never)."""
+    from normlab.monitor.regime import exempt_layers
+
+    factor, countdown, regime = shipped_detectors()
+    first = {"alarm": None, "countdown": None, "risk": None}
+    for line in run["steps"]:
+        recs, t = replay_records(run, line), line["t"]
+        ran = [r for r in recs if r["kind"] != "norm"]
+        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
+        renormalized = exempt_layers(recs) - output_layer
+        a = factor.check(t, recs, output_layer, shrink_layers=output_layer, shift_exempt=renormalized)
+        w = regime.check(t, recs)
+        c = countdown.check(t, recs, exempt=renormalized | output_layer, grad_norm=None)
+        for key, hit in (("alarm", a or c), ("countdown", c), ("risk", w)):
+            if hit is not None and first[key] is None:
+                first[key] = hit.step
+    return first
+
+
+def _step_or_inf(x) -> float:
+    return INF if x is None else x
+
+
+def evaluated(run) -> dict:
+    """One run's labels, the live alarm and regime steps of the shipped monitor and their replay."""
+    s = run["summary"]
+    again = replay(run)
+    return dict(
+        cfg=run["cfg"],
+        kind=s["kind"],
+        cstep=_collapse_step(run),
+        test_acc=s.get("test_acc"),
+        alarm=_step_or_inf((s["alarm"] or {}).get("step")),
+        risk=_step_or_inf((s["risk"] or {}).get("step")),
+        old=_step_or_inf((s["old_alarm"] or {}).get("step")),
+        countdown=_step_or_inf(again["countdown"]),
+        replay_alarm=_step_or_inf(again["alarm"]),
+        replay_risk=_step_or_inf(again["risk"]),
+    )
+
+
+def _outcomes(runs) -> list[str]:
+    """Per norm and learning rate: how many runs ended each way, and their collapse steps."""
+    out = []
+    for norm, lr in sorted({(r["cfg"]["norm"], r["cfg"]["lr"]) for r in runs}):
+        cell = [r for r in runs if (r["cfg"]["norm"], r["cfg"]["lr"]) == (norm, lr)]
+        kinds = sorted({str(r["kind"]) for r in cell})
+        parts = []
+        for k in kinds:
+            steps = sorted(r["cstep"] for r in cell if str(r["kind"]) == k and r["cstep"] is not None)
+            parts.append(f"{k} {sum(str(r['kind']) == k for r in cell)}" + (f" (steps {steps})" if steps else ""))
+        out.append(f"  {norm} lr {lr}: " + ", ".join(parts))
+    return out
+
+
+def _run_line(r) -> str:
+    return (
+        f"  {run_name(r['cfg'])}: {r['kind']} at {r['cstep']} acc {r['test_acc']} | alarm {r['alarm']} "
+        f"countdown {r['countdown']} old {r['old']} regime {r['risk']}"
+    )
+
+
+def evaluate(raw_runs, widths=WIDTHS) -> str:
+    """The shipped rules with their default thresholds on every complete seed at ``widths``: nothing is fitted."""
+    runs = [evaluated(r) for r in complete_seeds(raw_runs, widths)]
+    seeds = sorted({r["cfg"]["seed"] for r in runs})
+    kinds = sorted({str(r["kind"]) for r in runs})
+    out = [
+        f"{len(runs)} runs, seeds {seeds}; "
+        + ", ".join(f"{k}: {sum(str(r['kind']) == k for r in runs)}" for k in kinds)
+    ]
+    off = [run_name(r["cfg"]) for r in runs if (r["alarm"], r["risk"]) != (r["replay_alarm"], r["replay_risk"])]
+    out += _outcomes(runs)
+    out.append(f"replay of the shipped detectors differs from the live monitor on {len(off)} runs {off}")
+    for rule in ("alarm", "countdown", "old"):
+        name = {"alarm": "shipped alarm (mon.alarm)", "countdown": "shipped countdown only", "old": "old factor rules"}
+        out.append(f"{name[rule]}: {_fmt(score_countdown(runs, lambda r, k=rule: r[k]))}")
+    out.append(f"regime warning (mon.risk): {_fmt(score_regime_steps(runs, lambda r: r['risk']))}")
+    out.append("per run (step of the collapse / alarm / countdown / old / regime; inf: never):")
+    out += [_run_line(r) for r in runs]
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------------------------- guard
 def _guard_one(args):
     cfg, out_dir, steps = args
@@ -502,20 +638,26 @@ def _guard_one(args):
     return out
 
 
-def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2) -> str:
-    """Train the collapsing runs (norm none/pws) and the healthy runs of the half with seed parity ``parity``
-    under CollapseGuard; report how many end healthy and whether a healthy run was changed."""
-    runs = [r for r in load_runs(out_dir) if r["cfg"]["seed"] % 2 == parity]
-    runs = [r for r in complete_seeds(runs) if r["cfg"]["norm"] != "bn"]  # bn: healthy, exempt from the rules
+def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2, widths=WIDTHS, seeds=None) -> str:
+    """Train the collapsing runs (norm none/pws) and the healthy runs of the half with seed parity ``parity`` (or of
+    the complete ``seeds``, when given) at ``widths`` under CollapseGuard; report how many end healthy and whether a
+    healthy run was changed. Seed by seed; a finished guarded run is not rerun."""
+    runs = [r for r in load_runs(out_dir) if (r["cfg"]["seed"] in seeds if seeds else r["cfg"]["seed"] % 2 == parity)]
+    runs = [r for r in complete_seeds(runs, widths) if r["cfg"]["norm"] != "bn"]  # bn: healthy, exempt
+    runs.sort(key=lambda r: (r["cfg"]["seed"], run_name(r["cfg"])))
     jobs = [(r["cfg"], str(out_dir), steps) for r in runs]
+    results = []
     with ProcessPoolExecutor(workers) as ex:
-        results = list(ex.map(_guard_one, jobs))
+        for g in ex.map(_guard_one, jobs):
+            results.append(g)
+            print(f"guarded {run_name(g['cfg'])}: {g['kind']}", file=sys.stderr, flush=True)
     before = {run_name(r["cfg"]): r["summary"]["kind"] for r in runs}
     coll = [g for g in results if before[run_name(g["cfg"])] is not None]
     healthy = [g for g in results if before[run_name(g["cfg"])] is None]
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
     lines = [
-        f"guarded collapsing runs (none/pws, seed parity {parity}): {len(ok)} of {len(coll)} end healthy",
+        f"guarded collapsing runs (none/pws, {f'seeds {seeds}' if seeds else f'seed parity {parity}'}): "
+        f"{len(ok)} of {len(coll)} end healthy",
         f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}",
     ]
     for g in results:
@@ -536,12 +678,12 @@ def _suggest_one(args):
     path = Path(out_dir) / "suggest" / f"{run_name(cfg)}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    _, _, first = train_run(cfg, steps, defaults=True)
+    _, _, first = train_run(cfg, steps)
     out = {"cfg": cfg, "kind": first["kind"], "collapse_step": first["collapse_step"], "test_acc": first["test_acc"]}
     out["risk"] = first["risk"]
     new_lr = (first["risk"] or {}).get("suggested_lr")
     if new_lr is not None:  # the same run (seed, data order) restarted at the suggested rate
-        _, _, again = train_run({**cfg, "lr": new_lr}, steps, defaults=True)
+        _, _, again = train_run({**cfg, "lr": new_lr}, steps)
         out["restart"] = {k: again[k] for k in ("kind", "collapse_step", "test_acc", "risk")}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out))
@@ -568,18 +710,23 @@ def suggest_study(out_dir: Path, seeds, lrs, steps: int, workers: int = 2) -> st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["collect", "analyze", "guard", "suggest"])
+    p.add_argument("command", choices=["collect", "analyze", "evaluate", "guard", "suggest"])
     p.add_argument("--out", type=Path, default=Path("runs/collapse_study"))
-    p.add_argument("--seeds", default="100-103")
+    p.add_argument("--seeds", default=None, help="collect: default 100-103; guard: default the even seeds")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--widths", default=",".join(str(w) for w in WIDTHS), help="collect/evaluate: comma-separated")
     p.add_argument("--lrs", default="0.1,0.2", help="suggest: the learning rates of the plain runs")
     a = p.parse_args(argv)
     if a.command == "collect":
-        collect(a.out, parse_seeds(a.seeds), a.workers)
+        collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths))
     elif a.command == "analyze":
         print(analyze(load_runs(a.out)))
+    elif a.command == "evaluate":
+        print(evaluate(load_runs(a.out), parse_widths(a.widths)))
     elif a.command == "guard":
+        seeds = parse_seeds(a.seeds) if a.seeds else None
+        print(guard_study(a.out, a.steps, workers=a.workers, widths=parse_widths(a.widths), seeds=seeds))
         print(guard_study(a.out, a.steps))
     elif a.command == "suggest":
         print(suggest_study(a.out, parse_seeds(a.seeds), [float(x) for x in a.lrs.split(",")], a.steps, a.workers))

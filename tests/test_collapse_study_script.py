@@ -106,15 +106,82 @@ def test_a_tiny_real_run_is_written_once(study, tmp_path, monkeypatch, one_threa
 def test_suggest_restarts_a_warned_run_at_the_suggested_lr(study, tmp_path, monkeypatch):
     calls = []
 
-    def fake_train_run(cfg, steps=None, guard_kwargs=None, defaults=False):
-        calls.append((cfg["lr"], defaults))
+    def fake_train_run(cfg, steps=None, guard_kwargs=None):
+        calls.append(cfg["lr"])
         risk = {"step": 20, "layer": "c2", "ratio": 3.0, "suggested_lr": 0.04} if cfg["lr"] == 0.1 else None
         return {}, [], {"kind": None if cfg["lr"] < 0.1 else "never_left_chance", "collapse_step": None,
                         "test_acc": 0.5, "risk": risk}  # fmt: skip
 
     monkeypatch.setattr(study, "train_run", fake_train_run)
     out = study._suggest_one((dict(norm="none", width=0.5, lr=0.1, seed=100), str(tmp_path), 5))
-    assert calls == [(0.1, True), (0.04, True)]  # the run, then the same run at the suggested rate
+    assert calls == [0.1, 0.04]  # the run, then the same run at the suggested rate
     assert out["risk"]["suggested_lr"] == 0.04 and out["restart"]["kind"] is None
     assert study._suggest_one((dict(norm="none", width=0.5, lr=0.1, seed=100), str(tmp_path), 5)) == out
     assert len(calls) == 2  # written once, read back the second time
+
+
+def test_widths_option_adds_the_width_and_keeps_the_default(study):
+    assert study.parse_widths("1.0") == (1.0,) and study.parse_widths("0.5,1.0") == (0.5, 1.0)
+    assert {c["width"] for c in study.configs([100])} == {0.5}  # default unchanged
+    cfgs = study.configs([100], (1.0,))
+    assert len(cfgs) == 10 and {c["width"] for c in cfgs} == {1.0}
+    with pytest.raises(SystemExit, match="--widths"):
+        study.parse_widths("wide")
+    runs = full_seed(study, 100)  # width 0.5 only: no complete seed at width 1.0
+    assert study.complete_seeds(runs, (1.0,)) == [] and len(study.complete_seeds(runs)) == 10
+
+
+@pytest.fixture
+def tiny(study, monkeypatch):
+    monkeypatch.setattr(study, "NUM_SAMPLES", 400)
+    monkeypatch.setattr(study, "BATCH", 16)
+    return study
+
+
+def test_replayed_detectors_match_the_live_monitor(tiny, monkeypatch, one_thread):
+    """evaluate replays the shipped detectors on the collected records: on a real run it must raise what the live
+    VarianceMonitor raised, step for step. Shorter windows and a 3x factor rule make every detector fire in 30 steps
+    (the replay reads the same defaults as the monitor, so the patched values reach both)."""
+    import normlab.monitor.monitor as hooks
+
+    monkeypatch.setattr(hooks, "DEFAULT_RISK", {"window": 3, "pws_factor": 3.0})
+    monkeypatch.setattr(hooks, "DEFAULT_EXPLODE_FACTOR", {"output_var": 3.0, "shift": 100.0})
+    for norm in ("none", "pws"):
+        head, lines, summary = tiny.train_run(dict(norm=norm, width=0.25, lr=0.2, seed=100), steps=30)
+        again = tiny.replay({**head, "steps": lines, "summary": summary})
+        assert summary["alarm"] is not None and summary["risk"] is not None
+        assert again["alarm"] == summary["alarm"]["step"] and again["risk"] == summary["risk"]["step"]
+        assert again["countdown"] is None or again["countdown"] >= again["alarm"]
+
+
+def test_evaluate_scores_the_shipped_rules_on_a_complete_seed(tiny, tmp_path, monkeypatch, one_thread):
+    monkeypatch.setattr(tiny, "STEPS", 12)
+    for cfg in tiny.configs([100], (0.25,)):
+        tiny._collect_one((cfg, str(tmp_path)))
+    text = tiny.evaluate(tiny.load_runs(tmp_path), (0.25,))
+    assert text.startswith("10 runs, seeds [100]")
+    assert "differs from the live monitor on 0 runs" in text
+    assert "shipped alarm (mon.alarm): warned=" in text and "regime warning (mon.risk): recall=" in text
+    assert len([x for x in text.splitlines() if x.startswith("  pws_w0.25")]) == 3
+    assert tiny.evaluate(tiny.load_runs(tmp_path)).startswith("0 runs")  # width 0.5: none collected
+
+
+def test_evaluate_refuses_runs_without_the_kernel_shift(study):
+    with pytest.raises(ValueError, match="collected without"):
+        study.replay(fake_run(100))
+
+
+def test_replay_exempts_convs_followed_by_batchnorm_like_the_monitor(tiny, monkeypatch, one_thread):
+    """At lr 3 the convs before BN grow their output variance > e^2 per 2 steps; the monitor's countdown skips them
+    (renormalized downstream) and so must the replay. Factor rules off (factor 1e30) so the alarm is the countdown."""
+    import normlab.monitor.monitor as hooks
+
+    monkeypatch.setattr(hooks, "DEFAULT_EXPLODE_FACTOR", {"output_var": 1e30, "shift": 1e30})
+    head, lines, summary = tiny.train_run(dict(norm="bn", width=0.25, lr=3.0, seed=100), steps=30)
+    run = {**head, "steps": lines, "summary": summary}
+    assert summary["alarm"] is None and tiny.replay(run)["countdown"] is None
+    from normlab.monitor.alarm import CountdownDetector
+
+    plain = CountdownDetector(growth=1.0)  # the same detector without the exemption fires
+    fired = [plain.check(x["t"], tiny.replay_records(run, x), exempt={head["order"][-1]}) for x in lines]
+    assert any(a is not None for a in fired)
