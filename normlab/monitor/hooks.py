@@ -84,13 +84,17 @@ _UPDATE_KEYS = layer_keys(
 def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
     """Moments of a layer's input: global ones, and per channel over :func:`input_channel_dims` (live channels)."""
     xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
-    m, sq = xf.mean(), xf.square().mean()
+    dims = input_channel_dims(module, kind, x)
+    if dims is not None:  # the global moments from the per-channel ones (every channel has as many entries)
+        ch_mean, ch_sq = stats.channel_moments(xf, dims)
+        m, sq = ch_mean.mean(), ch_sq.mean()
+    else:
+        m, sq = xf.mean(), xf.square().mean()
     names = list(_INPUT_KEYS)
     values = [m.square(), sq, sq - m.square(), m.square() / sq]
-    dims = input_channel_dims(module, kind, x)
     if dims is not None:
         names += [*_CHANNEL_KEYS, "input_channels"]
-        values += list(stats.channel_ratio_summary(xf, dims).unbind())
+        values += list(stats.moments_ratio_summary(ch_mean, ch_sq).unbind())
     return names, values
 
 
