@@ -98,6 +98,19 @@ def _make(cls, arg, defaults: Mapping):
     return cls(**{**defaults, **arg})
 
 
+def _check_args(model, every, dense_steps, dense_every, countdown_every) -> None:
+    """Refuse a model that is no nn.Module and a recording interval that is no int in range, in one line."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
+    for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
+    if countdown_every is not None and (
+        isinstance(countdown_every, bool) or not isinstance(countdown_every, int) or countdown_every < 1
+    ):
+        raise ValueError(f"VarianceMonitor: countdown_every must be None or an int >= 1, got {countdown_every!r}")
+
+
 class VarianceMonitor:
     """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps.
 
@@ -196,21 +209,11 @@ class VarianceMonitor:
         factor_rules: bool = True,
         countdown_every: int | None = 1,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
-        for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
-        if countdown_every is not None and (
-            isinstance(countdown_every, bool) or not isinstance(countdown_every, int) or countdown_every < 1
-        ):
-            raise ValueError(f"VarianceMonitor: countdown_every must be None or an int >= 1, got {countdown_every!r}")
-        self.countdown_every = countdown_every
+        _check_args(model, every, dense_steps, dense_every, countdown_every)
         self.model = unwrap_model(model)
         self.compiled = is_compiled(model)
-        self.every = every
-        self.dense_steps = dense_steps
-        self.dense_every = dense_every
+        self.every, self.dense_steps, self.dense_every = every, dense_steps, dense_every
+        self.countdown_every = countdown_every
         self.include_norm = include_norm
         self.watch_output_layer = watch_output_layer
         self.record_eval = record_eval
