@@ -1,11 +1,17 @@
-"""Overhead of VarianceMonitor on the paper's plain net, side by side in one run (issue 3 target: every=10
-within 1.10x of the unmonitored training step).
+"""Overhead of VarianceMonitor, side by side in one run (issue 3 target: every=10 within 1.10x of the unmonitored
+training step; issue 19 targets with the countdown fed every step: <= 1.15x on plain1d, <= 1.5x on ResNet-50 at
+batch 8).
 
-Three identical models (same init) train on the same random batches: unmonitored, monitor every=10 and every=1.
-Timing blocks of ``--steps`` training steps (forward, backward, optimizer step) are interleaved across the three
-variants (the order rotates every repeat) and the per-step median over repeats is reported with ratios.
+Identical models (same init) train on the same random batches: unmonitored; ``every=10, countdown_every=None``
+(full records every 10 steps, the countdown reads only them); ``every=10`` (the default: full records every 10
+steps and the light per-step path that feeds the countdown every step); ``every=1`` (a full record every step).
+Timing blocks of ``--steps`` training steps (forward, backward, optimizer step) are interleaved across the
+variants (the order rotates every repeat); reported: the per-step median over repeats, its ratio to the
+unmonitored median, and the min / median / max of the per-round ratios (variant / unmonitored in the same round).
 
-    .venv/bin/python benchmarks/bench_monitor.py --out runs/bench_monitor.json
+    .venv/bin/python benchmarks/bench_monitor.py --out runs/bench_monitor.json                 # the plain net
+    .venv/bin/python benchmarks/bench_monitor.py --model plain1d --width 0.5 --batch-size 128  # the demo's net
+    .venv/bin/python benchmarks/bench_monitor.py --model resnet50 --size 224 --batch-size 8 --steps 10 --repeats 3
 
 The machine may be shared with other jobs: compare the ratios, not absolute times, and rerun if noisy.
 """
@@ -27,8 +33,25 @@ from torch import nn
 from normlab.monitor import VarianceMonitor
 from normlab.runner.models import build_model
 
+VARIANTS = {  # name: VarianceMonitor arguments (None: unmonitored)
+    "unmonitored": None,
+    "every=10 records only": {"every": 10, "countdown_every": None},
+    "every=10 (default)": {"every": 10},
+    "every=1": {"every": 1},
+}
 
-def make_model(norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str]:
+
+def make_model(name: str, norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str, tuple]:
+    """The model, its description and the shape of one input (without the batch dim)."""
+    if name == "resnet50":
+        import torchvision
+
+        return torchvision.models.resnet50(weights=None), "torchvision.models.resnet50(weights=None)", (3, size, size)
+    if name == "plain1d":
+        model = build_model(
+            "plain1d", norm=norm, conv="conv", in_channels=1, num_classes=10, input_shape=(1, 40), width=width
+        )
+        return model, "normlab.runner.models.build_model('plain1d')", (1, 40)
     model = build_model(
         "plain",
         norm=norm,
@@ -38,14 +61,15 @@ def make_model(norm: str, in_channels: int, size: int, width: float) -> tuple[nn
         input_shape=(in_channels, size, size),
         width=width,
     )
-    return model, "normlab.runner.models.build_model('plain')"
+    return model, "normlab.runner.models.build_model('plain')", (in_channels, size, size)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--norm", default="bn", help="norm of the plain net (none, bn, ...)")
+    p.add_argument("--model", default="plain", choices=("plain", "plain1d", "resnet50"))
+    p.add_argument("--norm", default="bn", help="norm of the plain nets (none, bn, ...)")
     p.add_argument("--width", type=float, default=0.25)
-    p.add_argument("--size", type=int, default=16, help="input height = width (the plain net needs >= 12)")
+    p.add_argument("--size", type=int, default=16, help="input height = width (plain: >= 12; plain1d: fixed 40)")
     p.add_argument("--channels", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--steps", type=int, default=20, help="steps per timing block (a multiple of 10)")
@@ -55,26 +79,27 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    base, source = make_model(args.norm, args.channels, args.size, args.width)
+    base, source, shape = make_model(args.model, args.norm, args.channels, args.size, args.width)
+    classes = 1000 if args.model == "resnet50" else 10
     gen = torch.Generator().manual_seed(0)
     data = [
         (
-            torch.randn(args.batch_size, args.channels, args.size, args.size, generator=gen),
-            torch.randint(0, 10, (args.batch_size,), generator=gen),
+            torch.randn(args.batch_size, *shape, generator=gen),
+            torch.randint(0, classes, (args.batch_size,), generator=gen),
         )
         for _ in range(args.steps)
     ]
 
     variants = {}
-    for name, every in (("unmonitored", None), ("every=10", 10), ("every=1", 1)):
+    for name, kwargs in VARIANTS.items():
         model = copy.deepcopy(base).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-        mon = VarianceMonitor(model, every=every) if every else None
+        mon = VarianceMonitor(model, **kwargs) if kwargs else None
         variants[name] = (model, opt, mon)
 
-    def run_block(model, opt, mon) -> float:
+    def run_block(model, opt, mon, batches=data) -> float:
         t0 = time.perf_counter()
-        for x, y in data:
+        for x, y in batches:
             loss = F.cross_entropy(model(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -82,10 +107,10 @@ def main(argv=None) -> int:
                 opt.step()
             else:
                 mon.step(opt)
-        return (time.perf_counter() - t0) / len(data)
+        return (time.perf_counter() - t0) / len(batches)
 
-    for v in variants.values():  # warm-up
-        run_block(*v)
+    for v in variants.values():  # warm-up: 2 steps (the first is a recording step of every monitor)
+        run_block(*v, batches=data[:2])
     times: dict[str, list[float]] = {k: [] for k in variants}
     names = list(variants)
     for r in range(args.repeats):
@@ -93,21 +118,27 @@ def main(argv=None) -> int:
             times[k].append(run_block(*variants[k]))
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["unmonitored"]
+    rounds = {k: sorted(a / b for a, b in zip(times[k], times["unmonitored"])) for k in names}
     print(
-        f"plain net ({source}), norm {args.norm}, width {args.width}, input {args.channels}x{args.size}x"
-        f"{args.size}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved repeats of "
-        f"{args.steps} steps"
+        f"{source}, norm {args.norm if args.model != 'resnet50' else '(BN)'}, width {args.width}, input "
+        f"{'x'.join(map(str, shape))}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved "
+        f"repeats of {args.steps} steps"
     )
-    print(f"{'variant':<14}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}")
+    print(f"{'variant':<24}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}   per-round ratio min/median/max")
     for k in names:
-        print(f"{k:<14}{med[k] * 1e3:>16.2f}{min(times[k]) * 1e3:>14.2f}{med[k] / ref:>8.3f}")
+        r = rounds[k]
+        print(
+            f"{k:<24}{med[k] * 1e3:>16.2f}{min(times[k]) * 1e3:>14.2f}{med[k] / ref:>8.3f}   "
+            f"{r[0]:.3f} / {statistics.median(r):.3f} / {r[-1]:.3f}"
+        )
     records = {k: len(v[2].records) if v[2] else 0 for k, v in variants.items()}
     result = {
         "benchmark": "bench_monitor",
         "model": source,
         "norm": args.norm,
         "width": args.width,
-        "input_shape": [args.batch_size, args.channels, args.size, args.size],
+        "input_shape": [args.batch_size, *shape],
+        "variants": VARIANTS,
         "threads": args.threads,
         "steps_per_block": args.steps,
         "repeats": args.repeats,
@@ -117,6 +148,7 @@ def main(argv=None) -> int:
         "median_step_s": med,
         "all_step_s": times,
         "ratio_to_unmonitored": {k: med[k] / ref for k in names},
+        "per_round_ratios": rounds,
         "monitor_records": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

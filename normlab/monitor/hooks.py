@@ -17,13 +17,45 @@ from normlab.monitor import stats
 from normlab.monitor.layers import input_channel_dims
 from normlab.monitor.records import layer_keys
 
-__all__ = ["activation_stats", "weight_stats", "param_versions", "grad_norm"]
+__all__ = ["activation_stats", "weight_stats", "param_versions", "grad_norm", "grad_norm_tensor", "read_light"]
+
+
+def grad_norm_tensor(model: nn.Module) -> Tensor | None:
+    """Euclidean norm of every parameter gradient of ``model`` as a scalar tensor, not read back (None: no
+    gradient)."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return torch.stack(norms).norm() if norms else None
 
 
 def grad_norm(model: nn.Module) -> float:
-    """Euclidean norm of every parameter gradient of ``model`` (one read-back)."""
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.stack(norms).norm()) if norms else 0.0
+    """Euclidean norm of every parameter gradient of ``model`` (one read-back; 0.0 without gradients)."""
+    norm = grad_norm_tensor(model)
+    return 0.0 if norm is None else float(norm)
+
+
+def read_light(output_vars: dict[str, Tensor], grad: Tensor | None) -> tuple[dict[str, float], float | None]:
+    """The values of the monitor's light (per-step) path in ONE read-back to the host.
+
+    Args:
+        output_vars: {layer: ``Var[Y_l]``} as scalar tensors (:func:`~normlab.monitor.stats.output_variance`, the
+            same function as the full record's ``output_var``).
+        grad: the gradient norm as a scalar tensor (:func:`grad_norm_tensor`), or None.
+
+    Returns:
+        ``({layer: output_var}, grad_norm or None)`` as Python floats.
+
+    Example:
+        >>> read_light({"c1": torch.tensor(2.0)}, torch.tensor(0.5))
+        ({'c1': 2.0}, 0.5)
+    """
+    values = [v.detach().double() for v in output_vars.values()]
+    if grad is not None:
+        values.append(grad.detach().double())
+    if not values:
+        return {}, None
+    out = torch.stack(values).tolist()
+    norm = out.pop() if grad is not None else None
+    return dict(zip(output_vars, out)), norm
 
 
 # The record keys each function fills, in the order of its values (checked against normlab.monitor.records).
@@ -52,13 +84,17 @@ _UPDATE_KEYS = layer_keys(
 def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], list[Tensor]]:
     """Moments of a layer's input: global ones, and per channel over :func:`input_channel_dims` (live channels)."""
     xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
-    m, sq = xf.mean(), xf.square().mean()
+    dims = input_channel_dims(module, kind, x)
+    if dims is not None:  # the global moments from the per-channel ones (every channel has as many entries)
+        ch_mean, ch_sq = stats.channel_moments(xf, dims)
+        m, sq = ch_mean.mean(), ch_sq.mean()
+    else:
+        m, sq = xf.mean(), xf.square().mean()
     names = list(_INPUT_KEYS)
     values = [m.square(), sq, sq - m.square(), m.square() / sq]
-    dims = input_channel_dims(module, kind, x)
     if dims is not None:
         names += [*_CHANNEL_KEYS, "input_channels"]
-        values += list(stats.channel_ratio_summary(xf, dims).unbind())
+        values += list(stats.moments_ratio_summary(ch_mean, ch_sq).unbind())
     return names, values
 
 

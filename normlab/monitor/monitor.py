@@ -9,8 +9,10 @@ Two lines in a training loop::
     if mon.should_stop: ...      # collapse early warning (mon.alarm says which layer, step and quantity)
 
 Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values).
-Hooks are attached only while a recording step is pending and only read detached tensors under ``torch.no_grad``:
-outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
+Between recording steps the countdown alarm still sees every step (``countdown_every=1``): a light step keeps only
+each layer's output variance (and the gradient norm if the countdown reads it), read back once per step.
+Hooks are attached only while a recording or light step is pending and only read detached tensors under
+``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
 
 Per layer and recorded step the monitor keeps one dict in ``mon.records``: a
 :class:`~normlab.monitor.records.LayerRecord` (conv / linear) or :class:`~normlab.monitor.records.NormRecord`; every
@@ -47,7 +49,14 @@ from torch import Tensor, nn
 from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
-from normlab.monitor.hooks import activation_stats, grad_norm, param_versions, weight_stats
+from normlab.monitor.hooks import (
+    activation_stats,
+    grad_norm,
+    grad_norm_tensor,
+    param_versions,
+    read_light,
+    weight_stats,
+)
 from normlab.monitor.layers import filter_kernel, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.log import write_monitor_log
 from normlab.monitor.records import LayerRecord, NormRecord, layer_keys
@@ -87,6 +96,19 @@ def _make(cls, arg, defaults: Mapping):
             f"got {type(arg).__name__}"
         )
     return cls(**{**defaults, **arg})
+
+
+def _check_args(model, every, dense_steps, dense_every, countdown_every) -> None:
+    """Refuse a model that is no nn.Module and a recording interval that is no int in range, in one line."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
+    for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
+    if countdown_every is not None and (
+        isinstance(countdown_every, bool) or not isinstance(countdown_every, int) or countdown_every < 1
+    ):
+        raise ValueError(f"VarianceMonitor: countdown_every must be None or an int >= 1, got {countdown_every!r}")
 
 
 class VarianceMonitor:
@@ -145,6 +167,15 @@ class VarianceMonitor:
             output feeds a normalization layer gets no shift growth test (the normalization removes the per-channel
             offsets before the next layer: the SwitchableNorm U-Net's 116x shift was no collapse); the countdown
             skips such layers entirely.
+        countdown_every: feed the countdown alarm every ``countdown_every`` steps (int >= 1), not only on the
+            recorded steps. Default 1: every step, as the countdown's thresholds were calibrated (docs/monitor.md).
+            A step that is not a recording step is then a *light* step: the forward hooks keep only each layer's
+            output variance (``output_var``, the same function as the full record), ``step`` the gradient norm when
+            the countdown's ``grad_ratio`` is on, and both are read back to the host in one transfer and passed to
+            the countdown alone. Light steps add nothing to ``records`` (the log keeps only full records); the
+            level rule reads each layer's ``shift_scale_free`` from its last full record. The factor rules and the
+            regime warning read full records only. Measured cost: benchmarks/RESULTS.md ("Monitor overhead").
+            None: the countdown reads the full records only (every ``every`` steps).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -176,17 +207,13 @@ class VarianceMonitor:
         countdown: Mapping | bool = True,
         risk: Mapping | bool = True,
         factor_rules: bool = True,
+        countdown_every: int | None = 1,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
-        for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
+        _check_args(model, every, dense_steps, dense_every, countdown_every)
         self.model = unwrap_model(model)
         self.compiled = is_compiled(model)
-        self.every = every
-        self.dense_steps = dense_steps
-        self.dense_every = dense_every
+        self.every, self.dense_steps, self.dense_every = every, dense_steps, dense_every
+        self.countdown_every = countdown_every
         self.include_norm = include_norm
         self.watch_output_layer = watch_output_layer
         self.record_eval = record_eval
@@ -217,6 +244,9 @@ class VarianceMonitor:
         self.closed = False
         self._order: dict[str, int] = {}
         self._pending: dict[str, dict] = {}
+        self._light: dict[str, Tensor] = {}  # output_var tensors of a light step, read back once in after_update
+        self._light_grad: Tensor | None = None
+        self._scale_free: dict[str, float] = {}  # shift_scale_free of the last full record (the level rule reads it)
         # against a second optimizer step on the same gradients (see _refuse_second_step)
         self._versions: dict[str, tuple[int, ...]] = {}  # parameter versions at this step's recorded forward
         self._versions_step = -1
@@ -256,12 +286,26 @@ class VarianceMonitor:
         return not self.closed and (dense or step % self.every == 0)
 
     @property
+    def is_light(self) -> bool:
+        """True when the current step is not recorded but feeds the countdown alarm (``countdown_every``): its
+        forward keeps only each layer's output variance (and ``step`` the gradient norm when the countdown's
+        ``grad_ratio`` is on), read back in one transfer."""
+        every = self.countdown_every
+        return (
+            self.countdown is not None
+            and every is not None
+            and not self.is_recording
+            and not self.closed
+            and self.current_step % every == 0
+        )
+
+    @property
     def should_stop(self) -> bool:
         """True once the collapse warning has fired (the training loop may stop and keep its last checkpoint)."""
         return self.alarm is not None
 
     def _sync_hooks(self) -> None:
-        want = not self.closed and (self.compiled or self.is_recording)
+        want = not self.closed and (self.compiled or self.is_recording or self.is_light)
         if want and not self._handles:
             for name, mod, kind in self.layers:
                 self._handles.append(mod.register_forward_hook(self._make_hook(name, mod, kind)))
@@ -276,12 +320,19 @@ class VarianceMonitor:
     def _make_hook(self, name: str, target: nn.Module, kind: str):
         def hook(module: nn.Module, args, output) -> None:
             # `module is not target`: a deepcopy of the model (EMA copy, signal_propagation) carries the hook too
-            if module is not target or not self.is_recording or name in self._pending:
+            if module is not target or name in self._pending or name in self._light:
                 return
             if not (module.training or self.record_eval):
                 return
-            with torch.no_grad():
-                self._pending[name] = activation_stats(module, kind, args, output)
+            if self.is_recording:
+                with torch.no_grad():
+                    self._pending[name] = activation_stats(module, kind, args, output)
+            elif self.is_light:
+                if isinstance(output, Tensor) and output.numel() > 0:
+                    with torch.no_grad():
+                        self._light[name] = stats.output_variance(output)
+            else:
+                return
             if self._versions_step != self.current_step:
                 self._versions, self._versions_step = {}, self.current_step
             self._versions[name] = param_versions(module)
@@ -358,8 +409,12 @@ class VarianceMonitor:
         if optimizer is not None:
             self._lr_optimizer = optimizer
         self._before = None
-        if self.is_recording and self.countdown is not None and self.countdown.grad_ratio is not None:
-            self._grad_norm = grad_norm(self.model)
+        if self.countdown is not None and self.countdown.grad_ratio is not None:
+            if self.is_recording:
+                self._grad_norm = grad_norm(self.model)
+            elif self.is_light:
+                norm = grad_norm_tensor(self.model)  # no gradient: 0.0, as grad_norm gives the full path
+                self._light_grad = torch.zeros(()) if norm is None else norm
         if self.is_recording:
             self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
@@ -372,20 +427,65 @@ class VarianceMonitor:
             if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
                 before, stepped = {n: filter_kernel(m).clone() for n, m, k in self.layers if k != "norm"}, False
             self._finalize(before, stepped)
+        elif self.is_light:
+            self._light_check()
         self.current_step += 1
         self._sync_hooks()
+
+    def _indices(self) -> dict[str, int]:
+        """Each layer's forward-order index; a layer not run in a recorded forward is ordered after those that ran."""
+        out, next_index = {}, len(self._order)
+        for name, _mod, _kind in self.layers:
+            if name in self._order:
+                out[name] = self._order[name]
+            else:
+                out[name], next_index = next_index, next_index + 1
+        return out
+
+    def _exempt(self, step_records: list[dict]) -> tuple[set, set]:
+        """``(output_layer, renormalized)``: the output layer (the last conv/linear in forward order among those that
+        ran) and the layers whose output is renormalized before the next layer, as sets of names."""
+        ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
+        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
+        return output_layer, exempt_layers(step_records) - output_layer
+
+    @torch.no_grad()
+    def _light_check(self) -> None:
+        """The light step: this step's output variances (and gradient norm) in one read-back, fed to the countdown
+        alone; nothing is added to ``records``."""
+        values, norm = read_light(self._light, self._light_grad)
+        self._light, self._light_grad = {}, None
+        indices = self._indices()
+        step_records = []
+        for name, _mod, kind in self.layers:
+            rec: dict = {"step": self.current_step, "layer": name, "index": indices[name], "kind": kind}
+            if name in values:
+                rec["output_var"] = values[name]
+            if name in self._scale_free:
+                rec["shift_scale_free"] = self._scale_free[name]
+            step_records.append(rec)
+        step_records.sort(key=lambda r: r["index"])
+        output_layer, renormalized = self._exempt(step_records)
+        alarm = self.countdown.check(
+            self.current_step, step_records, exempt=renormalized | output_layer, grad_norm=norm
+        )
+        if alarm is not None and self.alarm is None:
+            self._raise(alarm)
+
+    def _raise(self, alarm: CollapseAlarm) -> None:
+        """Keep the first alarm, write it to TensorBoard and call ``on_alarm``."""
+        self.alarm = alarm
+        if self.tensorboard is not None:
+            self.tensorboard.write_alarm(alarm)
+        if self.on_alarm is not None:
+            self.on_alarm(alarm)
 
     @torch.no_grad()
     def _finalize(self, before: dict[str, Tensor], stepped: bool) -> None:
         step_records, updates = [], {}
-        next_index = len(self._order)
+        indices = self._indices()
         for name, mod, kind in self.layers:
-            rec: dict = {"step": self.current_step, "layer": name}
-            if name in self._order:
-                rec["index"] = self._order[name]
-            else:  # layer not run in a recorded forward: order it after those that ran
-                rec["index"] = next_index
-                next_index += 1
+            rec: dict = {"step": self.current_step, "layer": name, "index": indices[name]}
             rec["type"] = type(mod).__name__
             rec["kind"] = kind
             rec.update(self._pending.get(name, {}))
@@ -395,6 +495,8 @@ class VarianceMonitor:
                     updates[name] = stats.filter_mean_update(before[name], after)
                 rec.update(weight_stats(before[name], after, updates.get(name)))
                 rec.update(stats.variance_terms(rec))
+                if rec.get("shift_scale_free") is not None:
+                    self._scale_free[name] = rec["shift_scale_free"]
             step_records.append(rec)
         if self.compiled and not self._pending and not self._warned_compiled:
             self._warned_compiled = True
@@ -408,22 +510,20 @@ class VarianceMonitor:
         self._pending = {}
         step_records.sort(key=lambda r: r["index"])
         self.records.extend(step_records)
-        ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
-        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
+        output_layer, renormalized = self._exempt(step_records)
         exempt = set() if self.watch_output_layer else set(output_layer)
-        alarm = self._check(step_records, exempt, output_layer)
+        alarm = self._check(step_records, exempt, output_layer, renormalized)
         if self.tensorboard is not None:
-            self._to_tensorboard(step_records, updates, alarm if self.alarm is None else None)
+            self.tensorboard.write_records(step_records, updates)
         if alarm is not None and self.alarm is None:
-            self.alarm = alarm
-            if self.on_alarm is not None:
-                self.on_alarm(alarm)
+            self._raise(alarm)
 
-    def _check(self, step_records: list[dict], exempt: set, output_layer: set) -> CollapseAlarm | None:
+    def _check(
+        self, step_records: list[dict], exempt: set, output_layer: set, renormalized: set
+    ) -> CollapseAlarm | None:
         """Run the regime test (sets ``self.risk`` once) and the alarm rules; the alarm of this step or None."""
         step = self.current_step
         alarm = None
-        renormalized = exempt_layers(step_records) - output_layer  # output renormalized before the next layer
         if self.factor_rules:
             alarm = self.detector.check(
                 step, step_records, exempt, shrink_layers=output_layer, shift_exempt=renormalized
@@ -439,11 +539,6 @@ class VarianceMonitor:
             late = self.countdown.check(step, step_records, exempt=renormalized | output_layer, grad_norm=grad_norm)
             alarm = alarm or late
         return alarm
-
-    def _to_tensorboard(self, records: list[dict], updates: dict[str, Tensor], alarm) -> None:
-        self.tensorboard.write_records(records, updates)
-        if alarm is not None:
-            self.tensorboard.write_alarm(alarm)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
@@ -501,7 +596,7 @@ class VarianceMonitor:
         alarm = state.get("alarm")
         self.alarm = None if alarm is None else CollapseAlarm.from_dict(alarm)
         self._order = {str(k): int(v) for k, v in order.items()}
-        self._pending = {}
+        self._pending, self._light, self._light_grad = {}, {}, None
         self.current_step = step
         self._sync_hooks()
 
@@ -537,7 +632,7 @@ class VarianceMonitor:
     def close(self) -> None:
         """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""
         self.closed = True
-        self._pending, self._stepped_grad = {}, None
+        self._pending, self._light, self._light_grad, self._stepped_grad = {}, {}, None, None
         self._remove_hooks()
         for h in self._optimizer_handles:
             h.remove()

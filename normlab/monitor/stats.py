@@ -36,6 +36,7 @@ __all__ = [
     "channel_input_ratio",
     "live_channel_input_ratio",
     "channel_ratio_summary",
+    "moments_ratio_summary",
     "masked_summary",
     "output_variance",
     "channel_moments",
@@ -69,8 +70,14 @@ def filters(weight: Tensor) -> Tensor:
 
 
 def weight_variance(weight: Tensor) -> Tensor:
-    """Per-filter biased variance Var[W_o] (paper Fig. 2). weight (N_l, ...) -> (N_l,)."""
-    return filters(weight).var(dim=1, unbiased=False)
+    """Per-filter biased variance Var[W_o] (paper Fig. 2). weight (N_l, ...) -> (N_l,).
+
+    Centered two-pass (``d = W_o - mean(W_o)``, ``sum(d * d) / n_l``): the value of ``var(dim=1, unbiased=False)``
+    up to float rounding, ~5x faster on CPU (the monitor computes it twice per layer on each recorded step).
+    """
+    w = filters(weight)
+    d = w - w.mean(dim=1, keepdim=True)
+    return (d * d).sum(dim=1) / w.shape[1]
 
 
 def shift_of_average(weight: Tensor) -> Tensor:
@@ -93,7 +100,7 @@ def shift_scale_free(weight: Tensor) -> Tensor:
     """
     w = filters(weight)
     n = w.shape[1]
-    denom = n * w.var(unbiased=False)
+    denom = n * _flat_variance(w)
     shift = (n * w.mean(dim=1)).var(unbiased=False)
     return torch.where(denom == 0, torch.zeros_like(shift), shift / denom)
 
@@ -145,9 +152,20 @@ def channel_moments(x: Tensor, channel_dim: int | Sequence[int] = 1) -> tuple[Te
 
     ``channel_dim`` may be several dims (a LayerNorm's normalized dims): their entries, flattened in that order, are
     the channels. x (B, T, C) with ``channel_dim=-1`` -> (C,) moments over the B*T positions.
+    Reduced in place over the other dims (no permuted copy of ``x``, one squared copy).
     """
-    xc = channel_matrix(x, channel_dim, "channel_moments")
-    return xc.mean(dim=1), xc.square().mean(dim=1)
+    x = _as_float(x)
+    if x.dim() < 2:
+        raise ValueError(f"channel_moments: expected an input with a batch and a channel dim, got {x.dim()}D")
+    dims = _channel_dims(channel_dim, x.dim(), "channel_moments")
+    rest = [d for d in range(x.dim()) if d not in dims]
+    order = sorted(range(len(dims)), key=lambda i: dims[i])  # the reduced result keeps the channel dims ascending
+    back = sorted(range(len(dims)), key=lambda i: order[i])
+
+    def reduce(t: Tensor) -> Tensor:
+        return t.mean(dim=rest).permute(*back).reshape(-1)
+
+    return reduce(x), reduce(x.square())
 
 
 def channel_matrix(x: Tensor, channel_dim: int | Sequence[int] = 1, fn: str = "channel_matrix") -> Tensor:
@@ -220,7 +238,17 @@ def channel_ratio_summary(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Te
     The first three are nan when every channel is dead; a non-finite input still gives non-finite values (a nan
     channel is not dead).
     """
-    mean, sq = channel_moments(x, channel_dim)
+    return moments_ratio_summary(*channel_moments(x, channel_dim))
+
+
+def moments_ratio_summary(mean: Tensor, sq: Tensor) -> Tensor:
+    """:func:`channel_ratio_summary` from the per-channel moments (:func:`channel_moments`): ``[mean, min, max,
+    dead, channels]`` of ``E_c^2[X] / E_c[X^2]`` over the live channels (``E_c[X^2] > 0``). (C,) x2 -> (5,).
+
+    Example:
+        >>> moments_ratio_summary(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([2.0, 0.0, 4.0])).tolist()
+        [0.75, 0.5, 1.0, 1.0, 3.0]
+    """
     live = sq != 0
     r = mean.square() / torch.where(live, sq, torch.ones_like(sq))
     counts = torch.stack([(~live).sum().to(r.dtype), torch.full_like(r[0], r.numel())])
@@ -228,8 +256,20 @@ def channel_ratio_summary(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Te
 
 
 def output_variance(y: Tensor) -> Tensor:
-    """Var[Y_l]: biased variance over all entries of the layer output. Scalar."""
-    return _as_float(y).var(unbiased=False)
+    """Var[Y_l]: biased variance over all entries of the layer output. Scalar (nan for an empty tensor).
+
+    Two passes, ``d = y - mean(y)`` then ``d . d / numel``: the same value as ``y.var(unbiased=False)`` up to
+    float rounding (centered first, so a large mean does not cancel the variance away) and about 3x faster on CPU
+    than torch's single-pass variance; the monitor computes it for every layer at every step (``countdown_every``).
+    """
+    return _flat_variance(_as_float(y))
+
+
+def _flat_variance(x: Tensor) -> Tensor:
+    """Biased variance over all entries of a float tensor, centered two-pass (see :func:`output_variance`)."""
+    flat = x.reshape(-1)
+    d = flat - flat.mean()
+    return d.dot(d) / flat.numel()
 
 
 def variance_terms(record: dict) -> dict:

@@ -1,0 +1,152 @@
+"""The monitor's light per-step path (``countdown_every``): the countdown alarm sees every step between the full
+records, with one host read-back per step, and fires exactly as a monitor recording every step would."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from normlab.monitor import VarianceMonitor
+from normlab.runner.models import build_model
+
+BLOW_UP = 13  # the step at which a hidden conv's weights are multiplied (not a recording step of every=10)
+
+
+def plain1d(seed: int = 100):
+    torch.manual_seed(seed)
+    return build_model(
+        "plain1d", norm="none", conv="conv", in_channels=1, num_classes=10, input_shape=(1, 40), width=0.25
+    )
+
+
+def batches(n: int, seed: int = 101):
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 1, 40, generator=gen), torch.randint(0, 10, (32,), generator=gen)) for _ in range(n)]
+
+
+def run(model, mon, data, blow_up=BLOW_UP, factor=5.0, start=0):
+    """Train on ``data`` through ``mon.step(opt)``; at step ``blow_up`` multiply a hidden conv's weight."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+    convs = [m for m in model.modules() if isinstance(m, torch.nn.Conv1d)]
+    for step, (x, y) in enumerate(data, start=start):
+        if step == blow_up:
+            with torch.no_grad():
+                convs[2].weight.mul_(factor)
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        mon.step(opt)
+    return opt
+
+
+def alarm_key(alarm):
+    return (alarm.step, alarm.layer, alarm.quantity, alarm.value, alarm.baseline, alarm.flagged)
+
+
+@pytest.mark.parametrize(
+    "countdown",
+    [True, {"growth": None, "level": 15.0}, {"growth": 1.0, "grad_ratio": 5.0}],
+    ids=["growth", "level", "grad_ratio"],
+)
+def test_dense_countdown_fires_exactly_as_every_step_records(countdown):
+    base, data = plain1d(), batches(30)
+    dense_model, full_model = copy.deepcopy(base), copy.deepcopy(base)
+    kw = dict(countdown=countdown, factor_rules=False, risk=False)
+    dense = VarianceMonitor(dense_model, every=10, **kw)
+    full = VarianceMonitor(full_model, every=1, **kw)
+    run(dense_model, dense, data)
+    run(full_model, full, data)
+    assert full.alarm is not None and full.alarm.step >= BLOW_UP and full.alarm.step % 10 != 0
+    assert alarm_key(dense.alarm) == alarm_key(full.alarm)
+    assert sorted({r["step"] for r in dense.records}) == [0, 10, 20]  # light steps add no records
+    # without the light path the countdown only sees steps 0, 10, 20: no alarm at the step it fired
+    sparse_model = copy.deepcopy(base)
+    sparse = VarianceMonitor(sparse_model, every=10, countdown_every=None, **kw)
+    run(sparse_model, sparse, data)
+    assert sparse.alarm is None or sparse.alarm.step % 10 == 0
+
+
+def test_light_step_reads_back_once(monkeypatch):
+    model, data = plain1d(), batches(6)
+    mon = VarianceMonitor(model, every=5, countdown={"grad_ratio": 5.0})  # gradient norm on too
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    reads, syncs = [], []
+    tolist = torch.Tensor.tolist
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or tolist(t))
+    monkeypatch.setattr(torch.Tensor, "item", lambda t: syncs.append(t.shape) or item(t))
+    per_step = []
+    for x, y in data:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        reads.clear(), syncs.clear()
+        light = mon.is_light
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            mon.step(opt)
+        dense_reads = [e.key for e in prof.key_averages() if e.key in ("aten::_local_scalar_dense", "aten::item")]
+        per_step.append((light, len(reads), len(syncs), dense_reads))
+    hidden = sum(k != "norm" for _, _, k in mon.layers)
+    for light, n_reads, n_items, scalar_reads in per_step[1:5]:  # steps 1-4: light steps
+        assert light and n_reads == 1 and n_items == 0 and scalar_reads == []
+    assert not per_step[0][0] and per_step[0][1] >= hidden  # step 0: a full recording step reads per layer
+    assert mon.countdown.grad_norms and len(mon.countdown.grad_norms) == 6  # every step fed the gradient norm
+
+
+def test_non_finite_value_alarms_on_a_light_step():
+    model, data = plain1d(), batches(10)
+    mon = VarianceMonitor(model, every=10, factor_rules=False, risk=False)
+    run(model, mon, data, blow_up=6, factor=math.nan)
+    assert mon.alarm is not None and mon.alarm.step == 6
+    assert mon.alarm.quantity == "output_var" and not math.isfinite(mon.alarm.value)
+
+
+def test_state_dict_round_trip_continues_the_countdown():
+    base, data = plain1d(), batches(30)
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    kw = dict(every=10, factor_rules=False, risk=False)
+    ref = VarianceMonitor(ref_model, **kw)
+    run(ref_model, ref, data)
+    assert ref.alarm is not None and ref.alarm.step % 10 != 0
+    first = VarianceMonitor(model, **kw)
+    opt = run(model, first, data[: BLOW_UP + 1])  # the light steps before and at the blow-up fill the countdown
+    state = first.state_dict()
+    first.close()
+    second = VarianceMonitor(model, **kw)
+    second.load_state_dict(copy.deepcopy(state))
+    assert second.current_step == BLOW_UP + 1 and second.is_light
+    for x, y in data[BLOW_UP + 1 :]:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        second.step(opt)
+    assert alarm_key(second.alarm) == alarm_key(ref.alarm)
+
+
+def test_countdown_every_sets_the_cadence_and_hooks_follow_it():
+    model, data = plain1d(), batches(9)
+    seen = []
+    mon = VarianceMonitor(model, every=6, countdown_every=2, factor_rules=False, risk=False)
+    check = mon.countdown.check
+    mon.countdown.check = lambda step, *a, **k: seen.append(step) or check(step, *a, **k)
+    conv = mon.layers[0][1]
+    hooks = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in data:
+        hooks.append(len(conv._forward_hooks))
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        mon.step(opt)
+    assert seen == [0, 2, 4, 6, 8]
+    assert hooks == [1, 0, 1, 0, 1, 0, 1, 0, 1]
+    off = VarianceMonitor(plain1d(), every=6, countdown=False)  # no countdown: no light steps, no hooks between
+    off.current_step = 1
+    off._sync_hooks()
+    assert not off.is_light and len(off.layers[0][1]._forward_hooks) == 0
+    with pytest.raises(ValueError, match="countdown_every must be None or an int >= 1"):
+        VarianceMonitor(plain1d(), countdown_every=0)
