@@ -10,7 +10,7 @@ Two lines in a training loop::
 
 Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values).
 Between recording steps the countdown alarm still sees every step (``countdown_every=1``): a light step keeps only
-each layer's output variance (and the gradient norm if the countdown reads it), read back once per step.
+each conv/linear layer's output variance (and the gradient norm if the countdown reads it), read back once per step.
 Hooks are attached only while a recording or light step is pending and only read detached tensors under
 ``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
 
@@ -169,10 +169,10 @@ class VarianceMonitor:
             skips such layers entirely.
         countdown_every: feed the countdown alarm every ``countdown_every`` steps (int >= 1), not only on the
             recorded steps. Default 1: every step, as the countdown's thresholds were calibrated (docs/monitor.md).
-            A step that is not a recording step is then a *light* step: the forward hooks keep only each layer's
-            output variance (``output_var``, the same function as the full record), ``step`` the gradient norm when
-            the countdown's ``grad_ratio`` is on, and both are read back to the host in one transfer and passed to
-            the countdown alone. Light steps add nothing to ``records`` (the log keeps only full records); the
+            A step that is not a recording step is then a *light* step: the forward hooks keep only each conv/linear
+            layer's output variance (``output_var``, the same function as the full record), ``step`` the gradient
+            norm when the countdown's ``grad_ratio`` is on, and both are read back to the host in one transfer and
+            passed to the countdown alone. Light steps add nothing to ``records`` (the log keeps only full records); the
             level rule reads each layer's ``shift_scale_free`` from its last full record. The factor rules and the
             regime warning read full records only. Measured cost: benchmarks/RESULTS.md ("Monitor overhead").
             None: the countdown reads the full records only (every ``every`` steps).
@@ -288,7 +288,7 @@ class VarianceMonitor:
     @property
     def is_light(self) -> bool:
         """True when the current step is not recorded but feeds the countdown alarm (``countdown_every``): its
-        forward keeps only each layer's output variance (and ``step`` the gradient norm when the countdown's
+        forward keeps only each conv/linear layer's output variance (and ``step`` the gradient norm when the countdown's
         ``grad_ratio`` is on), read back in one transfer."""
         every = self.countdown_every
         return (
@@ -327,15 +327,15 @@ class VarianceMonitor:
             if self.is_recording:
                 with torch.no_grad():
                     self._pending[name] = activation_stats(module, kind, args, output)
-            elif self.is_light:
+                if self._versions_step != self.current_step:
+                    self._versions, self._versions_step = {}, self.current_step
+                self._versions[name] = param_versions(module)
+            elif kind != "norm" and self.is_light:  # the countdown tests conv/linear outputs only
                 if isinstance(output, Tensor) and output.numel() > 0:
                     with torch.no_grad():
                         self._light[name] = stats.output_variance(output)
             else:
                 return
-            if self._versions_step != self.current_step:
-                self._versions, self._versions_step = {}, self.current_step
-            self._versions[name] = param_versions(module)
             if name not in self._order:
                 self._order[name] = len(self._order)
 
