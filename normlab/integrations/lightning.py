@@ -251,7 +251,7 @@ class VarianceMonitorCallback(pl.Callback):
         if stage == "fit" and self.monitor is not None:
             self.monitor.close()  # hooks removed; the records stay
         if stage == "fit" and self.guard is not None:
-            self.guard._snapshots.clear()  # the in-memory copies of the module; guard.rescues stays
+            self.guard.release()  # the in-memory copies of the module; guard.rescues stays
 
     def state_dict(self) -> dict[str, Any]:
         state = {"monitor": self.monitor.state_dict()} if self.monitor is not None else {}

@@ -362,6 +362,12 @@ class CollapseGuard:
         self._snapshots.clear()
         self._take_snapshot()
 
+    def release(self) -> None:
+        """Drop the in-memory snapshots (copies of the model, optimizer and schedulers) once training is over;
+        ``rescues`` and the counters stay. The guard cannot roll back after this (:meth:`load_state_dict` starts
+        the snapshots again)."""
+        self._snapshots.clear()
+
     def __repr__(self) -> str:
         return (
             f"CollapseGuard(steps={self.steps}, every={self.every}, rescues={len(self.rescues)}, "
