@@ -47,15 +47,18 @@ FIRST_SEED = 100
 
 
 # ---------------------------------------------------------------------------------------------- collection
-def configs(seeds, widths=WIDTHS):
+def configs(seeds, widths=WIDTHS, norms=tuple(NORMS)):
+    """The protocol's runs per seed: ``norms`` x ``widths`` x LRS, plus the BN controls at CONTROL_LR when "bn" is
+    among ``norms``."""
     out = []
     for seed in seeds:
-        for norm in NORMS:
+        for norm in norms:
             for width in widths:
                 for lr in LRS:
                     out.append(dict(norm=norm, width=width, lr=lr, seed=seed))
-        for width in widths:
-            out.append(dict(norm="bn", width=width, lr=CONTROL_LR, seed=seed))
+        if "bn" in norms:
+            for width in widths:
+                out.append(dict(norm="bn", width=width, lr=CONTROL_LR, seed=seed))
     return out
 
 
@@ -218,6 +221,14 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
+def parse_norms(text: str) -> tuple[str, ...]:
+    norms = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in norms if n not in NORMS]
+    if not norms or bad:
+        raise SystemExit(f"--norms: expected a comma-separated subset of {list(NORMS)}, got {text!r}")
+    return norms
+
+
 def parse_widths(text: str) -> tuple[float, ...]:
     try:
         widths = tuple(float(w) for w in text.split(","))
@@ -228,10 +239,10 @@ def parse_widths(text: str) -> tuple[float, ...]:
     return widths
 
 
-def collect(out_dir: Path, seeds, workers: int, widths=WIDTHS) -> None:
+def collect(out_dir: Path, seeds, workers: int, widths=WIDTHS, norms=tuple(NORMS)) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     _data()  # generate once so that the workers read the same arrays
-    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds, widths)]
+    jobs = [(cfg, str(out_dir)) for cfg in configs(seeds, widths, norms)]
     with ProcessPoolExecutor(workers) as ex:
         for name, kind, dt in ex.map(_collect_one, jobs):
             print(f"{name}: {kind} ({dt:.0f} s)", flush=True)
@@ -717,9 +728,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--widths", default=",".join(str(w) for w in WIDTHS), help="collect/evaluate: comma-separated")
     p.add_argument("--lrs", default="0.1,0.2", help="suggest: the learning rates of the plain runs")
+    p.add_argument("--norms", default=",".join(NORMS), help=f"collect: a comma-separated subset of {list(NORMS)}")
     a = p.parse_args(argv)
     if a.command == "collect":
-        collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths))
+        collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths), parse_norms(a.norms))
     elif a.command == "analyze":
         print(analyze(load_runs(a.out)))
     elif a.command == "evaluate":
