@@ -146,6 +146,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     gen = torch.Generator().manual_seed(cfg["seed"])
     tracker = CollapseTracker(10)
     lines, loss_fn, gave_up = [], nn.CrossEntropyLoss(), None
+    kept = []  # guard: the losses of the trajectory the model is on (a rolled-back episode's losses are dropped)
     for step in range(steps):
         idx = torch.randint(0, x.shape[0], (BATCH,), generator=gen)
         loss = loss_fn(model(x[idx]), y[idx])
@@ -153,12 +154,14 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         loss.backward()
         gnorm = _grad_norm(model)
         n_rec = len(mon.records)
+        lv = float(loss.detach())
         try:
-            guard.step(loss) if guard is not None else opt.step()
+            took = guard.step(loss) if guard is not None else opt.step()
         except RunCollapsed as e:
             gave_up = str(e)
             break
-        lv = float(loss.detach())
+        if guard is not None:
+            kept = kept + [lv if math.isfinite(lv) else None] if took else kept[: guard.steps]
         if study and old_alarm is None and len(mon.records) > n_rec:
             hit = _old_check(old, step, mon.records[n_rec:])
             old_alarm = None if hit is None else {"step": hit.step, "layer": hit.layer}
@@ -189,7 +192,13 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     }
     if guard is not None:
         summary["rescues"] = [r.to_dict() for r in guard.rescues]
+        summary["dismissed"] = [d.to_dict() for d in guard.dismissed]
         summary["gave_up"] = gave_up
+        summary["kept_losses"] = kept
+        kept_tracker = CollapseTracker(10)
+        for value in kept:
+            kept_tracker.update(value)
+        summary["kept_kind"] = kept_tracker.finish()
     mon.close()
     return header, lines, summary
 
@@ -299,7 +308,7 @@ def prepare(run) -> dict:
     steps = run["steps"]
     v0 = {n: steps[0]["L"][n][0] for n in hidden}
     vt0 = {n: steps[0]["L"][n][2] for n in hidden}
-    nonfin, growth, level, gratio, shift_in, pws_ratio = [], [], [], [], [], []
+    nonfin, growth, level, gratio, shift_in, pws_ratio, ratios = [], [], [], [], [], [], []
     growth_x, level_x = [], []  # exploratory: only the layers not renormalized downstream
     for t, x in enumerate(steps):
         vs = [x["L"].get(n, [None] * 4) for n in hidden]
@@ -308,6 +317,7 @@ def prepare(run) -> dict:
         if bad:
             growth.append(INF), level.append(INF), gratio.append(INF), growth_x.append(INF), level_x.append(INF)
             shift_in.append(set(hidden)), pws_ratio.append({n: INF for n in hidden})
+            ratios.append({n: INF for n in hidden if n not in exempt})
             continue
         prev = steps[t - 2]["L"] if t >= 2 else None
         rates = {n: -INF for n in hidden}
@@ -323,6 +333,7 @@ def prepare(run) -> dict:
         past = [s["gnorm"] for s in steps[:t]]
         gratio.append(x["gnorm"] / statistics.median(past) if t >= 5 and statistics.median(past) > 0 else -INF)
         shift_in.append({n for n, v in zip(hidden, vs) if n not in exempt and v[1] is not None and v[1] > v[2]})
+        ratios.append({n: v[1] / v[2] for n, v in zip(hidden, vs) if n not in exempt and v[1] is not None and v[2]})
         pws_ratio.append({n: v[2] / vt0[n] if vt0[n] else 0.0 for n, v in zip(hidden, vs) if n not in exempt})
     first_nf = next((t for t, b in enumerate(nonfin) if b), INF)
     standardized = all(abs(steps[0]["L"][n][1] or 0.0) < 1e-12 for n in hidden[1:])
@@ -338,6 +349,10 @@ def prepare(run) -> dict:
         level_x=level_x,
         shift_in=shift_in,
         pws_ratio=pws_ratio,
+        ratios=ratios,
+        losses=[x["loss"] for x in steps],
+        gnorms=[x["gnorm"] for x in steps],
+        alarm=_step_or_inf((run["summary"]["alarm"] or {}).get("step")),
         standardized=standardized,
         old=(run["summary"]["old_alarm"] or {}).get("step", INF),
     )
@@ -515,6 +530,127 @@ def analyze(raw_runs) -> str:
     return "\n".join(out)
 
 
+# ---------------------------------------------------------------------------------------------- round 3
+RATIO_GRID = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+CONFIRM_GRID = (None, 10, 25, 50, 100)
+CLIMB_GRID = (None, 0.9, 0.75, 0.5)
+GUARD_EVERY, GUARD_KEEP, GUARD_MARGIN = 10, 3, 5
+
+
+def regime3_step(r, ratio, w) -> float:
+    """First step at which some non-exempt hidden layer has had shift_term > ratio x variance_term for w
+    consecutive steps (a non-finite step counts as in the regime, as the detector's streak would not; it ends the
+    run anyway)."""
+    streak: dict[str, int] = {}
+    for t, per_layer in enumerate(r["ratios"]):
+        streak = {n: streak.get(n, 0) + 1 for n, q in per_layer.items() if q > ratio}
+        if any(c >= w for c in streak.values()):
+            return t
+    return INF
+
+
+def choose_regime3(runs) -> tuple[float, int] | None:
+    best, best_key = None, None
+    for ratio in RATIO_GRID:
+        for w in WINDOW_GRID:
+            s = score_regime_steps(runs, lambda r, q=ratio, w=w: regime3_step(r, q, w))
+            if s["healthy_plain_flagged"] > 0.2 * s["healthy_plain"]:
+                continue
+            key = (s["recall"], w, ratio)
+            if best_key is None or key > best_key:
+                best, best_key = (ratio, w), key
+    return best
+
+
+def _climbed(losses, t, fraction, state) -> bool:
+    """The guard's loss-climb test at step t (normlab.monitor.guard._LossTrend, replayed): updates ``state``."""
+    if t + 1 < 10:
+        return False
+    mean = statistics.fmean(losses[t - 9 : t + 1])
+    state["first"] = mean if state.get("first") is None else state["first"]
+    state["best"] = mean if state.get("best") is None else min(state["best"], mean)
+    first, best = state["first"], state["best"]
+    return fraction is not None and best < 0.8 * first and mean >= best + fraction * (first - best)
+
+
+def guard_replay(r, confirm, climb) -> tuple[int, int] | None:
+    """(trouble step, restored snapshot step) of the first rollback CollapseGuard(every=10, keep=3, margin=5,
+    confirm, loss_climb=climb) would make on an unguarded run, or None. Snapshots: steps 0, 10, 20, ... (the
+    last GUARD_KEEP kept), plus the one pinned by a waiting alarm."""
+
+    def choose(onset, t):
+        kept = [s for s in range(0, t + 1, GUARD_EVERY)][-GUARD_KEEP:]
+        snaps = sorted(set(kept) | ({pinned} if pinned is not None else set()))
+        before = [s for s in snaps if s <= onset - GUARD_MARGIN]
+        return before[-1] if before else snaps[0]
+
+    losses, gnorms, alarm = r["losses"], r["gnorms"], r["alarm"]
+    state, pinned, armed = {}, None, None
+    for t in range(len(losses)):
+        onset = None
+        if losses[t] is None or gnorms[t] is None:
+            onset = t
+        elif _climbed(losses, t, climb, state):
+            onset = t - 9
+        if onset is not None:
+            if armed is not None:
+                onset = min(onset, armed)
+            return t, choose(onset, t)
+        # the step is taken; then the alarm (raised on step t's records) is seen
+        if t == alarm:
+            if confirm is None:
+                return t, choose(alarm, t)
+            armed, pinned = alarm, choose(alarm, t)
+        if armed is not None and t + 1 - (armed + 1) >= confirm:
+            armed, pinned = None, None
+    return None
+
+
+def score_guard_replay(runs, confirm, climb) -> dict:
+    coll = [r for r in runs if r["kind"] is not None]
+    healthy = [r for r in runs if r["kind"] is None]
+    hits = {run_name(r["cfg"]): guard_replay(r, confirm, climb) for r in runs}
+    timely = [r for r in coll if hits[run_name(r["cfg"])] and hits[run_name(r["cfg"])][1] <= (r["cstep"] or 0) - LEAD]
+    return dict(
+        timely=len(timely),
+        rolled_back=sum(hits[run_name(r["cfg"])] is not None for r in coll),
+        collapsing=len(coll),
+        healthy_rolled_back=sum(hits[run_name(r["cfg"])] is not None for r in healthy),
+        healthy=len(healthy),
+    )
+
+
+def choose_guard(runs):
+    best, best_key = None, None
+    for i, confirm in enumerate(CONFIRM_GRID):
+        for j, climb in enumerate(CLIMB_GRID):
+            s = score_guard_replay(runs, confirm, climb)
+            if s["healthy_rolled_back"] > 0:
+                continue
+            key = (s["timely"], -i, -j)
+            if best_key is None or key > best_key:
+                best, best_key = (confirm, climb), key
+    return best
+
+
+def round3(raw_runs) -> str:
+    """Round 3's choices on the calibration runs (docs/monitor.md): the regime rule (ratio, window) and the guard's
+    (confirm, loss_climb), with the score of every candidate."""
+    runs = [prepare(r) for r in raw_runs]
+    out = [f"{len(runs)} calibration runs, seeds {sorted({r['cfg']['seed'] for r in runs})}"]
+    out += _outcomes([{**r, "test_acc": None} for r in runs])
+    for ratio in RATIO_GRID:
+        for w in WINDOW_GRID:
+            s = score_regime_steps(runs, lambda r, q=ratio, w=w: regime3_step(r, q, w))
+            out.append(f"regime ratio={ratio} w={w}: {_fmt(s)}")
+    out.append(f"CHOSEN regime (ratio, window): {choose_regime3(runs)}")
+    for confirm in CONFIRM_GRID:
+        for climb in CLIMB_GRID:
+            out.append(f"guard confirm={confirm} loss_climb={climb}: {_fmt(score_guard_replay(runs, confirm, climb))}")
+    out.append(f"CHOSEN guard (confirm, loss_climb): {choose_guard(runs)}")
+    return "\n".join(out)
+
+
 # ---------------------------------------------------------------------------------------------- evaluation
 def replay_records(run, line) -> list[dict]:
     """The monitor records of one collected step, rebuilt from the run's header (layer kinds, forward order) and the
@@ -662,22 +798,28 @@ def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2, wi
         for g in ex.map(_guard_one, jobs):
             results.append(g)
             print(f"guarded {run_name(g['cfg'])}: {g['kind']}", file=sys.stderr, flush=True)
-    before = {run_name(r["cfg"]): r["summary"]["kind"] for r in runs}
-    coll = [g for g in results if before[run_name(g["cfg"])] is not None]
-    healthy = [g for g in results if before[run_name(g["cfg"])] is None]
+    before = {run_name(r["cfg"]): r["summary"] for r in runs}
+    coll = [g for g in results if before[run_name(g["cfg"])]["kind"] is not None]
+    healthy = [g for g in results if before[run_name(g["cfg"])]["kind"] is None]
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
+    ok_kept = [g for g in coll if "kept_kind" in g and g["kept_kind"] is None and not g.get("gave_up")]
+    same = [g for g in healthy if g["test_acc"] == before[run_name(g["cfg"])]["test_acc"]]
+    where = f"seeds {seeds}" if seeds else f"seed parity {parity}"
     lines = [
-        f"guarded collapsing runs (none/pws, {f'seeds {seeds}' if seeds else f'seed parity {parity}'}): "
-        f"{len(ok)} of {len(coll)} end healthy",
-        f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}",
+        f"guarded collapsing runs (none/pws, {where}): {len(ok_kept)} of {len(coll)} end healthy on the kept "
+        f"trajectory; {len(ok)} of {len(coll)} over all losses (rolled-back episodes included)",
+        f"healthy runs with a rescue: {sum(bool(g['rescues']) for g in healthy)} of {len(healthy)}; final test "
+        f"accuracy equal to the unguarded run's: {len(same)} of {len(healthy)}; alarms dismissed on healthy runs: "
+        f"{sum(len(g.get('dismissed', [])) for g in healthy)}",
     ]
     for g in results:
         twin = g.get("twin") or {}
         lines.append(
-            f"  {run_name(g['cfg'])}: unguarded {before[run_name(g['cfg'])]} -> guarded {g['kind']} "
-            f"acc {g['test_acc']} rescues {len(g['rescues'])} lost "
-            f"{sum(r['steps_lost'] for r in g['rescues'])} gave_up {bool(g.get('gave_up'))} "
-            f"twin(lr {twin.get('lr')}) {twin.get('kind')} acc {twin.get('test_acc')}"
+            f"  {run_name(g['cfg'])}: unguarded {before[run_name(g['cfg'])]['kind']} "
+            f"acc {before[run_name(g['cfg'])]['test_acc']} -> guarded {g.get('kept_kind', '?')} (all losses "
+            f"{g['kind']}) acc {g['test_acc']} rescues {len(g['rescues'])} lost "
+            f"{sum(r['steps_lost'] for r in g['rescues'])} dismissed {len(g.get('dismissed', []))} gave_up "
+            f"{bool(g.get('gave_up'))} twin(lr {twin.get('lr')}) {twin.get('kind')} acc {twin.get('test_acc')}"
         )
     return "\n".join(lines)
 
@@ -721,7 +863,7 @@ def suggest_study(out_dir: Path, seeds, lrs, steps: int, workers: int = 2) -> st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["collect", "analyze", "evaluate", "guard", "suggest"])
+    p.add_argument("command", choices=["collect", "analyze", "round3", "evaluate", "guard", "suggest"])
     p.add_argument("--out", type=Path, default=Path("runs/collapse_study"))
     p.add_argument("--seeds", default=None, help="collect: default 100-103; guard: default the even seeds")
     p.add_argument("--workers", type=int, default=2)
@@ -734,12 +876,13 @@ def main(argv=None) -> int:
         collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths), parse_norms(a.norms))
     elif a.command == "analyze":
         print(analyze(load_runs(a.out)))
+    elif a.command == "round3":
+        print(round3(load_runs(a.out)))
     elif a.command == "evaluate":
         print(evaluate(load_runs(a.out), parse_widths(a.widths)))
     elif a.command == "guard":
         seeds = parse_seeds(a.seeds) if a.seeds else None
         print(guard_study(a.out, a.steps, workers=a.workers, widths=parse_widths(a.widths), seeds=seeds))
-        print(guard_study(a.out, a.steps))
     elif a.command == "suggest":
         print(suggest_study(a.out, parse_seeds(a.seeds), [float(x) for x in a.lrs.split(",")], a.steps, a.workers))
     return 0

@@ -185,3 +185,57 @@ def test_replay_exempts_convs_followed_by_batchnorm_like_the_monitor(tiny, monke
     plain = CountdownDetector(growth=1.0)  # the same detector without the exemption fires
     fired = [plain.check(x["t"], tiny.replay_records(run, x), exempt={head["order"][-1]}) for x in lines]
     assert any(a is not None for a in fired)
+
+
+class _AlarmAt:
+    """A monitor raising its alarm at one step (for the guard replay check)."""
+
+    def __init__(self, step):
+        self.at, self.current_step, self.alarm = step, 0, None
+
+    def step(self, opt):
+        opt.step()
+        if self.current_step == self.at and self.alarm is None:
+            self.alarm = type("Alarm", (), {"step": self.at})()
+        self.current_step += 1
+
+    def state_dict(self):
+        return {"current_step": self.current_step, "alarm": self.alarm}
+
+    def load_state_dict(self, state):
+        self.current_step, self.alarm = state["current_step"], state["alarm"]
+
+
+def _real_first_rollback(losses, alarm, confirm, climb):
+    import torch
+
+    from normlab.monitor import CollapseGuard
+
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, _AlarmAt(alarm), every=10, keep=3, margin=5, confirm=confirm, loss_climb=climb)
+    for v in losses:
+        guard.step(math.nan if v is None else v)
+        if guard.rescues:
+            return guard.rescues[0].restored_step
+    return None
+
+
+LOSS_SCENARIOS = {
+    "alarm, no trouble": ([2.3] * 10 + [0.4] * 90, 37),
+    "alarm, then non-finite": ([2.3] * 10 + [0.4] * 35 + [None], 37),
+    "alarm, non-finite much later": ([2.3] * 10 + [0.4] * 75 + [None], 37),
+    "alarm, then back to chance": ([2.3] * 10 + [0.4] * 32 + [2.3] * 30, 37),
+    "no alarm, back to chance": ([2.3] * 10 + [0.4] * 52 + [2.25] * 30, 10**6),
+    "alarm at step 3": ([2.3] * 3 + [None], 3),
+}
+
+
+@pytest.mark.parametrize("scenario", list(LOSS_SCENARIOS))
+def test_the_guard_replay_matches_the_real_guard(study, scenario):
+    losses, alarm = LOSS_SCENARIOS[scenario]
+    run = {"losses": losses, "gnorms": [1.0 if v is not None else None for v in losses], "alarm": alarm}
+    for confirm in study.CONFIRM_GRID:
+        for climb in study.CLIMB_GRID:
+            hit = study.guard_replay(run, confirm, climb)
+            assert (hit and hit[1]) == _real_first_rollback(losses, alarm, confirm, climb), (confirm, climb)

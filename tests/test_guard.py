@@ -174,7 +174,7 @@ def test_a_monitor_alarm_is_trouble_dated_to_the_alarm():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     mon = VarianceMonitor(model, every=1, explode_factor=1.0001, watch_output_layer=True)
-    guard = CollapseGuard(model, opt, mon, every=2, max_rescues=1)
+    guard = CollapseGuard(model, opt, mon, every=2, max_rescues=1, confirm=None)  # act on the alarm at once
     batches = _batches(8)
     taken = []
     for x, y in batches[:3]:
@@ -289,3 +289,118 @@ def test_roll_back_after_giving_up_ends_on_the_last_good_state():
     for p, q in zip(model.parameters(), _net().parameters()):  # the state of step 0: the initial weights
         assert torch.equal(p, q)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)  # the rescue's factor stays, no new one
+
+
+class _ScriptedMonitor:
+    """A monitor whose alarm is raised at a chosen step (its own counter, rolled back with its state)."""
+
+    def __init__(self, alarm_at):
+        self.alarm_at, self.current_step, self.alarm = set(alarm_at), 0, None
+        self.records = []
+
+    def step(self, opt):
+        opt.step()
+        if self.current_step in self.alarm_at and self.alarm is None:
+            self.alarm = type("Alarm", (), {"step": self.current_step, "__str__": lambda s: "scripted"})()
+        self.current_step += 1
+
+    def state_dict(self):
+        return {"current_step": self.current_step, "alarm": self.alarm}
+
+    def load_state_dict(self, state):
+        self.current_step, self.alarm = state["current_step"], state["alarm"]
+
+
+def _guarded(batches, alarm_at, poison=(), **kw):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = CollapseGuard(model, opt, _ScriptedMonitor(alarm_at), **kw)
+    return model, guard, _train(model, opt, batches, guard, poison)
+
+
+def test_confirm_dismisses_an_alarm_no_trouble_follows_and_leaves_the_run_unchanged():
+    batches = _batches(30)
+    ref = _net()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    _train(ref, opt, batches)
+    model, guard, taken = _guarded(batches, alarm_at={7}, every=5, confirm=10)
+    assert all(taken) and guard.rescues == []
+    (d,) = guard.dismissed
+    assert (d.step, d.dismissed_at, d.reason) == (7, 18, "monitor alarm: scripted")
+    for p, q in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    assert guard.state_dict()["dismissed"] == [d.to_dict()]
+
+
+def test_without_confirm_the_same_alarm_rolls_back_at_once():
+    model, guard, taken = _guarded(_batches(30), alarm_at={7}, every=5, confirm=None)
+    assert taken[7] is False and guard.rescues[0].onset == 7 and guard.dismissed == []
+
+
+@pytest.mark.parametrize("trouble_at, rescued", [(12, True), (17, True), (18, False)])
+def test_confirm_trouble_within_the_wait_restores_the_snapshot_pinned_for_the_alarm(trouble_at, rescued):
+    # snapshots every 2 steps, two kept: by the trouble the deque holds only post-alarm snapshots; the pinned one
+    # (newest <= alarm - margin = 4) must be the one restored, and the rescue is dated to the alarm
+    model, guard, taken = _guarded(
+        _batches(20), alarm_at={7}, poison={trouble_at}, every=2, keep=2, margin=3, confirm=10, max_rescues=1
+    )
+    r = guard.rescues[0]
+    if rescued:
+        assert (r.step, r.onset, r.restored_step) == (trouble_at, 7, 4)
+        assert r.reason.startswith("non-finite loss") and r.reason.endswith("after the monitor alarm: scripted")
+        assert guard.dismissed == []
+    else:  # the wait was over after step 17: the trouble is new, dated to itself, restored from the deque
+        assert guard.dismissed[0].dismissed_at == 18
+        assert (r.onset, r.restored_step) == (trouble_at, 16)  # deque {16, 18}: none <= 15, the oldest
+
+
+def _climb_guard(losses, climb):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, every=5, margin=0, loss_climb=climb)
+    out = [guard.step(v) for v in losses]
+    return guard, out
+
+
+def test_loss_climb_is_trouble_dated_to_the_start_of_its_window():
+    losses = [2.3] * 10 + [0.5] * 20 + [2.2] * 10  # learned (0.5 < 0.8 x 2.3), then back near its start
+    guard, taken = _climb_guard(losses, climb=0.75)
+    (r,) = guard.rescues
+    # the 10-step mean crosses 0.5 + 0.75 x 1.8 = 1.85 at step 37 (8 of 10 losses at 2.2); window start 28
+    assert r.step == 37 and r.onset == 28 and r.restored_step == 25 and taken.index(False) == 37
+    assert r.reason.startswith("loss climbed back at step 37")
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        [2.3] * 40,  # never learned: nothing to climb back from
+        [2.3] * 10 + [2.0] * 30 + [2.3] * 10,  # best 2.0 is not below 0.8 x first
+        [2.3] * 10 + [0.5] * 20 + [1.0] * 20,  # a bump that stays below 0.5 + 0.75 x 1.8
+    ],
+)
+def test_loss_climb_needs_a_learned_run_and_a_climb_past_the_fraction(losses):
+    guard, taken = _climb_guard(losses, climb=0.75)
+    assert all(taken) and guard.rescues == []
+
+
+def test_loss_climb_state_is_rolled_back_with_the_snapshot():
+    # after the rescue the trend is the snapshot's: the best mean survives, the climbed window does not
+    losses = [2.3] * 10 + [0.5] * 20 + [2.2] * 8  # the rescue comes at the last step, 37, back to step 25
+    guard, _ = _climb_guard(losses, climb=0.75)
+    assert len(guard.rescues) == 1 and guard.steps == 25
+    assert guard._trend.best == pytest.approx(0.5) and guard._trend.first == pytest.approx(2.3)
+    assert list(guard._trend.recent) == [0.5] * 10  # the losses of steps 15-24
+
+
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"confirm": 0}, "confirm must be an int >= 1 or None"),
+        ({"confirm": True}, "confirm must be an int >= 1 or None"),
+        ({"loss_climb": 0}, "loss_climb must be a number in (0, 1] or None"),
+        ({"loss_climb": 1.5}, "loss_climb must be a number in (0, 1] or None"),
+    ],
+)
+def test_bad_confirm_arguments_are_one_line_errors(kw, words):
+    test_bad_arguments_are_one_line_errors(kw, words)

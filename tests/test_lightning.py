@@ -231,7 +231,7 @@ def test_guard_leaves_a_healthy_run_untouched(one_thread):
 
 def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
     module = Tiny(blow_up_at=5)
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2})
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "confirm": None})  # act on the alarm
     with pytest.warns(UserWarning, match=r"rescue 1: monitor alarm: collapse warning at step 5.*0.05 -> 0.025"):
         trainer = _fit(module, cb, max_steps=16)
     (r,) = cb.guard.rescues
@@ -240,6 +240,17 @@ def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
     assert cb.monitor.alarm is None and all(torch.isfinite(p).all() for p in module.parameters())
     assert float(module.net[0].weight.abs().max()) < 10  # the x1e3 kernel was thrown away
+
+
+def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_before_it(one_thread):
+    module = NanLoss(blow_up_at=5, nan_at={8})  # the alarm at step 5, the NaN it foretold at step 8
+    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2})
+    with pytest.warns(UserWarning, match=r"rescue 1: non-finite loss.*after the monitor alarm: collapse warning"):
+        _fit(module, cb, max_steps=16)
+    (r,) = cb.guard.rescues
+    assert r.step == 8 and r.onset == 5 and r.restored_step == 2 and cb.guard.dismissed == []
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    assert float(module.net[0].weight.abs().max()) < 10  # back to before the x1e3 kernel
 
 
 def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from normlab.monitor import VarianceMonitor
+from normlab.monitor.monitor import DEFAULT_RISK
 from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers
 
 
@@ -92,6 +93,28 @@ def test_window_is_validated(bad):
         RegimeDetector(window=bad)
 
 
+@pytest.mark.parametrize("shift, warned", [(9.99, False), (10.0, False), (10.01, True), (40.0, True)])
+def test_min_ratio_is_the_factor_the_shift_term_must_exceed(shift, warned):
+    det = RegimeDetector(window=2, min_ratio=10.0)
+    got = [det.check(t, plain(shift)) for t in range(2)]
+    assert got[0] is None and (got[1] is not None) == warned
+    if warned:
+        assert got[1].ratio == pytest.approx(shift) and got[1].layer == "c2"
+
+
+def test_the_default_rule_is_the_round_3_choice():
+    # docs/monitor.md, round 3: ratio 10 for 2 consecutive steps (a ratio of 3 is the ordinary healthy plain net)
+    det = RegimeDetector(**DEFAULT_RISK)
+    assert (det.window, det.min_ratio, det.pws_factor) == (2, 10.0, None)
+    assert all(det.check(t, plain(3.0)) is None for t in range(50))
+
+
+@pytest.mark.parametrize("bad", [0.5, 0, -1, float("inf"), True, "10"])
+def test_min_ratio_is_validated(bad):
+    with pytest.raises(ValueError, match="RegimeDetector: min_ratio must be a finite number >= 1"):
+        RegimeDetector(min_ratio=bad)
+
+
 def _net(with_norm: bool) -> nn.Module:
     torch.manual_seed(0)
     layers = [nn.Conv1d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv1d(8, 8, 3, padding=1)]
@@ -107,7 +130,7 @@ def _net(with_norm: bool) -> nn.Module:
 def test_monitor_raises_risk_only_where_the_shift_reaches_the_next_layer(with_norm):
     net = _net(with_norm)
     opt = torch.optim.SGD(net.parameters(), lr=0.0)
-    mon = VarianceMonitor(net, every=1, optimizer=opt, risk={"window": 3})
+    mon = VarianceMonitor(net, every=1, optimizer=opt, risk={"window": 3, "min_ratio": 1.0})
     x = torch.randn(32, 1, 16)
     for t in range(4):
         net(x).square().mean().backward()
@@ -120,7 +143,7 @@ def test_monitor_raises_risk_only_where_the_shift_reaches_the_next_layer(with_no
         assert mon.risk is not None and mon.risk.layer == "2" and mon.risk.step == 2
         assert mon.risk.shift_term > mon.risk.variance_term
         state = mon.state_dict()
-        mon2 = VarianceMonitor(_net(False), every=1, risk={"window": 3})
+        mon2 = VarianceMonitor(_net(False), every=1, risk={"window": 3, "min_ratio": 1.0})
         mon2.load_state_dict(state)
         assert mon2.risk == mon.risk and mon2.regime.state_dict() == mon.regime.state_dict()
 
@@ -205,7 +228,7 @@ def _plain_run(lr, steps, attach=True):
     x = torch.randn(512, 1, 40, generator=g)
     y = (x[:, 0, :20].mean(1) * 10).long().clamp(-5, 4) + 5
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    kw = dict(every=1, risk={"window": 5}, countdown=False, factor_rules=False)
+    kw = dict(every=1, risk={"window": 5, "min_ratio": 1.0}, countdown=False, factor_rules=False)
     mon = VarianceMonitor(model, optimizer=opt if attach else None, **kw)
     for _ in range(steps):
         idx = torch.randint(0, 512, (64,), generator=g)
@@ -238,7 +261,7 @@ def test_the_monitor_suggests_an_lr_only_when_it_knows_the_optimizer(tell):
     net = _net(False)
     with torch.no_grad():  # no initial spread of the filter means: the shift comes from the drift
         net[2].weight -= net[2].weight.mean((1, 2), keepdim=True)
-    mon = VarianceMonitor(net, every=1, risk={"window": 1}, countdown=False, factor_rules=False)
+    mon = VarianceMonitor(net, every=1, risk={"window": 1, "min_ratio": 1.0}, countdown=False, factor_rules=False)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     for _ in range(2):
         opt.zero_grad()

@@ -595,17 +595,29 @@ def test_guard_rolls_a_diverging_run_back_with_half_the_rate(tmp_path):
 
 
 def test_a_rollback_into_an_earlier_epoch_leaves_no_abandoned_records_in_monitor_jsonl(tmp_path):
-    # epochs of 5 steps, snapshots every 50 steps: the alarms at steps 3, 4, 5 (seed 100, lr 0.3) each go back
-    # to step 0, the later ones past records an earlier epoch already wrote; the log then holds each (step, layer)
-    # once, the steps actually kept
-    cfg = tiny(norm="none", width=0.125, lr=0.3, epochs=4, max_steps_per_epoch=5, seed=100, guard=True, monitor_every=1)
+    # epochs of 5 steps, snapshots every 50 steps: the NaN losses at steps 3, 4, 5 (seed 100, lr 1.0; each after an
+    # alarm) each go back to step 0, the later ones past records an earlier epoch already wrote; the log then holds
+    # each (step, layer) once, the steps actually kept
+    cfg = tiny(norm="none", width=0.125, lr=1.0, epochs=4, max_steps_per_epoch=5, seed=100, guard=True, monitor_every=1)
     s = train(cfg, tmp_path / "run", progress=False)
+    assert [(r["step"], r["restored_step"]) for r in s["rescues"]] == [(3, 0), (4, 0), (5, 0)]
     lost = sum(r["steps_lost"] for r in s["rescues"])
     assert lost > 5 and s["steps_run"] > 0  # a rollback reached into an earlier epoch; some steps were kept
     log = normlab.monitor.load_log(tmp_path / "run" / "monitor.jsonl")
     keys = [(rec["step"], rec["layer"]) for rec in log.records]
     assert len(keys) == len(set(keys))
     assert {k[0] for k in keys} == set(range(s["steps_run"]))
+
+
+def test_a_non_finite_test_loss_is_trouble_for_the_guard_dated_to_the_waiting_alarm(tmp_path):
+    # seed 100, lr 0.3: the training losses stay finite (1e17) but the test loss after epoch 1 is not; the guard's
+    # alarm from step 2 is still waiting for confirmation, so the rollback goes back to before it
+    cfg = tiny(norm="none", width=0.125, lr=0.3, epochs=4, max_steps_per_epoch=5, seed=100, guard=True, monitor_every=1)
+    s = train(cfg, tmp_path / "run", progress=False)
+    (r, *_) = s["rescues"]
+    assert r["reason"].startswith("non-finite test loss after epoch 1, after the monitor alarm: collapse warning")
+    assert r["onset"] == 2 and r["restored_step"] == 0 and s["history"][0]["rescued"] is True
+    assert s["collapse_reason"] is None and s["epochs_run"] == 4 and s["history"][-1]["test_loss"] is not None
 
 
 def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):

@@ -15,7 +15,7 @@ rescue (:class:`CollapseGuard`), plots::
 
 from normlab.monitor import stats
 from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
-from normlab.monitor.guard import CollapseGuard, Rescue, RunCollapsed
+from normlab.monitor.guard import CollapseGuard, DismissedAlarm, Rescue, RunCollapsed
 from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
 from normlab.monitor.log import load_log, write_monitor_log
 from normlab.monitor.monitor import VarianceMonitor
@@ -57,6 +57,7 @@ __all__ = [
     "RegimeDetector",
     "RegimeWarning",
     "CollapseGuard",
+    "DismissedAlarm",
     "Rescue",
     "RunCollapsed",
     "signal_propagation",

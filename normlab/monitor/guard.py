@@ -3,11 +3,13 @@
 :class:`CollapseGuard` takes the optimizer step in the training loop (``guard.step(loss)`` instead of
 ``optimizer.step()``). Every ``every`` steps it keeps an in-memory snapshot of the model, the optimizer, the
 learning-rate schedulers, the GradScaler, the monitor and the random number generators. When the loss or a gradient
-is non-finite, or the monitor's alarm fires, it restores the newest snapshot taken at least ``margin`` steps before
-the trouble began, multiplies the learning rate by ``lr_factor`` (the schedulers keep working from the lowered
-rate), and lets training go on; after ``max_rescues`` rescues it gives up with :class:`RunCollapsed`. A loop that
-takes the optimizer step itself (Lightning: :class:`normlab.integrations.lightning.VarianceMonitorCallback` with
-``guard=``) calls :meth:`CollapseGuard.after_step` after it instead.
+is non-finite, the monitor's alarm fires (at once, or once the trouble it foretells is confirmed: ``confirm``), or
+the loss climbs back towards its starting value (``loss_climb``), it restores the newest snapshot taken at least
+``margin`` steps before the trouble began, multiplies the learning rate by ``lr_factor`` (the schedulers keep
+working from the lowered rate), and lets training go on; after ``max_rescues`` rescues it gives up with
+:class:`RunCollapsed`. A loop that takes the optimizer step itself (Lightning:
+:class:`normlab.integrations.lightning.VarianceMonitorCallback` with ``guard=``) calls
+:meth:`CollapseGuard.after_step` after it instead.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import math
 import random
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["CollapseGuard", "Rescue", "RunCollapsed"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
 
 class RunCollapsed(RuntimeError):
@@ -74,10 +76,79 @@ class Rescue:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class DismissedAlarm:
+    """A monitor alarm that :class:`CollapseGuard` with ``confirm`` did not act on (``guard.dismissed``): no
+    non-finite loss or gradient and no loss climb followed within ``confirm`` steps, so the run went on unchanged.
+
+    Attributes:
+        step: the alarm's step.
+        reason: the alarm, in words.
+        dismissed_at: the guard's step when the wait ended.
+
+    Example:
+        >>> DismissedAlarm(step=40, reason="monitor alarm: ...", dismissed_at=51).to_dict()["dismissed_at"]
+        51
+    """
+
+    step: int
+    reason: str
+    dismissed_at: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 @dataclass
 class _Snapshot:
     step: int
     state: dict[str, Any]
+
+
+@dataclass
+class _Armed:
+    """``confirm``: a monitor alarm waiting for its trouble (onset: the alarm's step; since: the guard's step when
+    it was seen; snapshot: the one a rollback restores)."""
+
+    onset: int
+    reason: str
+    since: int
+    snapshot: _Snapshot
+
+
+LOSS_WINDOW = 10  # loss_climb: the loss is averaged over this many steps
+LEARNED_FRACTION = 0.8  # loss_climb: the run has learned once its mean loss fell below 0.8 x its first mean
+
+
+@dataclass
+class _LossTrend:
+    """The running loss statistics ``loss_climb`` reads: the last LOSS_WINDOW losses, the first full-window mean,
+    the best (lowest) full-window mean so far."""
+
+    recent: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
+    first: float | None = None
+    best: float | None = None
+
+    def update(self, value: float) -> float | None:
+        """Add one finite loss; returns the full-window mean (None until LOSS_WINDOW losses were seen)."""
+        self.recent.append(value)
+        if len(self.recent) < LOSS_WINDOW:
+            return None
+        mean = sum(self.recent) / LOSS_WINDOW
+        self.first = mean if self.first is None else self.first
+        self.best = mean if self.best is None else min(self.best, mean)
+        return mean
+
+    def climbed(self, mean: float, fraction: float) -> bool:
+        """The run had learned (best < LEARNED_FRACTION x first) and its mean is back ``fraction`` of the way from
+        the best to the first."""
+        first, best = self.first, self.best
+        if first is None or best is None or not best < LEARNED_FRACTION * first:
+            return False
+        return mean >= best + fraction * (first - best)
+
+    def copy(self) -> _LossTrend:
+        return _LossTrend(deque(self.recent, maxlen=LOSS_WINDOW), self.first, self.best)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -100,9 +171,16 @@ class CollapseGuard:
     Trouble is a non-finite ``loss``, a non-finite gradient (checked before the step; with a GradScaler the
     scaler's own skipping handles overflowing float16 gradients, so only the loss is checked), or a new
     ``monitor.alarm`` after the step (:class:`~normlab.monitor.VarianceMonitor` or anything with ``alarm``,
-    ``state_dict`` and ``load_state_dict``). The trouble is dated to its onset: the alarm's ``step`` for an alarm
-    (the monitor counts the same steps as the guard when both start together), the current step otherwise. The
-    guard then restores the newest snapshot whose step is at most ``onset - margin``, or the oldest one.
+    ``state_dict`` and ``load_state_dict``), or, with ``loss_climb``, a loss that climbs back towards its starting
+    value. The trouble is dated to its onset: the alarm's ``step`` for an alarm (the monitor counts the same steps
+    as the guard when both start together), the first step of the loss window for a loss climb, the current step
+    otherwise. The guard then restores the newest snapshot whose step is at most ``onset - margin``, or the oldest
+    one.
+
+    With ``confirm`` the alarm is a warning, not yet trouble: the guard keeps (pins) the snapshot it would restore
+    and waits up to ``confirm`` steps. A non-finite loss or gradient or a loss climb in that time is dated to the
+    alarm and restores the pinned snapshot; otherwise the alarm is dismissed (``guard.dismissed``) and the run goes on
+    unchanged. This is what keeps a false alarm from changing a healthy run (docs/monitor.md: measured).
 
     A step without trouble is exactly ``optimizer.step()`` (or ``monitor.step(optimizer)``, or
     ``scaler.step(optimizer); scaler.update()``): a healthy run is not changed, only copied every ``every`` steps.
@@ -122,9 +200,15 @@ class CollapseGuard:
             rates lowered with the optimizer's.
         scaler: a ``torch.amp.GradScaler`` that the guard steps with (snapshotted too).
         check_grads: look for non-finite gradients before each step (one host synchronisation per step).
+        confirm: steps to wait, after a monitor alarm, for the trouble it foretells before acting on it (None: act
+            on the alarm at once).
+        loss_climb: trouble when the mean loss over the last 10 steps, after the run has learned (its best 10-step
+            mean below 0.8 x its first), is back this fraction of the way from its best to its first 10-step mean,
+            in (0, 1]; None: the loss is only checked for non-finite values. Needs the loss passed to :meth:`step`.
 
     Attributes:
         rescues: the :class:`Rescue` records, in order.
+        dismissed: the :class:`DismissedAlarm` records (``confirm``: alarms that no trouble followed).
         steps: optimizer steps taken so far on the current trajectory (rolled back with the snapshots).
 
     Example:
@@ -154,15 +238,22 @@ class CollapseGuard:
         schedulers: Sequence[Any] = (),
         scaler=None,
         check_grads: bool = True,
+        confirm: int | None = 10,
+        loss_climb: float | None = 0.75,
     ) -> None:
         self._check_args(model, optimizer, every, keep, margin, lr_factor, max_rescues)
+        self._check_confirm(confirm, loss_climb)
         self.model, self.optimizer, self.monitor = model, optimizer, monitor
         self.every, self.keep = every, keep
         self.margin = every if margin is None else margin
         self.lr_factor, self.max_rescues = float(lr_factor), max_rescues
         self.schedulers, self.scaler, self.check_grads = list(schedulers), scaler, check_grads
+        self.confirm, self.loss_climb = confirm, None if loss_climb is None else float(loss_climb)
         self.steps = 0
         self.rescues: list[Rescue] = []
+        self.dismissed: list[DismissedAlarm] = []
+        self._trend = _LossTrend()
+        self._armed: _Armed | None = None  # confirm: the alarm waiting for its trouble
         self._scale = 1.0  # product of the lr factors applied so far (a snapshot records the one it was taken at)
         self._snapshots: deque[_Snapshot] = deque(maxlen=keep)
         self._alarm = getattr(monitor, "alarm", None)
@@ -183,6 +274,15 @@ class CollapseGuard:
         if isinstance(lr_factor, bool) or not isinstance(lr_factor, (int, float)) or not 0 < lr_factor <= 1:
             raise ValueError(f"{where}: lr_factor must be a number in (0, 1], got {lr_factor!r}")
 
+    @staticmethod
+    def _check_confirm(confirm, loss_climb) -> None:
+        if confirm is not None and (isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1):
+            raise ValueError(f"CollapseGuard: confirm must be an int >= 1 or None, got {confirm!r}")
+        if loss_climb is not None and (
+            isinstance(loss_climb, bool) or not isinstance(loss_climb, (int, float)) or not 0 < loss_climb <= 1
+        ):
+            raise ValueError(f"CollapseGuard: loss_climb must be a number in (0, 1] or None, got {loss_climb!r}")
+
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
         """Take the optimizer step unless there is trouble; returns True if the step was taken and kept, False if
@@ -191,9 +291,9 @@ class CollapseGuard:
         Raises:
             RunCollapsed: trouble after ``max_rescues`` rescues.
         """
-        reason = self._trouble_before(loss)
-        if reason is not None:
-            self._rescue(reason, self.steps, alarm=False)
+        trouble = self._trouble_before(loss)
+        if trouble is not None:
+            self._rescue(*trouble, alarm=False)
             return False
         self._optimizer_step()
         return self._after()
@@ -216,30 +316,49 @@ class CollapseGuard:
             >>> guard.after_step(loss), guard.steps, torch.isfinite(model.weight).all().item()
             (False, 0, True)
         """
-        reason = self._trouble_before(loss)
-        if reason is not None:
-            self._rescue(reason, self.steps, alarm=False)
+        trouble = self._trouble_before(loss)
+        if trouble is not None:
+            self._rescue(*trouble, alarm=False)
             return False
         return self._after()
 
     def _after(self) -> bool:
-        """Count the step just taken; rescue on a new monitor alarm, else snapshot every ``every`` steps."""
+        """Count the step just taken; on a new monitor alarm rescue (or, with ``confirm``, pin the snapshot and
+        wait); dismiss an alarm whose wait is over; snapshot every ``every`` steps."""
         self.steps += 1
         alarm = getattr(self.monitor, "alarm", None)
         if alarm is not None and alarm is not self._alarm:
             onset = min(int(getattr(alarm, "step", self.steps)), self.steps)
-            self._rescue(f"monitor alarm: {alarm}", onset, alarm=True)
-            return False
+            if self.confirm is None:
+                self._rescue(f"monitor alarm: {alarm}", onset, alarm=True)
+                return False
+            self._alarm = alarm
+            self._armed = _Armed(onset, f"monitor alarm: {alarm}", self.steps, self._choose(onset))
+        armed = self._armed
+        if armed is not None and self.steps - armed.since >= self.confirm:
+            self.dismissed.append(DismissedAlarm(armed.onset, armed.reason, self.steps))
+            self._armed = None
         if self.steps % self.every == 0:
             self._take_snapshot()
         return True
 
-    def _trouble_before(self, loss) -> str | None:
+    def _trouble_before(self, loss) -> tuple[str, int] | None:
+        """(reason, onset) of trouble seen before the step: a non-finite loss or gradient, or a loss climb."""
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if value is not None and not math.isfinite(value):
-            return f"non-finite loss ({value}) at step {self.steps}"
+            return f"non-finite loss ({value}) at step {self.steps}", self.steps
         if self.check_grads and self.scaler is None and not self._grads_finite():
-            return f"non-finite gradient at step {self.steps}"
+            return f"non-finite gradient at step {self.steps}", self.steps
+        if value is None:
+            return None
+        mean = self._trend.update(value)
+        if self.loss_climb is not None and mean is not None and self._trend.climbed(mean, self.loss_climb):
+            first, best = self._trend.first, self._trend.best
+            reason = (
+                f"loss climbed back at step {self.steps}: {LOSS_WINDOW}-step mean {mean:.4g}, best {best:.4g}, "
+                f"first {first:.4g}"
+            )
+            return reason, self.steps - LOSS_WINDOW + 1
         return None
 
     def _grads_finite(self) -> bool:
@@ -275,12 +394,22 @@ class CollapseGuard:
             "monitor": None if self.monitor is None else copy.deepcopy(self.monitor.state_dict()),
             "rng": _rng_state(),
             "lr_scale": self._scale,
+            "loss_trend": self._trend.copy(),
         }
         self._snapshots.append(_Snapshot(self.steps, state))
 
+    def _available(self) -> list[_Snapshot]:
+        """The snapshots a rollback may use, oldest first: those kept, and the one pinned by a waiting alarm."""
+        snaps = list(self._snapshots)
+        pinned = None if self._armed is None else self._armed.snapshot
+        if pinned is not None and all(s is not pinned for s in snaps):
+            snaps.append(pinned)
+        return sorted(snaps, key=lambda s: s.step)
+
     def _choose(self, onset: int) -> _Snapshot:
-        before = [s for s in self._snapshots if s.step <= onset - self.margin]
-        return before[-1] if before else self._snapshots[0]
+        snaps = self._available()
+        before = [s for s in snaps if s.step <= onset - self.margin]
+        return before[-1] if before else snaps[0]
 
     def _restore(self, snap: _Snapshot) -> None:
         s = snap.state
@@ -297,6 +426,7 @@ class CollapseGuard:
             if isinstance(records, list):  # the abandoned steps' records go with them
                 records[:] = [r for r in records if r.get("step", -1) < self.monitor.current_step]
         _set_rng_state(s["rng"])
+        self._trend = s["loss_trend"].copy()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps = snap.step
 
@@ -317,12 +447,37 @@ class CollapseGuard:
         or the oldest one, without changing the learning rate; returns the step restored. For a run that stops
         after :class:`RunCollapsed` and should end on its last state from before the trouble."""
         snap = self._choose(self.steps if onset is None else onset)
+        kept = [s for s in self._available() if s.step <= snap.step]
+        self._armed = None
         self._restore(snap)
         self._scale_lr(self._scale / snap.state["lr_scale"])  # relative to the snapshot's rates (their factors)
-        self._snapshots = deque([s for s in self._snapshots if s.step <= snap.step], maxlen=self.keep)
+        self._snapshots = deque(kept, maxlen=self.keep)
         return snap.step
 
+    def rescue(self, reason: str) -> None:
+        """Trouble seen outside the step (a non-finite validation loss, a check of the caller's): roll back and lower
+        the learning rate as for trouble at the current step (dated to an alarm still waiting for confirmation, if
+        any). ``reason`` is the trouble in words, kept in the :class:`Rescue`.
+
+        Raises:
+            RunCollapsed: after ``max_rescues`` rescues.
+
+        Example:
+            >>> model = nn.Linear(4, 1)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> guard = CollapseGuard(model, opt, every=2)
+            >>> for _ in range(5):
+            ...     opt.zero_grad(); model(torch.randn(8, 4)).square().mean().backward(); _ = guard.step()
+            >>> guard.rescue("non-finite validation loss")
+            >>> guard.rescues[0].restored_step, guard.steps, guard.rescues[0].reason
+            (2, 2, 'non-finite validation loss')
+        """
+        self._rescue(reason, self.steps, alarm=False)
+
     def _rescue(self, reason: str, onset: int, alarm: bool) -> None:
+        armed = self._armed
+        if armed is not None:  # the trouble a waiting alarm foretold: dated to the alarm
+            reason, onset, alarm = f"{reason}, after the {armed.reason}", min(onset, armed.onset), True
         if len(self.rescues) >= self.max_rescues:
             lr = float(self.optimizer.param_groups[0]["lr"])
             raise RunCollapsed(
@@ -343,9 +498,14 @@ class CollapseGuard:
         return self._scale
 
     def state_dict(self) -> dict:
-        """The step counter, the rescues so far and the learning-rate factor applied (plain Python values; the
-        snapshots are in memory only)."""
-        return {"steps": self.steps, "rescues": [r.to_dict() for r in self.rescues], "lr_scale": self._scale}
+        """The step counter, the rescues and dismissed alarms so far and the learning-rate factor applied (plain
+        Python values; the snapshots, and an alarm still waiting for confirmation, are in memory only)."""
+        return {
+            "steps": self.steps,
+            "rescues": [r.to_dict() for r in self.rescues],
+            "dismissed": [d.to_dict() for d in self.dismissed],
+            "lr_scale": self._scale,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` when a run resumes from a checkpoint: the counter, the rescues (they count
@@ -358,7 +518,9 @@ class CollapseGuard:
             )
         self.steps = int(state["steps"])
         self.rescues = [Rescue(**r) for r in state["rescues"]]
+        self.dismissed = [DismissedAlarm(**d) for d in state.get("dismissed", [])]
         self._scale = float(state.get("lr_scale", 1.0))
+        self._armed = None
         self._snapshots.clear()
         self._take_snapshot()
 
@@ -367,6 +529,7 @@ class CollapseGuard:
         ``rescues`` and the counters stay. The guard cannot roll back after this (:meth:`load_state_dict` starts
         the snapshots again)."""
         self._snapshots.clear()
+        self._armed = None
 
     def __repr__(self) -> str:
         return (

@@ -81,7 +81,7 @@ DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
 layer_keys(*DEFAULT_WATCH, *DEFAULT_EXPLODE_FACTOR, *DEFAULT_MIN_INITIAL, *DEFAULT_IMPLODE_FACTOR)  # record keys
 # Countdown alarm and regime warning (CountdownDetector, RegimeDetector): calibrated in docs/monitor.md.
 DEFAULT_COUNTDOWN = {"growth": 1.0, "level": None, "grad_ratio": None}
-DEFAULT_RISK = {"window": 20, "pws_factor": None}
+DEFAULT_RISK = {"window": 2, "pws_factor": None, "min_ratio": 10.0}  # docs/monitor.md, round 3
 
 
 def _make(cls, arg, defaults: Mapping):

@@ -470,6 +470,12 @@ class Trainer:
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
         if self.guard.step(value):  # the loss value read above (no second host synchronisation)
             return out, value
+        self._after_rescue()
+        return None, "rescued"
+
+    def _after_rescue(self) -> None:
+        """Bring the run's own state to the guard's rollback: step count, rescues, the schedule's rate times the
+        guard's factor, the loss trace and the collapse tracker."""
         st, cfg = self.state, self.config
         st.steps_total = self.guard.steps
         st.rescues = [r.to_dict() for r in self.guard.rescues]
@@ -483,7 +489,6 @@ class Trainer:
         self.tracker = CollapseTracker(self.tracker.num_classes, self.tracker.window)
         for v in self.losses:  # the collapse tracker is a function of the (rolled back) loss trace
             self.tracker.update(v)
-        return None, "rescued"
 
     def _scaled_step(self, loss: torch.Tensor) -> None:
         """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
@@ -613,6 +618,17 @@ class Trainer:
         self.state.monitor_lines += write_monitor_log(self.monitor_path, new, alarm, append=True)
         self._monitor_written = len(mon.records)
 
+    def _rescue_non_finite_test_loss(self, epoch: int) -> bool:
+        """--guard: a non-finite test loss is trouble the guard did not see in the training losses (a model that
+        overflows on other inputs); True when it rolled the run back, False when it gave up."""
+        try:
+            self.guard.rescue(f"non-finite test loss after epoch {epoch + 1}")
+        except RunCollapsed as e:
+            self.state.guard_gave_up = str(e)
+            return False
+        self._after_rescue()
+        return True
+
     def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:
         """Record the first collapse (see :mod:`normlab.runner.training.collapse`); True when training must stop.
 
@@ -620,7 +636,7 @@ class Trainer:
         the run goes on (nets at a high learning rate sometimes recover); a dead net is judged at the end.
         """
         st, tracker = self.state, self.tracker
-        if tracker.kind is None and entry["test_loss"] is None:
+        if tracker.kind is None and entry["test_loss"] is None and not entry.get("rescued"):
             tracker.kind, tracker.step = "non_finite", st.steps_total
         if tracker.kind is None and last_epoch:
             tracker.finish()
@@ -640,6 +656,8 @@ class Trainer:
         self._board_entry(entry)
         st = self.state
         st.epoch = epoch + 1
+        if entry["test_loss"] is None and self.guard is not None and st.guard_gave_up is None:
+            entry["rescued"] = self._rescue_non_finite_test_loss(epoch)
         target = self.config.target_acc
         if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not win.stopped:
             st.epochs_to_target = epoch + 1
@@ -689,6 +707,7 @@ class Trainer:
             "rescues": list(st.rescues),
             "steps_lost": sum(r["steps_lost"] for r in st.rescues),
             "guard_gave_up": st.guard_gave_up,
+            "alarms_dismissed": [d.to_dict() for d in self.guard.dismissed] if self.guard is not None else [],
             "world_size": st.world_size,
             "history": hist,
         }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.log import load_log
+from normlab.monitor.monitor import DEFAULT_RISK
 from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
 from normlab.monitor.records import layer_keys
 
@@ -271,8 +272,8 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     labels += [
         "countdown alarm (mon.alarm)\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
         "whose input collapsed)",
-        "regime warning (mon.risk)\n(a layer's shift term stayed\nabove its variance term, or\na PWS layer's variance\n"
-        "term kept growing)",
+        "regime warning (mon.risk)\n(a layer's shift term above\n"
+        f"{DEFAULT_RISK['min_ratio']:g}x its variance term for\n{DEFAULT_RISK['window']} steps in a row)",
         "ln 10 (chance loss)",
     ]
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)
