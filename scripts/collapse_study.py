@@ -106,6 +106,14 @@ def _accuracy(model, x, y) -> float:
     return acc
 
 
+def _evaluable(model, kind, guard) -> bool:
+    """Test accuracy is measured for a run that did not end non-finite; a guarded run is judged by its final model
+    (a NaN it rolled back is in its loss history, not in its weights)."""
+    if guard is None:
+        return kind != "non_finite"
+    return all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
 def _old_detector():
     """The monitor's alarm before the countdown (factor rules, defaults; only the output layer exempt)."""
     from normlab.monitor.alarm import CollapseDetector
@@ -185,7 +193,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         "kind": kind,
         "collapse_step": tracker.step,
         "steps": len(lines),
-        "test_acc": _accuracy(model, xt, yt) if kind != "non_finite" else None,
+        "test_acc": _accuracy(model, xt, yt) if _evaluable(model, kind, guard) else None,
         "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
         "old_alarm": old_alarm,
         "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict(),
@@ -317,7 +325,7 @@ def prepare(run) -> dict:
         if bad:
             growth.append(INF), level.append(INF), gratio.append(INF), growth_x.append(INF), level_x.append(INF)
             shift_in.append(set(hidden)), pws_ratio.append({n: INF for n in hidden})
-            ratios.append({n: INF for n in hidden if n not in exempt})
+            ratios.append({})  # RegimeDetector: a non-finite term is not in the regime (its streak ends)
             continue
         prev = steps[t - 2]["L"] if t >= 2 else None
         rates = {n: -INF for n in hidden}
@@ -539,8 +547,7 @@ GUARD_EVERY, GUARD_KEEP, GUARD_MARGIN = 10, 3, 5
 
 def regime3_step(r, ratio, w) -> float:
     """First step at which some non-exempt hidden layer has had shift_term > ratio x variance_term for w
-    consecutive steps (a non-finite step counts as in the regime, as the detector's streak would not; it ends the
-    run anyway)."""
+    consecutive steps (a non-finite step is not in the regime, as in RegimeDetector)."""
     streak: dict[str, int] = {}
     for t, per_layer in enumerate(r["ratios"]):
         streak = {n: streak.get(n, 0) + 1 for n, q in per_layer.items() if q > ratio}

@@ -239,3 +239,24 @@ def test_the_guard_replay_matches_the_real_guard(study, scenario):
         for climb in study.CLIMB_GRID:
             hit = study.guard_replay(run, confirm, climb)
             assert (hit and hit[1]) == _real_first_rollback(losses, alarm, confirm, climb), (confirm, climb)
+
+
+def test_the_round3_regime_rule_matches_the_regime_detector(tiny, one_thread):
+    """round3 scores (ratio, window) candidates offline; each must give the step RegimeDetector(window, min_ratio)
+    gives on the same records (a real plain run that blows up, so non-finite steps are in it too)."""
+    from normlab.monitor.regime import RegimeDetector
+
+    head, lines, summary = tiny.train_run(dict(norm="none", width=0.25, lr=0.5, seed=100), steps=40)
+    run = {**head, "steps": lines, "summary": summary}
+    prepared = tiny.prepare(run)
+    fired = 0
+    for ratio in tiny.RATIO_GRID:
+        for w in (1, 2, 3):
+            det, live = RegimeDetector(window=w, min_ratio=ratio), None
+            for line in lines:
+                hit = det.check(line["t"], tiny.replay_records(run, line))
+                live = hit.step if hit is not None and live is None else live
+            offline = tiny.regime3_step(prepared, ratio, w)
+            assert (None if offline == math.inf else offline) == live, (ratio, w)
+            fired += live is not None
+    assert fired > 0

@@ -313,8 +313,9 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--guard",
         action="store_true",
-        help="rescue a collapsing run: on a non-finite loss or gradient, or the monitor's alarm (with "
-        "--monitor-every), go back to a snapshot from before the trouble with half the learning rate "
+        help="rescue a collapsing run: on a non-finite loss, gradient or test loss, or a training loss climbing "
+        "back towards its start, go back to a snapshot from before the trouble (and before the monitor's alarm, "
+        "with --monitor-every, when one came within the 10 steps before) with half the learning rate "
         "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)",
     )
     p.add_argument(

@@ -16,8 +16,10 @@ step of a training batch, ``on_train_batch_end`` records once the batch's steps 
   ``setup``: no rank holds whole kernels to measure.
 
 With ``guard=True`` (or a dict of :class:`~normlab.monitor.CollapseGuard` arguments) the callback also rescues the
-run, in a single process: on the monitor's alarm, a non-finite loss or a non-finite gradient after an optimizer step
-it restores the newest in-memory snapshot from before the trouble (module, optimizer, LR schedulers, GradScaler,
+run, in a single process: on a non-finite loss or gradient after an optimizer step, or a loss climbing back towards
+its start (the guard's defaults: the monitor's alarm alone is trouble only when one of these follows within
+``confirm`` steps, and the rollback then goes back to before the alarm) it restores the newest in-memory snapshot
+from before the trouble (module, optimizer, LR schedulers, GradScaler,
 monitor, RNG), lowers the learning rate and lets the trainer go on; after ``max_rescues`` rescues it puts the module
 back on that snapshot, warns and stops the trainer (``trainer.should_stop``, as ``EarlyStopping`` does). Under DDP
 it is refused at ``setup``: the rollbacks are not synchronised across ranks.

@@ -1,8 +1,9 @@
 """The demo's guarded twins: section (c)'s unnormalized runs again with ``guard=True``, beside their unguarded runs.
 
 A twin is the same configuration and seed (same width, learning rate, steps, monitor), trained through a
-:class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``): on a countdown alarm or a non-finite loss it
-restores the last snapshot from before the trouble and halves the learning rate. Both runs take the same batches; the
+:class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``): on a non-finite loss or a loss climbing back
+towards its start (dated to a countdown alarm that came within the 10 steps before) it restores the last snapshot
+from before the trouble and halves the learning rate. Both runs take the same batches; the
 steps thrown away at a rollback are not taken again, so the guarded twin ends after ``steps - steps_lost`` kept steps.
 
 :func:`twin_pairs` pairs the runs from a demo record's diagnoses, :func:`twins_markdown` writes the report's lines,
