@@ -41,8 +41,19 @@ VARIANTS = {  # name: VarianceMonitor arguments (None: unmonitored)
 }
 
 
+def _model_name(text: str) -> str:
+    if text in ("plain", "plain1d", "resnet50") or (text.startswith("timm:") and len(text) > 5):
+        return text
+    raise argparse.ArgumentTypeError(f"expected plain, plain1d, resnet50 or timm:<name>, got {text!r}")
+
+
 def make_model(name: str, norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str, tuple]:
     """The model, its description and the shape of one input (without the batch dim)."""
+    if name.startswith("timm:"):  # a timm model definition, built without weights (the test extra installs timm)
+        import timm
+
+        arch = name.split(":", 1)[1]
+        return timm.create_model(arch, pretrained=False), f"timm.create_model('{arch}')", (3, size, size)
     if name == "resnet50":
         import torchvision
 
@@ -66,7 +77,7 @@ def make_model(name: str, norm: str, in_channels: int, size: int, width: float) 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="plain", choices=("plain", "plain1d", "resnet50"))
+    p.add_argument("--model", default="plain", type=_model_name, help="plain, plain1d, resnet50 or timm:<name>")
     p.add_argument("--norm", default="bn", help="norm of the plain nets (none, bn, ...)")
     p.add_argument("--width", type=float, default=0.25)
     p.add_argument("--size", type=int, default=16, help="input height = width (plain: >= 12; plain1d: fixed 40)")
@@ -80,7 +91,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base, source, shape = make_model(args.model, args.norm, args.channels, args.size, args.width)
-    classes = 1000 if args.model == "resnet50" else 10
+    classes = 1000 if args.model == "resnet50" or args.model.startswith("timm:") else 10
     gen = torch.Generator().manual_seed(0)
     data = [
         (
@@ -120,7 +131,7 @@ def main(argv=None) -> int:
     ref = med["unmonitored"]
     rounds = {k: sorted(a / b for a, b in zip(times[k], times["unmonitored"])) for k in names}
     print(
-        f"{source}, norm {args.norm if args.model != 'resnet50' else '(BN)'}, width {args.width}, input "
+        f"{source}, norm {args.norm if args.model in ('plain', 'plain1d') else '(its own)'}, width {args.width}, input "
         f"{'x'.join(map(str, shape))}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved "
         f"repeats of {args.steps} steps"
     )

@@ -49,3 +49,15 @@ def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
     args.device, args.quick = "cpu", True
     cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
     assert "--quick" in cmd and "--results" not in cmd and cmd[cmd.index("--threads") + 1] == "1"
+
+
+def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thread, capsys):
+    bench = _load("bench_monitor")
+    out = tmp_path / "m.json"
+    argv = ["--model", "timm:resnet10t", "--size", "32", "--batch-size", "2", "--steps", "10", "--repeats", "1"]
+    bench.main([*argv, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "timm.create_model('resnet10t')" in printed and "every=10 (default)" in printed
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "timm:"])
+    assert "expected plain, plain1d, resnet50 or timm:<name>, got 'timm:'" in capsys.readouterr().err
