@@ -3,7 +3,8 @@
     python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
     python scripts/collapse_study.py analyze  [--out runs/collapse_study]
     python scripts/collapse_study.py evaluate [--out runs/collapse_study] [--widths 0.5]
-    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--widths 0.5]
+    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--variant immediate]
+    python scripts/collapse_study.py round3   [--out runs/study3_cal]
     python scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
 
 ``collect`` trains every run of the protocol (norm x width x lr x seed) with a small loop of its own and writes one
@@ -774,13 +775,20 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- guard
+GUARD_VARIANTS = {  # guard --variant: CollapseGuard arguments besides every=10, keep=3, margin=5; the result folder
+    "defaults": ({}, "guard"),
+    "immediate": ({"confirm": None, "loss_climb": None}, "guard_immediate"),  # the guard before round 3
+}
+
+
 def _guard_one(args):
-    cfg, out_dir, steps = args
+    cfg, out_dir, steps, variant = args
     torch.set_num_threads(1)
-    path = Path(out_dir) / "guard" / f"{run_name(cfg)}.json"
+    extra, folder = GUARD_VARIANTS[variant]
+    path = Path(out_dir) / folder / f"{run_name(cfg)}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    _, lines, summary = train_run(cfg, steps, guard_kwargs=dict(every=10, keep=3, margin=5))
+    _, lines, summary = train_run(cfg, steps, guard_kwargs=dict(every=10, keep=3, margin=5, **extra))
     summary["losses"] = [x["loss"] for x in lines]
     lr_end = cfg["lr"] * 0.5 ** len(summary["rescues"])
     if summary["rescues"]:  # the same run started at the reduced learning rate, unguarded
@@ -792,14 +800,16 @@ def _guard_one(args):
     return out
 
 
-def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2, widths=WIDTHS, seeds=None) -> str:
+def guard_study(
+    out_dir: Path, steps: int, parity: int = 0, workers: int = 2, widths=WIDTHS, seeds=None, variant="defaults"
+) -> str:
     """Train the collapsing runs (norm none/pws) and the healthy runs of the half with seed parity ``parity`` (or of
     the complete ``seeds``, when given) at ``widths`` under CollapseGuard; report how many end healthy and whether a
     healthy run was changed. Seed by seed; a finished guarded run is not rerun."""
     runs = [r for r in load_runs(out_dir) if (r["cfg"]["seed"] in seeds if seeds else r["cfg"]["seed"] % 2 == parity)]
     runs = [r for r in complete_seeds(runs, widths) if r["cfg"]["norm"] != "bn"]  # bn: healthy, exempt
     runs.sort(key=lambda r: (r["cfg"]["seed"], run_name(r["cfg"])))
-    jobs = [(r["cfg"], str(out_dir), steps) for r in runs]
+    jobs = [(r["cfg"], str(out_dir), steps, variant) for r in runs]
     results = []
     with ProcessPoolExecutor(workers) as ex:
         for g in ex.map(_guard_one, jobs):
@@ -811,7 +821,7 @@ def guard_study(out_dir: Path, steps: int, parity: int = 0, workers: int = 2, wi
     ok = [g for g in coll if g["kind"] is None and not g.get("gave_up")]
     ok_kept = [g for g in coll if "kept_kind" in g and g["kept_kind"] is None and not g.get("gave_up")]
     same = [g for g in healthy if g["test_acc"] == before[run_name(g["cfg"])]["test_acc"]]
-    where = f"seeds {seeds}" if seeds else f"seed parity {parity}"
+    where = (f"seeds {seeds}" if seeds else f"seed parity {parity}") + f", guard {variant} {GUARD_VARIANTS[variant][0]}"
     lines = [
         f"guarded collapsing runs (none/pws, {where}): {len(ok_kept)} of {len(coll)} end healthy on the kept "
         f"trajectory; {len(ok)} of {len(coll)} over all losses (rolled-back episodes included)",
@@ -878,6 +888,7 @@ def main(argv=None) -> int:
     p.add_argument("--widths", default=",".join(str(w) for w in WIDTHS), help="collect/evaluate: comma-separated")
     p.add_argument("--lrs", default="0.1,0.2", help="suggest: the learning rates of the plain runs")
     p.add_argument("--norms", default=",".join(NORMS), help=f"collect: a comma-separated subset of {list(NORMS)}")
+    p.add_argument("--variant", default="defaults", choices=list(GUARD_VARIANTS), help="guard: the guard's settings")
     a = p.parse_args(argv)
     if a.command == "collect":
         collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths), parse_norms(a.norms))
@@ -889,7 +900,8 @@ def main(argv=None) -> int:
         print(evaluate(load_runs(a.out), parse_widths(a.widths)))
     elif a.command == "guard":
         seeds = parse_seeds(a.seeds) if a.seeds else None
-        print(guard_study(a.out, a.steps, workers=a.workers, widths=parse_widths(a.widths), seeds=seeds))
+        widths = parse_widths(a.widths)
+        print(guard_study(a.out, a.steps, workers=a.workers, widths=widths, seeds=seeds, variant=a.variant))
     elif a.command == "suggest":
         print(suggest_study(a.out, parse_seeds(a.seeds), [float(x) for x in a.lrs.split(",")], a.steps, a.workers))
     return 0
