@@ -165,6 +165,12 @@ BAD = [
     ),
     ("monitor-missing-log", ["monitor", "{out}/none.jsonl", "--out", "{out}"], ["LOG", "does not exist"], None),
     (
+        "monitor-empty-log",
+        ["monitor", "{log}", "--out", "{out}"],
+        ["LOG", "holds no monitor records (nothing to plot)"],
+        lambda t: {"log": _log(t, [])},
+    ),
+    (
         "monitor-out-is-file",
         ["monitor", "{log}", "--out", "{file}"],
         ["--out", "is a file"],
@@ -249,3 +255,4 @@ def test_help_is_unchanged(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: normlab train") and "--lr" in out
+

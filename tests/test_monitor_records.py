@@ -115,7 +115,9 @@ def test_an_old_format_log_loads_and_its_alarm_reads_naturally(tmp_path):
     assert alarm["direction"] == "shrank" and alarm["flagged"][0]["direction"] == "shrank"
     a = CollapseAlarm.from_dict(alarm)
     assert (a.baseline, a.ratio, a.direction) == (1.0, 1e-07, "shrank")
-    assert render_monitor_plots(path, tmp_path / "plots")  # the plots render from an old log
+    drawn = render_monitor_plots(path, tmp_path / "plots")  # the plots render from an old log
+    again = render_monitor_plots(load_log(path), tmp_path / "again")  # or from the log already read
+    assert drawn and [p.name for p in again] == [p.name for p in drawn]
 
 
 BAD_LINES = [

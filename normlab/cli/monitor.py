@@ -29,13 +29,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     out = check_dir_option(args.out if args.out is not None else args.log.parent / "monitor_plots", "--out")
     try:
-        _, alarm, _ = load_log(args.log)
+        log = load_log(args.log)
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise UsageError(f"LOG: {e}") from None
-    try:
-        paths = render_monitor_plots(args.log, out)
-    except ValueError as e:  # a log without records
-        raise UsageError(f"LOG: {e}") from None
+    if not log.records and log.spp is None:
+        raise UsageError(f"LOG: {args.log} holds no monitor records (nothing to plot)")
+    paths = render_monitor_plots(log, out)  # the log read once
+    alarm = log.alarm
     if alarm is not None:
         print(
             f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"

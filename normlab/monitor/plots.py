@@ -9,7 +9,7 @@ from pathlib import Path
 
 import matplotlib
 
-from normlab.monitor.log import load_log
+from normlab.monitor.log import MonitorLog, load_log
 from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
 from normlab.monitor.records import layer_keys
 
@@ -101,13 +101,15 @@ FIGURES = {
 layer_keys(*(panel[0] for panels in FIGURES.values() for panel in panels))  # the keys of normlab.monitor.records
 
 
-def render_monitor_plots(jsonl_path: str | Path, out_dir: str | Path) -> list[Path]:
+def render_monitor_plots(log: str | Path | MonitorLog, out_dir: str | Path) -> list[Path]:
     """Render PNGs from a monitor log into ``out_dir`` and return their paths:
     fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png
-    (``FIGURES``), and spp.png when the log holds signal-propagation data."""
-    records, alarm, spp = load_log(jsonl_path)
+    (``FIGURES``), and spp.png when the log holds signal-propagation data. ``log``: the JSONL file's path, or the
+    :class:`~normlab.monitor.log.MonitorLog` that :func:`~normlab.monitor.log.load_log` read from it."""
+    records, alarm, spp = log if isinstance(log, MonitorLog) else load_log(log)
     if not records and spp is None:
-        raise ValueError(f"render_monitor_plots: {jsonl_path} holds no monitor records")
+        where = "the log" if isinstance(log, MonitorLog) else str(log)
+        raise ValueError(f"render_monitor_plots: {where} holds no monitor records")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
