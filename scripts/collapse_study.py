@@ -3,8 +3,9 @@
     python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
     python scripts/collapse_study.py analyze  [--out runs/collapse_study]
     python scripts/collapse_study.py evaluate [--out runs/collapse_study] [--widths 0.5]
-    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--variant immediate]
+    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--variant immediate|chance]
     python scripts/collapse_study.py round3   [--out runs/study3_cal]
+    python scripts/collapse_study.py round4   [--out runs/study3_cal] [--also runs/study3_report]
     python scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
 
 ``collect`` trains every run of the protocol (norm x width x lr x seed) with a small loop of its own and writes one
@@ -570,21 +571,29 @@ def choose_regime3(runs) -> tuple[float, int] | None:
     return best
 
 
-def _climbed(losses, t, fraction, state) -> bool:
-    """The guard's loss-climb test at step t (normlab.monitor.guard._LossTrend, replayed): updates ``state``."""
+def _trend(losses, t, state, chance=None) -> float | None:
+    """The guard's loss trend at step t (normlab.monitor.guard._LossTrend, replayed): updates ``state`` (first and
+    best 10-step means, learned) and returns the 10-step mean (None before 10 losses)."""
     if t + 1 < 10:
-        return False
+        return None
     mean = statistics.fmean(losses[t - 9 : t + 1])
     state["first"] = mean if state.get("first") is None else state["first"]
     state["best"] = mean if state.get("best") is None else min(state["best"], mean)
-    first, best = state["first"], state["best"]
-    return fraction is not None and best < 0.8 * first and mean >= best + fraction * (first - best)
+    state["ref"] = state["first"] if chance is None else chance
+    state["learned"] = state["best"] < 0.8 * state["ref"]
+    return mean
 
 
-def guard_replay(r, confirm, climb) -> tuple[int, int] | None:
+def _climbed(mean, fraction, state) -> bool:
+    if mean is None or fraction is None or not state["learned"]:
+        return False
+    return mean >= state["best"] + fraction * (state["ref"] - state["best"])
+
+
+def guard_replay(r, confirm, climb, chance=None) -> tuple[int, int] | None:
     """(trouble step, restored snapshot step) of the first rollback CollapseGuard(every=10, keep=3, margin=5,
-    confirm, loss_climb=climb) would make on an unguarded run, or None. Snapshots: steps 0, 10, 20, ... (the
-    last GUARD_KEEP kept), plus the one pinned by a waiting alarm."""
+    confirm, loss_climb=climb, chance_loss=chance) would make on an unguarded run, or None. Snapshots: steps 0, 10,
+    20, ... (the last GUARD_KEEP kept), plus the one pinned by a waiting alarm."""
 
     def choose(onset, t):
         kept = [s for s in range(0, t + 1, GUARD_EVERY)][-GUARD_KEEP:]
@@ -596,10 +605,13 @@ def guard_replay(r, confirm, climb) -> tuple[int, int] | None:
     state, pinned, armed = {}, None, None
     for t in range(len(losses)):
         onset = None
+        mean = None if losses[t] is None or gnorms[t] is None else _trend(losses, t, state, chance)
         if losses[t] is None or gnorms[t] is None:
             onset = t
-        elif _climbed(losses, t, climb, state):
+        elif _climbed(mean, climb, state):
             onset = t - 9
+        elif armed is not None and chance is not None and t + 1 >= 40 and not state["learned"]:
+            onset = t if mean >= 0.95 * chance else None  # dead by the tracker's definition
         if onset is not None:
             if armed is not None:
                 onset = min(onset, armed)
@@ -609,15 +621,16 @@ def guard_replay(r, confirm, climb) -> tuple[int, int] | None:
             if confirm is None:
                 return t, choose(alarm, t)
             armed, pinned = alarm, choose(alarm, t)
-        if armed is not None and t + 1 - (armed + 1) >= confirm:
+        waiting_to_learn = chance is not None and not state.get("learned", False)
+        if armed is not None and t + 1 - (armed + 1) >= confirm and not waiting_to_learn:
             armed, pinned = None, None
     return None
 
 
-def score_guard_replay(runs, confirm, climb) -> dict:
+def score_guard_replay(runs, confirm, climb, chance=None) -> dict:
     coll = [r for r in runs if r["kind"] is not None]
     healthy = [r for r in runs if r["kind"] is None]
-    hits = {run_name(r["cfg"]): guard_replay(r, confirm, climb) for r in runs}
+    hits = {run_name(r["cfg"]): guard_replay(r, confirm, climb, chance) for r in runs}
     timely = [r for r in coll if hits[run_name(r["cfg"])] and hits[run_name(r["cfg"])][1] <= (r["cstep"] or 0) - LEAD]
     return dict(
         timely=len(timely),
@@ -656,6 +669,21 @@ def round3(raw_runs) -> str:
         for climb in CLIMB_GRID:
             out.append(f"guard confirm={confirm} loss_climb={climb}: {_fmt(score_guard_replay(runs, confirm, climb))}")
     out.append(f"CHOSEN guard (confirm, loss_climb): {choose_guard(runs)}")
+    return "\n".join(out)
+
+
+def round4(raw_runs) -> str:
+    """Round 4's choice (docs/monitor.md): the round-3 guard with and without ``chance_loss = ln 10`` (the loss
+    climb measured towards chance, and a waiting alarm confirmed by a dead network), on the calibration runs."""
+    runs = [prepare(r) for r in raw_runs if r["cfg"]["norm"] != "bn"]
+    out = [f"{len(runs)} calibration runs (none/pws), seeds {sorted({r['cfg']['seed'] for r in runs})}"]
+    scores = {}
+    for chance in (None, math.log(10)):
+        scores[chance] = score_guard_replay(runs, 10, 0.75, chance)
+        out.append(f"guard confirm=10 loss_climb=0.75 chance_loss={chance}: {_fmt(scores[chance])}")
+    new, old = scores[math.log(10)], scores[None]
+    adopt = new["healthy_rolled_back"] == 0 and new["timely"] >= old["timely"]
+    out.append(f"CHOSEN chance_loss: {'ln 10 (adopted)' if adopt else 'None (round 3 kept)'}")
     return "\n".join(out)
 
 
@@ -778,6 +806,7 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
 GUARD_VARIANTS = {  # guard --variant: CollapseGuard arguments besides every=10, keep=3, margin=5; the result folder
     "defaults": ({}, "guard"),
     "immediate": ({"confirm": None, "loss_climb": None}, "guard_immediate"),  # the guard before round 3
+    "chance": ({"chance_loss": math.log(10)}, "guard_chance"),  # round 4: the reference and dead nets at chance
 }
 
 
@@ -880,7 +909,7 @@ def suggest_study(out_dir: Path, seeds, lrs, steps: int, workers: int = 2) -> st
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=["collect", "analyze", "round3", "evaluate", "guard", "suggest"])
+    p.add_argument("command", choices=["collect", "analyze", "round3", "round4", "evaluate", "guard", "suggest"])
     p.add_argument("--out", type=Path, default=Path("runs/collapse_study"))
     p.add_argument("--seeds", default=None, help="collect: default 100-103; guard: default the even seeds")
     p.add_argument("--workers", type=int, default=2)
@@ -889,6 +918,7 @@ def main(argv=None) -> int:
     p.add_argument("--lrs", default="0.1,0.2", help="suggest: the learning rates of the plain runs")
     p.add_argument("--norms", default=",".join(NORMS), help=f"collect: a comma-separated subset of {list(NORMS)}")
     p.add_argument("--variant", default="defaults", choices=list(GUARD_VARIANTS), help="guard: the guard's settings")
+    p.add_argument("--also", type=Path, action="append", default=[], help="round4: more folders of collected runs")
     a = p.parse_args(argv)
     if a.command == "collect":
         collect(a.out, parse_seeds(a.seeds or "100-103"), a.workers, parse_widths(a.widths), parse_norms(a.norms))
@@ -896,6 +926,8 @@ def main(argv=None) -> int:
         print(analyze(load_runs(a.out)))
     elif a.command == "round3":
         print(round3(load_runs(a.out)))
+    elif a.command == "round4":
+        print(round4([r for d in [a.out, *a.also] for r in load_runs(d)]))
     elif a.command == "evaluate":
         print(evaluate(load_runs(a.out), parse_widths(a.widths)))
     elif a.command == "guard":

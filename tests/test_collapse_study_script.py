@@ -206,14 +206,16 @@ class _AlarmAt:
         self.current_step, self.alarm = state["current_step"], state["alarm"]
 
 
-def _real_first_rollback(losses, alarm, confirm, climb):
+def _real_first_rollback(losses, alarm, confirm, climb, chance=None):
     import torch
 
     from normlab.monitor import CollapseGuard
 
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = CollapseGuard(model, opt, _AlarmAt(alarm), every=10, keep=3, margin=5, confirm=confirm, loss_climb=climb)
+    guard = CollapseGuard(
+        model, opt, _AlarmAt(alarm), every=10, keep=3, margin=5, confirm=confirm, loss_climb=climb, chance_loss=chance
+    )
     for v in losses:
         guard.step(math.nan if v is None else v)
         if guard.rescues:
@@ -228,6 +230,9 @@ LOSS_SCENARIOS = {
     "alarm, then back to chance": ([2.3] * 10 + [0.4] * 32 + [2.3] * 30, 37),
     "no alarm, back to chance": ([2.3] * 10 + [0.4] * 52 + [2.25] * 30, 10**6),
     "alarm at step 3": ([2.3] * 3 + [None], 3),
+    "alarm at step 3, dead net": ([2.35] * 80, 3),
+    "alarm at step 3, learns late": ([2.35] * 30 + [0.5] * 50, 3),
+    "high first loss, back to chance": ([3.1] * 10 + [1.0] * 40 + [2.3] * 30, 10**6),
 }
 
 
@@ -237,8 +242,10 @@ def test_the_guard_replay_matches_the_real_guard(study, scenario):
     run = {"losses": losses, "gnorms": [1.0 if v is not None else None for v in losses], "alarm": alarm}
     for confirm in study.CONFIRM_GRID:
         for climb in study.CLIMB_GRID:
-            hit = study.guard_replay(run, confirm, climb)
-            assert (hit and hit[1]) == _real_first_rollback(losses, alarm, confirm, climb), (confirm, climb)
+            for chance in (None, math.log(10)):
+                hit = study.guard_replay(run, confirm, climb, chance)
+                real = _real_first_rollback(losses, alarm, confirm, climb, chance)
+                assert (hit and hit[1]) == real, (confirm, climb, chance)
 
 
 def test_the_round3_regime_rule_matches_the_regime_detector(tiny, one_thread):

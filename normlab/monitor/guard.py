@@ -117,21 +117,26 @@ class _Armed:
 
 
 LOSS_WINDOW = 10  # loss_climb: the loss is averaged over this many steps
-LEARNED_FRACTION = 0.8  # loss_climb: the run has learned once its mean loss fell below 0.8 x its first mean
+LEARNED_FRACTION = 0.8  # the run has learned once its mean loss fell below 0.8 x its reference
+# chance_loss: the collapse tracker's definitions (normlab.runner.training.collapse), read by the guard
+AT_CHANCE = 0.95  # a mean loss >= 0.95 x chance is at chance
+DEAD_AFTER = 4  # a run that has not learned after this many loss windows and is at chance is dead
 
 
 @dataclass
 class _LossTrend:
-    """The running loss statistics ``loss_climb`` reads: the last LOSS_WINDOW losses, the first full-window mean,
-    the best (lowest) full-window mean so far."""
+    """The running loss statistics the guard reads: the last LOSS_WINDOW losses, the first full-window mean, the
+    best (lowest) full-window mean so far, the number of losses seen."""
 
     recent: deque = field(default_factory=lambda: deque(maxlen=LOSS_WINDOW))
     first: float | None = None
     best: float | None = None
+    seen: int = 0
 
     def update(self, value: float) -> float | None:
         """Add one finite loss; returns the full-window mean (None until LOSS_WINDOW losses were seen)."""
         self.recent.append(value)
+        self.seen += 1
         if len(self.recent) < LOSS_WINDOW:
             return None
         mean = sum(self.recent) / LOSS_WINDOW
@@ -139,16 +144,28 @@ class _LossTrend:
         self.best = mean if self.best is None else min(self.best, mean)
         return mean
 
-    def climbed(self, mean: float, fraction: float) -> bool:
-        """The run had learned (best < LEARNED_FRACTION x first) and its mean is back ``fraction`` of the way from
-        the best to the first."""
-        first, best = self.first, self.best
-        if first is None or best is None or not best < LEARNED_FRACTION * first:
+    def reference(self, chance: float | None) -> float | None:
+        """The loss the run starts from: ``chance`` when known, else the first full-window mean."""
+        return self.first if chance is None else chance
+
+    def learned(self, chance: float | None) -> bool:
+        """The best full-window mean fell below LEARNED_FRACTION x the reference."""
+        ref = self.reference(chance)
+        return ref is not None and self.best is not None and self.best < LEARNED_FRACTION * ref
+
+    def climbed(self, mean: float, fraction: float, chance: float | None = None) -> bool:
+        """The run had learned and its mean is back ``fraction`` of the way from the best to the reference."""
+        if not self.learned(chance):
             return False
-        return mean >= best + fraction * (first - best)
+        return mean >= self.best + fraction * (self.reference(chance) - self.best)
+
+    def dead(self, mean: float | None, chance: float) -> bool:
+        """The collapse tracker's dead network: DEAD_AFTER windows seen, never learned, the mean at chance."""
+        seen_enough = self.seen >= DEAD_AFTER * LOSS_WINDOW
+        return seen_enough and mean is not None and not self.learned(chance) and mean >= AT_CHANCE * chance
 
     def copy(self) -> _LossTrend:
-        return _LossTrend(deque(self.recent, maxlen=LOSS_WINDOW), self.first, self.best)
+        return _LossTrend(deque(self.recent, maxlen=LOSS_WINDOW), self.first, self.best, self.seen)
 
 
 def _rng_state() -> dict[str, Any]:
@@ -203,8 +220,13 @@ class CollapseGuard:
         confirm: steps to wait, after a monitor alarm, for the trouble it foretells before acting on it (None: act
             on the alarm at once).
         loss_climb: trouble when the mean loss over the last 10 steps, after the run has learned (its best 10-step
-            mean below 0.8 x its first), is back this fraction of the way from its best to its first 10-step mean,
-            in (0, 1]; None: the loss is only checked for non-finite values. Needs the loss passed to :meth:`step`.
+            mean below 0.8 x its reference), is back this fraction of the way from its best to its reference, in
+            (0, 1]; None: the loss is only checked for non-finite values. Needs the loss passed to :meth:`step`.
+        chance_loss: the loss of a constant uniform prediction (``ln C`` for C classes; ``normlab train`` passes
+            it), the reference of ``loss_climb`` (None: the first 10-step mean loss). With it, an alarm waiting for
+            confirmation also waits while the run has not learned, and is confirmed when the run is dead by the
+            collapse tracker's definition (40 steps seen, never below 0.8 x chance, the mean loss at 0.95 x chance
+            or above): a network that died at the alarm is rolled back to before it.
 
     Attributes:
         rescues: the :class:`Rescue` records, in order.
@@ -240,15 +262,17 @@ class CollapseGuard:
         check_grads: bool = True,
         confirm: int | None = 10,
         loss_climb: float | None = 0.75,
+        chance_loss: float | None = None,
     ) -> None:
         self._check_args(model, optimizer, every, keep, margin, lr_factor, max_rescues)
-        self._check_confirm(confirm, loss_climb)
+        self._check_confirm(confirm, loss_climb, chance_loss)
         self.model, self.optimizer, self.monitor = model, optimizer, monitor
         self.every, self.keep = every, keep
         self.margin = every if margin is None else margin
         self.lr_factor, self.max_rescues = float(lr_factor), max_rescues
         self.schedulers, self.scaler, self.check_grads = list(schedulers), scaler, check_grads
         self.confirm, self.loss_climb = confirm, None if loss_climb is None else float(loss_climb)
+        self.chance_loss = None if chance_loss is None else float(chance_loss)
         self.steps = 0
         self.rescues: list[Rescue] = []
         self.dismissed: list[DismissedAlarm] = []
@@ -275,13 +299,17 @@ class CollapseGuard:
             raise ValueError(f"{where}: lr_factor must be a number in (0, 1], got {lr_factor!r}")
 
     @staticmethod
-    def _check_confirm(confirm, loss_climb) -> None:
+    def _check_confirm(confirm, loss_climb, chance_loss) -> None:
         if confirm is not None and (isinstance(confirm, bool) or not isinstance(confirm, int) or confirm < 1):
             raise ValueError(f"CollapseGuard: confirm must be an int >= 1 or None, got {confirm!r}")
         if loss_climb is not None and (
             isinstance(loss_climb, bool) or not isinstance(loss_climb, (int, float)) or not 0 < loss_climb <= 1
         ):
             raise ValueError(f"CollapseGuard: loss_climb must be a number in (0, 1] or None, got {loss_climb!r}")
+        if chance_loss is not None and (
+            isinstance(chance_loss, bool) or not isinstance(chance_loss, (int, float)) or not 0 < chance_loss < math.inf
+        ):
+            raise ValueError(f"CollapseGuard: chance_loss must be a finite number > 0 or None, got {chance_loss!r}")
 
     # ------------------------------------------------------------------ step
     def step(self, loss: torch.Tensor | float | None = None) -> bool:
@@ -335,7 +363,8 @@ class CollapseGuard:
             self._alarm = alarm
             self._armed = _Armed(onset, f"monitor alarm: {alarm}", self.steps, self._choose(onset))
         armed = self._armed
-        if armed is not None and self.steps - armed.since >= self.confirm:
+        waiting_to_learn = self.chance_loss is not None and not self._trend.learned(self.chance_loss)
+        if armed is not None and self.steps - armed.since >= self.confirm and not waiting_to_learn:
             self.dismissed.append(DismissedAlarm(armed.onset, armed.reason, self.steps))
             self._armed = None
         if self.steps % self.every == 0:
@@ -351,14 +380,18 @@ class CollapseGuard:
             return f"non-finite gradient at step {self.steps}", self.steps
         if value is None:
             return None
-        mean = self._trend.update(value)
-        if self.loss_climb is not None and mean is not None and self._trend.climbed(mean, self.loss_climb):
-            first, best = self._trend.first, self._trend.best
+        trend, chance = self._trend, self.chance_loss
+        mean = trend.update(value)
+        if self.loss_climb is not None and mean is not None and trend.climbed(mean, self.loss_climb, chance):
+            ref = "chance" if chance is not None else "first"
             reason = (
-                f"loss climbed back at step {self.steps}: {LOSS_WINDOW}-step mean {mean:.4g}, best {best:.4g}, "
-                f"first {first:.4g}"
+                f"loss climbed back at step {self.steps}: {LOSS_WINDOW}-step mean {mean:.4g}, best {trend.best:.4g}, "
+                f"{ref} {trend.reference(chance):.4g}"
             )
             return reason, self.steps - LOSS_WINDOW + 1
+        if self._armed is not None and chance is not None and trend.dead(mean, chance):
+            reason = f"no learning since the alarm: {LOSS_WINDOW}-step mean {mean:.4g} at chance ({chance:.4g})"
+            return reason, self.steps
         return None
 
     def _grads_finite(self) -> bool:
