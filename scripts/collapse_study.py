@@ -494,12 +494,14 @@ def _fmt(s) -> str:
 
 
 def complete_seeds(raw_runs, widths=WIDTHS) -> list:
-    """The runs of the seeds whose every configuration (at ``widths``) is there (a stopped collection leaves a
-    partial seed); runs at other widths are left out."""
+    """The runs of the seeds whose every configuration (at ``widths``, of the norms collected: a ``--norms``
+    collection has no BN runs) is there (a stopped collection leaves a partial seed); runs at other widths are left
+    out."""
     have = {run_name(r["cfg"]) for r in raw_runs}
     seeds = {r["cfg"]["seed"] for r in raw_runs}
-    full = {s for s in seeds if all(run_name(c) in have for c in configs([s], widths))}
-    wanted = {run_name(c) for c in configs(sorted(full), widths)}
+    norms = tuple(n for n in NORMS if any(r["cfg"]["norm"] == n for r in raw_runs))  # a --norms collection
+    full = {s for s in seeds if all(run_name(c) in have for c in configs([s], widths, norms))}
+    wanted = {run_name(c) for c in configs(sorted(full), widths, norms)}
     return [r for r in raw_runs if run_name(r["cfg"]) in wanted]
 
 

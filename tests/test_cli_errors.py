@@ -255,4 +255,3 @@ def test_help_is_unchanged(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: normlab train") and "--lr" in out
-

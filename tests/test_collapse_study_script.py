@@ -82,6 +82,13 @@ def test_a_partial_seed_is_left_out(study):
     assert {r["cfg"]["seed"] for r in study.complete_seeds(runs)} == {100}
 
 
+def test_a_collection_without_bn_runs_is_complete_per_seed(study):
+    runs = [r for r in full_seed(study, 100) + full_seed(study, 101) if r["cfg"]["norm"] != "bn"]
+    runs = [r for r in runs if not (r["cfg"]["seed"] == 101 and r["cfg"]["norm"] == "pws" and r["cfg"]["lr"] == 0.2)]
+    assert sorted({r["cfg"]["seed"] for r in study.complete_seeds(runs)}) == [100]  # 101 lacks a pws run
+    assert len(study.complete_seeds(runs)) == 6
+
+
 def test_seeds_below_100_are_refused(study):
     with pytest.raises(SystemExit, match="100"):
         study.parse_seeds("99-101")
