@@ -189,6 +189,16 @@ def test_a_rescue_on_a_healthy_twin_and_a_guard_that_gave_up_are_reported(tmp_pa
     )
 
 
+def test_a_dismissed_alarm_is_named_beside_the_rescues(tmp_path):
+    demo, _ = _twin_demo(tmp_path)
+    diag = demo["evidence"]["diagnoses"]["guard"]
+    diag["none_s1"] = {**diag["none_s1"], "alarms_dismissed": [{"step": 9, "reason": "...", "dismissed_at": 20}]}
+    lines = twins_markdown(twin_pairs(demo, demo["evidence"]), None)
+    row = next(x for x in lines if x.startswith("| none seed 1"))
+    assert "| none; alarm at step 9 dismissed at step 20 (no trouble followed) | 40 |" in row
+    assert any("else it is dismissed" in x for x in lines)
+
+
 def test_the_monitor_row_carries_the_guards_outcome_from_the_record_and_old_records_build(tmp_path):
     demo, out = _twin_demo(tmp_path)
     row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]

@@ -62,7 +62,8 @@ def diagnose_run(run_dir: Path) -> dict[str, Any]:
     Keys: ``collapsed`` (an alarm that stopped the run is not a collapse), ``collapse_reason``, ``collapse_step``,
     ``final_test_acc``, ``alarm`` and ``lead_steps``, ``risk`` (the regime warning, None for runs of earlier
     versions) and ``risk_lead_steps``, ``monitored``, ``steps_run``, ``rescues`` (the guard's, one dict each),
-    ``steps_lost``, ``guard_gave_up``, and ``terms_initial`` / ``terms_at_alarm`` for an alarmed run with records.
+    ``steps_lost``, ``guard_gave_up``, ``alarms_dismissed`` (the guard's, one dict each), and ``terms_initial`` /
+    ``terms_at_alarm`` for an alarmed run with records.
     """
     summary = json.loads((Path(run_dir) / "summary.json").read_text())
     records, event = load_records(run_dir)
@@ -81,6 +82,7 @@ def diagnose_run(run_dir: Path) -> dict[str, Any]:
         "rescues": list(summary.get("rescues") or []),
         "steps_lost": summary.get("steps_lost") or 0,
         "guard_gave_up": summary.get("guard_gave_up"),
+        "alarms_dismissed": list(summary.get("alarms_dismissed") or []),
     }
     if alarm and records:
         out["terms_initial"] = _terms(records, alarm["layer"], None)

@@ -98,6 +98,8 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None) -> list[
     for p in pairs:
         u, g = p["unguarded"], p["guarded"]
         rescues = "; ".join(rescue_text(r) for r in g["rescues"]) or "none"
+        for d in g.get("alarms_dismissed") or []:
+            rescues += f"; alarm at step {d['step']} dismissed at step {d['dismissed_at']} (no trouble followed)"
         if g.get("guard_gave_up"):
             rescues += f"; gave up: {g['guard_gave_up']}"
         lines.append(
@@ -112,7 +114,9 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None) -> list[
         f"collapse, the guard rescued {s['changed']} anyway (a rescue on a healthy run changes it: it counts against "
         f"the guard). A rescue restores the newest snapshot (one every {GUARD_EVERY} steps) taken at least "
         f"{GUARD_EVERY} steps before the trouble, or the first one (step 0), and lowers the learning rate; the batches "
-        f"of the lost steps are not replayed.",
+        "of the lost steps are not replayed. Trouble is a non-finite loss or gradient, or a loss climbing back "
+        "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
+        "rollback then goes back to before the alarm), else it is dismissed (docs/monitor.md, round 3).",
     ]
     if figure:
         lines += ["", f"![]({figure})"]
