@@ -400,7 +400,62 @@ def test_loss_climb_state_is_rolled_back_with_the_snapshot():
         ({"confirm": True}, "confirm must be an int >= 1 or None"),
         ({"loss_climb": 0}, "loss_climb must be a number in (0, 1] or None"),
         ({"loss_climb": 1.5}, "loss_climb must be a number in (0, 1] or None"),
+        ({"chance_loss": 0}, "chance_loss must be a finite number > 0 or None"),
+        ({"chance_loss": float("inf")}, "chance_loss must be a finite number > 0 or None"),
     ],
 )
 def test_bad_confirm_arguments_are_one_line_errors(kw, words):
     test_bad_arguments_are_one_line_errors(kw, words)
+
+
+def test_the_loss_trend_travels_with_the_state_dict():
+    # resumed at step 40, the climb is still measured from the first mean (2.3), not from the resumed one (0.5)
+    losses = [2.3] * 20 + [0.5] * 20 + [0.25] * 10 + [0.18] * 10 + [0.24] * 10
+    whole, _ = _climb_guard(losses, climb=0.75)
+    first, _ = _climb_guard(losses[:40], climb=0.75)
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    resumed = CollapseGuard(model, opt, every=5, margin=0, loss_climb=0.75)
+    resumed.load_state_dict(first.state_dict())
+    assert all(resumed.step(v) for v in losses[40:])
+    assert whole.rescues == [] and resumed.rescues == [] and resumed._trend.first == pytest.approx(2.3)
+
+
+def test_chance_loss_without_losses_does_not_wait_forever():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, _ScriptedMonitor({7}), every=5, chance_loss=math.log(3))
+    for x, y in _batches(40):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        assert guard.step()  # no loss passed: nothing to wait for
+    assert [(d.step, d.dismissed_at) for d in guard.dismissed] == [(7, 18)]
+
+
+def test_chance_loss_confirms_a_waiting_alarm_on_a_dead_network():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, _ScriptedMonitor({3}), every=10, margin=2, chance_loss=math.log(10))
+    for _ in range(60):
+        opt.zero_grad()
+        if not guard.step(2.3):  # at chance from the start: it never learns
+            break
+    (r,) = guard.rescues
+    assert r.step == 39 and r.onset == 3 and r.restored_step == 0 and r.reason.startswith("no learning since the alarm")
+
+
+def test_giving_up_names_the_kind_of_trouble_and_roll_back_keeps_the_waiting_alarms_date():
+    model, opt = _net(), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, _ScriptedMonitor({93}), every=10, margin=5, max_rescues=0)
+    with pytest.raises(RunCollapsed) as e:
+        for t in range(101):
+            opt.zero_grad()
+            guard.step(float("nan") if t == 100 else 1.0)
+    assert e.value.kind == "non_finite" and e.value.alarm is True and guard.steps == 100
+    assert guard.roll_back() == 80  # the snapshot for the alarm at 93 (<= 88), not for step 100 (<= 95)
+    climb = CollapseGuard(model, opt, every=5, max_rescues=0)
+    with pytest.raises(RunCollapsed) as e:
+        for v in [2.3] * 10 + [0.5] * 20 + [2.2] * 10:
+            climb.step(v)
+    assert e.value.kind == "loss_climb" and e.value.alarm is False

@@ -83,8 +83,13 @@ def test_state_dict_round_trip_gives_the_same_warning():
     a.check(0, plain(2.0)), a.check(1, plain(2.0))
     b.load_state_dict(a.state_dict())
     assert b.check(2, plain(2.0)) == a.check(2, plain(2.0))
-    with pytest.raises(ValueError, match="window=3"):
-        RegimeDetector(window=2).load_state_dict(a.state_dict())
+    for other in (RegimeDetector(window=2), RegimeDetector(window=3, min_ratio=10.0)):  # an older checkpoint's rule
+        with pytest.warns(UserWarning, match="state was made with window=3, min_ratio=1; .* its streaks start again"):
+            other.load_state_dict(a.state_dict())
+        assert other.streak == {} and other.first_variance == a.first_variance
+    old = {k: v for k, v in a.state_dict().items() if k != "min_ratio"}  # saved before min_ratio existed
+    with pytest.warns(UserWarning, match="min_ratio=1; this detector uses window=2, min_ratio=10"):
+        RegimeDetector(window=2, min_ratio=10.0).load_state_dict(old)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])

@@ -618,6 +618,12 @@ def test_a_non_finite_test_loss_is_trouble_for_the_guard_dated_to_the_waiting_al
     assert r["reason"].startswith("non-finite test loss after epoch 1, after the monitor alarm: collapse warning")
     assert r["onset"] == 2 and r["restored_step"] == 0 and s["history"][0]["rescued"] is True
     assert s["collapse_reason"] is None and s["epochs_run"] == 4 and s["history"][-1]["test_loss"] is not None
+    assert (
+        s["alarms_dismissed"]
+        and train(cfg, tmp_path / "run", progress=False)["alarms_dismissed"] == s["alarms_dismissed"]
+    )  # the finished run, read back, keeps them
+    last = train(dataclasses.replace(cfg, epochs=1), tmp_path / "last", progress=False)
+    assert last["collapse_reason"] == "non_finite_loss" and last["rescues"] == []  # no rollback after the last epoch
 
 
 def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):

@@ -29,12 +29,18 @@ __all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
 
 class RunCollapsed(RuntimeError):
-    """Raised by :meth:`CollapseGuard.step` when the run still collapses after ``max_rescues`` rescues;
-    ``alarm`` tells whether the last trouble was the monitor's alarm (else a non-finite loss or gradient)."""
+    """Raised by :meth:`CollapseGuard.step` when the run still collapses after ``max_rescues`` rescues.
 
-    def __init__(self, message: str, alarm: bool = False) -> None:
+    Attributes:
+        kind: the last trouble: ``"non_finite"`` (a non-finite loss or gradient), ``"alarm"`` (the monitor's alarm,
+            acted on at once), ``"loss_climb"``, ``"dead"`` (no learning since a waiting alarm) or ``"external"``
+            (:meth:`CollapseGuard.rescue`).
+        alarm: whether a monitor alarm was involved (acted on at once, or waiting for the trouble that came).
+    """
+
+    def __init__(self, message: str, alarm: bool = False, kind: str = "non_finite") -> None:
         super().__init__(message)
-        self.alarm = alarm
+        self.alarm, self.kind = alarm, kind
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,9 @@ class Rescue:
 
     Attributes:
         step: the guard's step when the trouble was seen.
-        reason: the trouble, in words (a non-finite loss or gradient, or the monitor's alarm).
+        reason: the trouble, in words (a non-finite loss or gradient, the monitor's alarm, a loss climb, no learning
+            since an alarm, or the caller's reason to :meth:`CollapseGuard.rescue`; "after the monitor alarm ..."
+            when it came while an alarm waited).
         onset: the step the trouble was dated to.
         restored_step: the step of the snapshot the run went back to.
         steps_lost: the steps thrown away (``step - restored_step``).
@@ -196,8 +204,9 @@ class CollapseGuard:
 
     With ``confirm`` the alarm is a warning, not yet trouble: the guard keeps (pins) the snapshot it would restore
     and waits up to ``confirm`` steps. A non-finite loss or gradient or a loss climb in that time is dated to the
-    alarm and restores the pinned snapshot; otherwise the alarm is dismissed (``guard.dismissed``) and the run goes on
-    unchanged. This is what keeps a false alarm from changing a healthy run (docs/monitor.md: measured).
+    alarm (or to the start of the loss window, if earlier) and restores the snapshot chosen for that onset (the
+    pinned one for the alarm); otherwise the alarm is dismissed (``guard.dismissed``) and the run goes on unchanged.
+    This is what keeps a false alarm from changing a healthy run (docs/monitor.md: measured).
 
     A step without trouble is exactly ``optimizer.step()`` (or ``monitor.step(optimizer)``, or
     ``scaler.step(optimizer); scaler.update()``): a healthy run is not changed, only copied every ``every`` steps.
@@ -222,8 +231,9 @@ class CollapseGuard:
         loss_climb: trouble when the mean loss over the last 10 steps, after the run has learned (its best 10-step
             mean below 0.8 x its reference), is back this fraction of the way from its best to its reference, in
             (0, 1]; None: the loss is only checked for non-finite values. Needs the loss passed to :meth:`step`.
-        chance_loss: the loss of a constant uniform prediction (``ln C`` for C classes; ``normlab train`` passes
-            it), the reference of ``loss_climb`` (None: the first 10-step mean loss). With it, an alarm waiting for
+        chance_loss: the loss of a constant uniform prediction (``ln C`` for C classes), the reference of
+            ``loss_climb`` (None, the default: the first 10-step mean loss; docs/monitor.md, round 4: not the
+            default because it also rolled back slow healthy runs). With it, an alarm waiting for
             confirmation also waits while the run has not learned, and is confirmed when the run is dead by the
             collapse tracker's definition (40 steps seen, never below 0.8 x chance, the mean loss at 0.95 x chance
             or above): a network that died at the alarm is rolled back to before it.
@@ -321,16 +331,17 @@ class CollapseGuard:
         """
         trouble = self._trouble_before(loss)
         if trouble is not None:
-            self._rescue(*trouble, alarm=False)
+            reason, onset, kind = trouble
+            self._rescue(reason, onset, alarm=False, kind=kind)
             return False
         self._optimizer_step()
         return self._after()
 
     def after_step(self, loss: torch.Tensor | float | None = None) -> bool:
         """The guard for a loop that took the optimizer step itself (Lightning): call right after the step, with the
-        step's loss. Same checks as :meth:`step` (a non-finite loss or gradient, a new monitor alarm; the monitor is
-        stepped by the loop, not here); on trouble the restore also undoes the step just taken. Returns True if the
-        step is kept, False after a rollback.
+        step's loss. Same checks as :meth:`step` (a non-finite loss or gradient, a loss climb, a new monitor alarm;
+        the monitor is stepped by the loop, not here); on trouble the restore also undoes the step just taken.
+        Returns True if the step is kept, False after a rollback.
 
         Raises:
             RunCollapsed: trouble after ``max_rescues`` rescues.
@@ -346,7 +357,8 @@ class CollapseGuard:
         """
         trouble = self._trouble_before(loss)
         if trouble is not None:
-            self._rescue(*trouble, alarm=False)
+            reason, onset, kind = trouble
+            self._rescue(reason, onset, alarm=False, kind=kind)
             return False
         return self._after()
 
@@ -358,12 +370,13 @@ class CollapseGuard:
         if alarm is not None and alarm is not self._alarm:
             onset = min(int(getattr(alarm, "step", self.steps)), self.steps)
             if self.confirm is None:
-                self._rescue(f"monitor alarm: {alarm}", onset, alarm=True)
+                self._rescue(f"monitor alarm: {alarm}", onset, alarm=True, kind="alarm")
                 return False
             self._alarm = alarm
             self._armed = _Armed(onset, f"monitor alarm: {alarm}", self.steps, self._choose(onset))
         armed = self._armed
-        waiting_to_learn = self.chance_loss is not None and not self._trend.learned(self.chance_loss)
+        trend = self._trend  # with chance_loss, wait while the run has not learned (only if it passes its losses)
+        waiting_to_learn = self.chance_loss is not None and trend.seen > 0 and not trend.learned(self.chance_loss)
         if armed is not None and self.steps - armed.since >= self.confirm and not waiting_to_learn:
             self.dismissed.append(DismissedAlarm(armed.onset, armed.reason, self.steps))
             self._armed = None
@@ -371,13 +384,14 @@ class CollapseGuard:
             self._take_snapshot()
         return True
 
-    def _trouble_before(self, loss) -> tuple[str, int] | None:
-        """(reason, onset) of trouble seen before the step: a non-finite loss or gradient, or a loss climb."""
+    def _trouble_before(self, loss) -> tuple[str, int, str] | None:
+        """(reason, onset, kind) of trouble seen before the step: a non-finite loss or gradient, a loss climb, or
+        (``chance_loss``) a dead network while an alarm waits."""
         value = None if loss is None else float(loss.detach() if isinstance(loss, torch.Tensor) else loss)
         if value is not None and not math.isfinite(value):
-            return f"non-finite loss ({value}) at step {self.steps}", self.steps
+            return f"non-finite loss ({value}) at step {self.steps}", self.steps, "non_finite"
         if self.check_grads and self.scaler is None and not self._grads_finite():
-            return f"non-finite gradient at step {self.steps}", self.steps
+            return f"non-finite gradient at step {self.steps}", self.steps, "non_finite"
         if value is None:
             return None
         trend, chance = self._trend, self.chance_loss
@@ -388,10 +402,10 @@ class CollapseGuard:
                 f"loss climbed back at step {self.steps}: {LOSS_WINDOW}-step mean {mean:.4g}, best {trend.best:.4g}, "
                 f"{ref} {trend.reference(chance):.4g}"
             )
-            return reason, self.steps - LOSS_WINDOW + 1
+            return reason, self.steps - LOSS_WINDOW + 1, "loss_climb"
         if self._armed is not None and chance is not None and trend.dead(mean, chance):
             reason = f"no learning since the alarm: {LOSS_WINDOW}-step mean {mean:.4g} at chance ({chance:.4g})"
-            return reason, self.steps
+            return reason, self.steps, "dead"
         return None
 
     def _grads_finite(self) -> bool:
@@ -479,7 +493,10 @@ class CollapseGuard:
         """Restore the newest snapshot taken at least ``margin`` steps before ``onset`` (default: the current step),
         or the oldest one, without changing the learning rate; returns the step restored. For a run that stops
         after :class:`RunCollapsed` and should end on its last state from before the trouble."""
-        snap = self._choose(self.steps if onset is None else onset)
+        onset = self.steps if onset is None else onset
+        if self._armed is not None:  # trouble while an alarm waits is dated to the alarm
+            onset = min(onset, self._armed.onset)
+        snap = self._choose(onset)
         kept = [s for s in self._available() if s.step <= snap.step]
         self._armed = None
         self._restore(snap)
@@ -505,9 +522,9 @@ class CollapseGuard:
             >>> guard.rescues[0].restored_step, guard.steps, guard.rescues[0].reason
             (2, 2, 'non-finite validation loss')
         """
-        self._rescue(reason, self.steps, alarm=False)
+        self._rescue(reason, self.steps, alarm=False, kind="external")
 
-    def _rescue(self, reason: str, onset: int, alarm: bool) -> None:
+    def _rescue(self, reason: str, onset: int, alarm: bool, kind: str) -> None:
         armed = self._armed
         if armed is not None:  # the trouble a waiting alarm foretold: dated to the alarm
             reason, onset, alarm = f"{reason}, after the {armed.reason}", min(onset, armed.onset), True
@@ -517,6 +534,7 @@ class CollapseGuard:
                 f"CollapseGuard: gave up after {len(self.rescues)} rescue(s): {reason}; the learning rate is now "
                 f"{lr:g} (see guard.rescues)",
                 alarm=alarm,
+                kind=kind,
             )
         step = self.steps
         lr_before = float(self.optimizer.param_groups[0]["lr"])
@@ -531,13 +549,20 @@ class CollapseGuard:
         return self._scale
 
     def state_dict(self) -> dict:
-        """The step counter, the rescues and dismissed alarms so far and the learning-rate factor applied (plain
-        Python values; the snapshots, and an alarm still waiting for confirmation, are in memory only)."""
+        """The step counter, the rescues and dismissed alarms so far, the learning-rate factor applied and the loss
+        trend ``loss_climb`` reads (plain Python values; the snapshots, and an alarm still waiting for confirmation,
+        are in memory only)."""
         return {
             "steps": self.steps,
             "rescues": [r.to_dict() for r in self.rescues],
             "dismissed": [d.to_dict() for d in self.dismissed],
             "lr_scale": self._scale,
+            "loss_trend": {
+                "recent": list(self._trend.recent),
+                "first": self._trend.first,
+                "best": self._trend.best,
+                "seen": self._trend.seen,
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -552,6 +577,13 @@ class CollapseGuard:
         self.steps = int(state["steps"])
         self.rescues = [Rescue(**r) for r in state["rescues"]]
         self.dismissed = [DismissedAlarm(**d) for d in state.get("dismissed", [])]
+        trend = state.get("loss_trend") or {}
+        self._trend = _LossTrend(
+            deque((float(v) for v in trend.get("recent", [])), maxlen=LOSS_WINDOW),
+            trend.get("first"),
+            trend.get("best"),
+            int(trend.get("seen", 0)),
+        )
         self._scale = float(state.get("lr_scale", 1.0))
         self._armed = None
         self._snapshots.clear()

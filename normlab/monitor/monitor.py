@@ -161,8 +161,9 @@ class VarianceMonitor:
             values): True for ``DEFAULT_COUNTDOWN``, a dict overriding some of its arguments, False for off. Its
             alarm and the factor rules' share ``mon.alarm`` (the first to fire). Thresholds: docs/monitor.md.
         risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.RegimeDetector`: shift term above
-            the variance term for ``window`` steps in a layer not normalized downstream, or the variance term of a
-            standardized conv growing): True for ``DEFAULT_RISK``, a dict of overrides, False for off.
+            ``min_ratio`` (default 10) times the variance term for ``window`` (default 2) steps in a layer not
+            normalized downstream, or, when enabled, the variance term of a standardized conv growing): True for
+            ``DEFAULT_RISK``, a dict of overrides, False for off.
         factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). A layer whose
             output feeds a normalization layer gets no shift growth test (the normalization removes the per-channel
             offsets before the next layer: the SwitchableNorm U-Net's 116x shift was no collapse); the countdown

@@ -520,11 +520,13 @@ class Trainer:
             out, value = self._step(x, y)
         except RunCollapsed as e:  # --guard gave up: a collapse the rescues did not save; the run stops here
             self.state.guard_gave_up = str(e)
-            if not e.alarm:
+            if e.kind == "non_finite":
                 win.collapse = self.tracker.kind = "non_finite"
                 self.tracker.step = self.state.steps_total
-            else:
+            elif self.monitor is not None and self.monitor.alarm is not None:
                 win.alarm = _alarm_dict(self.monitor.alarm)
+            else:  # a loss climb: recorded as the guard's, the run stops
+                win.collapse = "guard_gave_up"
             return
         if value == "rescued":
             return
@@ -646,7 +648,9 @@ class Trainer:
         if win.alarm is not None and st.collapse_reason is None:
             st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, win.alarm.get("step"), "monitor_alarm"
             st.monitor_alarm = st.monitor_alarm or win.alarm
-        return tracker.kind == "non_finite" or win.alarm is not None
+        if win.collapse == "guard_gave_up" and st.collapse_reason is None:
+            st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, st.steps_total, "guard_gave_up"
+        return tracker.kind == "non_finite" or win.alarm is not None or win.collapse == "guard_gave_up"
 
     def _end_epoch(self, epoch: int, win: _Window) -> bool:
         """Evaluate, record, checkpoint; True when training stops here (collapse or alarm)."""
@@ -656,7 +660,8 @@ class Trainer:
         self._board_entry(entry)
         st = self.state
         st.epoch = epoch + 1
-        if entry["test_loss"] is None and self.guard is not None and st.guard_gave_up is None:
+        last = epoch + 1 == self.config.epochs  # after the last epoch a rollback would leave an untrained model
+        if entry["test_loss"] is None and self.guard is not None and st.guard_gave_up is None and not last:
             entry["rescued"] = self._rescue_non_finite_test_loss(epoch)
         target = self.config.target_acc
         if st.epochs_to_target is None and target is not None and entry["test_acc"] >= target and not win.stopped:
@@ -688,6 +693,8 @@ class Trainer:
 
     def _write_summary(self) -> dict:
         st, hist = self.state, self.history
+        if self.guard is not None:
+            st.guard = self.guard.state_dict()
         accs = [h["test_acc"] for h in hist if h.get("test_acc") is not None]
         summary = {
             "config": self.cfg,
@@ -707,7 +714,7 @@ class Trainer:
             "rescues": list(st.rescues),
             "steps_lost": sum(r["steps_lost"] for r in st.rescues),
             "guard_gave_up": st.guard_gave_up,
-            "alarms_dismissed": [d.to_dict() for d in self.guard.dismissed] if self.guard is not None else [],
+            "alarms_dismissed": list((st.guard or {}).get("dismissed", [])),
             "world_size": st.world_size,
             "history": hist,
         }
@@ -736,8 +743,9 @@ def train(
     Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
     monitor_alarm, monitor_risk (the regime warning ``mon.risk`` as a dict, or None), epochs_to_target, step_time_s,
     epochs_run, world_size, history``, and for ``guard``: ``rescues``
-    (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost`` and ``guard_gave_up``
-    (the message when it gave up, else None).
+    (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost``, ``guard_gave_up``
+    (the message when it gave up, else None; a give-up on a loss climb is ``collapse_reason`` "guard_gave_up") and
+    ``alarms_dismissed`` (the alarms the guard waited on and no trouble followed).
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) it joins the process group when none is initialised and destroys it
     before returning; a group the caller initialised stays the caller's.
