@@ -459,3 +459,13 @@ def test_giving_up_names_the_kind_of_trouble_and_roll_back_keeps_the_waiting_ala
         for v in [2.3] * 10 + [0.5] * 20 + [2.2] * 10:
             climb.step(v)
     assert e.value.kind == "loss_climb" and e.value.alarm is False
+
+
+def test_a_rollback_drops_the_dismissed_alarms_of_the_steps_it_throws_away():
+    # the alarm at 12 is dismissed at 23; the NaN at 27 (no alarm waiting) goes back to step 10 (margin 15): the
+    # dismissed alarm was on the steps thrown away, so it goes; with margin 5 the rollback to 20 keeps it
+    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, every=10, keep=3, margin=15, confirm=10)
+    (r,) = guard.rescues
+    assert r.restored_step == 10 and guard.dismissed == []  # back to 10: the alarm at 12 was on the steps thrown away
+    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, every=10, keep=3, margin=5, confirm=10)
+    assert guard.rescues[0].restored_step == 20 and [d.step for d in guard.dismissed] == [12]

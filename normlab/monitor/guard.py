@@ -240,7 +240,8 @@ class CollapseGuard:
 
     Attributes:
         rescues: the :class:`Rescue` records, in order.
-        dismissed: the :class:`DismissedAlarm` records (``confirm``: alarms that no trouble followed).
+        dismissed: the :class:`DismissedAlarm` records (``confirm``: alarms that no trouble followed), on the
+            trajectory kept (a rollback drops those of the steps it throws away, like the monitor's records).
         steps: optimizer steps taken so far on the current trajectory (rolled back with the snapshots).
 
     Example:
@@ -474,6 +475,7 @@ class CollapseGuard:
                 records[:] = [r for r in records if r.get("step", -1) < self.monitor.current_step]
         _set_rng_state(s["rng"])
         self._trend = s["loss_trend"].copy()
+        self.dismissed = [d for d in self.dismissed if d.step < snap.step]  # those of the abandoned steps go with them
         self.optimizer.zero_grad(set_to_none=True)
         self.steps = snap.step
 
