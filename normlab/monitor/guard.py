@@ -172,8 +172,17 @@ class _LossTrend:
         seen_enough = self.seen >= DEAD_AFTER * LOSS_WINDOW
         return seen_enough and mean is not None and not self.learned(chance) and mean >= AT_CHANCE * chance
 
+    def to_dict(self) -> dict:
+        return {"recent": list(self.recent), "first": self.first, "best": self.best, "seen": self.seen}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> _LossTrend:
+        """The inverse of :meth:`to_dict`; missing keys (a state from before the trend was saved) start empty."""
+        recent = deque((float(v) for v in d.get("recent", [])), maxlen=LOSS_WINDOW)
+        return cls(recent, d.get("first"), d.get("best"), int(d.get("seen", 0)))
+
     def copy(self) -> _LossTrend:
-        return _LossTrend(deque(self.recent, maxlen=LOSS_WINDOW), self.first, self.best, self.seen)
+        return _LossTrend.from_dict(self.to_dict())
 
 
 def _rng_state() -> dict[str, Any]:
@@ -559,12 +568,7 @@ class CollapseGuard:
             "rescues": [r.to_dict() for r in self.rescues],
             "dismissed": [d.to_dict() for d in self.dismissed],
             "lr_scale": self._scale,
-            "loss_trend": {
-                "recent": list(self._trend.recent),
-                "first": self._trend.first,
-                "best": self._trend.best,
-                "seen": self._trend.seen,
-            },
+            "loss_trend": self._trend.to_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -579,13 +583,7 @@ class CollapseGuard:
         self.steps = int(state["steps"])
         self.rescues = [Rescue(**r) for r in state["rescues"]]
         self.dismissed = [DismissedAlarm(**d) for d in state.get("dismissed", [])]
-        trend = state.get("loss_trend") or {}
-        self._trend = _LossTrend(
-            deque((float(v) for v in trend.get("recent", [])), maxlen=LOSS_WINDOW),
-            trend.get("first"),
-            trend.get("best"),
-            int(trend.get("seen", 0)),
-        )
+        self._trend = _LossTrend.from_dict(state.get("loss_trend") or {})
         self._scale = float(state.get("lr_scale", 1.0))
         self._armed = None
         self._snapshots.clear()
