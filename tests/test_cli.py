@@ -379,3 +379,10 @@ def test_guard_flag_reaches_every_cell_and_its_rescues_are_in_the_results(tmp_pa
     assert rc == 0
     summary = json.loads((tmp_path / "one" / "summary.json").read_text())
     assert summary["config"]["guard"] is True and summary["rescues"] == []
+    assert summary["config"]["guard_dead"] is False  # the default guard does not measure against chance
+    rc = main(
+        ["train", "--norm", "bn", "--epochs", "1", "--width", "0.125", "--max-steps-per-epoch", "2", "--guard-dead"]
+        + ["--threads", "1", "--out", str(tmp_path / "dead")]
+    )
+    summary = json.loads((tmp_path / "dead" / "summary.json").read_text())
+    assert rc == 0 and summary["config"]["guard"] is True and summary["config"]["guard_dead"] is True

@@ -226,7 +226,11 @@ def test_bad_configurations_fail_before_training(tmp_path):
         train(tiny(device="gpu0"), tmp_path / "h", progress=False)
     with pytest.raises(ValueError, match="seed"):
         train(tiny(seed=-1), tmp_path / "i", progress=False)
-    assert not any((tmp_path / n).exists() for n in "abcdefghi")
+    with pytest.raises(ValueError, match="TrainConfig guard_dead must be False unless guard is True"):
+        train(tiny(guard_dead=True), tmp_path / "j", progress=False)
+    with pytest.raises(ValueError, match="TrainConfig guard_dead must be True or False, got 1"):
+        train(tiny(guard=True, guard_dead=1), tmp_path / "k", progress=False)
+    assert not any((tmp_path / n).exists() for n in "abcdefghijk")
 
 
 def test_weight_decay_skips_norm_parameters_biases_and_alpha():
@@ -624,6 +628,22 @@ def test_a_non_finite_test_loss_is_trouble_for_the_guard_dated_to_the_waiting_al
     )  # the finished run, read back, keeps them
     last = train(dataclasses.replace(cfg, epochs=1), tmp_path / "last", progress=False)
     assert last["collapse_reason"] == "non_finite_loss" and last["rescues"] == []  # no rollback after the last epoch
+
+
+def test_guard_dead_rolls_back_a_net_that_never_learned_after_its_alarm(tmp_path):
+    # seed 100, lr 0.2: the unnormalized net alarms at step 16 and never leaves chance. The default guard dismisses
+    # the alarm (nothing it counts as trouble follows); guard_dead (chance_loss = ln 10) keeps it waiting while the
+    # net has not learned and confirms it once the 10-step mean sits at chance 40 steps in: back to before the alarm
+    base = dict(dataset="mnist1d", model="plain1d", norm="none", width=0.25, lr=0.2, batch_size=64, epochs=3)
+    base.update(max_steps_per_epoch=25, seed=100, num_samples=2000, monitor_every=1, guard=True)
+    plain = train(TrainConfig(**base), tmp_path / "guard", progress=False)
+    assert plain["collapse_reason"] == "never_left_chance" and plain["rescues"] == []
+    assert [d["step"] for d in plain["alarms_dismissed"]] == [16]
+    dead = train(TrainConfig(**base, guard_dead=True), tmp_path / "dead", progress=False)
+    (r,) = dead["rescues"]
+    assert r["reason"].startswith("no learning since the alarm: 10-step mean") and "at chance (2.303)" in r["reason"]
+    assert (r["onset"], r["restored_step"], r["lr_after"]) == (16, 0, 0.1) and dead["alarms_dismissed"] == []
+    assert dead["config"]["guard_dead"] is True
 
 
 def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):

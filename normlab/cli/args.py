@@ -319,6 +319,14 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)",
     )
     p.add_argument(
+        "--guard-dead",
+        action="store_true",
+        help="implies --guard; the guard also measures against chance (ln of the number of classes): a monitor "
+        "alarm on a network that has not learned is confirmed once the 10-step mean loss sits at chance 40 steps "
+        "in, and the loss climb is measured towards chance. It saves dead networks, and it also rolls back slow "
+        "learners that would have learned later (docs/monitor.md, rounds 4 and 5)",
+    )
+    p.add_argument(
         "--threads",
         type=threads_int,
         default=None,
@@ -350,9 +358,12 @@ def train_kwargs(args: argparse.Namespace) -> dict:
     )
     if args.data_dir is not None:
         kw["data_dir"] = args.data_dir
-    for flag in ("amp", "guard"):  # only when asked: grids and checkpoints written before the flag stay resumable
-        if getattr(args, flag):
-            kw[flag] = True
+    asked = {  # only when asked: grids and checkpoints written before a flag existed stay resumable
+        "amp": args.amp,
+        "guard": args.guard or args.guard_dead,  # --guard-dead implies --guard
+        "guard_dead": args.guard_dead,
+    }
+    kw.update({flag: True for flag, on in asked.items() if on})
     return kw
 
 

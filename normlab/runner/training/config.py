@@ -82,7 +82,9 @@ class TrainConfig:
     steps during the first ``monitor_dense_steps``); ``amp`` (mixed precision: bfloat16 autocast on CPU, float16
     autocast and a GradScaler on CUDA); ``guard`` (a :class:`normlab.monitor.CollapseGuard` takes the optimizer
     steps: on a non-finite loss or gradient, or the monitor's alarm, the run goes back to a snapshot from before the
-    trouble with half the learning rate; one process only).
+    trouble with half the learning rate; one process only); ``guard_dead`` (with ``guard``: the guard also measures
+    against chance, ``CollapseGuard(chance_loss=ln C)``, so an alarm on a network that never learned is confirmed
+    once the net has sat at chance for 40 steps; it rolls back slow learners too, docs/monitor.md, round 4).
     """
 
     dataset: str = "digits"
@@ -117,6 +119,7 @@ class TrainConfig:
     monitor_dense_every: int = 1
     amp: bool = False
     guard: bool = False
+    guard_dead: bool = False
 
     def __post_init__(self) -> None:
         self.milestones = tuple(self.milestones)
@@ -191,9 +194,11 @@ class TrainConfig:
             self._bad("target_acc", "None or a fraction in [0, 1]")
         if not _is_int(self.num_workers) or self.num_workers < 0:
             self._bad("num_workers", "an integer >= 0")
-        for name in ("amp", "guard"):
+        for name in ("amp", "guard", "guard_dead"):
             if not isinstance(getattr(self, name), bool):
                 self._bad(name, "True or False")
+        if self.guard_dead and not self.guard:
+            self._bad("guard_dead", "False unless guard is True (it changes what the guard counts as trouble)")
         for name in ("model_kwargs", "conv_kwargs"):
             if not isinstance(getattr(self, name), dict):
                 self._bad(name, "a dict")

@@ -449,7 +449,8 @@ class Trainer:
 
     # -- the guard (--guard) -------------------------------------------------------------------------------
     def _make_guard(self) -> None:
-        """A CollapseGuard over the model, optimizer, monitor and scaler, counting the run's optimizer steps."""
+        """A CollapseGuard over the model, optimizer, monitor and scaler, counting the run's optimizer steps; with
+        ``guard_dead`` it measures against chance (ln of the number of classes)."""
         if not self.config.guard:
             return
         self.guard = CollapseGuard(
@@ -459,6 +460,7 @@ class Trainer:
             every=GUARD_EVERY,
             max_rescues=GUARD_MAX_RESCUES,
             scaler=self.scaler,
+            chance_loss=math.log(self.tracker.num_classes) if self.config.guard_dead else None,
         )
         saved = self.state.guard or {"rescues": self.state.rescues}
         self.guard.load_state_dict({**saved, "steps": self.state.steps_total})
