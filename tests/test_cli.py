@@ -305,17 +305,21 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert table in out and out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
     assert "false alarm" in report and "at plateau" in report
     demo = json.loads((tmp_path / "demo.json").read_text())
-    assert set(demo["sections"]) == {"lr_sweep", "collapse", "guard", "batch_size"}
-    # the guarded twins: section (c)'s unnormalized runs again, the same config but guard=True, beside their twins
+    assert set(demo["sections"]) == {"lr_sweep", "collapse", "guard", "guard_dead", "batch_size"}
+    # the guarded twins: section (c)'s unnormalized runs again, the same config but guard=True (and guard_dead=True),
+    # beside their twins
     twins = {c["cell"]: c for c in demo["sections"]["collapse"]["cells"]}
-    for c in demo["sections"]["guard"]["cells"]:
-        assert c["name"] == "none" and c["cell"] in twins and c["seed"] == twins[c["cell"]]["seed"]
-        summary = json.loads((tmp_path / "guard" / "runs" / c["cell"] / "summary.json").read_text())
-        assert summary["config"]["guard"] is True and "monitor_risk" in summary
+    for section, dead in (("guard", False), ("guard_dead", True)):
+        for c in demo["sections"][section]["cells"]:
+            assert c["name"] == "none" and c["cell"] in twins and c["seed"] == twins[c["cell"]]["seed"]
+            summary = json.loads((tmp_path / section / "runs" / c["cell"] / "summary.json").read_text())
+            assert summary["config"]["guard"] is True and summary["config"]["guard_dead"] is dead
+            assert "monitor_risk" in summary
     assert "### Guarded twins" in report and "| none seed 0 |" in report
+    assert "### Guarded twins with --guard-dead" in report
     assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}
     pngs = ("a_acc_vs_lr.png", "a_loss_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png")
-    for png in (*pngs, "c_guarded_twins.png"):
+    for png in (*pngs, "c_guarded_twins.png", "c_guarded_dead_twins.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the batch-size section reports train-mode accuracy; every run of the demo is monitored
     assert all(c["final_test_acc_train_mode"] is not None for c in demo["sections"]["batch_size"]["cells"])

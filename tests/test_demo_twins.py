@@ -13,7 +13,12 @@ from test_demo_report import _demo  # noqa: E402
 
 from normlab.monitor import write_monitor_log  # noqa: E402
 from normlab.runner.experiments.demo.claims import claims_markdown, claims_record, claims_table  # noqa: E402
-from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, diagnose_run  # noqa: E402
+from normlab.runner.experiments.demo.diagnosis import (  # noqa: E402
+    GUARDED_DEAD,
+    alarm_audit,
+    audited_runs,
+    diagnose_run,
+)
 from normlab.runner.experiments.demo.experiment import PROTOCOL  # noqa: E402
 from normlab.runner.experiments.demo.report import (  # noqa: E402
     _diagnosis_section,
@@ -235,3 +240,64 @@ def test_the_report_renders_section_c_with_both_figures(tmp_path):
     del demo["sections"]["guard"]  # a demo.json of an earlier version re-rendered (``normlab report``)
     render_demo_report(demo, out)
     assert "No guarded twins in this record" in (out / "report.md").read_text()
+
+
+DEAD_RESCUE = {
+    **RESCUE,
+    "step": 40,
+    "reason": "no learning since the alarm: 10-step mean 2.3 at chance (2.303)",
+    "steps_lost": 40,
+}
+
+
+def _with_dead_twins(demo: dict, out: Path) -> dict:
+    """``demo`` with the --guard-dead twins: seed 0 rolled back at step 40 (no learning since the alarm) and ending at
+    60 %, seed 1 (healthy unguarded) rolled back too and ending at 70 %."""
+    _run(out / "guard_dead/runs/none_s0", steps=60, rescues=[DEAD_RESCUE], steps_lost=40, final_test_acc=0.6)
+    _run(out / "guard_dead/runs/none_s1", steps=60, rescues=[DEAD_RESCUE], steps_lost=40, final_test_acc=0.7)
+    cells = copy.deepcopy(demo["sections"]["guard"]["cells"])
+    demo["sections"][GUARDED_DEAD] = {"spec": {"norms": ["none"]}, "groups": [], "cells": cells}
+    demo["evidence"]["diagnoses"][GUARDED_DEAD] = {
+        c["cell"]: diagnose_run(out / GUARDED_DEAD / "runs" / c["cell"]) for c in cells
+    }
+    return demo
+
+
+def test_the_guard_dead_twins_are_paired_counted_and_named_in_the_monitor_row(tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    demo = _with_dead_twins(demo, out)
+    pairs = twin_pairs(demo, demo["evidence"], GUARDED_DEAD)
+    assert [(p["cell"], p["guarded"]["final_test_acc"]) for p in pairs] == [("none_s0", 0.6), ("none_s1", 0.7)]
+    assert twin_summary(pairs) == {"pairs": 2, "collapsing": 1, "saved": 1, "healthy": 1, "changed": 1}
+    assert twin_pairs(demo, demo["evidence"])[0]["guarded"]["final_test_acc"] == 0.8  # the --guard twins unchanged
+    text = "\n".join(twins_markdown(pairs, None, dead=True))
+    assert "step 40 (no learning since the alarm: 10-step mean 2.3 at chance (2.303)): back to step 0" in text
+    assert "With --guard-dead a waiting alarm on a net that has not learned" in text
+    assert "--guard-dead" not in "\n".join(twins_markdown(pairs, None))
+    row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]
+    assert row["numbers"].endswith(
+        "0 of 1 healthy run rescued anyway; guard-dead (the same runs with --guard-dead): 1 of 1 collapsing runs "
+        "ended healthy (acc 60.0 % vs 10.0 % unguarded); 1 of 1 healthy run rescued anyway"
+    )
+    demo["evidence"]["diagnoses"][GUARDED_DEAD]["none_s1"]["alarm"] = ALARM  # acted on, not observed
+    assert alarm_audit(audited_runs(demo["evidence"]["diagnoses"]))["false_alarms"] == 0
+
+
+def test_the_report_renders_the_guard_dead_twins_after_the_guard_twins(tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    demo = _with_dead_twins(demo, out)
+    for key in ("lr_sweep", "batch_size"):
+        for c in demo["sections"][key]["cells"]:
+            _run(out / key / "runs" / c["cell"], monitored=False, final_test_acc=c["final_test_acc"])
+    paths = render_demo_report(demo, out)
+    assert out / "c_guarded_dead_twins.png" in paths and out / "c_guarded_twins.png" in paths
+    c = (out / "report.md").read_text().split("## (c)")[1].split("## (d)")[0]
+    plain, dead = c.split("### Guarded twins with --guard-dead")
+    assert (
+        "### Guarded twins: the none runs above again with `guard=True`" in plain
+        and "![](c_guarded_twins.png)" in plain
+    )
+    assert "`normlab train --guard-dead`" in dead and "![](c_guarded_dead_twins.png)" in dead
+    del demo["sections"][GUARDED_DEAD]  # an earlier record: no such section, no heading
+    render_demo_report(demo, out)
+    assert "--guard-dead" not in (out / "report.md").read_text().split("## (c)")[1]

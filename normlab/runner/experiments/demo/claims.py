@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, diagnose_run
-from normlab.runner.experiments.demo.twins import guard_clause, twin_pairs
+from normlab.runner.experiments.demo.twins import FLAGS, guard_clause, twin_pairs
 from normlab.runner.grid.verdicts import FAIL_MARGIN, TRAIN_FRACTION, chance_level, failed, format_acc, trains
 
 __all__ = [
@@ -334,8 +334,8 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
         f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in "
         f"{audit['healthy_runs']} runs that did not collapse"
     )
-    guard = guard_clause(twin_pairs(demo, evidence))  # stated as measured; the verdict is the alarm's alone
-    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, nums + (f"; {guard}" if guard else ""))
+    clauses = [guard_clause(twin_pairs(demo, evidence, s), FLAGS[s]) for s in FLAGS]  # as measured; no verdict
+    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, "; ".join([nums, *(c for c in clauses if c)]))
 
 
 # ------------------------------------------------------------------------------------------------- the table

@@ -24,9 +24,20 @@ from normlab.monitor.monitor import DEFAULT_RISK
 from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
 from normlab.monitor.records import layer_keys
 
-__all__ = ["load_records", "diagnose_run", "alarm_audit", "audited_runs", "plot_diagnosis", "GUARDED"]
+__all__ = [
+    "load_records",
+    "diagnose_run",
+    "alarm_audit",
+    "audited_runs",
+    "plot_diagnosis",
+    "GUARDED",
+    "GUARDED_DEAD",
+    "GUARDED_SECTIONS",
+]
 
 GUARDED = "guard"  # the demo's section of guarded twins: their alarms were acted on, so no audit counts them
+GUARDED_DEAD = "guard_dead"  # the twins with --guard-dead (the guard also measures against chance)
+GUARDED_SECTIONS = (GUARDED, GUARDED_DEAD)
 
 
 def load_records(run_dir: Path) -> tuple[list[dict], dict | None]:
@@ -113,8 +124,8 @@ def alarm_audit(diagnoses: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def audited_runs(diagnoses: dict[str, dict[str, dict]]) -> list[dict[str, Any]]:
     """The diagnoses (section -> cell -> diagnosis) that :func:`alarm_audit` counts: every section's but the guarded
-    twins' (:data:`GUARDED`), whose alarms rolled the run back instead of being observed."""
-    return [d for key, sec in diagnoses.items() if key != GUARDED for d in sec.values()]
+    twins' (:data:`GUARDED_SECTIONS`), whose alarms rolled the run back instead of being observed."""
+    return [d for key, sec in diagnoses.items() if key not in GUARDED_SECTIONS for d in sec.values()]
 
 
 def _loss_trace(run_dir: Path) -> list[float | None]:

@@ -11,7 +11,8 @@ c. ``collapse``: the collapse diagnosis at the paper's width, the monitor record
    of none / BN / PWS at the collapsing learning rate (alarm, lead time in steps, the two terms of the output
    variance, Figures 1(a), 1(b), the shift and the output variance per layer), the regime warning (``mon.risk``),
    the false-alarm count over every monitored run of the demo, and ``guard``: the guarded twins, the unnormalized
-   runs of (c) again with a :class:`~normlab.monitor.CollapseGuard` (``guard=True``), beside their unguarded runs;
+   runs of (c) again with a :class:`~normlab.monitor.CollapseGuard` (``guard=True``), beside their unguarded runs,
+   and ``guard_dead``: the same with ``guard_dead=True`` (``--guard-dead``: the guard also measures against chance);
 d. the cost of one training step per normalization, timed side by side.
 
 The protocol (:data:`PROTOCOL`) was fixed from pilot runs on other seeds before the demo's own seeds ran;
@@ -58,7 +59,8 @@ class DemoProtocol:
     collapse_lr: float = 0.1
     collapse_steps: int = 100
     # (c) guarded twins: section (c)'s runs of guard_norm (same width, lr, steps, monitor) with guard=True, on
-    # guard_seeds (the rule was fixed before any guarded run: every demo seed of the unnormalized net)
+    # guard_seeds (the rule was fixed before any guarded run: every demo seed of the unnormalized net); and the same
+    # runs with guard_dead=True (docs/monitor.md, round 5: fixed before they ran)
     guard_norm: str = "none"
     guard_seeds: tuple[int, ...] = (0, 1, 2)
     # (b) batch size, lr scaled linearly, equal epochs on a subset
@@ -98,7 +100,8 @@ QUICK_PROTOCOL = DemoProtocol(
 
 
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
-    """The grids of sections (a), (c), (c)'s guarded twins and (b), all on MNIST-1D with the plain net in 1-D."""
+    """The grids of sections (a), (c), (c)'s two kinds of guarded twins and (b), all on MNIST-1D with the plain net
+    in 1-D."""
     data = {"num_samples": p.num_samples}
     lr_sweep = GridSpec(
         norms=p.lr_norms,
@@ -130,6 +133,7 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
         seeds=p.guard_seeds,
         train_kwargs={**collapse.train_kwargs, "guard": True},
     )
+    guard_dead = dataclasses.replace(guard, train_kwargs={**guard.train_kwargs, "guard_dead": True})
     batch = GridSpec(
         norms=p.batch_norms,
         lrs=(p.base_lr,),
@@ -149,7 +153,7 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
             "monitor_every": p.batch_monitor_every,
         },
     )
-    return {"lr_sweep": lr_sweep, "collapse": collapse, "guard": guard, "batch_size": batch}
+    return {"lr_sweep": lr_sweep, "collapse": collapse, "guard": guard, "guard_dead": guard_dead, "batch_size": batch}
 
 
 def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from normlab.runner.experiments.demo.claims import (
     criteria_markdown,
     timing_verdict,
 )
-from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, plot_diagnosis
+from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD, alarm_audit, audited_runs, plot_diagnosis
 from normlab.runner.experiments.demo.plots import batch_plot, loss_curves_plot, lr_plot
 from normlab.runner.experiments.demo.twins import plot_twins, twin_pairs, twins_markdown
 from normlab.runner.grid.verdicts import CRITERIA, format_acc
@@ -314,14 +314,29 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         "",
         "![](c_collapse_diagnosis.png)",
         "",
-        f"### Guarded twins: the {p.get('guard_norm', 'none')} runs above again with `guard=True` "
-        "(`normlab train --guard`)",
-        "",
         *twin_lines,
-        "",
     ]
     md += ["## (d) Cost of a training step", "", *_cost_section(demo["cost"])]
     return md
+
+
+_TWIN_HEADINGS = {
+    GUARDED: "### Guarded twins: the {norm} runs above again with `guard=True` (`normlab train --guard`)",
+    GUARDED_DEAD: "### Guarded twins with --guard-dead: the {norm} runs above again with `guard=True, guard_dead=True` "
+    "(`normlab train --guard-dead`)",
+}
+
+
+def _twins_md(demo: dict, evidence: dict, out: Path, section: str, figure: str) -> tuple[list[str], Path | None]:
+    """The report's lines on one section of guarded twins (none for a record without it, except the --guard section,
+    which says so) and its figure."""
+    if section != GUARDED and section not in demo["sections"]:
+        return [], None
+    pairs = twin_pairs(demo, evidence, section)
+    plot = plot_twins(pairs, out, out / figure, section)
+    heading = _TWIN_HEADINGS[section].format(norm=demo["protocol"].get("guard_norm", "none"))
+    lines = twins_markdown(pairs, figure if plot is not None else None, dead=section == GUARDED_DEAD)
+    return [heading, "", *lines, ""], plot
 
 
 def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
@@ -340,9 +355,11 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     ]
     diag_lines, picks = _diagnosis_section(out, demo, evidence)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))
-    pairs = twin_pairs(demo, evidence)
-    plots.append(plot_twins(pairs, out, out / "c_guarded_twins.png"))
-    twin_lines = twins_markdown(pairs, "c_guarded_twins.png" if plots[-1] is not None else None)
+    twin_lines = []
+    for section, figure in ((GUARDED, "c_guarded_twins.png"), (GUARDED_DEAD, "c_guarded_dead_twins.png")):
+        lines, plot = _twins_md(demo, evidence, out, section, figure)
+        twin_lines += lines
+        plots.append(plot)
     md = _md_header(demo) + _sections_md(demo, evidence, diag_lines, twin_lines)
     path = atomic_write_text(out / "report.md", "\n".join(md))
     return [path, *(p for p in plots if p is not None)]

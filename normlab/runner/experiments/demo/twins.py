@@ -1,10 +1,13 @@
-"""The demo's guarded twins: section (c)'s unnormalized runs again with ``guard=True``, beside their unguarded runs.
+"""The demo's guarded twins: section (c)'s unnormalized runs again with ``guard=True`` (section :data:`GUARDED`) and
+with ``guard=True, guard_dead=True`` (section :data:`GUARDED_DEAD`), beside their unguarded runs.
 
 A twin is the same configuration and seed (same width, learning rate, steps, monitor), trained through a
 :class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``): on a non-finite loss or a loss climbing back
 towards its start (dated to a countdown alarm that came within the 10 steps before) it restores the last snapshot
-from before the trouble and halves the learning rate. Both runs take the same batches; the
-steps thrown away at a rollback are not taken again, so the guarded twin ends after ``steps - steps_lost`` kept steps.
+from before the trouble and halves the learning rate; with ``guard_dead`` (``--guard-dead``) a waiting alarm on a net
+that has not learned is also confirmed once its 10-step mean loss sits at chance 40 steps in. Both runs take the same
+batches; the steps thrown away at a rollback are not taken again, so the guarded twin ends after
+``steps - steps_lost`` kept steps.
 
 :func:`twin_pairs` pairs the runs from a demo record's diagnoses, :func:`twins_markdown` writes the report's lines,
 :func:`guard_clause` the clause of the claims table's monitor row and :func:`plot_twins` the figure (loss curves of
@@ -20,21 +23,33 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.plotting import save_figure
-from normlab.runner.experiments.demo.diagnosis import GUARDED
+from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
 from normlab.runner.training.train import GUARD_EVERY
 
-__all__ = ["twin_pairs", "ended_healthy", "twin_summary", "rescue_text", "twins_markdown", "guard_clause", "plot_twins"]
+__all__ = [
+    "FLAGS",
+    "twin_pairs",
+    "ended_healthy",
+    "twin_summary",
+    "rescue_text",
+    "twins_markdown",
+    "guard_clause",
+    "plot_twins",
+]
 
 
-def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any]) -> list[dict[str, Any]]:
-    """The guarded runs of ``demo`` and their unguarded twins in section (c): ``[{"cell", "name", "seed",
-    "unguarded", "guarded"}]`` (the two runs' diagnoses), in the guarded section's order; empty for a record without
-    guarded twins (earlier versions)."""
-    sec = demo["sections"].get(GUARDED)
+FLAGS = {GUARDED: "--guard", GUARDED_DEAD: "--guard-dead"}  # the option each guarded section ran with
+
+
+def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any], section: str = GUARDED) -> list[dict[str, Any]]:
+    """The guarded runs of ``section`` (:data:`GUARDED` or :data:`GUARDED_DEAD`) and their unguarded twins in
+    section (c): ``[{"cell", "name", "seed", "unguarded", "guarded"}]`` (the two runs' diagnoses), in the guarded
+    section's order; empty for a record without that section (earlier versions)."""
+    sec = demo["sections"].get(section)
     diag = evidence.get("diagnoses") or {}
     if not sec:
         return []
-    guarded, plain = diag.get(GUARDED) or {}, diag.get("collapse") or {}
+    guarded, plain = diag.get(section) or {}, diag.get("collapse") or {}
     return [
         {**{k: c[k] for k in ("cell", "name", "seed")}, "unguarded": plain[c["cell"]], "guarded": guarded[c["cell"]]}
         for c in sec["cells"]
@@ -86,9 +101,9 @@ def _ended(d: dict[str, Any]) -> str:
     )
 
 
-def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None) -> list[str]:
+def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bool = False) -> list[str]:
     """The report's lines on the guarded twins: a table (outcome and final accuracy of each twin, the guard's rescues),
-    the counts of :func:`twin_summary` and the figure."""
+    the counts of :func:`twin_summary` and the figure; ``dead``: the twins ran with ``--guard-dead``."""
     if not pairs:
         return ["No guarded twins in this record (a demo of an earlier version)."]
     lines = [
@@ -116,21 +131,30 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None) -> list[
         f"{GUARD_EVERY} steps before the trouble, or the first one (step 0), and lowers the learning rate; the batches "
         "of the lost steps are not replayed. Trouble is a non-finite loss or gradient, or a loss climbing back "
         "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
-        "rollback then goes back to before the alarm), else it is dismissed (docs/monitor.md, round 3).",
+        "rollback then goes back to before the alarm), else it is dismissed (docs/monitor.md, round 3)."
+        + (
+            " With --guard-dead a waiting alarm on a net that has not learned (its best 10-step mean loss never below"
+            " 0.8 ln 10) keeps waiting, and is confirmed once the net has seen 40 steps and its 10-step mean is at"
+            " 0.95 ln 10 or above; the loss climb is measured towards ln 10 (docs/monitor.md, rounds 4 and 5)."
+            if dead
+            else ""
+        ),
     ]
     if figure:
         lines += ["", f"![]({figure})"]
     return lines
 
 
-def guard_clause(pairs: Sequence[dict[str, Any]]) -> str | None:
+def guard_clause(pairs: Sequence[dict[str, Any]], flag: str = "--guard") -> str | None:
     """The clause of the claims table's monitor row, as measured: ``guard (...): 2 of 2 collapsing runs ended healthy
-    (acc 36.6 %, 30.6 % vs 10.3 %, 9.6 % unguarded); 1 of 1 healthy run rescued anyway``; None without twins."""
+    (acc 36.6 %, 30.6 % vs 10.3 %, 9.6 % unguarded); 1 of 1 healthy run rescued anyway``; None without twins.
+    ``flag``: the option the twins ran with (``--guard`` or ``--guard-dead``)."""
     if not pairs:
         return None
     s = twin_summary(pairs)
     coll = [p for p in pairs if p["unguarded"]["collapsed"]]
-    text = f"guard (the same runs with --guard): {s['saved']} of {s['collapsing']} collapsing runs ended healthy"
+    name = flag.lstrip("-")
+    text = f"{name} (the same runs with {flag}): {s['saved']} of {s['collapsing']} collapsing runs ended healthy"
     if coll:
         text += (
             f" (acc {', '.join(_acc(p['guarded']) for p in coll)} vs {', '.join(_acc(p['unguarded']) for p in coll)} "
@@ -147,10 +171,10 @@ def _loss(run_dir: Path) -> list[float]:
     return [math.nan if v is None else v for v in json.loads(path.read_text())["losses"]] if path.is_file() else []
 
 
-def _panel(ax, pair: dict[str, Any], out: Path) -> None:
+def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> None:
     """One pair: both loss curves, each rescue's trouble step and the step it went back to."""
     u, g = pair["unguarded"], pair["guarded"]
-    runs = ((u, out / "collapse", "0.45", "unguarded"), (g, out / GUARDED, "tab:blue", "guarded"))
+    runs = ((u, out / "collapse", "0.45", "unguarded"), (g, out / section, "tab:blue", FLAGS[section]))
     for d, run_dir, color, who in runs:
         losses = _loss(run_dir / "runs" / pair["cell"])
         ax.plot(range(len(losses)), losses, color=color, linewidth=1.1, label=f"{who}: {_ended(d)}, {_acc(d)}")
@@ -168,18 +192,19 @@ def _panel(ax, pair: dict[str, Any], out: Path) -> None:
             color="tab:green",
             transform=ax.transAxes,
         )
-    ax.set_title(f"{pair['name']} seed {pair['seed']}: loss, unguarded vs guarded", fontsize=9)
+    ax.set_title(f"{pair['name']} seed {pair['seed']}: loss, unguarded vs {FLAGS[section]}", fontsize=9)
     ax.set_xlabel("step (kept steps of each run)")
     ax.set_ylabel("training loss", fontsize=8)
     ax.legend(fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
 
 
-def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path) -> Path | None:
-    """One panel per pair: the training loss of the unguarded (grey) and the guarded (blue) run; for each rescue a red
-    dotted line where the guard saw the trouble and a green dashed line at the step it restored (from there on the
-    guarded run goes on at the lowered learning rate). None without pairs that have loss traces."""
-    pairs = [p for p in pairs if (Path(out) / GUARDED / "runs" / p["cell"] / "loss_trace.json").is_file()]
+def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: str = GUARDED) -> Path | None:
+    """One panel per pair: the training loss of the unguarded (grey) and the guarded (blue) run of ``section``; for
+    each rescue a red dotted line where the guard saw the trouble and a green dashed line at the step it restored
+    (from there on the guarded run goes on at the lowered learning rate). None without pairs that have loss
+    traces."""
+    pairs = [p for p in pairs if (Path(out) / section / "runs" / p["cell"] / "loss_trace.json").is_file()]
     if not pairs:
         return None
     import matplotlib
@@ -190,14 +215,14 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path) -> Path |
 
     fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 3.6), squeeze=False, sharey=True)
     for ax, pair in zip(axes[0], pairs):
-        _panel(ax, pair, Path(out))
+        _panel(ax, pair, Path(out), section)
     handles = [
         Line2D([], [], color="r", linestyle=":"),
         Line2D([], [], color="tab:green", linestyle="--"),
         Line2D([], [], color="0.5", linestyle=":"),
     ]
     labels = [
-        "guard saw trouble\n(countdown alarm or\nnon-finite loss/gradient)",
+        "guard saw trouble\n(non-finite loss/gradient,\nloss climb; --guard-dead:\nno learning since alarm)",
         "rolled back to this step,\nlearning rate lowered",
         "ln 10 (chance loss)",
     ]
