@@ -390,3 +390,20 @@ def test_guard_flag_reaches_every_cell_and_its_rescues_are_in_the_results(tmp_pa
     )
     summary = json.loads((tmp_path / "dead" / "summary.json").read_text())
     assert rc == 0 and summary["config"]["guard"] is True and summary["config"]["guard_dead"] is True
+
+
+def test_guard_dead_flag_reaches_every_cell_and_a_grid_refuses_the_other_guard(tmp_path, capsys):
+    out = tmp_path / "grid"
+    args = ["compare", "--norms", "none,bn", "--lrs", "0.05", "--batch-sizes", "32", "--seeds", "100,101"]
+    args += ["--epochs", "1", "--width", "0.125", "--max-steps-per-epoch", "2", "--workers", "1", "--threads", "1"]
+    args += ["--no-progress", "--out", str(out)]
+    assert main([*args, "--guard-dead"]) == 0, capsys.readouterr().err
+    cells = json.loads((out / "results.json").read_text())["cells"]
+    assert len(cells) == 4
+    for c in cells:
+        config = json.loads((out / "runs" / c["cell"] / "summary.json").read_text())["config"]
+        assert config["guard"] is True and config["guard_dead"] is True
+    capsys.readouterr()
+    assert main([*args, "--guard"]) != 0  # the same directory with the other guard: refused, nothing reused
+    err = capsys.readouterr().err
+    assert "guard_dead" in err and len(err.strip().splitlines()) == 1

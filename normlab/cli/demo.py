@@ -21,7 +21,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         description="Run the demo (about 5 minutes on 2 CPU cores): (a) a learning-rate sweep of none, "
         "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
         "learning rate scaled linearly, (c) the monitor's collapse diagnosis (regime warning, countdown alarm) "
-        "and the unnormalized runs again with --guard beside their unguarded twins, (d) the cost "
+        "and the unnormalized runs again with --guard and with --guard-dead beside their unguarded twins, (d) the cost "
         "of a training step. Writes OUT/report.md with its plots; rerun to resume.",
     )
     add_out_arg(p, "runs/demo")

@@ -217,7 +217,7 @@ class Trainer:
         if config.guard and self.world > 1:
             raise UsageError(
                 "train: guard: the CollapseGuard runs in one process only (its rollbacks are not "
-                "synchronised across DDP ranks); drop --guard or train in one process"
+                "synchronised across DDP ranks); drop --guard/--guard-dead or train in one process"
             )
 
     # -- paths ---------------------------------------------------------------------------------------------

@@ -221,8 +221,11 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
         Line2D([], [], color="tab:green", linestyle="--"),
         Line2D([], [], color="0.5", linestyle=":"),
     ]
+    trouble = "non-finite loss/gradient\nor loss climb" + (
+        ",\nor no learning\nsince the alarm" if section == GUARDED_DEAD else ""
+    )
     labels = [
-        "guard saw trouble\n(non-finite loss/gradient,\nloss climb; --guard-dead:\nno learning since alarm)",
+        f"guard saw trouble\n({trouble})",
         "rolled back to this step,\nlearning rate lowered",
         "ln 10 (chance loss)",
     ]
