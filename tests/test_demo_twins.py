@@ -301,3 +301,14 @@ def test_the_report_renders_the_guard_dead_twins_after_the_guard_twins(tmp_path)
     del demo["sections"][GUARDED_DEAD]  # an earlier record: no such section, no heading
     render_demo_report(demo, out)
     assert "--guard-dead" not in (out / "report.md").read_text().split("## (c)")[1]
+
+
+def test_the_claims_tool_refuses_bad_arguments_in_one_line(tmp_path, capsys):
+    from normlab.runner.experiments.demo.claims import _main
+
+    assert _main([]) == 2 and _main(["--help"]) == 2
+    assert capsys.readouterr().err.count("usage: python -m normlab.runner.experiments.demo.claims") == 2
+    assert _main([str(tmp_path), str(tmp_path / "record.json")]) == 2
+    err = capsys.readouterr().err
+    assert "demo.json not found" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "record.json").exists()
