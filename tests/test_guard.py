@@ -1,6 +1,7 @@
 """normlab.monitor.CollapseGuard: snapshots, rollback on trouble, lower learning rate, give up after N rescues."""
 
 import copy
+import io
 import math
 
 import pytest
@@ -234,16 +235,22 @@ def test_the_guard_does_not_copy_the_model_object():
     assert copy.deepcopy(guard.state_dict())["rescues"][0]["restored_step"] == 1
 
 
-def test_state_dict_round_trip_keeps_the_rescues_and_restarts_the_snapshots():
+def test_state_dict_round_trip_keeps_the_rescues_and_the_snapshots():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     guard = CollapseGuard(model, opt, every=2, max_rescues=2)
     _train(model, opt, _batches(6), guard, poison=(3,))
     state = guard.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)  # what a checkpoint does; read back as the trainer reads its checkpoints
+    buf.seek(0)
     other = CollapseGuard(model, opt, every=2, max_rescues=2)
-    other.load_state_dict(copy.deepcopy(state))
+    other.load_state_dict(torch.load(buf, weights_only=True))
     assert other.steps == guard.steps and other.rescues == guard.rescues and other._scale == 0.5
-    assert [s.step for s in other._snapshots] == [guard.steps]
+    assert [s.step for s in other._snapshots] == [s.step for s in guard._snapshots] and len(other._snapshots) > 1
+    old = CollapseGuard(model, opt, every=2, max_rescues=2)  # a state saved before the snapshots were
+    old.load_state_dict({k: v for k, v in copy.deepcopy(state).items() if k not in ("snapshots", "armed")})
+    assert [s.step for s in old._snapshots] == [guard.steps]
     with pytest.raises(RunCollapsed):  # the earlier rescue counts: one more is allowed, then it gives up
         _train(model, opt, _batches(6), other, poison=(0, 1, 2, 3, 4, 5))
     with pytest.raises(ValueError, match="expected a dict from CollapseGuard.state_dict"):
@@ -469,3 +476,38 @@ def test_a_rollback_drops_the_dismissed_alarms_of_the_steps_it_throws_away():
     assert r.restored_step == 10 and guard.dismissed == []  # back to 10: the alarm at 12 was on the steps thrown away
     model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, every=10, keep=3, margin=5, confirm=10)
     assert guard.rescues[0].restored_step == 20 and [d.step for d in guard.dismissed] == [12]
+
+
+def test_a_guard_resumed_while_an_alarm_waits_rolls_back_as_if_never_interrupted():
+    # alarm at step 5, NaN loss at step 9 (within confirm=10): the uninterrupted guard goes back to before the alarm.
+    # Interrupted after step 7 (the alarm waiting), the state carried over, the resumed guard does the same.
+    batches, kw = _batches(14), dict(every=2, keep=2, margin=2, confirm=10)
+    model, guard, _ = _guarded(batches, {5}, poison=(9,), **kw)
+    assert [(r.step, r.onset, r.restored_step) for r in guard.rescues] == [(9, 5, 2)]
+
+    first = _net()
+    opt = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
+    mon = _ScriptedMonitor({5})
+    part = CollapseGuard(first, opt, mon, **kw)
+    _train(first, opt, batches[:8], part)
+    assert part._armed is not None and part._armed.onset == 5  # the alarm still waits at the interruption
+    state, weights, opt_state, mon_state = map(
+        copy.deepcopy, (part.state_dict(), first.state_dict(), opt.state_dict(), mon.state_dict())
+    )
+    second = _net(seed=7)  # a fresh process: other weights until the checkpoint is loaded
+    second.load_state_dict(weights)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1, momentum=0.9)
+    opt2.load_state_dict(opt_state)
+    mon2 = _ScriptedMonitor({5})
+    mon2.load_state_dict(mon_state)
+    resumed = CollapseGuard(second, opt2, mon2, **kw)
+    resumed.load_state_dict(state)
+    _train(second, opt2, batches[8:], resumed, poison=(1,))  # batch 9 of the whole run
+    assert resumed.rescues == guard.rescues and resumed.steps == guard.steps
+    for a, b in zip(second.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    dropped = CollapseGuard(second, opt2, mon2, **kw)  # without the waiting alarm in the state: no rollback to it
+    dropped.load_state_dict({**state, "armed": None})
+    assert dropped._armed is None
+    with pytest.raises(ValueError, match="malformed snapshots or waiting alarm"):
+        dropped.load_state_dict({**state, "armed": {**state["armed"], "pinned": None, "step": 999}})

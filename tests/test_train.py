@@ -646,6 +646,23 @@ def test_guard_dead_rolls_back_a_net_that_never_learned_after_its_alarm(tmp_path
     assert dead["config"]["guard_dead"] is True
 
 
+@pytest.mark.parametrize("dead", [False, True])
+def test_a_guarded_run_interrupted_while_its_alarm_waits_resumes_exactly(tmp_path, dead):
+    # the dead net above: at the end of epoch 1 (step 25) its alarm from step 16 still waits. Resumed from that
+    # checkpoint, the default guard dismisses it at the same step and guard_dead rolls back to before it, as in
+    # the uninterrupted run
+    base = dict(dataset="mnist1d", model="plain1d", norm="none", width=0.25, lr=0.2, batch_size=64, epochs=3)
+    cfg = TrainConfig(
+        **base, max_steps_per_epoch=25, seed=100, num_samples=2000, monitor_every=1, guard=True, guard_dead=dead
+    )
+    ref = train(cfg, tmp_path / "ref", progress=False)
+    assert len(ref["rescues"]) == int(dead) and len(ref["alarms_dismissed"]) == int(not dead)
+    resumed = _resume_after_first_epoch(cfg, tmp_path / "part")
+    assert resumed["rescues"] == ref["rescues"] and resumed["alarms_dismissed"] == ref["alarms_dismissed"]
+    assert without_time(resumed["history"]) == without_time(ref["history"])
+    assert resumed["final_test_acc"] == ref["final_test_acc"]
+
+
 def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):
     cfg = tiny(norm="none", width=0.125, lr=10.0, epochs=3, max_steps_per_epoch=20, seed=100, guard=True)
     s = train(cfg, tmp_path / "run", progress=False)

@@ -112,6 +112,17 @@ class _Snapshot:
     step: int
     state: dict[str, Any]
 
+    def to_dict(self) -> dict:
+        """Tensors and plain values (``torch.save``, and ``torch.load(weights_only=True)`` reads it back)."""
+        return {"step": self.step, "state": {**self.state, "loss_trend": self.state["loss_trend"].to_dict()}}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> _Snapshot:
+        """The inverse of :meth:`to_dict`."""
+        state = dict(d["state"])
+        state["loss_trend"] = _LossTrend.from_dict(state.get("loss_trend") or {})
+        return cls(int(d["step"]), state)
+
 
 @dataclass
 class _Armed:
@@ -122,6 +133,26 @@ class _Armed:
     reason: str
     since: int
     snapshot: _Snapshot
+
+    def to_dict(self, kept: Sequence[_Snapshot]) -> dict:
+        """The waiting alarm; its snapshot by step when it is one of ``kept``, else whole."""
+        pinned = None if any(s is self.snapshot for s in kept) else self.snapshot.to_dict()
+        return {
+            "onset": self.onset,
+            "reason": self.reason,
+            "since": self.since,
+            "step": self.snapshot.step,
+            "pinned": pinned,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, kept: Sequence[_Snapshot]) -> _Armed:
+        """The inverse of :meth:`to_dict`, its snapshot found again among ``kept``."""
+        if d.get("pinned") is not None:
+            snap = _Snapshot.from_dict(d["pinned"])
+        else:
+            snap = next(s for s in kept if s.step == int(d["step"]))
+        return cls(int(d["onset"]), str(d["reason"]), int(d["since"]), snap)
 
 
 LOSS_WINDOW = 10  # loss_climb: the loss is averaged over this many steps
@@ -560,21 +591,26 @@ class CollapseGuard:
         return self._scale
 
     def state_dict(self) -> dict:
-        """The step counter, the rescues and dismissed alarms so far, the learning-rate factor applied and the loss
-        trend ``loss_climb`` reads (plain Python values; the snapshots, and an alarm still waiting for confirmation,
-        are in memory only)."""
+        """Everything a resumed run needs to go on as if never interrupted: the step counter, the rescues and
+        dismissed alarms so far, the learning-rate factor applied, the loss trend ``loss_climb`` reads, the
+        snapshots (copies of the model, optimizer, schedulers, scaler, monitor and RNG states: a checkpoint holding
+        this is up to ``keep + 1`` models and optimizers larger) and an alarm still waiting for confirmation.
+        Tensors and plain Python values: ``torch.save`` and ``torch.load(weights_only=True)``."""
         return {
             "steps": self.steps,
             "rescues": [r.to_dict() for r in self.rescues],
             "dismissed": [d.to_dict() for d in self.dismissed],
             "lr_scale": self._scale,
             "loss_trend": self._trend.to_dict(),
+            "snapshots": [s.to_dict() for s in self._snapshots],
+            "armed": None if self._armed is None else self._armed.to_dict(self._snapshots),
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` when a run resumes from a checkpoint: the counter, the rescues (they count
-        towards ``max_rescues``) and the factor; the snapshots start again with one of the current state, at
-        ``state["steps"]``."""
+        """Restore :meth:`state_dict` when a run resumes from a checkpoint (after the monitor's own state): the
+        counter, the rescues (they count towards ``max_rescues``), the factor, the loss trend, the snapshots and a
+        waiting alarm. A state without snapshots (saved before they were) starts them again with one of the current
+        state, at ``state["steps"]``, and drops a waiting alarm. The monitor's current alarm counts as seen."""
         if not isinstance(state, dict) or not {"steps", "rescues"} <= set(state):
             raise ValueError(
                 "CollapseGuard.load_state_dict: expected a dict from CollapseGuard.state_dict() with "
@@ -585,9 +621,22 @@ class CollapseGuard:
         self.dismissed = [DismissedAlarm(**d) for d in state.get("dismissed", [])]
         self._trend = _LossTrend.from_dict(state.get("loss_trend") or {})
         self._scale = float(state.get("lr_scale", 1.0))
-        self._armed = None
+        self._alarm = getattr(self.monitor, "alarm", None)
         self._snapshots.clear()
-        self._take_snapshot()
+        self._armed = None
+        saved = state.get("snapshots") or []
+        if not saved:
+            self._take_snapshot()
+            return
+        try:
+            self._snapshots.extend(_Snapshot.from_dict(s) for s in saved[-self.keep :])
+            if state.get("armed") is not None:
+                self._armed = _Armed.from_dict(state["armed"], self._snapshots)
+        except (KeyError, TypeError, ValueError, StopIteration) as e:
+            raise ValueError(
+                f"CollapseGuard.load_state_dict: malformed snapshots or waiting alarm in the state ({e!r}); "
+                "pass a dict from CollapseGuard.state_dict()"
+            ) from None
 
     def release(self) -> None:
         """Drop the in-memory snapshots (copies of the model, optimizer and schedulers) once training is over;
