@@ -312,3 +312,13 @@ def test_the_claims_tool_refuses_bad_arguments_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "demo.json not found" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "record.json").exists()
+
+
+def test_section_c_says_why_when_no_collapsed_run_raised_the_regime_warning(tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    lines, _ = _diagnosis_section(out, demo, demo["evidence"])
+    assert not any(x.startswith("No run here raised the regime warning") for x in lines)  # seed 0 has one
+    demo["evidence"]["diagnoses"]["collapse"]["none_s0"]["risk"] = None
+    lines, _ = _diagnosis_section(out, demo, demo["evidence"])
+    (note,) = [x for x in lines if x.startswith("No run here raised the regime warning")]
+    assert "10x its variance term for 2 steps" in note and "docs/monitor.md, round 5" in note
