@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from normlab.monitor.monitor import DEFAULT_RISK
 from normlab.runner.experiments.demo.claims import (
     PLATEAU_FALL,
     claims_markdown,
@@ -20,7 +21,7 @@ from normlab.runner.experiments.demo.claims import (
 )
 from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD, alarm_audit, audited_runs, plot_diagnosis
 from normlab.runner.experiments.demo.plots import batch_plot, loss_curves_plot, lr_plot
-from normlab.runner.experiments.demo.twins import plot_twins, twin_pairs, twins_markdown
+from normlab.runner.experiments.demo.twins import FIGURES, plot_twins, twin_pairs, twins_markdown
 from normlab.runner.grid.verdicts import CRITERIA, format_acc
 from normlab.runner.io import atomic_write_text
 
@@ -181,8 +182,9 @@ def _no_regime_note(cells: list[dict], diag: dict) -> list[str]:
     return [
         "",
         "No run here raised the regime warning. Its rule (a layer whose output is not normalized downstream, with "
-        "its shift term above 10x its variance term for 2 steps) was chosen at width 1.0; at this width it rarely "
-        "fires (1 of 11 collapsing plain runs on held-out seeds at width 0.5, docs/monitor.md, round 5).",
+        f"its shift term above {DEFAULT_RISK['min_ratio']:g}x its variance term for {DEFAULT_RISK['window']} steps) "
+        "was chosen at width 1.0; at width 0.5 it rarely fires (1 of 11 collapsing plain runs on held-out seeds, "
+        "docs/monitor.md, round 5).",
     ]
 
 
@@ -370,7 +372,7 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     diag_lines, picks = _diagnosis_section(out, demo, evidence)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))
     twin_lines = []
-    for section, figure in ((GUARDED, "c_guarded_twins.png"), (GUARDED_DEAD, "c_guarded_dead_twins.png")):
+    for section, figure in FIGURES.items():
         lines, plot = _twins_md(demo, evidence, out, section, figure)
         twin_lines += lines
         plots.append(plot)

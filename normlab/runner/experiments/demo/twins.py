@@ -22,12 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from normlab.monitor.guard import AT_CHANCE, DEAD_AFTER, LEARNED_FRACTION, LOSS_WINDOW
 from normlab.monitor.plotting import save_figure
 from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
 from normlab.runner.training.train import GUARD_EVERY
 
 __all__ = [
     "FLAGS",
+    "FIGURES",
     "twin_pairs",
     "ended_healthy",
     "twin_summary",
@@ -39,6 +41,7 @@ __all__ = [
 
 
 FLAGS = {GUARDED: "--guard", GUARDED_DEAD: "--guard-dead"}  # the option each guarded section ran with
+FIGURES = {GUARDED: "c_guarded_twins.png", GUARDED_DEAD: "c_guarded_dead_twins.png"}  # the report's figure of each
 
 
 def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any], section: str = GUARDED) -> list[dict[str, Any]]:
@@ -133,9 +136,10 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bo
         "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
         "rollback then goes back to before the alarm), else it is dismissed (docs/monitor.md, round 3)."
         + (
-            " With --guard-dead a waiting alarm on a net that has not learned (its best 10-step mean loss never below"
-            " 0.8 ln 10) keeps waiting, and is confirmed once the net has seen 40 steps and its 10-step mean is at"
-            " 0.95 ln 10 or above; the loss climb is measured towards ln 10 (docs/monitor.md, rounds 4 and 5)."
+            f" With --guard-dead a waiting alarm on a net that has not learned (its best {LOSS_WINDOW}-step mean loss"
+            f" never below {LEARNED_FRACTION:g} ln 10) keeps waiting, and is confirmed once the net has seen"
+            f" {DEAD_AFTER * LOSS_WINDOW} steps and its {LOSS_WINDOW}-step mean is at {AT_CHANCE:g} ln 10 or above;"
+            " the loss climb is measured towards ln 10 (docs/monitor.md, rounds 4 and 5)."
             if dead
             else ""
         ),
