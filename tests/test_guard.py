@@ -409,6 +409,7 @@ def test_loss_climb_state_is_rolled_back_with_the_snapshot():
         ({"loss_climb": 1.5}, "loss_climb must be a number in (0, 1] or None"),
         ({"chance_loss": 0}, "chance_loss must be a finite number > 0 or None"),
         ({"chance_loss": float("inf")}, "chance_loss must be a finite number > 0 or None"),
+        ({"checkpoint_snapshots": 1}, "checkpoint_snapshots must be True or False"),
     ],
 )
 def test_bad_confirm_arguments_are_one_line_errors(kw, words):
@@ -511,3 +512,16 @@ def test_a_guard_resumed_while_an_alarm_waits_rolls_back_as_if_never_interrupted
     assert dropped._armed is None
     with pytest.raises(ValueError, match="malformed snapshots or waiting alarm"):
         dropped.load_state_dict({**state, "armed": {**state["armed"], "pinned": None, "step": 999}})
+
+
+def test_checkpoint_snapshots_false_keeps_the_state_to_counters_and_the_resume_restarts_the_snapshots():
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = CollapseGuard(model, opt, _ScriptedMonitor({3}), every=2, checkpoint_snapshots=False)
+    _train(model, opt, _batches(5), guard)
+    state = guard.state_dict()
+    assert guard._armed is not None and "snapshots" not in state and "armed" not in state
+    assert not any(isinstance(v, torch.Tensor) for v in state.values())  # no copies of the model
+    other = CollapseGuard(model, opt, every=2)
+    other.load_state_dict(state)
+    assert [s.step for s in other._snapshots] == [guard.steps] and other._armed is None
