@@ -281,3 +281,28 @@ def test_the_default_input_trace_draws_no_global_randomness():
     with pytest.raises(ValueError):
         convert_norm(model, "gn")  # two forwards on default inputs
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_convert_norm_keeps_timm_sync_batchnorm_act_synchronized():
+    layers = pytest.importorskip("timm.layers")
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), layers.BatchNormAct2d(4, act_layer=nn.SiLU))
+    model = randomize(layers.convert_sync_batchnorm(model)).eval()
+    assert type(model[1]) is layers.SyncBatchNormAct
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        y = model(x)
+        convert_norm(model, "bn")
+        assert type(model[1]) is layers.SyncBatchNormAct and isinstance(model[1].act, nn.SiLU)  # was BatchNormAct2d
+        torch.testing.assert_close(model(x), y)
+
+
+def test_pws_names_the_norms_it_removes_on_one_path_of_a_data_dependent_forward():
+    model = SignBranch()
+    with pytest.warns(
+        UserWarning, match=r"the BatchNorms removed rest on the path example_input took: .*removed: bn, head.1$"
+    ):
+        convert_norm(model, "pws", example_input=torch.rand(2, 3, 8, 8))
+    assert type(model.bn) is nn.Identity and type(model.head[1]) is nn.Identity
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a hook trace without value reads: no warning
+        convert_norm(ShapeBranch(), "pws", example_input=torch.randn(2, 3, 8, 8))

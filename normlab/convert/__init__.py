@@ -53,7 +53,8 @@ replaces layers; ``inplace=False``: a deep copy is converted and the original is
   a bias (zero-initialised if it had none), as in the authors' PWS networks. "Whose input" is the dataflow of
   ``normlab/convert/dataflow.py`` (a ``torch.fx`` trace, else hooks on one eval-mode forward of ``example_input``
   or of a default input), never the registration order; when the dataflow cannot be established, no norm is
-  removed (warning).
+  removed (warning); when it rests on one path of a data-dependent forward (see :func:`fold_for_inference` below),
+  a warning names the norms removed.
 
 :func:`fold_for_inference` ``(model)``: an inference copy in eval mode in which every WS/PWS conv, every conv with
 a weight parametrization (``weight_norm``) and timm's ``StdConv2d``/``ScaledStdConv2d`` is a plain

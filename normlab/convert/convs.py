@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import nn
 
-from normlab.convert.dataflow import eval_mode, trace_flow
+from normlab.convert.dataflow import eval_mode, one_path, trace_flow
 from normlab.convert.norms import new_norm
 from normlab.convert.recognize import (
     PLAIN_CONVS,
@@ -74,7 +74,7 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
             f"convert_norm: remove_norm: the dataflow could not be established ({why}); no BatchNorm "
             "removed (give example_input)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of convert_norm
         )
         return [], set()
     by_id = {id(c): c for c in convs}
@@ -84,6 +84,15 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
         if all(s is not None and s[0] in by_id and by_id[s[0]].out_channels == num_channels(bn) for s in srcs):
             out.append(bn)
             feeding |= {s[0] for s in srcs}
+    path = one_path(flow, why, example_input is not None)
+    if path is not None and out:
+        names = module_names(model)
+        warnings.warn(
+            f"convert_norm: remove_norm: the BatchNorms removed {path}; removed: "
+            + ", ".join(names[id(bn)] for bn in out),
+            UserWarning,
+            stacklevel=4,  # the caller of convert_norm
+        )
     return out, feeding
 
 

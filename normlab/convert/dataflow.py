@@ -11,9 +11,11 @@ it, the first that works:
   ``TorchFunctionMode`` that sees every tensor operation between them (exact for the path this input takes).
 
 Both return a :class:`Flow`; :meth:`Flow.verdict` says whether a pair folds, or why not. :func:`trace_flow` tries
-``torch.fx``, then hooks on ``example_input`` or on default inputs of a few sizes. For the BatchNorm1d refusals of
-:func:`normlab.convert.convert_norm`: :func:`seen_shapes` (the input shapes each norm sees on one forward) and
-:func:`input_producers` (a ``Linear`` or a ``Conv1d`` feeds it, by ``torch.fx``).
+``torch.fx``, then hooks on ``example_input`` or on default inputs of a few sizes; :func:`one_path` says when a hook
+trace holds for one path only (its forward read tensor values). For the refusals of
+:func:`normlab.convert.convert_norm`: :func:`seen_shapes` (the input shapes each norm sees on one forward),
+:func:`fixed_shapes` (those that do not change with the input size) and :func:`input_producers` (a ``Linear`` or a
+``Conv1d`` feeds it, by ``torch.fx``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "seen_shapes",
     "fixed_shapes",
     "input_producers",
+    "one_path",
 ]
 
 # tensor functions that read only metadata (shape, dtype, ...): not a use of the values
@@ -101,6 +104,18 @@ class Flow:
         if id(conv) in self.param_reads or id(bn) in self.param_reads:
             return "their parameters are read outside the modules"
         return None
+
+
+def one_path(flow: Flow | None, why: str, given: bool) -> str | None:
+    """When ``flow`` holds for one path only: a hook trace whose forward turned tensor values into Python values
+    (data-dependent control flow, which torch.fx cannot trace). Then the phrase that says so, else None."""
+    if flow is None or flow.how != "hooks" or not flow.value_reads:
+        return None
+    reads = ", ".join(f"{name} x{n}" for name, n in sorted(flow.value_reads.items()))
+    return (
+        f"rest on the path {'example_input' if given else 'a default input'} took: the forward reads tensor values "
+        f"({reads}), so its path may depend on the data, and the dataflow comes from hooks on that one forward ({why})"
+    )
 
 
 class _LeafTracer(torch.fx.Tracer):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normlab.convert.dataflow import Flow, trace_flow
+from normlab.convert.dataflow import Flow, one_path, trace_flow
 from normlab.convert.recognize import (
     PLAIN_CONVS,
     STD_CONVS,
@@ -172,17 +172,13 @@ def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, unfoldable: str |
 
 
 def _path_note(flow: Flow | None, why: str, pairs: list, names: dict, given: bool) -> str | None:
-    """The warning that the folds rest on the path one input took: a hook trace whose forward read tensor values
-    (data-dependent control flow, which torch.fx cannot trace), with at least one pair folded on it."""
-    if flow is None or flow.how != "hooks" or not flow.value_reads or not pairs:
+    """The warning that the folds rest on the path one input took (:func:`~normlab.convert.dataflow.one_path`),
+    with at least one pair folded on it."""
+    path = one_path(flow, why, given)
+    if path is None or not pairs:
         return None
-    reads = ", ".join(f"{name} x{n}" for name, n in sorted(flow.value_reads.items()))
     folds = ", ".join(f"{names[id(c)]} -> {names[id(b)]}" for c, b in pairs)
-    return (
-        f"fold_for_inference: the folds rest on the path {'example_input' if given else 'a default input'} took: "
-        f"the forward reads tensor values ({reads}), so its path may depend on the data, and the dataflow comes "
-        f"from hooks on that one forward ({why}); folded: {folds}"
-    )
+    return f"fold_for_inference: the folds {path}; folded: {folds}"
 
 
 def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
