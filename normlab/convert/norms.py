@@ -115,10 +115,11 @@ def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[str]:
     for m, _ in bns:
         c = num_channels(m)
         if c % g:
-            divisors = ", ".join(str(d) for d in range(1, min(c, 32) + 1) if c % d == 0)
+            top = max(32, g)
+            divisors = ", ".join(str(d) for d in range(1, min(c, top) + 1) if c % d == 0)
             out.append(
                 f"{names[id(m)]} ({type(m).__name__}): {c} channels, not divisible by num_groups={g} "
-                f"(divisors of {c} up to 32: {divisors}; without num_groups each layer takes its largest)"
+                f"(divisors of {c} up to {top}: {divisors}; without num_groups each layer takes its largest <= 32)"
             )
     return out
 
