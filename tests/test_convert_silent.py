@@ -306,3 +306,32 @@ def test_pws_names_the_norms_it_removes_on_one_path_of_a_data_dependent_forward(
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a hook trace without value reads: no warning
         convert_norm(ShapeBranch(), "pws", example_input=torch.randn(2, 3, 8, 8))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors of the new layer's constructor, and hooks, name the layer
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "to, kw, error, what",
+    [
+        ("brn", {"rmax": 2.0}, ValueError, r"1 \(BatchNorm2d\): BatchRenorm2d: rmax/dmax/schedule need running stat"),
+        ("gn", {"momentum": 0.1}, TypeError, r"1 \(BatchNorm2d\): GroupNorm.__init__\(\) got an unexpected keyword"),
+        ("pws", {"gamma": -1.0}, ValueError, r"0 \(Conv2d\): PWSConv2d: gamma must be"),
+    ],
+)
+def test_an_error_of_the_new_layers_constructor_names_the_layer(to, kw, error, what):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False))
+    with pytest.raises(error, match=rf"^convert_norm\(to='{to}'\): cannot build the new layer for {what}"):
+        convert_norm(model, to, **kw)
+    assert [type(m) for m in model] == [nn.Conv2d, nn.BatchNorm2d]  # nothing changed
+
+
+@pytest.mark.parametrize("to", ["brn", "gn", "none", "pws", "sync"])
+def test_hooks_of_replaced_layers_are_named(to):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), BatchRenorm2d(4) if to == "sync" else nn.BatchNorm2d(4))
+    model[1].register_forward_hook(lambda m, args, out: out * 2)  # changes what the layer computes
+    with pytest.warns(UserWarning, match=r"hooks on these layers are not carried over .*: 1 \(Batch(Norm|Renorm)2d\)$"):
+        if to == "sync":
+            SyncBatchRenorm.convert_sync_batchrenorm(model)
+        else:
+            convert_norm(model, to)

@@ -10,6 +10,9 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   something unknown: it is never replaced or folded, and every such module is named in one ``UserWarning``.
 * A module registered under several names or parents (an alias, a shared layer) is replaced by ONE new module,
   set under every name that held the old one (norms and convs alike).
+* Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
+  ``rmax`` for a BatchNorm without running statistics) names the layer it would replace; nothing is changed then.
+  Module hooks on a replaced layer are not carried over: every such layer is named in one ``UserWarning``.
 
 :func:`convert_norm` ``(model, to, inplace=True, example_input=None)`` (``to`` has no default, since every target
 replaces layers; ``inplace=False``: a deep copy is converted and the original is left as it is):

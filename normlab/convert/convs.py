@@ -16,6 +16,7 @@ from normlab.convert.norms import new_norm
 from normlab.convert.recognize import (
     PLAIN_CONVS,
     STD_CONVS,
+    build_named,
     conv_kwargs,
     describe_batchnorm,
     known_batchnorm_forwards,
@@ -24,6 +25,7 @@ from normlab.convert.recognize import (
     swap_modules,
     timm_std_kind,
     unique_modules,
+    warn_lost_hooks,
     warn_unknown_batchnorms,
 )
 from normlab.nn.registry import get_conv_class
@@ -109,7 +111,13 @@ def convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, k
     new = {}
     for conv in convs:
         bias = kw.get("bias", conv.bias is not None or id(conv) in with_norm)
-        new[id(conv)] = make_std_conv(conv, to, PLAIN_CONVS[type(conv)], bias, rest)
+        new[id(conv)] = build_named(
+            lambda conv=conv, bias=bias: make_std_conv(conv, to, PLAIN_CONVS[type(conv)], bias, rest),
+            f"convert_norm(to={to!r})",
+            conv,
+            names[id(conv)],
+        )
     for bn in removed:
         new[id(bn)] = new_norm(bn, describe_batchnorm(bn, known), "none", 2, {})
+    warn_lost_hooks([*convs, *removed], names, f"convert_norm(to={to!r})")
     return swap_modules(model, new)

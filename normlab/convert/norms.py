@@ -14,12 +14,14 @@ from torch import Tensor, nn
 from normlab.convert.dataflow import fixed_shapes, input_producers, seen_shapes
 from normlab.convert.recognize import (
     BatchNormSpec,
+    build_named,
     describe_batchnorm,
     known_batchnorm_forwards,
     module_names,
     num_channels,
     swap_modules,
     unique_modules,
+    warn_lost_hooks,
     warn_unknown_batchnorms,
 )
 from normlab.nn.batch_renorm import SyncBatchRenorm
@@ -186,5 +188,14 @@ def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Modu
     if example_input is not None and any(spec.dim is None for _, spec in bns):
         seen = seen_shapes(model, [m for m, spec in bns if spec.dim is None], example_input)
         dims = {k: len(v[0]) - 2 for k, v in seen.items() if v and 1 <= len(v[0]) - 2 <= 3}
-    new = {id(m): new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw) for m, spec in bns}
-    return swap_modules(model, new)
+    new = {
+        id(m): build_named(
+            lambda m=m, spec=spec: new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw),
+            f"convert_norm(to={to!r})",
+            m,
+            names[id(m)],
+        )
+        for m, spec in bns
+    }
+    warn_lost_hooks([m for m, _ in bns], names, f"convert_norm(to={to!r})")
+    return swap_modules(model, new)  # every new layer built first: a constructor's error changes nothing

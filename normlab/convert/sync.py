@@ -23,7 +23,7 @@ import warnings
 
 from torch import nn
 
-from normlab.convert.recognize import module_names, swap_modules, unique_modules
+from normlab.convert.recognize import module_names, swap_modules, unique_modules, warn_lost_hooks
 from normlab.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm, _BatchRenorm
 
 __all__ = ["to_sync_batchrenorm"]
@@ -87,4 +87,6 @@ def to_sync_batchrenorm(module: nn.Module, process_group=None, plain: type = Syn
             UserWarning,
             stacklevel=3,
         )
+    replaced = unique_modules(module, lambda m: id(m) in new)
+    warn_lost_hooks(replaced, names, "SyncBatchRenorm.convert_sync_batchrenorm")
     return swap_modules(module, new)
