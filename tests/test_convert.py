@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -395,8 +397,9 @@ def test_fold_leaves_pairs_the_forward_does_not_chain(model_cls, cin, unfolded, 
     torch.manual_seed(8)
     model = randomize_bns(model_cls()).eval()
     x = torch.randn(3, cin, 8, 8)
-    with pytest.warns(UserWarning, match=f"fold_for_inference: left unfolded: .*{why}"):
+    with pytest.warns(UserWarning) as record:  # BranchOnData: also that its folds rest on the traced path
         folded = fold_for_inference(model)
+    assert any(re.match(f"fold_for_inference: left unfolded: .*{why}", str(w.message)) for w in record)
     left = {n for n, m in folded.named_modules() if isinstance(m, nn.BatchNorm2d)}
     assert left == unfolded
     with torch.no_grad():
@@ -406,7 +409,8 @@ def test_fold_leaves_pairs_the_forward_does_not_chain(model_cls, cin, unfolded, 
 def test_fold_through_hooks_when_fx_cannot_trace():
     torch.manual_seed(9)
     model = randomize_bns(BranchOnData()).eval()
-    folded = fold_for_inference(model)  # no warning: both pairs fold
+    with pytest.warns(UserWarning, match=r"rest on the path a default input took: .* conv -> bn, head.0 -> head.1$"):
+        folded = fold_for_inference(model)  # both pairs fold, on the path of the traced input
     assert not any(isinstance(m, nn.BatchNorm2d) for m in folded.modules())
     assert type(folded.conv) is nn.Conv2d
     x = torch.randn(2, 3, 11, 11)
@@ -423,14 +427,16 @@ def test_fold_without_dataflow_folds_no_bn_but_still_plain_convs():
     x = torch.randn(2, 5, 7, 7)
     with torch.no_grad():
         assert rel_err(folded(x), model(x)) < 1e-5
-    # with an input that fits, the hook trace establishes the dataflow and the pair folds
-    folded = fold_for_inference(model, example_input=x)
+    # with an input that fits, the hook trace establishes the dataflow and the pair folds (on the path x takes)
+    with pytest.warns(UserWarning, match="the folds rest on the path example_input took: .* stem -> bn$"):
+        folded = fold_for_inference(model, example_input=x)
     assert type(folded.bn) is nn.Identity
 
 
 def test_fold_leaves_training_mode_bn_without_running_stats():
     seq = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False))
-    folded = fold_for_inference(seq)
+    with pytest.warns(UserWarning, match=r"left unfolded: 0 -> 1 \(no running statistics"):  # it was silent
+        folded = fold_for_inference(seq)
     assert type(folded[1]) is nn.BatchNorm2d  # uses batch statistics even in eval: cannot be folded
 
 
@@ -606,7 +612,8 @@ def test_pws_removes_nothing_when_the_dataflow_is_unknown():
         convert_norm(model, "pws")
     assert type(model.bn) is nn.BatchNorm2d and type(model.stem) is PWSConv2d and type(model.head) is PWSConv2d
     x = torch.randn(2, 5, 7, 7)
-    model2 = convert_norm(UnrunnablePlain(), "pws", example_input=x)  # the input establishes it
+    with pytest.warns(UserWarning, match="BatchNorms removed rest on the path example_input took: .* removed: bn$"):
+        model2 = convert_norm(UnrunnablePlain(), "pws", example_input=x)  # the input establishes it (its path)
     assert isinstance(model2.bn, nn.Identity) and model2.stem.bias is not None
 
 
@@ -670,7 +677,9 @@ def test_instance_statistics_refused_where_example_input_shows_one_position():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=4), nn.BatchNorm2d(4))
     with pytest.raises(ValueError, match=r"1 \(BatchNorm2d\) sees input \(2, 4, 1, 1\) on example_input"):
         convert_norm(model, "in", example_input=torch.randn(2, 3, 4, 4))
-    assert convert_norm(model, "gn", example_input=torch.randn(2, 3, 4, 4))[1].num_groups == 4
+    with pytest.raises(ValueError, match=r"GroupNorm\(4, 4\) would output its bias"):  # one value per group
+        convert_norm(model, "gn", example_input=torch.randn(2, 3, 4, 4))
+    assert convert_norm(model, "gn", num_groups=2, example_input=torch.randn(2, 3, 4, 4))[1].num_groups == 2
 
 
 class OwnForwardBN(nn.BatchNorm2d):  # a BatchNorm subclass that computes something else

@@ -176,3 +176,66 @@ def test_fold_check_allows_the_float32_rounding_of_a_deep_model():
     exact = fold_for_inference(model.double(), example_input=x.double())
     with torch.no_grad():
         assert rel_err(folded(x).double(), exact(x.double())) < 1e-4
+
+
+@pytest.fixture
+def gloo_world_of_one(tmp_path):
+    """A gloo process group of world size 1 (DDP on one process)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _outputs(model: nn.Module, x: torch.Tensor, mode: str) -> torch.Tensor:
+    """The output of a copy of ``model`` in ``mode`` (the same dropout masks for every model)."""
+    model = getattr(copy.deepcopy(model), mode)()
+    torch.manual_seed(101)
+    with torch.no_grad():
+        return model(x)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_brn_then_sync_keeps_the_function(name, gloo_world_of_one):
+    from normlab.nn import SyncBatchRenorm
+
+    model, x = build(name), inputs()
+    brn = convert_norm(copy.deepcopy(model), "brn", rmax=1.0, dmax=0.0)  # rmax=1, dmax=0: exactly BatchNorm
+    acts = norm_act_acts(brn)
+    sync = SyncBatchRenorm.convert_sync_batchrenorm(copy.deepcopy(brn))
+    assert norm_act_acts(sync) == acts  # BatchRenormAct2d became a plain SyncBatchRenorm, its act never called
+    assert not any(type(m).__name__ in ("BatchRenorm2d", "BatchRenormAct2d") for m in sync.modules())
+    modes = ("eval",) if name == "tv_resnet18_frozen" else ("eval", "train")  # a frozen BN ignores the batch
+    for mode in modes:
+        y = _outputs(model, x, mode)
+        assert rel_err(_outputs(brn, x, mode), y) < 1e-5
+        assert rel_err(_outputs(sync, x, mode), y) < 1e-5  # efficientnet_b0 was off by far more than 17 %
+
+
+@pytest.mark.parametrize("to", ["bn", "brn"])
+def test_timm_frozen_norm_act_converts_keeping_the_eval_function(to):
+    from timm.layers import FrozenBatchNormAct2d, freeze_batch_norm_2d
+
+    model, x = freeze_batch_norm_2d(build("efficientnet_b0")), inputs()
+    assert any(type(m) is FrozenBatchNormAct2d for m in model.modules())
+    converted = convert_norm(model, to, inplace=False)
+    assert not any(type(m) is FrozenBatchNormAct2d for m in converted.modules())
+    assert norm_act_acts(converted) == norm_act_acts(model)
+    with torch.no_grad():
+        assert rel_err(converted.eval()(x), model(x)) < 1e-5
+
+
+@pytest.mark.parametrize("name, where", [("rexnet_100", "features.3.se.bn"), ("skresnet18", "layer1.0.conv1.attn.bn")])
+@pytest.mark.parametrize("to", ["gn", "in", "sn"])
+def test_attention_batchnorms_on_1x1_maps_are_refused(name, where, to):
+    # gn put them on GroupNorm(C, C) over one value per group: the output was the bias whatever the input
+    model = build(name)
+    for x in (inputs(), None):
+        with pytest.raises(ValueError, match=rf"cannot replace {where} \(BatchNorm2d\) sees input \(2, \d+, 1, 1\)"):
+            convert_norm(model, to, example_input=x)
+    ln = convert_norm(model, "ln", inplace=False)  # C values in one group
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in ln.modules())
+    ln.train()
+    assert torch.isfinite(ln(inputs())).all()

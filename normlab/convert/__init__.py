@@ -10,17 +10,22 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   something unknown: it is never replaced or folded, and every such module is named in one ``UserWarning``.
 * A module registered under several names or parents (an alias, a shared layer) is replaced by ONE new module,
   set under every name that held the old one (norms and convs alike).
+* Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
+  ``rmax`` for a BatchNorm without running statistics) names the layer it would replace; nothing is changed then.
+  Module hooks on a replaced layer are not carried over: every such layer is named in one ``UserWarning``.
 
-:func:`convert_norm` ``(model, to=..., inplace=True, example_input=None)`` (``inplace=False``: a deep copy is
-converted and the original is left as it is):
+:func:`convert_norm` ``(model, to, inplace=True, example_input=None)`` (``to`` has no default, since every target
+replaces layers; ``inplace=False``: a deep copy is converted and the original is left as it is):
 
 - ``to`` a norm name (``none``, ``bn``, ``brn``, ``gn``, ``ln``, ``in``, ``sn``): each BatchNorm becomes
-  :func:`normlab.nn.create_norm` ``(to, C, dim)`` (``nn.SyncBatchNorm`` -> :class:`~normlab.nn.SyncBatchRenorm` for
-  ``brn``); a BatchNorm + activation becomes the NormAct class of the target from
-  :mod:`normlab.integrations.timm` (``bn``: timm's ``BatchNormAct2d``) holding the ORIGINAL ``drop`` and ``act``
-  modules (``none``: ``nn.Sequential(drop, act)``), so the activation is never lost and ``to="bn"`` computes the
-  same function. A frozen BatchNorm is converted like a BatchNorm (its buffers copied), i.e. it becomes trainable;
-  its eval-mode output is unchanged for ``bn``/``brn``.
+  :func:`normlab.nn.create_norm` ``(to, C, dim)`` (a synchronized BatchNorm stays synchronized where the target has
+  batch statistics: ``nn.SyncBatchNorm`` -> :class:`~normlab.nn.SyncBatchRenorm` for ``brn``, ``nn.SyncBatchNorm``
+  for ``bn``, and timm's ``SyncBatchNormAct`` -> :class:`~normlab.integrations.timm.SyncBatchRenormAct` /
+  ``SyncBatchNormAct``; ``sn``'s BatchNorm branch uses the local batch); a BatchNorm + activation becomes the
+  NormAct class of the target from :mod:`normlab.integrations.timm` (``bn``: timm's ``BatchNormAct2d``) holding the
+  ORIGINAL ``drop`` and ``act`` modules (``none``: ``nn.Sequential(drop, act)``), so the activation is never lost
+  and ``to="bn"`` computes the same function. A frozen BatchNorm is converted like a BatchNorm (its buffers
+  copied), i.e. it becomes trainable; its eval-mode output is unchanged for ``bn``/``brn``.
   Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size; the
   running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` and ``bn`` (whose
   state is BatchNorm's: ``eps``/``momentum``/``affine``/``track_running_stats`` are kept too) and ``sn`` (its BN
@@ -31,9 +36,16 @@ converted and the original is left as it is):
   length axis and over (N, C) they would normalize each sample over its features (or fail). Known means: every
   call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the
   ``torch.fx`` dataflow shows its input is a ``Conv1d``/``ConvTranspose1d`` output. Its input coming from
-  ``nn.Linear``, or no way to tell, is refused. Also refused: ``in``/``sn`` for a layer that sees a single spatial
-  position on ``example_input`` (instance statistics need more than one). ``nn.SyncBatchNorm`` takes any rank: the
-  new layer's dimension is the one it sees on ``example_input`` ((N, C) is refused as above), else 2.
+  ``nn.Linear``, or no way to tell, is refused. Also refused, where the statistics would be of a single value, so
+  that the new layer would output its bias whatever the input: ``in``/``sn`` for a layer that sees a single spatial
+  position, ``gn``/``ln`` for a layer that sees a single value per group (a 1x1 map with one channel per group:
+  the squeeze-excite and attention BatchNorms of rexnet or skresnet). "Sees" means on ``example_input``; without
+  it, on default inputs (batch 2, the first conv's channels) of two sizes, a size and twice that, where a layer
+  sees the same shape at both (fixed by the architecture, e.g. after global pooling; a stride-32 stage that is
+  1x1 only on a small input is not refused). ``gn`` with a ``num_groups`` that does not divide a layer's channels
+  is refused naming the layer, its channels and their divisors (without ``num_groups`` each layer takes the
+  largest divisor of C that is <= 32). ``nn.SyncBatchNorm`` takes any rank: the new layer's dimension is the one
+  it sees on ``example_input`` ((N, C) is refused as above), else 2.
 - ``to="pws"`` or ``"ws"``: every plain ``nn.Conv{1,2,3}d`` (exact type) becomes the matching
   ``PWSConv``/``WSConv`` with the same arguments, raw weight and bias; ``**kw`` go to the new conv (``gamma``,
   ``relative_gamma``, ``init_alpha``, ``eps`` ...). Left as they are, named in one warning: transposed convs
@@ -44,7 +56,8 @@ converted and the original is left as it is):
   a bias (zero-initialised if it had none), as in the authors' PWS networks. "Whose input" is the dataflow of
   ``normlab/convert/dataflow.py`` (a ``torch.fx`` trace, else hooks on one eval-mode forward of ``example_input``
   or of a default input), never the registration order; when the dataflow cannot be established, no norm is
-  removed (warning).
+  removed (warning); when it rests on one path of a data-dependent forward (see :func:`fold_for_inference` below),
+  a warning names the norms removed.
 
 :func:`fold_for_inference` ``(model)``: an inference copy in eval mode in which every WS/PWS conv, every conv with
 a weight parametrization (``weight_norm``) and timm's ``StdConv2d``/``ScaledStdConv2d`` is a plain
@@ -56,11 +69,23 @@ activation by ``nn.Sequential(drop, act)``). Folding follows the real dataflow, 
 the BN's only input is that conv's output, the conv's output has no other consumer, both run once per forward,
 nothing else reads their parameters and neither has hooks; every other conv/BN pair (a BatchNorm subclass with its
 own forward fed by a conv, a BatchNorm fed by a conv subclass with its own forward such as timm's ``Conv2dSame``,
-...) is left unfolded and named, with the reason, in one warning. When the dataflow
-cannot be established no BatchNorm is folded (warning). Folding is computed in float64 and cast back. Give
+..., a BatchNorm without running statistics, ``track_running_stats=False``) is left unfolded and
+named, with the reason, in one warning. When the dataflow cannot be established no BatchNorm is folded (warning).
+``torch.fx`` traces every path; a hook trace sees one: when it is used and the traced forward turned a tensor's
+value into a Python value outside the convs and norms (``Tensor.__bool__``, ``item``, ...: data-dependent control
+flow), a second warning says that the folds rest on the path that input took and names every folded pair (an
+input taking another branch may call the modules differently). A forward whose path depends only on the input's
+shape is not detected: its folds hold for inputs that take the traced path. Folding is computed in float64 and
+cast back. Give
 ``example_input`` to check that the outputs agree (relative error <= ``rtol``, default 1e-5; a deep float32 model
 whose own rounding error exceeds that passes when the folded output is as close to the model computed in float64
 as the original is, up to ``rtol`` and twice the original's rounding error).
+
+:meth:`SyncBatchRenorm.convert_sync_batchrenorm <normlab.nn.SyncBatchRenorm.convert_sync_batchrenorm>`
+(``normlab/convert/sync.py``) follows the same rule: each layer computes what it computed, so timm's NormAct
+:class:`~normlab.integrations.timm.BatchRenormAct2d` becomes
+:class:`~normlab.integrations.timm.SyncBatchRenormAct` with its ``drop`` and ``act``, and a BatchRenorm subclass
+with its own forward is left and named in one warning.
 """
 
 from normlab.convert.fold import fold_for_inference

@@ -11,11 +11,12 @@ import warnings
 import torch
 from torch import nn
 
-from normlab.convert.dataflow import eval_mode, trace_flow
+from normlab.convert.dataflow import eval_mode, one_path, trace_flow
 from normlab.convert.norms import new_norm
 from normlab.convert.recognize import (
     PLAIN_CONVS,
     STD_CONVS,
+    build_named,
     conv_kwargs,
     describe_batchnorm,
     known_batchnorm_forwards,
@@ -24,6 +25,7 @@ from normlab.convert.recognize import (
     swap_modules,
     timm_std_kind,
     unique_modules,
+    warn_lost_hooks,
     warn_unknown_batchnorms,
 )
 from normlab.nn.registry import get_conv_class
@@ -74,7 +76,7 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
             f"convert_norm: remove_norm: the dataflow could not be established ({why}); no BatchNorm "
             "removed (give example_input)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # the caller of convert_norm
         )
         return [], set()
     by_id = {id(c): c for c in convs}
@@ -84,6 +86,15 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
         if all(s is not None and s[0] in by_id and by_id[s[0]].out_channels == num_channels(bn) for s in srcs):
             out.append(bn)
             feeding |= {s[0] for s in srcs}
+    path = one_path(flow, why, example_input is not None)
+    if path is not None and out:
+        names = module_names(model)
+        warnings.warn(
+            f"convert_norm: remove_norm: the BatchNorms removed {path}; removed: "
+            + ", ".join(names[id(bn)] for bn in out),
+            UserWarning,
+            stacklevel=4,  # the caller of convert_norm
+        )
     return out, feeding
 
 
@@ -100,7 +111,13 @@ def convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, k
     new = {}
     for conv in convs:
         bias = kw.get("bias", conv.bias is not None or id(conv) in with_norm)
-        new[id(conv)] = make_std_conv(conv, to, PLAIN_CONVS[type(conv)], bias, rest)
+        new[id(conv)] = build_named(
+            lambda conv=conv, bias=bias: make_std_conv(conv, to, PLAIN_CONVS[type(conv)], bias, rest),
+            f"convert_norm(to={to!r})",
+            conv,
+            names[id(conv)],
+        )
     for bn in removed:
         new[id(bn)] = new_norm(bn, describe_batchnorm(bn, known), "none", 2, {})
+    warn_lost_hooks([*convs, *removed], names, f"convert_norm(to={to!r})")
     return swap_modules(model, new)

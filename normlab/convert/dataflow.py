@@ -11,9 +11,11 @@ it, the first that works:
   ``TorchFunctionMode`` that sees every tensor operation between them (exact for the path this input takes).
 
 Both return a :class:`Flow`; :meth:`Flow.verdict` says whether a pair folds, or why not. :func:`trace_flow` tries
-``torch.fx``, then hooks on ``example_input`` or on default inputs of a few sizes. For the BatchNorm1d refusals of
-:func:`normlab.convert.convert_norm`: :func:`seen_shapes` (the input shapes each norm sees on one forward) and
-:func:`input_producers` (a ``Linear`` or a ``Conv1d`` feeds it, by ``torch.fx``).
+``torch.fx``, then hooks on ``example_input`` or on default inputs of a few sizes; :func:`one_path` says when a hook
+trace holds for one path only (its forward read tensor values). For the refusals of
+:func:`normlab.convert.convert_norm`: :func:`seen_shapes` (the input shapes each norm sees on one forward),
+:func:`fixed_shapes` (those that do not change with the input size) and :func:`input_producers` (a ``Linear`` or a
+``Conv1d`` feeds it, by ``torch.fx``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,17 @@ from torch.utils._pytree import tree_flatten
 
 from normlab.convert.recognize import unique_modules
 
-__all__ = ["Flow", "fx_flow", "hook_flow", "trace_flow", "eval_mode", "seen_shapes", "input_producers"]
+__all__ = [
+    "Flow",
+    "fx_flow",
+    "hook_flow",
+    "trace_flow",
+    "eval_mode",
+    "seen_shapes",
+    "fixed_shapes",
+    "input_producers",
+    "one_path",
+]
 
 # tensor functions that read only metadata (shape, dtype, ...): not a use of the values
 _METADATA = {
@@ -51,6 +63,9 @@ _METADATA = {
     "nelement",
 }
 
+# tensor methods that hand a tensor's value to Python: the forward's path may depend on it
+_VALUE_READS = {"__bool__", "item", "__int__", "__float__", "__index__", "__complex__", "tolist", "numpy"}
+
 
 @dataclass
 class Flow:
@@ -58,7 +73,9 @@ class Flow:
 
     ``calls``: times each conv/norm ran; ``bn_inputs``: per norm call, the ``(conv id, call number)`` whose output
     was its only input, or None; ``uses``: how many consumers each conv call's output had; ``param_reads``: modules
-    whose parameters or buffers were read outside their own call; ``how``: ``"torch.fx"`` or ``"hooks"``.
+    whose parameters or buffers were read outside their own call; ``value_reads``: the tensor methods that turned
+    a tensor's value into a Python value outside conv/norm calls (a hook trace: where the forward's path may depend
+    on the data); ``how``: ``"torch.fx"`` or ``"hooks"``.
     """
 
     how: str
@@ -66,6 +83,7 @@ class Flow:
     bn_inputs: dict[int, list[tuple[int, int] | None]] = field(default_factory=dict)
     uses: Counter = field(default_factory=Counter)
     param_reads: set[int] = field(default_factory=set)
+    value_reads: Counter = field(default_factory=Counter)
 
     def source(self, bn: nn.Module) -> int | None:
         """The id of the conv whose output is ``bn``'s input in its first call, or None."""
@@ -86,6 +104,18 @@ class Flow:
         if id(conv) in self.param_reads or id(bn) in self.param_reads:
             return "their parameters are read outside the modules"
         return None
+
+
+def one_path(flow: Flow | None, why: str, given: bool) -> str | None:
+    """When ``flow`` holds for one path only: a hook trace whose forward turned tensor values into Python values
+    (data-dependent control flow, which torch.fx cannot trace). Then the phrase that says so, else None."""
+    if flow is None or flow.how != "hooks" or not flow.value_reads:
+        return None
+    reads = ", ".join(f"{name} x{n}" for name, n in sorted(flow.value_reads.items()))
+    return (
+        f"rest on the path {'example_input' if given else 'a default input'} took: the forward reads tensor values "
+        f"({reads}), so its path may depend on the data, and the dataflow comes from hooks on that one forward ({why})"
+    )
 
 
 class _LeafTracer(torch.fx.Tracer):
@@ -145,8 +175,11 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.depth == 0 and getattr(func, "__name__", "") not in _METADATA:
+        name = getattr(func, "__name__", "")
+        if self.depth == 0 and name not in _METADATA:
             self.consume((args, kwargs))
+            if name in _VALUE_READS:
+                self.flow.value_reads[f"Tensor.{name}"] += 1
         return func(*args, **kwargs)
 
     def pre(self, m: nn.Module, args, kwargs) -> None:
@@ -248,6 +281,33 @@ def seen_shapes(model: nn.Module, norms: list[nn.Module], x) -> dict[int, list[t
         for h in handles:
             h.remove()
     return seen
+
+
+def fixed_shapes(model: nn.Module, norms: list[nn.Module]) -> dict[int, list[torch.Size]]:
+    """The input shapes of the norms whose input does not grow with the model's input (e.g. after global pooling).
+
+    One eval-mode forward (:func:`seen_shapes`) on the first default input the model accepts (the sizes of
+    :func:`trace_flow`, for its first conv) and one on an input twice as large per spatial dimension; a norm whose
+    shapes agree at both sizes is fixed by the architecture. A model that accepts only the first size: every norm's
+    shapes at that size. Empty when the model has no conv or accepts no default input.
+    """
+    convs = unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd))
+    if not convs or not norms:
+        return {}
+    for x in _default_inputs(convs):
+        try:
+            small = seen_shapes(model, norms, x)
+        except Exception:  # noqa: BLE001 - the model refuses this size: try the next
+            continue
+        gen = torch.Generator().manual_seed(1)  # not the global generator: converting draws no user randomness
+        large_x = torch.randn(*x.shape[:2], *(2 * s for s in x.shape[2:]), dtype=x.dtype, generator=gen)
+        large_x = large_x.to(x.device)
+        try:
+            large = seen_shapes(model, norms, large_x)
+        except Exception:  # noqa: BLE001 - it accepts one size only: that size's shapes are the ones it sees
+            return small
+        return {k: v for k, v in small.items() if v and v == large.get(k)}
+    return {}
 
 
 def input_producers(model: nn.Module, norms: list[nn.Module]) -> dict[int, str]:

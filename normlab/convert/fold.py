@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from normlab.convert.dataflow import Flow, trace_flow
+from normlab.convert.dataflow import Flow, one_path, trace_flow
 from normlab.convert.recognize import (
     PLAIN_CONVS,
     STD_CONVS,
@@ -103,14 +103,25 @@ def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
     return out.eval()
 
 
-def _foldable_norm(m: nn.Module, known: dict) -> bool:
-    """An eval-mode BatchNorm / BatchRenorm with running statistics (a frozen one, a BatchNorm + activation)."""
+def _is_batch_norm(m: nn.Module, known: dict) -> bool:
+    """A BatchNorm / BatchRenorm of any kind (frozen, with activation, a subclass with its own forward)."""
+    return (
+        describe_batchnorm(m, known) is not None or is_unknown_batchnorm(m, known) or isinstance(m, BATCH_RENORM_TYPES)
+    )
+
+
+def _unfoldable_norm(m: nn.Module, known: dict) -> str | None:
+    """None for an eval-mode BatchNorm / BatchRenorm with running statistics (a frozen one, a BatchNorm +
+    activation), else why it cannot be folded."""
     spec = describe_batchnorm(m, known)
     if spec is None and not (isinstance(m, BATCH_RENORM_TYPES) and _brn_act(m) is not None):
-        return False
-    return ((spec is not None and spec.frozen) or not m.training) and all(
-        getattr(m, k, None) is not None for k in ("running_mean", "running_var")
-    )
+        kind = "BatchRenorm" if isinstance(m, BATCH_RENORM_TYPES) else "BatchNorm"
+        return f"a {kind} subclass with its own forward"
+    if any(getattr(m, k, None) is None for k in ("running_mean", "running_var")):
+        return "no running statistics: track_running_stats=False, batch statistics in eval too"
+    if m.training and not (spec is not None and spec.frozen):
+        return "the BatchNorm is in training mode"
+    return None
 
 
 def _brn_act(m: nn.Module) -> bool | None:
@@ -143,9 +154,9 @@ def _registration_pairs(parent: nn.Module, keep, out: list) -> list[tuple[nn.Mod
     return out
 
 
-def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -> str | None:
-    if not foldable:
-        return "a BatchNorm subclass with its own forward"
+def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, unfoldable: str | None) -> str | None:
+    if unfoldable is not None:
+        return unfoldable
     if _conv_dim(conv) is None:
         return f"{type(conv).__name__} is a conv subclass with its own forward"
     reason = f"dataflow unknown ({why})" if flow is None else flow.verdict(conv, bn)
@@ -160,11 +171,22 @@ def _pair_reason(flow: Flow | None, why: str, conv, bn, pairs, foldable: bool) -
     return reason
 
 
+def _path_note(flow: Flow | None, why: str, pairs: list, names: dict, given: bool) -> str | None:
+    """The warning that the folds rest on the path one input took (:func:`~normlab.convert.dataflow.one_path`),
+    with at least one pair folded on it."""
+    path = one_path(flow, why, given)
+    if path is None or not pairs:
+        return None
+    folds = ", ".join(f"{names[id(c)]} -> {names[id(b)]}" for c, b in pairs)
+    return f"fold_for_inference: the folds {path}; folded: {folds}"
+
+
 def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
-    """Decide the conv -> BN pairs to fold: (pairs, [(conv name, BN name, why not)], default input, its output)."""
+    """Decide the conv -> BN pairs to fold: (pairs, [warning], default input, its output); the warnings name every
+    pair left unfolded with the reason, and say when the folds rest on the path of one traced input."""
     names = module_names(model)
     convs = unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd))  # foldable or not
-    norms = unique_modules(model, lambda m: _foldable_norm(m, known) or is_unknown_batchnorm(m, known))
+    norms = unique_modules(model, lambda m: _is_batch_norm(m, known))
     if not convs or not norms:
         return [], [], None, None
     flow, x, y, why = trace_flow(model, convs, norms, example_input)
@@ -176,12 +198,14 @@ def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
         if conv is None and id(bn) not in old:
             continue  # not fed by a conv, and nothing suggested it was: nothing to report
         conv = conv if conv is not None else old[id(bn)]
-        reason = _pair_reason(flow, why, conv, bn, pairs, not is_unknown_batchnorm(bn, known))
+        reason = _pair_reason(flow, why, conv, bn, pairs, _unfoldable_norm(bn, known))
         if reason is None:
             pairs.append((conv, bn))
         else:
-            skipped.append((names[id(conv)], names[id(bn)], reason))
-    return pairs, skipped, x, y
+            skipped.append(f"{names[id(conv)]} -> {names[id(bn)]} ({reason})")
+    notes = ["fold_for_inference: left unfolded: " + "; ".join(skipped)] if skipped else []
+    notes += [n for n in [_path_note(flow, why, pairs, names, example_input is not None)] if n]
+    return pairs, notes, x, y
 
 
 def _apply_fold(model: nn.Module, pairs: list[tuple[nn.Module, nn.Module]], known: dict) -> nn.Module:
@@ -249,7 +273,9 @@ def fold_for_inference(
     Warns:
         UserWarning: listing each conv -> BatchNorm pair left unfolded and why (the conv's output has another
         consumer, the BN is shared, an activation sits in between, the dataflow could not be established, a
-        BatchNorm subclass with its own forward, ...).
+        BatchNorm subclass with its own forward, a BatchNorm without running statistics, ...); and a second
+        one naming every folded pair when the folds rest on a hook trace of one forward that read tensor values
+        (data-dependent control flow: another input may take another path).
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
@@ -278,14 +304,10 @@ def fold_for_inference(
     if dim is not None and not _is_plain(folded):
         folded = _plain_conv(folded, dim, None)
     else:
-        pairs, skipped, x, y = _fold_plan(folded, example_input, known)
+        pairs, notes, x, y = _fold_plan(folded, example_input, known)
         folded = _apply_fold(folded, pairs, known)
-        if skipped:
-            warnings.warn(
-                "fold_for_inference: left unfolded: " + "; ".join(f"{c} -> {b} ({why})" for c, b, why in skipped),
-                UserWarning,
-                stacklevel=2,
-            )
+        for note in notes:
+            warnings.warn(note, UserWarning, stacklevel=2)
         if x is not None:
             _check_outputs(folded.eval(), x, y, rtol, original)
     folded.eval()

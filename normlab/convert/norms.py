@@ -11,25 +11,29 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
-from normlab.convert.dataflow import input_producers, seen_shapes
+from normlab.convert.dataflow import fixed_shapes, input_producers, seen_shapes
 from normlab.convert.recognize import (
     BatchNormSpec,
+    build_named,
     describe_batchnorm,
     known_batchnorm_forwards,
     module_names,
     num_channels,
     swap_modules,
     unique_modules,
+    warn_lost_hooks,
     warn_unknown_batchnorms,
 )
 from normlab.nn.batch_renorm import SyncBatchRenorm
-from normlab.nn.registry import create_norm, get_norm_class
+from normlab.nn.registry import create_norm, default_groups, get_norm_class
 
 __all__ = ["new_norm", "convert_norms"]
 
 # norms that need a length / spatial axis: refused for a BatchNorm1d over (N, C)
 _NEEDS_LENGTH = {"gn": "GroupNorm", "ln": "GroupNorm(1, C)", "in": "InstanceNorm1d", "sn": "SwitchableNorm1d"}
 _INSTANCE_STATS = ("in", "sn")
+# what a synchronized BatchNorm becomes for the targets with batch statistics (the others are per sample)
+_SYNC = {"brn": SyncBatchRenorm, "bn": nn.SyncBatchNorm}
 
 
 def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> None:
@@ -41,10 +45,12 @@ def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> No
 
 
 def _norm_act_class(to: str, spec: BatchNormSpec) -> type:
-    from normlab.integrations import timm as normlab_timm  # timm is loaded: the model holds a timm layer
+    from timm.layers import SyncBatchNormAct  # timm is loaded: the model holds a timm layer
 
-    if spec.sync and to == "brn":
-        return normlab_timm.SyncBatchRenormAct
+    from normlab.integrations import timm as normlab_timm
+
+    if spec.sync and to in ("brn", "bn"):
+        return normlab_timm.SyncBatchRenormAct if to == "brn" else SyncBatchNormAct
     return normlab_timm.NORM_ACT_CLASSES[to]
 
 
@@ -78,10 +84,11 @@ def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) ->
         return nn.Identity()
     if spec.act:
         cls = _norm_act_class(to, spec)
-        new = cls(channels, **{**_derived(bn, to, cls), **kw, "apply_act": False})
+        no_act = {"apply_act": False} if "apply_act" in inspect.signature(cls.__init__).parameters else {}
+        new = cls(channels, **{**_derived(bn, to, cls), **kw, **no_act})
         new.drop, new.act = bn.drop, bn.act
-    elif spec.sync and to == "brn":
-        new = SyncBatchRenorm(channels, **{**_derived(bn, to, SyncBatchRenorm), **kw})
+    elif spec.sync and to in _SYNC:
+        new = _SYNC[to](channels, **{**_derived(bn, to, _SYNC[to]), **kw})
     else:
         new = create_norm(to, channels, dim=dim, **{**_derived(bn, to, get_norm_class(to, dim)), **kw})
     names = ("weight", "bias")
@@ -94,31 +101,67 @@ def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) ->
     return new.train(bn.training)
 
 
-def _refusals(model, to: str, bns: list, names: dict, example_input) -> list[str]:
-    """Why ``to`` cannot replace each BatchNorm whose input lacks the axis ``to`` normalizes over."""
-    if to not in _NEEDS_LENGTH:
+def _groups(to: str, channels: int, kw: dict) -> int:
+    """The groups of the GroupNorm ``to`` (``gn``/``ln``) builds for ``channels``."""
+    return 1 if to == "ln" else kw.get("num_groups") or default_groups(channels)
+
+
+def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[str]:
+    """For ``gn`` with ``num_groups``: each BatchNorm whose channel count it does not divide."""
+    g = kw.get("num_groups")
+    if to != "gn" or g is None:
         return []
-    bn1d = [m for m, spec in bns if spec.dim == 1]
-    check = bn1d + [
-        m
-        for m, spec in bns
-        if example_input is not None and m not in bn1d and (spec.dim is None or to in _INSTANCE_STATS)
-    ]
-    if not check:
-        return []
-    seen = seen_shapes(model, check, example_input) if example_input is not None else {}
-    context = input_producers(model, [m for m in bn1d if not seen.get(id(m))])
+    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
+        return [f"any layer: num_groups must be a positive int, got {g!r}"]
     out = []
-    for m in check:
-        shapes, where = seen.get(id(m)) or [], f"{names[id(m)]} ({type(m).__name__})"
-        if any(len(s) == 2 for s in shapes):
-            out.append(f"{where} sees (N, C) input on example_input: {_NEEDS_LENGTH[to]} needs (N, C, L)")
-        elif to in _INSTANCE_STATS and any(s[2:].numel() < 2 for s in shapes):
-            small = next(tuple(s) for s in shapes if s[2:].numel() < 2)
+    for m, _ in bns:
+        c = num_channels(m)
+        if c % g:
+            top = max(32, g)
+            divisors = ", ".join(str(d) for d in range(1, min(c, top) + 1) if c % d == 0)
             out.append(
-                f"{where} sees input {small} on example_input: instance statistics need more than one "
-                "position per channel"
+                f"{names[id(m)]} ({type(m).__name__}): {c} channels, not divisible by num_groups={g} "
+                f"(divisors of {c} up to {top}: {divisors}; without num_groups each layer takes its largest <= 32)"
             )
+    return out
+
+
+def _degenerate(to: str, m: nn.Module, shapes: list, kw: dict) -> str | None:
+    """Why ``to`` would compute a constant on an input of one of ``shapes``: a single position per channel
+    (``in``/``sn``) or a single value per group (``gn``/``ln``, e.g. a 1x1 map with one channel per group)."""
+    c = num_channels(m)
+    for s in shapes:
+        if len(s) < 3:
+            continue
+        positions = s[2:].numel()
+        if to in _INSTANCE_STATS and positions < 2:
+            return f"sees input {tuple(s)} {{on}}: instance statistics need more than one position per channel"
+        if to in ("gn", "ln") and c % _groups(to, c, kw) == 0 and c // _groups(to, c, kw) * positions < 2:
+            g = _groups(to, c, kw)
+            return f"sees input {tuple(s)} {{on}}: GroupNorm({g}, {c}) would output its bias (one value per group)"
+    return None
+
+
+def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -> list[str]:
+    """Why ``to`` cannot replace each BatchNorm: ``num_groups`` does not divide its channels; its input lacks the
+    axis ``to`` normalizes over; or ``to`` would see one value per statistic there (on ``example_input``, else on
+    default inputs where the shape is fixed by the architecture: :func:`~normlab.convert.dataflow.fixed_shapes`)."""
+    out = _divisor_refusals(to, bns, names, kw)
+    if to not in _NEEDS_LENGTH or not bns:
+        return out
+    mods, bn1d = [m for m, _ in bns], [m for m, spec in bns if spec.dim == 1]
+    if example_input is not None:
+        seen, on = seen_shapes(model, mods, example_input), "on example_input"
+    else:
+        seen, on = fixed_shapes(model, mods), "at every input size tried (fixed by the architecture)"
+    context = input_producers(model, [m for m in bn1d if not seen.get(id(m))]) if bn1d else {}
+    for m in mods:
+        shapes, where = seen.get(id(m)) or [], f"{names[id(m)]} ({type(m).__name__})"
+        constant = _degenerate(to, m, shapes, kw)
+        if any(len(s) == 2 for s in shapes):
+            out.append(f"{where} sees (N, C) input {on}: {_NEEDS_LENGTH[to]} needs (N, C, L)")
+        elif constant is not None:
+            out.append(f"{where} {constant.format(on=on)}")
         elif m in bn1d and not shapes and context.get(id(m)) != "conv1d":
             why = (
                 "its input is an nn.Linear output (N, C)"
@@ -137,7 +180,7 @@ def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Modu
         for m in unique_modules(model, lambda m: describe_batchnorm(m, known) is not None)
         for spec in [describe_batchnorm(m, known)]
     ]
-    refused = _refusals(model, to, bns, names, example_input)
+    refused = _refusals(model, to, bns, names, example_input, kw)
     if refused:
         raise ValueError(f"convert_norm(to={to!r}): cannot replace {'; '.join(refused)}")
     warn_unknown_batchnorms(model, known, names, "convert_norm")
@@ -145,5 +188,14 @@ def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Modu
     if example_input is not None and any(spec.dim is None for _, spec in bns):
         seen = seen_shapes(model, [m for m, spec in bns if spec.dim is None], example_input)
         dims = {k: len(v[0]) - 2 for k, v in seen.items() if v and 1 <= len(v[0]) - 2 <= 3}
-    new = {id(m): new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw) for m, spec in bns}
-    return swap_modules(model, new)
+    new = {
+        id(m): build_named(
+            lambda m=m, spec=spec: new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw),
+            f"convert_norm(to={to!r})",
+            m,
+            names[id(m)],
+        )
+        for m, spec in bns
+    }
+    warn_lost_hooks([m for m, _ in bns], names, f"convert_norm(to={to!r})")
+    return swap_modules(model, new)  # every new layer built first: a constructor's error changes nothing

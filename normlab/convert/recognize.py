@@ -8,7 +8,9 @@
   (:data:`STD_CONVS`), torch's plain convolutions (:data:`PLAIN_CONVS`) and their constructor arguments
   (:func:`conv_kwargs`).
 * Aliases and shared modules: :func:`unique_modules` lists each module once, :func:`module_names` gives it its
-  first name, :func:`swap_modules` puts a replacement under every name and parent that holds it.
+  first name, :func:`swap_modules` puts a replacement under every name and parent that holds it;
+  :func:`build_named` names the layer a failing constructor would have replaced, :func:`warn_lost_hooks` the
+  replaced layers whose hooks are not carried over.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ __all__ = [
     "module_names",
     "unique_modules",
     "swap_modules",
+    "build_named",
+    "warn_lost_hooks",
     "warn_unknown_batchnorms",
 ]
 
@@ -142,6 +146,31 @@ def swap_modules(model: nn.Module, new: dict[int, nn.Module]) -> nn.Module:
             if child is not None and id(child) in new:
                 parent._modules[name] = new[id(child)]
     return new.get(id(model), model)
+
+
+def build_named(build, where: str, m: nn.Module, name: str):
+    """``build()``, with a ``ValueError``/``TypeError`` of the new layer's constructor (which names only its own
+    class) re-raised naming the layer it would replace: ``where: cannot build the new layer for name (Type): ...``."""
+    try:
+        return build()
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{where}: cannot build the new layer for {name} ({type(m).__name__}): {e}") from e
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def warn_lost_hooks(modules, names: dict, where: str) -> None:
+    """One ``UserWarning`` naming each of ``modules`` (being replaced) that has module hooks: a hook may change
+    what the layer computes, and its replacement does not carry it."""
+    hooked = [f"{names[id(m)]} ({type(m).__name__})" for m in modules if any(getattr(m, h, None) for h in _HOOKS)]
+    if hooked:
+        warnings.warn(
+            f"{where}: the hooks on these layers are not carried over to their replacements (register them again "
+            f"on the converted model): {', '.join(hooked)}",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def warn_unknown_batchnorms(model: nn.Module, known: dict, names: dict, where: str) -> None:

@@ -24,7 +24,7 @@ CONVERT_TARGETS = NORM_NAMES + _CONV_TARGETS
 
 def convert_norm(
     model: nn.Module,
-    to: str = "pws",
+    to: str,
     *,
     remove_norm: bool | None = None,
     inplace: bool = True,
@@ -35,8 +35,8 @@ def convert_norm(
 
     Args:
         model: any module.
-        to: one of ``none, bn, brn, gn, ln, in, sn`` (replace BatchNorm layers) or ``pws, ws`` (replace plain
-            convs).
+        to: required (no default: every target replaces layers): one of ``none, bn, brn, gn, ln, in, sn``
+            (replace BatchNorm layers) or ``pws, ws`` (replace plain convs).
         remove_norm: for ``pws``/``ws``: remove each BatchNorm that normalizes a converted conv's output.
             Default: True for ``pws`` (it is meant to train without output normalization) and
             False for ``ws`` (WS kernels have unit variance per entry, so without a norm every layer multiplies
@@ -45,8 +45,10 @@ def convert_norm(
             ``model`` unless ``model`` itself is a BatchNorm or conv). False: convert a deep copy and leave
             ``model`` as it is.
         example_input: optional input of ``model``: shows the input shape each BatchNorm sees (a ``BatchNorm1d``
-            over (N, C) cannot become ``gn, ln, in, sn``) and the dataflow for ``remove_norm`` when ``torch.fx``
-            cannot trace the model. Run once in eval mode, without gradient.
+            over (N, C) cannot become ``gn, ln, in, sn``; nor can a layer whose statistics would be of a single
+            value, e.g. ``gn`` on a 1x1 map with one channel per group) and the dataflow for ``remove_norm`` when
+            ``torch.fx`` cannot trace the model. Run once in eval mode, without gradient. Without it, ``gn, ln,
+            in, sn`` look at default inputs of two sizes for shapes fixed by the architecture.
         **kw: constructor arguments for the new layers (``num_groups`` for gn, ``rmax`` for brn,
             ``gamma``/``init_alpha`` for pws, ...).
 

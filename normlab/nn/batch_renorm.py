@@ -676,38 +676,20 @@ class SyncBatchRenorm(_BatchRenorm):
 
     @classmethod
     def convert_sync_batchrenorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
-        """Replace every :class:`BatchRenorm1d`/``2d``/``3d`` in ``module`` by a :class:`SyncBatchRenorm`.
+        """Replace every BatchRenorm layer in ``module`` by its synchronized version, computing what it computed.
 
         Like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layer takes the same settings and *shares*
         the old one's parameter and buffer tensors (optimizers built before the conversion stay valid).
+        :class:`BatchRenorm1d`/``2d``/``3d`` become :class:`SyncBatchRenorm`; timm's NormAct version
+        :class:`~normlab.integrations.timm.BatchRenormAct2d` becomes
+        :class:`~normlab.integrations.timm.SyncBatchRenormAct` with the same ``drop`` and ``act`` modules; a
+        subclass with its own forward is left as it is and named in one ``UserWarning``
+        (``normlab/convert/sync.py``). A layer registered under several names is replaced by one new layer.
         Returns the converted module (a new object if ``module`` itself is a BatchRenorm layer).
         """
-        out = module
-        if isinstance(module, _BatchRenorm) and not isinstance(module, SyncBatchRenorm):
-            out = cls(
-                module.num_features,
-                module.eps,
-                module.momentum,
-                module.affine,
-                module.track_running_stats,
-                process_group,
-                bias=module.bias is not None,
-                check_finite=module.check_finite,
-            )
-            out.schedule, out.rmax, out.dmax = module.schedule, module.rmax, module.dmax
-            if module.affine:
-                with torch.no_grad():
-                    out.weight = module.weight
-                    out.bias = module.bias
-            out.running_mean = module.running_mean
-            out.running_var = module.running_var
-            out.num_batches_tracked = module.num_batches_tracked
-            out.training = module.training
-            if hasattr(module, "qconfig"):
-                out.qconfig = module.qconfig
-        for name, child in module.named_children():
-            out.add_module(name, cls.convert_sync_batchrenorm(child, process_group))
-        return out
+        from normlab.convert.sync import to_sync_batchrenorm  # normlab.convert imports this module
+
+        return to_sync_batchrenorm(module, process_group, cls)
 
 
 #: The batch renormalization layers, for ``isinstance``: :class:`BatchRenorm1d`, :class:`BatchRenorm2d`,

@@ -1,0 +1,92 @@
+""":meth:`SyncBatchRenorm.convert_sync_batchrenorm <normlab.nn.SyncBatchRenorm.convert_sync_batchrenorm>`: each
+BatchRenorm becomes its synchronized version, computing what it computed.
+
+Recognized by ``forward``, as :mod:`normlab.convert` recognizes BatchNorms:
+
+* :class:`~normlab.nn.BatchRenorm1d`/``2d``/``3d`` (or a subclass keeping their forward) ->
+  :class:`~normlab.nn.SyncBatchRenorm`;
+* :class:`~normlab.integrations.timm.BatchRenormAct2d` (norm, then ``drop``, then ``act``) ->
+  :class:`~normlab.integrations.timm.SyncBatchRenormAct` holding the same ``drop`` and ``act`` modules (a plain
+  ``SyncBatchRenorm`` would keep them as children and never call them: timm#1254's bug);
+* any other BatchRenorm subclass (its own forward computes something unknown) is left as it is, and every such
+  module is named in one ``UserWarning``.
+
+The new layer *shares* the old one's parameter and buffer tensors (optimizers built before the conversion stay
+valid), takes its settings (``eps``, ``momentum``, ``affine``, ``track_running_stats``, the bias, ``check_finite``,
+the schedule or limits, the training mode, ``qconfig``) and is set under every name that held the old one.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+from torch import nn
+
+from normlab.convert.recognize import module_names, swap_modules, unique_modules, warn_lost_hooks
+from normlab.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm, _BatchRenorm
+
+__all__ = ["to_sync_batchrenorm"]
+
+_PLAIN = (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d)
+
+
+def _sync_class(m: nn.Module, plain: type) -> type | None:
+    """The synchronized class computing what ``m`` computes (``plain`` for a plain BatchRenorm), or None (a
+    subclass with its own forward)."""
+    if any(type(m).forward is cls.forward and isinstance(m, cls) for cls in _PLAIN):
+        return plain
+    na = sys.modules.get("normlab.integrations.timm")  # loaded whenever a BatchRenormAct2d exists
+    if na is not None and isinstance(m, na.BatchRenormAct2d) and type(m).forward is na.BatchRenormAct2d.forward:
+        return na.SyncBatchRenormAct
+    return None
+
+
+def _sync_layer(m: nn.Module, cls: type, process_group) -> nn.Module:
+    """A ``cls`` sharing ``m``'s parameters and buffers, with its settings (and its drop/act modules)."""
+    kw = dict(
+        eps=m.eps,
+        momentum=m.momentum,
+        affine=m.affine,
+        track_running_stats=m.track_running_stats,
+        process_group=process_group,
+        bias=m.bias is not None,
+        check_finite=m.check_finite,
+    )
+    if hasattr(cls, "_init_act"):  # a NormAct class: norm, then drop, then act (m's own, or none)
+        kw["apply_act"] = False
+    new = cls(m.num_features, **kw)
+    new.schedule, new.rmax, new.dmax = m.schedule, m.rmax, m.dmax
+    for name, p in m._parameters.items():
+        new._parameters[name] = p
+    for name, b in m._buffers.items():
+        new._buffers[name] = b
+    if hasattr(cls, "_init_act") and hasattr(m, "drop") and hasattr(m, "act"):
+        new.drop, new.act = m.drop, m.act
+    if hasattr(m, "qconfig"):
+        new.qconfig = m.qconfig
+    return new.train(m.training)
+
+
+def to_sync_batchrenorm(module: nn.Module, process_group=None, plain: type = SyncBatchRenorm) -> nn.Module:
+    """``module`` with every BatchRenorm (not yet synchronized) replaced by its synchronized version (``plain``
+    for a plain BatchRenorm: the class ``convert_sync_batchrenorm`` is called on); returns the new root when
+    ``module`` itself is replaced (the rules: this module's docstring)."""
+    names = module_names(module)
+    new, unknown = {}, []
+    for m in unique_modules(module, lambda m: isinstance(m, _BatchRenorm) and not isinstance(m, SyncBatchRenorm)):
+        cls = _sync_class(m, plain)
+        if cls is None:
+            unknown.append(f"{names[id(m)]} ({type(m).__name__})")
+        else:
+            new[id(m)] = _sync_layer(m, cls, process_group)
+    if unknown:
+        warnings.warn(
+            "SyncBatchRenorm.convert_sync_batchrenorm: left as they are (BatchRenorm subclasses with their own "
+            f"forward, which a SyncBatchRenorm would not compute): {', '.join(unknown)}",
+            UserWarning,
+            stacklevel=3,
+        )
+    replaced = unique_modules(module, lambda m: id(m) in new)
+    warn_lost_hooks(replaced, names, "SyncBatchRenorm.convert_sync_batchrenorm")
+    return swap_modules(module, new)
