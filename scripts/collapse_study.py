@@ -1,4 +1,5 @@
-"""Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d`` (docs/monitor.md).
+"""Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d``
+(docs/research/monitor_calibration.md).
 
     python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
     python scripts/collapse_study.py analyze  [--out runs/collapse_study]
@@ -13,10 +14,10 @@ JSONL per run (first line: the run's header with the layer list; then one line p
 norm and per layer output_var, shift_term, variance_term, input_sq). A finished run is not rerun. ``analyze`` fits
 every candidate rule's threshold on one half of the seeds (seed parity) and reports it on the other, then swaps.
 ``evaluate`` fits nothing: it scores the rules the library ships, with their default thresholds, on every complete
-seed (the held-out width 1.0: docs/monitor.md), replaying the detector classes on the records.
+seed (the held-out width 1.0: docs/research/monitor_calibration.md), replaying the detector classes on the records.
 ``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
 ``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
-learning rate (``mon.risk.suggested_lr``), the same run restarted at that rate.
+learning rate (the regime warning's ``details["suggested_lr"]``), the same run restarted at that rate.
 
 Seeds 0-99 are never used (kept for independent checks).
 """
@@ -38,7 +39,7 @@ from torch import nn
 
 NORMS = {"none": ("none", "conv"), "bn": ("bn", "conv"), "pws": ("none", "pws")}
 LRS = (0.05, 0.1, 0.2)
-WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (docs/monitor.md)
+WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (docs/research/monitor_calibration.md)
 CONTROL_LR = 0.01  # healthy controls: BN at lr 0.01
 STEPS = 300
 BATCH = 128
@@ -116,24 +117,33 @@ def _evaluable(model, kind, guard) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def _old_detector():
-    """The monitor's alarm before the countdown (factor rules, defaults; only the output layer exempt)."""
-    from normlab.monitor.alarm import CollapseDetector
-    from normlab.monitor.monitor import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
+def rules():
+    """The rules the study's monitor ships with (a fresh set per call): the library's defaults. The live monitor and
+    :func:`replay` both read this, so a test that patches it changes both."""
+    from normlab.monitor.rules import DEFAULT_RULES
 
-    return CollapseDetector(
-        explode_factor=dict(DEFAULT_EXPLODE_FACTOR),
-        watch=("output_var", "shift"),
-        min_initial=dict(DEFAULT_MIN_INITIAL),
-        baseline_records=1,
-        implode_factor=dict(DEFAULT_IMPLODE_FACTOR),
-    )
+    return DEFAULT_RULES()
+
+
+def _old_detector():
+    """The monitor's alarm before the countdown: the factor rule with its defaults, only the output layer exempt."""
+    from normlab.monitor.rules import FactorRule
+
+    return FactorRule()
 
 
 def _old_check(old, step, records):
-    ran = [r for r in records if r["kind"] != "norm" and "output_var" in r]
-    out = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-    return old.check(step, records, out, shrink_layers=out)
+    """The old alarm's event at ``step``: the factor rule told only which layer is the output layer."""
+    from normlab.monitor.rules import StepContext, context_from_records
+
+    ctx = context_from_records(step, records)
+    return old.check(StepContext(step=step, output_layer=ctx.output_layer), records)
+
+
+def _regime_dict(event) -> dict | None:
+    """The regime rule's warning as a dict: step, layer and its details (shift_term, variance_term, ratio, case,
+    suggestion, suggested_lr), or None."""
+    return None if event is None else {"step": event.step, "layer": event.layer, **event.details}
 
 
 def train_run(cfg, steps=None, guard_kwargs=None):
@@ -143,18 +153,18 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     replayed on the records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
-    from normlab.runner.training.collapse import CollapseTracker
+    from normlab.monitor.collapse import CollapseTracker
 
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     study = guard_kwargs is None
-    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    mon = VarianceMonitor(model, every=1, rules=rules(), optimizer=opt)
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    tracker = CollapseTracker(10)
+    tracker = CollapseTracker(math.log(10))
     lines, loss_fn, gave_up = [], nn.CrossEntropyLoss(), None
     kept = []  # guard: the losses of the trajectory the model is on (a rolled-back episode's losses are dropped)
     for step in range(steps):
@@ -198,14 +208,14 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         "test_acc": _accuracy(model, xt, yt) if _evaluable(model, kind, guard) else None,
         "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
         "old_alarm": old_alarm,
-        "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict(),
+        "risk": _regime_dict(next((e for e in mon.events if e.rule == "regime"), None)),
     }
     if guard is not None:
         summary["rescues"] = [r.to_dict() for r in guard.rescues]
         summary["dismissed"] = [d.to_dict() for d in guard.dismissed]
         summary["gave_up"] = gave_up
         summary["kept_losses"] = kept
-        kept_tracker = CollapseTracker(10)
+        kept_tracker = CollapseTracker(math.log(10))
         for value in kept:
             kept_tracker.update(value)
         summary["kept_kind"] = kept_tracker.finish()
@@ -327,7 +337,7 @@ def prepare(run) -> dict:
         if bad:
             growth.append(INF), level.append(INF), gratio.append(INF), growth_x.append(INF), level_x.append(INF)
             shift_in.append(set(hidden)), pws_ratio.append({n: INF for n in hidden})
-            ratios.append({})  # RegimeDetector: a non-finite term is not in the regime (its streak ends)
+            ratios.append({})  # RegimeRule: a non-finite term is not in the regime (its streak ends)
             continue
         prev = steps[t - 2]["L"] if t >= 2 else None
         rates = {n: -INF for n in hidden}
@@ -551,7 +561,7 @@ GUARD_EVERY, GUARD_KEEP, GUARD_MARGIN = 10, 3, 5
 
 def regime3_step(r, ratio, w) -> float:
     """First step at which some non-exempt hidden layer has had shift_term > ratio x variance_term for w
-    consecutive steps (a non-finite step is not in the regime, as in RegimeDetector)."""
+    consecutive steps (a non-finite step is not in the regime, as in RegimeRule)."""
     streak: dict[str, int] = {}
     for t, per_layer in enumerate(r["ratios"]):
         streak = {n: streak.get(n, 0) + 1 for n, q in per_layer.items() if q > ratio}
@@ -657,8 +667,8 @@ def choose_guard(runs):
 
 
 def round3(raw_runs) -> str:
-    """Round 3's choices on the calibration runs (docs/monitor.md): the regime rule (ratio, window) and the guard's
-    (confirm, loss_climb), with the score of every candidate."""
+    """Round 3's choices on the calibration runs (docs/research/monitor_calibration.md): the regime rule (ratio,
+    window) and the guard's (confirm, loss_climb), with the score of every candidate."""
     runs = [prepare(r) for r in raw_runs]
     out = [f"{len(runs)} calibration runs, seeds {sorted({r['cfg']['seed'] for r in runs})}"]
     out += _outcomes([{**r, "test_acc": None} for r in runs])
@@ -675,8 +685,9 @@ def round3(raw_runs) -> str:
 
 
 def round4(raw_runs) -> str:
-    """Round 4's choice (docs/monitor.md): the round-3 guard with and without ``chance_loss = ln 10`` (the loss
-    climb measured towards chance, and a waiting alarm confirmed by a dead network), on the calibration runs."""
+    """Round 4's choice (docs/research/monitor_calibration.md): the round-3 guard with and without
+    ``chance_loss = ln 10`` (the loss climb measured towards chance, and a waiting alarm confirmed by a dead network),
+    on the calibration runs."""
     runs = [prepare(r) for r in raw_runs if r["cfg"]["norm"] != "bn"]
     out = [f"{len(runs)} calibration runs (none/pws), seeds {sorted({r['cfg']['seed'] for r in runs})}"]
     scores = {}
@@ -709,35 +720,26 @@ def replay_records(run, line) -> list[dict]:
     return out
 
 
-def shipped_detectors():
-    """The factor rules (the same detector as :func:`_old_detector`; the monitor adds the shift exemption of
-    renormalized layers), the countdown alarm and the regime warning, with the defaults VarianceMonitor ships."""
-    from normlab.monitor.alarm import CountdownDetector
-    from normlab.monitor.monitor import DEFAULT_COUNTDOWN, DEFAULT_RISK
-    from normlab.monitor.regime import RegimeDetector
-
-    return _old_detector(), CountdownDetector(**DEFAULT_COUNTDOWN), RegimeDetector(**DEFAULT_RISK)
-
-
 def replay(run) -> dict:
-    """First step of the shipped alarm (factor rules or countdown, as ``VarianceMonitor`` combines them), of the
-    countdown alone and of the regime warning, replayed on the collected records (None: never)."""
-    from normlab.monitor.regime import exempt_layers
+    """First step of the shipped alarm (the first alarm of :func:`rules`, as ``VarianceMonitor`` keeps it), of the
+    countdown alone and of the regime warning, replayed on the collected records with the library's
+    :func:`~normlab.monitor.rules.replay` (None: never)."""
+    from normlab.monitor.rules import CountdownRule, context_from_records
+    from normlab.monitor.rules import replay as replay_rules
 
-    factor, countdown, regime = shipped_detectors()
-    first = {"alarm": None, "countdown": None, "risk": None}
+    steps = []
     for line in run["steps"]:
-        recs, t = replay_records(run, line), line["t"]
-        ran = [r for r in recs if r["kind"] != "norm"]
-        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-        renormalized = exempt_layers(recs) - output_layer
-        a = factor.check(t, recs, output_layer, shrink_layers=output_layer, shift_exempt=renormalized)
-        w = regime.check(t, recs)
-        c = countdown.check(t, recs, exempt=renormalized | output_layer, grad_norm=None)
-        for key, hit in (("alarm", a or c), ("countdown", c), ("risk", w)):
-            if hit is not None and first[key] is None:
-                first[key] = hit.step
-    return first
+        recs = replay_records(run, line)
+        steps.append((context_from_records(line["t"], recs), recs))
+    shipped = replay_rules(rules(), steps)
+    countdown = [e for e in replay_rules([r for r in rules() if isinstance(r, CountdownRule)], steps) if e.is_alarm]
+    alarms = [e.step for e in shipped if e.is_alarm]
+    risk = [e.step for e in shipped if e.rule == "regime"]
+    return {
+        "alarm": min(alarms) if alarms else None,
+        "countdown": countdown[0].step if countdown else None,
+        "risk": risk[0] if risk else None,
+    }
 
 
 def _step_or_inf(x) -> float:
@@ -798,7 +800,7 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
     for rule in ("alarm", "countdown", "old"):
         name = {"alarm": "shipped alarm (mon.alarm)", "countdown": "shipped countdown only", "old": "old factor rules"}
         out.append(f"{name[rule]}: {_fmt(score_countdown(runs, lambda r, k=rule: r[k]))}")
-    out.append(f"regime warning (mon.risk): {_fmt(score_regime_steps(runs, lambda r: r['risk']))}")
+    out.append(f"regime warning (regime rule): {_fmt(score_regime_steps(runs, lambda r: r['risk']))}")
     out.append("per run (step of the collapse / alarm / countdown / old / regime; inf: never):")
     out += [_run_line(r) for r in runs]
     return "\n".join(out)

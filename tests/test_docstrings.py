@@ -25,10 +25,17 @@ MODULES = [
     "normlab.monitor.records",
     "normlab.monitor.log",
     "normlab.monitor.plotting",
-    "normlab.monitor.alarm",
+    "normlab.monitor.optim_step",
+    "normlab.monitor.rules",
+    "normlab.monitor.rules.variance",
+    "normlab.monitor.rules.regime",
     "normlab.monitor.guard",
     "normlab.monitor.layers",
     "normlab.monitor.spp",
+    "normlab.monitor.collapse",
+    "normlab.monitor.rules.base",
+    "normlab.monitor.rules.replay",
+    "normlab.monitor.rules.practitioners",
     "normlab.runner.models",
 ]
 # The public API: every class and function in these modules' __all__ documents itself with an Example.
