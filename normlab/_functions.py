@@ -48,6 +48,15 @@ def takes_fused(x: Tensor, running_mean: Tensor, running_var: Tensor) -> bool:
     return plain_eager(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
 
 
+def _affine_forward(x, weight, bias, mean, invstd, r, d):
+    if weight is None:
+        scale, shift = r, d if bias is None else bias + d
+    else:
+        scale = weight * r
+        shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+    return _channel_affine(x, mean, invstd * scale, shift)
+
+
 class _BatchNormWithAffine(torch.autograd.Function):
     """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
 
@@ -55,23 +64,16 @@ class _BatchNormWithAffine(torch.autograd.Function):
     normalize kernel. Backward: BatchNorm's backward kernel (``native_batch_norm_backward`` with the saved mean and
     inverse std, as in BatchNorm training), then ``dL/dweight = dL/dscale * r + dL/dshift * d``, ``dL/dbias =
     dL/dshift``. r and d are constants (no gradient). The backward is built from differentiable ops, so double
-    backward works as for BatchNorm.
+    backward works as for BatchNorm. This is the form with ``ctx`` in ``forward``: ``Function.apply`` binds the
+    arguments of the separate form (:class:`_BatchNormWithAffineFunc`, which torch.func needs) with
+    ``inspect.signature`` on every call, which costs more than the kernels at small shapes.
     """
 
     @staticmethod
-    def forward(x, weight, bias, mean, invstd, r, d, eps):
-        if weight is None:
-            scale, shift = r, d if bias is None else bias + d
-        else:
-            scale = weight * r
-            shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
-        return _channel_affine(x, mean, invstd * scale, shift)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # the separate form torch.func.grad/jacrev/functional_call can run
-        x, weight, bias, mean, invstd, r, d, eps = inputs
+    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
         ctx.save_for_backward(x, weight, mean, invstd, r, d)
         ctx.eps, ctx.has_bias = eps, bias is not None
+        return _affine_forward(x, weight, bias, mean, invstd, r, d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -85,6 +87,23 @@ class _BatchNormWithAffine(torch.autograd.Function):
         gw = None if weight is None else torch.addcmul(gscale * r, gshift, d).to(weight.dtype)
         gb = gshift if ctx.has_bias else None
         return gx, gw, gb, None, None, None, None, None
+
+
+class _BatchNormWithAffineFunc(torch.autograd.Function):
+    """:class:`_BatchNormWithAffine` in the separate form (``setup_context``) that torch.func.grad/jacrev/vmap and
+    functional_call can run; the same backward."""
+
+    @staticmethod
+    def forward(x, weight, bias, mean, invstd, r, d, eps):
+        return _affine_forward(x, weight, bias, mean, invstd, r, d)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, mean, invstd, r, d, eps = inputs
+        ctx.save_for_backward(x, weight, mean, invstd, r, d)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+
+    backward = _BatchNormWithAffine.backward
 
 
 def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Tensor:
@@ -115,7 +134,8 @@ def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps
         inv_sigma = torch.rsqrt(prior[1] + eps)
         r = clip(inv_sigma.div(invstd), rmax, inverse=True)
         d = clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
-    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
+    fn = _BatchNormWithAffineFunc if torch._C._are_functorch_transforms_active() else _BatchNormWithAffine
+    return fn.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
 
 
 # --------------------------------------------------------------------------------------------------

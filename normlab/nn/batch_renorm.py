@@ -41,7 +41,6 @@ from string import Template
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -149,20 +148,28 @@ class RenormSchedule:
 
     def _fraction(self, step, end: int):
         span = end - self.warmup_steps
-        if isinstance(step, Tensor):
-            s = step.to(torch.float64)
-            if span == 0:
-                return (s >= end).to(torch.float64)
-            return ((s - self.warmup_steps) / span).clamp(0.0, 1.0)
         if span == 0:
             return 1.0 if step >= end else 0.0
         return min(max((step - self.warmup_steps) / span, 0.0), 1.0)
 
     def __call__(self, step: int | Tensor):
         """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
+        if isinstance(step, Tensor):
+            s = step.to(torch.float64)
+            return self._ramp(s, 1.0, self.rmax, self.rmax_steps), self._ramp(s, 0.0, self.dmax, self.dmax_steps)
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
+
+    def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
+        """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
+        ``clamp(a * s + b, start, end)``: three tensor ops, no host read (the value a Python step gives, up to
+        float64 rounding)."""
+        span = end_step - self.warmup_steps
+        if span == 0:
+            return torch.where(s >= end_step, end, start)
+        slope = (end - start) / span
+        return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
@@ -445,7 +452,10 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         scale = r if weight is None else weight * r
         shift = d if weight is None else weight * d
         shift = shift if bias is None else shift + bias
-        out = F.batch_norm(input, None, None, scale.to(pdtype), shift.to(pdtype), True, 0.0, self.eps)
+        # torch.batch_norm, not F.batch_norm: the batch size was checked in forward (F.batch_norm's own check
+        # branches on traced sizes under jit.trace)
+        cudnn = torch.backends.cudnn.enabled
+        out = torch.batch_norm(input, scale.to(pdtype), shift.to(pdtype), None, None, True, 0.0, self.eps, cudnn)
         if update:
             where = type(self).__name__
             mean, var = stats_value(mean, self.running_mean, where), stats_value(var, self.running_var, where)
@@ -463,9 +473,16 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
             finite = torch.isfinite(torch.cat([new[0].flatten(), new[1].flatten()])).all()
         else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
             finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
-        guarded_update((self.running_mean, self.running_var), new, finite, kept)
-        write_buffer(self.num_batches_tracked, self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype))
-        self._count_skipped(finite)
+        running, counters = (self.running_mean, self.running_var), (self.num_batches_tracked, self.skipped_batches)
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            guarded_update(running, new, finite, kept)
+            write_buffer(counters[0], counters[0] + finite.to(counters[0].dtype))
+            self._count_skipped(finite)
+            return
+        for buf, value, old in zip(running, new, kept):  # eager: the same ops written into the buffers
+            torch.where(finite, value.to(buf.dtype), old, out=buf)
+        counters[0].add_(finite)
+        counters[1].add_(~finite)
 
     # ------------------------------------------------------------------ activation checkpointing
     def _record(self, input: Tensor, prior, rmax, dmax) -> None:
