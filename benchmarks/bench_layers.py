@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -119,6 +120,8 @@ def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
     """One row per shape, layout and candidate; the first candidate is the reference of the ratios."""
     rows = []
     for shape in shapes:
+        if args.max_numel and math.prod(shape) > args.max_numel:
+            continue
         for layout in _layouts(shape):
             repeats, iters = _sizes(shape)
             cands = candidates_for(shape)
@@ -252,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (the range of their ratios)")
     parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, sn, in, crossq")
     parser.add_argument("--compile", action="store_true", help="brn and sn with both sides under torch.compile")
+    parser.add_argument("--max-numel", type=int, default=0, help="skip shapes with more elements (0: none skipped)")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -3,7 +3,8 @@
 A read-back (``.item()``, ``bool(t)``, ``int(t)``, ``float(t)``, ``.tolist()``, ``.numpy()``) makes the host wait
 for the device: on a GPU, one synchronisation per layer per step. torch's BatchNorm has none. The count is taken on
 CPU, where normlab takes the same route as on CUDA (no device-dependent branch decides whether to read back):
-``aten._local_scalar_dense`` / ``aten.is_nonzero`` / ``aten.item`` under a ``TorchDispatchMode``, and the
+``aten._local_scalar_dense`` / ``aten.is_nonzero`` / ``aten.item`` / ``aten.equal`` under a ``TorchDispatchMode``,
+and copies to the host, and the
 ``Tensor.tolist``/``Tensor.numpy`` calls (which read CPU memory without dispatching), over the forward and backward
 of a training step and the forward of an eval step, after two warm-up steps.
 """
@@ -35,7 +36,7 @@ from normlab.nn import (
 )
 
 aten = torch.ops.aten
-READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default}
+READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.item.default, aten.equal.default}
 C = 4
 SPATIAL = {1: (6,), 2: (5, 6), 3: (3, 4, 5)}
 CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
@@ -111,7 +112,9 @@ def _build(cls, kw):
     kw = dict(kw)
     steps, fmt, dtype = kw.pop("steps", 0), kw.pop("fmt", False), kw.pop("dtype", torch.float32)
     if cls.__name__.startswith(("WSConv", "PWSConv")):
-        m = cls(C, 3, 3, padding=1, **kw)
+        # weight_cache="auto" is "off" on every device but the CPU, where the eval cache compares the parameters by
+        # value (torch.equal): the route CUDA takes is "off"
+        m = cls(C, 3, 3, padding=1, weight_cache="off", **kw)
     else:
         m = cls(C, **kw)
     if steps:
@@ -153,6 +156,19 @@ def test_no_read_back_in_a_training_or_eval_step(cls, shape, kw, monkeypatch):
         m(_input(shape, fmt, dtype, 103))
         m(_input(shape, fmt, dtype, 104))
     assert reads.ops + calls == [], f"eval step: {reads.ops + calls}"
+
+
+def test_weight_cache_auto_is_off_off_the_cpu():
+    """The one device-dependent choice on the WS/PWS route: the value-verified eval cache only on the CPU (where a
+    comparison is no device synchronisation); elsewhere "auto" recomputes the kernel, the route counted above."""
+    m = WSConv2d(C, 3, 3).eval()
+    m.to("meta")
+    assert m.weight_cache == "auto"
+    calls = []
+    m._compute_weight = lambda: calls.append(1) or torch.empty(3, C, 3, 3, device="meta")
+    m.effective_weight()
+    m.effective_weight()
+    assert calls == [1, 1]  # recomputed each time: no cache to verify
 
 
 def test_pws_init_alpha_still_initialises_once_and_reads_again_after_a_load():

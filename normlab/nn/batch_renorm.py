@@ -385,10 +385,10 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         """Input (N, C, *) -> output of the same shape, dtype and memory format.
 
         The route is decided here, once: eval (or no running statistics, or an empty batch) is BatchNorm's own
-        call; a training step is :meth:`_train_step`, whose kernels are chosen by :func:`takes_fused` (eager with
+        call; a training step is ``_train_step``, whose kernels are chosen by ``takes_fused`` (eager with
         BatchNorm's kernels, else the composite ops torch.compile / torch.export / jit.trace / torch.func trace),
         the same choice on every device. Inside a backward pass (a checkpoint recomputation) the step replays the
-        recorded forward (:meth:`_replay`)."""
+        recorded forward (``_replay``)."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
         if not self._updating() or static_numel(input) == 0:
