@@ -122,6 +122,8 @@ def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
     for shape in shapes:
         if args.max_numel and math.prod(shape) > args.max_numel:
             continue
+        if args.shape and ",".join(map(str, shape)) not in args.shape:
+            continue
         for layout in _layouts(shape):
             repeats, iters = _sizes(shape)
             cands = candidates_for(shape)
@@ -256,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, sn, in, crossq")
     parser.add_argument("--compile", action="store_true", help="brn and sn with both sides under torch.compile")
     parser.add_argument("--max-numel", type=int, default=0, help="skip shapes with more elements (0: none skipped)")
+    parser.add_argument("--shape", action="append", default=None, help="only this shape, e.g. 4,64,8,16,16 (repeat)")
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
