@@ -171,19 +171,56 @@ def test_weight_cache_auto_is_off_off_the_cpu():
     assert calls == [1, 1]  # recomputed each time: no cache to verify
 
 
-def test_pws_init_alpha_still_initialises_once_and_reads_again_after_a_load():
+@pytest.mark.parametrize("cls", [PWSConv1d, PWSConv2d, PWSConv3d])
+def test_pws_init_alpha_still_initialises_once_and_reads_again_after_a_load(cls):
     """The Python flag that ends the read-back follows the buffer: set once the init is seen done, re-armed by
     load_state_dict and reset_parameters (a loaded pending state initialises again at the next training step)."""
-    m = PWSConv2d(C, 3, 3, init_alpha=True)
-    x = _input((2, C, 5, 6), False, torch.float32, 100)
+    m = cls(C, 3, 3, init_alpha=True)
+    k = len(m.kernel_size)
+    x = _input((2, C) + SPATIAL[k], False, torch.float32, 100)
     m(x)
     alpha = m.alpha.detach().clone()
     assert bool(m.alpha_initialized) and not torch.equal(alpha, torch.ones(3))
     m(x * 3)  # reads the flag once, finds it done
     m(x * 5)
     assert torch.equal(m.alpha.detach(), alpha) and m._alpha_done
-    pending = PWSConv2d(C, 3, 3, init_alpha=True).state_dict()
+    pending = cls(C, 3, 3, init_alpha=True).state_dict()
     m.load_state_dict(pending)
     assert not m._alpha_done and not bool(m.alpha_initialized)
     m(x)
     assert bool(m.alpha_initialized) and not torch.equal(m.alpha.detach(), torch.ones(3))
+    m(x)
+    m.reset_parameters()
+    assert not m._alpha_done and not bool(m.alpha_initialized)
+    m(x)
+    assert bool(m.alpha_initialized) and not torch.equal(m.alpha.detach(), torch.ones(3))
+
+
+COUNTING = [
+    (BatchRenorm1d, "BatchNorm1d", {}),
+    (BatchRenorm2d, "BatchNorm2d", {}),
+    (BatchRenorm3d, "BatchNorm3d", {}),
+    (SyncBatchRenorm, "SyncBatchNorm", {}),
+    (InstanceNorm1d, "InstanceNorm1d", {"track_running_stats": True, "affine": True}),
+    (InstanceNorm2d, "InstanceNorm2d", {"track_running_stats": True, "affine": True}),
+    (InstanceNorm3d, "InstanceNorm3d", {"track_running_stats": True, "affine": True}),
+]
+
+
+@pytest.mark.parametrize("cls,torch_name,kw", COUNTING, ids=[c[0].__name__ for c in COUNTING])
+def test_skipped_batches_is_not_in_the_state_dict(cls, torch_name, kw):
+    """The count is a non-persistent buffer: state_dict keys stay torch's, checkpoints load both ways, and it moves
+    with the module."""
+    m, ref = cls(C, **kw), getattr(torch.nn, torch_name)(C, **kw)
+    assert list(m.state_dict()) == list(ref.state_dict())
+    m.load_state_dict(ref.state_dict())
+    ref.load_state_dict(m.state_dict())
+    assert m.skipped_batches.dtype == torch.long and m.skipped_batches.shape == ()
+    assert m.double().skipped_batches.dtype == torch.long  # an integer buffer: .double() leaves it alone
+
+
+@pytest.mark.parametrize("cls", [SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d])
+def test_switchable_counts_only_with_its_bn_component(cls):
+    assert "skipped_batches" not in cls(C).state_dict() and int(cls(C).skipped_batches) == 0
+    assert cls(C, using_bn=False).skipped_batches is None
+    assert InstanceNorm2d(C).skipped_batches is None  # no running statistics, nothing to skip
