@@ -224,3 +224,28 @@ def test_switchable_counts_only_with_its_bn_component(cls):
     assert "skipped_batches" not in cls(C).state_dict() and int(cls(C).skipped_batches) == 0
     assert cls(C, using_bn=False).skipped_batches is None
     assert InstanceNorm2d(C).skipped_batches is None  # no running statistics, nothing to skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda d: BatchRenorm2d(C, device=d),
+        lambda d: SyncBatchRenorm(C, device=d),
+        lambda d: SwitchableNorm2d(C, device=d),
+        lambda d: InstanceNorm2d(C, track_running_stats=True, device=d),
+    ],
+    ids=["BatchRenorm2d", "SyncBatchRenorm", "SwitchableNorm2d", "InstanceNorm2d"],
+)
+def test_reset_running_stats_zeroes_the_count_also_after_to_empty(make):
+    """Built on the meta device, to_empty() leaves uninitialised memory: reset_parameters() (which calls
+    reset_running_stats) must zero the count as it zeroes the statistics; a reset also forgets what was reported."""
+    m = make("meta").to_empty(device="cpu")
+    m.skipped_batches.fill_(123456)
+    m.reset_parameters()
+    assert int(m.skipped_batches) == 0
+    m(torch.full((4, C, 5, 6), float("nan")))
+    assert int(m.skipped_batches) == 1 and m._report_skipped.__self__ is m
+    with pytest.warns(RuntimeWarning, match="1 training batch"):
+        m.eval()
+    m.reset_running_stats()
+    assert int(m.skipped_batches) == 0 and m._reported_skips == 0

@@ -30,6 +30,13 @@ class SkippedBatches:
         self.register_buffer("skipped_batches", torch.zeros((), dtype=torch.long, device=device), persistent=False)
         self._reported_skips = 0
 
+    def _reset_skipped(self) -> None:
+        """Zero the count (``reset_running_stats``; also after ``to_empty``, where the buffer holds garbage)."""
+        buf = self.__dict__.get("_buffers", {}).get("skipped_batches")
+        if buf is not None:
+            buf.zero_()
+            self._reported_skips = 0
+
     def _count_skipped(self, finite: Tensor) -> None:
         """``skipped_batches += not finite`` (tensor ops; under torch.func the write leaves the transforms)."""
         from .._dispatch import write_buffer

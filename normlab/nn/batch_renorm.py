@@ -326,6 +326,11 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         self.check_finite = bool(check_finite)
         self._init_skipped(device)
 
+    def reset_running_stats(self) -> None:
+        """BatchNorm's reset (running statistics and ``num_batches_tracked``), and the ``skipped_batches`` count."""
+        super().reset_running_stats()
+        self._reset_skipped()
+
     # ------------------------------------------------------------------ checks
     def _check_input_dim(self, input: Tensor) -> None:
         if input.dim() not in self._expected_dims:

@@ -139,6 +139,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
             self.running_mean.zero_()
             self.running_var.fill_(1)
             self.num_batches_tracked.zero_()
+            self._reset_skipped()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()

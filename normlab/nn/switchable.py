@@ -135,6 +135,7 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
         if self.using_bn:
             self.running_mean.zero_()
             self.running_var.zero_()
+            self._reset_skipped()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
