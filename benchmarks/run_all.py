@@ -8,8 +8,11 @@ ratios; this runner only calls them one after the other (never in parallel: they
 CPU thread. ``bench_table`` is the issue-10 table (layers, convolutions, whole networks, peak memory,
 torch.compile) and rewrites this device's section of ``--results``.
 
-- ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws) on the GPU; the CPU-only
-  ones (bench_batch_renorm, bench_monitor) are skipped. bench_table alone takes under 5 minutes on a GPU.
+``bench_layers`` is issue 25's layer-cost table (BatchRenorm/SwitchableNorm/InstanceNorm against torch's layers at
+the issue's shapes, and a CrossQ critic update against BatchNorm and torchrl's BatchRenorm1d when torchrl imports).
+
+- ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws, bench_layers) on the GPU;
+  the CPU-only ones (bench_batch_renorm, bench_monitor) are skipped. bench_table alone takes under 5 minutes on a GPU.
 - ``--quick``: only ``bench_table --quick`` (small shapes, 3 rounds, no torch.compile, seconds), results to
   ``--out`` only: a smoke test, not a measurement.
 """
@@ -22,8 +25,8 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TAKES_DEVICE = {"bench_table", "bench_norms", "bench_pws"}
-TAKES_THREADS = {"bench_table", "bench_norms", "bench_pws", "bench_batch_renorm", "bench_monitor"}
+TAKES_DEVICE = {"bench_table", "bench_norms", "bench_pws", "bench_layers"}
+TAKES_THREADS = {"bench_table", "bench_norms", "bench_pws", "bench_batch_renorm", "bench_monitor", "bench_layers"}
 
 
 def _command(script: Path, args, out: Path) -> list[str] | None:

@@ -4,15 +4,14 @@ non-finite policy. Each is defined here once; ``normlab.functional``, ``normlab.
 
 Non-finite policy (every normalization layer with running statistics, see ``docs/design.md``): a training batch
 whose statistics are not finite (NaN/inf in the input, or a variance that overflows) never changes the running
-statistics nor the step counter ``num_batches_tracked`` (eager and compiled, with tensor ops where no host
-synchronisation is allowed); eager additionally emits one RuntimeWarning per call naming the layer
-(:func:`warn_non_finite`). No exception: the output carries the NaN, as torch's layers do.
+statistics nor the step counter ``num_batches_tracked``, with tensor ops only (no host synchronisation, on every
+device, eager or compiled: :func:`guarded_update`); the layers count such batches on the device and warn later
+(:mod:`normlab.nn._non_finite`). No exception: the output carries the NaN, as torch's layers do.
 """
 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -95,8 +94,10 @@ def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]
     (fewer dispatched ops).
     """
     with torch.no_grad():
-        same = running_mean.dtype == running_var.dtype and running_mean.shape == running_var.shape
-        if not (same and torch.compiler.is_compiling()):
+        # the shapes are compared only when compiling (under jit.trace they are traced tensors)
+        if not torch.compiler.is_compiling() or running_mean.dtype != running_var.dtype:
+            return running_mean.clone(), running_var.clone()
+        if running_mean.shape != running_var.shape:
             return running_mean.clone(), running_var.clone()
         both = torch.stack([running_mean, running_var])
         return both[0], both[1]
@@ -136,14 +137,27 @@ def stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
 
 
 @torch.no_grad()
-def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor) -> None:
-    """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else unchanged: the non-finite policy's
-    tensor ops (no host synchronisation or data-dependent branch, so torch.compile and torch.export protect the
-    buffers as eager does)."""
-    for buf, new in zip(buffers, values):
-        new = torch.where(finite, new.to(buf.dtype), buf)
-        with _outside_transforms(buf, new):
-            buf.copy_(new)
+def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor, kept=None) -> None:
+    """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else ``kept`` (default: the buffer itself,
+    unchanged): the non-finite policy's tensor ops (no host synchronisation or data-dependent branch, so eager,
+    torch.compile and torch.export protect the buffers alike, on every device)."""
+    kept = buffers if kept is None else kept
+    for buf, new, old in zip(buffers, values, kept):
+        write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
+
+
+@torch.no_grad()
+def write_buffer(buf: Tensor, new: Tensor) -> None:
+    """``buf <- new`` in place (also from inside torch.func transforms, see :func:`_outside_transforms`)."""
+    with _outside_transforms(buf, new):
+        buf.copy_(new)
+
+
+def static_numel(x: Tensor, start: int = 0, end: int | None = None) -> int:
+    """The number of elements of ``x.shape[start:end]`` as a Python int. ``torch.Size.numel`` is computed from the
+    static sizes, so torch.jit.trace (where ``x.shape[i]`` and ``x.numel()`` are traced tensors) gives an int and
+    no TracerWarning for a shape check."""
+    return x.shape[start:end].numel()
 
 
 def _outside_transforms(buf: Tensor, new: Tensor):
@@ -155,20 +169,3 @@ def _outside_transforms(buf: Tensor, new: Tensor):
     if ft.is_functorch_wrapped_tensor(buf) or ft.is_batchedtensor(new):  # batched buffers (ensembling): vmap writes
         return contextlib.nullcontext()
     return torch._C._DisableFuncTorch()
-
-
-def warn_non_finite(where: str, finite: Tensor | bool, x: Tensor) -> None:
-    """The non-finite policy's eager part: one RuntimeWarning naming the layer when ``finite`` is False. Nothing
-    where the host may not wait for the device (torch.compile, torch.export, jit.trace), on the meta device, or
-    when ``finite`` is batched by torch.func.vmap (no single answer)."""
-    if x.device.type == "meta" or not can_sync():
-        return
-    if isinstance(finite, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(finite):
-        return
-    if not bool(finite):
-        warnings.warn(
-            f"{where}: non-finite batch statistics (NaN/inf in the input, or a variance that overflows); "
-            "the running statistics (and num_batches_tracked) were left unchanged",
-            RuntimeWarning,
-            stacklevel=3,
-        )

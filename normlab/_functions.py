@@ -21,16 +21,15 @@ from ._dispatch import (
     plain_eager,
     recomputing,
     same_layout,
+    static_numel,
     stats_dtype,
     stats_value,
-    warn_non_finite,
 )
 
 __all__ = [
     "is_identity",
     "takes_fused",
     "fused_batch_renorm",
-    "fused_step_moments",
     "switchable_forward",
 ]
 
@@ -49,6 +48,15 @@ def takes_fused(x: Tensor, running_mean: Tensor, running_var: Tensor) -> bool:
     return plain_eager(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
 
 
+def _affine_forward(x, weight, bias, mean, invstd, r, d):
+    if weight is None:
+        scale, shift = r, d if bias is None else bias + d
+    else:
+        scale = weight * r
+        shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
+    return _channel_affine(x, mean, invstd * scale, shift)
+
+
 class _BatchNormWithAffine(torch.autograd.Function):
     """BatchNorm with precomputed batch statistics and the per-channel affine ``weight * r``, ``bias + weight * d``.
 
@@ -56,23 +64,16 @@ class _BatchNormWithAffine(torch.autograd.Function):
     normalize kernel. Backward: BatchNorm's backward kernel (``native_batch_norm_backward`` with the saved mean and
     inverse std, as in BatchNorm training), then ``dL/dweight = dL/dscale * r + dL/dshift * d``, ``dL/dbias =
     dL/dshift``. r and d are constants (no gradient). The backward is built from differentiable ops, so double
-    backward works as for BatchNorm.
+    backward works as for BatchNorm. This is the form with ``ctx`` in ``forward``: ``Function.apply`` binds the
+    arguments of the separate form (:class:`_BatchNormWithAffineFunc`, which torch.func needs) with
+    ``inspect.signature`` on every call, which costs more than the kernels at small shapes.
     """
 
     @staticmethod
-    def forward(x, weight, bias, mean, invstd, r, d, eps):
-        if weight is None:
-            scale, shift = r, d if bias is None else bias + d
-        else:
-            scale = weight * r
-            shift = weight * d if bias is None else torch.addcmul(bias, weight, d)
-        return _channel_affine(x, mean, invstd * scale, shift)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # the separate form torch.func.grad/jacrev/functional_call can run
-        x, weight, bias, mean, invstd, r, d, eps = inputs
+    def forward(ctx, x, weight, bias, mean, invstd, r, d, eps):
         ctx.save_for_backward(x, weight, mean, invstd, r, d)
         ctx.eps, ctx.has_bias = eps, bias is not None
+        return _affine_forward(x, weight, bias, mean, invstd, r, d)
 
     @staticmethod
     def backward(ctx, grad):
@@ -88,6 +89,23 @@ class _BatchNormWithAffine(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None, None
 
 
+class _BatchNormWithAffineFunc(torch.autograd.Function):
+    """:class:`_BatchNormWithAffine` in the separate form (``setup_context``) that torch.func.grad/jacrev/vmap and
+    functional_call can run; the same backward."""
+
+    @staticmethod
+    def forward(x, weight, bias, mean, invstd, r, d, eps):
+        return _affine_forward(x, weight, bias, mean, invstd, r, d)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, mean, invstd, r, d, eps = inputs
+        ctx.save_for_backward(x, weight, mean, invstd, r, d)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+
+    backward = _BatchNormWithAffine.backward
+
+
 def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Tensor:
     """``(x - mean) * alpha + shift`` per channel, with BatchNorm's inference kernel where it is exact.
 
@@ -95,21 +113,24 @@ def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Te
     with ``running_var = 1`` and ``eps = 0`` computes exactly that for ``weight = a`` (same kernel, same rounding as
     BatchNorm training, any memory format). CUDA: the same native kernel (cuDNN is bypassed).
     """
+    if x.dim() == 5 and channels_last_format(x) is not None:  # the inference kernel has no fast channels_last_3d
+        shape = (1, -1, 1, 1, 1)  # path on the CPU (3-4x slower than this elementwise pass there)
+        beta = torch.addcmul(shift, mean, alpha, value=-1)
+        return torch.addcmul(beta.reshape(shape), x, alpha.reshape(shape))
     ones = torch.ones_like(mean)
     return torch.native_batch_norm(x, alpha, shift, mean, ones, False, 0.0, 0.0)[0]
 
 
-def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior=None):
+def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior):
     """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
-    statistics, exactly as BatchNorm does), r and d from ``prior`` (the running statistics before this batch; cloned
-    here when not given), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few in-place
-    ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm.
-    For the inputs :func:`takes_fused` accepts and a float ``momentum``. Returns ``(y, (batch_mean, batch_var))``."""
+    statistics, exactly as BatchNorm does; not when ``update`` is False), r and d from ``prior`` (the running
+    statistics before this batch), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few
+    in-place ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm.
+    For the inputs :func:`takes_fused` accepts and a float ``momentum``; ``running_mean``/``running_var`` None:
+    nothing is updated (a checkpoint recomputation). Returns ``(y, (batch_mean, batch_var))``."""
     pdtype = param_dtype(x)
     weight, bias = as_param(weight, pdtype), as_param(bias, pdtype)
     with torch.no_grad():
-        if prior is None:
-            prior = (running_mean.clone(), running_var.clone())
         mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
         # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
         # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
@@ -117,14 +138,8 @@ def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps
         inv_sigma = torch.rsqrt(prior[1] + eps)
         r = clip(inv_sigma.div(invstd), rmax, inverse=True)
         d = clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
-    return _BatchNormWithAffine.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
-
-
-def fused_step_moments(x: Tensor, running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
-    """The batch mean and biased variance exactly as :func:`fused_batch_renorm` computes them with these running
-    buffers (bit for bit: the key that matches a checkpoint recomputation to its original forward)."""
-    with torch.no_grad():  # the fused path's kernel call; momentum 0 leaves the copies as they are
-        return torch.batch_norm_update_stats(x.detach(), running_mean.clone(), running_var.clone(), 0.0)
+    fn = _BatchNormWithAffineFunc if torch._C._are_functorch_transforms_active() else _BatchNormWithAffine
+    return fn.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,22 +164,9 @@ def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor,
         variances.append(bn_stats[1])
     mw = torch.softmax(mean_weight.to(mu.dtype), 0)
     vw = torch.softmax(var_weight.to(mu.dtype), 0)
-    if torch.is_grad_enabled() or mw.device.type != "cpu" or not _sn_fused_ok(mu):  # differentiable / traceable
-        mean = sum(w * m for w, m in zip(mw, means))
-        var = sum(w * v for w, v in zip(vw, variances))
-    else:  # inside the fused Function: the same sums with Python-float weights (fewer dispatched ops)
-        a, b = mw.tolist(), vw.tolist()
-        mean, var = means[0] * a[0], variances[0] * b[0]
-        for k in range(1, len(means)):
-            mean.add_(means[k], alpha=a[k])
-            var.add_(variances[k], alpha=b[k])
+    mean = sum(w * m for w, m in zip(mw, means))
+    var = sum(w * v for w, v in zip(vw, variances))
     return mean, var, (means, variances, mw, vw)
-
-
-def _scalars(w: Tensor):
-    """The softmax weights as Python floats on CPU (scalar arithmetic dispatches fewer ops), 0-dim tensors elsewhere
-    (no device synchronisation)."""
-    return w.tolist() if w.device.type == "cpu" else w.unbind()
 
 
 def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
@@ -185,14 +187,15 @@ def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
     """
     means, variances, mw, vw = parts
     mu = means[0]
-    a, b = _scalars(mw), _scalars(vw)
+    a, b = mw.unbind(), vw.unbind()  # 0-dim tensors: never read back to the host
     rows_m, rows_v = d_mean.mean(1, keepdim=True), d_var.mean(1, keepdim=True)
-    d_var_in = torch.add(d_var * b[0], rows_v, alpha=b[1])
-    d_mu = torch.add(d_mean * a[0], rows_m, alpha=a[1]).addcmul_(mu - means[1], rows_v, value=2 * b[1])
+    # 0-dim tensor weights: multiplications, never ``alpha=``/``value=`` (a Scalar argument is a host read)
+    d_var_in = torch.addcmul(d_var * b[0], rows_v, b[1])
+    d_mu = torch.addcmul(d_mean * a[0], rows_m, a[1]).addcmul_(mu - means[1], rows_v * (2 * b[1]))
     if batch_bn:
         cols_m, cols_v = d_mean.mean(0, keepdim=True), d_var.mean(0, keepdim=True)
-        d_var_in.add_(cols_v, alpha=b[2])
-        d_mu.add_(cols_m, alpha=a[2]).addcmul_(mu - means[2], cols_v, value=2 * b[2])
+        d_var_in.addcmul_(cols_v, b[2])
+        d_mu.addcmul_(cols_m, a[2]).addcmul_(mu - means[2], cols_v * (2 * b[2]))
     n, c = mu.shape
     reduced_m, reduced_v = [d_mean, rows_m * c], [d_var, rows_v * c]
     if len(means) == 3:
@@ -422,7 +425,7 @@ def _switchable_double_backward(ctx, grad):
 def _sn_fused_ok(x: Tensor) -> bool:
     """Whether :class:`_SwitchableNormFn` may run: eager on CPU/CUDA with a non-empty input. torch.compile,
     torch.export, jit.trace, torch.func transforms, other devices (meta) and empty inputs take the composite path."""
-    return x.numel() > 0 and plain_eager(x)
+    return static_numel(x) > 0 and plain_eager(x)
 
 
 def switchable_forward(
@@ -440,10 +443,11 @@ def switchable_forward(
     using_moving_average,
     fused,
     where="switchable_norm",
+    skipped=None,
 ):
     """:func:`normlab.functional.switchable_norm` (which calls this), and the layers' forward with their name as
-    ``where``. A non-finite batch leaves the running statistics unchanged and warns (eager; the non-finite policy of
-    :mod:`normlab._dispatch`)."""
+    ``where``. A non-finite batch leaves the running statistics unchanged (tensor ops; the non-finite policy of
+    :mod:`normlab._dispatch`) and, given the layer's ``skipped`` count callback, is counted."""
     if x.dim() < 3:
         raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
     n, c = x.shape[:2]
@@ -451,7 +455,7 @@ def switchable_forward(
     if spatial < 2:
         raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
     has_running = running_mean is not None and running_var is not None
-    update = training and using_bn and has_running and n > 0 and not recomputing()
+    update = training and using_bn and has_running and static_numel(x, 0, 1) > 0 and not recomputing()
     bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, c, stats_dtype(x).dtype)
     if fused is None:
         fused = _sn_fused_ok(x)
@@ -464,5 +468,6 @@ def switchable_forward(
         y = y.to(x.dtype)
     if update and batch is not None:
         finite = _sn_update_running(running_mean, running_var, batch, momentum, using_moving_average, where)
-        warn_non_finite(where, finite, x)
+        if skipped is not None:
+            skipped(finite)
     return y

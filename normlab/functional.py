@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._dispatch import as_param, centered_moments, clip, param_dtype, plain_eager, snapshot, stats_dtype
+from ._dispatch import as_param, centered_moments, clip, param_dtype, plain_eager, snapshot, static_numel, stats_dtype
 from ._functions import fused_batch_renorm, is_identity, switchable_forward, takes_fused
 
 __all__ = [
@@ -76,7 +76,7 @@ def moments(x: Tensor, dims: int | Sequence[int], keepdim: bool = False, correct
         (90000.0, torch.float32)
     """
     dims = _normalize_dims(dims, x.dim(), "moments")
-    count = math.prod([x.shape[d] for d in dims])
+    count = math.prod([static_numel(x, d, d + 1) for d in dims])
     if count - correction <= 0:
         raise ValueError(f"moments: need more than correction={correction} elements over dims {dims}, got {count}")
     mean, var = centered_moments(stats_dtype(x), dims, count, correction)
@@ -211,7 +211,8 @@ def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum
         scale = weight * r
         shift = weight * d if bias is None else bias + weight * d
     y = F.batch_norm(x, None, None, scale, shift, True, 0.0, eps)
-    _update_running(running_mean, running_var, batch_mean, batch_var, x.numel() // x.shape[1], momentum)
+    count = static_numel(x) // static_numel(x, 1, 2)
+    _update_running(running_mean, running_var, batch_mean, batch_var, count, momentum)
     return y
 
 
@@ -290,14 +291,15 @@ def batch_renorm(
             "batch_renorm: momentum must be a float in training with running statistics "
             "(for a cumulative average pass 1 / num_batches_tracked, as BatchRenorm*d does)"
         )
-    if x.numel() == 0:  # BatchNorm's empty output (with a gradient path to weight and bias); nothing to update
+    if static_numel(x) == 0:  # BatchNorm's empty output (with a gradient path to weight and bias); nothing to update
         return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
     if is_identity(rmax, dmax) and not isinstance(momentum, Tensor):
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
     if fused is None:
         fused = takes_fused(x, running_mean, running_var)
     if fused and not isinstance(momentum, Tensor):
-        return fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)[0]
+        prior = snapshot(running_mean, running_var)
+        return fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)[0]
     return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
 
 
@@ -339,9 +341,9 @@ def switchable_norm(
     BatchNorm's CPU kernels; its output is never a view, so in-place ops such as ``relu_`` work); ``fused=False``,
     torch.compile/export, jit.trace, torch.func, the meta device and empty inputs use the composite formula.
 
-    Running statistics: a batch whose BN statistics are not finite leaves them unchanged (tensor ops, also when
-    compiled) and warns in eager mode (RuntimeWarning, the layers' policy: ``docs/design.md``, "Non-finite
-    batches"); an empty batch (N = 0) and the recomputation of activation checkpointing do not update them.
+    Running statistics: a batch whose BN statistics are not finite (tensor ops, no host synchronisation; the layers
+    count such batches: ``docs/design.md``, "Non-finite batches"), an empty batch and checkpointing's recomputation
+    leave them unchanged.
 
     Args:
         x: the input (N, C, *) with more than one spatial value per channel.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -288,19 +289,24 @@ def test_bad_input_errors():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_batch_warns_and_leaves_running_stats(bad):
-    """The non-finite policy (docs/design.md): state unchanged, one RuntimeWarning, no exception (it used to raise)."""
+def test_non_finite_batch_is_counted_and_leaves_running_stats(bad):
+    """The non-finite policy (docs/design.md): state unchanged, counted in skipped_batches without a warning in the
+    step (that would need a host read), one RuntimeWarning at eval(), no exception."""
     m = _clipped_module()
     m(torch.randn(4, 3, 2, 2, dtype=F64))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     x = torch.randn(4, 3, 2, 2, dtype=F64)
     x[1, 2, 0, 1] = bad
-    with pytest.warns(RuntimeWarning, match="BatchRenorm2d: non-finite batch statistics.*left unchanged"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         assert m(x).isnan().any()
     for k, v in m.state_dict().items():
         assert torch.equal(v, before[k]), k
+    assert int(m.skipped_batches) == 1
     m(torch.randn(4, 3, 2, 2, dtype=F64))  # still usable
     assert m.num_batches_tracked.item() == 2
+    with pytest.warns(RuntimeWarning, match="BatchRenorm2d: 1 training batch.*non-finite batch statistics.*skipped"):
+        m.eval()
 
 
 # ---------------------------------------------------------------------------------------------- state
@@ -309,7 +315,7 @@ def test_state_dict_compatible_with_batchnorm_both_ways():
     bn(torch.randn(4, 5, 3, 3) * 2 + 1)
     brn = BatchRenorm2d(5, rmax=3.0, dmax=5.0)
     assert list(brn.state_dict()) == list(bn.state_dict())
-    assert set(dict(brn.named_buffers())) == {"running_mean", "running_var", "num_batches_tracked"}
+    assert set(dict(brn.named_buffers())) == {"running_mean", "running_var", "num_batches_tracked", "skipped_batches"}
     assert set(dict(brn.named_parameters())) == {"weight", "bias"}
     brn.load_state_dict(bn.state_dict())
     brn(torch.randn(4, 5, 3, 3))
@@ -407,7 +413,8 @@ def test_defect_unbiased_factor_uses_all_reduced_elements():
 def test_defect_running_stats_init_and_buffers():
     m = BatchRenorm2d(3)
     assert torch.equal(m.running_mean, torch.zeros(3)) and torch.equal(m.running_var, torch.ones(3))
-    assert {n for n, _ in m.named_buffers()} == {"running_mean", "running_var", "num_batches_tracked"}
+    buffers = {"running_mean", "running_var", "num_batches_tracked", "skipped_batches"}  # the last non-persistent
+    assert {n for n, _ in m.named_buffers()} == buffers
     assert all(not p.requires_grad or n in ("weight", "bias") for n, p in m.named_parameters())
     m.momentum = 1.0
     x = torch.randn(4, 3, 2, 2) + 3

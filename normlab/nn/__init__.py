@@ -5,6 +5,7 @@ One file per family (``batch_renorm``, ``instance_norm``, ``switchable``, ``weig
 optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases.
 """
 
+from ._non_finite import skipped_batches
 from .batch_renorm import (
     BATCH_RENORM_TYPES,
     BatchRenorm1d,
@@ -67,4 +68,5 @@ __all__ = [
     "resolve_comparison",
     "param_groups",
     "is_norm_layer",
+    "skipped_batches",
 ]

@@ -45,18 +45,40 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
-from .._dispatch import guarded_update, param_dtype, plain_eager, recomputing, snapshot, warn_non_finite
-from .._functions import fused_batch_renorm, fused_step_moments, is_identity, takes_fused
+from .._dispatch import (
+    as_param,
+    guarded_update,
+    param_dtype,
+    recomputing,
+    snapshot,
+    static_numel,
+    stats_value,
+    write_buffer,
+)
+from .._functions import fused_batch_renorm, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
+from ._non_finite import SkippedBatches
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
 
-_RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._recompute)
+_RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._replay)
 
 
-def _same(a: Tensor, b: Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+def _input_key(x: Tensor) -> tuple:
+    """Host metadata that identifies the tensor a checkpoint recomputation gets again (see
+    :meth:`_BatchRenorm._replay`): no device read."""
+    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version)
+
+
+def _momentum_update(running_mean, running_var, mean, var, count: int, momentum):
+    """BatchNorm's update, out of place: ``(1 - momentum) * running + momentum * batch``, with the unbiased batch
+    variance (``count / (count - 1)``) for ``running_var``."""
+    with torch.no_grad():
+        unbiased = var * (count / (count - 1))
+        new_mean = running_mean * (1 - momentum) + (mean * momentum).to(running_mean.dtype)
+        new_var = running_var * (1 - momentum) + (unbiased * momentum).to(running_var.dtype)
+    return new_mean, new_var
 
 
 def _is_number(value) -> bool:
@@ -126,20 +148,28 @@ class RenormSchedule:
 
     def _fraction(self, step, end: int):
         span = end - self.warmup_steps
-        if isinstance(step, Tensor):
-            s = step.to(torch.float64)
-            if span == 0:
-                return (s >= end).to(torch.float64)
-            return ((s - self.warmup_steps) / span).clamp(0.0, 1.0)
         if span == 0:
             return 1.0 if step >= end else 0.0
         return min(max((step - self.warmup_steps) / span, 0.0), 1.0)
 
     def __call__(self, step: int | Tensor):
         """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
+        if isinstance(step, Tensor):
+            s = step.to(torch.float64)
+            return self._ramp(s, 1.0, self.rmax, self.rmax_steps), self._ramp(s, 0.0, self.dmax, self.dmax_steps)
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
+
+    def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
+        """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
+        ``clamp(a * s + b, start, end)``: three tensor ops, no host read (the value a Python step gives, up to
+        float64 rounding)."""
+        span = end_step - self.warmup_steps
+        if span == 0:
+            return torch.where(s >= end_step, end, start)
+        slope = (end - start) / span
+        return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
@@ -151,6 +181,10 @@ def _check_limits(where: str, rmax, dmax) -> None:
 
 # The docstring of the public classes: one text, filled in per class ($name, $torch_name, $input, ...).
 _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop-in for ``$torch_name``.
+
+    With the default schedule the layer is plain BatchNorm for its first 5,000 training steps (the paper's warm-up,
+    counted by ``num_batches_tracked``) and renormalizes only after that: for a short fine-tune use
+    ``schedule=RenormSchedule.scaled(n)`` (the schedule compressed to n steps) or constant ``rmax``/``dmax``.
 
     .. math::
         y = \gamma \left(\frac{x - \mu_B}{\sigma_B} r + d\right) + \beta, \quad
@@ -189,12 +223,13 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
         schedule: a picklable callable ``step -> (rmax, dmax)`` evaluated at ``num_batches_tracked``, such as
             :class:`RenormSchedule` (keyword-only; not together with ``rmax``/``dmax``). Default: None, which is
             ``RenormSchedule()`` when neither ``rmax`` nor ``dmax`` is given.
-        check_finite: after each training update check the running statistics; if the batch held NaN/inf values
-            (or a variance that overflows), restore them and the step counter and warn (``RuntimeWarning``, eager;
-            the output carries the NaN), the non-finite policy of every normlab layer (``docs/design.md``,
-            "Non-finite batches"). Costs one host synchronisation per call; under torch.compile, torch.export and
-            jit.trace the restore is done with tensor ops and nothing is reported. False: no check (a non-finite
-            batch enters the running statistics, as in ``nn.BatchNorm``) (keyword-only). Default: True.
+        check_finite: a training batch whose updated running statistics would not be finite (NaN/inf in the
+            input, or a variance that overflows) leaves them and the step counter unchanged and is counted in the
+            non-persistent buffer ``skipped_batches``, with tensor ops only (no host synchronisation, eager and
+            compiled; the output carries the NaN); ``.eval()`` or :func:`normlab.nn.skipped_batches` report the
+            count as a ``RuntimeWarning``: the non-finite policy of every normlab layer (``docs/design.md``,
+            "Non-finite batches"). False: no check (a non-finite batch enters the running statistics, as in
+            ``nn.BatchNorm``) (keyword-only). Default: True.
 
     Shape:
         - Input: $input
@@ -233,7 +268,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class _BatchRenorm(Float32StatsModule, _NormBase):
+class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
     """Shared implementation of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
 
     Subclasses set ``_expected_dims`` and ``_shape_text``; their docstrings are ``_DOC`` filled in per class.
@@ -289,6 +324,12 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         self.rmax = rmax
         self.dmax = dmax
         self.check_finite = bool(check_finite)
+        self._init_skipped(device)
+
+    def reset_running_stats(self) -> None:
+        """BatchNorm's reset (running statistics and ``num_batches_tracked``), and the ``skipped_batches`` count."""
+        super().reset_running_stats()
+        self._reset_skipped()
 
     # ------------------------------------------------------------------ checks
     def _check_input_dim(self, input: Tensor) -> None:
@@ -300,14 +341,14 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         if not isinstance(input, Tensor):
             raise TypeError(f"{where}: expected a Tensor input, got {type(input).__name__}")
         self._check_input_dim(input)
-        if input.shape[1] != self.num_features:
+        if static_numel(input, 1, 2) != self.num_features:
             raise ValueError(
                 f"{where}: expected input with num_features={self.num_features} channels (dim 1), "
                 f"got {input.shape[1]} channels (input shape {tuple(input.shape)})"
             )
         if not input.is_floating_point():
             raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
-        if bn_training and local and input.numel() // self.num_features == 1:
+        if bn_training and local and static_numel(input) // self.num_features == 1:
             raise ValueError(
                 f"{where}: expected more than 1 value per channel when training, got input shape {tuple(input.shape)}"
             )
@@ -321,11 +362,11 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             step = self.num_batches_tracked if self.num_batches_tracked is not None else 0
         return self.schedule(step)
 
-    def _factor(self, plain: bool = True):
-        """The update factor: ``momentum``, or ``1 / num_batches_tracked`` (cumulative average) read as a number
-        eagerly and as a tensor under torch.compile / jit.trace / torch.func (no host synchronisation)."""
+    def _factor(self):
+        """The update factor of the batch being trained on: ``momentum``, or ``1 / (num_batches_tracked + 1)``
+        (cumulative average, BatchNorm's) as a tensor (no host read)."""
         if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked) if plain else self.num_batches_tracked.reciprocal()
+            return (self.num_batches_tracked + 1).double().reciprocal()
         return self.momentum
 
     def _updating(self) -> bool:
@@ -337,31 +378,6 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
             and self.num_batches_tracked is not None
         )
 
-    def _guard_failed(self, prior) -> bool:
-        """True (after restoring the running statistics to ``prior`` and taking back the step) if the update left
-        non-finite running statistics. One fused check first (a sum is non-finite if any entry is); only if it fails
-        (or overflows) are the entries checked one by one."""
-        with torch.no_grad():
-            if math.isfinite(torch.add(self.running_mean, self.running_var).sum().item()):
-                return False
-            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
-            if bool(finite):
-                return False
-            self.running_mean.copy_(prior[0])
-            self.running_var.copy_(prior[1])
-            self.num_batches_tracked.sub_(1)
-        return True
-
-    def _restore_if_non_finite(self, prior) -> Tensor:
-        """:meth:`_guard_failed` with tensor ops only (torch.compile, torch.export, jit.trace, torch.func): if the
-        update left non-finite running statistics, ``prior`` and the step are put back (the non-finite policy's
-        guarded update) and the host never waits for the device. Returns whether they were finite (0-dim bool)."""
-        with torch.no_grad():
-            finite = torch.isfinite(self.running_mean).all() & torch.isfinite(self.running_var).all()
-            step = self.num_batches_tracked
-            guarded_update((self.running_mean, self.running_var, step), (prior[0], prior[1], step - 1), ~finite)
-        return finite
-
     def _vmap_error(self, error: RuntimeError) -> RuntimeError:
         return RuntimeError(
             f"{type(self).__name__}: a training step under a torch.func transform updates running_mean and "
@@ -371,13 +387,19 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: Tensor) -> Tensor:
-        """Input (N, C, *) -> output of the same shape, dtype and memory format."""
+        """Input (N, C, *) -> output of the same shape, dtype and memory format.
+
+        The route is decided here, once: eval (or no running statistics, or an empty batch) is BatchNorm's own
+        call; a training step is ``_train_step``, whose kernels are chosen by ``takes_fused`` (eager with
+        BatchNorm's kernels, else the composite ops torch.compile / torch.export / jit.trace / torch.func trace),
+        the same choice on every device. Inside a backward pass (a checkpoint recomputation) the step replays the
+        recorded forward (``_replay``)."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
-        use_running = not self.training or self.track_running_stats
-        if (bn_training and input.numel() == 0) or not self._updating():
+        if not self._updating() or static_numel(input) == 0:
             # eval, no running statistics, or an empty batch (BatchNorm's empty output; unlike BatchNorm the step
             # counter does not advance: no data, no step of the schedule)
+            use_running = not self.training or self.track_running_stats
             return NF.batch_renorm(
                 input,
                 self.running_mean if use_running else None,
@@ -388,86 +410,108 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
                 0.0 if self.momentum is None else self.momentum,
                 self.eps,
             )
-        plain = plain_eager(input)
-        if plain and recomputing():  # inside a backward pass: a checkpoint recomputation
-            out = self._recompute(input)
-            if out is not None:
-                return out
-        rmax, dmax = self._step_limits(input, plain)
+        fused = takes_fused(input, self.running_mean, self.running_var)
+        record = self._replay(input) if fused and recomputing() else None
+        if record is not None:
+            return self._train_step(input, fused, *record, update=False)
         prior = snapshot(self.running_mean, self.running_var)
-        self.num_batches_tracked.add_(1)
+        rmax, dmax = self.renorm_limits()  # tensors for a schedule: the step is never read back
         try:
-            out, stats = self._train_step(input, rmax, dmax, prior, plain)
+            out = self._train_step(input, fused, prior, rmax, dmax, update=True)
         except RuntimeError as e:
-            self.num_batches_tracked.sub_(1)
             if torch._C._functorch.peek_interpreter_stack() is None:
                 raise
             raise self._vmap_error(e) from e
-        if self.check_finite and plain and self._guard_failed(prior):
-            warn_non_finite(type(self).__name__, False, input)
-        if self.check_finite and not plain and input.device.type != "meta":
-            warn_non_finite(type(self).__name__, self._restore_if_non_finite(prior), input)
-        if plain:
-            self._remember(stats, prior, rmax, dmax)
+        if fused:
+            self._record(input, prior, rmax, dmax)
         return out
 
-    def _train_step(self, input: Tensor, rmax, dmax, prior, plain: bool):
-        """One training step with running statistics: ``(output, stats)``. Where
-        :func:`normlab.functional.batch_renorm` takes its fused path, that path is called directly, with ``prior``,
-        for the batch statistics it computes (the key of :meth:`_recompute`); otherwise the function itself, with
-        the statistics from :func:`normlab.functional.batch_moments` as its composite path computes them (eager
-        only: nothing is keyed under a compiler or a transform), or None for the identity limits."""
-        factor = self._factor(plain)
-        args = (self.running_mean, self.running_var, self.weight, self.bias, factor, self.eps, rmax, dmax)
-        identity = is_identity(rmax, dmax) and not isinstance(factor, Tensor)
-        if not identity and not isinstance(factor, Tensor) and takes_fused(input, *args[:2]):
-            return fused_batch_renorm(input, *args, prior)
-        out = NF.batch_renorm(input, args[0], args[1], args[2], args[3], True, *args[4:])
-        return out, (NF.batch_moments(input) if plain and not identity else None)
+    def _train_step(self, input: Tensor, fused: bool, prior, rmax, dmax, update: bool) -> Tensor:
+        """One training step: batch statistics, r and d from ``prior`` (the running statistics before the step),
+        the renormalized output, and (``update``) the guarded update of the running statistics, the step counter
+        and ``skipped_batches`` (:meth:`_commit`). ``fused``: BatchNorm's statistics kernel updates the running
+        statistics in place and a non-finite batch puts ``prior`` back; else the new values are computed and
+        written where the batch was finite."""
+        pdtype = param_dtype(input)
+        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
+        momentum = self._factor()
+        running = (self.running_mean, self.running_var)
+        if fused:
+            # the statistics kernel updates ``buffers`` in place (BatchNorm's own update, bit for bit); for the
+            # cumulative average it writes the batch's values into zeros (momentum 1) and the average is taken below;
+            # a replay updates throwaway zeros (the kernel takes the statistics' dtype from the buffers)
+            cumulative = isinstance(momentum, Tensor)
+            buffers = running
+            if cumulative or not update:
+                buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
+            kernel_momentum = 1.0 if cumulative else momentum
+            out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
+            if update and cumulative:
+                new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
+                self._commit(new, running)
+            elif update:
+                self._commit(running, prior)
+            return out
+        mean, var = NF.batch_moments(input)
+        r, d = NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
+        scale = r if weight is None else weight * r
+        shift = d if weight is None else weight * d
+        shift = shift if bias is None else shift + bias
+        # torch.batch_norm, not F.batch_norm: the batch size was checked in forward (F.batch_norm's own check
+        # branches on traced sizes under jit.trace)
+        cudnn = torch.backends.cudnn.enabled
+        out = torch.batch_norm(input, scale.to(pdtype), shift.to(pdtype), None, None, True, 0.0, self.eps, cudnn)
+        if update:
+            where = type(self).__name__
+            mean, var = stats_value(mean, self.running_mean, where), stats_value(var, self.running_var, where)
+            count = static_numel(input) // self.num_features
+            new = _momentum_update(self.running_mean, self.running_var, mean, var, count, momentum)
+            self._commit(new, (self.running_mean, self.running_var))
+        return out
+
+    @torch.no_grad()
+    def _commit(self, new, kept) -> None:
+        """The non-finite policy in tensor ops: the running statistics become ``new`` if the batch was finite, else
+        ``kept`` (their values before the step); ``num_batches_tracked`` advances by one only for a finite batch,
+        ``skipped_batches`` only for a non-finite one. Finite means: the updated running statistics are finite."""
+        if self.check_finite:
+            # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two ops fewer than isfinite
+            finite = torch.cat([new[0].flatten(), new[1].flatten()]).mul_(0).eq_(0).all()
+        else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
+            finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
+        running, counters = (self.running_mean, self.running_var), (self.num_batches_tracked, self.skipped_batches)
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            guarded_update(running, new, finite, kept)
+            write_buffer(counters[0], counters[0] + finite.to(counters[0].dtype))
+            self._count_skipped(finite)
+            return
+        for buf, value, old in zip(running, new, kept):  # eager: the same ops written into the buffers
+            torch.where(finite, value.to(buf.dtype), old, out=buf)
+        counters[0].add_(finite)
+        counters[1].add_(~finite)
 
     # ------------------------------------------------------------------ activation checkpointing
-    def _remember(self, stats, prior, rmax, dmax) -> None:
-        """Keep what a recomputation of this training forward needs (see :meth:`_recompute`)."""
+    def _record(self, input: Tensor, prior, rmax, dmax) -> None:
+        """Keep what a checkpoint recomputation of this training forward needs (see :meth:`_replay`)."""
         records = self.__dict__.setdefault("_recent_steps", collections.deque(maxlen=_RECORDS))
-        records.append((stats, prior, rmax, dmax))
+        records.append((_input_key(input), (prior, rmax, dmax)))
 
-    def _recompute(self, input: Tensor) -> Tensor | None:
-        """Replay a recent training forward inside a backward pass (``torch.utils.checkpoint``, reentrant or not).
+    def _replay(self, input: Tensor):
+        """``(prior, rmax, dmax)`` of the training forward that a recomputation inside a backward pass
+        (``torch.utils.checkpoint``, reentrant or not) replays, or None (a genuine forward: it trains as usual).
 
-        The rule: a training forward run while autograd executes a backward pass is a recomputation of one of the
-        last ``_RECORDS`` training forwards of this layer. Its batch statistics equal the original's bit for bit,
-        which picks the record (the latest with equal statistics; for identity limits, that keep no statistics, the
-        latest identity record). The step is replayed with that record's running statistics and limits on throwaway
-        copies: the output, r, d and so the gradients are the original forward's, and the running statistics and
-        ``num_batches_tracked`` are not updated a second time. Returns None when nothing matches (a genuine forward
-        inside a backward pass: it trains as usual).
+        torch.utils.checkpoint runs the recomputation on the tensors the original forward got (non-reentrant: the
+        same tensors; reentrant: detached aliases of them), so the input's storage, offset, shape, strides and
+        version counter, host metadata that costs no device read, identify the forward it repeats: the latest of
+        the last ``_RECORDS`` training forwards of this layer with the same input. The step is then computed with
+        that forward's running statistics and limits and updates nothing: the output, r, d and so the gradients are
+        the original forward's, and the running statistics and ``num_batches_tracked`` advance once per forward.
         """
-        if not self.__dict__.get("_recent_steps"):
-            return None
-        found = self._find_record(*self._step_moments(input))
-        if found is None:
-            return None
-        prior, rmax, dmax = found
-        with torch.no_grad():
-            scratch = (prior[0].clone(), prior[1].clone())
-        return NF.batch_renorm(input, *scratch, self.weight, self.bias, True, self._factor(), self.eps, rmax, dmax)
-
-    def _step_moments(self, input: Tensor) -> tuple[Tensor, Tensor]:
-        """The batch statistics exactly as :meth:`_train_step` keys them (bit for bit)."""
-        if takes_fused(input, self.running_mean, self.running_var):
-            return fused_step_moments(input, self.running_mean, self.running_var)
-        return NF.batch_moments(input)
-
-    def _find_record(self, mean: Tensor, var: Tensor):
-        """``(prior, rmax, dmax)`` of the recorded forward a recomputation with these batch statistics replays: the
-        latest record with bit-identical statistics, else the latest identity record, else None."""
-        found = None
-        for stats, prior, rmax, dmax in reversed(self.__dict__.get("_recent_steps", ())):
-            if stats is None:
-                found = found or (prior, rmax, dmax)
-            elif _same(stats[0], mean) and _same(stats[1], var):
-                return prior, rmax, dmax
-        return found
+        key = _input_key(input)
+        for seen, record in reversed(self.__dict__.get("_recent_steps", ())):
+            if seen == key:
+                return record
+        return None
 
     def _apply(self, fn, recurse=True):
         self.__dict__.pop("_recent_steps", None)  # records live on the old device/dtype
@@ -477,18 +521,6 @@ class _BatchRenorm(Float32StatsModule, _NormBase):
         state = super().__getstate__()  # pickling and deepcopy drop the records
         state.pop("_recent_steps", None)
         return state
-
-    def _step_limits(self, input: Tensor, plain: bool = True):
-        """``(rmax, dmax)`` for this training batch. Eager on CPU the step is read as a Python int (no device
-        synchronisation there), so the limits are numbers: cheaper arithmetic, and the warm-up is exactly BatchNorm's
-        own call. Elsewhere (CUDA, torch.compile, jit.trace, torch.func) the schedule gets the step tensor and returns
-        tensors."""
-        if self.schedule is None:
-            return self.rmax, self.dmax
-        step = self.num_batches_tracked
-        if plain and input.device.type == "cpu" and step.device.type == "cpu":
-            step = int(step)
-        return self.schedule(step)
 
     def extra_repr(self) -> str:
         limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"
@@ -622,7 +654,7 @@ class SyncBatchRenorm(_BatchRenorm):
             mean = var = input.sum((0,) + tuple(range(2, input.dim()))).double()
         local = torch.cat([count * mean, count * (var + mean.square()), mean.new_full((1,), float(count))])
         total = _AllReduceSum.apply(local, self.process_group or dist.group.WORLD)
-        n = float(total[-1].item())  # identical on every rank, so every rank raises together below
+        n = float(total[-1].item())  # the global count (a shape, summed over ranks): the one host read here
         if n <= 1:
             raise ValueError(
                 f"{type(self).__name__}: expected more than 1 value per channel when training, got {int(n)} "
@@ -630,13 +662,9 @@ class SyncBatchRenorm(_BatchRenorm):
             )
         g_mean = total[:c] / n
         g_var = (total[c : 2 * c] / n - g_mean.square()).clamp_min(0.0)
-        # identical on every rank, so every rank skips the update (and warns) together
-        skip = self.check_finite and not bool(torch.isfinite(g_mean).all() & torch.isfinite(g_var).all())
-        if skip:
-            warn_non_finite(type(self).__name__, False, input)
         r = d = None
-        if self._updating() and not skip:
-            r, d = self._sync_step(g_mean, g_var, n)
+        if self._updating():
+            r, d = self._sync_step(input, g_mean, g_var, n)
 
         # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
         a = torch.rsqrt(g_var + self.eps)
@@ -654,24 +682,21 @@ class SyncBatchRenorm(_BatchRenorm):
         out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
         return out.to(input.dtype)
 
-    def _sync_step(self, g_mean: Tensor, g_var: Tensor, n: float):
-        """r and d from the global statistics and the running statistics before the step, which then updates them;
-        a checkpoint recomputation (inside a backward pass, matched by its bit-identical global statistics, see
-        :meth:`_BatchRenorm._recompute`) replays its original step instead and updates nothing."""
+    def _sync_step(self, input: Tensor, g_mean: Tensor, g_var: Tensor, n: float):
+        """r and d from the global statistics and the running statistics before the step, which then updates them
+        (the guarded update of :meth:`_BatchRenorm._commit`: the global statistics are identical on every rank, so
+        every rank skips a non-finite batch together); a checkpoint recomputation (:meth:`_BatchRenorm._replay`)
+        replays its original step instead and updates nothing."""
         mean, var = g_mean.detach(), g_var.detach()
-        found = self._find_record(mean, var) if recomputing() else None
-        if found is None:
-            rmax, dmax = self.renorm_limits(self.num_batches_tracked)
+        record = self._replay(input) if recomputing() else None
+        if record is None:
+            rmax, dmax = self.renorm_limits()
             prior = snapshot(self.running_mean, self.running_var)
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                f = self._factor()
-                unbiased = var * (n / (n - 1))
-                self.running_mean.mul_(1 - f).add_((f * mean).to(self.running_mean.dtype))
-                self.running_var.mul_(1 - f).add_((f * unbiased).to(self.running_var.dtype))
-            self._remember((mean.clone(), var.clone()), prior, rmax, dmax)
+            new = _momentum_update(self.running_mean, self.running_var, mean, var, int(n), self._factor())
+            self._commit(new, prior)
+            self._record(input, prior, rmax, dmax)
         else:
-            prior, rmax, dmax = found
+            prior, rmax, dmax = record
         return NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
 
     @classmethod

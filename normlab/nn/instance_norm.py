@@ -13,8 +13,9 @@ torch checkpoint loads unchanged. Differences from torch:
 - tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
 - with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
   silently skips the update) and ``num_batches_tracked`` counts the updates; running statistics stay float32 after
-  ``.half()``, and a non-finite batch leaves them unchanged (RuntimeWarning; also under torch.compile, with
-  tensor ops: the policy of every normlab layer, ``docs/design.md`` "Non-finite batches"), as does an empty batch;
+  ``.half()``, and a non-finite batch leaves them unchanged (tensor ops, no host synchronisation, eager and
+  compiled; counted in ``skipped_batches`` and reported as a RuntimeWarning at ``.eval()``: the policy of every
+  normlab layer, ``docs/design.md`` "Non-finite batches"), as does an empty batch;
   activation checkpointing updates them once.
 """
 
@@ -29,17 +30,10 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
-from .._dispatch import (
-    HALF,
-    channels_last_format,
-    guarded_update,
-    param_dtype,
-    recomputing,
-    stats_value,
-    warn_non_finite,
-)
+from .._dispatch import HALF, channels_last_format, guarded_update, param_dtype, recomputing, static_numel, stats_value
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
+from ._non_finite import SkippedBatches
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
 
@@ -55,7 +49,9 @@ _DOC = Template(r"""Instance normalization over $input inputs: per sample and ch
     ``state_dict`` keys) that rejects a channel-count mismatch even with ``affine=False`` and can learn ``bias``
     (``center``) and ``weight`` (``scale``) separately, tf.contrib style.$memory
     With ``track_running_stats`` the running statistics are used in eval mode; a non-finite batch leaves them
-    unchanged (RuntimeWarning; the policy of every normlab layer, ``docs/design.md`` "Non-finite batches").
+    unchanged and is counted in the non-persistent buffer ``skipped_batches`` (no host synchronisation; a
+    RuntimeWarning at ``.eval()`` or from :func:`normlab.nn.skipped_batches`; the policy of every normlab layer,
+    ``docs/design.md`` "Non-finite batches").
 
     Args:
         num_features: C, the number of channels (dim 1 of the input, dim 0 of an unbatched one).
@@ -83,7 +79,7 @@ $example
 _doc = functools.partial(fill, _DOC, optional=("memory",))
 
 
-class _InstanceNorm(Float32StatsModule):
+class _InstanceNorm(SkippedBatches, Float32StatsModule):
     """Shared implementation; subclasses set ``_spatial_dims`` (1, 2 or 3) and ``_layout``."""
 
     _normlab_norm = True
@@ -131,16 +127,19 @@ class _InstanceNorm(Float32StatsModule):
             self.register_buffer("running_mean", torch.zeros(num_features, **factory))
             self.register_buffer("running_var", torch.ones(num_features, **factory))
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+            self._init_skipped(device)
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
             self.register_buffer("num_batches_tracked", None)
+            self.register_buffer("skipped_batches", None, persistent=False)
 
     def reset_running_stats(self) -> None:
         if self.track_running_stats:
             self.running_mean.zero_()
             self.running_var.fill_(1)
             self.num_batches_tracked.zero_()
+            self._reset_skipped()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -203,10 +202,10 @@ class _InstanceNorm(Float32StatsModule):
 
     def _track(self, x: Tensor) -> None:
         """Update the running statistics from a training batch (not an empty one, not again in checkpointing's
-        recomputation); warn (eager) when the batch statistics were not finite."""
-        if x.shape[0] == 0 or recomputing():
+        recomputation); count it in ``skipped_batches`` when its statistics were not finite (no host read)."""
+        if static_numel(x, 0, 1) == 0 or recomputing():
             return
-        warn_non_finite(type(self).__name__, self._update_running_stats(x), x)
+        self._count_skipped(self._update_running_stats(x))
 
     @torch.no_grad()
     def _update_running_stats(self, x: Tensor) -> Tensor:

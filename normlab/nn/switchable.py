@@ -10,9 +10,10 @@ Momentum convention (differs from ``torch.nn.BatchNorm``!): ``momentum`` weighs 
 With ``using_moving_average=False`` the buffers accumulate sums of batch means and of E[x^2] instead (official
 behaviour; the caller is responsible for dividing by the number of batches before evaluation).
 
-A batch whose statistics are not finite leaves the running statistics unchanged (also under torch.compile, with
-tensor ops) and emits a RuntimeWarning (eager): the non-finite policy of every normlab layer (``docs/design.md``,
-"Non-finite batches"); an empty batch returns an empty output and leaves them unchanged.
+A batch whose statistics are not finite leaves the running statistics unchanged (tensor ops, no host
+synchronisation, eager and compiled) and is counted in ``skipped_batches``, reported as a RuntimeWarning at
+``.eval()`` or by :func:`normlab.nn.skipped_batches`: the non-finite policy of every normlab layer
+(``docs/design.md``, "Non-finite batches"); an empty batch returns an empty output and leaves them unchanged.
 Activation checkpointing updates them once (not again in the recomputation).
 """
 
@@ -28,6 +29,7 @@ from .._dispatch import channels_last_format
 from .._functions import switchable_forward
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
+from ._non_finite import SkippedBatches
 
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
 
@@ -43,8 +45,10 @@ _DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input input
     and channel over $over), layer (LN, per sample) and batch (BN, per channel) statistics, computed by
     :func:`normlab.functional.switchable_norm`. In eval mode BN uses the running statistics.$details
     Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running statistics starting at 0).
-    A batch whose statistics are not finite leaves the running statistics unchanged (RuntimeWarning; the policy of
-    every normlab layer, ``docs/design.md`` "Non-finite batches").
+    A batch whose statistics are not finite leaves the running statistics unchanged and is counted in the
+    non-persistent buffer ``skipped_batches`` (no host synchronisation; a RuntimeWarning at ``.eval()`` or from
+    :func:`normlab.nn.skipped_batches`; the policy of every normlab layer, ``docs/design.md`` "Non-finite
+    batches").
 
     Learnable parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with
     ``using_bn=False``), initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero
@@ -76,7 +80,7 @@ $example
 _doc = functools.partial(fill, _DOC, optional=("details",))
 
 
-class _SwitchableNorm(Float32StatsModule):
+class _SwitchableNorm(SkippedBatches, Float32StatsModule):
     """Shared implementation; subclasses set ``_spatial_dims`` and ``_layout``."""
 
     _normlab_norm = True
@@ -120,15 +124,18 @@ class _SwitchableNorm(Float32StatsModule):
         if using_bn:
             self.register_buffer("running_mean", torch.zeros(num_features, **factory))
             self.register_buffer("running_var", torch.zeros(num_features, **factory))
+            self._init_skipped(device)
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
+            self.register_buffer("skipped_batches", None, persistent=False)
         self.reset_parameters()
 
     def reset_running_stats(self) -> None:
         if self.using_bn:
             self.running_mean.zero_()
             self.running_var.zero_()
+            self._reset_skipped()
 
     def reset_parameters(self) -> None:
         self.reset_running_stats()
@@ -176,6 +183,7 @@ class _SwitchableNorm(Float32StatsModule):
             using_moving_average=self.using_moving_average,
             fused=None,
             where=type(self).__name__,
+            skipped=self._count_skipped if self.using_bn else None,
         )
         fmt = channels_last_format(x)
         return y if fmt is None else y.contiguous(memory_format=fmt)

@@ -326,6 +326,7 @@ class _PWSConvNd(_StdConvNd):
             nn.init.zeros_(self.bias)
         nn.init.ones_(self.alpha)
         self.alpha_initialized.fill_(not self.init_alpha)
+        self._alpha_done = False
         self._weight_cache = None
 
     def _compute_weight(self) -> Tensor:
@@ -338,9 +339,20 @@ class _PWSConvNd(_StdConvNd):
         return (self.gamma, self.relative_gamma, self.fan)
 
     def _before_forward(self, input: Tensor) -> None:
-        if not (self.training and self.init_alpha) or self.alpha_initialized.device.type == "meta":
+        """The data-dependent init of alpha while it is pending. Whether it is pending is read from the buffer
+        ``alpha_initialized`` (one host read per training step) only until a read finds it done; from then on the
+        Python flag ``_alpha_done`` answers and a training step reads nothing back. Loading a state or resetting the
+        parameters re-arms the read. Under graph capture and torch.func the init runs in tensor ops every training
+        step until the flag is set (a no-op on an initialised layer)."""
+        if self.__dict__.get("_alpha_done") or not (self.training and self.init_alpha):
+            return
+        if self.alpha_initialized.device.type == "meta":
             return  # on the meta device there is no data to initialise from: the next real batch does it
-        if not bool(self.alpha_initialized):
+        if _capturing_graph() or torch._C._functorch.peek_interpreter_stack() is not None:
+            self._data_init_alpha(input)  # tensor ops only: a no-op once initialised (torch.where on the flag)
+        elif bool(self.alpha_initialized):
+            self._alpha_done = True
+        else:
             self._data_init_alpha(input)
 
     @torch.no_grad()
@@ -363,6 +375,7 @@ class _PWSConvNd(_StdConvNd):
         scale = input_sq / input_count.clamp_min(1)  # E[x^2]: Var(y) is about 2 E[x^2] for a non-degenerate batch
         valid = (count >= 2) & torch.isfinite(var) & (var > 0) & (var > 1e-8 * scale)
         alpha = torch.sqrt(2.0 / torch.where(valid, var, torch.ones_like(var))).to(self.alpha.dtype)
+        valid = valid & ~self.alpha_initialized  # an initialised alpha is never overwritten
         self.alpha.copy_(torch.where(valid, alpha, self.alpha))
         self.alpha_initialized.copy_(self.alpha_initialized | valid)
 
@@ -376,6 +389,7 @@ class _PWSConvNd(_StdConvNd):
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
         self._weight_cache = None
+        self._alpha_done = False  # the loaded flag is read once, at the next training step
 
     def extra_repr(self) -> str:
         s = super().extra_repr() + f", gamma={self.gamma}"

@@ -1,0 +1,292 @@
+"""The layer-cost table of issue 25: each normlab layer against the torch op it reduces to, side by side.
+
+Forward + backward of one training step, ratios to the reference measured in the same process, interleaved (every
+repeat times each candidate once, in rotating order); ``--rounds`` rounds, each reporting the median over its
+repeats, so a ratio is given as the range of its per-round values.
+
+- ``brn``: BatchRenorm1d/2d/3d (the default schedule past its warm-up, step 30,000: renormalization active) vs
+  nn.BatchNorm1d/2d/3d at (256, 256), (32, 64), (2, 64, 32, 32), (32, 64, 32, 32), (8, 256, 56, 56) and
+  (4, 64, 8, 16, 16), contiguous and channels_last; torchrl's BatchRenorm1d (past its warm-up) for the 1d shapes
+  when torchrl can be imported.
+- ``sn``: SwitchableNorm2d vs nn.BatchNorm2d; ``in``: InstanceNorm2d vs nn.InstanceNorm2d (with and without running
+  statistics), contiguous and channels_last.
+- ``crossq``: one critic update as CrossQ does it (Bhatt et al. 2024): an MLP 23 -> 256 -> 256 -> 1 with a
+  normalization after each hidden linear layer, the (s, a) and (s', a') batches of 256 joined into one forward,
+  TD loss, Adam step; normlab BatchRenorm1d vs nn.BatchNorm1d vs torchrl's BatchRenorm1d.
+- ``--compile``: the brn and sn rows again with both sides under torch.compile (inductor).
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_layers.py --threads 1 --rounds 3 --out runs/bench/bench_layers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+
+import torch
+from torch import nn
+
+import normlab.nn as L
+
+BRN_SHAPES = [(256, 256), (32, 64), (2, 64, 32, 32), (32, 64, 32, 32), (8, 256, 56, 56), (4, 64, 8, 16, 16)]
+NORM_SHAPES = [(2, 64, 32, 32), (32, 64, 32, 32)]
+DIM = {2: 1, 3: 1, 4: 2, 5: 3}
+CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+PAST_WARMUP = 30_000
+
+
+def _torchrl_brn():
+    """torchrl's BatchRenorm1d class, or None when torchrl is not importable."""
+    try:
+        from torchrl.modules import BatchRenorm1d
+    except Exception:  # noqa: BLE001 - any import failure means: no torchrl column
+        return None
+    return BatchRenorm1d
+
+
+def _normlab_brn(dim: int, c: int, device) -> nn.Module:
+    m = getattr(L, f"BatchRenorm{dim}d")(c, device=device)
+    m.num_batches_tracked.fill_(PAST_WARMUP)
+    return m
+
+
+def _torchrl_layer(cls, c: int, device) -> nn.Module:
+    m = cls(c, warmup_steps=10_000).to(device)
+    m.num_batches_tracked.fill_(PAST_WARMUP)
+    return m
+
+
+def _time(fn, iters: int) -> float:
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _interleaved(steps: dict, repeats: int, iters: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds per call of each zero-argument step, timed interleaved in rotating order."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    names, samples = list(steps), {n: [] for n in steps}
+    for rep in range(repeats):
+        for k in range(len(names)):
+            name = names[(rep + k) % len(names)]
+            samples[name].append(_time(steps[name], iters))
+    return {n: statistics.median(v) for n, v in samples.items()}
+
+
+def _layer_step(module: nn.Module, x: torch.Tensor, g: torch.Tensor):
+    def step():
+        x.grad = None
+        module(x).backward(g)
+
+    return step
+
+
+def _input(shape, layout: str, device, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 1.5 + 0.3).to(device)
+    g = torch.randn(shape, generator=gen).to(device)
+    if layout == "channels_last":
+        x, g = (
+            x.contiguous(memory_format=CHANNELS_LAST[len(shape)]),
+            g.contiguous(memory_format=CHANNELS_LAST[len(shape)]),
+        )
+    return x.requires_grad_(), g
+
+
+def _sizes(shape) -> tuple[int, int]:
+    """(repeats, iters) that keep one candidate's sample around 5-20 ms on one CPU thread."""
+    n = 1
+    for s in shape:
+        n *= s
+    if n >= 4_000_000:
+        return 5, 1
+    if n >= 500_000:
+        return 7, 3
+    return 15, 50
+
+
+def _layouts(shape):
+    return ["contiguous", "channels_last"] if len(shape) in CHANNELS_LAST else ["contiguous"]
+
+
+def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
+    """One row per shape, layout and candidate; the first candidate is the reference of the ratios."""
+    rows = []
+    for shape in shapes:
+        if args.max_numel and math.prod(shape) > args.max_numel:
+            continue
+        if args.shape and ",".join(map(str, shape)) not in args.shape:
+            continue
+        for layout in _layouts(shape):
+            repeats, iters = _sizes(shape)
+            cands = candidates_for(shape)
+            reference = next(iter(cands))
+            x, g = _input(shape, layout, args.device, 100)
+            steps = {name: _layer_step(m, x, g) for name, m in cands.items()}
+            if args.compile:
+                steps = {name: _layer_step(torch.compile(m), x, g) for name, m in cands.items()}
+            rounds = [_interleaved(steps, repeats, iters) for _ in range(args.rounds)]
+            for name in cands:
+                ratios = [r[name] / r[reference] for r in rounds]
+                rows.append(
+                    {
+                        "section": section + ("-compiled" if args.compile else ""),
+                        "shape": list(shape),
+                        "layout": layout,
+                        "candidate": name,
+                        "reference": reference,
+                        "median_us": [1e6 * r[name] for r in rounds],
+                        "ratio": ratios,
+                    }
+                )
+                print(
+                    f"{rows[-1]['section']:14s} {str(tuple(shape)):20s} {layout:13s} {name:28s} "
+                    f"{1e6 * statistics.median(r[name] for r in rounds):10.1f} us  "
+                    f"x{min(ratios):.2f}-{max(ratios):.2f} {reference}",
+                    flush=True,
+                )
+    return rows
+
+
+def _brn_candidates(args, trl):
+    def make(shape):
+        dim, c = DIM[len(shape)], shape[1]
+        cands = {
+            f"nn.BatchNorm{dim}d": getattr(nn, f"BatchNorm{dim}d")(c, device=args.device),
+            f"normlab BatchRenorm{dim}d": _normlab_brn(dim, c, args.device),
+        }
+        if dim == 1 and trl is not None:
+            cands["torchrl BatchRenorm1d"] = _torchrl_layer(trl, c, args.device)
+        return cands
+
+    return make
+
+
+def _sn_candidates(args):
+    return lambda shape: {
+        "nn.BatchNorm2d": nn.BatchNorm2d(shape[1], device=args.device),
+        "normlab SwitchableNorm2d": L.SwitchableNorm2d(shape[1], device=args.device),
+    }
+
+
+def _in_candidates(args, track: bool):
+    suffix = "(track_running_stats)" if track else ""
+    return lambda shape: {
+        f"nn.InstanceNorm2d{suffix}": nn.InstanceNorm2d(shape[1], affine=True, track_running_stats=track).to(
+            args.device
+        ),
+        f"normlab InstanceNorm2d{suffix}": L.InstanceNorm2d(
+            shape[1], affine=True, track_running_stats=track, device=args.device
+        ),
+    }
+
+
+# ------------------------------------------------------------------------------------------------ CrossQ critic
+def _critic(norm, obs: int = 17, act: int = 6, hidden: int = 256) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(obs + act, hidden), norm(hidden), nn.ReLU(), nn.Linear(hidden, hidden), norm(hidden), nn.ReLU(),
+        nn.Linear(hidden, 1),
+    )  # fmt: skip
+
+
+def _crossq_step(critic: nn.Module, batch, gamma: float = 0.99):
+    """One CrossQ critic update: (s, a) and (s', a') joined in one forward (the batch statistics of both), the TD
+    target from the second half without gradient, MSE, Adam."""
+    opt = torch.optim.Adam(critic.parameters(), lr=3e-4)
+    s, a, r, s2, a2 = batch
+
+    def step():
+        q_all = critic(torch.cat([torch.cat([s, a], 1), torch.cat([s2, a2], 1)], 0))
+        q, q_next = q_all.chunk(2)
+        target = r + gamma * q_next.detach()
+        loss = (q - target).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def _crossq_rows(args, trl) -> list[dict]:
+    gen = torch.Generator().manual_seed(101)
+    batch = [torch.randn(256, k, generator=gen).to(args.device) for k in (17, 6, 1, 17, 6)]
+    norms = {
+        "nn.BatchNorm1d": lambda c: nn.BatchNorm1d(c, device=args.device),
+        "normlab BatchRenorm1d": lambda c: _normlab_brn(1, c, args.device),
+    }
+    if trl is not None:
+        norms["torchrl BatchRenorm1d"] = lambda c: _torchrl_layer(trl, c, args.device)
+    steps = {}
+    for name, norm in norms.items():
+        torch.manual_seed(102)
+        steps[name] = _crossq_step(_critic(norm).to(args.device), batch)
+    rounds = [_interleaved(steps, 15, 20) for _ in range(args.rounds)]
+    rows = []
+    for name in steps:
+        ratios = [r[name] / r["nn.BatchNorm1d"] for r in rounds]
+        rows.append(
+            {
+                "section": "crossq",
+                "shape": [512, 23],
+                "layout": "contiguous",
+                "candidate": name,
+                "reference": "nn.BatchNorm1d",
+                "median_us": [1e6 * r[name] for r in rounds],
+                "ratio": ratios,
+            }
+        )
+        print(
+            f"crossq critic update (2x256 batch) {name:24s} {1e6 * statistics.median(r[name] for r in rounds):10.1f} "
+            f"us  x{min(ratios):.2f}-{max(ratios):.2f} nn.BatchNorm1d",
+            flush=True,
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (the range of their ratios)")
+    parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, sn, in, crossq")
+    parser.add_argument("--compile", action="store_true", help="brn and sn with both sides under torch.compile")
+    parser.add_argument("--max-numel", type=int, default=0, help="skip shapes with more elements (0: none skipped)")
+    parser.add_argument("--shape", action="append", default=None, help="only this shape, e.g. 4,64,8,16,16 (repeat)")
+    parser.add_argument("--out", default=None, help="JSON file for the rows")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    trl = _torchrl_brn()
+    sections = {s.strip() for s in args.sections.split(",")}
+    rows = []
+    if "brn" in sections:
+        rows += _rows("brn", _brn_candidates(args, trl), BRN_SHAPES, args)
+    if "sn" in sections:
+        rows += _rows("sn", _sn_candidates(args), NORM_SHAPES, args)
+    if "in" in sections and not args.compile:
+        rows += _rows("in", _in_candidates(args, False), NORM_SHAPES, args)
+        rows += _rows("in", _in_candidates(args, True), NORM_SHAPES, args)
+    if "crossq" in sections and not args.compile:
+        rows += _crossq_rows(args, trl)
+    meta = {
+        "torch": torch.__version__,
+        "torchrl": None if trl is None else __import__("torchrl").__version__,
+        "device": args.device,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "machine": platform.processor() or platform.machine(),
+    }
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
