@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned here (not in pyproject) so this machine takes its local CPU wheel instead of a CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# `make test` also installs and tests the optional integrations; `make demo` needs only the core (and mnist1d).
+# `make test` also installs and tests the optional integrations; `make demo` needs only the core.
 # The pin in the same pip command keeps pip from replacing torch.
 EXTRAS ?= ray,tensorboard,lightning,onnx,timm,models,docs
 # torchvision's wheel for this torch, without its dependencies (its own would pull a CUDA torch); only its Python
