@@ -302,7 +302,20 @@ def test_demo_quick_writes_report(tmp_path, capsys):
         "| BRN",
         "| mon",
     ]
-    assert table in out and out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
+    # the terminal's rendering: every claim's id starts a line, no line over 100 columns (report.md has the text)
+    assert table not in out and all(len(line) <= 100 for line in out.splitlines() if not line.startswith("report: "))
+    ids = [line.split()[0] for line in out.splitlines() if line[:1].strip() and not line.startswith(("report", "Q"))]
+    assert [i for i in ids if i != "claim" and not i.startswith("normlab")] == [
+        "1",
+        "2",
+        "3",
+        "3a",
+        "4",
+        "5",
+        "BRN",
+        "mon",
+    ]
+    assert out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
     assert "false alarm" in report and "at plateau" in report
     demo = json.loads((tmp_path / "demo.json").read_text())
     assert set(demo["sections"]) == {"lr_sweep", "collapse", "guard", "guard_dead", "batch_size"}
@@ -407,3 +420,4 @@ def test_guard_dead_flag_reaches_every_cell_and_a_grid_refuses_the_other_guard(t
     assert main([*args, "--guard"]) != 0  # the same directory with the other guard: refused, nothing reused
     err = capsys.readouterr().err
     assert "guard_dead" in err and len(err.strip().splitlines()) == 1
+
