@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -398,35 +397,3 @@ def claims_record(demo: dict[str, Any]) -> dict[str, Any]:
         "evidence": demo["evidence"],
         "sections": sections,
     }
-
-
-USAGE = "usage: python -m normlab.runner.experiments.demo.claims DEMO_DIR RECORD.json"
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m normlab.runner.experiments.demo.claims DEMO_DIR RECORD.json``: save DEMO_DIR's record (its
-    evidence gathered again from its runs) and print the README's table (what ``normlab demo`` prints); 2 with a
-    one-line message on bad arguments."""
-    from normlab.runner.io import atomic_write_json
-
-    if len(argv) != 2 or argv[0].startswith("-"):
-        print(f"{USAGE} (save DEMO_DIR's record and print the README's claims table)", file=sys.stderr)
-        return 2
-    demo_dir, target = Path(argv[0]), Path(argv[1])
-    if not (demo_dir / "demo.json").is_file():
-        print(
-            f"claims: {demo_dir / 'demo.json'} not found: DEMO_DIR must be a finished `normlab demo --out` directory",
-            file=sys.stderr,
-        )
-        return 2
-    from normlab.runner.experiments.demo.terminal import claims_terminal
-
-    demo = json.loads((demo_dir / "demo.json").read_text())
-    demo["evidence"] = collect_evidence(demo_dir, demo["sections"])
-    atomic_write_json(target, claims_record(demo))
-    print("\n".join(["```text", *claims_terminal(demo), "```"]))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -2,7 +2,9 @@
 
 ``report.md`` keeps the full table (:func:`~normlab.runner.experiments.demo.claims.claims_markdown`: each claim in
 its source's words, the verdict and every number behind it); the terminal shows, per claim, a short title, the
-verdict and its key number, wrapped to the width::
+verdict and its key number, wrapped to the width (the README quotes it for the recorded demo:
+``python -m normlab.runner.experiments.demo.terminal runs/demo docs/demo_record.json`` saves the record and prints
+the table)::
 
     claim                                    verdict            key number
     1    plain net collapses, BN trains      reproduced         lr 0.2: none 17.5 ± 12.9% (collapsed
@@ -11,10 +13,14 @@ verdict and its key number, wrapped to the width::
 
 from __future__ import annotations
 
+import json
+import sys
 import textwrap
+from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.demo.claims import claims_table
+from normlab.runner.experiments.demo.claims import claims_record, claims_table, collect_evidence
+from normlab.runner.io import atomic_write_json
 
 __all__ = ["TITLES", "WIDTH", "claims_terminal"]
 
@@ -60,3 +66,32 @@ def claims_terminal(demo: dict[str, Any], width: int = WIDTH) -> list[str]:
     if demo.get("quick"):
         lines += ["", "Quick mode: a pipeline check on tiny runs; these verdicts mean nothing."]
     return lines
+
+
+USAGE = "usage: python -m normlab.runner.experiments.demo.terminal DEMO_DIR RECORD.json"
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m normlab.runner.experiments.demo.terminal DEMO_DIR RECORD.json``: save DEMO_DIR's record (its
+    evidence gathered again from its runs) and print the README's table (what ``normlab demo`` prints); 2 with a
+    one-line message on bad arguments."""
+
+    if len(argv) != 2 or argv[0].startswith("-"):
+        print(f"{USAGE} (save DEMO_DIR's record and print the README's claims table)", file=sys.stderr)
+        return 2
+    demo_dir, target = Path(argv[0]), Path(argv[1])
+    if not (demo_dir / "demo.json").is_file():
+        print(
+            f"claims: {demo_dir / 'demo.json'} not found: DEMO_DIR must be a finished `normlab demo --out` directory",
+            file=sys.stderr,
+        )
+        return 2
+    demo = json.loads((demo_dir / "demo.json").read_text())
+    demo["evidence"] = collect_evidence(demo_dir, demo["sections"])
+    atomic_write_json(target, claims_record(demo))
+    print("\n".join(["```text", *claims_terminal(demo), "```"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
