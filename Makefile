@@ -39,6 +39,7 @@ lint: setup
 # docs/_build is git-ignored.
 docs: setup-extras
 	OMP_NUM_THREADS=1 $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html (maths rendered offline by the MathJax copied beside it)"
 
 # tests/test_docs_build.py checks the build `make docs` made (NORMLAB_DOCS_HTML) instead of building it again.
 test: setup-extras lint docs
