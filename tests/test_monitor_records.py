@@ -155,8 +155,11 @@ def _recs(v):
 
 def test_deprecated_detector_names_warn_and_do_what_the_new_ones_do():
     new = CollapseDetector(explode_factor=10.0, watch=("shift",), implode_factor={"input_sq": 100.0})
-    with pytest.warns(DeprecationWarning, match="'factor' is deprecated, use 'explode_factor'"):
+    with pytest.warns(DeprecationWarning) as caught:  # one warning per old name, none left to the warnings summary
         old = CollapseDetector(factor=10.0, quantities=("shift",), shrink_factor={"input_sq": 100.0})
+    said = [str(w.message) for w in caught]
+    for name, new_name in (("factor", "explode_factor"), ("quantities", "watch"), ("shrink_factor", "implode_factor")):
+        assert sum(f"'{name}' is deprecated, use '{new_name}'" in m for m in said) == 1, said
     for det in (new, old):
         assert det.check(0, _recs(1.0)) is None
     a, b = new.check(1, _recs(20.0)), old.check(1, _recs(20.0))
