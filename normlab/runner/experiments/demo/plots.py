@@ -312,9 +312,14 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
             ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(bss)
-        ax.set_xticklabels([f"{b}\n({steps.get(b)} steps)" for b in bss])
+        ax.set_xticklabels([f"{b}\n({steps.get(b)})" for b in bss])
         ax.minorticks_off()
-        ax.set(xlabel="batch size (log scale)", title=title, ylim=(0, 100), xlim=(bss[0] / 1.5, bss[-1] * 1.5))
+        ax.set(
+            xlabel="batch size, log scale (training steps)",
+            title=title,
+            ylim=(0, 100),
+            xlim=(bss[0] / 1.5, bss[-1] * 1.5),
+        )
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test accuracy (%)")
     fig.suptitle("(b) accuracy vs batch size (lr scaled linearly with the batch size, equal epochs)", fontsize=TITLE)
@@ -334,11 +339,18 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
         )
     if chance:
         extra.append(Line2D([], [], color="0.4", linestyle=":", label=f"chance ({100 * chance:.0f} %)"))
-    note = None
+    notes = []
+    few, many = bss[-1], bss[0]
+    if steps.get(few) and steps.get(many) and steps[many] > 2 * steps[few]:
+        notes.append(
+            f"Equal epochs: batch {few} trains {steps[few]} steps, batch {many} {steps[many]}; accuracy here mixes "
+            "the batch size with the number of steps."
+        )
     if ringed:
         where = ", ".join(str(b) for b in sorted(ringed, reverse=True))
-        note = (
-            f"Ringed means did not reach their plateau (batch {where}): under-trained after equal epochs,\n"
-            "so they do not show the effect of the batch size itself."
+        notes.append(
+            f"Ringed means did not reach their plateau (batch {where}): under-trained, so they do not show the "
+            "effect of the batch size itself."
         )
+    note = "\n".join(notes) or None
     return _save(fig, path, handles + _marks_legend(results, extra), "norm", note)
