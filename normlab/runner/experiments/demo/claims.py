@@ -344,7 +344,8 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
     )
     clauses = [guard_clause(twin_pairs(demo, evidence, s), FLAGS[s]) for s in FLAGS]  # as measured; no verdict
     key = (
-        f"alarm before the collapse on {dated + dead} of {len(plain)} seed{'' if len(plain) == 1 else 's'}; "
+        f"alarm on {dated + dead} of {len(plain)} seed{'' if len(plain) == 1 else 's'} ({dated} before a dated "
+        f"collapse); "
         f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in {audit['healthy_runs']} "
         f"healthy runs"
     )
