@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # torch is pinned here (not in pyproject) so this machine takes its local CPU wheel instead of a CUDA build.
 TORCH_PIN ?= torch==2.13.0
-# `make test` also installs and tests the optional integrations; `make demo` needs only the core (and mnist1d).
+# `make test` also installs and tests the optional integrations; `make demo` needs only the core.
 # The pin in the same pip command keeps pip from replacing torch.
 EXTRAS ?= ray,tensorboard,lightning,onnx,timm,models,docs
 # torchvision's wheel for this torch, without its dependencies (its own would pull a CUDA torch); only its Python
@@ -39,6 +39,7 @@ lint: setup
 # docs/_build is git-ignored.
 docs: setup-extras
 	OMP_NUM_THREADS=1 $(VENV)/bin/sphinx-build -W --keep-going -E -q -b html docs docs/_build/html
+	@echo "docs: open docs/_build/html/index.html (maths rendered offline by the MathJax copied beside it)"
 
 # tests/test_docs_build.py checks the build `make docs` made (NORMLAB_DOCS_HTML) instead of building it again.
 test: setup-extras lint docs

@@ -103,7 +103,7 @@ def run(shape, repeats: int, iters: int, warmup: int, seed: int = 0) -> list[dic
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=4, default=[32, 64, 32, 32], metavar=("N", "C", "H", "W"))
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--iters", type=int, default=10)

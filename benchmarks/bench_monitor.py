@@ -81,7 +81,9 @@ def make_model(name: str, norm: str, in_channels: int, size: int, width: float) 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="plain", type=_model_name, help="plain, plain1d, resnet50 or timm:<name>")
     p.add_argument("--norm", default="bn", help="norm of the plain nets (none, bn, ...)")
     p.add_argument("--width", type=float, default=0.25)

@@ -126,7 +126,7 @@ def run(shape, c_out: int, k: int, repeats: int, iters: int, warmup: int, device
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--shape", type=int, nargs=4, default=[32, 64, 32, 32], metavar=("N", "C", "H", "W"))
     p.add_argument("--out-channels", type=int, default=64)
     p.add_argument("--kernel", type=int, default=3)

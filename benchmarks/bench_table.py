@@ -480,7 +480,9 @@ def write_results(path: Path, device: str, section: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ main
 def _args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--quick", action="store_true", help="small shapes, 3 rounds, no torch.compile: seconds")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds per group (default 7, quick 3)")

@@ -44,7 +44,9 @@ def _command(script: Path, args, out: Path) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="runs/bench", help="directory for the JSON results")
     parser.add_argument("--only", default="", help="comma-separated script names (without .py)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")

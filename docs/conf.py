@@ -33,6 +33,8 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax shipped in a package (copied into _build/html/_static/mathjax): the maths renders offline, no CDN.
+    "sphinx-mathjax-offline",
     "myst_parser",
 ]
 

@@ -912,7 +912,9 @@ def suggest_study(out_dir: Path, seeds, lrs, steps: int, workers: int = 2) -> st
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=["collect", "analyze", "round3", "round4", "evaluate", "guard", "suggest"])
     p.add_argument("--out", type=Path, default=Path("runs/collapse_study"))
     p.add_argument("--seeds", default=None, help="collect: default 100-103; guard: default the even seeds")

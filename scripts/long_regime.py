@@ -108,7 +108,7 @@ def describe(run: Path) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("out", nargs="?", default="runs/long_regime", help="the grid's --out directory")
     out = Path(p.parse_args().out)
     rows = [describe(d) for d in sorted((out / "runs").iterdir()) if (d / "summary.json").exists()]

@@ -698,7 +698,7 @@ def _csv(value: str, valid: Iterable[str], what: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(model_specs()), help="comma-separated names (default: all)")
     p.add_argument("--targets", default=",".join(CONVERT_TARGETS), help="convert_norm targets (default: all)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per model (default 1)")

@@ -302,7 +302,20 @@ def test_demo_quick_writes_report(tmp_path, capsys):
         "| BRN",
         "| mon",
     ]
-    assert table in out and out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
+    # the terminal's rendering: every claim's id starts a line, no line over 100 columns (report.md has the text)
+    assert table not in out and all(len(line) <= 100 for line in out.splitlines() if not line.startswith("report: "))
+    ids = [line.split()[0] for line in out.splitlines() if line[:1].strip() and not line.startswith(("report", "Q"))]
+    assert [i for i in ids if i != "claim" and not i.startswith("normlab")] == [
+        "1",
+        "2",
+        "3",
+        "3a",
+        "4",
+        "5",
+        "BRN",
+        "mon",
+    ]
+    assert out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
     assert "false alarm" in report and "at plateau" in report
     demo = json.loads((tmp_path / "demo.json").read_text())
     assert set(demo["sections"]) == {"lr_sweep", "collapse", "guard", "guard_dead", "batch_size"}
@@ -407,3 +420,58 @@ def test_guard_dead_flag_reaches_every_cell_and_a_grid_refuses_the_other_guard(t
     assert main([*args, "--guard"]) != 0  # the same directory with the other guard: refused, nothing reused
     err = capsys.readouterr().err
     assert "guard_dead" in err and len(err.strip().splitlines()) == 1
+
+
+def _parse_error(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, typo, suggested",
+    [
+        (["train", "--epoch", "1"], "--epoch", "--epochs"),  # was silently taken as --epochs
+        (["train", "--lrr", "0.1"], "--lrr", "--lr"),
+        (["compare", "--lrr", "0.1"], "--lrr", "--lrs"),
+        (["compare", "--norm", "bn"], "--norm", "--norms"),
+        (["demo", "--quik"], "--quik", "--quick"),
+        (["capsules", "--iteration", "1"], "--iteration", "--iterations"),
+        (["--verison"], "--verison", "--version"),
+    ],
+)
+def test_options_are_never_abbreviated_and_a_typo_gets_the_closest_option(argv, typo, suggested, capsys, tmp_path):
+    err = _parse_error(argv + (["--out", str(tmp_path / "o")] if argv[0] != "--verison" else []), capsys)
+    assert f"unrecognized arguments: {typo}" in err and f"did you mean {suggested}" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_every_command_refuses_abbreviations():
+    from normlab.cli import build_parser
+
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices  # argparse keeps its subparsers here
+    assert parser.allow_abbrev is False and commands
+    assert all(p.allow_abbrev is False for p in commands.values()), [n for n, p in commands.items() if p.allow_abbrev]
+
+
+def test_a_mistyped_command_or_choice_gets_the_closest_one(capsys):
+    assert "did you mean train?" in _parse_error(["trian"], capsys)
+    assert "did you mean paper?" in _parse_error(["train", "--brn-schedule", "papr"], capsys)
+    assert "did you mean" not in _parse_error(["train", "--zzzz", "1"], capsys)
+
+
+def test_every_argument_parser_of_the_repository_refuses_abbreviations():
+    """Scripts and benchmarks too: an abbreviated option silently taken for another is a wrong experiment."""
+    import re
+
+    from conftest import ROOT
+
+    offenders = []
+    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("normlab/**/*.py")]:
+        for call in re.findall(r"ArgumentParser\((.*?)\)", path.read_text(), flags=re.S):
+            if call.strip() and "allow_abbrev=False" not in call:
+                offenders.append(path.name)
+    assert not offenders, offenders

@@ -2,6 +2,9 @@
 order, reproduced / not reproduced / not testable here with the numbers; its words and signs read as they should."""
 
 import json
+from pathlib import Path
+
+import pytest
 
 from normlab.runner.experiments.demo.claims import claims_markdown, claims_table, plateau_check, timing_verdict
 from normlab.runner.experiments.demo.diagnosis import _series
@@ -254,3 +257,33 @@ def test_rounding_noise_of_zero_mean_filters_is_not_drawn_as_signal():
     for key in ("shift", "mean_update_std"):
         layers, hidden = _series(recs, key, None)
         assert set(layers) == {"d"} and hidden == 3
+
+
+@pytest.mark.parametrize(
+    "demo",
+    [
+        _demo(),
+        _demo(lr_acc={"none": {0.02: 0.9, 0.1: 0.9, 0.2: 0.9}}),
+        _demo(lr_acc={"pws:gamma=0.01": {0.02: 0.9, 0.1: 0.9, 0.2: 0.9}}),
+        {**_demo(), "quick": True},
+        json.loads((Path(__file__).parents[1] / "docs" / "demo_record.json").read_text()),
+    ],
+    ids=["record-like", "no-claim-1", "claim-2", "quick", "docs-record"],
+)
+def test_the_terminal_table_fits_100_columns_with_every_claim(demo):
+    """What `normlab demo` prints: every claim of the report's table with its verdict and key number, no line over
+    100 characters (report.md keeps the full text)."""
+    from normlab.runner.experiments.demo.terminal import WIDTH, claims_terminal
+
+    lines = claims_terminal(demo)
+    assert WIDTH == 100 and all(len(line) <= WIDTH for line in lines), max(lines, key=len)
+    rows = claims_table(demo)
+    starts = [line for line in lines[1:] if line[:1].strip()]  # each claim's first line starts at column 0
+    assert [line.split()[0] for line in starts if not line.startswith("Quick")] == [r["id"] for r in rows]
+    for line, r in zip(starts, rows):
+        assert r["verdict"] in line
+    text = " ".join(" ".join(line.split()) for line in lines)
+    for r in rows:
+        assert " ".join(r["key"].split()[:3]) in text  # the key number is shown, wrapped but whole
+        assert len(r["key"]) < len(r["numbers"]) or r["key"] == r["numbers"]
+    assert ("Quick mode" in lines[-1]) == bool(demo.get("quick"))

@@ -304,10 +304,10 @@ def test_the_report_renders_the_guard_dead_twins_after_the_guard_twins(tmp_path)
 
 
 def test_the_claims_tool_refuses_bad_arguments_in_one_line(tmp_path, capsys):
-    from normlab.runner.experiments.demo.claims import _main
+    from normlab.runner.experiments.demo.terminal import _main
 
     assert _main([]) == 2 and _main(["--help"]) == 2
-    assert capsys.readouterr().err.count("usage: python -m normlab.runner.experiments.demo.claims") == 2
+    assert capsys.readouterr().err.count("usage: python -m normlab.runner.experiments.demo.terminal") == 2
     assert _main([str(tmp_path), str(tmp_path / "record.json")]) == 2
     err = capsys.readouterr().err
     assert "demo.json not found" in err and len(err.strip().splitlines()) == 1

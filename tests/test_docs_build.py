@@ -41,8 +41,9 @@ WARNING = re.compile(r"(WARNING|ERROR|CRITICAL):")
 
 @pytest.fixture(scope="module", autouse=True)
 def docs_tools():
-    """Sphinx, myst-parser and the integrations' extras (autodoc imports them); make test installs them all."""
-    for module in ("sphinx", "myst_parser", "lightning", "tensorboard"):
+    """Sphinx, myst-parser, the shipped MathJax and the integrations' extras (autodoc imports them); make test
+    installs them all."""
+    for module in ("sphinx", "myst_parser", "sphinx-mathjax-offline", "lightning", "tensorboard"):
         needs(module)
 
 
@@ -295,3 +296,26 @@ def test_every_constant_on_the_api_pages_has_a_description(built):
     assert documented and documented <= set(descriptions), documented - set(descriptions)
     empty = sorted(name for name in documented if not descriptions[name])
     assert not empty, f"constants without a description (a #: comment where they are defined): {empty}"
+
+
+def test_the_maths_renders_offline_from_a_shipped_mathjax(built):
+    """No page loads a script from the network (the maths was blank offline with MathJax from a CDN): the pages with
+    maths load MathJax from _static, where the build put it."""
+    pages = sorted(built.rglob("*.html"))
+    remote = {
+        (p.relative_to(built).as_posix(), src)
+        for p in pages
+        for src in re.findall(r"<script[^>]*\bsrc=\"([^\"]+)\"", p.read_text())
+        if src.startswith(("http:", "https:", "//"))
+    }
+    assert not remote, sorted(remote)
+    with_maths = [p for p in pages if 'class="math' in p.read_text()]
+    assert with_maths  # the layers' formulas
+    for page in with_maths:
+        scripts = re.findall(r"<script[^>]*\bsrc=\"([^\"]*mathjax[^\"]*)\"", page.read_text())
+        assert scripts and all((page.parent / s.split("?")[0]).is_file() for s in scripts), (page, scripts)
+
+
+def test_make_docs_prints_where_the_html_is():
+    recipe = (ROOT / "Makefile").read_text().split("\ndocs:")[1].split("\n\n")[0]
+    assert "sphinx-build" in recipe and re.search(r"echo .*docs/_build/html/index\.html", recipe), recipe

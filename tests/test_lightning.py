@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import types
 
 import pytest
@@ -121,6 +122,7 @@ def test_sharded_strategies_are_refused():
         cb.setup(trainer, Tiny(), "fit")
 
 
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")  # on purpose
 def test_monitor_state_travels_with_lightning_checkpoints(tmp_path, one_thread):
     cb = VarianceMonitorCallback(every=1, log=False)
     trainer = _fit(Tiny(), cb, max_steps=3)
@@ -239,7 +241,7 @@ def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
     assert trainer.global_step == 16 and cb.guard.steps == 16 - 4  # the trainer counts the lost steps too
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
     assert cb.monitor.alarm is None and all(torch.isfinite(p).all() for p in module.parameters())
-    assert float(module.net[0].weight.abs().max()) < 10  # the x1e3 kernel was thrown away
+    assert float(module.net[0].weight.detach().abs().max()) < 10  # the x1e3 kernel was thrown away
 
 
 def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_before_it(one_thread):
@@ -250,7 +252,7 @@ def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_
     (r,) = cb.guard.rescues
     assert r.step == 8 and r.onset == 5 and r.restored_step == 2 and cb.guard.dismissed == []
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    assert float(module.net[0].weight.abs().max()) < 10  # back to before the x1e3 kernel
+    assert float(module.net[0].weight.detach().abs().max()) < 10  # back to before the x1e3 kernel
 
 
 def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread):
@@ -272,13 +274,17 @@ def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread)
 def test_guard_gives_up_rolls_back_and_stops_the_trainer(one_thread):
     module = NanLoss(nan_at=range(4, 100))
     cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "max_rescues": 2})
-    with pytest.warns(UserWarning, match=r"gave up after 2 rescue\(s\).*back on its state of guard step"):
+    with pytest.warns(UserWarning) as caught:  # each rescue, then the surrender: all said, none left over
         trainer = _fit(module, cb, max_steps=30)
+    said = [str(w.message) for w in caught]
+    assert [n for n in (1, 2, 3) if any(f"rescue {n}: non-finite loss" in m for m in said)] == [1, 2], said
+    assert any(re.search(r"gave up after 2 rescue\(s\).*back on its state of guard step", m) for m in said), said
     assert len(cb.guard.rescues) == 2 and cb.gave_up.startswith("CollapseGuard: gave up after 2 rescue(s)")
     assert trainer.should_stop and trainer.global_step < 30
     assert all(torch.isfinite(p).all() for p in module.parameters())  # ends on a snapshot, not on NaN
 
 
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")  # on purpose
 def test_guard_state_travels_with_lightning_checkpoints(tmp_path, one_thread):
     cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
     with pytest.warns(UserWarning, match="rescue 1"):

@@ -212,3 +212,28 @@ def test_the_demo_diagnosis_plots_from_the_reader(tmp_path):
     (run / "monitor.jsonl").write_text('{"step": 0, "layer": 1}\n')
     with pytest.raises(ValueError, match=r"monitor.jsonl:1: expected a string 'layer'"):
         load_records(run)
+
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        (json.dumps({"config": {"norm": "bn"}, "final_test_acc": 0.9}, indent=2), "an object with keys config"),
+        ('{"epoch": 1, "step": 10, "train_loss": 2.0}\n', "an object with keys epoch, step, train_loss"),
+        ("[1, 2, 3]", "a list"),
+    ],
+)
+def test_valid_json_that_is_not_a_monitor_log_is_named_with_what_was_expected(tmp_path, text, what, capsys):
+    """A run's summary.json (pretty-printed) or metrics.jsonl given to `normlab monitor`: not 'invalid JSON'."""
+    from normlab.cli import main
+
+    path = tmp_path / "summary.json"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        load_log(path)
+    said = str(info.value)
+    assert f"is JSON ({what}" in said and "not a monitor log" in said and "not valid JSON" not in said
+    assert "expected a monitor log: JSONL, one object per line" in said and "\n" not in said
+    assert main(["monitor", str(path), "--out", str(tmp_path / "plots")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a monitor log" in err and "monitor.jsonl" in err
+    assert not (tmp_path / "plots").exists()

@@ -1,10 +1,13 @@
-"""The README's Python examples run as written (in a temporary directory: some write runs/...)."""
+"""The Python examples of the README and of docs/integrations.md run as written (in a temporary directory: some
+write runs/...); the README's table of claims is the terminal's rendering of the recorded demo; no README line is
+longer than 120 characters."""
 
 import os
 import re
 from pathlib import Path
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+INTEGRATIONS = README.parent / "docs" / "integrations.md"  # the integrations' examples, moved out of the README
 EXTRAS = ("lightning", "tensorboard", "ray", "onnx", "onnxruntime", "onnxscript")
 
 
@@ -12,6 +15,7 @@ def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert blocks, "README has no python example"
+    blocks += re.findall(r"```python\n(.*?)```", INTEGRATIONS.read_text(), flags=re.S)
     for code in blocks:
         try:
             exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
@@ -28,20 +32,21 @@ BEGIN, END = "<!-- demo-claims:begin -->", "<!-- demo-claims:end -->"
 
 
 def test_readme_demo_table_is_the_reports_table_of_the_recorded_demo():
-    """The README quotes the first table of the demo's report. It must be exactly what the report's builder makes of
-    the recorded run (docs/demo_record.json, saved from runs/demo): a hand-edited number, a changed criterion or
-    wording in the builder, or a new record without the README updated all fail here."""
+    """The README quotes the table of claims `normlab demo` prints (the terminal's rendering of the report's first
+    table). It must be exactly what normlab makes of the recorded run (docs/demo_record.json, saved from runs/demo):
+    a hand-edited number, a changed criterion or wording in the builder, or a new record without the README updated
+    all fail here."""
     import json
 
-    from normlab.runner.experiments.demo.claims import claims_markdown
+    from normlab.runner.experiments.demo.terminal import claims_terminal
 
     text = README.read_text()
     assert text.count(BEGIN) == 1 and text.count(END) == 1, "README lacks the demo-claims markers"
     quoted = text.split(BEGIN)[1].split(END)[0].strip()
-    built = "\n".join(claims_markdown(json.loads(DEMO_RECORD.read_text()))).strip()
+    built = "\n".join(["```text", *claims_terminal(json.loads(DEMO_RECORD.read_text())), "```"]).strip()
     assert quoted == built, (
         "README's demo table differs from the report's: refresh both with `python -m "
-        "normlab.runner.experiments.demo.claims runs/demo docs/demo_record.json` and paste "
+        "normlab.runner.experiments.demo.terminal runs/demo docs/demo_record.json` and paste "
         "its output between the markers"
     )
 
@@ -60,3 +65,13 @@ def test_demo_record_keeps_every_verdict():
         for c in sec["cells"]:
             c["history"] = [{"test_acc": 0.5}]
     assert claims_table(claims_record(demo)) == claims_table(demo)
+
+
+def test_readme_lines_fit_120_columns_and_its_first_screen_says_how_to_start():
+    lines = README.read_text().splitlines()
+    assert all(len(line) <= 120 for line in lines), [i + 1 for i, line in enumerate(lines) if len(line) > 120]
+    first = "\n".join(lines[:45])
+    for needed in ("pip install normlab", "--index-url", "make demo", "make test", "minutes"):
+        assert needed in first, needed
+    text = "\n".join(lines)
+    assert text.count("How to read its report") + text.count("Reading the demo's report") == 0

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,7 +94,9 @@ def test_run_writes_metrics_checkpoint_and_summary(tmp_path, capfd):
     # the progress bar shows epoch, loss and accuracy
     train(tiny(epochs=1, max_steps_per_epoch=1), tmp_path / "bar", progress=True)
     err = capfd.readouterr().err
-    assert "epoch 1/1" in err and "loss=" in err and "acc=" in err
+    assert "epoch 1/1" in err and "loss=" in err
+    shown = re.findall(r"train_acc=(\d+\.\d) %", err)  # a percent, as the summary line shows accuracy
+    assert shown and all(0 <= float(x) <= 100 for x in shown), err
 
 
 def test_training_learns_and_is_deterministic(tmp_path):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import math
+import re
 
 from normlab.runner.data.cifar10 import download_cifar10
 from normlab.runner.data.datasets import DATASETS
@@ -56,10 +58,32 @@ MIN_SAMPLES = 50  # mnist1d generation needs a few per class
 
 class OneLineParser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``normlab <command>: error: ...`` (exit code 2) instead of
-    a usage block; ``--help`` is unchanged. Subparsers inherit the class."""
+    a usage block; ``--help`` is unchanged. Subparsers inherit the class. Options are never abbreviated
+    (``--epoch`` is not ``--epochs``), and an unknown option is refused by the command that owns the options, with
+    the closest known ones: ``unrecognized arguments: --lrr 0.1 (did you mean --lr?)``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        unknown = [a.split("=")[0] for a in extras if a.startswith("-") and a != "-"]
+        if unknown:  # refused here, where the options are known (the top parser would not know a command's)
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            near = [m for u in unknown for m in difflib.get_close_matches(u, known, n=2, cutoff=0.7)]
+            hint = f" (did you mean {' or '.join(dict.fromkeys(near))}?)" if near else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+        return namespace, extras
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {' '.join(str(message).split())}\n")
+        message = " ".join(str(message).split())
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if choice:  # a mistyped command or choice: the closest ones
+            options = [c.strip(" '") for c in choice.group(2).split(",")]
+            near = difflib.get_close_matches(choice.group(1), options, n=2, cutoff=0.6)
+            message += f" (did you mean {' or '.join(near)}?)" if near else ""
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def _interval(low, high, low_open: bool, high_open: bool) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from normlab.runner.experiments.demo.experiment import run_demo
-from normlab.runner.experiments.demo.report import first_table
+from normlab.runner.experiments.demo.terminal import claims_terminal
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 
@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         demo = run_demo(
             out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress
         )
-    print("\n".join(first_table(demo)))
+    print("\n".join(claims_terminal(demo)))  # the full table opens report.md
     print(
         f"\nreport: {out / 'report.md'} (the criteria of each verdict, every section's numbers, the plots "
         f"{', '.join(p.name for p in sorted(out.glob('*.png')))})"

@@ -255,6 +255,40 @@ def _parse(line: str, where: str) -> dict:
     return obj
 
 
+EXPECTED = (
+    "expected a monitor log: JSONL, one object per line, each a layer record (with 'step' and 'layer') or an "
+    "event, as VarianceMonitor.to_jsonl and `normlab train --monitor-every N` (OUT/monitor.jsonl) write"
+)
+
+
+def _refuse_other_json(path: Path) -> None:
+    """A JSON document that is not a monitor log (a run's summary.json, results.json, ...): say what it is and what
+    was expected, instead of a parse error about its first line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = f.readline()
+            if first.strip() and _is_record_or_event(first):
+                return
+            f.seek(0)
+            obj = json.load(f, parse_constant=_null)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        return  # not one JSON document: the line-by-line reader names the bad line
+    what = (
+        f"an object with keys {', '.join(list(obj)[:4])}{', ...' if len(obj) > 4 else ''}"
+        if isinstance(obj, dict)
+        else f"a {type(obj).__name__}"
+    )
+    raise ValueError(f"load_log: {path} is JSON ({what}) but not a monitor log; {EXPECTED}")
+
+
+def _is_record_or_event(line: str) -> bool:
+    try:
+        obj = json.loads(line, parse_constant=_null)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(obj, dict) and ("event" in obj or ("layer" in obj and "step" in obj))
+
+
 def load_log(path: str | os.PathLike) -> MonitorLog:
     """Read a monitor log -> :class:`~normlab.monitor.log.MonitorLog` ``(records, alarm, spp, events)``, validated
     line by line.
@@ -276,6 +310,7 @@ def load_log(path: str | os.PathLike) -> MonitorLog:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_log: monitor log {path} does not exist or is not a file")
+    _refuse_other_json(path)
     records, events, spp = [], [], None
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -300,7 +335,7 @@ def load_log(path: str | os.PathLike) -> MonitorLog:
                 problem = _check_record(obj)
                 records.append(obj)
             else:
-                problem = "neither a layer record (with 'layer' and 'step') nor an event"
+                problem = f"neither a layer record (with 'layer' and 'step') nor an event; {EXPECTED}"
             if problem is not None:
                 raise ValueError(f"load_log: {where}: {problem}")
     alarm = next((e.to_dict() for e in events if e.severity == "alarm"), None)

@@ -558,7 +558,9 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 if win.seen:
-                    bar.set_postfix(loss=f"{win.loss_sum / win.seen:.4f}", acc=f"{win.correct / win.seen:.3f}")
+                    bar.set_postfix(  # accuracy in percent, as the summary line and the reports give it
+                        loss=f"{win.loss_sum / win.seen:.4f}", train_acc=f"{100 * win.correct / win.seen:.1f} %"
+                    )
             if win.stopped:
                 break
             if step + 1 in marks:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -130,8 +129,9 @@ def _mean(g: dict | None, key: str = "final_mean") -> float | None:
     return None if g is None else g.get(key)
 
 
-def _row(cid: str, verdict: str, numbers: str) -> dict[str, str]:
-    return {"id": cid, "claim": _STATEMENTS[cid], "verdict": verdict, "numbers": numbers}
+def _row(cid: str, verdict: str, numbers: str, key: str | None = None) -> dict[str, str]:
+    """One row; ``key``: its key number in a few words for the terminal (:mod:`.terminal`), default ``numbers``."""
+    return {"id": cid, "claim": _STATEMENTS[cid], "verdict": verdict, "numbers": numbers, "key": key or numbers}
 
 
 # ----------------------------------------------------------------------------------------- (a) claims 1, 2, 5
@@ -158,7 +158,7 @@ def _lr_rows(a: dict) -> list[dict[str, str]]:
         ]
     else:
         why = "the unnormalized net does not fail after learning at a lower rate" if not bad else "BN fails there too"
-        rows = [_row("1", NOT_REPRODUCED, f"{why}; {nums1}")]
+        rows = [_row("1", NOT_REPRODUCED, f"{why}; {nums1}", nums1)]
     pws = [n for n in names if n.startswith("pws")]
     if not c1:
         rows.append(_row("2", NOT_TESTABLE, "claim 1 did not appear, so there is no such learning rate"))
@@ -176,6 +176,7 @@ def _lr_rows(a: dict) -> list[dict[str, str]]:
                     if held
                     else f"PWS collapses too where the plain net does and BN trains: lr {at:g}: {nums}"
                 ),
+                f"lr {at:g}: {nums}",
             )
         )
     rows.append(_claim5(g, lrs, names, ok))
@@ -193,9 +194,9 @@ def _claim5(g: dict, lrs: list[float], names: list[str], ok) -> dict[str, str]:
     suffer = not ok("pws", lr) and not ok("wn", lr)
     nums = f"lr {lr:g}: PWS {_acc(g.get(('pws', lr)))}, WN {_acc(g.get(('wn', lr)))}, BN {_acc(g.get(('bn', lr)))}"
     if suffer and ok("bn", lr):
-        return _row("5", REPRODUCED, f"PWS and WN fall behind as the paper says; {nums}")
+        return _row("5", REPRODUCED, f"PWS and WN fall behind as the paper says; {nums}", nums)
     why = "BN does not train there either" if suffer else "PWS or WN trains there"
-    return _row("5", NOT_REPRODUCED, f"{why}; {nums}")
+    return _row("5", NOT_REPRODUCED, f"{why}; {nums}", nums)
 
 
 # ------------------------------------------------------------------------------------------ (b) claims 3, BRN
@@ -232,6 +233,8 @@ def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
                 f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
                 f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
                 f"information, {nums}",
+                f"not at plateau: {unplateaued[0]}"
+                + (f" and {len(unplateaued) - 1} more" if len(unplateaued) > 1 else ""),
             )
         ]
     elif None in (_mean(bn0), _mean(bns), _mean(pws0), _mean(pwss)):
@@ -278,7 +281,8 @@ def _brn_row(g: dict, lr: float, base: int, small: list[int], base_unplateaued: 
         nums += f"; BRN at batch {small[0]} - BN at batch {base}: {_pts(diff)}"
     else:
         nums += f" ('close to batch-{base} BN' not testable: batch {base} not at its plateau)"
-    return _row("BRN", REPRODUCED if above and close is not False else NOT_REPRODUCED, nums)
+    key = nums.split(" (")[0]  # without the aside on batch 128's plateau
+    return _row("BRN", REPRODUCED if above and close is not False else NOT_REPRODUCED, nums, key)
 
 
 # ----------------------------------------------------------------------------------------------- (d) claim 4
@@ -312,7 +316,10 @@ def _cost_rows(cost: dict) -> list[dict[str, str]]:
             f"timing spread (here up to {1000 * max(s for _, s in said.values()):.2f} ms)"
         )
         verdict = REPRODUCED if all(v == "cheaper" for v, _ in said.values()) else NOT_REPRODUCED
-        rows.append(_row("4", verdict, nums))
+        key = f"batch {bs}: PWS {1000 * t['pws']['median_s']:.1f} ms; " + ", ".join(
+            f"{n.upper()} {1000 * t[n]['median_s']:.1f} ({v})" for n, (v, _) in said.items()
+        )
+        rows.append(_row("4", verdict, nums, key))
     return rows
 
 
@@ -336,13 +343,20 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
         f"{audit['healthy_runs']} runs that did not collapse"
     )
     clauses = [guard_clause(twin_pairs(demo, evidence, s), FLAGS[s]) for s in FLAGS]  # as measured; no verdict
-    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, "; ".join([nums, *(c for c in clauses if c)]))
+    key = (
+        f"alarm on {dated + dead} of {len(plain)} seed{'' if len(plain) == 1 else 's'} ({dated} before a dated "
+        f"collapse); "
+        f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in {audit['healthy_runs']} "
+        f"healthy runs"
+    )
+    return _row("mon", REPRODUCED if met else NOT_REPRODUCED, "; ".join([nums, *(c for c in clauses if c)]), key)
 
 
 # ------------------------------------------------------------------------------------------------- the table
 def claims_table(demo: dict[str, Any]) -> list[dict[str, str]]:
     """The rows of the first table, in the paper's order (1-5), then Batch Renorm's claim and the monitor's:
-    ``[{"id", "claim", "verdict", "numbers"}]``. Needs ``demo["evidence"]`` (:func:`collect_evidence`)."""
+    ``[{"id", "claim", "verdict", "numbers", "key"}]`` (``key``: the key number in a few words, for the terminal).
+    Needs ``demo["evidence"]`` (:func:`collect_evidence`)."""
     evidence = demo.get("evidence") or {}
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
     lr_rows, batch_rows = _lr_rows(a), _batch_rows(b, evidence)
@@ -372,7 +386,8 @@ RECORD_KEYS = ("spec", "num_classes", "groups", "cells")
 
 def claims_record(demo: dict[str, Any]) -> dict[str, Any]:
     """What :func:`claims_table` reads of a demo record, without the runs' histories: the record committed as
-    ``docs/demo_record.json``, from which the README's table of claims is checked (tests/test_readme.py)."""
+    ``docs/demo_record.json``, from which the README's table of claims (the terminal's,
+    :func:`~normlab.runner.experiments.demo.terminal.claims_terminal`) is checked (tests/test_readme.py)."""
     sections = {k: {key: sec[key] for key in RECORD_KEYS if key in sec} for k, sec in demo["sections"].items()}
     for sec in sections.values():
         sec["cells"] = [{k: v for k, v in c.items() if k != "history"} for c in sec.get("cells", [])]
@@ -383,33 +398,3 @@ def claims_record(demo: dict[str, Any]) -> dict[str, Any]:
         "evidence": demo["evidence"],
         "sections": sections,
     }
-
-
-USAGE = "usage: python -m normlab.runner.experiments.demo.claims DEMO_DIR RECORD.json"
-
-
-def _main(argv: list[str]) -> int:
-    """``python -m normlab.runner.experiments.demo.claims DEMO_DIR RECORD.json``: save DEMO_DIR's record (its
-    evidence gathered again from its runs) and print the README's table; 2 with a one-line message on bad
-    arguments."""
-    from normlab.runner.io import atomic_write_json
-
-    if len(argv) != 2 or argv[0].startswith("-"):
-        print(f"{USAGE} (save DEMO_DIR's record and print the README's claims table)", file=sys.stderr)
-        return 2
-    demo_dir, target = Path(argv[0]), Path(argv[1])
-    if not (demo_dir / "demo.json").is_file():
-        print(
-            f"claims: {demo_dir / 'demo.json'} not found: DEMO_DIR must be a finished `normlab demo --out` directory",
-            file=sys.stderr,
-        )
-        return 2
-    demo = json.loads((demo_dir / "demo.json").read_text())
-    demo["evidence"] = collect_evidence(demo_dir, demo["sections"])
-    atomic_write_json(target, claims_record(demo))
-    print("\n".join(claims_markdown(demo)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.log import load_log
-from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
+from normlab.monitor.plotting import layer_series, log_scale, mark_alarm
 from normlab.monitor.records import layer_keys
 from normlab.monitor.rules import RegimeRule
+from normlab.runner.io import atomic_savefig
 
 __all__ = [
     "load_records",
@@ -169,7 +170,18 @@ def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[s
     return shown, sum(len(v) for _, v in values.values()) - sum(len(v) for _, v in shown.values())
 
 
-RISK_STYLE = {"color": "darkorange", "linestyle": "-.", "linewidth": 1.2}  # the regime warning's mark
+RISK_STYLE = {"color": "darkorange", "linestyle": "-.", "linewidth": 1.5}  # the regime warning's mark
+FONT = 10  # points: the smallest type of the figure, readable on a slide
+
+
+def layer_colors(records: list[dict]) -> dict[str, Any]:
+    """One colour per conv and linear layer, in forward order along a colormap (shallow: dark blue, deep: red), so
+    that a dozen layers stay apart and a layer has the same colour in every panel and row."""
+    import matplotlib
+
+    names = list(dict.fromkeys(r["layer"] for r in records if r.get("kind") != "norm"))
+    cmap = matplotlib.colormaps["turbo"]
+    return {n: cmap(0.05 + 0.9 * i / max(1, len(names) - 1)) for i, n in enumerate(names)}
 
 
 def _panel(
@@ -180,35 +192,49 @@ def _panel(
     log: bool,
     marks: tuple[dict | None, dict | None],
     key: str | None = None,
+    colors: dict | None = None,
 ) -> None:
     alarm, risk = marks
     layers, hidden = series
-    draw_series(ax, layers, linewidth=1.0)
+    for name, (steps, vals) in layers.items():
+        ax.plot(steps, vals, label=name, linewidth=1.4, color=(colors or {}).get(name))
+    ax.set_title(title, fontsize=FONT + 1)
+    if hidden and key in NOISE_FLOORS and not layers:  # nothing to draw: a note in place of an empty panel
+        _, level, of = NOISE_FLOORS[key]
+        ax.axis("off")
+        ax.text(
+            0.5,
+            0.5,
+            f"not drawn: every value\n< {level:g} {of}\n(rounding noise of\nzero-mean filters)",
+            ha="center",
+            va="center",
+            fontsize=FONT,
+            color="0.3",
+            transform=ax.transAxes,
+        )
+        return
     if log:
         log_scale(ax, [v for _, vals in layers.values() for v in vals])
     if hidden and key in NOISE_FLOORS:
         _, level, of = NOISE_FLOORS[key]
         ax.text(
             0.5,
-            0.5 if not layers else 0.08,
-            f"{'every' if not layers else hidden} value{'s' if layers else ''} "
-            f"< {level:g} {of}:\nrounding noise of zero-mean filters,\nnot drawn",
+            0.04,
+            f"{hidden} values < {level:g} {of} not drawn",
             ha="center",
-            va="center",
-            fontsize=8,
+            va="bottom",
+            fontsize=FONT - 1,
             color="0.3",
             transform=ax.transAxes,
         )
-    if not layers and hidden:
-        ax.set_yticks([])
-    elif not log:
+    if not log:
         ax.ticklabel_format(axis="y", useOffset=False)
     mark_alarm(ax, alarm)
     if risk and risk.get("step") is not None:
         ax.axvline(risk["step"], **RISK_STYLE)
-    ax.set_title(title, fontsize=9)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_xlabel("step", fontsize=FONT)
+    ax.set_ylabel(ylabel, fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
 
 
@@ -233,18 +259,18 @@ def _share_log_limits(axes, col: int) -> None:
 
 def _said(ax, alarm: dict | None, risk: dict | None) -> None:
     """The loss panel's note: where and when the countdown alarm fired and the regime warning was raised."""
-    said = f"alarm: {alarm['layer']}, step {alarm['step']}\n({alarm.get('quantity')})" if alarm else "no alarm"
-    ax.text(0.97, 0.95, said, ha="right", va="top", fontsize=8, color="r" if alarm else "0.3", transform=ax.transAxes)
-    said = f"regime warning: {risk['layer']}, step {risk['step']}" if risk else "no regime warning"
+    said = f"alarm: {alarm['layer']}, step {alarm['step']}" if alarm else "no alarm"
+    said += "\n" + (f"regime warning: {risk['layer']}, step {risk['step']}" if risk else "no regime warning")
     ax.text(
         0.97,
-        0.62,
+        0.95,
         said,
         ha="right",
         va="top",
-        fontsize=8,
-        color=RISK_STYLE["color"] if risk else "0.3",
+        fontsize=FONT - 1,
+        color="r" if alarm else "0.3",
         transform=ax.transAxes,
+        bbox={"facecolor": "white", "alpha": 0.8, "edgecolor": "none"},
     )
 
 
@@ -252,7 +278,8 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     """One row per (label, run dir): loss, Fig. 1(a) update ratio, Fig. 1(b) spread of the per-filter mean update,
     the shift of the average and the output variance per layer over the first ``max_step`` steps; the red dashed
     line is the monitor's countdown alarm, the orange dash-dotted line its regime warning (both named in the row's
-    loss panel). Values at rounding level are not drawn."""
+    loss panel). Layers are coloured by depth, the same in every panel; values at rounding level are not drawn
+    (a panel with nothing else says so in place of its axes); the legend lists only the marks drawn."""
     runs = [(label, Path(d)) for label, d in runs if (Path(d) / "monitor.jsonl").is_file()]
     if not runs:
         return None
@@ -262,32 +289,54 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(len(runs), 5, figsize=(22, 3.2 * len(runs)), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(len(runs), 5, figsize=(21, 3.3 * len(runs) + 0.3), squeeze=False, layout="constrained")
+    colors: dict[str, Any] = {}
+    drawn = {"alarm": False, "risk": False}
     for row, (label, run_dir) in zip(axes, runs):
         records, _ = load_records(run_dir)
+        colors = {**layer_colors(records), **colors}
         diag = diagnose_run(run_dir)
         marks = (diag["alarm"], diag["risk"])
+        drawn["alarm"] |= bool(diag["alarm"] and diag["alarm"].get("step") is not None)
+        drawn["risk"] |= bool(diag["risk"] and diag["risk"].get("step") is not None)
         losses = _loss_trace(run_dir)[: (max_step or 10**9) + 1]
-        row[0].plot(range(len(losses)), [math.nan if v is None else v for v in losses], color="k", linewidth=1)
+        row[0].plot(range(len(losses)), [math.nan if v is None else v for v in losses], color="k", linewidth=1.2)
         row[0].axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
         _said(row[0], *marks)
-        _panel(row[0], ({}, 0), f"{label}: training loss", "loss", False, marks)
+        _panel(row[0], ({}, 0), label, "training loss", False, marks)
         for ax, (key, title, ylabel, log) in zip(row[1:], _COLUMNS):
-            _panel(ax, _series(records, key, max_step), title, ylabel, log, marks, key)
+            _panel(ax, _series(records, key, max_step), title, ylabel, log, marks, key, colors)
     for col in range(1, 5):
         _share_log_limits(axes, col)
-    handles, labels = axes[0][4].get_legend_handles_labels()
-    handles += [
-        Line2D([], [], color="r", linestyle="--"),
-        Line2D([], [], **RISK_STYLE),
-        Line2D([], [], color="0.5", linestyle=":"),
-    ]
-    labels += [
-        "countdown alarm (mon.alarm)\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
-        "whose input collapsed)",
-        "regime warning (RegimeRule)\n(a layer's shift term above\n"
-        f"{RegimeRule().min_ratio:g}x its variance term for\n{RegimeRule().window} steps in a row)",
-        "ln 10 (chance loss)",
-    ]
-    fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)
-    return save_figure(fig, path, dpi=90, rect=(0, 0, 0.9, 1))
+    handles = [Line2D([], [], color=c, linewidth=2) for c in colors.values()]
+    labels = list(colors)
+    if drawn["alarm"]:
+        handles.append(Line2D([], [], color="r", linestyle="--"))
+        labels.append(
+            "countdown alarm (mon.alarm):\na layer's output variance\nor shift past its threshold,"
+            "\nor its input collapsed"
+        )
+    if drawn["risk"]:
+        handles.append(Line2D([], [], **RISK_STYLE))
+        labels.append(
+            f"regime warning (RegimeRule):\nshift term > {RegimeRule().min_ratio:g}x variance\n"
+            f"term, {RegimeRule().window} steps in a row"
+        )
+    handles.append(Line2D([], [], color="0.5", linestyle=":"))
+    labels.append("ln 10 (chance loss)")
+    fig.legend(
+        handles,
+        labels,
+        loc="outside right center",
+        fontsize=FONT,
+        title="layer (shallow to deep)",
+        title_fontsize=FONT,
+        frameon=False,
+    )
+    fig.suptitle(
+        "(c) what the monitor saw in runs that collapsed (one run that did not, for reference)", fontsize=FONT + 3
+    )
+    try:
+        return atomic_savefig(fig, path, dpi=80)
+    finally:
+        plt.close(fig)

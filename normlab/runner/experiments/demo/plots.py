@@ -15,51 +15,63 @@ from normlab.runner.io import atomic_savefig
 __all__ = ["lr_plot", "loss_curves_plot", "batch_plot", "smoothed"]
 
 _LABELS = {"pws": "pws (gamma 1e-3)", "pws:gamma=0.01": "pws (gamma 1e-2)"}
+FONT = 10  # points: the smallest type of every figure (ticks, legends, notes), readable on a slide
+TITLE = 12
 
 
 def _label(name: str) -> str:
     return _LABELS.get(name, name)
 
 
-def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None, right: float = 0.84) -> Path:
-    """Lay out the panels left of ``right`` (a fraction of the width), the legend in the space to their right."""
-    fig.tight_layout(rect=(0, 0, right, 1 - 0.45 / fig.get_figheight()))
+def _style(fig) -> None:
+    """Every text of ``fig`` at least :data:`FONT` points (tick labels included)."""
+    for ax in fig.axes:
+        ax.tick_params(labelsize=FONT)
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            text.set_fontsize(max(text.get_fontsize(), FONT + 1))
+
+
+def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None, note: str | None = None) -> Path:
+    """Save ``fig`` (made with ``layout="constrained"``) with the legend outside the panels on the right and
+    ``note`` as a caption under them."""
+    _style(fig)
     if legend_handles:
         fig.legend(
             handles=legend_handles,
-            loc="center left",
-            bbox_to_anchor=(right, 0.5),
-            fontsize=8,
+            loc="outside right center",
+            fontsize=FONT,
             frameon=False,
             title=legend_title,
-            title_fontsize=8,
+            title_fontsize=FONT,
         )
+    if note:
+        fig.supxlabel(note, fontsize=FONT, color="0.15")
     atomic_savefig(fig, path, dpi=100)
     plt().close(fig)
     return path
 
 
-def _seed_values(results: dict, name: str, key: str, x_key: str) -> dict[float, list[tuple[float, bool]]]:
-    """x -> [(value, collapsed)] over the seeds of ``name``."""
-    out: dict[float, list[tuple[float, bool]]] = {}
+def _seed_values(results: dict, name: str, key: str, x_key: str) -> dict[float, list[tuple[float, bool, str]]]:
+    """x -> [(value, collapsed, cell id)] over the seeds of ``name``."""
+    out: dict[float, list[tuple[float, bool, str]]] = {}
     for c in results["cells"]:
         if c["name"] == name and c.get(key) is not None:
-            out.setdefault(float(c[x_key]), []).append((100 * c[key], bool(c.get("collapsed"))))
+            out.setdefault(float(c[x_key]), []).append((100 * c[key], bool(c.get("collapsed")), c.get("cell", "")))
     return dict(sorted(out.items()))
 
 
-def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple[float, bool]]], color: str, dodge: float = 1.0, **line) -> Any:
+def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: float = 1.0, **line) -> Any:
     """Faint point per seed (x where it collapsed), bold mean line with its std as error bars; ``dodge`` multiplies
-    the x values (a log axis), so norms at the same x stand side by side instead of on top of each other."""
+    the x values (a log axis) to set groups side by side (1: at their true x)."""
     xs_vals = {x * dodge: v for x, v in xs_vals.items()}
     xs = list(xs_vals)
     for x, vals in xs_vals.items():
-        ok = [v for v, col in vals if not col]
-        bad = [v for v, col in vals if col]
-        ax.plot([x] * len(ok), ok, "o", color=color, alpha=0.3, markersize=4)
-        ax.plot([x] * len(bad), bad, "x", color=color, alpha=0.6, markersize=6)
-    means = [sum(v for v, _ in vals) / len(vals) for vals in xs_vals.values()]
-    stds = [_std([v for v, _ in vals]) for vals in xs_vals.values()]
+        ok = [v[0] for v in vals if not v[1]]
+        bad = [v[0] for v in vals if v[1]]
+        ax.plot([x] * len(ok), ok, "o", color=color, alpha=0.35, markersize=5)
+        ax.plot([x] * len(bad), bad, "x", color=color, alpha=0.8, markersize=7, markeredgewidth=1.5)
+    means = [sum(v[0] for v in vals) / len(vals) for vals in xs_vals.values()]
+    stds = [_std([v[0] for v in vals]) for vals in xs_vals.values()]
     return ax.errorbar(xs, means, yerr=stds, color=color, linewidth=2.2, capsize=3, **line)
 
 
@@ -70,47 +82,71 @@ def _std(vals: list[float]) -> float:
     return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
 
 
-def _marks_legend(extra: list | None = None) -> list:
+def _any_collapsed(results: dict) -> bool:
+    return any(c.get("collapsed") for c in results["cells"])
+
+
+def _marks_legend(results: dict, extra: list | None = None) -> list:
+    """The marks' legend: only those the figure draws (a collapsed seed's x only where a seed collapsed)."""
     from matplotlib.lines import Line2D
 
-    return [
+    marks = [
         Line2D([], [], color="0.3", linewidth=2.2, label="mean over seeds (bar: ± std)"),
         Line2D([], [], color="0.3", marker="o", alpha=0.4, linestyle="", label="one seed"),
-        Line2D([], [], color="0.3", marker="x", linestyle="", label="one seed, collapsed"),
-        *(extra or []),
     ]
+    if _any_collapsed(results):
+        marks.append(
+            Line2D([], [], color="0.3", marker="x", markeredgewidth=1.5, linestyle="", label="one seed, collapsed")
+        )
+    return marks + (extra or [])
 
 
 def lr_plot(results: dict, path: Path) -> Path | None:
-    """Final test accuracy against the learning rate (log axis), one colour per norm."""
+    """Final test accuracy against the learning rate (log axis): one panel per norm (small multiples on the same
+    axes, so each norm's slope is its own and norms at similar accuracy stay apart), the other norms' means faint
+    behind it for reference."""
     lrs = sorted(results["spec"]["lrs"])
     if len(lrs) < 2:
         return None
     from matplotlib.lines import Line2D
 
-    fig, ax = plt().subplots(figsize=(8.5, 4.6))
-    handles = []
-    for i, name in enumerate(results["spec"]["norms"]):
-        color = f"C{i % 10}"
-        dodge = 10 ** (0.025 * (i - (len(results["spec"]["norms"]) - 1) / 2))
-        _seeds_and_mean(ax, _seed_values(results, name, "final_test_acc", "lr"), color, dodge)
-        handles.append(Line2D([], [], color=color, linewidth=2.2, label=_label(name)))
-    chance = chance_level(results)
-    if chance:
-        ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
-    ax.set_xscale("log")
-    ax.set_xticks(lrs)
-    ax.set_xticklabels([f"{x:g}" for x in lrs])
-    ax.minorticks_off()
-    ax.set(
-        xlabel="learning rate (log scale; norms side by side at each rate)",
-        ylabel="final test accuracy (%)",
-        ylim=(0, 100),
+    names = list(results["spec"]["norms"])
+    cols = min(3, len(names))
+    rows = -(-len(names) // cols)
+    fig, axes = plt().subplots(
+        rows, cols, figsize=(3.6 * cols + 2.6, 2.7 * rows + 0.6), squeeze=False, sharex=True, layout="constrained"
     )
-    ax.grid(alpha=0.3)
-    fig.suptitle(f"(a) accuracy vs learning rate, batch {results['spec']['base_batch_size']}", fontsize=10)
-    dotted = Line2D([], [], color="0.4", linestyle=":", label="chance (10 %)")
-    return _save(fig, path, handles + _marks_legend([dotted]), "norm", right=0.72)
+    values = {n: _seed_values(results, n, "final_test_acc", "lr") for n in names}
+    means = {n: {x: sum(v[0] for v in vals) / len(vals) for x, vals in values[n].items()} for n in names}
+    chance = chance_level(results)
+    for i, (ax, name) in enumerate(zip(axes.flat, names)):
+        for other in names:
+            if other != name and means[other]:
+                ax.plot(list(means[other]), list(means[other].values()), color="0.8", linewidth=1, zorder=1)
+        _seeds_and_mean(ax, values[name], f"C{i % 10}")
+        if chance:
+            ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
+        ax.set_xscale("log")
+        ax.set_xticks(lrs)
+        ax.set_xticklabels([f"{x:g}" for x in lrs])
+        ax.minorticks_off()
+        ax.set(ylim=(0, 100), xlim=(lrs[0] / 1.4, lrs[-1] * 1.4))
+        ax.set_title(_label(name), color=f"C{i % 10}", fontweight="bold")
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(names) :]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("learning rate")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("test acc. (%)")
+    fig.suptitle(
+        f"(a) final test accuracy vs learning rate (log scale), batch {results['spec']['base_batch_size']}",
+        fontsize=TITLE,
+    )
+    extra = [Line2D([], [], color="0.8", linewidth=1, label="the other norms' means")]
+    if chance:
+        extra.append(Line2D([], [], color="0.4", linestyle=":", label=f"chance ({100 * chance:.0f} %)"))
+    return _save(fig, path, _marks_legend(results, extra))
 
 
 def smoothed(losses: list, window: int) -> list[float]:
@@ -138,32 +174,48 @@ def _mean_curve(curves: list[list[float]]) -> list[float]:
     return [sum(v) / len(v) if len(v) == len(curves) else math.nan for v in cols]
 
 
-LOSS_TOP = 20.0  # the loss axis ends here (about 9 x ln 10); a run above it diverged and is marked at the edge
+LOSS_TOP = 20.0  # the loss axis shows the loss up to here (about 9 x ln 10); a run above it diverged
+AXIS_TOP = 45.0  # the axis itself ends higher, so the marks at LOSS_TOP stay inside the panel, clear of its title
 
 
-def _end_mark(ax, curve: list[float], color: str) -> None:
-    """A run whose loss left the axis (diverged): a triangle at the top edge where it crossed; one whose loss became
-    non-finite: an X where its last finite value was (at the edge if above it)."""
+def _end_mark(ax, curve: list[float], color: str) -> set[str]:
+    """A run whose loss left the axis (diverged): a triangle at LOSS_TOP where it crossed; one whose loss became
+    non-finite: an X where its last finite value was (at LOSS_TOP if above it). Returns the marks drawn."""
+    drawn = set()
     up = next((i for i, v in enumerate(curve) if math.isfinite(v) and v > LOSS_TOP), None)
     if up is not None:
-        ax.plot([up], [LOSS_TOP], "^", color=color, markersize=7, markeredgecolor="k", clip_on=False, zorder=5)
+        ax.plot([up], [LOSS_TOP], "^", color=color, markersize=8, markeredgecolor="k", zorder=5)
+        drawn.add("^")
     finite = [i for i, v in enumerate(curve) if math.isfinite(v)]
     if finite and finite[-1] < len(curve) - 1:
-        ax.plot(
-            [finite[-1]],
-            [min(curve[finite[-1]], LOSS_TOP)],
-            "X",
-            color=color,
-            markersize=8,
+        x, y = finite[-1], min(curve[finite[-1]], LOSS_TOP)
+        ax.plot([x], [y], "X", color=color, markersize=9, markeredgecolor="k", zorder=6)
+        drawn.add("X")
+    return drawn
+
+
+def _loss_marks_legend(drawn: set[str]) -> list:
+    from matplotlib.lines import Line2D
+
+    marks = {
+        "^": Line2D(
+            [],
+            [],
+            color="0.5",
+            marker="^",
             markeredgecolor="k",
-            clip_on=False,
-            zorder=6,
-        )
+            linestyle="",
+            label=f"loss above {LOSS_TOP:g}: diverged",
+        ),
+        "X": Line2D([], [], color="0.5", marker="X", markeredgecolor="k", linestyle="", label="loss became non-finite"),
+    }
+    return [marks[m] for m in ("^", "X") if m in drawn]
 
 
 def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     """Smoothed training loss per step: one panel per norm, one colour per learning rate, each seed a faint line
-    around the bold mean (where every seed is finite), log loss axis shared by all panels."""
+    around the bold mean (where every seed is finite), log loss axis shared by all panels; the legend names only
+    the marks drawn."""
     traces = _traces(results, grid_dir)
     if not traces:
         return None
@@ -173,21 +225,28 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
     fig, axes = plt().subplots(
-        rows, cols, figsize=(4.2 * cols + 2.4, 2.9 * rows), squeeze=False, sharex=True, sharey=True
+        rows,
+        cols,
+        figsize=(4.2 * cols + 2.8, 2.9 * rows + 0.4),
+        squeeze=False,
+        sharex=True,
+        sharey=True,
+        layout="constrained",
     )
     colors = {lr: f"C{i}" for i, lr in enumerate(lrs)}
+    drawn: set[str] = set()
     for ax, name in zip(axes.flat, names):
         for lr in lrs:
             curves = traces.get((name, lr), [])
             for c in curves:
                 ax.plot(c, color=colors[lr], linewidth=0.7, alpha=0.35)
-                _end_mark(ax, c, colors[lr])
+                drawn |= _end_mark(ax, c, colors[lr])
             if curves:
                 ax.plot(_mean_curve(curves), color=colors[lr], linewidth=2.0)
         ax.axhline(math.log(10), color="0.3", linestyle=":", linewidth=1)
-        ax.set_title(_label(name), fontsize=9)
+        ax.set_title(_label(name))
         ax.set_yscale("log")
-        ax.set_ylim(0.05, LOSS_TOP)
+        ax.set_ylim(0.05, AXIS_TOP)
         ax.grid(alpha=0.3, which="both")
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
@@ -198,38 +257,53 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     handles = [Line2D([], [], color=colors[lr], linewidth=2.0, label=f"lr {lr:g}") for lr in lrs] + [
         Line2D([], [], color="0.3", linewidth=2.0, label="mean over seeds"),
         Line2D([], [], color="0.3", linewidth=0.7, alpha=0.5, label="one seed"),
-        Line2D(
-            [],
-            [],
-            color="0.5",
-            marker="^",
-            markeredgecolor="k",
-            linestyle="",
-            label=f"loss above {LOSS_TOP:g}: diverged",
-        ),
-        Line2D([], [], color="0.5", marker="X", markeredgecolor="k", linestyle="", label="loss became non-finite"),
+        *_loss_marks_legend(drawn),
         Line2D([], [], color="0.3", linestyle=":", label="ln 10 (chance)"),
     ]
-    fig.suptitle("(a) training loss per norm (running mean of 10 steps; log scale)", fontsize=10)
-    return _save(fig, path, handles, "learning rate", right=1 - 2.3 / fig.get_figwidth())
+    fig.suptitle("(a) training loss per norm (running mean of 10 steps; log scale)", fontsize=TITLE)
+    return _save(fig, path, handles, "learning rate")
 
 
-def batch_plot(results: dict, path: Path) -> Path | None:
+def _unplateaued(vals: list[tuple], plateau: dict) -> bool:
+    """Most seeds of one (norm, batch size) did not reach their plateau (a seed without a check counts as not)."""
+    checks = [plateau.get(v[2]) for v in vals]
+    return 2 * sum(1 for x in checks if x and x.get("plateau")) <= len(checks)
+
+
+def _ring_unplateaued(ax, vals_by_x: dict[float, list[tuple]], plateau: dict, dodge: float) -> set[int]:
+    """An open ring around each mean whose seeds mostly did not reach their plateau; the batch sizes ringed."""
+    ringed = set()
+    for x, vals in vals_by_x.items():
+        if _unplateaued(vals, plateau):
+            mean = sum(v[0] for v in vals) / len(vals)
+            ax.plot([x * dodge], [mean], "o", markersize=15, markerfacecolor="none", markeredgecolor="k")
+            ringed.add(int(x))
+    return ringed
+
+
+def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path | None:
     """Test accuracy against the batch size (log axis): eval mode (running statistics) and train mode (batch
-    statistics) side by side, one colour per norm, seeds faint around the bold mean."""
+    statistics) side by side, one colour per norm, seeds faint around the bold mean.
+
+    ``plateau`` (cell id -> :func:`~normlab.runner.experiments.demo.claims.plateau_check`): a mean whose seeds
+    mostly did not reach their plateau is ringed, and the figure says under it that those points are not
+    comparable (equal epochs are fewer steps at a larger batch)."""
     bss = sorted(results["spec"]["batch_sizes"])
     if len(bss) < 2:
         return None
     from matplotlib.lines import Line2D
 
-    fig, axes = plt().subplots(1, 2, figsize=(12, 4.4), sharey=True)
-    handles = []
+    fig, axes = plt().subplots(1, 2, figsize=(13, 5.2), sharey=True, layout="constrained")
+    handles, ringed = [], set()
     for i, name in enumerate(results["spec"]["norms"]):
         color = f"C{i % 10}"
         for ax, key in zip(axes, ("final_test_acc", "final_test_acc_train_mode")):
             vals = _seed_values(results, name, key, "batch_size")
             if vals:
-                _seeds_and_mean(ax, vals, color, 2 ** (0.04 * (i - (len(results["spec"]["norms"]) - 1) / 2)))
+                dodge = 2 ** (0.04 * (i - (len(results["spec"]["norms"]) - 1) / 2))
+                _seeds_and_mean(ax, vals, color, dodge)
+                if plateau is not None:
+                    ringed |= _ring_unplateaued(ax, vals, plateau, dodge)
         handles.append(Line2D([], [], color=color, linewidth=2.2, label=name))
     chance = chance_level(results)
     steps = {int(c["batch_size"]): c.get("steps_run") for c in results["cells"]}
@@ -238,16 +312,45 @@ def batch_plot(results: dict, path: Path) -> Path | None:
             ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
         ax.set_xscale("log", base=2)
         ax.set_xticks(bss)
-        ax.set_xticklabels([f"{b}\n({steps.get(b)})" for b in bss], fontsize=8)
+        ax.set_xticklabels([f"{b}\n({steps.get(b)})" for b in bss])
         ax.minorticks_off()
         ax.set(
-            xlabel="batch size, log scale (steps per run)",
+            xlabel="batch size, log scale (training steps)",
             title=title,
             ylim=(0, 100),
             xlim=(bss[0] / 1.5, bss[-1] * 1.5),
         )
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("test accuracy (%)")
-    fig.suptitle("(b) accuracy vs batch size (lr scaled linearly with the batch size, equal epochs)", fontsize=10)
-    dotted = Line2D([], [], color="0.4", linestyle=":", label="chance (10 %)")
-    return _save(fig, path, handles + _marks_legend([dotted]), "norm", right=0.8)
+    fig.suptitle("(b) accuracy vs batch size (lr scaled linearly with the batch size, equal epochs)", fontsize=TITLE)
+    extra = []
+    if ringed:
+        extra.append(
+            Line2D(
+                [],
+                [],
+                marker="o",
+                markersize=12,
+                markerfacecolor="none",
+                markeredgecolor="k",
+                linestyle="",
+                label="not at its plateau\n(loss still falling)",
+            )
+        )
+    if chance:
+        extra.append(Line2D([], [], color="0.4", linestyle=":", label=f"chance ({100 * chance:.0f} %)"))
+    notes = []
+    few, many = bss[-1], bss[0]
+    if steps.get(few) and steps.get(many) and steps[many] > 2 * steps[few]:
+        notes.append(
+            f"Equal epochs: batch {few} trains {steps[few]} steps, batch {many} {steps[many]}; accuracy here mixes "
+            "the batch size with the number of steps."
+        )
+    if ringed:
+        where = ", ".join(str(b) for b in sorted(ringed, reverse=True))
+        notes.append(
+            f"Ringed means did not reach their plateau (batch {where}): under-trained, so they do not show the "
+            "effect of the batch size itself."
+        )
+    note = "\n".join(notes) or None
+    return _save(fig, path, handles + _marks_legend(results, extra), "norm", note)

@@ -225,12 +225,23 @@ def _diagnosis_section(out: Path, demo: dict, evidence: dict) -> tuple[list[str]
         f"{audit['healthy_runs']} did not collapse, **{audit['false_alarms']} false "
         f"alarm{'' if audit['false_alarms'] == 1 else 's'}** (an alarm in a run that did not collapse).",
     ]
-    picks = [
-        (f"{c['name']} seed {c['seed']}", out / "collapse" / "runs" / c["cell"])
-        for c in cells
-        if c["seed"] == min(demo["protocol"]["seeds"])
-    ]
-    return lines, picks
+    return lines, diagnosis_picks(out, cells, diag.get("collapse", {}))
+
+
+def diagnosis_picks(out: Path, cells: list[dict], diagnoses: dict[str, dict]) -> list[tuple[str, Path]]:
+    """The runs the collapse figure shows: for each norm its first seed that collapsed, then one run that did not
+    (the first norm without a collapse, its first seed) as the healthy reference; (label, run dir) each."""
+    picks, reference = [], None
+    for name in dict.fromkeys(c["name"] for c in cells):
+        runs = [(c, diagnoses.get(c["cell"])) for c in sorted(cells, key=lambda c: c["seed"]) if c["name"] == name]
+        collapsed = [(c, d) for c, d in runs if d and d["collapsed"]]
+        if collapsed:
+            c, d = collapsed[0]
+            picks.append((f"{name} seed {c['seed']}: {_outcome(d)}", out / "collapse" / "runs" / c["cell"]))
+        elif reference is None and runs and runs[0][1]:
+            c = runs[0][0]
+            reference = (f"{name} seed {c['seed']}: did not collapse", out / "collapse" / "runs" / c["cell"])
+    return picks + ([reference] if reference else [])
 
 
 # ------------------------------------------------------------------------------------------------------ (d) cost
@@ -328,6 +339,8 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         "",
         *diag_lines,
         "",
+        "The figure shows, for each norm, its first seed that collapsed, and one run that did not for reference.",
+        "",
         "![](c_collapse_diagnosis.png)",
         "",
         *twin_lines,
@@ -367,7 +380,7 @@ def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list
     plots = [
         lr_plot(a, out / "a_acc_vs_lr.png"),
         loss_curves_plot(a, out / "lr_sweep", out / "a_loss_curves.png"),
-        batch_plot(b, out / "b_acc_vs_batch_size.png"),
+        batch_plot(b, out / "b_acc_vs_batch_size.png", (evidence or {}).get("plateau") or {}),
     ]
     diag_lines, picks = _diagnosis_section(out, demo, evidence)
     plots.append(plot_diagnosis(picks, out / "c_collapse_diagnosis.png"))

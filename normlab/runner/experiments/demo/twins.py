@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.guard import AT_CHANCE, DEAD_AFTER, LEARNED_FRACTION, LOSS_WINDOW
-from normlab.monitor.plotting import save_figure
 from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
 from normlab.runner.training.train import GUARD_EVERY
 
@@ -176,39 +175,61 @@ def _loss(run_dir: Path) -> list[float]:
     return [math.nan if v is None else v for v in json.loads(path.read_text())["losses"]] if path.is_file() else []
 
 
-def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> None:
-    """One pair: both loss curves, each rescue's trouble step and the step it went back to."""
+FONT = 10  # points: the smallest type of the figure, readable on a slide
+UNGUARDED = {"color": "0.72", "linewidth": 4.0, "solid_capstyle": "butt"}  # a wide grey band under ...
+GUARDED_LINE = {"color": "tab:blue", "linewidth": 1.5}  # ... the guarded run: where they coincide, blue on grey
+
+
+def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
+    """One pair: both loss curves (the unguarded a grey band under the guarded line, so coinciding curves stay
+    visible), each rescue's trouble step and the step it went back to; the outcomes in the title. True when the
+    panel has a rescue."""
     u, g = pair["unguarded"], pair["guarded"]
-    runs = ((u, out / "collapse", "0.45", "unguarded"), (g, out / section, "tab:blue", FLAGS[section]))
-    for d, run_dir, color, who in runs:
+    for run_dir, style in ((out / "collapse", UNGUARDED), (out / section, GUARDED_LINE)):
         losses = _loss(run_dir / "runs" / pair["cell"])
-        ax.plot(range(len(losses)), losses, color=color, linewidth=1.1, label=f"{who}: {_ended(d)}, {_acc(d)}")
+        ax.plot(range(len(losses)), losses, **style)
     ax.axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
+    notes = []
     for i, r in enumerate(g["rescues"]):
-        ax.axvline(r["step"], color="r", linestyle=":", linewidth=1.2)
-        ax.axvline(r["restored_step"], color="tab:green", linestyle="--", linewidth=1.2)
-        ax.text(
-            0.97,
-            0.76 - 0.08 * i,
+        ax.axvline(r["step"], color="r", linestyle=":", linewidth=1.4)
+        ax.axvline(r["restored_step"], color="tab:green", linestyle="--", linewidth=1.4)
+        notes.append(
             f"rescue {i + 1}: trouble at step {r['step']}, back to {r['restored_step']}, lr {r['lr_before']:g} -> "
-            f"{r['lr_after']:g}",
+            f"{r['lr_after']:g}"
+        )
+    if not notes:  # no rescue: the guard changed nothing, so the two runs are one curve; say so, and what it saw
+        notes.append("no rescue: the guarded run is the unguarded one")
+        notes += [f"alarm at step {d['step']} dismissed (no trouble followed)" for d in g.get("alarms_dismissed") or []]
+    if notes:
+        ax.text(  # top right: a loss curve starts high on the left and falls
+            0.97,
+            0.96,
+            "\n".join(notes),
             ha="right",
-            fontsize=7,
+            va="top",
+            fontsize=FONT - 1,
             color="tab:green",
             transform=ax.transAxes,
+            bbox={"facecolor": "white", "alpha": 0.6, "edgecolor": "none"},
         )
-    ax.set_title(f"{pair['name']} seed {pair['seed']}: loss, unguarded vs {FLAGS[section]}", fontsize=9)
-    ax.set_xlabel("step (kept steps of each run)")
-    ax.set_ylabel("training loss", fontsize=8)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.set_title(
+        f"{pair['name']} seed {pair['seed']}\nunguarded: {_ended(u)}, {_acc(u)}\n{FLAGS[section]}: {_ended(g)}, "
+        f"{_acc(g)}",
+        fontsize=FONT,
+        loc="left",
+    )
+    ax.set_xlabel("step (kept steps of each run)", fontsize=FONT)
+    ax.set_ylabel("training loss", fontsize=FONT)
+    ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
+    return bool(g["rescues"])
 
 
 def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: str = GUARDED) -> Path | None:
-    """One panel per pair: the training loss of the unguarded (grey) and the guarded (blue) run of ``section``; for
-    each rescue a red dotted line where the guard saw the trouble and a green dashed line at the step it restored
-    (from there on the guarded run goes on at the lowered learning rate). None without pairs that have loss
-    traces."""
+    """One panel per pair: the training loss of the unguarded (a grey band) and the guarded (a blue line on it) run
+    of ``section``; for each rescue a red dotted line where the guard saw the trouble and a green dashed line at the
+    step it restored (from there on the guarded run goes on at the lowered learning rate). The legend lists only
+    the marks drawn. None without pairs that have loss traces."""
     pairs = [p for p in pairs if (Path(out) / section / "runs" / p["cell"] / "loss_trace.json").is_file()]
     if not pairs:
         return None
@@ -218,21 +239,24 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(1, len(pairs), figsize=(5.5 * len(pairs), 3.6), squeeze=False, sharey=True)
-    for ax, pair in zip(axes[0], pairs):
-        _panel(ax, pair, Path(out), section)
-    handles = [
-        Line2D([], [], color="r", linestyle=":"),
-        Line2D([], [], color="tab:green", linestyle="--"),
-        Line2D([], [], color="0.5", linestyle=":"),
-    ]
-    trouble = "non-finite loss/gradient\nor loss climb" + (
-        ",\nor no learning\nsince the alarm" if section == GUARDED_DEAD else ""
+    from normlab.runner.io import atomic_savefig
+
+    fig, axes = plt.subplots(
+        1, len(pairs), figsize=(4.6 * len(pairs) + 2.8, 4.4), squeeze=False, sharey=True, layout="constrained"
     )
-    labels = [
-        f"guard saw trouble\n({trouble})",
-        "rolled back to this step,\nlearning rate lowered",
-        "ln 10 (chance loss)",
-    ]
-    fig.legend(handles, labels, loc="center right", fontsize=7, frameon=False)
-    return save_figure(fig, path, dpi=90, rect=(0, 0, 0.86, 1))
+    rescued = [_panel(ax, pair, Path(out), section) for ax, pair in zip(axes[0], pairs)]
+    handles = [Line2D([], [], **UNGUARDED), Line2D([], [], **GUARDED_LINE)]
+    labels = ["unguarded run", f"the same run with {FLAGS[section]}"]
+    if any(rescued):
+        trouble = "non-finite loss/gradient\nor loss climb" + (
+            ",\nor no learning\nsince the alarm" if section == GUARDED_DEAD else ""
+        )
+        handles += [Line2D([], [], color="r", linestyle=":"), Line2D([], [], color="tab:green", linestyle="--")]
+        labels += [f"guard saw trouble\n({trouble})", "rolled back to this step,\nlearning rate lowered"]
+    handles.append(Line2D([], [], color="0.5", linestyle=":"))
+    labels.append("ln 10 (chance loss)")
+    fig.legend(handles, labels, loc="outside right center", fontsize=FONT, frameon=False)
+    try:
+        return atomic_savefig(fig, path, dpi=90)
+    finally:
+        plt.close(fig)
