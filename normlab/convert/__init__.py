@@ -82,7 +82,7 @@ whose own rounding error exceeds that passes when the folded output is as close 
 as the original is, up to ``rtol`` and twice the original's rounding error).
 
 :meth:`SyncBatchRenorm.convert_sync_batchrenorm <normlab.nn.SyncBatchRenorm.convert_sync_batchrenorm>`
-(``normlab/convert/sync.py``) follows the same rule: each layer computes what it computed, so timm's NormAct
+(``normlab/nn/_sync_convert.py``) follows the same rule: each layer computes what it computed, so timm's NormAct
 :class:`~normlab.integrations.timm.BatchRenormAct2d` becomes
 :class:`~normlab.integrations.timm.SyncBatchRenormAct` with its ``drop`` and ``act``, and a BatchRenorm subclass
 with its own forward is left and named in one warning.

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from normlab.nn._modules import module_names, swap_modules, unique_modules, warn_lost_hooks
 from normlab.nn.registry import CONV_CLASSES
 from normlab.nn.weight_std import PWS_CONV_TYPES, WS_CONV_TYPES
 
@@ -124,30 +125,6 @@ def conv_kwargs(conv: nn.Module) -> dict:
     return out
 
 
-def module_names(model: nn.Module) -> dict[int, str]:
-    """Module id -> its first name in ``model`` (``"<model>"`` for the root), aliases included."""
-    out: dict[int, str] = {}
-    for name, m in model.named_modules(remove_duplicate=False):
-        out.setdefault(id(m), name or "<model>")
-    return out
-
-
-def unique_modules(model: nn.Module, keep) -> list[nn.Module]:
-    """The modules of ``model`` for which ``keep`` holds, each once however many names it has."""
-    return list({id(m): m for m in model.modules() if keep(m)}.values())
-
-
-def swap_modules(model: nn.Module, new: dict[int, nn.Module]) -> nn.Module:
-    """Put ``new[id(old)]`` under every name and parent that holds ``old`` (aliases and shared modules stay
-    shared); returns the new root if ``model`` itself is replaced."""
-    parents = unique_modules(model, lambda _: True)
-    for parent in parents:
-        for name, child in list(parent._modules.items()):
-            if child is not None and id(child) in new:
-                parent._modules[name] = new[id(child)]
-    return new.get(id(model), model)
-
-
 def build_named(build, where: str, m: nn.Module, name: str):
     """``build()``, with a ``ValueError``/``TypeError`` of the new layer's constructor (which names only its own
     class) re-raised naming the layer it would replace: ``where: cannot build the new layer for name (Type): ...``."""
@@ -155,22 +132,6 @@ def build_named(build, where: str, m: nn.Module, name: str):
         return build()
     except (ValueError, TypeError) as e:
         raise type(e)(f"{where}: cannot build the new layer for {name} ({type(m).__name__}): {e}") from e
-
-
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
-
-
-def warn_lost_hooks(modules, names: dict, where: str) -> None:
-    """One ``UserWarning`` naming each of ``modules`` (being replaced) that has module hooks: a hook may change
-    what the layer computes, and its replacement does not carry it."""
-    hooked = [f"{names[id(m)]} ({type(m).__name__})" for m in modules if any(getattr(m, h, None) for h in _HOOKS)]
-    if hooked:
-        warnings.warn(
-            f"{where}: the hooks on these layers are not carried over to their replacements (register them again "
-            f"on the converted model): {', '.join(hooked)}",
-            UserWarning,
-            stacklevel=4,
-        )
 
 
 def warn_unknown_batchnorms(model: nn.Module, known: dict, names: dict, where: str) -> None:

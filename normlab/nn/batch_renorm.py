@@ -59,6 +59,7 @@ from .._functions import fused_batch_renorm, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
+from ._sync_convert import to_sync_batchrenorm
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
 
@@ -709,12 +710,12 @@ class SyncBatchRenorm(_BatchRenorm):
         :class:`~normlab.integrations.timm.BatchRenormAct2d` becomes
         :class:`~normlab.integrations.timm.SyncBatchRenormAct` with the same ``drop`` and ``act`` modules; a
         subclass with its own forward is left as it is and named in one ``UserWarning``
-        (``normlab/convert/sync.py``). A layer registered under several names is replaced by one new layer.
+        (``normlab/nn/_sync_convert.py``). A layer registered under several names is replaced by one new layer.
         Returns the converted module (a new object if ``module`` itself is a BatchRenorm layer).
         """
-        from normlab.convert.sync import to_sync_batchrenorm  # normlab.convert imports this module
-
-        return to_sync_batchrenorm(module, process_group, cls)
+        return to_sync_batchrenorm(
+            module, process_group, cls, (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d), _BatchRenorm
+        )
 
 
 #: The batch renormalization layers, for ``isinstance``: :class:`BatchRenorm1d`, :class:`BatchRenorm2d`,

@@ -23,18 +23,15 @@ import warnings
 
 from torch import nn
 
-from normlab.convert.recognize import module_names, swap_modules, unique_modules, warn_lost_hooks
-from normlab.nn.batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm, _BatchRenorm
+from normlab.nn._modules import module_names, swap_modules, unique_modules, warn_lost_hooks
 
 __all__ = ["to_sync_batchrenorm"]
 
-_PLAIN = (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d)
 
-
-def _sync_class(m: nn.Module, plain: type) -> type | None:
-    """The synchronized class computing what ``m`` computes (``plain`` for a plain BatchRenorm), or None (a
-    subclass with its own forward)."""
-    if any(type(m).forward is cls.forward and isinstance(m, cls) for cls in _PLAIN):
+def _sync_class(m: nn.Module, plain: type, local: tuple[type, ...]) -> type | None:
+    """The synchronized class computing what ``m`` computes (``plain`` for a plain BatchRenorm, one of ``local``),
+    or None (a subclass with its own forward)."""
+    if any(type(m).forward is cls.forward and isinstance(m, cls) for cls in local):
         return plain
     na = sys.modules.get("normlab.integrations.timm")  # loaded whenever a BatchRenormAct2d exists
     if na is not None and isinstance(m, na.BatchRenormAct2d) and type(m).forward is na.BatchRenormAct2d.forward:
@@ -68,14 +65,17 @@ def _sync_layer(m: nn.Module, cls: type, process_group) -> nn.Module:
     return new.train(m.training)
 
 
-def to_sync_batchrenorm(module: nn.Module, process_group=None, plain: type = SyncBatchRenorm) -> nn.Module:
-    """``module`` with every BatchRenorm (not yet synchronized) replaced by its synchronized version (``plain``
-    for a plain BatchRenorm: the class ``convert_sync_batchrenorm`` is called on); returns the new root when
-    ``module`` itself is replaced (the rules: this module's docstring)."""
+def to_sync_batchrenorm(
+    module: nn.Module, process_group, plain: type, local: tuple[type, ...], base: type
+) -> nn.Module:
+    """``module`` with every BatchRenorm (an instance of ``base`` not yet synchronized) replaced by its
+    synchronized version (``plain``, the class ``convert_sync_batchrenorm`` is called on, for one of the plain
+    ``local`` classes); returns the new root when ``module`` itself is replaced (the rules: this module's
+    docstring). The classes come as arguments so that this module does not import ``batch_renorm``, which calls it."""
     names = module_names(module)
     new, unknown = {}, []
-    for m in unique_modules(module, lambda m: isinstance(m, _BatchRenorm) and not isinstance(m, SyncBatchRenorm)):
-        cls = _sync_class(m, plain)
+    for m in unique_modules(module, lambda m: isinstance(m, base) and not isinstance(m, plain)):
+        cls = _sync_class(m, plain, local)
         if cls is None:
             unknown.append(f"{names[id(m)]} ({type(m).__name__})")
         else:
