@@ -143,7 +143,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     replayed on the records."""
     steps = STEPS if steps is None else steps
     from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
-    from normlab.runner.training.collapse import CollapseTracker
+    from normlab.monitor.collapse import CollapseTracker
 
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()
@@ -154,7 +154,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
-    tracker = CollapseTracker(10)
+    tracker = CollapseTracker(math.log(10))
     lines, loss_fn, gave_up = [], nn.CrossEntropyLoss(), None
     kept = []  # guard: the losses of the trajectory the model is on (a rolled-back episode's losses are dropped)
     for step in range(steps):
@@ -205,7 +205,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         summary["dismissed"] = [d.to_dict() for d in guard.dismissed]
         summary["gave_up"] = gave_up
         summary["kept_losses"] = kept
-        kept_tracker = CollapseTracker(10)
+        kept_tracker = CollapseTracker(math.log(10))
         for value in kept:
             kept_tracker.update(value)
         summary["kept_kind"] = kept_tracker.finish()

@@ -1,4 +1,5 @@
-"""The collapse definition on synthetic loss traces: non-finite, back to chance, never left chance, healthy."""
+"""The library's collapse definition (normlab.monitor.collapse) on synthetic loss traces: non-finite, back to chance,
+never left chance, diverged (no chance loss), healthy."""
 
 from __future__ import annotations
 
@@ -6,9 +7,16 @@ import math
 
 import pytest
 
-from normlab.runner.training.collapse import CHANCE, LEARNED, CollapseTracker, classify_trace, loss_window
+from normlab.monitor.collapse import CHANCE, LEARNED, CollapseLabel, CollapseTracker, label_collapse, loss_window
 
 LN10 = math.log(10)
+
+
+def classify_trace(losses, num_classes, window=10, finished=True):
+    """(kind, step) of label_collapse with the chance loss of ``num_classes`` classes."""
+    label = label_collapse(losses, math.log(num_classes), window=window, finished=finished)
+    assert label.collapsed == (label.kind is not None)
+    return label.kind, label.step
 
 
 def test_healthy_run_is_not_a_collapse():
@@ -52,15 +60,30 @@ def test_never_leaving_chance_is_a_dead_network_once_the_run_is_long_enough():
 
 
 def test_tracker_reports_the_first_collapse_only_and_checks_its_arguments():
-    t = CollapseTracker(10, window=2)
+    t = CollapseTracker(LN10, window=2)
     assert t.update(0.1) is None and t.update(0.1) is None
     assert t.update(LN10) is None  # window mean (0.1 + ln10) / 2 < 0.95 ln 10
     assert t.update(LN10) == "returned_to_chance" and (t.kind, t.step) == ("returned_to_chance", 2)
     assert t.update(float("nan")) is None and t.kind == "returned_to_chance"
     assert LEARNED < CHANCE
-    with pytest.raises(ValueError, match="num_classes >= 2"):
-        CollapseTracker(1)
+    with pytest.raises(ValueError, match="chance_loss must be None or a finite number > 0"):
+        CollapseTracker(0.0)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        CollapseTracker(LN10, window=0)
 
 
 def test_loss_window_is_about_a_thousand_samples():
     assert loss_window(128) == 10 and loss_window(64) == 16 and loss_window(2) == 512 and loss_window(4096) == 10
+
+
+def test_without_a_chance_loss_the_reference_is_the_starting_loss():
+    start, learned = [4.0] * 10, [1.0] * 30
+    label = label_collapse(start + learned + [4.0] * 20, window=10)
+    assert label == CollapseLabel(True, label.step, "diverged")
+    means = [sum((start + learned + [4.0] * 20)[i - 9 : i + 1]) / 10 for i in range(49, 60)]
+    assert label.step == next(i for i, m in zip(range(49, 60), means) if m >= CHANCE * 4.0) - 9
+    # never learning is no collapse without a chance loss (nothing to call dead against), non-finite still is
+    assert label_collapse([4.0] * 60, window=10) == CollapseLabel(False, None, None)
+    assert label_collapse([4.0, float("inf")], window=10) == CollapseLabel(True, 1, "non_finite")
+    # a healthy run that keeps learning
+    assert not label_collapse([4.0 * (1 - 0.8 * t / 100) for t in range(100)], window=10).collapsed

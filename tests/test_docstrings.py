@@ -29,6 +29,10 @@ MODULES = [
     "normlab.monitor.guard",
     "normlab.monitor.layers",
     "normlab.monitor.spp",
+    "normlab.monitor.collapse",
+    "normlab.monitor.rules.base",
+    "normlab.monitor.rules.replay",
+    "normlab.monitor.rules.practitioners",
     "normlab.runner.models",
 ]
 # The public API: every class and function in these modules' __all__ documents itself with an Example.

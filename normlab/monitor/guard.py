@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from normlab.monitor.collapse import CHANCE, LEARNED, MIN_WINDOWS
+
 __all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
 
@@ -155,11 +157,10 @@ class _Armed:
         return cls(int(d["onset"]), str(d["reason"]), int(d["since"]), snap)
 
 
-LOSS_WINDOW = 10  # loss_climb: the loss is averaged over this many steps
-LEARNED_FRACTION = 0.8  # the run has learned once its mean loss fell below 0.8 x its reference
-# chance_loss: the collapse tracker's definitions (normlab.runner.training.collapse), read by the guard
-AT_CHANCE = 0.95  # a mean loss >= 0.95 x chance is at chance
-DEAD_AFTER = 4  # a run that has not learned after this many loss windows and is at chance is dead
+LOSS_WINDOW = 10  # loss_climb and the dead-network test: the loss is averaged over this many steps
+# the library's collapse definition (normlab.monitor.collapse): learned below LEARNED x the reference, at chance
+# at CHANCE x chance or above, dead after MIN_WINDOWS windows that never learned
+LEARNED_FRACTION, AT_CHANCE, DEAD_AFTER = LEARNED, CHANCE, MIN_WINDOWS
 
 
 @dataclass

@@ -17,7 +17,7 @@ CRITERIA = (
     f"{FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final accuracy is at "
     f"least chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A run has *collapsed* "
     f"when its training loss became non-finite, returned to within 5 % of ln(C) after having been below 80 % of "
-    f"it, or never left ln(C) (a dead network; normlab.runner.training.collapse)."
+    f"it, or never left ln(C) (a dead network; normlab.monitor.collapse)."
 )
 DEGRADE_CRITERION = (
     f"A norm *degrades* at a small batch if it failed there or its mean final accuracy is >= "

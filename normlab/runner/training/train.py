@@ -24,7 +24,7 @@ Mixed precision (``amp``): the forward pass and the loss run under ``torch.autoc
 on CUDA with a ``GradScaler`` (its state is checkpointed); normlab's layers keep float32 statistics and running
 buffers under autocast; evaluation runs in float32.
 
-Collapse (:mod:`normlab.runner.training.collapse`): a non-finite loss stops the run and the checkpoint keeps the last
+Collapse (:mod:`normlab.monitor.collapse`): a non-finite loss stops the run and the checkpoint keeps the last
 good weights; a return of the loss to chance level is recorded and training goes on; a net that never left chance is
 judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
 
@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from normlab.monitor import CollapseAlarm, CollapseGuard, RunCollapsed, VarianceMonitor, load_log, write_monitor_log
+from normlab.monitor.collapse import CollapseTracker, loss_window
 from normlab.nn import RenormSchedule, param_groups
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import RunError, UsageError
@@ -63,7 +64,6 @@ from normlab.runner.io import (
     json_line,
     remove_stale_temps,
 )
-from normlab.runner.training.collapse import CollapseTracker, loss_window
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
 
@@ -325,7 +325,7 @@ class Trainer:
         self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.tracker = CollapseTracker(info["num_classes"], loss_window(cfg.batch_size))
+        self.tracker = CollapseTracker(math.log(info["num_classes"]), loss_window(cfg.batch_size))
         if cfg.amp and self.device.type == "cuda":
             self.scaler = torch.amp.GradScaler("cuda")
         if self.tensorboard is not None and self.is_main:
@@ -460,7 +460,7 @@ class Trainer:
             every=GUARD_EVERY,
             max_rescues=GUARD_MAX_RESCUES,
             scaler=self.scaler,
-            chance_loss=math.log(self.tracker.num_classes) if self.config.guard_dead else None,
+            chance_loss=self.tracker.chance_loss if self.config.guard_dead else None,
         )
         saved = self.state.guard or {"rescues": self.state.rescues}
         self.guard.load_state_dict({**saved, "steps": self.state.steps_total})
@@ -488,7 +488,7 @@ class Trainer:
             group["lr"] = lr * self.guard.lr_scale
         st.rescues[-1]["lr_after"] = lr * self.guard.lr_scale
         self.losses = _first_steps(self.losses, st.steps_total)
-        self.tracker = CollapseTracker(self.tracker.num_classes, self.tracker.window)
+        self.tracker = CollapseTracker(self.tracker.chance_loss, self.tracker.window)
         for v in self.losses:  # the collapse tracker is a function of the (rolled back) loss trace
             self.tracker.update(v)
 
@@ -634,7 +634,7 @@ class Trainer:
         return True
 
     def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:
-        """Record the first collapse (see :mod:`normlab.runner.training.collapse`); True when training must stop.
+        """Record the first collapse (see :mod:`normlab.monitor.collapse`); True when training must stop.
 
         A non-finite loss stops the run (and an alarm with ``stop_on_collapse``); a return to chance is recorded and
         the run goes on (nets at a high learning rate sometimes recover); a dead net is judged at the end.

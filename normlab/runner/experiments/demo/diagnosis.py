@@ -1,7 +1,7 @@
 """Collapse diagnosis from the files a monitored run leaves: alarm, regime warning, collapse, lead, decomposition.
 
 For each run (``<cell dir>/summary.json``, ``monitor.jsonl``, ``loss_trace.json``) :func:`diagnose_run` says how it
-ended (:mod:`normlab.runner.training.collapse`), when and where the monitor's countdown alarm fired and its regime
+ended (:mod:`normlab.monitor.collapse`), when and where the monitor's countdown alarm fired and its regime
 warning (``mon.risk``, ``summary.json``'s ``monitor_risk``) was raised, the lead of each in steps
 (collapse step - its step; positive: it came first), for the alarmed layer the two terms of
 ``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` at the first record and at the alarm, and for a run with
