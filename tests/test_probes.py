@@ -161,3 +161,13 @@ def test_mode_left_after_a_failed_forward():
 def test_probe_set_refuses_other_objects():
     with pytest.raises(TypeError, match="Probe"):
         ProbeSet(nn.Linear(2, 2), [object()])
+
+
+@pytest.mark.parametrize("name", ["normlab.monitor.probes", "normlab.monitor.rules.transformer"])
+def test_docstring_examples(name):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(name)
+    result = doctest.testmod(mod, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
