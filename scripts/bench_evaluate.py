@@ -44,11 +44,9 @@ def detectors() -> dict[str, Callable[[], list]]:
 
 # ---------------------------------------------------------------------------------------------- replay
 def _ordering(records: Sequence[dict]) -> tuple[tuple[str, ...], frozenset[str]]:
-    from normlab.monitor.regime import exempt_layers
-
+    """Forward order of the recorded layers, and the conv/linear layers whose next layer is a normalization."""
     ordered = sorted(records, key=lambda r: r.get("index", 0))
-    maps = [r["layer"] for r in ordered if r.get("kind") in ("conv", "linear")]
-    feeds = exempt_layers(ordered) - set(maps[-1:])
+    feeds = {a["layer"] for a, b in zip(ordered, ordered[1:]) if a.get("kind") != "norm" and b.get("kind") == "norm"}
     return tuple(r["layer"] for r in ordered), frozenset(feeds)
 
 
@@ -88,12 +86,17 @@ def contexts(steps: Sequence[dict], every: int) -> Iterable[tuple]:
         yield ctx, (line["records"] if recorded else _light(line["records"]))
 
 
-def first_alarm(rules: list, steps: Sequence[dict], every: int):
-    """The first Event of severity "alarm" when ``rules`` are replayed over a run, or None."""
+def first_events(rules: list, steps: Sequence[dict], every: int):
+    """``(first alarm, first event of any severity)`` when ``rules`` are replayed over a run (None when none)."""
     from normlab.monitor.rules import replay
 
     events = replay(rules, contexts(steps, every))
-    return next((e for e in events if e.severity == "alarm"), None)
+    return next((e for e in events if e.severity == "alarm"), None), (events[0] if events else None)
+
+
+def first_alarm(rules: list, steps: Sequence[dict], every: int):
+    """The first Event of severity "alarm" when ``rules`` are replayed over a run, or None."""
+    return first_events(rules, steps, every)[0]
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -125,7 +128,8 @@ def score(runs: list[dict], alarms: dict[str, list]) -> dict:
 
 
 def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[dict], dict[str, list]]:
-    """Label every run and replay every detector on it: ``(runs, {detector: [alarm step or None per run]})``."""
+    """Label every run and replay every detector on it: ``(runs, {detector: [alarm step or None per run]})``; each
+    run also gets ``events``: {detector: step of its first event of any severity (warnings included) or None}."""
     dets = detectors()
     runs, alarms = [], {name: [] for name in dets}
     for k, path in enumerate(paths):
@@ -133,9 +137,11 @@ def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[d
         lab = label(header, steps)
         runs.append(dict(name=path.stem, setup=header["setup"], lr=header["lr"], seed=header["seed"],
                          collapsed=lab.collapsed, step=lab.step, kind=lab.kind))  # fmt: skip
+        runs[-1]["events"] = {}
         for name, make in dets.items():
-            ev = first_alarm(make(), steps, every)
-            alarms[name].append(None if ev is None else ev.step)
+            alarm, event = first_events(make(), steps, every)
+            alarms[name].append(None if alarm is None else alarm.step)
+            runs[-1]["events"][name] = None if event is None else event.step
         if log is not None and (k + 1) % 10 == 0:
             log(f"evaluated {k + 1}/{len(paths)}")
     return runs, alarms
@@ -161,6 +167,7 @@ def markdown(runs: list[dict], alarms: dict[str, list], setups: Sequence[str]) -
             f"| {s} | {len(rs)} | {len(rs) - len(col)} | {len(col)} | "
             f"{sum(r['step'] is not None and r['step'] >= LEAD for r in col)} | {sum(r['step'] is None for r in col)} |"
         )
+    lines += _warnings_table(runs, alarms)
     for title, idx in [("all set-ups", range(len(runs)))] + [
         (s, [i for i, r in enumerate(runs) if r["setup"] == s]) for s in setups
     ]:
@@ -170,6 +177,23 @@ def markdown(runs: list[dict], alarms: dict[str, list], setups: Sequence[str]) -
         lines += ["", f"**{title}**", "", head, "|---|---|---|---|"]
         lines += [f"| {name} | {_fmt(s)} |" for name, s in sub.items()]
     return "\n".join(lines)
+
+
+def _warnings_table(runs: list[dict], alarms: dict[str, list]) -> list[str]:
+    """Detectors whose events include warnings: healthy runs with any event, by set-up and learning rate."""
+    names = [n for n in alarms if any(r.get("events", {}).get(n) != a for r, a in zip(runs, alarms[n]))]
+    if not names:
+        return []
+    out = ["", "**Warnings (informational events; not alarms)**: healthy runs with any event, per set-up and lr", "",
+           "| detector | set-up | lr | healthy runs with an event |", "|---|---|---|---|"]  # fmt: skip
+    for n in names:
+        keys = sorted({(r["setup"], r["lr"]) for r in runs if not r["collapsed"]})
+        for setup, lr in keys:
+            hs = [r for r in runs if not r["collapsed"] and (r["setup"], r["lr"]) == (setup, lr)]
+            k = sum(r["events"].get(n) is not None for r in hs)
+            if k:
+                out.append(f"| {n} | {setup} | {lr:g} | {k}/{len(hs)} |")
+    return out
 
 
 def evaluate_dir(out: Path, seeds, setups, every: int = 10) -> dict:

@@ -22,13 +22,13 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SETUPS = {
-    "gpt_warmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 1e-1, 3e-1), steps=400, warmup=100, batch=16),
-    "gpt_nowarmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 1e-1, 3e-1), steps=400, warmup=0, batch=16),
-    "cnn_bn": dict(model="cnn_bn", opt="sgd", lrs=(0.05, 0.5, 2.0, 5.0), steps=200, warmup=0, batch=64),
-    "cnn_plain": dict(model="cnn_plain", opt="sgd", lrs=(0.01, 0.05, 0.1, 0.3), steps=200, warmup=0, batch=64),
+SETUPS = {  # fixed on pilot seed 200 (docs/monitor_benchmark.md) before the report seeds were run
+    "gpt_warmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 0.3, 0.6, 1.0), steps=300, warmup=100, batch=16),
+    "gpt_nowarmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 0.3, 0.6, 1.0), steps=300, warmup=0, batch=16),
+    "cnn_bn": dict(model="cnn_bn", opt="sgd", lrs=(0.05, 0.5, 2.0, 10.0), steps=120, warmup=0, batch=64),
+    "cnn_plain": dict(model="cnn_plain", opt="sgd", lrs=(0.002, 0.005, 0.01, 0.05), steps=150, warmup=0, batch=64),
     "mlp_sgd": dict(model="mlp", opt="sgd", lrs=(0.01, 0.1, 0.3, 1.0), steps=200, warmup=0, batch=64),
-    "mlp_adamw": dict(model="mlp", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 1e-1), steps=200, warmup=0, batch=64),
+    "mlp_adamw": dict(model="mlp", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 0.1), steps=200, warmup=0, batch=64),
 }
 CONTEXT = 64
 

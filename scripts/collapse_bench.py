@@ -186,14 +186,15 @@ def parse_seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("collect", "evaluate"))
+    p.add_argument("command", choices=("collect", "evaluate", "guard"))
     p.add_argument("--out", default="runs/collapse_bench")
     p.add_argument("--seeds", default="300-305")
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="override every set-up's step count (tests)")
     p.add_argument("--every", type=int, default=10, help="evaluate: the monitor's recording interval replayed")
-    p.add_argument("--json", default=None, help="evaluate: also write the table as JSON here")
+    p.add_argument("--json", default=None, help="evaluate/guard: also write the table as JSON here")
+    p.add_argument("--guard-healthy", type=int, default=None, help="guard: at most this many healthy runs per set-up")
     args = p.parse_args(argv)
     seeds, setups = parse_seeds(args.seeds), [s for s in args.setups.split(",") if s]
     for s in setups:
@@ -202,12 +203,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "collect":
         collect(Path(args.out), seeds, setups, args.workers, args.steps)
         return 0
+    if args.command == "guard":
+        return _guard(args, seeds, setups)
     from bench_evaluate import evaluate_dir
 
     table = evaluate_dir(Path(args.out), seeds, setups, every=args.every)
     print(table["markdown"])
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
+def _guard(args, seeds, setups) -> int:
+    """Guard re-runs of every collapsing run and of up to ``--guard-healthy`` healthy runs per set-up."""
+    from bench_evaluate import label
+    from bench_guard import guard_all, guard_table
+
+    runs = []
+    for cfg in configs(seeds, setups):
+        path = Path(args.out) / f"{run_name(cfg)}.jsonl"
+        if path.exists():
+            lab = label(*load_run(path))
+            runs.append(dict(**cfg, collapsed=lab.collapsed))
+    if args.guard_healthy is not None:
+        kept, count = [], {}
+        for r in runs:
+            if not r["collapsed"]:
+                count[r["setup"]] = count.get(r["setup"], 0) + 1
+                if count[r["setup"]] > args.guard_healthy:
+                    continue
+            kept.append(r)
+        runs = kept
+    guarded = guard_all(Path(args.out), runs, args.workers, log=lambda s: print(s, flush=True))
+    text = guard_table(runs, guarded, setups)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(runs=runs, guarded=guarded, markdown=text), indent=1))
     return 0
 
 

@@ -36,7 +36,7 @@ def test_fires_on_crafted_growth(cls):
     key = PROBE_KEYS[cls]
     values = [0.5, 0.6, 0.7, 0.7] + [0.7 * 3**k for k in range(1, 12)]  # x3 per recorded step from step 40
     events = replay([cls()], [(_ctx(10 * i, {key: v}), []) for i, v in enumerate(values)])
-    assert len(events) == 1 and events[0].severity == "alarm" and events[0].rule == cls.name
+    assert len(events) == 1 and events[0].severity == cls().severity and events[0].rule == cls.name
     rule = cls()
     limit = max(rule.floor, rule.factor * max(v for i, v in enumerate(values) if 10 * i < rule.warmup))
     first_above = next(10 * i for i, v in enumerate(values) if 10 * i >= rule.warmup and v > limit)
@@ -69,7 +69,7 @@ def test_non_finite_fires_at_once_and_state_round_trips(cls):
     assert [e and e.step for e in a] == [e and e.step for e in b]
     fresh = cls()
     ev = fresh.check(_ctx(0, {key: math.inf}), [])
-    assert ev is not None and ev.severity == "alarm"
+    assert ev is not None and ev.severity == fresh.severity
     rule.reset()
     assert rule.state_dict() == {"baseline": {}, "streak": {}}
 
@@ -125,3 +125,10 @@ def test_silent_on_the_first_steps_transient(opt_name, lr):
     assert replay([cls() for cls in TRANSFORMER_RULES], steps) == []
     naive = [cls(factor=2.0, floor=0.0, warmup=1) for cls in TRANSFORMER_RULES]
     assert replay(naive, steps) != []  # there is growth to be silent on
+
+
+def test_severity_is_an_argument():
+    assert AttentionLogitRule().severity == "warning" and OutputLogitRule().severity == "alarm"
+    assert AttentionLogitRule(severity="alarm").severity == "alarm"
+    with pytest.raises(ValueError, match="severity"):
+        NormGainRule(severity="loud")
