@@ -2,9 +2,10 @@
 training step; issue 19 targets with the countdown fed every step: <= 1.15x on plain1d, <= 1.5x on ResNet-50 at
 batch 8).
 
-Identical models (same init) train on the same random batches: unmonitored; ``every=10, countdown_every=None``
-(full records every 10 steps, the countdown reads only them); ``every=10`` (the default: full records every 10
-steps and the light per-step path that feeds the countdown every step); ``every=1`` (a full record every step).
+Identical models (same init) train on the same random batches: unmonitored; ``every=10`` with the default rules but
+the countdown on recorded steps only (``CountdownRule(every_step=False)``: full records every 10 steps, the countdown
+reads only them); ``every=10`` (the default: full records every 10 steps and the light per-step path that feeds the
+countdown every step); ``every=1`` (a full record every step).
 Timing blocks of ``--steps`` training steps (forward, backward, optimizer step) are interleaved across the
 variants (the order rotates every repeat); reported: the per-step median over repeats, its ratio to the
 unmonitored median, and the min / median / max of the per-round ratios (variant / unmonitored in the same round).
@@ -37,13 +38,17 @@ from torch import nn
 
 from normlab.monitor import VarianceMonitor
 from normlab.monitor.probes import ProbeSet
+from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
 from normlab.runner.models import build_model
 
-VARIANTS = {  # name: VarianceMonitor arguments (None: unmonitored)
+VARIANTS = {  # name: VarianceMonitor arguments, made fresh per model (None: unmonitored)
     "unmonitored": None,
-    "every=10 records only": {"every": 10, "countdown_every": None},
-    "every=10 (default)": {"every": 10},
-    "every=1": {"every": 1},
+    "every=10 records only": lambda: {
+        "every": 10,
+        "rules": [FactorRule(), RegimeRule(), CountdownRule(every_step=False)],
+    },
+    "every=10 (default)": lambda: {"every": 10},
+    "every=1": lambda: {"every": 1},
 }
 
 
@@ -120,13 +125,13 @@ def main(argv=None) -> int:
         ]
     specs = dict(VARIANTS)
     if args.probes:
-        specs["every=10 + probes"] = {"every": 10}
+        specs["every=10 + probes"] = lambda: {"every": 10}
 
     variants = {}
     for name, kwargs in specs.items():
         model = copy.deepcopy(base).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-        mon = VarianceMonitor(model, **kwargs) if kwargs else None
+        mon = VarianceMonitor(model, **kwargs()) if kwargs else None
         probes = ProbeSet(model) if name.endswith("+ probes") else None
         variants[name] = (model, opt, mon, probes)
 
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
         "norm": args.norm,
         "width": args.width,
         "input_shape": [args.batch_size, *shape],
-        "variants": specs,
+        "variants": {k: None if f is None else {n: repr(v) for n, v in f().items()} for k, f in specs.items()},
         "threads": args.threads,
         "steps_per_block": args.steps,
         "repeats": args.repeats,

@@ -16,7 +16,7 @@ every candidate rule's threshold on one half of the seeds (seed parity) and repo
 seed (the held-out width 1.0: docs/monitor.md), replaying the detector classes on the records.
 ``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
 ``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
-learning rate (``mon.risk.suggested_lr``), the same run restarted at that rate.
+learning rate (the regime warning's ``details["suggested_lr"]``), the same run restarted at that rate.
 
 Seeds 0-99 are never used (kept for independent checks).
 """
@@ -116,24 +116,33 @@ def _evaluable(model, kind, guard) -> bool:
     return all(bool(torch.isfinite(p).all()) for p in model.parameters())
 
 
-def _old_detector():
-    """The monitor's alarm before the countdown (factor rules, defaults; only the output layer exempt)."""
-    from normlab.monitor.alarm import CollapseDetector
-    from normlab.monitor.monitor import DEFAULT_EXPLODE_FACTOR, DEFAULT_IMPLODE_FACTOR, DEFAULT_MIN_INITIAL
+def rules():
+    """The rules the study's monitor ships with (a fresh set per call): the library's defaults. The live monitor and
+    :func:`replay` both read this, so a test that patches it changes both."""
+    from normlab.monitor.rules import DEFAULT_RULES
 
-    return CollapseDetector(
-        explode_factor=dict(DEFAULT_EXPLODE_FACTOR),
-        watch=("output_var", "shift"),
-        min_initial=dict(DEFAULT_MIN_INITIAL),
-        baseline_records=1,
-        implode_factor=dict(DEFAULT_IMPLODE_FACTOR),
-    )
+    return DEFAULT_RULES()
+
+
+def _old_detector():
+    """The monitor's alarm before the countdown: the factor rule with its defaults, only the output layer exempt."""
+    from normlab.monitor.rules import FactorRule
+
+    return FactorRule()
 
 
 def _old_check(old, step, records):
-    ran = [r for r in records if r["kind"] != "norm" and "output_var" in r]
-    out = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-    return old.check(step, records, out, shrink_layers=out)
+    """The old alarm's event at ``step``: the factor rule told only which layer is the output layer."""
+    from normlab.monitor.rules import StepContext, context_from_records
+
+    ctx = context_from_records(step, records)
+    return old.check(StepContext(step=step, output_layer=ctx.output_layer), records)
+
+
+def _regime_dict(event) -> dict | None:
+    """The regime rule's warning as a dict: step, layer and its details (shift_term, variance_term, ratio, case,
+    suggestion, suggested_lr), or None."""
+    return None if event is None else {"step": event.step, "layer": event.layer, **event.details}
 
 
 def train_run(cfg, steps=None, guard_kwargs=None):
@@ -150,7 +159,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     model = _build(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=0.9)
     study = guard_kwargs is None
-    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    mon = VarianceMonitor(model, every=1, rules=rules(), optimizer=opt)
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
     gen = torch.Generator().manual_seed(cfg["seed"])
@@ -198,7 +207,7 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         "test_acc": _accuracy(model, xt, yt) if _evaluable(model, kind, guard) else None,
         "alarm": None if mon.alarm is None else {"step": mon.alarm.step, "layer": mon.alarm.layer},
         "old_alarm": old_alarm,
-        "risk": None if getattr(mon, "risk", None) is None else mon.risk.to_dict(),
+        "risk": _regime_dict(next((e for e in mon.events if e.rule == "regime"), None)),
     }
     if guard is not None:
         summary["rescues"] = [r.to_dict() for r in guard.rescues]
@@ -327,7 +336,7 @@ def prepare(run) -> dict:
         if bad:
             growth.append(INF), level.append(INF), gratio.append(INF), growth_x.append(INF), level_x.append(INF)
             shift_in.append(set(hidden)), pws_ratio.append({n: INF for n in hidden})
-            ratios.append({})  # RegimeDetector: a non-finite term is not in the regime (its streak ends)
+            ratios.append({})  # RegimeRule: a non-finite term is not in the regime (its streak ends)
             continue
         prev = steps[t - 2]["L"] if t >= 2 else None
         rates = {n: -INF for n in hidden}
@@ -551,7 +560,7 @@ GUARD_EVERY, GUARD_KEEP, GUARD_MARGIN = 10, 3, 5
 
 def regime3_step(r, ratio, w) -> float:
     """First step at which some non-exempt hidden layer has had shift_term > ratio x variance_term for w
-    consecutive steps (a non-finite step is not in the regime, as in RegimeDetector)."""
+    consecutive steps (a non-finite step is not in the regime, as in RegimeRule)."""
     streak: dict[str, int] = {}
     for t, per_layer in enumerate(r["ratios"]):
         streak = {n: streak.get(n, 0) + 1 for n, q in per_layer.items() if q > ratio}
@@ -709,35 +718,26 @@ def replay_records(run, line) -> list[dict]:
     return out
 
 
-def shipped_detectors():
-    """The factor rules (the same detector as :func:`_old_detector`; the monitor adds the shift exemption of
-    renormalized layers), the countdown alarm and the regime warning, with the defaults VarianceMonitor ships."""
-    from normlab.monitor.alarm import CountdownDetector
-    from normlab.monitor.monitor import DEFAULT_COUNTDOWN, DEFAULT_RISK
-    from normlab.monitor.regime import RegimeDetector
-
-    return _old_detector(), CountdownDetector(**DEFAULT_COUNTDOWN), RegimeDetector(**DEFAULT_RISK)
-
-
 def replay(run) -> dict:
-    """First step of the shipped alarm (factor rules or countdown, as ``VarianceMonitor`` combines them), of the
-    countdown alone and of the regime warning, replayed on the collected records (None: never)."""
-    from normlab.monitor.regime import exempt_layers
+    """First step of the shipped alarm (the first alarm of :func:`rules`, as ``VarianceMonitor`` keeps it), of the
+    countdown alone and of the regime warning, replayed on the collected records with the library's
+    :func:`~normlab.monitor.rules.replay` (None: never)."""
+    from normlab.monitor.rules import CountdownRule, context_from_records
+    from normlab.monitor.rules import replay as replay_rules
 
-    factor, countdown, regime = shipped_detectors()
-    first = {"alarm": None, "countdown": None, "risk": None}
+    steps = []
     for line in run["steps"]:
-        recs, t = replay_records(run, line), line["t"]
-        ran = [r for r in recs if r["kind"] != "norm"]
-        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-        renormalized = exempt_layers(recs) - output_layer
-        a = factor.check(t, recs, output_layer, shrink_layers=output_layer, shift_exempt=renormalized)
-        w = regime.check(t, recs)
-        c = countdown.check(t, recs, exempt=renormalized | output_layer, grad_norm=None)
-        for key, hit in (("alarm", a or c), ("countdown", c), ("risk", w)):
-            if hit is not None and first[key] is None:
-                first[key] = hit.step
-    return first
+        recs = replay_records(run, line)
+        steps.append((context_from_records(line["t"], recs), recs))
+    shipped = replay_rules(rules(), steps)
+    countdown = [e for e in replay_rules([r for r in rules() if isinstance(r, CountdownRule)], steps) if e.is_alarm]
+    alarms = [e.step for e in shipped if e.is_alarm]
+    risk = [e.step for e in shipped if e.rule == "regime"]
+    return {
+        "alarm": min(alarms) if alarms else None,
+        "countdown": countdown[0].step if countdown else None,
+        "risk": risk[0] if risk else None,
+    }
 
 
 def _step_or_inf(x) -> float:
@@ -798,7 +798,7 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
     for rule in ("alarm", "countdown", "old"):
         name = {"alarm": "shipped alarm (mon.alarm)", "countdown": "shipped countdown only", "old": "old factor rules"}
         out.append(f"{name[rule]}: {_fmt(score_countdown(runs, lambda r, k=rule: r[k]))}")
-    out.append(f"regime warning (mon.risk): {_fmt(score_regime_steps(runs, lambda r: r['risk']))}")
+    out.append(f"regime warning (regime rule): {_fmt(score_regime_steps(runs, lambda r: r['risk']))}")
     out.append("per run (step of the collapse / alarm / countdown / old / regime; inf: never):")
     out += [_run_line(r) for r in runs]
     return "\n".join(out)

@@ -148,11 +148,14 @@ def tiny(study, monkeypatch):
 def test_replayed_detectors_match_the_live_monitor(tiny, monkeypatch, one_thread):
     """evaluate replays the shipped detectors on the collected records: on a real run it must raise what the live
     VarianceMonitor raised, step for step. Shorter windows and a 3x factor rule make every detector fire in 30 steps
-    (the replay reads the same defaults as the monitor, so the patched values reach both)."""
-    import normlab.monitor.monitor as hooks
+    (the replay reads the same rules as the monitor, so the patched rules reach both)."""
+    from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
 
-    monkeypatch.setattr(hooks, "DEFAULT_RISK", {"window": 3, "pws_factor": 3.0})
-    monkeypatch.setattr(hooks, "DEFAULT_EXPLODE_FACTOR", {"output_var": 3.0, "shift": 100.0})
+    def rules():
+        factor = FactorRule(explode_factor={"output_var": 3.0, "shift": 100.0})
+        return [factor, RegimeRule(window=3, min_ratio=1.0, pws_factor=3.0), CountdownRule()]
+
+    monkeypatch.setattr(tiny, "rules", rules)
     for norm in ("none", "pws"):
         head, lines, summary = tiny.train_run(dict(norm=norm, width=0.25, lr=0.2, seed=100), steps=30)
         again = tiny.replay({**head, "steps": lines, "summary": summary})
@@ -168,7 +171,7 @@ def test_evaluate_scores_the_shipped_rules_on_a_complete_seed(tiny, tmp_path, mo
     text = tiny.evaluate(tiny.load_runs(tmp_path), (0.25,))
     assert text.startswith("10 runs, seeds [100]")
     assert "differs from the live monitor on 0 runs" in text
-    assert "shipped alarm (mon.alarm): warned=" in text and "regime warning (mon.risk): recall=" in text
+    assert "shipped alarm (mon.alarm): warned=" in text and "regime warning (regime rule): recall=" in text
     assert len([x for x in text.splitlines() if x.startswith("  pws_w0.25")]) == 3
     assert tiny.evaluate(tiny.load_runs(tmp_path)).startswith("0 runs")  # width 0.5: none collected
 
@@ -181,16 +184,18 @@ def test_evaluate_refuses_runs_without_the_kernel_shift(study):
 def test_replay_exempts_convs_followed_by_batchnorm_like_the_monitor(tiny, monkeypatch, one_thread):
     """At lr 3 the convs before BN grow their output variance > e^2 per 2 steps; the monitor's countdown skips them
     (renormalized downstream) and so must the replay. Factor rules off (factor 1e30) so the alarm is the countdown."""
-    import normlab.monitor.monitor as hooks
+    from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule, StepContext
 
-    monkeypatch.setattr(hooks, "DEFAULT_EXPLODE_FACTOR", {"output_var": 1e30, "shift": 1e30})
+    def rules():
+        return [FactorRule(explode_factor={"output_var": 1e30, "shift": 1e30}), RegimeRule(), CountdownRule()]
+
+    monkeypatch.setattr(tiny, "rules", rules)
     head, lines, summary = tiny.train_run(dict(norm="bn", width=0.25, lr=3.0, seed=100), steps=30)
     run = {**head, "steps": lines, "summary": summary}
     assert summary["alarm"] is None and tiny.replay(run)["countdown"] is None
-    from normlab.monitor.alarm import CountdownDetector
-
-    plain = CountdownDetector(growth=1.0)  # the same detector without the exemption fires
-    fired = [plain.check(x["t"], tiny.replay_records(run, x), exempt={head["order"][-1]}) for x in lines]
+    plain = CountdownRule(growth=1.0)  # the same rule without the exemption fires
+    last = head["order"][-1]
+    fired = [plain.check(StepContext(step=x["t"], output_layer=last), tiny.replay_records(run, x)) for x in lines]
     assert any(a is not None for a in fired)
 
 
@@ -200,7 +205,7 @@ class _AlarmAt:
     def __init__(self, step):
         self.at, self.current_step, self.alarm = step, 0, None
 
-    def step(self, opt):
+    def step(self, opt, loss=None):
         opt.step()
         if self.current_step == self.at and self.alarm is None:
             self.alarm = type("Alarm", (), {"step": self.at})()
@@ -255,10 +260,10 @@ def test_the_guard_replay_matches_the_real_guard(study, scenario):
                 assert (hit and hit[1]) == real, (confirm, climb, chance)
 
 
-def test_the_round3_regime_rule_matches_the_regime_detector(tiny, one_thread):
-    """round3 scores (ratio, window) candidates offline; each must give the step RegimeDetector(window, min_ratio)
+def test_the_round3_regime_rule_matches_the_regime_rule(tiny, one_thread):
+    """round3 scores (ratio, window) candidates offline; each must give the step RegimeRule(window, min_ratio)
     gives on the same records (a real plain run that blows up, so non-finite steps are in it too)."""
-    from normlab.monitor.regime import RegimeDetector
+    from normlab.monitor.rules import RegimeRule, StepContext
 
     head, lines, summary = tiny.train_run(dict(norm="none", width=0.25, lr=0.5, seed=100), steps=40)
     run = {**head, "steps": lines, "summary": summary}
@@ -266,9 +271,9 @@ def test_the_round3_regime_rule_matches_the_regime_detector(tiny, one_thread):
     fired = 0
     for ratio in tiny.RATIO_GRID:
         for w in (1, 2, 3):
-            det, live = RegimeDetector(window=w, min_ratio=ratio), None
+            det, live = RegimeRule(window=w, min_ratio=ratio), None
             for line in lines:
-                hit = det.check(line["t"], tiny.replay_records(run, line))
+                hit = det.check(StepContext(step=line["t"]), tiny.replay_records(run, line))
                 live = hit.step if hit is not None and live is None else live
             offline = tiny.regime3_step(prepared, ratio, w)
             assert (None if offline == math.inf else offline) == live, (ratio, w)

@@ -10,6 +10,7 @@ from torch import nn
 
 from normlab.monitor import VarianceMonitor
 from normlab.monitor.guard import CollapseGuard, RunCollapsed
+from normlab.monitor.rules import FactorRule
 
 
 def _net(seed=100):
@@ -174,7 +175,7 @@ def test_the_monitor_keeps_one_record_per_layer_and_step_across_rescues():
 def test_a_monitor_alarm_is_trouble_dated_to_the_alarm():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    mon = VarianceMonitor(model, every=1, explode_factor=1.0001, watch_output_layer=True)
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(explode_factor=1.0001, watch_output_layer=True)])
     guard = CollapseGuard(model, opt, mon, every=2, max_rescues=1, confirm=None)  # act on the alarm at once
     batches = _batches(8)
     taken = []
@@ -305,7 +306,7 @@ class _ScriptedMonitor:
         self.alarm_at, self.current_step, self.alarm = set(alarm_at), 0, None
         self.records = []
 
-    def step(self, opt):
+    def step(self, opt, loss=None):
         opt.step()
         if self.current_step in self.alarm_at and self.alarm is None:
             self.alarm = type("Alarm", (), {"step": self.current_step, "__str__": lambda s: "scripted"})()

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normlab.monitor import VarianceMonitor, signal_propagation, stats
-from normlab.monitor.alarm import CollapseDetector
+from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule, StepContext
 from normlab.monitor.spp import channel_signal_stats
 
 
@@ -179,7 +179,9 @@ def test_update_includes_momentum_and_weight_decay():
 
 def test_records_only_on_recording_steps_and_hooks_detached_between():
     model = small_cnn()
-    mon = VarianceMonitor(model, every=3, countdown_every=None)  # the countdown reads the full records only
+    mon = VarianceMonitor(
+        model, every=3, rules=[FactorRule(), RegimeRule(), CountdownRule(every_step=False)]
+    )  # full records only
     conv = model[0]
     counts = []
     for _ in range(7):
@@ -302,10 +304,9 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     torch.manual_seed(0)
     model = TwoLayers()
     fired = []
-    # countdown_every=None: the countdown would fire at step 3 on a light step; this test is the factor rules'
-    mon = VarianceMonitor(
-        model, every=2, explode_factor=50.0, on_alarm=fired.append, watch_output_layer=True, countdown_every=None
-    )
+    # the countdown on recorded steps only: on every step it would fire at step 3; this test is the factor rules'
+    rules = [FactorRule(explode_factor=50.0, watch_output_layer=True), RegimeRule(), CountdownRule(every_step=False)]
+    mon = VarianceMonitor(model, every=2, rules=rules, on_event=fired.append)
     x = torch.randn(32, 8)
     for step in range(6):
         if step == 3:  # explode the first layer: both outputs grow by 1e4 (early) and more (late)
@@ -318,15 +319,18 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     assert mon.alarm is not None and mon.should_stop
     assert mon.alarm.layer == "early" and mon.alarm.step == 4
     assert mon.alarm.quantity in ("output_var", "shift")
-    assert mon.alarm.value > 50 * mon.alarm.baseline
-    assert {f["layer"] for f in mon.alarm.flagged} == {"early", "late"}
-    assert fired == [mon.alarm]  # callback called exactly once
+    assert mon.alarm.value > 50 * mon.alarm.details["baseline"]
+    assert {f["layer"] for f in mon.alarm.details["flagged"]} == {"early", "late"}
+    assert fired == mon.events and fired[0] is mon.alarm and mon.alarm.rule == "factor"  # once per event
+    assert len({e.rule for e in fired}) == len(fired)  # each rule's first event only
 
 
 def test_alarm_on_shift_growth_and_non_finite():
     torch.manual_seed(0)
     model = TwoLayers()
-    mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch=("shift",), watch_output_layer=True)
+    mon = VarianceMonitor(
+        model, every=1, rules=[FactorRule(explode_factor=10.0, watch=("shift",), watch_output_layer=True)]
+    )
     x = torch.randn(16, 8)
     model(x)
     mon.step()
@@ -344,7 +348,7 @@ def test_alarm_on_shift_growth_and_non_finite():
         model2.early.weight[0, 0] = float("inf")
     model2(x)
     mon2.step()
-    assert mon2.alarm.layer == "early" and mon2.alarm.reason == "non-finite"
+    assert mon2.alarm.layer == "early" and mon2.alarm.details["reason"] == "non-finite"
 
 
 def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
@@ -352,7 +356,9 @@ def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
     x = torch.randn(16, 8)
     for watch_output, expected in ((False, None), (True, "late")):
         model = TwoLayers()  # `late` is the output layer (last in forward order)
-        mon = VarianceMonitor(model, every=1, explode_factor=10.0, watch_output_layer=watch_output)
+        mon = VarianceMonitor(
+            model, every=1, rules=[FactorRule(explode_factor=10.0, watch_output_layer=watch_output), CountdownRule()]
+        )
         model(x)
         mon.step()
         with torch.no_grad():  # the classifier's logits and class offsets grow: confident, not collapsing
@@ -364,64 +370,66 @@ def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
             model.late.weight[0, 0] = float("nan")
         model(x)
         mon.step()
-        assert mon.alarm.layer == "late" and (watch_output or mon.alarm.reason == "non-finite")
+        assert mon.alarm.layer == "late" and (watch_output or mon.alarm.details["reason"] == "non-finite")
 
 
 def test_detector_ignores_round_off_on_zero_initial_shift():
-    det = CollapseDetector(explode_factor=10.0, watch=("shift",), min_initial=1e-6)
-    assert det.check(0, [{"layer": "a", "index": 0, "shift": 1e-15}]) is None
-    assert det.check(1, [{"layer": "a", "index": 0, "shift": 1e-12}]) is None
-    assert det.check(2, [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
+    det = FactorRule(explode_factor=10.0, watch=("shift",), min_initial=1e-6)
+    assert det.check(StepContext(step=0), [{"layer": "a", "index": 0, "shift": 1e-15}]) is None
+    assert det.check(StepContext(step=1), [{"layer": "a", "index": 0, "shift": 1e-12}]) is None
+    assert det.check(StepContext(step=2), [{"layer": "a", "index": 0, "shift": 1e-4}]).layer == "a"
 
 
 def test_detector_floor_is_a_minimum_absolute_level():
-    det = CollapseDetector(explode_factor=1000.0, watch=("output_var",), min_initial={"output_var": 1.0})
+    det = FactorRule(explode_factor=1000.0, watch=("output_var",), min_initial={"output_var": 1.0})
     rec = lambda v: [{"layer": "a", "index": 0, "output_var": v}]  # noqa: E731
-    assert det.check(0, rec(0.01)) is None  # a layer whose signal starts tiny
-    assert det.check(1, rec(50.0)) is None  # 5000x its start, but only 50x unit variance
-    alarm = det.check(2, rec(1500.0))
-    assert alarm.baseline == 0.01 and alarm.ratio == 1500.0  # the ratio is measured against the floor
+    assert det.check(StepContext(step=0), rec(0.01)) is None  # a layer whose signal starts tiny
+    assert det.check(StepContext(step=1), rec(50.0)) is None  # 5000x its start, but only 50x unit variance
+    alarm = det.check(StepContext(step=2), rec(1500.0))
+    assert (
+        alarm.details["baseline"] == 0.01 and alarm.details["ratio"] == 1500.0
+    )  # the ratio is measured against the floor
     with pytest.raises(ValueError, match="min_initial for 'shift'"):
-        CollapseDetector(min_initial={"shift": -1.0})
-    mon = VarianceMonitor(nn.Linear(2, 2))  # monitor defaults: unit-variance floor for output_var
-    assert mon.detector.min_initial == {"output_var": 1.0, "shift": 1e-6, "input_sq": 1e-6}
-    assert mon.detector.explode_factor == {"output_var": 1e3, "shift": 100.0}
-    assert mon.detector.implode_factor == {"input_sq": 1e4}
+        FactorRule(min_initial={"shift": -1.0})
+    rule = VarianceMonitor(nn.Linear(2, 2)).rules[0]  # the default rule: unit-variance floor for output_var
+    assert rule.min_initial == {"output_var": 1.0, "shift": 1e-6, "input_sq": 1e-6}
+    assert rule.explode_factor == {"output_var": 1e3, "shift": 100.0}
+    assert rule.implode_factor == {"input_sq": 1e4}
 
 
 def test_detector_per_quantity_factors_and_forward_order():
-    det = CollapseDetector(explode_factor={"output_var": 1000.0, "shift": 10.0})
+    det = FactorRule(explode_factor={"output_var": 1000.0, "shift": 10.0})
     init = [
         {"layer": "b", "index": 1, "output_var": 1.0, "shift": 1.0},
         {"layer": "a", "index": 0, "output_var": 1.0, "shift": 1.0},
     ]
-    assert det.check(0, init) is None
+    assert det.check(StepContext(step=0), init) is None
     grown = [
         {"layer": "b", "index": 1, "output_var": 1.0, "shift": 20.0},
         {"layer": "a", "index": 0, "output_var": 500.0, "shift": 1.0},
     ]
-    alarm = det.check(5, grown)  # a's 500x stays under its 1000x factor; b's shift 20x exceeds 10x
-    assert (alarm.layer, alarm.quantity, alarm.step, alarm.ratio) == ("b", "shift", 5, 20.0)
+    alarm = det.check(StepContext(step=5), grown)  # a's 500x stays under its 1000x factor; b's shift 20x exceeds 10x
+    assert (alarm.layer, alarm.quantity, alarm.step, alarm.details["ratio"]) == ("b", "shift", 5, 20.0)
     with pytest.raises(ValueError, match="factor for 'shift'"):
-        CollapseDetector(explode_factor={"shift": 1.0})
+        FactorRule(explode_factor={"shift": 1.0})
 
 
 def test_detector_baseline_window_takes_max_of_first_records():
     rec = lambda v: [{"layer": "a", "index": 0, "shift": v}]  # noqa: E731
-    one = CollapseDetector(explode_factor=10.0, watch=("shift",))
-    three = CollapseDetector(explode_factor=10.0, watch=("shift",), baseline_records=3)
+    one = FactorRule(explode_factor=10.0, watch=("shift",))
+    three = FactorRule(explode_factor=10.0, watch=("shift",), baseline_records=3)
     # an early transient (1 -> 5 -> 8) then a 60x value: with a 1-record baseline (1.0) the transient already fires
-    assert one.check(0, rec(1.0)) is None
-    assert one.check(1, rec(15.0)).ratio == 15.0
+    assert one.check(StepContext(step=0), rec(1.0)) is None
+    assert one.check(StepContext(step=1), rec(15.0)).details["ratio"] == 15.0
     for step, v in enumerate([1.0, 5.0, 8.0]):
-        assert three.check(step, rec(v)) is None  # no growth test while the baseline is collected
+        assert three.check(StepContext(step=step), rec(v)) is None  # no growth test while the baseline is collected
     assert three.baselines[("a", "shift")] == 8.0
-    assert three.check(3, rec(79.0)) is None  # 9.9x the max of the window
-    alarm = three.check(4, rec(81.0))
-    assert alarm.baseline == 8.0 and alarm.ratio == pytest.approx(81.0 / 8.0)
-    assert three.check(5, rec(float("nan"))).reason == "non-finite"
+    assert three.check(StepContext(step=3), rec(79.0)) is None  # 9.9x the max of the window
+    alarm = three.check(StepContext(step=4), rec(81.0))
+    assert alarm.details["baseline"] == 8.0 and alarm.details["ratio"] == pytest.approx(81.0 / 8.0)
+    assert three.check(StepContext(step=5), rec(float("nan"))).details["reason"] == "non-finite"
     with pytest.raises(ValueError, match="baseline_records"):
-        CollapseDetector(baseline_records=0)
+        FactorRule(baseline_records=0)
 
 
 def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
@@ -439,32 +447,42 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
     x = torch.randn(16, 8)
     ref_model = TwoLayers()
     model = copy.deepcopy(ref_model)
-    kw = dict(every=2, explode_factor=10.0, watch=("shift",), baseline_records=2, watch_output_layer=True)
-    ref = VarianceMonitor(ref_model, **kw)
+
+    def kw():
+        factor = FactorRule(explode_factor=10.0, watch=("shift",), baseline_records=2, watch_output_layer=True)
+        return dict(every=2, rules=[factor, RegimeRule(), CountdownRule()])
+
+    ref = VarianceMonitor(ref_model, **kw())
     run(ref_model, ref, range(10), x)
     assert ref.alarm is not None and (ref.alarm.layer, ref.alarm.step) == ("late", 6)
 
-    first = VarianceMonitor(model, **kw)
+    first = VarianceMonitor(model, **kw())
     run(model, first, range(4), x)  # steps 0 and 2 form the baseline
     state = first.state_dict()
     first.close()
     torch.save(state, tmp_path / "mon.pt")
     state = torch.load(tmp_path / "mon.pt", weights_only=True)  # plain types only
-    resumed = VarianceMonitor(model, **kw)
+    resumed = VarianceMonitor(model, **kw())
     resumed.load_state_dict(state)
     assert resumed.current_step == 4 and resumed.is_recording
     run(model, resumed, range(4, 10), x)
     a, b = resumed.alarm, ref.alarm
-    assert (a.layer, a.step, a.quantity, a.value, a.baseline) == (b.layer, b.step, b.quantity, b.value, b.baseline)
+    assert (a.layer, a.step, a.quantity, a.value, a.details["baseline"]) == (
+        b.layer,
+        b.step,
+        b.quantity,
+        b.value,
+        b.details["baseline"],
+    )
     # without the state, the baseline would be the (already grown) value at step 6: no alarm at all
     fresh_model = copy.deepcopy(ref_model)
-    run(fresh_model, VarianceMonitor(fresh_model, **kw), range(4), x)
-    lost = VarianceMonitor(fresh_model, **kw)
+    run(fresh_model, VarianceMonitor(fresh_model, **kw()), range(4), x)
+    lost = VarianceMonitor(fresh_model, **kw())
     lost.current_step = 4
     run(fresh_model, lost, range(4, 10), x)
     assert lost.alarm is None
-    # an alarm that already fired is restored (and on_alarm is not called again)
-    again = VarianceMonitor(ref_model, **kw, on_alarm=lambda a: pytest.fail("on_alarm called twice"))
+    # an alarm that already fired is restored (and on_event is not called again)
+    again = VarianceMonitor(ref_model, **kw(), on_event=lambda a: pytest.fail("on_event called twice"))
     again.load_state_dict(ref.state_dict())
     assert again.alarm == ref.alarm and again.should_stop
 
@@ -481,7 +499,7 @@ def test_monitor_load_state_dict_refuses_mismatched_state():
     with pytest.raises(ValueError, match="expected a dict"):
         mon.load_state_dict([1, 2])
     with pytest.raises(ValueError, match="baseline_records"):
-        VarianceMonitor(TwoLayers(), every=2, baseline_records=4).load_state_dict(state)
+        VarianceMonitor(TwoLayers(), every=2, rules=[FactorRule(baseline_records=4)]).load_state_dict(state)
 
 
 # ------------------------------------------------------------------------------------------------ errors
@@ -497,7 +515,11 @@ def test_model_without_supported_layers_raises():
     with pytest.raises(TypeError, match="nn.Module"):
         VarianceMonitor("model")
     with pytest.raises(ValueError, match="factor"):
-        VarianceMonitor(nn.Linear(2, 2), explode_factor=0.5)
+        FactorRule(explode_factor=0.5)
+    with pytest.raises(TypeError, match="rules must be"):
+        VarianceMonitor(nn.Linear(2, 2), rules=[FactorRule])
+    with pytest.raises(ValueError, match="rule names must be unique"):
+        VarianceMonitor(nn.Linear(2, 2), rules=[FactorRule(), FactorRule()])
 
 
 # --------------------------------------------------------------------------------------------- wrappers
@@ -561,8 +583,8 @@ def test_export_jsonl_csv_and_plots(tmp_path):
     assert len(rows) == len(mon.records)
     assert float(rows[1]["output_var"]) == pytest.approx(mon.records[1]["output_var"])
     assert rows[1]["shift"] == ""  # BN layer has no weight-side quantities
-    records, alarm, spp = load_log(jl)
-    assert len(records) == len(mon.records) and alarm is None and len(spp["entries"]) == 4
+    records, alarm, spp, events = load_log(jl)
+    assert len(records) == len(mon.records) and alarm is None and events == [] and len(spp["entries"]) == 4
     assert cli_main(["monitor", str(jl), "--out", str(tmp_path / "cli")]) == 0
     paths = sorted((tmp_path / "cli").iterdir())
     assert [p.name for p in paths] == sorted(
@@ -716,9 +738,13 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
     model(x).sum().backward()
     mon.step(opt)
     assert mon.alarm is not None and mon.alarm.layer == "6" and mon.alarm.quantity == "input_sq"
-    assert "fell to" in mon.alarm.reason and mon.alarm.ratio < 1e-4 and mon.alarm.direction == "shrank"
+    assert (
+        "fell to" in mon.alarm.details["reason"]
+        and mon.alarm.details["ratio"] < 1e-4
+        and mon.alarm.details["direction"] == "shrank"
+    )
     with pytest.raises(ValueError, match="implode_factor for 'input_sq' must be a finite number > 1"):
-        CollapseDetector(implode_factor={"input_sq": 0.5})
+        FactorRule(implode_factor={"input_sq": 0.5})
 
 
 # ----------------------------------------------------------------- linear-map rules, channel axes, dead channels

@@ -1,5 +1,6 @@
-"""The monitor's light per-step path (``countdown_every``): the countdown alarm sees every step between the full
-records, with one host read-back per step, and fires exactly as a monitor recording every step would."""
+"""The monitor's light per-step path (``CountdownRule(every_step=True)``): the countdown alarm sees every step
+between the full records, with one host read-back per step, and fires exactly as a monitor recording every step
+would."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from normlab.monitor import VarianceMonitor
+from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
 from normlab.runner.models import build_model
 
 BLOW_UP = 13  # the step at which a hidden conv's weights are multiplied (not a recording step of every=10)
@@ -44,20 +46,19 @@ def run(model, mon, data, blow_up=BLOW_UP, factor=5.0, start=0):
 
 
 def alarm_key(alarm):
-    return (alarm.step, alarm.layer, alarm.quantity, alarm.value, alarm.baseline, alarm.flagged)
+    return (alarm.step, alarm.layer, alarm.quantity, alarm.value, alarm.details["baseline"], alarm.details["flagged"])
 
 
 @pytest.mark.parametrize(
     "countdown",
-    [True, {"growth": None, "level": 15.0}, {"growth": 1.0, "grad_ratio": 5.0}],
+    [{}, {"growth": None, "level": 15.0}, {"growth": 1.0, "grad_ratio": 5.0}],
     ids=["growth", "level", "grad_ratio"],
 )
 def test_dense_countdown_fires_exactly_as_every_step_records(countdown):
     base, data = plain1d(), batches(30)
     dense_model, full_model = copy.deepcopy(base), copy.deepcopy(base)
-    kw = dict(countdown=countdown, factor_rules=False, risk=False)
-    dense = VarianceMonitor(dense_model, every=10, **kw)
-    full = VarianceMonitor(full_model, every=1, **kw)
+    dense = VarianceMonitor(dense_model, every=10, rules=[CountdownRule(**countdown)])
+    full = VarianceMonitor(full_model, every=1, rules=[CountdownRule(**countdown)])
     run(dense_model, dense, data)
     run(full_model, full, data)
     assert full.alarm is not None and full.alarm.step >= BLOW_UP and full.alarm.step % 10 != 0
@@ -65,14 +66,15 @@ def test_dense_countdown_fires_exactly_as_every_step_records(countdown):
     assert sorted({r["step"] for r in dense.records}) == [0, 10, 20]  # light steps add no records
     # without the light path the countdown only sees steps 0, 10, 20: no alarm at the step it fired
     sparse_model = copy.deepcopy(base)
-    sparse = VarianceMonitor(sparse_model, every=10, countdown_every=None, **kw)
+    sparse = VarianceMonitor(sparse_model, every=10, rules=[CountdownRule(**countdown, every_step=False)])
     run(sparse_model, sparse, data)
     assert sparse.alarm is None or sparse.alarm.step % 10 == 0
 
 
 def test_light_step_reads_back_once(monkeypatch):
     model, data = plain1d(), batches(6)
-    mon = VarianceMonitor(model, every=5, countdown={"grad_ratio": 5.0})  # gradient norm on too
+    rules = [FactorRule(), RegimeRule(), CountdownRule(grad_ratio=5.0)]  # gradient norm on too
+    mon = VarianceMonitor(model, every=5, rules=rules)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     reads, syncs = [], []
     tolist = torch.Tensor.tolist
@@ -94,12 +96,12 @@ def test_light_step_reads_back_once(monkeypatch):
     for light, n_reads, n_items, scalar_reads in per_step[1:5]:  # steps 1-4: light steps
         assert light and n_reads == 1 and n_items == 0 and scalar_reads == []
     assert not per_step[0][0] and per_step[0][1] >= hidden  # step 0: a full recording step reads per layer
-    assert mon.countdown.grad_norms and len(mon.countdown.grad_norms) == 6  # every step fed the gradient norm
+    assert len(rules[2].grad_norms) == 6  # every step fed the gradient norm
 
 
 def test_non_finite_value_alarms_on_a_light_step():
     model, data = plain1d(), batches(10)
-    mon = VarianceMonitor(model, every=10, factor_rules=False, risk=False)
+    mon = VarianceMonitor(model, every=10, rules=[CountdownRule()])
     run(model, mon, data, blow_up=6, factor=math.nan)
     assert mon.alarm is not None and mon.alarm.step == 6
     assert mon.alarm.quantity == "output_var" and not math.isfinite(mon.alarm.value)
@@ -108,15 +110,18 @@ def test_non_finite_value_alarms_on_a_light_step():
 def test_state_dict_round_trip_continues_the_countdown():
     base, data = plain1d(), batches(30)
     ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
-    kw = dict(every=10, factor_rules=False, risk=False)
-    ref = VarianceMonitor(ref_model, **kw)
+
+    def kw():
+        return dict(every=10, rules=[CountdownRule()])
+
+    ref = VarianceMonitor(ref_model, **kw())
     run(ref_model, ref, data)
     assert ref.alarm is not None and ref.alarm.step % 10 != 0
-    first = VarianceMonitor(model, **kw)
+    first = VarianceMonitor(model, **kw())
     opt = run(model, first, data[: BLOW_UP + 1])  # the light steps before and at the blow-up fill the countdown
     state = first.state_dict()
     first.close()
-    second = VarianceMonitor(model, **kw)
+    second = VarianceMonitor(model, **kw())
     second.load_state_dict(copy.deepcopy(state))
     assert second.current_step == BLOW_UP + 1 and second.is_light
     for x, y in data[BLOW_UP + 1 :]:
@@ -127,12 +132,14 @@ def test_state_dict_round_trip_continues_the_countdown():
     assert alarm_key(second.alarm) == alarm_key(ref.alarm)
 
 
-def test_countdown_every_sets_the_cadence_and_hooks_follow_it():
+@pytest.mark.parametrize("every_step", [True, False])
+def test_every_step_sets_the_cadence_and_hooks_follow_it(every_step):
     model, data = plain1d(), batches(9)
     seen = []
-    mon = VarianceMonitor(model, every=6, countdown_every=2, factor_rules=False, risk=False)
-    check = mon.countdown.check
-    mon.countdown.check = lambda step, *a, **k: seen.append(step) or check(step, *a, **k)
+    rule = CountdownRule(every_step=every_step)
+    check = rule.check
+    rule.check = lambda ctx, records: seen.append(ctx.step) or check(ctx, records)
+    mon = VarianceMonitor(model, every=6, rules=[rule])
     conv = mon.layers[0][1]
     hooks = []
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -142,11 +149,9 @@ def test_countdown_every_sets_the_cadence_and_hooks_follow_it():
         opt.zero_grad()
         loss.backward()
         mon.step(opt)
-    assert seen == [0, 2, 4, 6, 8]
-    assert hooks == [1, 0, 1, 0, 1, 0, 1, 0, 1]
-    off = VarianceMonitor(plain1d(), every=6, countdown=False)  # no countdown: no light steps, no hooks between
+    assert seen == (list(range(9)) if every_step else [0, 6])
+    assert hooks == ([1] * 9 if every_step else [1, 0, 0, 0, 0, 0, 1, 0, 0])
+    off = VarianceMonitor(plain1d(), every=6, rules=[FactorRule(), RegimeRule()])  # no light steps, no hooks between
     off.current_step = 1
     off._sync_hooks()
     assert not off.is_light and len(off.layers[0][1]._forward_hooks) == 0
-    with pytest.raises(ValueError, match="countdown_every must be None or an int >= 1"):
-        VarianceMonitor(plain1d(), countdown_every=0)

@@ -1,25 +1,24 @@
-"""Typed monitor records: one writer, one validated reader, the deprecated names, plots from the reader."""
+"""Typed monitor records: one writer, one validated reader, logs of earlier versions, plots from the reader."""
 
 from __future__ import annotations
 
 import json
 import math
 import typing
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from normlab.monitor import (
-    CollapseAlarm,
-    CollapseDetector,
+    Event,
     VarianceMonitor,
     load_log,
     render_monitor_plots,
     write_monitor_log,
 )
 from normlab.monitor.records import COUNT_KEYS, LAYER_KEYS, NUMBER_KEYS, LayerRecord, NormRecord, layer_keys
+from normlab.monitor.rules import FactorRule, StepContext
 
 
 def _net():
@@ -30,7 +29,7 @@ def _monitored_run(steps=6, blow_up_at=3, spp=True):
     torch.manual_seed(100)
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    mon = VarianceMonitor(model, every=1, countdown=False, risk=False)
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule()])
     x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 5, (8,))
     for step in range(steps):
         if step == blow_up_at:  # the first conv's kernel x 1e3: its output variance grows 1e6x
@@ -56,11 +55,11 @@ def test_round_trip_gives_the_same_records_alarm_and_spp(tmp_path):
     log = load_log(path)
     assert log.records == [{k: _null(v) for k, v in r.items()} for r in mon.records]
     assert log.records[1]["output_var"] is None and log.records[2]["shift"] is None
-    assert mon.alarm is not None and mon.alarm.direction == "grew" and mon.alarm.layer == "0"
-    assert CollapseAlarm.from_dict(log.alarm) == mon.alarm
+    assert mon.alarm is not None and mon.alarm.details["direction"] == "grew" and mon.alarm.layer == "0"
+    assert Event.from_dict(log.alarm) == mon.alarm and log.events == mon.events
     assert log.spp["entries"] == mon.spp["entries"] and log.spp["mode"] == mon.spp["mode"]
-    records, alarm, spp = log  # unpacks as the old (records, alarm, spp) tuple
-    assert alarm["event"] == "alarm" and spp["event"] == "spp" and records is log.records
+    records, alarm, spp, events = log
+    assert alarm["rule"] == "factor" and spp["event"] == "spp" and records is log.records and events is log.events
     assert "NaN" not in path.read_text() and "Infinity" not in path.read_text()
 
 
@@ -85,11 +84,11 @@ def test_the_records_a_monitor_writes_are_the_declared_keys_and_types():
 def test_appends_equal_one_write_and_the_count_is_the_lines_written(tmp_path):
     mon = _monitored_run(spp=False)
     whole, parts = tmp_path / "whole.jsonl", tmp_path / "parts.jsonl"
-    n = write_monitor_log(whole, mon.records, mon.alarm)
+    n = write_monitor_log(whole, mon.records, mon.events)
     half = len(mon.records) // 2
     m = write_monitor_log(parts, mon.records[:half], append=True)
-    m += write_monitor_log(parts, mon.records[half:], mon.alarm, append=True)
-    assert n == m == len(mon.records) + 1
+    m += write_monitor_log(parts, mon.records[half:], mon.events, append=True)
+    assert n == m == len(mon.records) + len(mon.events) and mon.events
     assert parts.read_text() == whole.read_text()
 
 
@@ -109,12 +108,14 @@ OLD_LOG = (
 def test_an_old_format_log_loads_and_its_alarm_reads_naturally(tmp_path):
     path = tmp_path / "old.jsonl"
     path.write_text(OLD_LOG)
-    records, alarm, spp = load_log(path)
+    records, alarm, spp, events = load_log(path)
     assert [r["step"] for r in records] == [0, 10] and records[0]["shift"] is None
     assert spp["entries"][0]["avg_sq_mean"] is None and spp["entries"][0]["avg_var"] == 0.5
-    assert alarm["direction"] == "shrank" and alarm["flagged"][0]["direction"] == "shrank"
-    a = CollapseAlarm.from_dict(alarm)
-    assert (a.baseline, a.ratio, a.direction) == (1.0, 1e-07, "shrank")
+    (a,) = events  # the old alarm event, as the event of the rule that raised it (the factor rule's implosion)
+    assert (a.rule, a.severity, a.step, a.layer, a.quantity, a.value) == ("factor", "alarm", 10, "fc", "input_sq", 1e-7)
+    assert (a.details["baseline"], a.details["ratio"], a.details["direction"]) == (1.0, 1e-07, "shrank")
+    assert a.details["flagged"][0]["direction"] == "shrank" and "fell to 1e-07x" in a.message
+    assert alarm == a.to_dict() and alarm["step"] == 10 and alarm["layer"] == "fc"
     drawn = render_monitor_plots(path, tmp_path / "plots")  # the plots render from an old log
     again = render_monitor_plots(load_log(path), tmp_path / "again")  # or from the log already read
     assert drawn and [p.name for p in again] == [p.name for p in drawn]
@@ -128,6 +129,8 @@ BAD_LINES = [
     ('{"step": 3, "layer": "fc", "fan_in": 2.5}', "'fan_in' must be an integer"),
     ('{"step": 3, "layer": "fc", "kind": 1}', "'kind' must be a string"),
     ('{"event": "alarm", "layer": "fc", "step": 3}', "needs a string 'layer', an integer 'step' and a string"),
+    ('{"event": "rule", "rule": "x", "severity": "fatal", "step": 3}', "a rule event needs a string 'rule'"),
+    ('{"event": "rule", "rule": "x", "severity": "alarm", "step": 3, "value": "big"}', "'value' of a rule event"),
     ('{"event": "spp", "entries": [{"name": "a"}]}', "'entries' of an spp event must be objects"),
     ('{"loss": 1.0}', "neither a layer record"),
 ]
@@ -153,57 +156,38 @@ def _recs(v):
     return [{"layer": "a", "index": 0, "output_var": 1.0, "shift": v, "input_sq": 1.0}]
 
 
-def test_deprecated_detector_names_warn_and_do_what_the_new_ones_do():
-    new = CollapseDetector(explode_factor=10.0, watch=("shift",), implode_factor={"input_sq": 100.0})
-    with pytest.warns(DeprecationWarning, match="'factor' is deprecated, use 'explode_factor'"):
-        old = CollapseDetector(factor=10.0, quantities=("shift",), shrink_factor={"input_sq": 100.0})
-    for det in (new, old):
-        assert det.check(0, _recs(1.0)) is None
-    a, b = new.check(1, _recs(20.0)), old.check(1, _recs(20.0))
-    assert a == b and a.ratio == 20.0
-    for name, new_name in (("quantities", "watch"), ("factors", "explode_factor"), ("shrink", "implode_factor")):
-        with pytest.warns(DeprecationWarning, match=f"CollapseDetector.{name}' is deprecated, use '{new_name}'"):
-            assert getattr(old, name) == getattr(new, new_name)
-    with pytest.warns(DeprecationWarning, match="use 'baselines'"):
-        assert old.initial == new.baselines == {("a", "shift"): 1.0, ("a", "input_sq"): 1.0}
-
-
-def test_deprecated_alarm_names_warn_and_the_implosion_reads_as_shrank():
-    det = CollapseDetector(explode_factor=10.0, watch=("shift",), implode_factor={"input_sq": 100.0})
-    det.check(0, _recs(1.0))
-    alarm = det.check(1, [{"layer": "a", "index": 0, "shift": 1.0, "input_sq": 1e-3}])
-    assert (alarm.quantity, alarm.baseline, alarm.ratio, alarm.direction) == ("input_sq", 1.0, 1e-3, "shrank")
-    with pytest.warns(DeprecationWarning, match="use 'baseline'"):
-        assert alarm.initial == 1.0
-    with pytest.warns(DeprecationWarning, match="use 'ratio'"):
-        assert alarm.growth == 1e-3
-    d = alarm.to_dict()  # the file keys of logs and checkpoints stay
-    assert list(d) == ["layer", "step", "quantity", "value", "initial", "growth", "reason", "flagged", "direction"]
-    assert (d["initial"], d["growth"], d["flagged"][0]["direction"]) == (1.0, 1e-3, "shrank")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the new names do not warn
-        CollapseDetector(explode_factor=10.0).check(0, _recs(1.0))
-        str(alarm)
+def test_the_implosion_reads_as_shrank_and_its_event_keeps_the_flag_keys():
+    rule = FactorRule(explode_factor=10.0, watch=("shift",), implode_factor={"input_sq": 100.0})
+    ctx = StepContext(step=0, output_layer="a")
+    rule.check(ctx, _recs(1.0))
+    alarm = rule.check(
+        StepContext(step=1, output_layer="a"), [{"layer": "a", "index": 0, "shift": 1.0, "input_sq": 1e-3}]
+    )
+    d = alarm.details
+    assert (alarm.quantity, d["baseline"], d["ratio"], d["direction"]) == ("input_sq", 1.0, 1e-3, "shrank")
+    flag = d["flagged"][0]  # the flag keys of the log (FlaggedEntry): initial = baseline, growth = ratio
+    assert (flag["initial"], flag["growth"], flag["direction"]) == (1.0, 1e-3, "shrank")
 
 
 def test_a_non_finite_alarm_reads_as_non_finite_and_is_null_in_the_log(tmp_path):
-    det = CollapseDetector(explode_factor=10.0, watch=("shift",))
-    alarm = det.check(0, _recs(float("nan")))
-    assert alarm.direction == "non-finite" and alarm.ratio == math.inf
-    write_monitor_log(tmp_path / "m.jsonl", [], alarm)
+    rule = FactorRule(explode_factor=10.0, watch=("shift",))
+    alarm = rule.check(StepContext(step=0), _recs(float("nan")))
+    assert alarm.details["direction"] == "non-finite" and alarm.details["ratio"] == math.inf
+    write_monitor_log(tmp_path / "m.jsonl", [], [alarm])
     event = json.loads((tmp_path / "m.jsonl").read_text())
-    assert event["value"] is None and event["growth"] is None and event["direction"] == "non-finite"
-    back = CollapseAlarm.from_dict(load_log(tmp_path / "m.jsonl").alarm)
-    assert back.direction == "non-finite" and math.isnan(back.value) and back.ratio == math.inf
+    assert event["event"] == "rule" and event["value"] is None and event["details"]["ratio"] is None
+    back = Event.from_dict(load_log(tmp_path / "m.jsonl").alarm)
+    assert back.details["direction"] == "non-finite" and back.value is None
 
 
-def test_a_checkpoint_state_with_an_old_alarm_restores():
+def test_a_checkpoint_state_restores_the_events():
     mon = _monitored_run(spp=False)
     state = mon.state_dict()
-    old = {k: v for k, v in state["alarm"].items() if k != "direction"}  # as state_dict wrote it before
-    fresh = VarianceMonitor(_net(), every=1, countdown=False, risk=False)
-    fresh.load_state_dict({**state, "alarm": old})
-    assert fresh.alarm == mon.alarm
+    fresh = VarianceMonitor(_net(), every=1, rules=[FactorRule()])
+    fresh.load_state_dict(state)
+    assert fresh.alarm == mon.alarm and fresh.events == mon.events
+    with pytest.raises(ValueError, match="with 'every', 'current_step' and 'rules'"):
+        fresh.load_state_dict({k: v for k, v in state.items() if k != "rules"})  # e.g. an earlier version's state
 
 
 def test_layer_keys_refuses_an_unknown_key():

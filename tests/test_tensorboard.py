@@ -32,7 +32,7 @@ def _scalars(acc: EventAccumulator, tag: str) -> dict[int, float]:
 
 def _records(path) -> tuple[list[dict], list[dict]]:
     lines = [json.loads(x) for x in path.read_text().splitlines()]
-    return [r for r in lines if "event" not in r], [r for r in lines if r.get("event") == "alarm"]
+    return [r for r in lines if "event" not in r], [r for r in lines if r.get("severity") == "alarm"]
 
 
 def _check_scalars_equal_records(acc: EventAccumulator, records: list[dict]) -> int:

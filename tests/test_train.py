@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 import normlab.monitor
 import normlab.runner.training.train
+from normlab.monitor.rules import Event
 from normlab.nn import param_groups
 from normlab.runner.models import build_model
 from normlab.runner.training.config import TrainConfig
@@ -274,26 +275,17 @@ def test_real_monitor_writes_records_and_continues_after_resume(tmp_path):
     assert recs2 == recs  # deterministic training: the very same statistics
 
 
-@dataclasses.dataclass
-class FakeAlarm:
-    layer: str
-    step: int
-    quantity: str
-    value: float
-    initial: float
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
+def fake_alarm(step: int) -> Event:
+    """A factor-rule alarm as VarianceMonitor keeps it (``mon.alarm``)."""
+    details = {"baseline": 1.0, "ratio": 1e6, "reason": "grew 1e+06x > factor 100", "direction": "grew"}
+    return Event(
+        "factor", "alarm", step, "layer 'features.0.conv' shift = 1e+06", "features.0.conv", "shift", 1e6, details
+    )
 
 
-@dataclasses.dataclass
-class FakeRisk:
-    step: int
-    layer: str = "features.1.conv"
-    ratio: float = 2.5
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
+def fake_risk(step: int) -> Event:
+    """A regime-rule warning (its details are the summary's ``monitor_risk`` besides step and layer)."""
+    return Event("regime", "warning", step, "unstable regime", "features.1.conv", "shift_term", 2.5, {"ratio": 2.5})
 
 
 class FakeMonitor:
@@ -304,16 +296,19 @@ class FakeMonitor:
     risk_at = 1
 
     def __init__(self, model, every=10, dense_steps=0, dense_every=1):
-        self.model, self.every, self.current_step, self.records, self.alarm = model, every, 0, [], None
-        self.risk = None
+        self.model, self.every, self.current_step, self.records, self.events = model, every, 0, [], []
 
-    def step(self, optimizer):
+    @property
+    def alarm(self):
+        return next((e for e in self.events if e.severity == "alarm"), None)
+
+    def step(self, optimizer, loss=None):
         optimizer.step()
         self.records.append({"step": self.current_step, "layer": "x", "output_var": 1.0})
         if self.current_step == self.risk_at:
-            self.risk = FakeRisk(self.current_step)
+            self.events.append(fake_risk(self.current_step))
         if self.current_step == self.fire_at:
-            self.alarm = FakeAlarm("features.0.conv", self.current_step, "shift", 1e6, 1.0)
+            self.events.append(fake_alarm(self.current_step))
         self.current_step += 1
 
     def state_dict(self):
@@ -342,7 +337,11 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
     assert r["history"][0]["test_acc"] == s["history"][0]["test_acc"]
     lines = read_jsonl(out / "monitor.jsonl")
     assert [x["step"] for x in lines if "layer" in x and x.get("event") is None] == [0, 1, 2, 3, 4]
-    assert lines[-1]["event"] == "alarm"
+    assert [(x["rule"], x["severity"]) for x in lines if x.get("event") == "rule"] == [
+        ("regime", "warning"),
+        ("factor", "alarm"),
+    ]
+    assert lines[-1]["event"] == "rule" and lines[-1]["severity"] == "alarm"
     # without stop_on_collapse the alarm is recorded but training goes on
     s2 = train(dataclasses.replace(cfg, stop_on_collapse=False), tmp_path / "go", progress=False)
     assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
@@ -479,8 +478,9 @@ def test_resume_restores_monitor_baselines_and_gives_the_same_alarm(tmp_path):
 
     ck = load_ckpt(tmp_path / "ref" / "checkpoint.pt")
     mon_state = ck["monitor"]  # plain types: loads with weights_only=True
-    assert mon_state["current_step"] == 6 and mon_state["alarm"]["step"] == alarm["step"]
-    assert len(mon_state["detector"]["baselines"]) > 0
+    first_alarm = next(e for e in mon_state["events"] if e["severity"] == "alarm")
+    assert mon_state["current_step"] == 6 and first_alarm["step"] == alarm["step"]
+    assert len(mon_state["rules"]["factor"]["baselines"]) > 0
 
     resumed = _resume_after_first_epoch(cfg, tmp_path / "part")
     assert key(resumed["monitor_alarm"]) == key(alarm)

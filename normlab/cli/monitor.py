@@ -35,12 +35,8 @@ def run(args: argparse.Namespace) -> int:
     if not log.records and log.spp is None:
         raise UsageError(f"LOG: {args.log} holds no monitor records (nothing to plot)")
     paths = render_monitor_plots(log, out)  # the log read once
-    alarm = log.alarm
-    if alarm is not None:
-        print(
-            f"collapse warning: layer '{alarm.get('layer')}' {alarm.get('quantity')} at step {alarm.get('step')}"
-            f" (value {alarm.get('value')}, initial {alarm.get('initial')})"
-        )
+    for event in log.events:  # every rule's first event; an older log's one alarm
+        print(event)
     for p in paths:
         print(p)
     return 0

@@ -41,6 +41,7 @@ import torch
 from normlab.integrations.tensorboard import scalar_tags
 from normlab.monitor import CollapseGuard, VarianceMonitor
 from normlab.monitor.guard import RunCollapsed
+from normlab.monitor.optim_step import scaler_skipped
 
 try:
     import lightning.pytorch as pl
@@ -112,8 +113,9 @@ class VarianceMonitorCallback(pl.Callback):
             lowered rate). After ``max_rescues`` rescues the module is put back on that snapshot, a warning says why
             and the trainer stops (``callback.gave_up`` holds the message). One process and one optimizer only.
             ``trainer.global_step`` keeps counting the steps taken, the rolled-back ones included.
-        **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``explode_factor``,
-            ``include_norm``, ``tensorboard`` (written by rank 0 only), ...).
+        **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``rules``,
+            ``include_norm``, ``tensorboard`` (written by rank 0 only), ...); the training step's loss (its output,
+            or its ``"loss"``) reaches the rules as ``ctx.loss``.
 
     Attributes:
         monitor: the :class:`~normlab.monitor.VarianceMonitor` of the current (or last) fit, None before.
@@ -214,7 +216,7 @@ class VarianceMonitorCallback(pl.Callback):
         recording = mon.is_recording
         before = len(mon.records)
         scale = _grad_scale(trainer)  # a GradScaler lowers its scale when it skips a step (inf gradients)
-        mon.after_update(stepped=self._scale is None or scale is None or scale >= self._scale)
+        mon.after_update(stepped=not scaler_skipped(self._scale, scale), loss=_loss(outputs))
         if recording and self.log_scalars and trainer.is_global_zero:
             values = {tag: v for rec in mon.records[before:] for tag, v in scalar_tags(rec).items()}
             for logger in pl_module.loggers:  # at the monitor's step: the record's own x coordinate

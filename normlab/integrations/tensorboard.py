@@ -11,7 +11,7 @@ tag                       value (one curve per layer; the layer's module name)  
 ``update_ratio/<layer>``  Var[W_o - dW_o] / Var[W_o], mean over filters                 Fig. 1a
 ``input_ratio/<layer>``   E^2[X] / E[X^2] of the layer's input                          Fig. 6b
 ``mean_update/<layer>``   histogram of the per-filter mean updates mean(dW_o)            Fig. 1b
-``alarm``                 text: the first collapse warning (layer, step, quantity)
+``alarm``, ``warning``    text: the monitor's events (rule, step, message)
 ========================  ==========================================================  ===============
 
 TensorBoard shows each tag prefix as one section; a Custom Scalars layout (``normlab: the paper's figures``)
@@ -128,9 +128,10 @@ class MonitorBoard:
             if step is not None and values.numel() and bool(values.isfinite().all()):
                 self.writer.add_histogram(f"mean_update/{_layer(name)}", values.detach().float().cpu(), step)
 
-    def write_alarm(self, alarm) -> None:
-        """The collapse warning as a text event at its step."""
-        self.writer.add_text("alarm", str(alarm), alarm.step)
+    def write_event(self, event) -> None:
+        """A rule's :class:`~normlab.monitor.Event` as a text event at its step, under ``alarm`` or
+        ``warning`` (its severity)."""
+        self.writer.add_text(event.severity, str(event), event.step)
 
     def write_scalars(self, values: Mapping[str, float | None], step: int, section: str = "run") -> None:
         """``section/<key>`` for every finite value (the run's loss, accuracy, learning rate, ...)."""

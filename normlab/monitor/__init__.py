@@ -1,25 +1,27 @@
-"""Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, collapse warning,
-rescue (:class:`CollapseGuard`), plots::
+"""Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, rules that warn of a
+collapse (:mod:`normlab.monitor.rules`), rescue (:class:`CollapseGuard`), plots::
 
     from normlab.monitor import VarianceMonitor
     with VarianceMonitor(model, every=10) as mon:
         for x, y in loader:
-            loss_fn(model(x), y).backward()
-            mon.step(optimizer)            # performs optimizer.step() and records on every 10th step
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            mon.step(optimizer, loss=loss)  # performs optimizer.step(), records every 10th step, checks the rules
             optimizer.zero_grad()
-            if mon.risk is not None: ...   # unstable regime: mon.risk.layer / .step / .suggestion
-            if mon.should_stop:            # countdown alarm: mon.alarm.layer / .step / .quantity
+            if mon.warning is not None: ... # e.g. the unstable regime: mon.warning.layer / .step / .message
+            if mon.should_stop:             # an alarm: mon.alarm.rule / .layer / .step / .quantity
                 break
-        mon.to_jsonl("monitor.jsonl")      # then: normlab monitor monitor.jsonl --out plots/
+        mon.to_jsonl("monitor.jsonl")       # then: normlab monitor monitor.jsonl --out plots/
 """
 
 from normlab.monitor import stats
-from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
+from normlab.monitor.collapse import CollapseLabel, label_collapse
 from normlab.monitor.guard import CollapseGuard, DismissedAlarm, Rescue, RunCollapsed
 from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
 from normlab.monitor.log import load_log, write_monitor_log
 from normlab.monitor.monitor import VarianceMonitor
-from normlab.monitor.regime import RegimeDetector, RegimeWarning
+from normlab.monitor.optim_step import optimizer_step
+from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, replay
 from normlab.monitor.spp import signal_propagation
 
 
@@ -51,11 +53,14 @@ def render_monitor_plots(jsonl_path, out_dir):
 
 __all__ = [
     "VarianceMonitor",
-    "CollapseAlarm",
-    "CollapseDetector",
-    "CountdownDetector",
-    "RegimeDetector",
-    "RegimeWarning",
+    "Rule",
+    "Event",
+    "StepContext",
+    "DEFAULT_RULES",
+    "replay",
+    "label_collapse",
+    "CollapseLabel",
+    "optimizer_step",
     "CollapseGuard",
     "DismissedAlarm",
     "Rescue",

@@ -14,8 +14,9 @@ and the collapse benchmark all read it. A run has collapsed when (first match, i
   a dead network, which never learned. Step: None (there is no moment of collapse to warn before). Shorter runs are
   too short to call dead.
 
-The smoothed loss is the mean over the last ``window`` steps; :func:`loss_window` gives ``max(10, ceil(1024 /
-batch_size))``: about a thousand samples, so that one unlucky small batch is not read as a collapse.
+The smoothed loss is the mean over the last ``window`` steps; :func:`~normlab.monitor.collapse.loss_window` gives
+``max(10, ceil(1024 / batch_size))``: about a thousand samples, so that one unlucky small batch is not read as a
+collapse.
 """
 
 from __future__ import annotations
@@ -54,12 +55,17 @@ def loss_window(batch_size: int) -> int:
 
 @dataclass(frozen=True)
 class CollapseLabel:
-    """The label of a run (:func:`label_collapse`).
+    """The label of a run (:func:`~normlab.monitor.label_collapse`).
 
     Attributes:
         collapsed: the run collapsed.
         step: the step the collapse is dated to (None for a healthy run and for ``never_left_chance``).
         kind: one of ``KINDS``, or None for a healthy run.
+
+    Example:
+        >>> label = label_collapse([2.3, 1.0, float("inf")], chance_loss=2.3, window=1)
+        >>> label.collapsed, label.step, label.kind
+        (True, 2, 'non_finite')
     """
 
     collapsed: bool
@@ -152,7 +158,7 @@ def label_collapse(
         losses: the training loss of each step, in order (None or non-finite for a failed step).
         chance_loss: the loss of a constant uniform prediction (``ln C`` for C classes; ``ln V`` for a language
             model over V tokens), or None.
-        window: steps of the smoothed loss (:func:`loss_window`).
+        window: steps of the smoothed loss (:func:`~normlab.monitor.collapse.loss_window`).
         finished: the run ended at the last loss (the dead-network test runs only then).
 
     Returns:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from normlab.monitor.collapse import CHANCE, LEARNED, MIN_WINDOWS
+from normlab.monitor.optim_step import learning_rates, optimizer_step
 
 __all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
@@ -236,8 +237,11 @@ class CollapseGuard:
 
     Trouble is a non-finite ``loss``, a non-finite gradient (checked before the step; with a GradScaler the
     scaler's own skipping handles overflowing float16 gradients, so only the loss is checked), or a new
-    ``monitor.alarm`` after the step (:class:`~normlab.monitor.VarianceMonitor` or anything with ``alarm``,
-    ``state_dict`` and ``load_state_dict``), or, with ``loss_climb``, a loss that climbs back towards its starting
+    ``monitor.alarm`` after the step: the first :class:`~normlab.monitor.Event` of severity ``"alarm"`` that
+    one of the monitor's rules raised, whichever rule it is, a user's own included
+    (:class:`~normlab.monitor.VarianceMonitor`, or anything with ``step(optimizer, loss=None)``, ``alarm``,
+    ``state_dict`` and ``load_state_dict``);
+    warnings are not acted on. Or, with ``loss_climb``, a loss that climbs back towards its starting
     value. The trouble is dated to its onset: the alarm's ``step`` for an alarm (the monitor counts the same steps
     as the guard when both start together), the first step of the loss window for a loss climb, the current step
     otherwise. The guard then restores the newest snapshot whose step is at most ``onset - margin``, or the oldest
@@ -255,13 +259,16 @@ class CollapseGuard:
     Args:
         model: the module being trained (its ``state_dict`` is snapshotted).
         optimizer: its optimizer.
-        monitor: optional monitor; the guard then steps through ``monitor.step(optimizer)`` (or its
-            ``before_update``/``after_update`` around a GradScaler step) and watches ``monitor.alarm``.
+        monitor: optional monitor; the guard then steps through ``monitor.step(optimizer, loss=loss)`` (or its
+            ``before_update``/``after_update`` around a GradScaler step:
+            :func:`~normlab.monitor.optimizer_step`) and watches ``monitor.alarm``.
         every: snapshot interval in steps (a snapshot is also taken at construction, step 0).
         keep: how many snapshots to keep (the oldest is dropped first).
         margin: the snapshot restored is at least this many steps older than the onset (default ``every``).
         lr_factor: each rescue multiplies every parameter group's learning rate (and the schedulers' base rates)
-            by this factor, in (0, 1].
+            by this factor, in (0, 1]: with ``schedulers``, the rates of the snapshot restored (the schedulers go
+            back with it); without, the rates in use at the trouble (a schedule the loop steps itself, e.g. per
+            epoch, is not rolled back, so the loop need not set the rate again).
         max_rescues: rescues allowed; the next trouble raises :class:`RunCollapsed`.
         schedulers: learning-rate schedulers stepped by the training loop; their state is snapshotted and their base
             rates lowered with the optimizer's.
@@ -384,7 +391,7 @@ class CollapseGuard:
             reason, onset, kind = trouble
             self._rescue(reason, onset, alarm=False, kind=kind)
             return False
-        self._optimizer_step()
+        self._optimizer_step(loss)
         return self._after()
 
     def after_step(self, loss: torch.Tensor | float | None = None) -> bool:
@@ -465,21 +472,8 @@ class CollapseGuard:
         norms = torch._foreach_norm([g.detach() for g in grads])
         return bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
-    def _optimizer_step(self) -> None:
-        mon, opt = self.monitor, self.optimizer
-        if self.scaler is None:
-            if mon is not None:
-                mon.step(opt)
-            else:
-                opt.step()
-            return
-        if mon is not None:
-            mon.before_update()
-        scale = self.scaler.get_scale()
-        self.scaler.step(opt)
-        self.scaler.update()
-        if mon is not None:
-            mon.after_update(stepped=self.scaler.get_scale() >= scale)  # a lowered scale: the step was skipped
+    def _optimizer_step(self, loss=None) -> None:
+        optimizer_step(self.optimizer, self.monitor, self.scaler, loss)
 
     # -------------------------------------------------------------- snapshots
     def _take_snapshot(self) -> None:
@@ -544,14 +538,25 @@ class CollapseGuard:
         """Restore the newest snapshot taken at least ``margin`` steps before ``onset`` (default: the current step),
         or the oldest one, without changing the learning rate; returns the step restored. For a run that stops
         after :class:`RunCollapsed` and should end on its last state from before the trouble."""
+        return self._roll_back(onset, 1.0)
+
+    def _roll_back(self, onset: int | None, factor: float) -> int:
+        """Restore the snapshot for ``onset`` and multiply the learning rates by ``factor``: with ``schedulers`` the
+        snapshot's rates (its schedulers are restored with it), else the rates in use before the rollback (a
+        schedule the guard does not own is not rolled back, so its current rate stays)."""
         onset = self.steps if onset is None else onset
         if self._armed is not None:  # trouble while an alarm waits is dated to the alarm
             onset = min(onset, self._armed.onset)
         snap = self._choose(onset)
         kept = [s for s in self._available() if s.step <= snap.step]
         self._armed = None
+        current = learning_rates(self.optimizer)
         self._restore(snap)
-        self._scale_lr(self._scale / snap.state["lr_scale"])  # relative to the snapshot's rates (their factors)
+        if self.schedulers:
+            self._scale_lr(self._scale / snap.state["lr_scale"])  # relative to the snapshot's rates (their factors)
+        else:
+            for group, lr in zip(self.optimizer.param_groups, current):
+                group["lr"] = lr * factor
         self._snapshots = deque(kept, maxlen=self.keep)
         return snap.step
 
@@ -590,7 +595,7 @@ class CollapseGuard:
         step = self.steps
         lr_before = float(self.optimizer.param_groups[0]["lr"])
         self._scale *= self.lr_factor
-        restored = self.roll_back(onset)
+        restored = self._roll_back(onset, self.lr_factor)
         lr_after = float(self.optimizer.param_groups[0]["lr"])
         self.rescues.append(Rescue(step, reason, onset, restored, step - restored, lr_before, lr_after))
 

@@ -1,70 +1,128 @@
 """The monitor log (``monitor.jsonl``): its one writer and its one reader.
 
 :func:`write_monitor_log` writes :mod:`~normlab.monitor.records` as strict JSON lines (non-finite values as null):
-the layer records, then the alarm event, then the spp event. It replaces the file atomically (a link at the target is
+the layer records, then the rules' events (``{"event": "rule", ...}``, :class:`~normlab.monitor.Event`), then
+the spp event. It replaces the file atomically (a link at the target is
 replaced, not followed) or, with ``append=True``, appends (refusing a link): ``VarianceMonitor.to_jsonl``, the
 trainer (one append per epoch) and the Lightning callback all write through it.
 
 :func:`load_log` reads a log back, validated: every line a JSON object, layer records with a string ``layer``, an
 integer ``step`` and numbers (or null) under the number keys, well-formed events; the first bad line is refused in one
-line naming ``file:line``. Logs of earlier versions load (``NaN``/``Infinity`` tokens read as null; an alarm event
-without ``direction`` gets one derived from its value and reason). Lines of events this version does not know are
-skipped, so a newer log still loads.
+line naming ``file:line``. Logs of earlier versions load: ``NaN``/``Infinity`` tokens read as null, and their alarm
+event (``{"event": "alarm", ...}``, one per log, written before the rules existed) becomes an
+:class:`~normlab.monitor.Event` of the rule that raised it (``"countdown"`` for the quantities only the
+countdown reads, ``"factor"`` otherwise), its ``initial``/``growth`` the event's ``baseline``/``ratio`` details (a
+missing ``direction`` derived from its value and reason). Lines of events this version does not know are skipped,
+so a newer log still loads.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
 from normlab._files import append_bytes, atomic_write
-from normlab.monitor.alarm import CollapseAlarm, direction_of
 from normlab.monitor.records import (
     ALARM_EVENT,
     COUNT_KEYS,
     NUMBER_KEYS,
+    RULE_EVENT,
     SPP_EVENT,
-    AlarmEvent,
     LayerRecord,
     NormRecord,
     SppEvent,
     finite_or_null,
 )
+from normlab.monitor.rules.base import SEVERITIES, Event
+from normlab.monitor.rules.variance import alarm_message
 
-__all__ = ["MonitorLog", "write_monitor_log", "load_log", "monitor_lines"]
+__all__ = ["MonitorLog", "write_monitor_log", "load_log", "monitor_lines", "legacy_alarm_event", "direction_of"]
+
+_COUNTDOWN_QUANTITIES = ("output_var_growth", "output_var_level", "grad_norm")
+
+
+def direction_of(d: Mapping) -> str:
+    """``"grew"``, ``"shrank"`` or ``"non-finite"``: the direction of an alarm or flag dict of an older log (written
+    before the key ``direction`` existed), from its value and reason.
+
+    Example:
+        >>> direction_of({"value": 1e-6, "reason": "fell to 1e-06x < 1/1e+04 of its baseline"})
+        'shrank'
+    """
+    value = d.get("value")
+    if value is None or not math.isfinite(value) or str(d.get("reason", "")).startswith("non-finite"):
+        return "non-finite"
+    return "shrank" if str(d.get("reason", "")).startswith("fell") else "grew"
+
+
+def legacy_alarm_event(d: Mapping) -> Event:
+    """The :class:`~normlab.monitor.Event` of an alarm event written before the rules existed
+    (:class:`~normlab.monitor.records.AlarmEvent`: ``layer``, ``step``, ``quantity``, ``value``, ``initial``,
+    ``growth``, ``reason``, ``flagged``, ``direction``; the summary's ``monitor_alarm`` has the first five).
+
+    Example:
+        >>> e = legacy_alarm_event({"layer": "c1", "step": 4, "quantity": "output_var_growth", "value": 9.0,
+        ...                         "initial": 1.0, "growth": 9.0, "reason": "output variance growing"})
+        >>> e.rule, e.severity, e.details["baseline"], e.details["direction"]
+        ('countdown', 'alarm', 1.0, 'grew')
+    """
+    quantity = str(d.get("quantity"))
+    baseline, value = d.get("initial", d.get("baseline")), d.get("value")
+    reason = str(d.get("reason", ""))
+    details = {
+        "baseline": baseline,
+        "ratio": d.get("growth", d.get("ratio")),
+        "reason": reason,
+        "direction": d.get("direction") or direction_of(d),
+        "flagged": [dict(f) for f in d.get("flagged", [])],
+    }
+    shown = [math.nan if v is None else float(v) for v in (value, baseline)]
+    message = alarm_message(str(d.get("layer")), quantity, *shown, reason)
+    rule = "countdown" if quantity in _COUNTDOWN_QUANTITIES else "factor"
+    return Event(rule, "alarm", int(d["step"]), message, d.get("layer"), quantity, value, details)
+
+
+def _as_event(e) -> Event:
+    """An Event from an Event, its dict, or a legacy alarm dict."""
+    if isinstance(e, Event):
+        return e
+    return Event.from_dict(e) if "rule" in e and "severity" in e else legacy_alarm_event(e)
 
 
 class MonitorLog(NamedTuple):
-    """What :func:`load_log` returns; unpacks as ``records, alarm, spp``.
+    """What :func:`load_log` returns; unpacks as ``records, alarm, spp, events``.
 
     Attributes:
         records: the layer records (:class:`~normlab.monitor.records.LayerRecord`,
             :class:`~normlab.monitor.records.NormRecord`) in file order.
-        alarm: the alarm event (:class:`~normlab.monitor.records.AlarmEvent`), or None; its file keys ``initial``
-            and ``growth`` hold the baseline and the ratio (:meth:`normlab.monitor.CollapseAlarm.from_dict` makes
-            the alarm of it).
+        alarm: the first event of severity ``"alarm"`` as a dict (:meth:`~normlab.monitor.Event.to_dict`:
+            ``rule``, ``step``, ``layer``, ``quantity``, ``value``, ``message``, ``details``), or None.
         spp: the signal-propagation event (:class:`~normlab.monitor.records.SppEvent`), or None.
+        events: every event, as :class:`~normlab.monitor.Event` s in file order (an older log's alarm
+            converted by :func:`legacy_alarm_event`).
 
     Example:
-        >>> records, alarm, spp = MonitorLog([], None, None)
-        >>> records, alarm, spp
-        ([], None, None)
+        >>> records, alarm, spp, events = MonitorLog([], None, None, [])
+        >>> records, alarm, spp, events
+        ([], None, None, [])
     """
 
     records: list[LayerRecord | NormRecord]
-    alarm: AlarmEvent | None
+    alarm: dict | None
     spp: SppEvent | None
+    events: list[Event]
 
 
 def monitor_lines(
     records: Iterable[Mapping[str, Any]],
-    alarm: CollapseAlarm | Mapping[str, Any] | None = None,
+    events: Iterable[Event | Mapping[str, Any]] = (),
     spp: Mapping[str, Any] | None = None,
 ) -> list[str]:
-    """The log lines (without newlines) of ``records``, an alarm and spp data: strict JSON, non-finite as null.
+    """The log lines (without newlines) of ``records``, events and spp data: strict JSON, non-finite as null.
 
     Example:
         >>> monitor_lines([{"step": 0, "layer": "fc", "index": 0, "type": "Linear", "kind": "linear",
@@ -72,9 +130,11 @@ def monitor_lines(
         ['{"step": 0, "layer": "fc", "index": 0, "type": "Linear", "kind": "linear", "output_var": null}']
     """
     lines = [json.dumps(finite_or_null(dict(r)), allow_nan=False) for r in records]
-    if alarm is not None:
-        body = alarm.to_dict() if hasattr(alarm, "to_dict") else {k: v for k, v in alarm.items() if k != "event"}
-        lines.append(json.dumps(finite_or_null({"event": ALARM_EVENT, **body}), allow_nan=False))
+    if events is None or isinstance(events, Event | Mapping):
+        events = () if events is None else (events,)
+    for event in events:
+        body = _as_event(event).to_dict()
+        lines.append(json.dumps(finite_or_null({"event": RULE_EVENT, **body}), allow_nan=False))
     if spp is not None:
         body = {k: v for k, v in spp.items() if k != "event"}
         lines.append(json.dumps(finite_or_null({"event": SPP_EVENT, **body}), allow_nan=False))
@@ -84,7 +144,7 @@ def monitor_lines(
 def write_monitor_log(
     path: str | os.PathLike,
     records: Iterable[Mapping[str, Any]],
-    alarm: CollapseAlarm | Mapping[str, Any] | None = None,
+    events: Iterable[Event | Mapping[str, Any]] | Event | Mapping[str, Any] | None = (),
     spp: Mapping[str, Any] | None = None,
     append: bool = False,
 ) -> int:
@@ -93,8 +153,8 @@ def write_monitor_log(
     Args:
         path: the log file; its directory is created if missing.
         records: layer records (:class:`~normlab.monitor.records.LayerRecord` / ``NormRecord`` dicts).
-        alarm: a :class:`~normlab.monitor.CollapseAlarm` (anything with its ``to_dict``) or such a dict, written as
-            the alarm event after the records.
+        events: the rules' :class:`~normlab.monitor.Event` s (or their dicts; one event alone, or an alarm
+            dict of an older log, is accepted too), written after the records.
         spp: :func:`~normlab.monitor.signal_propagation` data, written as the spp event last.
         append: append to ``path`` (refusing a link there) instead of replacing it atomically.
 
@@ -107,7 +167,7 @@ def write_monitor_log(
         >>> [r["step"] for r in load_log(path).records]
         [0, 1]
     """
-    text = "".join(line + "\n" for line in monitor_lines(records, alarm, spp))
+    text = "".join(line + "\n" for line in monitor_lines(records, events, spp))
     data = text.encode("utf-8")
     if append:
         append_bytes(path, data)
@@ -156,6 +216,16 @@ def _check_alarm(obj: dict) -> str | None:
     return None
 
 
+def _check_event(obj: dict) -> str | None:
+    """What is wrong with a rule event, or None."""
+    ok = isinstance(obj.get("rule"), str) and obj.get("severity") in SEVERITIES and _is_int(obj.get("step"))
+    if not ok:
+        return f"a rule event needs a string 'rule', a severity in {SEVERITIES} and an integer 'step'"
+    if not (obj.get("value") is None or _is_number(obj["value"])) or not isinstance(obj.get("details", {}), dict):
+        return "'value' of a rule event must be a number or null and 'details' an object"
+    return None
+
+
 def _check_spp(obj: dict) -> str | None:
     """What is wrong with a signal-propagation event, or None."""
     entries = obj.get("entries", [])
@@ -186,12 +256,13 @@ def _parse(line: str, where: str) -> dict:
 
 
 def load_log(path: str | os.PathLike) -> MonitorLog:
-    """Read a monitor log -> :class:`~normlab.monitor.log.MonitorLog` ``(records, alarm, spp)``, validated line by line.
+    """Read a monitor log -> :class:`~normlab.monitor.log.MonitorLog` ``(records, alarm, spp, events)``, validated
+    line by line.
 
     Raises:
         FileNotFoundError: ``path`` is not a file.
         ValueError: the first bad line, named ``file:line``: not a JSON object, a layer record with values of the
-            wrong type, a malformed alarm or spp event, or an object that is neither a record nor an event.
+            wrong type, a malformed rule, alarm or spp event, or an object that is neither a record nor an event.
 
     Example:
         >>> import tempfile, pathlib
@@ -205,7 +276,7 @@ def load_log(path: str | os.PathLike) -> MonitorLog:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"load_log: monitor log {path} does not exist or is not a file")
-    records, alarm, spp = [], None, None
+    records, events, spp = [], [], None
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -213,8 +284,14 @@ def load_log(path: str | os.PathLike) -> MonitorLog:
             where = f"{path}:{lineno}"
             obj = _parse(line, where)
             event = obj.get("event")
-            if event == ALARM_EVENT:
-                problem, alarm = _check_alarm(obj), obj
+            if event == RULE_EVENT:
+                problem = _check_event(obj)
+                if problem is None:
+                    events.append(Event.from_dict(obj))
+            elif event == ALARM_EVENT:  # an older log's one alarm
+                problem = _check_alarm(obj)
+                if problem is None:
+                    events.append(legacy_alarm_event(obj))
             elif event == SPP_EVENT:
                 problem, spp = _check_spp(obj), obj
             elif event is not None:
@@ -226,4 +303,5 @@ def load_log(path: str | os.PathLike) -> MonitorLog:
                 problem = "neither a layer record (with 'layer' and 'step') nor an event"
             if problem is not None:
                 raise ValueError(f"load_log: {where}: {problem}")
-    return MonitorLog(records, alarm, spp)
+    alarm = next((e.to_dict() for e in events if e.severity == "alarm"), None)
+    return MonitorLog(records, alarm, spp, events)

@@ -1,30 +1,35 @@
-"""VarianceMonitor: records how variance travels through a network (docs/design.md section 2).
+"""VarianceMonitor: records how variance travels through a network (docs/design.md section 2) and checks rules.
 
 Two lines in a training loop::
 
     mon = VarianceMonitor(model, every=10)
     ...
     loss.backward()
-    mon.step(optimizer)          # instead of optimizer.step()
-    if mon.should_stop: ...      # collapse early warning (mon.alarm says which layer, step and quantity)
+    mon.step(optimizer, loss=loss)   # instead of optimizer.step()
+    if mon.should_stop: ...          # an alarm fired (mon.alarm: which rule, layer, step and quantity)
 
-Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values).
-Between recording steps the countdown alarm still sees every step (``countdown_every=1``): a light step keeps only
-each conv/linear layer's output variance (and the gradient norm if the countdown reads it), read back once per step.
+Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values). On
+every recorded step the monitor builds a :class:`~normlab.monitor.StepContext` and checks its rules
+(:mod:`normlab.monitor.rules`, default :func:`~normlab.monitor.DEFAULT_RULES`); rules with ``every_step`` are
+checked on every step, and when one of them needs a record key between recordings (the countdown: ``output_var``) a
+*light* step keeps only each conv/linear layer's output variance, read back once per step. The events the rules raise
+are in ``mon.events`` (each rule's first), the first alarm in ``mon.alarm``.
+
 Hooks are attached only while a recording or light step is pending and only read detached tensors under
 ``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
 
 Per layer and recorded step the monitor keeps one dict in ``mon.records``: a
 :class:`~normlab.monitor.records.LayerRecord` (conv / linear) or :class:`~normlab.monitor.records.NormRecord`; every
 key is documented there (:mod:`normlab.monitor.records`). :meth:`VarianceMonitor.to_jsonl` writes them with the
-alarm and spp events (:func:`normlab.monitor.log.write_monitor_log`); :func:`normlab.monitor.log.load_log` reads them
+events and spp data (:func:`normlab.monitor.log.write_monitor_log`); :func:`normlab.monitor.log.load_log` reads them
 back.
 
 Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
-optimizer step and ``mon.after_update()`` right after it: together they are ``mon.step(optimizer)``.
+optimizer step and ``mon.after_update()`` right after it: together they are ``mon.step(optimizer)``
+(:func:`normlab.monitor.optimizer_step` does this for a GradScaler).
 ``VarianceMonitor(..., tensorboard=DIR or SummaryWriter)`` also writes every recorded step to TensorBoard
 (:mod:`normlab.integrations.tensorboard`: per-layer scalars grouped as the paper's figures, per-filter mean-update
-histograms, the alarm as text).
+histograms, the events as text).
 
 Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped; hooks sit on the local
 replica, so each rank records its own shard of the batch) and ``torch.compile`` (``._orig_mod`` is unwrapped).
@@ -48,7 +53,6 @@ from torch import Tensor, nn
 
 from normlab._files import atomic_write
 from normlab.monitor import stats
-from normlab.monitor.alarm import CollapseAlarm, CollapseDetector, CountdownDetector
 from normlab.monitor.hooks import (
     activation_stats,
     grad_norm,
@@ -59,124 +63,76 @@ from normlab.monitor.hooks import (
 )
 from normlab.monitor.layers import filter_kernel, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.log import write_monitor_log
-from normlab.monitor.records import LayerRecord, NormRecord, layer_keys
-from normlab.monitor.regime import RegimeDetector, RegimeWarning, exempt_layers, layer_learning_rates
+from normlab.monitor.optim_step import learning_rates
+from normlab.monitor.records import LayerRecord, NormRecord
+from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, check_rules, context_from_records
+from normlab.monitor.rules.regime import layer_learning_rates
 from normlab.monitor.spp import signal_propagation
 
-__all__ = [
-    "VarianceMonitor",
-    "DEFAULT_EXPLODE_FACTOR",
-    "DEFAULT_MIN_INITIAL",
-    "DEFAULT_IMPLODE_FACTOR",
-    "DEFAULT_WATCH",
-    "DEFAULT_COUNTDOWN",
-    "DEFAULT_RISK",
-]
-
-# Default growth factors of the collapse warning (see VarianceMonitor, CollapseDetector).
-DEFAULT_WATCH = ("output_var", "shift")
-DEFAULT_EXPLODE_FACTOR = {"output_var": 1e3, "shift": 100.0}
-DEFAULT_MIN_INITIAL = {"output_var": 1.0, "shift": 1e-6}
-DEFAULT_IMPLODE_FACTOR = {"input_sq": 1e4}
-layer_keys(*DEFAULT_WATCH, *DEFAULT_EXPLODE_FACTOR, *DEFAULT_MIN_INITIAL, *DEFAULT_IMPLODE_FACTOR)  # record keys
-# Countdown alarm and regime warning (CountdownDetector, RegimeDetector): calibrated in docs/monitor.md.
-DEFAULT_COUNTDOWN = {"growth": 1.0, "level": None, "grad_ratio": None}
-DEFAULT_RISK = {"window": 2, "pws_factor": None, "min_ratio": 10.0}  # docs/monitor.md, round 3
+__all__ = ["VarianceMonitor"]
 
 
-def _make(cls, arg, defaults: Mapping):
-    """The detector ``cls`` from a monitor argument: True (defaults), False/None (off) or a mapping of overrides."""
-    if arg is None or arg is False:
-        return None
-    if arg is True:
-        return cls(**defaults)
-    if not isinstance(arg, Mapping):
-        raise TypeError(
-            f"VarianceMonitor: {cls.__name__} argument must be True, False or a dict of its arguments, "
-            f"got {type(arg).__name__}"
-        )
-    return cls(**{**defaults, **arg})
-
-
-def _check_args(model, every, dense_steps, dense_every, countdown_every) -> None:
+def _check_args(model, every, dense_steps, dense_every) -> None:
     """Refuse a model that is no nn.Module and a recording interval that is no int in range, in one line."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
     for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
-    if countdown_every is not None and (
-        isinstance(countdown_every, bool) or not isinstance(countdown_every, int) or countdown_every < 1
-    ):
-        raise ValueError(f"VarianceMonitor: countdown_every must be None or an int >= 1, got {countdown_every!r}")
+
+
+def _keys(state) -> str:
+    """A state's type and first keys, for an error message."""
+    keys = sorted(map(str, state))[:8] if isinstance(state, Mapping) else []
+    return f"{type(state).__name__} with keys {keys}"
+
+
+def _check_rules(rules) -> list[Rule]:
+    """The rules as a list: each with ``check``, ``state_dict`` and ``load_state_dict``, their names unique."""
+    if isinstance(rules, Rule) or isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise TypeError(f"VarianceMonitor: rules must be a list of Rule instances, got {type(rules).__name__}")
+    out = list(rules)
+    for rule in out:
+        if isinstance(rule, type) or not all(callable(getattr(rule, m, None)) for m in ("check", "state_dict")):
+            raise TypeError(f"VarianceMonitor: rules must be Rule instances (normlab.monitor.rules), got {rule!r}")
+    names = [getattr(rule, "name", type(rule).__name__) for rule in out]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"VarianceMonitor: rule names must be unique (their state is kept by name): {twice} twice")
+    return out
 
 
 class VarianceMonitor:
-    """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps.
+    """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps, and
+    check rules on them.
 
     Args:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
         every: record on steps 0, every, 2*every, ... (int >= 1).
-        dense_steps: also record every ``dense_every`` steps during the first ``dense_steps`` steps (the first
-            steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
-        dense_every: the recording interval during the first ``dense_steps`` steps (int >= 1). Default: 1.
-        explode_factor: collapse warning when a layer's output variance or shift exceeds this factor times its
-            baseline (or any watched quantity becomes non-finite); a float, or a mapping {quantity: factor}.
-            Default ``DEFAULT_EXPLODE_FACTOR`` = {"output_var": 1e3, "shift": 100}: the classifier's logit variance
-            grows ~100-200x in healthy training (the net becomes confident), so 100x on output_var is no warning.
-        implode_factor: a mapping {quantity: factor}; also warn when a quantity of the output layer (the
-            classifier) falls below its baseline divided by the factor. Default ``DEFAULT_IMPLODE_FACTOR`` =
-            {"input_sq": 1e4}: the second moment of the classifier's input falling 10,000x is a net whose last ReLUs
-            died (a collapse with a finite loss); on MNIST-1D pilots it flagged 3 of 3 such runs with no alarm on 21
-            healthy ones (healthy minimum 1.5e-3 of the baseline). The output variance of hidden layers is no such
-            sign: it falls 10-200x in the first steps of healthy unnormalized runs.
-        watch: record keys checked by the collapse warning.
-        min_initial: floor for baselines in the growth test, a float or {quantity: floor} (see CollapseDetector).
-            Default ``DEFAULT_MIN_INITIAL`` = {"output_var": 1.0, "shift": 1e-6}: output variance is compared with
-            at least unit variance (the scale He init preserves). A layer whose signal starts tiny is then flagged
-            only above factor x 1 in absolute terms (the PWS plain net starts at Var[Y] 0.9 shrinking to 0.035 with
-            depth and grows ~1000x in healthy training). The shift of PWS/WS kernels is 0: floor 1e-6.
-        baseline_records: the baseline of each (layer, quantity) is the maximum of its first
-            ``baseline_records`` recorded finite values (recorded steps 0, every, ..., (baseline_records-1)*every);
-            no growth alarm before that (non-finite values are flagged at once). See CollapseDetector.
-        watch_output_layer: also apply the growth test to the output layer (the last conv/linear layer in forward
-            order, i.e. the classifier). Off by default: in healthy training its logit variance and the spread of
-            its filter means (per-class offsets) grow 100-2000x as the net becomes confident (measured on the plain
-            net with PWS convs and on cnn1d with BN/PWS); it is still flagged when non-finite.
-        on_alarm: optional callable(alarm) called once, when the first alarm fires.
-        include_norm: also monitor normalization layers (output variance, input ratio).
-        record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
-            evaluation pass inside a recording step does not replace the training statistics).
-        tensorboard: a log directory or a ``SummaryWriter``: every recorded step is also written there
-            (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
-            writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
+        rules: the rules to check (:mod:`normlab.monitor.rules`), in the order their events are wanted; None (the
+            default) for :func:`~normlab.monitor.DEFAULT_RULES` (the growth/implosion factors, the regime
+            warning, the countdown), ``[]`` to record only. Rule names must be unique.
         optimizer: attach to this optimizer: its own ``optimizer.step()`` then records (step hooks call
             :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
             needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
             (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
             optimizer step itself) or ``before_update``/``after_update``. ``opt.step(); mon.step(opt)`` (either
             way) raises RuntimeError instead of applying the same gradients twice.
-        countdown: the countdown alarm (:class:`~normlab.monitor.CountdownDetector`: output-variance growth
-            rate and level in the hidden layers, optionally the gradient norm over its running median, non-finite
-            values): True for ``DEFAULT_COUNTDOWN``, a dict overriding some of its arguments, False for off. Its
-            alarm and the factor rules' share ``mon.alarm`` (the first to fire). Thresholds: docs/monitor.md.
-        risk: the regime warning ``mon.risk`` (:class:`~normlab.monitor.RegimeDetector`: shift term above
-            ``min_ratio`` (default 10) times the variance term for ``window`` (default 2) steps in a layer not
-            normalized downstream, or, when enabled, the variance term of a standardized conv growing): True for
-            ``DEFAULT_RISK``, a dict of overrides, False for off.
-        factor_rules: keep the growth/implosion factor rules (``explode_factor``, ``implode_factor``). A layer whose
-            output feeds a normalization layer gets no shift growth test (the normalization removes the per-channel
-            offsets before the next layer: the SwitchableNorm U-Net's 116x shift was no collapse); the countdown
-            skips such layers entirely.
-        countdown_every: feed the countdown alarm every ``countdown_every`` steps (int >= 1), not only on the
-            recorded steps. Default 1: every step, as the countdown's thresholds were calibrated (docs/monitor.md).
-            A step that is not a recording step is then a *light* step: the forward hooks keep only each conv/linear
-            layer's output variance (``output_var``, the same function as the full record), ``step`` the gradient
-            norm when the countdown's ``grad_ratio`` is on, and both are read back to the host in one transfer and
-            passed to the countdown alone. Light steps add nothing to ``records`` (the log keeps only full records); the
-            level rule reads each layer's ``shift_scale_free`` from its last full record. The factor rules and the
-            regime warning read full records only. Measured cost: benchmarks/RESULTS.md ("Monitor overhead").
-            None: the countdown reads the full records only (every ``every`` steps).
+        dense_steps: also record every ``dense_every`` steps during the first ``dense_steps`` steps (the first
+            steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
+        dense_every: the recording interval during the first ``dense_steps`` steps (int >= 1). Default: 1.
+        include_norm: also monitor normalization layers (output variance, input ratio).
+        record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
+            evaluation pass inside a recording step does not replace the training statistics).
+        tensorboard: a log directory or a ``SummaryWriter``: every recorded step is also written there
+            (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
+            writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
+        on_event: optional callable(event) called for every event kept in ``mon.events``.
+
+    Attributes:
+        records: the per-layer records of the recorded steps.
+        events: the :class:`~normlab.monitor.Event` s raised so far, in order (each rule's first);
+            :attr:`alarm` is the first of severity ``"alarm"``, :attr:`warning` the first ``"warning"``.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -184,53 +140,35 @@ class VarianceMonitor:
         >>> mon = VarianceMonitor(model, every=1, optimizer=opt)
         >>> model(torch.randn(16, 4)).square().mean().backward()
         >>> opt.step()                       # records step 0 through the optimizer's hooks
-        >>> mon.current_step, sorted({r["layer"] for r in mon.records})
-        (1, ['0', '2'])
+        >>> mon.current_step, sorted({r["layer"] for r in mon.records}), [r.name for r in mon.rules]
+        (1, ['0', '2'], ['factor', 'regime', 'countdown'])
     """
 
     def __init__(
         self,
         model: nn.Module,
         every: int = 10,
+        rules: Sequence[Rule] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
         dense_steps: int = 0,
         dense_every: int = 1,
-        explode_factor: float | Mapping[str, float] | None = None,
-        implode_factor: Mapping[str, float] | None = None,
-        watch: Sequence[str] = DEFAULT_WATCH,
-        min_initial: float | Mapping[str, float] | None = None,
-        baseline_records: int = 1,
-        watch_output_layer: bool = False,
-        on_alarm: Callable[[CollapseAlarm], None] | None = None,
         include_norm: bool = True,
         record_eval: bool = False,
         tensorboard: str | os.PathLike | object | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        countdown: Mapping | bool = True,
-        risk: Mapping | bool = True,
-        factor_rules: bool = True,
-        countdown_every: int | None = 1,
+        on_event: Callable[[Event], None] | None = None,
     ) -> None:
-        _check_args(model, every, dense_steps, dense_every, countdown_every)
+        _check_args(model, every, dense_steps, dense_every)
         self.model = unwrap_model(model)
         self.compiled = is_compiled(model)
         self.every, self.dense_steps, self.dense_every = every, dense_steps, dense_every
-        self.countdown_every = countdown_every
         self.include_norm = include_norm
-        self.watch_output_layer = watch_output_layer
         self.record_eval = record_eval
-        self.on_alarm = on_alarm
-        self.detector = CollapseDetector(
-            explode_factor=dict(DEFAULT_EXPLODE_FACTOR) if explode_factor is None else explode_factor,
-            watch=watch,
-            min_initial=dict(DEFAULT_MIN_INITIAL) if min_initial is None else min_initial,
-            baseline_records=baseline_records,
-            implode_factor=dict(DEFAULT_IMPLODE_FACTOR) if implode_factor is None else implode_factor,
-        )
-        self.factor_rules = factor_rules
-        self.countdown = _make(CountdownDetector, countdown, DEFAULT_COUNTDOWN)
-        self.regime = _make(RegimeDetector, risk, DEFAULT_RISK)
-        self.risk: RegimeWarning | None = None
+        self.on_event = on_event
+        self.rules: list[Rule] = DEFAULT_RULES() if rules is None else _check_rules(rules)
+        self.events: list[Event] = []
+        self._fired: set[str] = set()
         self._grad_norm: float | None = None
+        self._loss = None  # this step's loss (a float or a tensor, read back only when a rule is checked)
         self.layers = supported_layers(self.model, include_norm=include_norm)
         if not self.layers:
             raise ValueError(
@@ -240,7 +178,6 @@ class VarianceMonitor:
             )
         self.current_step = 0
         self.records: list[LayerRecord | NormRecord] = []
-        self.alarm: CollapseAlarm | None = None
         self.spp: dict | None = None
         self.closed = False
         self._order: dict[str, int] = {}
@@ -288,21 +225,36 @@ class VarianceMonitor:
 
     @property
     def is_light(self) -> bool:
-        """True when the current step is not recorded but feeds the countdown alarm (``countdown_every``): its
-        forward keeps only each conv/linear layer's output variance (and ``step`` the gradient norm when the countdown's
-        ``grad_ratio`` is on), read back in one transfer."""
-        every = self.countdown_every
-        return (
-            self.countdown is not None
-            and every is not None
-            and not self.is_recording
-            and not self.closed
-            and self.current_step % every == 0
-        )
+        """True when the current step is not recorded but a rule checked on every step needs a record key of it
+        (``Rule.light_keys``: the countdown's output variance): its forward keeps only
+        each conv/linear layer's output variance, read back in one transfer."""
+        return not self.closed and not self.is_recording and self._light_rules
+
+    @property
+    def _light_rules(self) -> bool:
+        return any(r.every_step and "output_var" in r.light_keys for r in self.rules)
+
+    def _checks_step(self) -> bool:
+        """Rules are checked at the current step (a recording step, or a rule checked on every step)."""
+        return not self.closed and (self.is_recording or any(r.every_step for r in self.rules))
+
+    def _needs_grad_norm(self) -> bool:
+        recording = self.is_recording
+        return not self.closed and any(r.needs_grad_norm and (r.every_step or recording) for r in self.rules)
+
+    @property
+    def alarm(self) -> Event | None:
+        """The first event of severity ``"alarm"`` (None while no rule raised one)."""
+        return next((e for e in self.events if e.severity == "alarm"), None)
+
+    @property
+    def warning(self) -> Event | None:
+        """The first event of severity ``"warning"`` (None while no rule raised one)."""
+        return next((e for e in self.events if e.severity == "warning"), None)
 
     @property
     def should_stop(self) -> bool:
-        """True once the collapse warning has fired (the training loop may stop and keep its last checkpoint)."""
+        """True once an alarm has fired (the training loop may stop and keep its last checkpoint)."""
         return self.alarm is not None
 
     def _sync_hooks(self) -> None:
@@ -343,21 +295,24 @@ class VarianceMonitor:
         return hook
 
     # ------------------------------------------------------------------ step
-    def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None):
+    def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None, loss=None):
         """Perform ``optimizer.step(closure)`` (if given) and advance the step counter.
 
-        On a recording step, also snapshots the effective kernels before and after the optimizer step, writes
-        this step's records and runs the collapse check. Returns what ``optimizer.step`` returned. For the optimizer
-        the monitor is attached to (``optimizer=``), this is exactly ``optimizer.step(closure)``: its hooks record.
+        On a recording step, also snapshots the effective kernels before and after the optimizer step and writes
+        this step's records; then the rules due at this step are checked. ``loss``: the step's training loss (a
+        float or a tensor; read back only when a rule is checked), which the loss rules read (``ctx.loss``).
+        Returns what ``optimizer.step`` returned. For the optimizer the monitor is attached to (``optimizer=``),
+        this is exactly ``optimizer.step(closure)``: its hooks record.
         """
         if optimizer is not None and closure is None and not self.closed:
             self._refuse_second_step()
+        self._loss = loss
         if optimizer is not None and optimizer is self.optimizer and not self.closed:
             return optimizer.step(closure)
         self.before_update(optimizer)
         result = optimizer.step(closure) if optimizer is not None else None
         self._stepped_grad = self._grad_mark() if optimizer is not None else None
-        self.after_update(stepped=optimizer is not None)
+        self.after_update(stepped=optimizer is not None, skipped=False)
         return result
 
     def _after_attached_step(self) -> None:
@@ -405,31 +360,42 @@ class VarianceMonitor:
 
     def before_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
-        on a recording step it snapshots the effective kernels. :meth:`after_update` completes the step. Given the
-        ``optimizer`` about to step, the regime warning reads its learning rate (``mon.risk.suggested_lr``)."""
+        on a recording step it snapshots the effective kernels, and it measures the gradient norm when a due rule
+        reads it. :meth:`after_update` completes the step. Given the ``optimizer`` about to step, the context of
+        the rules holds its learning rates."""
         if optimizer is not None:
             self._lr_optimizer = optimizer
         self._before = None
-        if self.countdown is not None and self.countdown.grad_ratio is not None:
+        if self._needs_grad_norm():
             if self.is_recording:
                 self._grad_norm = grad_norm(self.model)
-            elif self.is_light:
+            else:
                 norm = grad_norm_tensor(self.model)  # no gradient: 0.0, as grad_norm gives the full path
                 self._light_grad = torch.zeros(()) if norm is None else norm
         if self.is_recording:
             self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
-    def after_update(self, stepped: bool = True) -> None:
-        """Call right after that optimizer step (``stepped=False``: no step was taken): on a recording step it writes
-        the step's records (update ratios against the :meth:`before_update` snapshot) and runs the collapse check;
-        then it advances the step counter."""
+    def after_update(self, stepped: bool = True, loss=None, skipped: bool | None = None) -> None:
+        """Call right after that optimizer step: on a recording step it writes the step's records (update ratios
+        against the :meth:`before_update` snapshot); then it checks the rules due at this step and advances the step
+        counter.
+
+        Args:
+            stepped: the optimizer step was taken (False: no step, e.g. a GradScaler skipped it).
+            loss: the step's training loss, if not given to :meth:`step` already.
+            skipped: the optimizer skipped the step (``ctx.skipped``); default ``not stepped``.
+        """
+        if loss is not None:
+            self._loss = loss
+        skipped = (not stepped) if skipped is None else skipped
         if self.is_recording:
             before, self._before = self._before, None
             if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
                 before, stepped = {n: filter_kernel(m).clone() for n, m, k in self.layers if k != "norm"}, False
-            self._finalize(before, stepped)
-        elif self.is_light:
-            self._light_check()
+            self._finalize(before, stepped, skipped)
+        elif self._checks_step():
+            self._light_check(skipped)
+        self._loss, self._grad_norm, self._light_grad = None, None, None
         self.current_step += 1
         self._sync_hooks()
 
@@ -443,46 +409,60 @@ class VarianceMonitor:
                 out[name], next_index = next_index, next_index + 1
         return out
 
-    def _exempt(self, step_records: list[dict]) -> tuple[set, set]:
-        """``(output_layer, renormalized)``: the output layer (the last conv/linear in forward order among those that
-        ran) and the layers whose output is renormalized before the next layer, as sets of names."""
-        ran = [r for r in step_records if r["kind"] != "norm" and r["layer"] in self._order]
-        output_layer = {max(ran, key=lambda r: r["index"])["layer"]} if ran else set()
-        return output_layer, exempt_layers(step_records) - output_layer
+    def _context(self, step_records: list[dict], recorded: bool, grad_norm: float | None, skipped: bool) -> StepContext:
+        """The rules' view of this step: loss, gradient norm, learning rates, forward order and exemptions
+        (:func:`~normlab.monitor.rules.context_from_records`)."""
+        loss = self._loss if any(r.needs_loss and (r.every_step or recorded) for r in self.rules) else None
+        if isinstance(loss, Tensor):
+            loss = float(loss.detach())
+        opt = self._lr_optimizer
+        return context_from_records(
+            self.current_step,
+            step_records,
+            layer_order=tuple(sorted(self._order, key=self._order.get)),
+            loss=None if loss is None else float(loss),
+            grad_norm=grad_norm,
+            lrs=learning_rates(opt),
+            skipped=skipped,
+            probes=self._probe_values(),
+            recorded=recorded,
+            layer_lrs=layer_learning_rates(self.layers, opt) if recorded and opt is not None else {},
+        )
+
+    def _probe_values(self) -> dict[str, float]:
+        """Extra per-step scalars for ``ctx.probes`` (none yet)."""
+        return {}
+
+    def _check(self, ctx: StepContext, step_records: list[dict]) -> None:
+        """Check the rules due at this step; keep each rule's first event (TensorBoard, ``on_event``)."""
+        for event in check_rules(self.rules, ctx, step_records, self._fired):
+            self.events.append(event)
+            if self.tensorboard is not None:
+                self.tensorboard.write_event(event)
+            if self.on_event is not None:
+                self.on_event(event)
 
     @torch.no_grad()
-    def _light_check(self) -> None:
-        """The light step: this step's output variances (and gradient norm) in one read-back, fed to the countdown
-        alone; nothing is added to ``records``."""
+    def _light_check(self, skipped: bool) -> None:
+        """A step that records nothing: the rules checked on every step see its light records (each conv/linear
+        layer's output variance, when one of them needs it) and its scalars; nothing is added to ``records``."""
         values, norm = read_light(self._light, self._light_grad)
         self._light, self._light_grad = {}, None
-        indices = self._indices()
         step_records = []
-        for name, _mod, kind in self.layers:
-            rec: dict = {"step": self.current_step, "layer": name, "index": indices[name], "kind": kind}
-            if name in values:
-                rec["output_var"] = values[name]
-            if name in self._scale_free:
-                rec["shift_scale_free"] = self._scale_free[name]
-            step_records.append(rec)
-        step_records.sort(key=lambda r: r["index"])
-        output_layer, renormalized = self._exempt(step_records)
-        alarm = self.countdown.check(
-            self.current_step, step_records, exempt=renormalized | output_layer, grad_norm=norm
-        )
-        if alarm is not None and self.alarm is None:
-            self._raise(alarm)
-
-    def _raise(self, alarm: CollapseAlarm) -> None:
-        """Keep the first alarm, write it to TensorBoard and call ``on_alarm``."""
-        self.alarm = alarm
-        if self.tensorboard is not None:
-            self.tensorboard.write_alarm(alarm)
-        if self.on_alarm is not None:
-            self.on_alarm(alarm)
+        if self._light_rules:
+            indices = self._indices()
+            for name, _mod, kind in self.layers:
+                rec: dict = {"step": self.current_step, "layer": name, "index": indices[name], "kind": kind}
+                if name in values:
+                    rec["output_var"] = values[name]
+                if name in self._scale_free:
+                    rec["shift_scale_free"] = self._scale_free[name]
+                step_records.append(rec)
+            step_records.sort(key=lambda r: r["index"])
+        self._check(self._context(step_records, False, norm, skipped), step_records)
 
     @torch.no_grad()
-    def _finalize(self, before: dict[str, Tensor], stepped: bool) -> None:
+    def _finalize(self, before: dict[str, Tensor], stepped: bool, skipped: bool) -> None:
         step_records, updates = [], {}
         indices = self._indices()
         for name, mod, kind in self.layers:
@@ -511,63 +491,37 @@ class VarianceMonitor:
         self._pending = {}
         step_records.sort(key=lambda r: r["index"])
         self.records.extend(step_records)
-        output_layer, renormalized = self._exempt(step_records)
-        exempt = set() if self.watch_output_layer else set(output_layer)
-        alarm = self._check(step_records, exempt, output_layer, renormalized)
         if self.tensorboard is not None:
             self.tensorboard.write_records(step_records, updates)
-        if alarm is not None and self.alarm is None:
-            self._raise(alarm)
-
-    def _check(
-        self, step_records: list[dict], exempt: set, output_layer: set, renormalized: set
-    ) -> CollapseAlarm | None:
-        """Run the regime test (sets ``self.risk`` once) and the alarm rules; the alarm of this step or None."""
-        step = self.current_step
-        alarm = None
-        if self.factor_rules:
-            alarm = self.detector.check(
-                step, step_records, exempt, shrink_layers=output_layer, shift_exempt=renormalized
-            )
-        if self.regime is not None:
-            opt = self._lr_optimizer if self.risk is None else None
-            lrs = None if opt is None else layer_learning_rates(self.layers, opt)
-            risk = self.regime.check(step, step_records, lrs)
-            if risk is not None and self.risk is None:
-                self.risk = risk
-        if self.countdown is not None:
-            grad_norm, self._grad_norm = self._grad_norm, None
-            late = self.countdown.check(step, step_records, exempt=renormalized | output_layer, grad_norm=grad_norm)
-            alarm = alarm or late
-        return alarm
+        self._check(self._context(step_records, True, self._grad_norm, skipped), step_records)
 
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
-        """What decides future records and alarms, as plain Python types (safe for ``torch.load(weights_only=True)``):
-        ``{"every", "dense", "current_step", "order", "detector", "alarm"}``. ``records`` are not included (export
-        them with :meth:`to_jsonl`); the state is small and constant in the length of training."""
+        """What decides future records and events, as plain Python types (safe for
+        ``torch.load(weights_only=True)``): ``{"every", "dense", "current_step", "order", "rules", "events"}``
+        (``rules``: each rule's ``state_dict`` by name). ``records`` are not included (export them with
+        :meth:`to_jsonl`); the state is small and constant in the length of training."""
         return {
             "every": self.every,
             "dense": [self.dense_steps, self.dense_every],
             "current_step": self.current_step,
             "order": dict(self._order),
-            "detector": self.detector.state_dict(),
-            "alarm": None if self.alarm is None else self.alarm.to_dict(),
-            "countdown": None if self.countdown is None else self.countdown.state_dict(),
-            "regime": None if self.regime is None else self.regime.state_dict(),
-            "risk": None if self.risk is None else self.risk.to_dict(),
+            "rules": {rule.name: rule.state_dict() for rule in self.rules},
+            "events": [e.to_dict() for e in self.events],
+            "fired": sorted(self._fired),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict` (e.g. when resuming training): step counter, forward order, collapse baselines
-        and an alarm that already fired (``on_alarm`` is not called again for it).
+        """Restore :meth:`state_dict` (e.g. when resuming training): step counter, forward order, each rule's state
+        (a rule missing from the state starts fresh) and the events already raised (``on_event`` is not called
+        again for them).
 
-        Raises ValueError when ``state`` is malformed, was made with another ``every``, or names layers this model
-        does not have."""
-        if not isinstance(state, Mapping) or not {"every", "current_step", "detector"} <= set(state):
+        Raises ValueError when ``state`` is malformed, was made with another ``every``, names layers this model
+        does not have, or a rule refuses its state."""
+        if not isinstance(state, Mapping) or not {"every", "current_step", "rules"} <= set(state):
             raise ValueError(
                 "VarianceMonitor.load_state_dict: expected a dict from VarianceMonitor.state_dict() with 'every', "
-                f"'current_step' and 'detector', got {type(state).__name__}"
+                f"'current_step' and 'rules', got {_keys(state)}"
             )
         saved = "every={}, dense_steps={}, dense_every={}".format(
             state["every"], *state.get("dense", [self.dense_steps, self.dense_every])
@@ -582,22 +536,21 @@ class VarianceMonitor:
             raise ValueError(f"VarianceMonitor.load_state_dict: current_step must be an int >= 0, got {step!r}")
         names = {name for name, _, _ in self.layers}
         order = dict(state.get("order") or {})
-        unknown = sorted((set(order) | {row[0] for row in state["detector"].get("baselines", [])}) - names)
+        unknown = sorted(set(order) - names)
         if unknown:
             raise ValueError(
                 f"VarianceMonitor.load_state_dict: state names layers this model does not have: {unknown[:5]}"
             )
-        self.detector.load_state_dict(state["detector"])
-        for name in ("countdown", "regime"):
-            det = getattr(self, name)
-            if det is not None and state.get(name) is not None:
-                det.load_state_dict(state[name])
-        risk = state.get("risk")
-        self.risk = None if risk is None else RegimeWarning(**risk)
-        alarm = state.get("alarm")
-        self.alarm = None if alarm is None else CollapseAlarm.from_dict(alarm)
+        saved_rules = state["rules"]
+        for rule in self.rules:
+            if rule.name in saved_rules:
+                rule.load_state_dict(saved_rules[rule.name])
+            else:
+                rule.reset()
+        self.events = [Event.from_dict(e) for e in state.get("events", [])]
+        self._fired = set(state.get("fired", [e.rule for e in self.events]))
         self._order = {str(k): int(v) for k, v in order.items()}
-        self._pending, self._light, self._light_grad = {}, {}, None
+        self._pending, self._light, self._light_grad, self._grad_norm, self._loss = {}, {}, None, None, None
         self.current_step = step
         self._sync_hooks()
 
@@ -609,11 +562,11 @@ class VarianceMonitor:
         return self.spp
 
     def to_jsonl(self, path: str | Path) -> Path:
-        """Write the log: one JSON object per record (non-finite values as null), then {"event": "alarm", ...} if an
-        alarm fired and {"event": "spp", ...} if signal-propagation data was added
+        """Write the log: one JSON object per record (non-finite values as null), then one {"event": "rule", ...}
+        per event and {"event": "spp", ...} if signal-propagation data was added
         (:func:`~normlab.monitor.log.write_monitor_log`; :func:`~normlab.monitor.log.load_log` reads it). The file is
         replaced atomically (a link at ``path`` is replaced, not followed)."""
-        write_monitor_log(path, self.records, self.alarm, self.spp)
+        write_monitor_log(path, self.records, self.events, self.spp)
         return Path(path)
 
     def to_csv(self, path: str | Path) -> Path:
@@ -650,5 +603,5 @@ class VarianceMonitor:
     def __repr__(self) -> str:
         return (
             f"VarianceMonitor({type(self.model).__name__}, every={self.every}, layers={len(self.layers)}, "
-            f"step={self.current_step}, records={len(self.records)}, alarm={self.alarm})"
+            f"step={self.current_step}, records={len(self.records)}, events={len(self.events)})"
         )

@@ -106,9 +106,10 @@ def render_monitor_plots(log: str | Path | MonitorLog, out_dir: str | Path) -> l
     fig1a_update_ratio.png, fig1b_mean_update.png, fig2_weight_var.png, fig6_input_ratio.png, output_var.png
     (``FIGURES``), and spp.png when the log holds signal-propagation data. ``log``: the JSONL file's path, or the
     :class:`~normlab.monitor.log.MonitorLog` that :func:`~normlab.monitor.log.load_log` read from it."""
-    records, alarm, spp = log if isinstance(log, MonitorLog) else load_log(log)
+    where = "the log" if isinstance(log, MonitorLog) else str(log)
+    log = log if isinstance(log, MonitorLog) else load_log(log)
+    records, alarm, spp = log.records, log.alarm, log.spp
     if not records and spp is None:
-        where = "the log" if isinstance(log, MonitorLog) else str(log)
         raise ValueError(f"render_monitor_plots: {where} holds no monitor records")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

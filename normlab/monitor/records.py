@@ -6,7 +6,9 @@ holds one JSON object a line:
 
 - a :class:`LayerRecord` (a conv / linear layer) or a :class:`NormRecord` (a normalization layer) per layer and
   recorded step, in forward order within a step; ``mon.records`` holds the same dicts;
-- at most one :class:`AlarmEvent` (``"event": "alarm"``): the first collapse warning;
+- one line per event a rule raised (``"event": "rule"``: :meth:`normlab.monitor.Event.to_dict`), or, in logs
+  written before the rules existed, at most one :class:`AlarmEvent` (``"event": "alarm"``): the first collapse
+  warning;
 - at most one :class:`SppEvent` (``"event": "spp"``): signal-propagation data.
 
 Keys are absent where they do not apply. A healthy model's records hold only finite values; a non-finite input or
@@ -193,17 +195,16 @@ class LayerRecord(LayerIdentity, ActivationStats, WeightStats, UpdateStats):
 
 
 class FlaggedEntry(TypedDict):
-    """One (layer, quantity) flagged at the alarm's step, as the alarm event lists them.
+    """One (layer, quantity) flagged at the alarm's step, as a variance alarm lists them (``details["flagged"]``
+    of the :class:`~normlab.monitor.rules.FactorRule` and :class:`~normlab.monitor.rules.CountdownRule` events).
 
     Attributes:
         layer: The module name (``"(gradient)"`` for the gradient norm).
         index: Its forward order (-1 for the gradient norm).
         quantity: The record key (or countdown rule) that fired.
-        initial: The baseline it was measured against (:attr:`CollapseAlarm.baseline
-            <normlab.monitor.CollapseAlarm>`).
+        initial: The baseline it was measured against.
         value: The quantity's value at that step (null when not finite).
-        growth: value / baseline (:attr:`CollapseAlarm.ratio <normlab.monitor.CollapseAlarm>`; null for a non-finite
-            value).
+        growth: value / baseline (null for a non-finite value).
         reason: Why, in words.
         direction: Which way the quantity moved; absent in logs of earlier versions (derived when read).
 
@@ -223,9 +224,10 @@ class FlaggedEntry(TypedDict):
 
 
 class AlarmEvent(TypedDict):
-    """The first collapse warning (:class:`~normlab.monitor.CollapseAlarm`) as a log line. The file keys ``initial``
-    and ``growth`` are those of the logs and checkpoints written so far; they hold the alarm's ``baseline`` and
-    ``ratio``.
+    """The first collapse warning as a log line of logs written before the rules existed
+    (:func:`~normlab.monitor.log.load_log` reads it as an :class:`~normlab.monitor.Event`:
+    :func:`~normlab.monitor.log.legacy_alarm_event`). The file keys ``initial`` and ``growth`` hold the alarm's
+    baseline and ratio.
 
     Attributes:
         event: Marks the line as the alarm event.
@@ -297,7 +299,7 @@ class SppEvent(TypedDict):
 
 
 #: The ``event`` values of the two event lines.
-ALARM_EVENT, SPP_EVENT = "alarm", "spp"
+ALARM_EVENT, SPP_EVENT, RULE_EVENT = "alarm", "spp", "rule"
 
 _HINTS = typing.get_type_hints(LayerRecord)
 #: Every key a layer record may have, in the order of the definitions above.

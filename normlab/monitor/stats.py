@@ -260,7 +260,8 @@ def output_variance(y: Tensor) -> Tensor:
 
     Two passes, ``d = y - mean(y)`` then ``d . d / numel``: the same value as ``y.var(unbiased=False)`` up to
     float rounding (centered first, so a large mean does not cancel the variance away) and about 3x faster on CPU
-    than torch's single-pass variance; the monitor computes it for every layer at every step (``countdown_every``).
+    than torch's single-pass variance; the monitor computes it for every layer at every step
+    (the countdown's light steps).
     """
     return _flat_variance(_as_float(y))
 

@@ -5,7 +5,7 @@ A rule is one small stateful class. The monitor builds one :class:`StepContext` 
 ``rule.check(ctx, records)`` on every rule it was given; a rule returns an :class:`Event` when it fires, else None.
 Rules with ``every_step = True`` are checked on every optimizer step (on steps that record nothing their
 ``records`` are the light records of the step: see :attr:`Rule.light_keys`); the others on recorded steps only
-(``ctx.recorded``). :func:`normlab.monitor.rules.replay.replay` runs the same rules over a recorded run.
+(``ctx.recorded``). :func:`normlab.monitor.replay` runs the same rules over a recorded run.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Event:
     """What a rule reports when it fires.
 
     Attributes:
-        rule: the name of the rule that fired (:attr:`Rule.name`, e.g. ``"countdown"``, ``"loss_spike"``).
+        rule: the name of the rule that fired (``Rule.name``, e.g. ``"countdown"``, ``"loss_spike"``).
         severity: ``"alarm"`` (the run is collapsing: :class:`~normlab.monitor.CollapseGuard` may act on it) or
             ``"warning"`` (informational).
         step: the optimizer step at which it fired.
@@ -54,7 +54,7 @@ class Event:
     Example:
         >>> e = Event("countdown", "alarm", 12, "layer 'c1' output variance growing", layer="c1", value=3.0)
         >>> Event.from_dict(e.to_dict()) == e, str(e)
-        (True, "[alarm] countdown at step 12: layer 'c1' output variance growing")
+        (True, "collapse warning at step 12: layer 'c1' output variance growing [countdown]")
     """
 
     rule: str
@@ -106,7 +106,8 @@ class Event:
         )
 
     def __str__(self) -> str:
-        return f"[{self.severity}] {self.rule} at step {self.step}: {self.message}"
+        what = "collapse warning" if self.severity == "alarm" else "warning"
+        return f"{what} at step {self.step}: {self.message} [{self.rule}]"
 
 
 @dataclass
@@ -117,9 +118,9 @@ class StepContext:
         step: the optimizer step (the monitor's ``current_step``; step 0 is the first).
         loss: the training loss of the step, if the loop passed it (``mon.step(opt, loss=loss)``).
         grad_norm: the global gradient norm before the step, if measured (a rule with ``needs_grad_norm``).
-        lrs: the learning rate of each parameter group at this step.
+        lrs: the learning rate of each parameter group at this step (a tuple of floats).
         skipped: the optimizer step was skipped (a GradScaler found inf/nan gradients).
-        layer_order: the forward order of the layers that ran in a recorded forward.
+        layer_order: the forward order of the layers that ran in a recorded forward (a tuple of names).
         feeds_norm: layers whose output a normalization layer renormalizes before the next conv/linear layer.
         probes: extra per-step scalars from probes, keyed ``"<probe>/<module name>"``.
         recorded: the records are this step's full records (False: light records, or none).
@@ -134,9 +135,9 @@ class StepContext:
     step: int
     loss: float | None = None
     grad_norm: float | None = None
-    lrs: tuple[float, ...] = ()
+    lrs: tuple = ()
     skipped: bool = False
-    layer_order: tuple[str, ...] = ()
+    layer_order: tuple = ()
     feeds_norm: frozenset[str] = frozenset()
     probes: Mapping[str, float] = field(default_factory=dict)
     recorded: bool = True
@@ -184,7 +185,7 @@ class Rule:
     attributes that :meth:`state_dict` exports and :meth:`load_state_dict` restores exactly, so that a resumed run
     (and a guard's rollback) raises the same events. :meth:`reset` forgets the state.
 
-    Class attributes:
+    Attributes:
         name: the rule's name in events and logs.
         every_step: True: checked on every optimizer step (cheap scalar rules: the loss, the gradient norm);
             False: only on recorded steps (``ctx.recorded``).
@@ -192,6 +193,8 @@ class Rule:
             the monitor then keeps them on every step (a *light* step) and passes them as ``records``.
         needs_grad_norm: the monitor measures the global gradient norm on every step the rule is checked
             (``ctx.grad_norm``).
+        needs_loss: the rule reads ``ctx.loss`` (default True); the monitor reads a loss tensor back to the host
+            only when a rule due at the step needs it, so rules that never read it say False.
 
     The default :meth:`state_dict` returns ``{}`` and :meth:`load_state_dict` accepts it: a rule with state
     overrides all three methods.
@@ -213,6 +216,7 @@ class Rule:
     every_step: ClassVar[bool] = False
     light_keys: ClassVar[tuple[str, ...]] = ()
     needs_grad_norm: ClassVar[bool] = False
+    needs_loss: ClassVar[bool] = True
 
     def check(self, ctx: StepContext, records: Sequence[Mapping]) -> Event | None:
         """Check one step: an :class:`Event` when the rule fires, else None (updating the rule's state)."""

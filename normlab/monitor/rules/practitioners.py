@@ -152,6 +152,7 @@ class GradNormZScoreRule(Rule):
     """
 
     name = "grad_norm_zscore"
+    needs_loss = False
     every_step = True
     needs_grad_norm = True
 
@@ -192,11 +193,12 @@ class GradNormZScoreRule(Rule):
             self._update(float(g))
             return None
         self.streak += 1
-        self._update(self.mean + self.z_threshold * std)
+        mean = self.mean
+        self._update(mean + self.z_threshold * std)
         if self.streak < self.patience:
             return None
-        message = f"gradient norm {g:.4g} at z = {z:.3g} > {self.z_threshold:g} (EMA mean {self.mean:.4g})"
-        details = {"z": z, "ema_mean": self.mean, "ema_std": std, "streak": self.streak}
+        message = f"gradient norm {g:.4g} at z = {z:.3g} > {self.z_threshold:g} (EMA mean {mean:.4g}, std {std:.4g})"
+        details = {"z": z, "ema_mean": mean, "ema_std": std, "streak": self.streak}
         return Event(self.name, "alarm", ctx.step, message, quantity="grad_norm", value=float(g), details=details)
 
     def state_dict(self) -> dict:

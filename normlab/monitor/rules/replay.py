@@ -7,7 +7,36 @@ from collections.abc import Iterable, Mapping, MutableSet, Sequence
 
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
-__all__ = ["check_rules", "replay"]
+__all__ = ["check_rules", "replay", "context_from_records"]
+
+
+def context_from_records(
+    step: int, records: Sequence[Mapping], layer_order: Sequence[str] | None = None, **fields
+) -> StepContext:
+    """The :class:`~normlab.monitor.StepContext` of a step from its per-layer records, as the monitor builds it: the
+    output layer (the last conv/linear layer in forward order, ``index``, among those that ran) and the layers a
+    normalization layer renormalizes (whose next layer in forward order is a norm layer; the output layer excluded).
+
+    Args:
+        step: the step.
+        records: the step's per-layer records (``layer``, ``index``, ``kind``).
+        layer_order: the layers that ran in a recorded forward, in order (None: every record's layer ran).
+        **fields: the other :class:`~normlab.monitor.StepContext` fields (``loss``, ``grad_norm``, ``lrs``, ...).
+
+    Example:
+        >>> recs = [dict(layer="c1", index=0, kind="conv"), dict(layer="bn", index=1, kind="norm"),
+        ...         dict(layer="fc", index=2, kind="linear")]
+        >>> ctx = context_from_records(5, recs, loss=1.5)
+        >>> ctx.output_layer, sorted(ctx.feeds_norm), ctx.loss
+        ('fc', ['c1'], 1.5)
+    """
+    from normlab.monitor.rules.regime import exempt_layers
+
+    ran = [r for r in records if r.get("kind") != "norm" and (layer_order is None or r["layer"] in layer_order)]
+    output_layer = max(ran, key=lambda r: r.get("index", 0))["layer"] if ran else None
+    feeds_norm = frozenset(exempt_layers(records) - {output_layer})
+    order = tuple(layer_order) if layer_order is not None else tuple(r["layer"] for r in records)
+    return StepContext(step=step, layer_order=order, feeds_norm=feeds_norm, output_layer=output_layer, **fields)
 
 
 def check_rules(

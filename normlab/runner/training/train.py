@@ -35,7 +35,6 @@ epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the mod
 
 from __future__ import annotations
 
-import bisect
 import copy
 import dataclasses
 import math
@@ -51,8 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from normlab.monitor import CollapseAlarm, CollapseGuard, RunCollapsed, VarianceMonitor, load_log, write_monitor_log
+from normlab.monitor import CollapseGuard, Event, RunCollapsed, VarianceMonitor, load_log, write_monitor_log
 from normlab.monitor.collapse import CollapseTracker, loss_window
+from normlab.monitor.optim_step import optimizer_step
 from normlab.nn import RenormSchedule, param_groups
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.errors import RunError, UsageError
@@ -84,7 +84,8 @@ class TrainState:
     collapse_step: int | None = None
     collapse_reason: str | None = None
     monitor_alarm: dict | None = None
-    monitor_risk: dict | None = None  # the monitor's regime warning (mon.risk) as a dict, once raised
+    monitor_risk: dict | None = None  # the monitor's regime warning (the regime rule's event) as a dict, once raised
+    monitor_events: list = dataclasses.field(default_factory=list)  # [rule, step] of the events in monitor.jsonl
     epochs_to_target: int | None = None
     step_time_total: float = 0.0
     steps_total: int = 0
@@ -169,10 +170,18 @@ def _load_checkpoint(path: Path) -> dict:
         ) from None
 
 
-def _alarm_dict(alarm: CollapseAlarm) -> dict:
-    """layer, step, quantity, value, initial (the baseline: the key of the log's alarm event) of a monitor alarm."""
+def _alarm_dict(alarm: Event) -> dict:
+    """layer, step, quantity, value, initial (the baseline of a variance rule's alarm, else None) of a monitor
+    alarm."""
     d = alarm.to_dict()
-    return {k: d[k] for k in ("layer", "step", "quantity", "value", "initial")}
+    return {**{k: d[k] for k in ("layer", "step", "quantity", "value")}, "initial": d["details"].get("baseline")}
+
+
+def _regime_dict(event: Event) -> dict:
+    """The regime rule's warning as the summary's ``monitor_risk``: step, layer and the rule's details (shift_term,
+    variance_term, ratio, case, suggestion, suggested_lr)."""
+    d = event.to_dict()
+    return {"step": d["step"], "layer": d["layer"], **d["details"]}
 
 
 def _progress_bar(total: int, desc: str, enabled: bool):
@@ -438,10 +447,10 @@ class Trainer:
             return None, None
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is not None:
-            self._scaled_step(loss)
+            self._scaled_step(loss, value)
         elif self.monitor is not None:
             loss.backward()
-            self.monitor.step(self.optimizer)
+            self.monitor.step(self.optimizer, loss=value)
         else:
             loss.backward()
             self.optimizer.step()
@@ -476,32 +485,21 @@ class Trainer:
         return None, "rescued"
 
     def _after_rescue(self) -> None:
-        """Bring the run's own state to the guard's rollback: step count, rescues, the schedule's rate times the
-        guard's factor, the loss trace and the collapse tracker."""
-        st, cfg = self.state, self.config
+        """Bring the run's own state to the guard's rollback: step count, rescues, the loss trace and the collapse
+        tracker. The learning rate is the guard's: the epoch schedule is not given to the guard, so the guard keeps
+        this epoch's rate times its factor (the snapshot may be from before a milestone)."""
+        st = self.state
         st.steps_total = self.guard.steps
         st.rescues = [r.to_dict() for r in self.guard.rescues]
-        # the restored optimizer holds the snapshot's rate: put back this epoch's rate of the schedule, times the
-        # guard's factor (the snapshot may be from before a milestone)
-        lr = cfg.lr * cfg.lr_gamma ** bisect.bisect_right(cfg.milestones, self.scheduler.last_epoch)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * self.guard.lr_scale
-        st.rescues[-1]["lr_after"] = lr * self.guard.lr_scale
         self.losses = _first_steps(self.losses, st.steps_total)
         self.tracker = CollapseTracker(self.tracker.chance_loss, self.tracker.window)
         for v in self.losses:  # the collapse tracker is a function of the (rolled back) loss trace
             self.tracker.update(v)
 
-    def _scaled_step(self, loss: torch.Tensor) -> None:
+    def _scaled_step(self, loss: torch.Tensor, value: float) -> None:
         """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
         self.scaler.scale(loss).backward()
-        if self.monitor is not None:
-            self.monitor.before_update()
-        scale = self.scaler.get_scale()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        if self.monitor is not None:  # the scaler skips the step (and lowers its scale) on inf/NaN gradients
-            self.monitor.after_update(stepped=self.scaler.get_scale() >= scale)
+        optimizer_step(self.optimizer, self.monitor, self.scaler, loss=value)
 
     def _alarm_stops(self) -> dict | None:
         """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
@@ -605,21 +603,24 @@ class Trainer:
             self.board.flush()
 
     def _flush_monitor(self) -> None:
-        """Append the monitor records of this epoch (and a first alarm) to monitor.jsonl."""
-        mon = self.monitor
+        """Append the monitor records of this epoch and the events not logged yet to monitor.jsonl."""
+        mon, st = self.monitor, self.state
         if mon is None or not self.is_main:
             return
-        alarm = mon.alarm if mon.alarm is not None and self.state.monitor_alarm is None else None
-        if alarm is not None:
-            self.state.monitor_alarm = _alarm_dict(alarm)
-        if mon.risk is not None and self.state.monitor_risk is None:
-            self.state.monitor_risk = mon.risk.to_dict()
+        if mon.alarm is not None and st.monitor_alarm is None:
+            st.monitor_alarm = _alarm_dict(mon.alarm)
+        regime = next((e for e in mon.events if e.rule == "regime"), None)
+        if regime is not None and st.monitor_risk is None:
+            st.monitor_risk = _regime_dict(regime)
+        logged = {(rule, step) for rule, step in st.monitor_events}
+        events = [e for e in mon.events if (e.rule, e.step) not in logged]
+        st.monitor_events += [[e.rule, e.step] for e in events]
         if len(mon.records) < self._monitor_written:  # the guard rolled back past records already in the file
-            logged = load_log(self.monitor_path).alarm if self.monitor_path.exists() else None
-            self.state.monitor_lines = write_monitor_log(self.monitor_path, mon.records, logged)
+            kept = load_log(self.monitor_path).events if self.monitor_path.exists() else []
+            st.monitor_lines = write_monitor_log(self.monitor_path, mon.records, kept)
             self._monitor_written = len(mon.records)
         new = mon.records[self._monitor_written :]
-        self.state.monitor_lines += write_monitor_log(self.monitor_path, new, alarm, append=True)
+        st.monitor_lines += write_monitor_log(self.monitor_path, new, events, append=True)
         self._monitor_written = len(mon.records)
 
     def _rescue_non_finite_test_loss(self, epoch: int) -> bool:
@@ -743,7 +744,7 @@ def train(
     ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
 
     Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
-    monitor_alarm, monitor_risk (the regime warning ``mon.risk`` as a dict, or None), epochs_to_target, step_time_s,
+    monitor_alarm, monitor_risk (the regime rule's warning as a dict, or None), epochs_to_target, step_time_s,
     epochs_run, world_size, history``, and for ``guard``: ``rescues``
     (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost``, ``guard_gave_up``
     (the message when it gave up, else None; a give-up on a loss climb is ``collapse_reason`` "guard_gave_up") and

@@ -2,7 +2,7 @@
 
 For each run (``<cell dir>/summary.json``, ``monitor.jsonl``, ``loss_trace.json``) :func:`diagnose_run` says how it
 ended (:mod:`normlab.monitor.collapse`), when and where the monitor's countdown alarm fired and its regime
-warning (``mon.risk``, ``summary.json``'s ``monitor_risk``) was raised, the lead of each in steps
+warning (the regime rule's, ``summary.json``'s ``monitor_risk``) was raised, the lead of each in steps
 (collapse step - its step; positive: it came first), for the alarmed layer the two terms of
 ``Var[Y] = n E[W^2] Var[X] + E^2[X] Var_o[n E[W_o]]`` at the first record and at the alarm, and for a run with
 ``guard=True`` what its :class:`~normlab.monitor.CollapseGuard` did.
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.log import load_log
-from normlab.monitor.monitor import DEFAULT_RISK
 from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
 from normlab.monitor.records import layer_keys
+from normlab.monitor.rules import RegimeRule
 
 __all__ = [
     "load_records",
@@ -285,8 +285,8 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     labels += [
         "countdown alarm (mon.alarm)\n(first layer whose output\nvariance or shift grew\npast its threshold, or\n"
         "whose input collapsed)",
-        "regime warning (mon.risk)\n(a layer's shift term above\n"
-        f"{DEFAULT_RISK['min_ratio']:g}x its variance term for\n{DEFAULT_RISK['window']} steps in a row)",
+        "regime warning (RegimeRule)\n(a layer's shift term above\n"
+        f"{RegimeRule().min_ratio:g}x its variance term for\n{RegimeRule().window} steps in a row)",
         "ln 10 (chance loss)",
     ]
     fig.legend(handles, labels, loc="center right", fontsize=7, title="layer", frameon=False)

@@ -9,7 +9,7 @@ b. ``batch_size``: BN / BRN / GN / SN / PWS at batch 128, 4 and 2 with the learn
    (train mode);
 c. ``collapse``: the collapse diagnosis at the paper's width, the monitor recording every step of the first steps
    of none / BN / PWS at the collapsing learning rate (alarm, lead time in steps, the two terms of the output
-   variance, Figures 1(a), 1(b), the shift and the output variance per layer), the regime warning (``mon.risk``),
+   variance, Figures 1(a), 1(b), the shift and the output variance per layer), the regime warning (the regime rule),
    the false-alarm count over every monitored run of the demo, and ``guard``: the guarded twins, the unnormalized
    runs of (c) again with a :class:`~normlab.monitor.CollapseGuard` (``guard=True``), beside their unguarded runs,
    and ``guard_dead``: the same with ``guard_dead=True`` (``--guard-dead``: the guard also measures against chance);

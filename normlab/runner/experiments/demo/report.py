@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from normlab.monitor.monitor import DEFAULT_RISK
+from normlab.monitor.rules import RegimeRule
 from normlab.runner.experiments.demo.claims import (
     PLATEAU_FALL,
     claims_markdown,
@@ -133,8 +133,8 @@ def _risk_cell(d: dict) -> str:
 
 
 def risk_sentence(d: dict) -> str:
-    """The regime warning of a run in one or two sentences (``mon.risk``: step, layer, the two terms, their ratio,
-    the suggestion and ``suggested_lr``)."""
+    """The regime warning of a run in one or two sentences (the regime rule's warning: step, layer, the two terms,
+    their ratio, the suggestion and ``suggested_lr``)."""
     r = d.get("risk")
     if not r:
         return "*Regime warning*: none."
@@ -182,7 +182,7 @@ def _no_regime_note(cells: list[dict], diag: dict) -> list[str]:
     return [
         "",
         "No run here raised the regime warning. Its rule (a layer whose output is not normalized downstream, with "
-        f"its shift term above {DEFAULT_RISK['min_ratio']:g}x its variance term for {DEFAULT_RISK['window']} steps) "
+        f"its shift term above {RegimeRule().min_ratio:g}x its variance term for {RegimeRule().window} steps) "
         "was chosen at width 1.0; at width 0.5 it rarely fires (1 of 11 collapsing plain runs on held-out seeds, "
         "docs/monitor.md, round 5).",
     ]

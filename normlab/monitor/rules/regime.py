@@ -1,4 +1,4 @@
-"""Regime warning: the run is in the unstable regime (docs/monitor.md), long before it collapses.
+"""The regime warning as a rule (:class:`RegimeRule`): a layer is in the unstable regime, its shift term dominating.
 
 The output variance of a conv/linear layer is the sum of two terms (``stats.variance_terms``)::
 
@@ -6,15 +6,16 @@ The output variance of a conv/linear layer is the sum of two terms (``stats.vari
              variance term       shift term
 
 A layer is *in the shift regime* when its shift term exceeds its variance term: the spread of its filter means,
-carried by a non-zero input mean (ReLU), dominates what it passes on. :class:`RegimeDetector` raises a
-:class:`RegimeWarning` when one layer has stayed in the shift regime for ``window`` consecutive checked steps.
+carried by a non-zero input mean (ReLU), dominates what it passes on. :class:`RegimeRule` raises a
+warning event when one layer has stayed in the shift regime (its shift term above ``min_ratio`` times its variance
+term) for ``window`` consecutive recorded steps.
 
 Exempt layers: a layer whose next watched layer in forward order (the records' ``index``) is a normalization layer
 (BN/GN/LN/SwitchableNorm/...): the normalization removes the per-channel offsets before they reach the next conv,
 so the shift does no harm there; and the output layer (the last conv/linear in forward order: the classifier, whose
 per-class offsets are wanted). Standardized kernels (WS/PWS: ``shift_scale_free`` = 0) have no shift term; for them
 the warning is the *PWS case*: the variance term grows above ``pws_factor`` times its first value for ``window``
-consecutive steps (a PWS net's collapse is a variance explosion, docs/monitor.md).
+consecutive steps (a PWS net's collapse is a variance explosion).
 
 Suggested learning rate (shift case, when the learning rate is known): the spread of the filter means is the
 initial one plus the drift of the accumulated mean updates, ``n E[W_o](t) = n E[W_o](0) + D_o(t)``, and for SGD
@@ -33,59 +34,16 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
 
-__all__ = ["RegimeDetector", "RegimeWarning", "exempt_layers", "layer_learning_rates", "suggested_lr"]
+from normlab.monitor.rules.base import Event, Rule, StepContext
+
+__all__ = ["RegimeRule", "exempt_layers", "layer_learning_rates", "suggested_lr"]
 
 STANDARDIZED = 1e-6  # shift_scale_free below this: a standardized (WS/PWS) kernel, no shift term
 
 
-@dataclass
-class RegimeWarning:
-    """The run is in the unstable regime (``mon.risk``): which layer, since when, and what to change.
-
-    Attributes:
-        step: the step at which the layer had been in the regime for ``window`` consecutive checked steps.
-        layer: the module name of the layer.
-        shift_term: ``E^2[X] Var_o[n E[W_o]]`` of that layer at ``step``.
-        variance_term: ``n E[W^2] Var[X]`` of that layer at ``step``.
-        ratio: ``shift_term / variance_term``; for the PWS case the variance term over its first value.
-        case: ``"shift"`` (the shift term dominates) or ``"pws"`` (the variance term of a standardized conv grows).
-        suggestion: the change the docs justify (a lower learning rate, PWS/WS for the layer, a normalization after
-            it).
-        suggested_lr: the learning rate that would have kept the layer's shift term below its variance term up to
-            ``step`` (:func:`~normlab.monitor.regime.suggested_lr`); None when the monitor does not know the optimizer's
-            learning rate, for the PWS case, or when the initial shift alone dominates (no rate helps).
-
-    Example:
-        >>> w = RegimeWarning(step=12, layer="conv3", shift_term=4.0, variance_term=1.0, ratio=4.0, case="shift",
-        ...                   suggestion="lower the learning rate to 0.05", suggested_lr=0.05)
-        >>> str(w).startswith("unstable regime since step 12: layer 'conv3' shift term > variance term")
-        True
-    """
-
-    step: int
-    layer: str
-    shift_term: float
-    variance_term: float
-    ratio: float
-    case: str
-    suggestion: str
-    suggested_lr: float | None = None
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        what = "shift term > variance term" if self.case == "shift" else "variance term of a standardized conv growing"
-        return (
-            f"unstable regime since step {self.step}: layer '{self.layer}' {what} (shift {self.shift_term:.4g}, "
-            f"variance {self.variance_term:.4g}, ratio {self.ratio:.3g}); {self.suggestion}"
-        )
-
-
-def exempt_layers(records: Iterable[Mapping]) -> set[str]:
+def exempt_layers(records: Sequence[Mapping]) -> set[str]:
     """Names of the conv/linear layers the regime test skips: those whose next layer in forward order (``index``)
     is a normalization layer (``kind == "norm"``), and the output layer (the last conv/linear in forward order)."""
     ordered = sorted(records, key=lambda r: r.get("index", 0))
@@ -128,7 +86,7 @@ def suggested_lr(lr: float, shift_term: float, variance_term: float, input_mean_
     return float(lr * math.sqrt((variance_term - initial) / (shift_term - initial)))
 
 
-def layer_learning_rates(layers: Iterable, optimizer) -> dict[str, float]:
+def layer_learning_rates(layers: Sequence, optimizer) -> dict[str, float]:
     """The learning rate of each layer's parameters in ``optimizer`` (the param group of its first parameter found
     there, its own before its submodules'), for the ``(name, module, kind)`` triples of ``VarianceMonitor.layers``;
     layers whose parameters the optimizer does not train are left out.
@@ -165,47 +123,54 @@ def _suggest(layer: str, case: str, lr: float | None = None, new_lr: float | Non
         )
     if lr is not None:
         return f"{change} (its initial filter-mean spread alone dominates: a lower learning rate does not remove it)"
-    return f"{change}, or lower the learning rate (CollapseGuard halves it per rescue)"
+    return f"{change}, or lower the learning rate (CollapseGuard lowers it per rescue)"
 
 
-class RegimeDetector:
-    """Stateful regime test over per-layer monitor records (see the module docstring).
+class RegimeRule(Rule):
+    """Warn when a layer stays in the shift regime for ``window`` consecutive recorded steps (module docstring).
+
+    .. math::
+        E^2[X]\\,\\mathrm{Var}_o[n E[W_o]] > \\text{min\\_ratio} \\cdot n E[W^2] \\mathrm{Var}[X]
+
+    Skipped layers: those whose next layer in forward order is a normalization layer, and the output layer
+    (:func:`~normlab.monitor.rules.regime.exempt_layers`). The event (severity ``"warning"``) names the first layer
+    in forward order whose streak reached ``window``; its ``details`` hold ``shift_term``, ``variance_term``,
+    ``ratio``, ``case`` (``"shift"`` or ``"pws"``), ``suggestion`` and ``suggested_lr``
+    (:func:`~normlab.monitor.rules.regime.suggested_lr`, from ``ctx.layer_lrs``).
 
     Args:
-        window: consecutive checked steps a layer must stay in the regime (int >= 1).
-        pws_factor: PWS case: variance term over its first value that counts as growing (> 1); None (the
-            default) for no PWS case: in the calibration runs healthy PWS nets grew it as much as collapsing ones.
-        min_ratio: a layer is in the regime when its shift term exceeds ``min_ratio`` times its variance term
-            (a number >= 1; 1: the shift term merely dominates).
-
-    Measured on MNIST-1D plain1d (docs/monitor.md): the shift term merely dominating (``min_ratio=1``) is the
-    ordinary state of healthy unnormalized nets at lr 0.05 (every window tried flagged 4 of 4 healthy plain runs at
-    width 1.0). The defaults (``min_ratio=10``, ``window=2``) were chosen on 48 calibration runs (seeds 100-107) as
-    the rule with the most collapsing plain runs warned (7 of 20) and no healthy plain run flagged; they warn late
-    (median 3 steps before the collapse; 1.5 on report seeds 108-113): read the warning as "this layer's shift is
-    ten times its variance term", the state in which these nets blow up, not as an early forecast. Report runs:
-    docs/monitor.md.
+        window: consecutive recorded steps a layer must stay in the regime (int >= 1).
+        min_ratio: a layer is in the regime when its shift term exceeds ``min_ratio`` times its variance term (a
+            number >= 1; 1: the shift term merely dominates, the ordinary state of healthy unnormalized nets).
+        pws_factor: PWS case: the variance term of a standardized conv over its first value that counts as growing
+            (> 1); None for no PWS case.
 
     Example:
-        >>> det = RegimeDetector(window=2)
+        >>> rule = RegimeRule(window=2, min_ratio=1.0)
         >>> recs = lambda s: [dict(layer="c1", index=0, kind="conv", shift_term=s, variance_term=1.0,
         ...                        shift_scale_free=1.0), dict(layer="fc", index=1, kind="linear")]
-        >>> det.check(0, recs(2.0)) is None, det.check(1, recs(2.0)).layer
+        >>> rule.check(StepContext(step=0), recs(2.0)) is None, rule.check(StepContext(step=1), recs(2.0)).layer
         (True, 'c1')
     """
 
-    def __init__(self, window: int = 20, pws_factor: float | None = None, min_ratio: float = 1.0) -> None:
+    name = "regime"
+    needs_loss = False
+
+    def __init__(self, window: int = 2, min_ratio: float = 10.0, pws_factor: float | None = None) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"RegimeDetector: window must be an int >= 1, got {window!r}")
+            raise ValueError(f"RegimeRule: window must be an int >= 1, got {window!r}")
         if isinstance(min_ratio, bool) or not isinstance(min_ratio, int | float) or not 1 <= min_ratio < math.inf:
-            raise ValueError(f"RegimeDetector: min_ratio must be a finite number >= 1, got {min_ratio!r}")
-        self.min_ratio = float(min_ratio)
+            raise ValueError(f"RegimeRule: min_ratio must be a finite number >= 1, got {min_ratio!r}")
         if pws_factor is not None and (
             isinstance(pws_factor, bool) or not isinstance(pws_factor, int | float) or not 1 < pws_factor < math.inf
         ):
-            raise ValueError(f"RegimeDetector: pws_factor must be None or a finite number > 1, got {pws_factor!r}")
+            raise ValueError(f"RegimeRule: pws_factor must be None or a finite number > 1, got {pws_factor!r}")
         self.window = window
+        self.min_ratio = float(min_ratio)
         self.pws_factor = None if pws_factor is None else float(pws_factor)
+        self.reset()
+
+    def reset(self) -> None:
         self.streak: dict[str, int] = {}  # consecutive checked steps in the regime, per layer
         self.first_variance: dict[str, float] = {}  # variance term at the first check (PWS case)
         self.first_shift: dict[str, float] = {}  # shift Var_o[n E[W_o]] at the first check (suggested_lr)
@@ -226,13 +191,9 @@ class RegimeDetector:
             return ("pws", ratio) if ratio > self.pws_factor else None
         return ("shift", st / vt if vt > 0 else math.inf) if st > self.min_ratio * vt else None
 
-    def check(
-        self, step: int, records: Iterable[Mapping], lr: float | Mapping[str, float] | None = None
-    ) -> RegimeWarning | None:
-        """Check one recorded step; returns a warning for the first layer in forward order whose streak reached
-        ``window``, else None (streaks and first values are updated on the way). ``lr``: the learning rate (one
-        value, or one per layer name as :func:`~normlab.monitor.regime.layer_learning_rates` gives) for the
-        warning's ``suggested_lr``."""
+    def check(self, ctx: StepContext, records: Sequence[Mapping]) -> Event | None:
+        """Check one recorded step; a warning for the first layer in forward order whose streak reached ``window``,
+        else None (streaks and first values are updated on the way)."""
         records = list(records)
         exempt = exempt_layers(records)
         found = None
@@ -243,29 +204,35 @@ class RegimeDetector:
             name = rec["layer"]
             self.streak[name] = self.streak.get(name, 0) + 1 if hot else 0
             if hot and found is None and self.streak[name] >= self.window:
-                found = self._warning(step, rec, *hot, lr.get(name) if isinstance(lr, Mapping) else lr)
+                found = self._warning(ctx.step, rec, *hot, ctx.layer_lrs.get(name))
         return found
 
-    def _warning(self, step: int, rec: Mapping, case: str, ratio: float, lr: float | None) -> RegimeWarning:
+    def _warning(self, step: int, rec: Mapping, case: str, ratio: float, lr: float | None) -> Event:
         name = rec["layer"]
         new_lr = None
         if lr is not None and case == "shift" and name in self.first_shift:
             args = (rec["shift_term"], rec["variance_term"], rec.get("input_mean_sq"), self.first_shift[name])
             new_lr = suggested_lr(lr, *args)
-        return RegimeWarning(
-            step=int(step),
-            layer=name,
-            shift_term=float(rec["shift_term"]),
-            variance_term=float(rec["variance_term"]),
-            ratio=float(ratio),
-            case=case,
-            suggestion=_suggest(name, case, lr, new_lr),
-            suggested_lr=new_lr,
+        st, vt = float(rec["shift_term"]), float(rec["variance_term"])
+        suggestion = _suggest(name, case, lr, new_lr)
+        what = "shift term > variance term" if case == "shift" else "variance term of a standardized conv growing"
+        message = (
+            f"unstable regime: layer '{name}' {what} (shift {st:.4g}, variance {vt:.4g}, ratio {ratio:.3g}); "
+            f"{suggestion}"
         )
+        details = {
+            "shift_term": st,
+            "variance_term": vt,
+            "ratio": float(ratio),
+            "case": case,
+            "suggestion": suggestion,
+            "suggested_lr": new_lr,
+        }
+        quantity = "shift_term" if case == "shift" else "variance_term"
+        return Event(self.name, "warning", int(step), message, name, quantity, float(ratio), details)
 
     def state_dict(self) -> dict:
-        """``{"window", "pws_factor", "min_ratio", "streak", "first_variance", "first_shift"}`` as plain Python
-        types."""
+        """``{"window", "pws_factor", "min_ratio", "streak", "first_variance", "first_shift"}``."""
         return {
             "window": self.window,
             "pws_factor": self.pws_factor,
@@ -277,19 +244,22 @@ class RegimeDetector:
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict`; ValueError when it is malformed. A state made with another ``window`` or
-        ``min_ratio`` (a checkpoint from before the defaults changed, docs/monitor.md round 3) keeps its first values
-        but its streaks start again, with a warning: they counted a different rule."""
+        ``min_ratio`` keeps its first values but its streaks start again, with a warning: they counted another
+        rule."""
         if not isinstance(state, Mapping) or not {"window", "streak", "first_variance"} <= set(state):
-            raise ValueError(f"RegimeDetector.load_state_dict: expected a dict from state_dict(), got {state!r:.80}")
+            raise ValueError(f"RegimeRule.load_state_dict: expected a dict from state_dict(), got {state!r:.80}")
         made_with = (state["window"], float(state.get("min_ratio", 1.0)))
-        if made_with != (self.window, self.min_ratio):
+        same_rule = made_with == (self.window, self.min_ratio)
+        if not same_rule:
             warnings.warn(
-                f"RegimeDetector.load_state_dict: state was made with window={made_with[0]}, "
-                f"min_ratio={made_with[1]:g}; this detector uses window={self.window}, min_ratio={self.min_ratio:g}: "
+                f"RegimeRule.load_state_dict: state was made with window={made_with[0]}, "
+                f"min_ratio={made_with[1]:g}; this rule uses window={self.window}, min_ratio={self.min_ratio:g}: "
                 "its streaks start again",
                 stacklevel=2,
             )
-        same_rule = made_with == (self.window, self.min_ratio)
         self.streak = {str(k): int(v) for k, v in state["streak"].items()} if same_rule else {}
         self.first_variance = {str(k): float(v) for k, v in state["first_variance"].items()}
         self.first_shift = {str(k): float(v) for k, v in state.get("first_shift", {}).items()}
+
+    def __repr__(self) -> str:
+        return f"RegimeRule(window={self.window}, min_ratio={self.min_ratio:g}, pws_factor={self.pws_factor})"

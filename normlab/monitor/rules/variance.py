@@ -1,0 +1,426 @@
+"""Rules on the variance records of conv/linear layers: the growth/implosion factors (:class:`FactorRule`) and the
+countdown (:class:`CountdownRule`).
+
+Both raise alarms naming the first flagged layer in forward order. Their events carry, in ``details``, the
+quantity's ``baseline``, the ``ratio`` value / baseline, the ``reason`` in words, the ``direction`` (``"grew"``,
+``"shrank"`` or ``"non-finite"``) and every (layer, quantity) ``flagged`` at that step
+(:class:`~normlab.monitor.records.FlaggedEntry` dicts: ``initial`` is the baseline, ``growth`` the ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from normlab.monitor.records import layer_keys
+from normlab.monitor.rules.base import Event, Rule, StepContext
+
+__all__ = ["FactorRule", "CountdownRule", "alarm_message"]
+
+_NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
+
+
+def alarm_message(layer: str, quantity: str, value: float, baseline: float, reason: str) -> str:
+    """The one-line message of a variance alarm.
+
+    Example:
+        >>> alarm_message("conv1", "output_var", 500.0, 1.0, "grew 500x > factor 100")
+        "layer 'conv1' output_var = 500 (baseline 1, grew 500x > factor 100)"
+    """
+    return f"layer '{layer}' {quantity} = {value:.4g} (baseline {baseline:.4g}, {reason})"
+
+
+def _event(rule: str, step: int, top: dict, flagged: list[dict]) -> Event:
+    """The alarm naming flag ``top`` among the ``flagged`` ones of this step."""
+    details = {
+        "baseline": top["initial"],
+        "ratio": top["growth"],
+        "reason": top["reason"],
+        "direction": top["direction"],
+        "flagged": flagged,
+    }
+    message = alarm_message(top["layer"], top["quantity"], top["value"], top["initial"], top["reason"])
+    return Event(rule, "alarm", int(step), message, top["layer"], top["quantity"], top["value"], details)
+
+
+def _factors(name: str, factors, quantities: Sequence[str], low: float, default: float) -> dict[str, float]:
+    """{quantity: factor} from a number or a mapping, each a finite number > ``low`` (>= for a floor of 0)."""
+    per = dict(factors) if isinstance(factors, Mapping) else {q: factors for q in quantities}
+    for q, f in per.items():
+        ok = isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f)
+        if not ok or not (f > low if low > 0 else f >= low):
+            bound = f"> {low:g}" if low > 0 else f">= {low:g}"
+            raise ValueError(f"FactorRule: {name} for {q!r} must be a finite number {bound}, got {f!r}")
+    return {q: float(per.get(q, default)) for q in quantities} if quantities else {q: float(f) for q, f in per.items()}
+
+
+class FactorRule(Rule):
+    """Alarm when a layer's watched quantity grows past ``explode_factor`` times its baseline, when a quantity of the
+    output layer falls below its baseline divided by ``implode_factor``, or when a watched quantity is non-finite.
+
+    .. math::
+        q_l(t) > k_q \\max(b_{l,q}, f_q) \\quad\\text{(growth)}, \\qquad
+        q_l(t) < b_{l,q} / m_q \\quad\\text{(implosion)}
+
+    with the baseline ``b`` the maximum of the first ``baseline_records`` finite recorded values of each (layer,
+    quantity) and ``f`` the floor ``min_initial``. No growth test runs while a baseline is still being collected
+    (non-finite values are always flagged). Checked on recorded steps.
+
+    Exemptions (from the step's context): the output layer (``ctx.output_layer``, the classifier: its logit
+    variance and per-class offsets grow as the net becomes confident) gets no growth test unless
+    ``watch_output_layer``; a layer whose output a normalization layer renormalizes (``ctx.feeds_norm``) gets no
+    growth test of ``shift``; the implosion test runs on the output layer only (its input's second moment falling
+    10,000x is a net whose last ReLUs died).
+
+    Args:
+        explode_factor: growth factor over the baseline (> 1); a float for every watched quantity or a mapping
+            {quantity: factor} (quantities missing from it use 100).
+        implode_factor: {quantity: factor} of the implosion test (> 1); the quantity need not be watched. None or
+            {} for no implosion test.
+        watch: record keys of the growth and non-finite tests.
+        min_initial: floor of the baselines (>= 0), a float or {quantity: floor} (missing ones use 1e-6): a
+            quantity with floor f and factor k is flagged only above k * f.
+        baseline_records: how many first finite records form each baseline (their maximum); int >= 1.
+        watch_output_layer: also apply the growth test to the output layer.
+
+    Example:
+        >>> rule = FactorRule(explode_factor=100.0, implode_factor=None, min_initial=1e-6)
+        >>> rec = lambda v: [{"layer": "conv1", "index": 0, "output_var": v, "shift": 0.01}]
+        >>> rule.check(StepContext(step=0), rec(1.0)) is None      # the baseline
+        True
+        >>> e = rule.check(StepContext(step=10), rec(500.0))
+        >>> e.layer, e.quantity, e.details["ratio"], e.details["direction"]
+        ('conv1', 'output_var', 500.0, 'grew')
+    """
+
+    name = "factor"
+    needs_loss = False
+
+    def __init__(
+        self,
+        explode_factor: float | Mapping[str, float] | None = None,
+        implode_factor: Mapping[str, float] | None = None,
+        watch: Sequence[str] = ("output_var", "shift"),
+        min_initial: float | Mapping[str, float] | None = None,
+        baseline_records: int = 1,
+        watch_output_layer: bool = False,
+    ) -> None:
+        # defaults: the classifier's logit variance grows ~100-200x in healthy training, so output_var needs 1e3;
+        # output variance is compared with at least unit variance (the scale He init keeps); a PWS shift is 0
+        explode_factor = {"output_var": 1e3, "shift": 100.0} if explode_factor is None else explode_factor
+        implode_factor = {"input_sq": 1e4} if implode_factor is None else implode_factor
+        min_initial = {"output_var": 1.0, "shift": 1e-6} if min_initial is None else min_initial
+        if isinstance(watch, str) or not watch:
+            raise ValueError(f"FactorRule: watch must be a sequence of record keys, got {watch!r}")
+        self.watch = tuple(watch)
+        self.explode_factor = _factors("explode_factor", explode_factor, self.watch, 1.0, 100.0)
+        self.implode_factor = _factors("implode_factor", implode_factor or {}, (), 1.0, 1.0)
+        self.checked = self.watch + tuple(q for q in self.implode_factor if q not in self.watch)
+        self.min_initial = _factors("min_initial", min_initial, self.checked, 0.0, 1e-6)
+        if isinstance(baseline_records, bool) or not isinstance(baseline_records, int) or baseline_records < 1:
+            raise ValueError(f"FactorRule: baseline_records must be an int >= 1, got {baseline_records!r}")
+        self.baseline_records = baseline_records
+        self.watch_output_layer = bool(watch_output_layer)
+        self.reset()
+
+    def reset(self) -> None:
+        self.baselines: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
+        self.seen: dict[tuple[str, str], int] = {}  # finite values that went into the baseline
+
+    def state_dict(self) -> dict:
+        """``{"baseline_records", "baselines": [[layer, quantity, baseline, n_seen], ...]}``."""
+        return {
+            "baseline_records": self.baseline_records,
+            "baselines": [[layer, q, v, self.seen.get((layer, q), 1)] for (layer, q), v in self.baselines.items()],
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`; ValueError when it is malformed or was made with another baseline window."""
+        if not isinstance(state, Mapping) or "baselines" not in state:
+            raise ValueError(f"FactorRule.load_state_dict: expected a dict with 'baselines', got {state!r:.80}")
+        if state.get("baseline_records", self.baseline_records) != self.baseline_records:
+            raise ValueError(
+                f"FactorRule.load_state_dict: state was made with baseline_records={state['baseline_records']}, "
+                f"this rule uses {self.baseline_records}"
+            )
+        baselines, seen = {}, {}
+        for row in state["baselines"]:
+            try:
+                layer, q, value, n = row
+                baselines[(str(layer), str(q))], seen[(str(layer), str(q))] = float(value), int(n)
+            except (TypeError, ValueError) as e:
+                raise ValueError(
+                    f"FactorRule.load_state_dict: bad baseline row {row!r}, expected [layer, quantity, value, n_seen]"
+                ) from e
+        self.baselines, self.seen = baselines, seen
+
+    def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool) -> dict | None:
+        """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
+        value = rec.get(q)
+        key = (rec["layer"], q)
+        flag = dict(
+            layer=rec["layer"], index=rec.get("index", 0), quantity=q, initial=self.baselines.get(key, math.nan)
+        )
+        if value is None or not math.isfinite(value):
+            value = math.nan if value is None else float(value)
+            return {**flag, "value": value, "growth": math.inf, "severity": math.inf, **_NON_FINITE}
+        n_seen = self.seen.get(key, 0)
+        if n_seen < self.baseline_records:  # still collecting the baseline: no test
+            self.baselines[key] = max(self.baselines.get(key, -math.inf), float(value))
+            self.seen[key] = n_seen + 1
+            return None
+        base = self.baselines[key]
+        ref = max(abs(base), self.min_initial[q])
+        factor = self.explode_factor.get(q)
+        if grow and value > factor * ref:
+            return {
+                **flag,
+                "value": float(value),
+                "growth": value / ref,
+                "severity": value / ref / factor,
+                "reason": f"grew {value / ref:.3g}x > factor {factor:g}",
+                "direction": "grew",
+            }
+        shrink_by = self.implode_factor.get(q)
+        if shrink and base > 0 and value * shrink_by < base:
+            ratio = value / base
+            return {
+                **flag,
+                "value": float(value),
+                "growth": ratio,
+                "severity": math.inf if ratio == 0 else 1 / (ratio * shrink_by),
+                "reason": f"fell to {ratio:.3g}x < 1/{shrink_by:g} of its baseline",
+                "direction": "shrank",
+            }
+        return None
+
+    def check(self, ctx: StepContext, records: Sequence[Mapping]) -> Event | None:
+        """Check one recorded step: update the baselines, return an alarm for the first flagged layer in forward
+        order (the most severe of its flags), or None."""
+        output = {ctx.output_layer} if ctx.output_layer is not None else set()
+        growth_exempt = set() if self.watch_output_layer else output
+        shift_exempt = set(ctx.feeds_norm) - output
+        flagged = []
+        for rec in sorted(records, key=lambda r: r.get("index", 0)):
+            for q in self.checked:
+                if rec.get(q) is None and q not in rec:
+                    continue  # layer does not have this quantity (e.g. norm layers have no shift)
+                shrink = q in self.implode_factor and rec["layer"] in output
+                if q not in self.explode_factor and not shrink:
+                    continue
+                grow = q in self.explode_factor and rec["layer"] not in growth_exempt
+                grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
+                flag = self._judge(rec, q, grow, shrink)
+                if flag is not None:
+                    flagged.append(flag)
+        if not flagged:
+            return None
+        first_index = min(f["index"] for f in flagged)
+        top = max((f for f in flagged if f["index"] == first_index), key=lambda f: f["severity"])
+        for f in flagged:
+            f.pop("severity")
+        return _event(self.name, ctx.step, top, flagged)
+
+    def __repr__(self) -> str:
+        return (
+            f"FactorRule(explode_factor={self.explode_factor}, implode_factor={self.implode_factor}, "
+            f"watch={self.watch}, min_initial={self.min_initial}, baseline_records={self.baseline_records}, "
+            f"watch_output_layer={self.watch_output_layer})"
+        )
+
+
+class CountdownRule(Rule):
+    """The countdown alarm: the collapse is imminent. Fires at the first checked step at which, in some hidden layer
+    (every conv/linear layer but the output layer and those a normalization layer renormalizes),
+
+    - ``growth``: the growth rate of the output variance, ``[ln V_l(t) - ln V_l(t')] / (t - t')`` with ``t'`` the
+      newest earlier value at least ``span`` steps back, exceeds ``growth``, or
+    - ``level``: the output variance over its first value, ``V_l(t) / V_l(t_0)``, exceeds ``level`` (not tested on
+      standardized kernels, WS/PWS: ``shift_scale_free`` = 0), or
+    - ``grad_ratio``: the gradient norm over the median of its last ``history`` values (at least 5) exceeds it, or
+    - a watched value (the output variance of any layer, the gradient norm) is non-finite.
+
+    .. math::
+        \\frac{\\ln V_l(t) - \\ln V_l(t')}{t - t'} > \\text{growth}
+
+    With ``every_step`` (the default) it is checked on every optimizer step: on a step that records nothing the
+    monitor keeps only each conv/linear layer's output variance (a light step); False: recorded steps only.
+    ``level`` and ``grad_ratio`` are off by default (None). Thresholds and what they achieve: docs/monitor.md.
+
+    Args:
+        growth: growth-rate threshold (per step, natural log), > 0, or None.
+        level: level threshold (> 1), or None.
+        grad_ratio: gradient-norm threshold over its running median (> 1), or None.
+        span: minimum step distance of the growth rate (int >= 1).
+        history: how many past gradient norms the running median keeps (int >= 5).
+        every_step: check on every optimizer step (True) or on recorded steps only.
+
+    Example:
+        >>> rule = CountdownRule(growth=1.0, level=15.0)
+        >>> rec = lambda v: [dict(layer="c1", index=0, kind="conv", output_var=v)]
+        >>> [rule.check(StepContext(step=t), rec(v)) for t, v in enumerate([1.0, 1.2, 1.1])]
+        [None, None, None]
+        >>> rule.check(StepContext(step=3), rec(10.0)).quantity
+        'output_var_growth'
+    """
+
+    name = "countdown"
+    needs_loss = False
+    every_step = True
+    light_keys = ("output_var",)
+
+    def __init__(
+        self,
+        growth: float | None = 1.0,
+        level: float | None = None,
+        grad_ratio: float | None = None,
+        span: int = 2,
+        history: int = 256,
+        every_step: bool = True,
+    ) -> None:
+        for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float) or not low < value < math.inf
+            ):
+                raise ValueError(f"CountdownRule: {name} must be None or a finite number > {low:g}, got {value!r}")
+        for name, value, low in (("span", span, 1), ("history", history, 5)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"CountdownRule: {name} must be an int >= {low}, got {value!r}")
+        self.growth, self.level, self.grad_ratio = growth, level, grad_ratio
+        self.span, self.history = span, history
+        self.every_step = bool(every_step)
+        self.light_keys = ("output_var",) if self.every_step else ()
+        self.needs_grad_norm = grad_ratio is not None
+        self.reset()
+
+    def reset(self) -> None:
+        self.first: dict[str, float] = {}  # V_l at its first value
+        self.recent: dict[str, list[list[float]]] = {}  # [[step, V_l], ...], newest last, enough for the span
+        self.grad_norms: list[float] = []
+
+    def _layer_flag(self, step: int, rec: Mapping, tested: bool) -> dict | None:
+        name, v = rec["layer"], rec.get("output_var")
+        flag = dict(layer=name, index=rec.get("index", 0), initial=self.first.get(name, math.nan))
+        if v is None:
+            return None
+        if not math.isfinite(v):
+            return {**flag, "quantity": "output_var", "value": float(v), "growth": math.inf, **_NON_FINITE}
+        v = float(v)
+        self.first.setdefault(name, v)
+        past = [p for p in self.recent.get(name, []) if step - p[0] >= self.span]
+        self.recent[name] = [p for p in self.recent.get(name, []) if step - p[0] < self.span] + [[step, v]]
+        if past:  # keep the newest value at least `span` back, for the next steps' rates
+            self.recent[name].insert(0, past[-1])
+        if not tested:
+            return None
+        v0 = self.first[name]
+        standardized = (rec.get("shift_scale_free") if rec.get("shift_scale_free") is not None else 1.0) < 1e-6
+        if self.level is not None and not standardized and v0 > 0 and v / v0 > self.level:
+            return {
+                **flag,
+                "quantity": "output_var_level",
+                "value": v,
+                "growth": v / v0,
+                "reason": f"output variance {v / v0:.3g}x its first value > level {self.level:g}",
+                "direction": "grew",
+            }
+        if self.growth is not None and past and past[-1][1] > 0 and v > 0:
+            t0, p = past[-1]
+            rate = (math.log(v) - math.log(p)) / (step - t0)
+            if rate > self.growth:
+                return {
+                    **flag,
+                    "quantity": "output_var_growth",
+                    "value": v,
+                    "growth": v / v0 if v0 > 0 else math.inf,
+                    "reason": f"output variance growing at {rate:.3g}/step > growth {self.growth:g}",
+                    "direction": "grew",
+                }
+        return None
+
+    def _grad_flag(self, grad_norm: float | None) -> dict | None:
+        if grad_norm is None:
+            return None
+        flag = dict(layer="(gradient)", index=-1, quantity="grad_norm", value=float(grad_norm))
+        if not math.isfinite(grad_norm):
+            return {
+                **flag,
+                "initial": math.nan,
+                "growth": math.inf,
+                **_NON_FINITE,
+                "reason": "non-finite gradient norm",
+            }
+        past = sorted(self.grad_norms)
+        self.grad_norms = (self.grad_norms + [float(grad_norm)])[-self.history :]
+        if self.grad_ratio is None or len(past) < 5:
+            return None
+        med = past[len(past) // 2] if len(past) % 2 else (past[len(past) // 2 - 1] + past[len(past) // 2]) / 2
+        if med > 0 and grad_norm / med > self.grad_ratio:
+            return {
+                **flag,
+                "initial": med,
+                "growth": grad_norm / med,
+                "reason": f"gradient norm {grad_norm / med:.3g}x its running median > {self.grad_ratio:g}",
+                "direction": "grew",
+            }
+        return None
+
+    def check(self, ctx: StepContext, records: Sequence[Mapping]) -> Event | None:
+        """Check one step (full or light records): an alarm naming the first flagged layer in forward order (the
+        gradient counts as before every layer), or None."""
+        exempt = set(ctx.feeds_norm) | ({ctx.output_layer} if ctx.output_layer is not None else set())
+        flagged = []
+        for rec in sorted(records, key=lambda r: r.get("index", 0)):
+            if rec.get("kind") in ("conv", "linear"):
+                flag = self._layer_flag(ctx.step, rec, rec["layer"] not in exempt)
+            elif rec.get("output_var") is not None and not math.isfinite(rec["output_var"]):
+                flag = dict(
+                    layer=rec["layer"],
+                    index=rec.get("index", 0),
+                    quantity="output_var",
+                    initial=math.nan,
+                    value=float(rec["output_var"]),
+                    growth=math.inf,
+                    **_NON_FINITE,
+                )
+            else:
+                flag = None
+            if flag is not None:
+                flagged.append(flag)
+        gflag = self._grad_flag(ctx.grad_norm)
+        if gflag is not None:
+            flagged.insert(0, gflag)
+        if not flagged:
+            return None
+        top = min(flagged, key=lambda f: f["index"])
+        return _event(self.name, ctx.step, top, flagged)
+
+    def state_dict(self) -> dict:
+        """``{"span", "first", "recent", "grad_norms"}`` as plain Python types."""
+        return {
+            "span": self.span,
+            "first": dict(self.first),
+            "recent": {k: [list(p) for p in v] for k, v in self.recent.items()},
+            "grad_norms": list(self.grad_norms),
+        }
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Restore :meth:`state_dict`; ValueError when it is malformed or was made with another span."""
+        if not isinstance(state, Mapping) or not {"span", "first", "recent", "grad_norms"} <= set(state):
+            raise ValueError(f"CountdownRule.load_state_dict: expected a dict from state_dict(), got {state!r:.80}")
+        if state["span"] != self.span:
+            raise ValueError(
+                f"CountdownRule.load_state_dict: state was made with span={state['span']}, this rule uses {self.span}"
+            )
+        self.first = {str(k): float(v) for k, v in state["first"].items()}
+        self.recent = {str(k): [[int(a), float(b)] for a, b in v] for k, v in state["recent"].items()}
+        self.grad_norms = [float(g) for g in state["grad_norms"]]
+
+    def __repr__(self) -> str:
+        return (
+            f"CountdownRule(growth={self.growth}, level={self.level}, grad_ratio={self.grad_ratio}, span={self.span}, "
+            f"history={self.history}, every_step={self.every_step})"
+        )
+
+
+layer_keys("output_var", "shift", "input_sq", "shift_scale_free")  # record keys these rules read
