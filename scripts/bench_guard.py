@@ -35,8 +35,8 @@ def _guarded(model, opt, chance: float, warmup: int):
     return mon, scheds, CollapseGuard(model, opt, monitor=mon, schedulers=scheds, chance_loss=chance)
 
 
-def guard_run(cfg: dict) -> dict:
-    """Train one run under the default guard; its summary."""
+def guard_run(cfg: dict, steps: int | None = None) -> dict:
+    """Train one run under the default guard (``steps``: override the set-up's step count); its summary."""
     from normlab.monitor import RunCollapsed
     from normlab.monitor.collapse import label_collapse
 
@@ -47,7 +47,8 @@ def guard_run(cfg: dict) -> dict:
     data = batches(setup["model"], setup["batch"], cfg["seed"] + 1)
     losses: dict[int, float] = {}
     gave_up, start, calls = False, time.time(), 0
-    while guard.steps < setup["steps"] and calls < 3 * setup["steps"]:
+    steps = steps or setup["steps"]
+    while guard.steps < steps and calls < 3 * steps:
         calls += 1
         x, y = next(data)
         out = model(x)

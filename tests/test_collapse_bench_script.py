@@ -77,3 +77,15 @@ def test_contexts_replay_the_recording_interval():
     assert got[1][0].probes == {} and got[3][0].probes == {"attn_logit/a": 1.0}
     assert got[0][0].feeds_norm == frozenset({"0"}) and got[0][0].output_layer == "2"
     assert {r["layer"] for r in got[1][1]} == {"0", "2"} and "type" not in got[1][1][0]  # light records
+
+
+def test_guard_run_and_table():
+    import bench_guard
+
+    saved = bench_guard.guard_run(dict(setup="mlp_sgd", lr=1.0, seed=100), steps=30)
+    assert saved["steps"] == 30 and saved["rescues"] >= 1  # lr 1 explodes within a few steps
+    healthy = bench_guard.guard_run(dict(setup="mlp_sgd", lr=0.01, seed=100), steps=30)
+    assert healthy["rescues"] == 0 and not healthy["collapsed"]
+    runs = [dict(setup="mlp_sgd", collapsed=True), dict(setup="mlp_sgd", collapsed=False)]
+    text = bench_guard.guard_table(runs, [saved, healthy], ["mlp_sgd"])
+    assert f"| mlp_sgd | {int(not saved['collapsed'])}/1 | 0/1 |" in text
