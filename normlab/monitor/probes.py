@@ -1,7 +1,7 @@
 """Probes: per-step scalars a monitor records beside its per-layer records (transformers' instabilities).
 
 A probe watches one quantity that no conv/linear record shows. Each value is keyed ``"<probe>/<module name>"``
-(the keys of :attr:`normlab.monitor.rules.StepContext.probes`):
+(the keys of ``StepContext.probes``):
 
 - :class:`AttentionLogitProbe` (``attn_logit``): the largest attention logit :math:`\\max |q \\cdot k| \\cdot s`
   (:math:`s = 1/\\sqrt{d}` unless the call says otherwise) of every attention, over the query/key pairs its mask
@@ -10,8 +10,8 @@ A probe watches one quantity that no conv/linear record shows. Each value is key
 - :class:`ResidualStreamProbe` (``residual_rms``): the rms of the input of every LayerNorm/RMSNorm, i.e. the
   residual stream of a pre-LN transformer where each block reads it.
 - :class:`NormGainProbe` (``norm_gain``): the rms of every LayerNorm/RMSNorm gain (weight).
-- :class:`OutputLogitProbe` (``logit_rms``, ``logit_max``): rms and max |.| of the model's output logits (output-logit
-  divergence, the second instability of Wortsman et al.).
+- :class:`OutputLogitProbe` (``logit_rms``, ``logit_max``): rms and largest absolute value of the model's output
+  logits (output-logit divergence, the second instability of Wortsman et al.).
 
 Probes cost nothing between recorded steps: :class:`ProbeSet` attaches their hooks when a recorded step starts
 (:meth:`ProbeSet.start`) and removes them when it ends (:meth:`ProbeSet.stop`, which reads every value back in one
@@ -332,7 +332,7 @@ class NormGainProbe(Probe):
 
 
 class OutputLogitProbe(Probe):
-    """``logit_rms/output`` and ``logit_max/output``: rms and max |.| of the model's output logits.
+    """``logit_rms/output`` and ``logit_max/output``: rms and largest absolute value of the model's output logits.
 
     The output is the model's return value: a tensor, the ``logits`` of a Hugging Face output, or the first element
     of a tuple.

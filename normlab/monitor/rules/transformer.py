@@ -1,7 +1,7 @@
 """Transformer rules: growth of the probes' scalars (:mod:`normlab.monitor.probes`) on recorded steps.
 
-Each rule watches one probe (every key ``"<probe>/<module>"`` of :attr:`StepContext.probes` with that prefix) and
-raises an alarm when a value stays above
+Each rule watches one probe (every key ``"<probe>/<module>"`` of ``StepContext.probes`` with that prefix) and
+raises an event (of the rule's ``severity``) when a value stays above
 
 .. math::
     \\text{threshold} = \\max(\\text{floor},\\; \\text{factor} \\times \\text{baseline})
