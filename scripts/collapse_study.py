@@ -1,4 +1,5 @@
-"""Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d`` (docs/monitor.md).
+"""Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d``
+(docs/research/monitor_calibration.md).
 
     python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
     python scripts/collapse_study.py analyze  [--out runs/collapse_study]
@@ -13,7 +14,7 @@ JSONL per run (first line: the run's header with the layer list; then one line p
 norm and per layer output_var, shift_term, variance_term, input_sq). A finished run is not rerun. ``analyze`` fits
 every candidate rule's threshold on one half of the seeds (seed parity) and reports it on the other, then swaps.
 ``evaluate`` fits nothing: it scores the rules the library ships, with their default thresholds, on every complete
-seed (the held-out width 1.0: docs/monitor.md), replaying the detector classes on the records.
+seed (the held-out width 1.0: docs/research/monitor_calibration.md), replaying the detector classes on the records.
 ``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
 ``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
 learning rate (the regime warning's ``details["suggested_lr"]``), the same run restarted at that rate.
@@ -38,7 +39,7 @@ from torch import nn
 
 NORMS = {"none": ("none", "conv"), "bn": ("bn", "conv"), "pws": ("none", "pws")}
 LRS = (0.05, 0.1, 0.2)
-WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (docs/monitor.md)
+WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (docs/research/monitor_calibration.md)
 CONTROL_LR = 0.01  # healthy controls: BN at lr 0.01
 STEPS = 300
 BATCH = 128
@@ -666,8 +667,8 @@ def choose_guard(runs):
 
 
 def round3(raw_runs) -> str:
-    """Round 3's choices on the calibration runs (docs/monitor.md): the regime rule (ratio, window) and the guard's
-    (confirm, loss_climb), with the score of every candidate."""
+    """Round 3's choices on the calibration runs (docs/research/monitor_calibration.md): the regime rule (ratio,
+    window) and the guard's (confirm, loss_climb), with the score of every candidate."""
     runs = [prepare(r) for r in raw_runs]
     out = [f"{len(runs)} calibration runs, seeds {sorted({r['cfg']['seed'] for r in runs})}"]
     out += _outcomes([{**r, "test_acc": None} for r in runs])
@@ -684,8 +685,9 @@ def round3(raw_runs) -> str:
 
 
 def round4(raw_runs) -> str:
-    """Round 4's choice (docs/monitor.md): the round-3 guard with and without ``chance_loss = ln 10`` (the loss
-    climb measured towards chance, and a waiting alarm confirmed by a dead network), on the calibration runs."""
+    """Round 4's choice (docs/research/monitor_calibration.md): the round-3 guard with and without
+    ``chance_loss = ln 10`` (the loss climb measured towards chance, and a waiting alarm confirmed by a dead network),
+    on the calibration runs."""
     runs = [prepare(r) for r in raw_runs if r["cfg"]["norm"] != "bn"]
     out = [f"{len(runs)} calibration runs (none/pws), seeds {sorted({r['cfg']['seed'] for r in runs})}"]
     scores = {}

@@ -1,4 +1,5 @@
-"""scripts/collapse_study.py, which produces the calibration record docs/monitor.md, on tiny and synthetic runs."""
+"""scripts/collapse_study.py, which produces the calibration record docs/research/monitor_calibration.md, on tiny
+and synthetic runs."""
 
 from __future__ import annotations
 

@@ -321,4 +321,4 @@ def test_section_c_says_why_when_no_collapsed_run_raised_the_regime_warning(tmp_
     demo["evidence"]["diagnoses"]["collapse"]["none_s0"]["risk"] = None
     lines, _ = _diagnosis_section(out, demo, demo["evidence"])
     (note,) = [x for x in lines if x.startswith("No run here raised the regime warning")]
-    assert "10x its variance term for 2 steps" in note and "docs/monitor.md, round 5" in note
+    assert "10x its variance term for 2 steps" in note and "docs/research/monitor_calibration.md, round 5" in note

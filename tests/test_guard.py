@@ -526,3 +526,22 @@ def test_checkpoint_snapshots_false_keeps_the_state_to_counters_and_the_resume_r
     other = CollapseGuard(model, opt, every=2)
     other.load_state_dict(state)
     assert [s.step for s in other._snapshots] == [guard.steps] and other._armed is None
+
+
+@pytest.mark.parametrize("own_schedule", [False, True])
+def test_a_rescue_keeps_the_rate_of_a_schedule_the_guard_does_not_own(own_schedule):
+    """Without schedulers the loop's own schedule is not rolled back: the rate after a rescue is the rate in use at
+    the trouble times lr_factor (so the loop need not set it again); with them, the snapshot's rate times it."""
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[7], gamma=0.1)
+    guard = CollapseGuard(model, opt, every=5, margin=0, max_rescues=1, schedulers=[sched] if own_schedule else ())
+    for t, (x, y) in enumerate(_batches(9)):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y) * (math.nan if t == 8 else 1.0)
+        loss.backward()
+        guard.step(loss)
+        sched.step()  # the loop's per-step schedule: 0.1 until step 7, then 0.01
+    (r,) = guard.rescues
+    assert (r.restored_step, r.lr_before) == (5, pytest.approx(0.01))
+    assert r.lr_after == pytest.approx(0.05 if own_schedule else 0.005) == opt.param_groups[0]["lr"]

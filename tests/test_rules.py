@@ -183,7 +183,7 @@ def test_state_dict_round_trip_restores_the_rule_exactly(name, tmp_path):
 
 # ------------------------------------------------------------------------------------------ a user's rule
 class HeadVarianceAbove(Rule):
-    """The README's example rule: an alarm when the output layer's output variance exceeds a limit."""
+    """The guide's example rule (docs/monitor.md): an alarm when the output layer's output variance exceeds a limit."""
 
     name = "head_variance"
     needs_loss = False
@@ -337,3 +337,12 @@ def test_a_log_written_before_the_rules_loads_as_the_alarm_the_rules_raise_today
         old.value,
     )
     assert new.details == old.details and new.message == old.message
+
+
+def test_the_cli_reads_an_old_log_and_prints_its_alarm(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from normlab.cli import main as cli_main
+
+    assert cli_main(["monitor", str(DATA / "monitor_log_before_rules.jsonl"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "collapse warning at step 5: layer '2' output_var_growth" in out and "[countdown]" in out

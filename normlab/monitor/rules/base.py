@@ -197,7 +197,9 @@ class Rule:
             only when a rule due at the step needs it, so rules that never read it say False.
 
     The default :meth:`state_dict` returns ``{}`` and :meth:`load_state_dict` accepts it: a rule with state
-    overrides all three methods.
+    overrides all three methods. The base class takes no arguments; a subclass's ``__init__`` holds its thresholds.
+
+    Args:
 
     Example:
         >>> class LossAbove(Rule):

@@ -245,7 +245,8 @@ class CountdownRule(Rule):
 
     With ``every_step`` (the default) it is checked on every optimizer step: on a step that records nothing the
     monitor keeps only each conv/linear layer's output variance (a light step); False: recorded steps only.
-    ``level`` and ``grad_ratio`` are off by default (None). Thresholds and what they achieve: docs/monitor.md.
+    ``level`` and ``grad_ratio`` are off by default (None). What the thresholds achieve:
+    docs/research/monitor_calibration.md.
 
     Args:
         growth: growth-rate threshold (per step, natural log), > 0, or None.

@@ -60,7 +60,7 @@ class DemoProtocol:
     collapse_steps: int = 100
     # (c) guarded twins: section (c)'s runs of guard_norm (same width, lr, steps, monitor) with guard=True, on
     # guard_seeds (the rule was fixed before any guarded run: every demo seed of the unnormalized net); and the same
-    # runs with guard_dead=True (docs/monitor.md, round 5: fixed before they ran)
+    # runs with guard_dead=True (docs/research/monitor_calibration.md, round 5: fixed before they ran)
     guard_norm: str = "none"
     guard_seeds: tuple[int, ...] = (0, 1, 2)
     # (b) batch size, lr scaled linearly, equal epochs on a subset

@@ -184,7 +184,7 @@ def _no_regime_note(cells: list[dict], diag: dict) -> list[str]:
         "No run here raised the regime warning. Its rule (a layer whose output is not normalized downstream, with "
         f"its shift term above {RegimeRule().min_ratio:g}x its variance term for {RegimeRule().window} steps) "
         "was chosen at width 1.0; at width 0.5 it rarely fires (1 of 11 collapsing plain runs on held-out seeds, "
-        "docs/monitor.md, round 5).",
+        "docs/research/monitor_calibration.md, round 5).",
     ]
 
 

@@ -134,12 +134,13 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bo
         f"{GUARD_EVERY} steps before the trouble, or the first one (step 0), and lowers the learning rate; the batches "
         "of the lost steps are not replayed. Trouble is a non-finite loss or gradient, or a loss climbing back "
         "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
-        "rollback then goes back to before the alarm), else it is dismissed (docs/monitor.md, round 3)."
+        "rollback then goes back to before the alarm), else it is dismissed "
+        "(docs/research/monitor_calibration.md, round 3)."
         + (
             f" With --guard-dead a waiting alarm on a net that has not learned (its best {LOSS_WINDOW}-step mean loss"
             f" never below {LEARNED_FRACTION:g} ln 10) keeps waiting, and is confirmed once the net has seen"
             f" {DEAD_AFTER * LOSS_WINDOW} steps and its {LOSS_WINDOW}-step mean is at {AT_CHANCE:g} ln 10 or above;"
-            " the loss climb is measured towards ln 10 (docs/monitor.md, rounds 4 and 5)."
+            " the loss climb is measured towards ln 10 (docs/research/monitor_calibration.md, rounds 4 and 5)."
             if dead
             else ""
         ),
