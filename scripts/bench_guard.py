@@ -73,7 +73,7 @@ def guard_run(cfg: dict, steps: int | None = None) -> dict:
                 kind=lab.kind, seconds=round(time.time() - start, 1))  # fmt: skip
 
 
-def guard_all(out: Path, runs: list[dict], workers: int, log=print) -> list[dict]:
+def guard_all(out: Path, runs: list[dict], workers: int, log=print, steps: int | None = None) -> list[dict]:
     """Guard re-runs of ``runs`` (label dicts from the evaluation), cached in ``out/guard.jsonl``."""
     from concurrent.futures import ProcessPoolExecutor
 
@@ -86,7 +86,7 @@ def guard_all(out: Path, runs: list[dict], workers: int, log=print) -> list[dict
     todo = [r for r in runs if (r["setup"], r["lr"], r["seed"]) not in done]
     with ProcessPoolExecutor(max(1, workers)) as pool, open(cache, "a") as f:
         cfgs = [dict(setup=r["setup"], lr=r["lr"], seed=r["seed"]) for r in todo]
-        for k, res in enumerate(pool.map(guard_run, cfgs)):
+        for k, res in enumerate(pool.map(guard_run, cfgs, [steps] * len(cfgs))):
             f.write(json.dumps(res) + "\n")
             f.flush()
             done[(res["setup"], res["lr"], res["seed"])] = res

@@ -1,7 +1,9 @@
 """Collapse benchmark: does a detector warn before a training run collapses, and how often does it cry wolf?
 
-    python scripts/collapse_bench.py collect  --out runs/bench --seeds 300-305 --workers 2
-    python scripts/collapse_bench.py evaluate --out runs/bench --seeds 300-305 [--json table.json]
+    python scripts/collapse_bench.py all      --out runs/collapse_bench --seeds 300-302 --workers 2  # the three below
+    python scripts/collapse_bench.py collect  --out runs/collapse_bench --seeds 300-302 --workers 2
+    python scripts/collapse_bench.py evaluate --out runs/collapse_bench --seeds 300-302 [--json table.json]
+    python scripts/collapse_bench.py guard    --out runs/collapse_bench --seeds 300-302 --guard-healthy 3
 
 ``collect`` trains every run of the protocol (set-up x learning rate x seed; the set-ups are in
 scripts/bench_setups.py) and writes one JSONL per run: a header line (set-up, lr, seed, chance loss), then one line per
@@ -20,8 +22,10 @@ runs (:func:`normlab.monitor.rules.replay`), so detectors are compared on identi
 - *false alarms per 10 healthy runs*: healthy runs with any alarm, per 10 healthy runs.
 
 The monitor's records are replayed every ``--every`` steps (default 10, the monitor's default recording interval);
-rules with ``every_step = True`` see every step's scalars (loss, gradient norm). Seeds 200-209 are the pilot's
-(thresholds were fixed on them), 300-309 the report's; seeds below 100 are never used.
+rules with ``every_step = True`` see every step's scalars (loss, gradient norm). ``guard`` trains runs again under
+the default :class:`normlab.monitor.CollapseGuard` (scripts/bench_guard.py). Seed 200 was the pilot's (the set-up
+grid and the transformer rules' thresholds were fixed on it), 300-302 the report's (docs/monitor_benchmark.md);
+seeds below 100 are never used.
 """
 
 from __future__ import annotations
@@ -186,23 +190,24 @@ def parse_seeds(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("command", choices=("collect", "evaluate", "guard"))
+    p.add_argument("command", choices=("all", "collect", "evaluate", "guard"))
     p.add_argument("--out", default="runs/collapse_bench")
-    p.add_argument("--seeds", default="300-305")
+    p.add_argument("--seeds", default="300-302")
     p.add_argument("--setups", default=",".join(SETUPS))
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--steps", type=int, default=None, help="override every set-up's step count (tests)")
     p.add_argument("--every", type=int, default=10, help="evaluate: the monitor's recording interval replayed")
     p.add_argument("--json", default=None, help="evaluate/guard: also write the table as JSON here")
-    p.add_argument("--guard-healthy", type=int, default=None, help="guard: at most this many healthy runs per set-up")
+    p.add_argument("--guard-healthy", type=int, default=3, help="guard: at most this many healthy runs per set-up")
     args = p.parse_args(argv)
     seeds, setups = parse_seeds(args.seeds), [s for s in args.setups.split(",") if s]
     for s in setups:
         if s not in SETUPS:
             raise SystemExit(f"collapse_bench: unknown set-up {s!r}; expected one of {', '.join(SETUPS)}")
-    if args.command == "collect":
+    if args.command in ("collect", "all"):
         collect(Path(args.out), seeds, setups, args.workers, args.steps)
-        return 0
+        if args.command == "collect":
+            return 0
     if args.command == "guard":
         return _guard(args, seeds, setups)
     from bench_evaluate import evaluate_dir
@@ -211,6 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table["markdown"])
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1))
+    if args.command == "all":
+        args.json = None if args.json is None else str(Path(args.json).with_suffix(".guard.json"))
+        return _guard(args, seeds, setups)
     return 0
 
 
@@ -234,7 +242,7 @@ def _guard(args, seeds, setups) -> int:
                     continue
             kept.append(r)
         runs = kept
-    guarded = guard_all(Path(args.out), runs, args.workers, log=lambda s: print(s, flush=True))
+    guarded = guard_all(Path(args.out), runs, args.workers, log=lambda s: print(s, flush=True), steps=args.steps)
     text = guard_table(runs, guarded, setups)
     print(text)
     if args.json:

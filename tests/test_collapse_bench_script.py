@@ -42,6 +42,15 @@ def test_collect_and_evaluate_end_to_end(tmp_path, capsys):
     assert all(len(v) == len(files) for v in data["alarms"].values())
 
 
+def test_all_runs_collect_evaluate_and_guard(tmp_path, capsys):
+    out = tmp_path / "runs"
+    args = ["--out", str(out), "--seeds", "101", "--setups", "mlp_sgd", "--steps", "12", "--workers", "1"]
+    assert collapse_bench.main(["all", *args, "--guard-healthy", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "| detector |" in text and "| set-up | collapsing runs saved | healthy runs changed |" in text
+    assert (out / "guard.jsonl").exists()
+
+
 def test_reserved_seeds_refused():
     with pytest.raises(SystemExit, match="reserved"):
         collapse_bench.parse_seeds("3-5")
