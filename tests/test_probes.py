@@ -171,3 +171,28 @@ def test_docstring_examples(name):
     mod = importlib.import_module(name)
     result = doctest.testmod(mod, extraglobs={"torch": torch, "nn": nn}, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_hf_llama_eager_and_sdpa_agree():
+    """Two independent mechanisms (softmax input inside the attention module; the SDPA call with grouped-query keys
+    after rotary embeddings) give the same logit max on the same Llama (built from a tiny config)."""
+    transformers = pytest.importorskip("transformers")
+    got = {}
+    for impl in ("eager", "sdpa"):
+        cfg = transformers.LlamaConfig(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=20, max_position_embeddings=16, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+        )  # fmt: skip
+        cfg._attn_implementation = impl
+        torch.manual_seed(105)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(200)
+        ps = ProbeSet(model, [AttentionLogitProbe()])
+        ps.start()
+        model(torch.randint(0, 20, (2, 9)))
+        got[impl] = ps.stop()
+    assert sorted(got["eager"]) == ["attn_logit/model.layers.0.self_attn", "attn_logit/model.layers.1.self_attn"]
+    for key, value in got["eager"].items():
+        assert value > 0.5 and got["sdpa"][key] == pytest.approx(value, rel=1e-4)
