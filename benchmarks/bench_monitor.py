@@ -13,6 +13,11 @@ unmonitored median, and the min / median / max of the per-round ratios (variant 
     .venv/bin/python benchmarks/bench_monitor.py --out runs/bench_monitor.json                 # the plain net
     .venv/bin/python benchmarks/bench_monitor.py --model plain1d --width 0.5 --batch-size 128  # the demo's net
     .venv/bin/python benchmarks/bench_monitor.py --model resnet50 --size 224 --batch-size 8 --steps 10 --repeats 3
+    .venv/bin/python benchmarks/bench_monitor.py --model gpt --batch-size 8 --probes   # the collapse benchmark's GPT
+
+``--probes`` adds the variant ``every=10 + probes``: the default monitor plus the transformer probes
+(:class:`normlab.monitor.probes.ProbeSet`, attached on the recorded steps only). ``--model gpt`` is the collapse
+benchmark's pre-LN character-level GPT (scripts/bench_setups.py: d 64, 2 layers, context 64) on random token ids.
 
 The machine may be shared with other jobs: compare the ratios, not absolute times, and rerun if noisy.
 """
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from normlab.monitor import VarianceMonitor
+from normlab.monitor.probes import ProbeSet
 from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
 from normlab.runner.models import build_model
 
@@ -47,9 +53,9 @@ VARIANTS = {  # name: VarianceMonitor arguments, made fresh per model (None: unm
 
 
 def _model_name(text: str) -> str:
-    if text in ("plain", "plain1d", "resnet50") or (text.startswith("timm:") and len(text) > 5):
+    if text in ("plain", "plain1d", "resnet50", "gpt") or (text.startswith("timm:") and len(text) > 5):
         return text
-    raise argparse.ArgumentTypeError(f"expected plain, plain1d, resnet50 or timm:<name>, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected plain, plain1d, resnet50, gpt or timm:<name>, got {text!r}")
 
 
 def make_model(name: str, norm: str, in_channels: int, size: int, width: float) -> tuple[nn.Module, str, tuple]:
@@ -59,6 +65,13 @@ def make_model(name: str, norm: str, in_channels: int, size: int, width: float) 
 
         arch = name.split(":", 1)[1]
         return timm.create_model(arch, pretrained=False), f"timm.create_model('{arch}')", (3, size, size)
+    if name == "gpt":
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+        from bench_setups import CONTEXT, CharGPT
+
+        return CharGPT(96), "scripts/bench_setups.py CharGPT(96)", (CONTEXT,)
     if name == "resnet50":
         import torchvision
 
@@ -94,37 +107,51 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/bench_monitor.json"))
+    p.add_argument("--probes", action="store_true", help="add the variant every=10 + probes")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base, source, shape = make_model(args.model, args.norm, args.channels, args.size, args.width)
     classes = 1000 if args.model == "resnet50" or args.model.startswith("timm:") else 10
     gen = torch.Generator().manual_seed(0)
-    data = [
-        (
-            torch.randn(args.batch_size, *shape, generator=gen),
-            torch.randint(0, classes, (args.batch_size,), generator=gen),
-        )
-        for _ in range(args.steps)
-    ]
+    if args.model == "gpt":
+        data = [(t[:, :-1], t[:, 1:]) for t in (torch.randint(0, 96, (args.batch_size, shape[0] + 1), generator=gen)
+                                                for _ in range(args.steps))]  # fmt: skip
+    else:
+        data = [
+            (
+                torch.randn(args.batch_size, *shape, generator=gen),
+                torch.randint(0, classes, (args.batch_size,), generator=gen),
+            )
+            for _ in range(args.steps)
+        ]
+    specs = dict(VARIANTS)
+    if args.probes:
+        specs["every=10 + probes"] = lambda: {"every": 10}
 
     variants = {}
-    for name, kwargs in VARIANTS.items():
+    for name, kwargs in specs.items():
         model = copy.deepcopy(base).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
         mon = VarianceMonitor(model, **kwargs()) if kwargs else None
-        variants[name] = (model, opt, mon)
+        probes = ProbeSet(model) if name.endswith("+ probes") else None
+        variants[name] = (model, opt, mon, probes)
 
-    def run_block(model, opt, mon, batches=data) -> float:
+    def run_block(model, opt, mon, probes, batches=data) -> float:
         t0 = time.perf_counter()
         for x, y in batches:
-            loss = F.cross_entropy(model(x), y)
+            if probes is not None and mon.is_recording:
+                probes.start()
+            out = model(x)
+            loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if mon is None:
                 opt.step()
             else:
                 mon.step(opt)
+            if probes is not None:
+                probes.stop()
         return (time.perf_counter() - t0) / len(batches)
 
     for v in variants.values():  # warm-up: 2 steps (the first is a recording step of every monitor)
@@ -156,7 +183,7 @@ def main(argv=None) -> int:
         "norm": args.norm,
         "width": args.width,
         "input_shape": [args.batch_size, *shape],
-        "variants": {k: None if f is None else {n: repr(v) for n, v in f().items()} for k, f in VARIANTS.items()},
+        "variants": {k: None if f is None else {n: repr(v) for n, v in f().items()} for k, f in specs.items()},
         "threads": args.threads,
         "steps_per_block": args.steps,
         "repeats": args.repeats,

@@ -60,4 +60,14 @@ def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thr
     assert "timm.create_model('resnet10t')" in printed and "every=10 (default)" in printed
     with pytest.raises(SystemExit):
         bench.main(["--model", "timm:"])
-    assert "expected plain, plain1d, resnet50 or timm:<name>, got 'timm:'" in capsys.readouterr().err
+    assert "expected plain, plain1d, resnet50, gpt or timm:<name>, got 'timm:'" in capsys.readouterr().err
+
+
+def test_bench_monitor_gpt_with_probes(tmp_path, one_thread, capsys):
+    bench = _load("bench_monitor")
+    out = tmp_path / "g.json"
+    argv = ["--model", "gpt", "--batch-size", "2", "--steps", "10", "--repeats", "1", "--probes"]
+    bench.main([*argv, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "CharGPT" in printed and "every=10 + probes" in printed
+    assert "every=10 + probes" in json.loads(out.read_text())["ratio_to_unmonitored"]

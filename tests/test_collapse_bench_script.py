@@ -1,0 +1,100 @@
+"""scripts/collapse_bench.py: collect + evaluate end to end on a tiny budget, and the scoring definitions."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench_evaluate  # noqa: E402
+import collapse_bench  # noqa: E402
+
+
+def test_collect_and_evaluate_end_to_end(tmp_path, capsys):
+    out = tmp_path / "runs"
+    args = ["--out", str(out), "--seeds", "100", "--setups", "gpt_nowarmup,mlp_sgd", "--steps", "12"]
+    assert collapse_bench.main(["collect", *args, "--workers", "1"]) == 0
+    files = sorted(out.glob("*.jsonl"))
+    assert len(files) == len(collapse_bench.configs([100], ["gpt_nowarmup", "mlp_sgd"]))
+    header, steps = collapse_bench.load_run(files[0])
+    assert header["header"] and header["seed"] == 100 and header["chance_loss"] > 0
+    line = steps[0]
+    assert {"step", "loss", "grad_norm", "lrs", "records", "probes"} <= set(line)
+    assert line["records"] and all("layer" in r for r in line["records"])
+    gpt = [f for f in files if f.name.startswith("gpt")][0]
+    assert any(k.startswith("attn_logit/") for k in collapse_bench.load_run(gpt)[1][0]["probes"])
+    mtime = files[0].stat().st_mtime_ns
+    collapse_bench.main(["collect", *args, "--workers", "1"])  # finished runs are not rerun
+    assert files[0].stat().st_mtime_ns == mtime
+    capsys.readouterr()
+    table = tmp_path / "table.json"
+    assert collapse_bench.main(["evaluate", *args, "--every", "2", "--json", str(table)]) == 0
+    text = capsys.readouterr().out
+    assert "| detector |" in text and "gpt_nowarmup" in text
+    data = json.loads(table.read_text())
+    assert len(data["runs"]) == len(files)
+    assert "transformer:attn_logit_growth" in data["alarms"] and "practitioner:loss_spike" in data["alarms"]
+    assert all(len(v) == len(files) for v in data["alarms"].values())
+
+
+def test_all_runs_collect_evaluate_and_guard(tmp_path, capsys):
+    out = tmp_path / "runs"
+    args = ["--out", str(out), "--seeds", "101", "--setups", "mlp_sgd", "--steps", "12", "--workers", "1"]
+    assert collapse_bench.main(["all", *args, "--guard-healthy", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "| detector |" in text and "| set-up | collapsing runs saved | healthy runs changed |" in text
+    assert (out / "guard.jsonl").exists()
+
+
+def test_reserved_seeds_refused():
+    with pytest.raises(SystemExit, match="reserved"):
+        collapse_bench.parse_seeds("3-5")
+    assert collapse_bench.parse_seeds("300-302,310") == [300, 301, 302, 310]
+
+
+def test_score_definitions():
+    runs = [
+        dict(collapsed=False, step=None),  # healthy
+        dict(collapsed=False, step=None),  # healthy
+        dict(collapsed=True, step=50),  # warnable
+        dict(collapsed=True, step=50),  # warnable
+        dict(collapsed=True, step=3),  # too early to warn
+        dict(collapsed=True, step=None),  # never learned: not warnable
+    ]
+    alarms = {"d": [None, 7, 40, 47, 0, 1]}
+    s = bench_evaluate.score(runs, alarms)["d"]
+    assert (s["warned"], s["warnable"]) == (1, 2)  # 47 is only 3 steps ahead
+    assert s["median_lead"] == 10
+    assert (s["false_alarms"], s["healthy"], s["fa_per_10"]) == (1, 2, 5.0)
+
+
+def test_contexts_replay_the_recording_interval():
+    steps = [
+        dict(step=s, loss=2.0, grad_norm=1.0, lrs=[0.1], probes={"attn_logit/a": 1.0},
+             records=[dict(step=s, layer="0", index=0, kind="linear", output_var=1.0, type="Linear"),
+                      dict(step=s, layer="1", index=1, kind="norm", output_var=1.0),
+                      dict(step=s, layer="2", index=2, kind="linear", output_var=1.0)])
+        for s in range(6)
+    ]  # fmt: skip
+    got = list(bench_evaluate.contexts(steps, every=3))
+    assert [c.recorded for c, _ in got] == [True, False, False, True, False, False]
+    assert got[1][0].probes == {} and got[3][0].probes == {"attn_logit/a": 1.0}
+    assert got[0][0].feeds_norm == frozenset({"0"}) and got[0][0].output_layer == "2"
+    assert {r["layer"] for r in got[1][1]} == {"0", "2"} and "type" not in got[1][1][0]  # light records
+
+
+def test_guard_run_and_table():
+    import bench_guard
+
+    saved = bench_guard.guard_run(dict(setup="mlp_sgd", lr=1.0, seed=100), steps=30)
+    assert saved["steps"] == 30 and saved["rescues"] >= 1  # lr 1 explodes within a few steps
+    healthy = bench_guard.guard_run(dict(setup="mlp_sgd", lr=0.01, seed=100), steps=30)
+    assert healthy["rescues"] == 0 and not healthy["collapsed"]
+    runs = [dict(setup="mlp_sgd", collapsed=True), dict(setup="mlp_sgd", collapsed=False)]
+    text = bench_guard.guard_table(runs, [saved, healthy], ["mlp_sgd"])
+    assert f"| mlp_sgd | {int(not saved['collapsed'])}/1 | 0/1 |" in text
