@@ -189,7 +189,7 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("command", choices=("all", "collect", "evaluate", "guard"))
     p.add_argument("--out", default="runs/collapse_bench")
     p.add_argument("--seeds", default="300-302")

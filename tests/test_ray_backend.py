@@ -193,8 +193,9 @@ def test_ray_retries_a_cell_whose_worker_is_killed(ray_cluster, tmp_path):
 def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_cluster, tmp_path):
     address = ray_cluster.get_runtime_context().gcs_address
     out = tmp_path / "grid"
-    # lr 1000 diverges in its first epoch (a finished, collapsed cell); lr 0.05 trains for minutes
-    slow, fast = expand_grid(_spec(norms=("none",), lrs=(0.05, 1000.0), epochs=400, max_steps_per_epoch=5))
+    # lr 1000 diverges in its first epoch (a finished, collapsed cell); lr 0.05 trains for minutes (4000 epochs:
+    # about 400 s, so that a loaded machine still interrupts it long before its end)
+    slow, fast = expand_grid(_spec(norms=("none",), lrs=(0.05, 1000.0), epochs=4000, max_steps_per_epoch=5))
     argv = [
         sys.executable,
         "-m",
@@ -213,7 +214,7 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
         "--seeds",
         "0",
         "--epochs",
-        "400",
+        "4000",
         "--width",
         "0.125",
         "--max-steps-per-epoch",
