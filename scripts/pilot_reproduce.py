@@ -1,8 +1,9 @@
 """The pilot that fixed ``normlab reproduce``'s protocol: its slowest cells on pilot seeds, with the plateau check.
 
-``python scripts/pilot_reproduce.py OUT [SEED]``: trains, with FULL_PROTOCOL's settings, the unnormalized net, WN,
-GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section (b)'s batch sizes (PWS at 4 and 2, BN
-at 128 and 2, GN at 2), then prints each run's final accuracy and its plateau check before the first lr decay.
+``python scripts/pilot_reproduce.py OUT [SEED] [small]``: trains, with FULL_PROTOCOL's settings, the unnormalized
+net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section (b)'s batch sizes (PWS at 4
+and 2, BN at 128 and 2, GN at 2; ``small``: only the cells of the second pilot, :data:`SMALL`), then prints each
+run's final accuracy and its plateau check.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from normlab.runner.experiments.demo.experiment import demo_sections
 from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL
 from normlab.runner.grid.execute import plan_grid, run_cells
 
+SMALL = {  # the second pilot, after the schedule moved: the cells that had missed the plateau, and the slowest learner
+    "lr_sweep": {("none", 128)},
+    "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2)},
+}
 PICKS = {
     "lr_sweep": {("none", 128), ("wn", 128), ("gn", 128), ("bn", 128)},
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2), ("gn", 2)},
@@ -26,15 +31,16 @@ PICKS = {
 
 def main(argv: list[str]) -> int:
     out, seed = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 200
+    picks = SMALL if argv[2:] == ["small"] else PICKS
     p = dataclasses.replace(FULL_PROTOCOL, seeds=(seed,), guard_seeds=(seed,))
     sections = demo_sections(p)
     sections["lr_sweep"] = dataclasses.replace(sections["lr_sweep"], lrs=(min(p.lrs),))
-    grids = [plan_grid(COMPARE, sections[k], out / k, data_cache=out / "data") for k in PICKS]
-    for g, k in zip(grids, PICKS):
-        g.cells = [c for c in g.cells if (c.name, c.batch_size) in PICKS[k]]
+    grids = [plan_grid(COMPARE, sections[k], out / k, data_cache=out / "data") for k in picks]
+    for g, k in zip(grids, picks):
+        g.cells = [c for c in g.cells if (c.name, c.batch_size) in picks[k]]
         g.start()
     run_cells(grids, workers=1, threads=1, progress=False)
-    for g, k in zip(grids, PICKS):
+    for g, k in zip(grids, picks):
         for c in g.cells:
             s = json.loads((g.cell_dir(c) / "summary.json").read_text())
             print(k, c.cell_id, f"acc {s.get('final_test_acc')}", plateau_check(g.cell_dir(c)))
