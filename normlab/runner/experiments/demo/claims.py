@@ -241,7 +241,7 @@ def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
             _row(
                 "3",
                 NOT_TESTABLE,
-                f"not at their plateau: {'; '.join(unplateaued[:3])}"
+                f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
                 f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
                 f"information, {nums}",
             )

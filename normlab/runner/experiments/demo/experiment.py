@@ -274,5 +274,5 @@ def run_demo(
     }
     demo["evidence"] = collect_evidence(out, demo["sections"])
     atomic_write_json(out / "demo.json", demo)
-    render_demo_report(demo, out)
+    render_demo_report(demo, out, fresh=True)
     return demo

@@ -380,12 +380,13 @@ def _twins_md(demo: dict, evidence: dict, out: Path, section: str, figure: str) 
     return [heading, "", *lines, ""], plot
 
 
-def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike, fresh: bool = False) -> list[Path]:
     """Write ``report.md`` and the plots; returns the paths written. The evidence from the runs' files
     (:func:`~normlab.runner.experiments.demo.claims.collect_evidence`) is gathered again where the runs' files are
-    in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs)."""
+    in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs); ``fresh=True``: the
+    caller has just gathered it from these files (``run_demo``), so it is not read twice."""
     out = Path(out_dir)
-    if (out / "collapse" / "runs").is_dir() or not demo.get("evidence"):
+    if not (fresh and demo.get("evidence")) and ((out / "collapse" / "runs").is_dir() or not demo.get("evidence")):
         demo = {**demo, "evidence": collect_evidence(out, demo["sections"])}
     evidence = demo["evidence"]
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
