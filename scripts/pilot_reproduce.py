@@ -1,8 +1,9 @@
 """The pilot that fixed ``normlab reproduce``'s protocol: its slowest cells on pilot seeds, with the plateau check.
 
-``python scripts/pilot_reproduce.py OUT [SEED] [small]``: trains, with FULL_PROTOCOL's settings, the unnormalized
-net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section (b)'s batch sizes (PWS at 4
-and 2, BN at 128 and 2, GN at 2; ``small``: only the cells of the second pilot, :data:`SMALL`), then prints each
+``python scripts/pilot_reproduce.py OUT [SEED] [small|batch2 [MAX_STEPS]]``: trains, with FULL_PROTOCOL's
+settings, the unnormalized net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section
+(b)'s batch sizes (PWS at 4 and 2, BN at 128 and 2, GN at 2); ``small``: only the cells of the second pilot
+(:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b). It prints each
 run's final accuracy and its plateau check.
 """
 
@@ -23,6 +24,7 @@ SMALL = {  # the second pilot, after the schedule moved: the cells that had miss
     "lr_sweep": {("none", 128)},
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2)},
 }
+BATCH2 = {"batch_size": {("bn", 2), ("pws", 2)}}  # the third pilot: batch 2 with twice the steps
 PICKS = {
     "lr_sweep": {("none", 128), ("wn", 128), ("gn", 128), ("bn", 128)},
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2), ("gn", 2)},
@@ -31,15 +33,17 @@ PICKS = {
 
 def main(argv: list[str]) -> int:
     out, seed = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 200
-    picks = SMALL if argv[2:] == ["small"] else PICKS
+    picks = {"small": SMALL, "batch2": BATCH2}.get(argv[2] if len(argv) > 2 else "", PICKS)
     p = dataclasses.replace(FULL_PROTOCOL, seeds=(seed,), guard_seeds=(seed,))
+    if len(argv) > 3:  # the cap on an epoch's steps in (b)
+        p = dataclasses.replace(p, batch_max_steps=int(argv[3]))
     sections = demo_sections(p)
     sections["lr_sweep"] = dataclasses.replace(sections["lr_sweep"], lrs=(min(p.lrs),))
     grids = [plan_grid(COMPARE, sections[k], out / k, data_cache=out / "data") for k in picks]
     for g, k in zip(grids, picks):
         g.cells = [c for c in g.cells if (c.name, c.batch_size) in picks[k]]
         g.start()
-    run_cells(grids, workers=1, threads=1, progress=False)
+    run_cells(grids, workers=2 if picks is BATCH2 else 1, threads=1, progress=False)
     for g, k in zip(grids, picks):
         for c in g.cells:
             s = json.loads((g.cell_dir(c) / "summary.json").read_text())

@@ -118,7 +118,7 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
     assert demo["mode"] == "smoke" and demo["quick"]
     assert set(demo["evidence"]["plateau_all"]) == set(demo["sections"])
     report = (out / "report.md").read_text()
-    assert report.startswith("# normlab reproduce") and "2 epochs, lr x0.1 after 0.5 of them" in report
+    assert report.startswith("# normlab reproduce") and "2 epochs, lr x0.1 after 50 % of them" in report
     assert "| 3 |" in stdout and str(out / "report.md") in stdout
     # resumable: a second call trains nothing
     assert main(["reproduce", "--smoke", "--out", str(out), "--workers", "1", "--threads", "1"]) == 0

@@ -281,7 +281,7 @@ def _budget(p: dict, section: str) -> str:
     epochs = p.get(f"{section}_epochs", 1)
     if epochs <= 1:
         return f"{p[f'{section}_steps']} steps"
-    decay = f", lr x{p['lr_decay']:g} after {' and '.join(f'{f:g}' for f in p['milestones'])} of them"
+    decay = f", lr x{p['lr_decay']:g} after {' and '.join(f'{100 * f:g} %' for f in p['milestones'])} of them"
     return f"{epochs} epochs{decay if p.get('milestones') else ''}"
 
 
@@ -348,8 +348,9 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         "",
     ]
     md += [
-        f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, the monitor recording "
-        f"every step of the first {p['collapse_steps']})",
+        f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, "
+        + (f"{_budget(p, 'collapse')}, " if p.get("collapse_epochs", 1) > 1 else "")
+        + f"the monitor recording every step of the first {p['collapse_steps']})",
         "",
         *diag_lines,
         "",
