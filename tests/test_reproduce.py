@@ -91,7 +91,7 @@ def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
         assert all(c.config.milestones and c.config.epochs >= 5 for c in cells), name
     batch = {c.batch_size: c.config for c in expand_grid(sections["batch_size"])}
     assert cell_steps(batch[128]) == 20 * (20_000 // 128)  # every sample, 20 full epochs at batch 128
-    assert cell_steps(batch[2]) == cell_steps(batch[4]) == 20 * 500
+    assert cell_steps(batch[2]) == cell_steps(batch[4]) == 20 * 1000
     assert batch[2].lr == pytest.approx(0.05 * (2 / 128) ** 0.5)
     collapse = expand_grid(sections["collapse"])[0].config
     assert collapse.monitor_dense_steps == 200 and collapse.monitor_dense_every == 1
