@@ -4,6 +4,7 @@ smoke run), the plateau criterion, and the progress line (runs remaining, ETA) o
 import inspect
 import io
 import json
+import re
 
 import pytest
 
@@ -113,6 +114,7 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
     stdout, err = capsys.readouterr()
     assert "normlab reproduce: 14 runs to train: about" in err
     assert "14/14 runs done, 0 remaining, ETA 0 s" in err  # plain lines: pytest's capture is not a terminal
+    assert re.search(r"\(last: \w+/[^:]+: test acc \d+\.\d %", err)  # the section, the run, accuracy in percent
     assert "\r" not in err
     demo = json.loads((out / "demo.json").read_text())
     assert demo["mode"] == "smoke" and demo["quick"]
