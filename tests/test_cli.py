@@ -285,7 +285,10 @@ def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
 def test_demo_quick_writes_report(tmp_path, capsys):
     rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
     assert rc == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # the estimate comes before the first run (as compare's); --no-progress prints no progress line
+    assert "normlab demo: 14 runs to train: about" in err and "min with 1 worker(s) here" in err
+    assert err.index("runs to train") < err.index("training runs on MNIST-1D") and "remaining" not in err
     report = (tmp_path / "report.md").read_text()
     for section in ("## (a) Learning rate", "## (b) Batch size", "## (c) Collapse diagnosis", "## (d) Cost"):
         assert section in report and section not in out  # the terminal shows the first table, not the report

@@ -234,3 +234,53 @@ def test_array_dataset_augments_only_with_generator():
     assert not torch.equal(aug, plain)
     with pytest.raises(ValueError, match="samples"):
         ArrayDataset(torch.zeros(3, 1, 2, 2), torch.zeros(2, dtype=torch.long))
+
+
+def test_mnist1d_parallel_generation_equals_serial_bit_for_bit(monkeypatch):
+    # the replayed random stream puts every worker at its chunk's exact state: the same arrays as mnist1d's own
+    # serial make_dataset, element for element, at any number of workers (chunk bounds at odd places included)
+    from normlab.runner.data import mnist1d_parallel
+
+    args = mnist1d.generation_args(600)
+    serial = mnist1d._generate(args)
+    state = np.random.get_state()
+    for workers in (2, 3):
+        parallel = mnist1d_parallel.generate(args, workers)
+        for key in ("x", "y", "x_test", "y_test"):
+            assert np.array_equal(parallel[key].astype(serial[key].dtype), serial[key]), (workers, key)
+    np.random.set_state(state)
+    # through the loader (which only goes parallel for large sets): the same arrays, the global state untouched
+    monkeypatch.setattr(mnist1d, "PARALLEL_MIN_SAMPLES", 0)
+    before = np.random.get_state()[1].copy()
+    via = mnist1d._generate(args, workers=2)
+    assert all(np.array_equal(via[k], serial[k]) for k in serial)
+    assert np.array_equal(np.random.get_state()[1], before)
+
+
+def test_mnist1d_parallel_replay_mismatch_is_caught_and_falls_back(monkeypatch):
+    # a replay that does not match mnist1d's draws (here: one draw too many per sample) is detected by the
+    # workers' end states; the loader then generates serially, so the data stay right
+    from normlab.runner.data import mnist1d_parallel
+
+    args = mnist1d.generation_args(300)
+    serial = mnist1d._generate(args)
+    real = np.random.choice
+
+    def extra_draw(*a, **k):
+        np.random.rand()
+        return real(*a, **k)
+
+    def bad_states(args, starts):
+        monkeypatch.setattr(np.random, "choice", extra_draw)
+        try:
+            return draw(args, starts)
+        finally:
+            monkeypatch.setattr(np.random, "choice", real)
+
+    draw = mnist1d_parallel.draw_states
+    monkeypatch.setattr(mnist1d_parallel, "draw_states", bad_states)
+    with pytest.raises(mnist1d_parallel.ReplayMismatch):
+        mnist1d_parallel.generate(args, 2)
+    monkeypatch.setattr(mnist1d, "PARALLEL_MIN_SAMPLES", 0)
+    fallback = mnist1d._generate(args, workers=2)
+    assert all(np.array_equal(fallback[k], serial[k]) for k in serial)

@@ -290,3 +290,17 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
         run_grid(_spec(norms=("gn",)), tmp_path / "g", progress=False, backend="ray")
     assert main(["compare", "--backend", "ray", "--norms", "bn", "--out", str(tmp_path / "cli")]) == 2
     assert not (tmp_path / "cli").exists()  # refused before anything was written
+
+
+def test_the_reproduction_runs_on_ray_with_the_process_pools_results(ray_cluster, tmp_path):
+    # normlab reproduce --backend ray: every section's cells as Ray tasks, the same results as the local pool
+    from normlab.runner.experiments.demo.experiment import run_demo
+    from normlab.runner.experiments.reproduce.mnist1d import SMOKE_PROTOCOL
+
+    kw = dict(protocol=SMOKE_PROTOCOL, mode="smoke", threads=1, progress=False)
+    here = run_demo(tmp_path / "process", workers=1, **kw)
+    there = run_demo(tmp_path / "ray", backend="ray", **kw)
+    assert set(there["sections"]) == set(here["sections"])
+    for name, section in here["sections"].items():
+        assert _without_timing(there["sections"][name]["cells"]) == _without_timing(section["cells"]), name
+    assert _files(tmp_path / "ray" / "lr_sweep") == _files(tmp_path / "process" / "lr_sweep")

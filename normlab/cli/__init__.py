@@ -1,4 +1,4 @@
-"""The ``normlab`` command line: ``demo | train | compare | report | monitor | bench | capsules | export``.
+"""The ``normlab`` command line: ``demo | reproduce | train | compare | report | monitor | bench | capsules | export``.
 
 Each command is one module here with ``add_parser(subparsers)`` (which sets ``run``) and ``run(args) -> int``.
 Every user error is one line, ``normlab <command>: error: <option>: <what was expected>``: option values are
@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from normlab import __version__
 from normlab.runner.errors import RunnerError, error_line
 
-from . import bench, capsules, compare, demo, export, monitor, report, train
+from . import bench, capsules, compare, demo, export, monitor, report, reproduce, train
 from .args import OneLineParser
 
 __all__ = ["main", "build_parser", "COMMANDS"]
 
-COMMANDS = (demo, train, compare, report, monitor, bench, capsules, export)
+COMMANDS = (demo, reproduce, train, compare, report, monitor, bench, capsules, export)
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 

@@ -10,6 +10,7 @@ from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
 
 from .args import MAX_WORKERS, add_out_arg, integer, threads_int
+from .plan import announce_grids
 
 NAME = "demo"
 
@@ -38,7 +39,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help="torch threads per worker (default 1 when several workers run)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress", action="store_true", help="no progress line (runs remaining and ETA after each run)"
+    )
     p.set_defaults(run=run)
     return p
 
@@ -49,7 +52,12 @@ def run(args: argparse.Namespace) -> int:
         for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
             remove_stale_temps(d)
         demo = run_demo(
-            out, quick=args.quick, workers=args.workers, threads=args.threads, progress=not args.no_progress
+            out,
+            quick=args.quick,
+            workers=args.workers,
+            threads=args.threads,
+            progress=not args.no_progress,
+            announce=lambda grids: announce_grids(NAME, grids, args.workers),
         )
     print("\n".join(claims_terminal(demo)))  # the full table opens report.md
     print(

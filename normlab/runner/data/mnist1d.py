@@ -1,7 +1,8 @@
 """MNIST-1D (Greydanus 2020) generated locally at any size, cached on disk under a checksum of its arguments.
 
 ``mnist1d.data.make_dataset`` builds the data set from ten templates with random shifts, scaling, shear and noise
-(length 40). Generating 25,000 samples takes about 10 s, so the arrays are cached as
+(length 40). Generating 25,000 samples takes about 10 s on one core (less with ``workers``,
+:mod:`normlab.runner.data.mnist1d_parallel`), so the arrays are cached as
 ``<cache_dir>/mnist1d_<key>.npz``, where ``key`` is a SHA-256 of the generation arguments; each file also holds a
 SHA-256 of its arrays and is regenerated when that does not match. Generation is deterministic for a given set of
 arguments (mnist1d seeds its generators from ``seed``; normlab restores python's and numpy's global generators
@@ -57,13 +58,27 @@ def arrays_checksum(arrays: dict[str, np.ndarray]) -> str:
     return h.hexdigest()
 
 
-def _generate(args: dict) -> dict[str, np.ndarray]:
+PARALLEL_MIN_SAMPLES = 5000  # below this, starting a worker costs more than it saves
+
+
+def _generate(args: dict, workers: int = 1) -> dict[str, np.ndarray]:
+    """mnist1d's ``make_dataset(args)``, by ``workers`` processes when there are enough samples (bit for bit the
+    same arrays, :mod:`normlab.runner.data.mnist1d_parallel`; serially if its replay does not match)."""
     from mnist1d.data import make_dataset
     from mnist1d.utils import ObjectView
 
+    from normlab.runner.data.mnist1d_parallel import ReplayMismatch, generate
+
     np_state, py_state = np.random.get_state(), random.getstate()
     try:
-        d = make_dataset(ObjectView(dict(args)))
+        d = None
+        if workers > 1 and args["num_samples"] >= PARALLEL_MIN_SAMPLES:
+            try:
+                d = generate(args, workers)
+            except ReplayMismatch:
+                d = None
+        if d is None:
+            d = make_dataset(ObjectView(dict(args)))
     finally:
         np.random.set_state(np_state)
         random.setstate(py_state)
@@ -92,11 +107,11 @@ def _write_cache(path: Path, arrays: dict[str, np.ndarray]) -> None:
     atomic_write(path, lambda f: f.write(buf.getvalue()))
 
 
-def load_mnist1d(num_samples: int = DEFAULT_SAMPLES, cache_dir: str | os.PathLike | None = None):
+def load_mnist1d(num_samples: int = DEFAULT_SAMPLES, cache_dir: str | os.PathLike | None = None, workers: int = 1):
     """``{"x", "y", "x_test", "y_test"}``: float32 (N, 40) signals and int64 labels, 80/20 split.
 
     Read from ``cache_dir`` when a valid cache file exists there, else generated (and cached when ``cache_dir``
-    is given).
+    is given), by ``workers`` processes (the same arrays, bit for bit, as one generates).
     """
     args = generation_args(num_samples)
     key = cache_key(args)
@@ -105,7 +120,7 @@ def load_mnist1d(num_samples: int = DEFAULT_SAMPLES, cache_dir: str | os.PathLik
     if arrays is None and path is not None and path.is_file():
         arrays = _read_cache(path)
     if arrays is None:
-        arrays = _generate(args)
+        arrays = _generate(args, workers)
     if path is not None and not path.is_file():
         _write_cache(path, arrays)
     _memory[key] = arrays

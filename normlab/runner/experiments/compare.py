@@ -35,7 +35,7 @@ def _cost(cell: Cell) -> float:
 def _describe(summary: dict[str, Any]) -> str:
     acc = summary.get("final_test_acc")
     flag = f" COLLAPSED ({summary.get('collapse_reason')})" if summary.get("collapsed") else ""
-    return f"acc {'n/a' if acc is None else f'{acc:.3f}'}{flag}"
+    return f"test acc {'n/a' if acc is None else f'{100 * acc:.1f} %'}{flag}"  # percent, as the summaries
 
 
 COMPARE = Experiment(

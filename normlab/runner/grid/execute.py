@@ -41,6 +41,7 @@ from typing import Any
 
 from normlab.runner.errors import RunError, UsageError, error_line
 from normlab.runner.grid.pool import default_workers, run_jobs
+from normlab.runner.grid.progress import GridProgress
 from normlab.runner.grid.results import read_summary
 from normlab.runner.grid.spec import DictSpec
 from normlab.runner.io import atomic_write_json, remove_stale_temps
@@ -241,19 +242,6 @@ def plan_grid(
     return GridRun(experiment, merged, out, cells, summaries, wanted)
 
 
-class _Progress:
-    def __init__(self, total: int, done: int, enabled: bool, desc: str):
-        from tqdm.auto import tqdm
-
-        self.bar = tqdm(
-            total=total, initial=done, desc=desc, unit="run", disable=not enabled, file=sys.stderr, dynamic_ncols=True
-        )
-
-    def update(self, cell, text: str) -> None:
-        self.bar.update(1)
-        self.bar.set_postfix_str(f"last {cell.cell_id}: {text}")
-
-
 def _raise_failures(grids: Sequence[GridRun]) -> None:
     errors = [(cid, err) for g in grids for cid, err in g.failures.items()]
     if errors:
@@ -312,6 +300,8 @@ def run_cells(
     log: Callable[[str], None] | None = None,
     backend: str = "process",
     address: str | None = None,
+    estimate_s: float | None = None,
+    label: str | None = None,
 ) -> dict[str, Any]:
     """Run every unfinished cell of ``grids``, the most expensive first, with ``threads`` torch threads each
     (default 1 in a pool or on Ray).
@@ -319,6 +309,9 @@ def run_cells(
     ``backend="process"``: in ``workers`` processes (default: one per usable core; 1 runs them in this process).
     ``backend="ray"``: as Ray tasks on the cluster at ``address``, or on a local Ray with ``workers`` x
     ``threads`` CPUs (default: every usable core); see :mod:`normlab.runner.grid.ray_backend`.
+    ``progress``: after each finished cell, one line with the runs done, remaining and the ETA
+    (:class:`~normlab.runner.grid.progress.GridProgress`; ``estimate_s`` is the ETA until the first cell finishes,
+    ``label`` begins the line, default the experiment's).
 
     Returns:
         ``{"cells_run", "workers", "wall_s", "cpu_s"}`` of this call (workers: Ray's CPUs on Ray).
@@ -335,20 +328,31 @@ def run_cells(
     total = done_before + len(jobs)
     if done_before:
         say(f"{first.label}: {done_before} of {total} {first.noun} already done (skipped)")
-    bar, t0, cpu0 = _Progress(total, done_before, progress, first.noun), time.perf_counter(), _cpu_times()
+    bar = GridProgress(
+        [g.experiment.cost(c) for g, c in jobs],
+        done=done_before,
+        label=first.label if label is None else label,
+        noun=first.noun,
+        enabled=progress,
+        estimate_s=estimate_s,
+    )
+    t0, cpu0 = time.perf_counter(), _cpu_times()
+
+    def name(grid: GridRun, cell) -> str:  # several grids (the demo's sections) may share cell ids
+        return f"{grid.out.name}/{cell.cell_id}" if len(grids) > 1 else cell.cell_id
 
     def done(grid: GridRun, cell, summary: dict[str, Any]) -> None:
         grid.record(cell, summary)
-        bar.update(cell, grid.experiment.describe(summary))
+        bar.update(name(grid, cell), grid.experiment.describe(summary), grid.experiment.cost(cell))
 
     def failed(grid: GridRun, cell, error: str) -> None:
         grid.record_failure(cell, error)
-        bar.update(cell, f"FAILED ({error})")
+        bar.update(name(grid, cell), f"FAILED ({error})", grid.experiment.cost(cell))
 
     try:
         n, where = _run_jobs(jobs, done, failed, workers=workers, threads=threads, backend=backend, address=address)
     finally:
-        bar.bar.close()
+        bar.close()
     ran = {"cells_run": len(jobs), "workers": n, "wall_s": time.perf_counter() - t0, "cpu_s": _cpu_times() - cpu0}
     if jobs:
         say(f"{first.label}: ran {len(jobs)} {first.noun} with {where} in {ran['wall_s']:.1f} s")

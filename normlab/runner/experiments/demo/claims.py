@@ -24,6 +24,7 @@ __all__ = [
     "BRN_GAIN",
     "ALARM_SEEDS",
     "PLATEAU_FALL",
+    "PLATEAU_FLOOR",
     "TIME_FLOOR",
     "collect_evidence",
     "plateau_check",
@@ -38,6 +39,7 @@ GAP_VISIBLE = 0.05  # BN's eval - train-mode gap at the smallest batch >= 5 poin
 BRN_GAIN = 0.01  # Batch Renorm recovers a small batch when its accuracy there is >= 1 point above BN's
 ALARM_SEEDS = 2  # the monitor's target: an alarm before the collapse on >= 2 seeds of the unnormalized net
 PLATEAU_FALL = 0.05  # a run is at its plateau when its loss over the last fifth is < 5 % below the fifth before
+PLATEAU_FLOOR = 0.01  # ... or < 0.01 nats below it (the mean probability of the right class moves by < 1 %)
 TIME_FLOOR = 0.03  # two step times closer than 3 % of PWS's (or than their spread) are a tie
 PAPER_HIGH_LR = 0.1  # claim 5's learning rate in the paper (1e-1)
 
@@ -48,7 +50,8 @@ CLAIM_CRITERIA = {
     "2": "reproduced if PWS (gamma 1e-3 or 1e-2) *trains* at a learning rate where claim 1 is reproduced; not "
     "testable where claim 1 is not",
     "3": f"testable only if every BN, GN and PWS run of section (b) reached its plateau (mean training loss over the "
-    f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} % below the fifth before); then reproduced if "
+    f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} % or {PLATEAU_FLOOR:g} nats below the fifth "
+    f"before); then reproduced if "
     f"BN's mean accuracy at the smallest batch is >= {100 * DROP:.0f} points below its batch-128 accuracy while "
     f"PWS's is not",
     "3a": f"reproduced if BN's train-mode accuracy (batch statistics) at the smallest batch is >= "
@@ -82,8 +85,10 @@ REPRODUCED, NOT_REPRODUCED, NOT_TESTABLE = "reproduced", "not reproduced", "not 
 
 # ------------------------------------------------------------------------------------------------- evidence
 def plateau_check(run_dir: Path) -> dict[str, Any] | None:
-    """Has the run's training loss levelled off? The mean over the last fifth of its steps against the fifth
-    before: ``{"steps", "fall" (relative), "plateau"}``; None without a loss trace."""
+    """Has the run's training loss levelled off? The mean over the last fifth of its steps against the fifth before:
+    a plateau when it fell less than :data:`PLATEAU_FALL` of the earlier mean, or less than :data:`PLATEAU_FLOOR`
+    nats (a loss near zero, whose relative changes are noise). ``{"steps", "fall" (relative), "fall_nats",
+    "plateau"}``; None without a loss trace."""
     path = Path(run_dir) / "loss_trace.json"
     if not path.is_file():
         return None
@@ -96,20 +101,27 @@ def plateau_check(run_dir: Path) -> dict[str, Any] | None:
         return {"steps": len(losses), "fall": None, "plateau": False}
     a, b = sum(prev) / k, sum(last) / k
     fall = (a - b) / a if a > 0 else 0.0
-    return {"steps": len(losses), "fall": fall, "plateau": fall < PLATEAU_FALL}
+    return {
+        "steps": len(losses),
+        "fall": fall,
+        "fall_nats": a - b,
+        "plateau": fall < PLATEAU_FALL or a - b < PLATEAU_FLOOR,
+    }
 
 
 def collect_evidence(out: Path, sections: dict[str, dict]) -> dict[str, Any]:
-    """What the verdicts need from the runs' files: every run's diagnosis, the batch-size runs' plateau check."""
+    """What the verdicts need from the runs' files: every run's diagnosis, the batch-size runs' plateau check
+    (``"plateau"``) and every run's (``"plateau_all"``, by section)."""
     out = Path(out)
     diag = {
         key: {c["cell"]: diagnose_run(out / key / "runs" / c["cell"]) for c in sec["cells"]}
         for key, sec in sections.items()
     }
-    plateau = {
-        c["cell"]: plateau_check(out / "batch_size" / "runs" / c["cell"]) for c in sections["batch_size"]["cells"]
+    every = {
+        key: {c["cell"]: plateau_check(out / key / "runs" / c["cell"]) for c in sec["cells"]}
+        for key, sec in sections.items()
     }
-    return {"diagnoses": diag, "plateau": plateau}
+    return {"diagnoses": diag, "plateau": every["batch_size"], "plateau_all": every}
 
 
 # ------------------------------------------------------------------------------------------------- helpers

@@ -24,20 +24,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from normlab.runner.bench import step_times
 from normlab.runner.data.datasets import get_dataset
+from normlab.runner.data.mnist1d import load_mnist1d
 from normlab.runner.experiments.compare import COMPARE
 from normlab.runner.experiments.demo.claims import collect_evidence
 from normlab.runner.experiments.demo.report import render_demo_report
-from normlab.runner.grid.execute import GridRun, plan_grid, run_cells
+from normlab.runner.grid.execute import GridRun, default_workers, plan_grid, run_cells
 from normlab.runner.grid.spec import GridSpec
 from normlab.runner.io import atomic_write_json
 
-__all__ = ["DemoProtocol", "PROTOCOL", "QUICK_PROTOCOL", "demo_sections", "run_demo"]
+__all__ = ["DemoProtocol", "PROTOCOL", "QUICK_PROTOCOL", "demo_sections", "milestone_epochs", "plan_demo", "run_demo"]
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,22 @@ class DemoProtocol:
     batch_norms: tuple[str, ...] = ("bn", "brn", "gn", "sn", "pws")
     batch_sizes: tuple[int, ...] = (128, 4, 2)
     base_lr: float = 0.05
-    batch_num_train: int = 2000
+    batch_num_train: int = 2000  # 0: every training sample
+    batch_max_steps: int = 0  # 0: no cap on the steps of an epoch
     batch_monitor_every: int = 50
     # (d) cost of a training step
     cost_batch_sizes: tuple[int, ...] = (128, 2)
     cost_repeats: int = 3
     cost_iters: int = 6
+    # the full reproduction (``normlab reproduce``): epochs per section (the step caps above then cap each epoch;
+    # 0 = no cap), the lr schedule (x ``lr_decay`` after each fraction of a section's epochs) and (b)'s lr scaling
+    lr_epochs: int = 1
+    collapse_epochs: int = 1
+    batch_epochs: int = 1
+    milestones: tuple[float, ...] = ()
+    lr_decay: float = 0.1
+    batch_lr_scaling: str = "linear"
+    batch_evals: int = 1
 
 
 PROTOCOL = DemoProtocol()
@@ -99,33 +111,53 @@ QUICK_PROTOCOL = DemoProtocol(
 )
 
 
+def milestone_epochs(p: DemoProtocol, epochs: int) -> tuple[int, ...]:
+    """The epochs after which a section of ``epochs`` epochs decays its learning rate: ``p.milestones`` (fractions
+    of the section's epochs) rounded, each at least 1 and before the last epoch; () without a schedule."""
+    if epochs < 2:
+        return ()
+    return tuple(sorted({min(epochs - 1, max(1, round(f * epochs))) for f in p.milestones}))
+
+
+def _schedule(p: DemoProtocol, epochs: int) -> dict[str, Any]:
+    """The TrainConfig fields of a section's lr schedule (none in the quick demo, so its cells stay as they were)."""
+    ms = milestone_epochs(p, epochs)
+    return {"milestones": ms, "lr_gamma": p.lr_decay} if ms else {}
+
+
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
     """The grids of sections (a), (c), (c)'s two kinds of guarded twins and (b), all on MNIST-1D with the plain net
     in 1-D."""
     data = {"num_samples": p.num_samples}
+    dense = {"monitor_every": p.monitor_every, "monitor_dense_steps": p.collapse_steps} if p.collapse_epochs > 1 else {}
     lr_sweep = GridSpec(
         norms=p.lr_norms,
         lrs=p.lrs,
         batch_sizes=(128,),
         seeds=p.seeds,
-        epochs=1,
+        epochs=p.lr_epochs,
         dataset="mnist1d",
         model="plain1d",
         width=p.lr_width,
-        max_steps_per_epoch=p.lr_steps,
-        train_kwargs={**data, "evals_per_epoch": p.lr_evals, "monitor_every": p.monitor_every},
+        max_steps_per_epoch=p.lr_steps or None,
+        train_kwargs={
+            **data,
+            "evals_per_epoch": p.lr_evals,
+            "monitor_every": p.monitor_every,
+            **_schedule(p, p.lr_epochs),
+        },
     )
     collapse = GridSpec(
         norms=p.collapse_norms,
         lrs=(p.collapse_lr,),
         batch_sizes=(128,),
         seeds=p.seeds,
-        epochs=1,
+        epochs=p.collapse_epochs,
         dataset="mnist1d",
         model="plain1d",
         width=p.collapse_width,
-        max_steps_per_epoch=p.collapse_steps,
-        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1},
+        max_steps_per_epoch=None if dense else p.collapse_steps,
+        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1, **dense, **_schedule(p, p.collapse_epochs)},
     )
     guard = dataclasses.replace(
         collapse,
@@ -139,18 +171,20 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
         lrs=(p.base_lr,),
         batch_sizes=p.batch_sizes,
         seeds=p.seeds,
-        epochs=1,
+        epochs=p.batch_epochs,
         dataset="mnist1d",
         model="plain1d",
         width=p.batch_width,
         layout="cross",
-        lr_scaling="linear",
+        lr_scaling=p.batch_lr_scaling,
+        max_steps_per_epoch=p.batch_max_steps or None,
         train_kwargs={
             **data,
-            "num_train": p.batch_num_train,
+            **({"num_train": p.batch_num_train} if p.batch_num_train else {}),
             "eval_train_mode": True,
-            "evals_per_epoch": 1,
+            "evals_per_epoch": p.batch_evals,
             "monitor_every": p.batch_monitor_every,
+            **_schedule(p, p.batch_epochs),
         },
     )
     return {"lr_sweep": lr_sweep, "collapse": collapse, "guard": guard, "guard_dead": guard_dead, "batch_size": batch}
@@ -177,38 +211,68 @@ def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:
     return result
 
 
+def plan_demo(out: Path, p: DemoProtocol, workers: int = 1) -> dict[str, GridRun]:
+    """Generate the data once, by ``workers`` processes, before the grid's workers start, and plan every section's
+    grid under ``out`` (read only)."""
+    load_mnist1d(p.num_samples, out / "data", workers=workers)
+    get_dataset("mnist1d", out / "data", num_samples=p.num_samples)
+    return {k: plan_grid(COMPARE, spec, out / k, data_cache=out / "data") for k, spec in demo_sections(p).items()}
+
+
 def run_demo(
     out_dir: str | os.PathLike,
     *,
     quick: bool = False,
+    protocol: DemoProtocol | None = None,
+    mode: str | None = None,
     workers: int | None = None,
     threads: int | None = None,
     progress: bool = True,
+    backend: str = "process",
+    address: str | None = None,
+    announce: Callable[[list[GridRun]], float | None] | None = None,
 ) -> dict[str, Any]:
-    """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick",
+    """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick", "mode",
     "sections", "cost", "evidence"}`` (the sections' results dicts; the evidence the claims' verdicts take from the
-    runs' files, :func:`~normlab.runner.experiments.demo.claims.collect_evidence`)."""
-    p = QUICK_PROTOCOL if quick else PROTOCOL
+    runs' files, :func:`~normlab.runner.experiments.demo.claims.collect_evidence`).
+
+    ``protocol`` replaces :data:`PROTOCOL` (``normlab reproduce`` passes its own; ``mode`` names it in the report:
+    ``"demo"``, ``"quick"``, ``"full"`` or ``"smoke"``); ``announce(grids)`` is called on the planned grids before
+    anything is written (it prints the estimate and returns it in seconds, the progress line's first ETA; it may
+    refuse); ``backend`` / ``address``: see
+    :func:`~normlab.runner.grid.execute.run_cells`."""
+    p = protocol or (QUICK_PROTOCOL if quick else PROTOCOL)
+    mode = mode or ("quick" if quick else "demo")
     out = Path(out_dir)
-    get_dataset("mnist1d", out / "data", num_samples=p.num_samples)  # generate once, before the workers start
-    grids: dict[str, GridRun] = {
-        k: plan_grid(COMPARE, spec, out / k, data_cache=out / "data") for k, spec in demo_sections(p).items()
-    }
+    grids = plan_demo(out, p, workers=int(workers or default_workers()) if backend == "process" else 1)
+    estimate_s = announce(list(grids.values())) if announce is not None else None
     for grid in grids.values():
         grid.start()
+    command = "demo" if mode in ("demo", "quick") else "reproduce"
     print(
-        f"normlab demo: {sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
+        f"normlab {command}: "
+        f"{sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
         f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}",
         file=sys.stderr,
     )
-    run_cells(list(grids.values()), workers=workers, threads=threads, progress=progress)
+    run_cells(
+        list(grids.values()),
+        workers=workers,
+        threads=threads,
+        progress=progress,
+        backend=backend,
+        address=address,
+        estimate_s=estimate_s,
+        label=f"normlab {command}",
+    )
     demo = {
         "protocol": dataclasses.asdict(p),
-        "quick": quick,
+        "quick": quick or mode in ("quick", "smoke"),
+        "mode": mode,
         "sections": {k: g.finish(render=False) for k, g in grids.items()},
         "cost": _step_cost(p, out),
     }
     demo["evidence"] = collect_evidence(out, demo["sections"])
     atomic_write_json(out / "demo.json", demo)
-    render_demo_report(demo, out)
+    render_demo_report(demo, out, fresh=True)
     return demo

@@ -14,6 +14,7 @@ from typing import Any
 from normlab.monitor.rules import RegimeRule
 from normlab.runner.experiments.demo.claims import (
     PLATEAU_FALL,
+    PLATEAU_FLOOR,
     claims_markdown,
     collect_evidence,
     criteria_markdown,
@@ -278,13 +279,34 @@ def first_table(demo: dict[str, Any]) -> list[str]:
     return claims_markdown(demo)
 
 
+FULL_RUN_NOTE = (
+    "Only the full run (`normlab reproduce`, docs/reproduction.md) trains every run to its plateau: a verdict "
+    "*not testable here* (claim 3, and Batch Renorm's 'close to large-batch BN', whenever a run of (b) is short of "
+    "its plateau) is one only it can give, and its runs of (a) and (c) finish training where the demo's stop after "
+    "the first steps."
+)
+
+
+def _budget(p: dict, section: str) -> str:
+    """A section's training budget in words: steps (the demo) or epochs with the lr schedule (the full run)."""
+    epochs = p.get(f"{section}_epochs", 1)
+    if epochs <= 1:
+        return f"{p[f'{section}_steps']} steps"
+    decay = f", lr x{p['lr_decay']:g} after {' and '.join(f'{100 * f:g} %' for f in p['milestones'])} of them"
+    return f"{epochs} epochs{decay if p.get('milestones') else ''}"
+
+
 def _md_header(demo: dict) -> list[str]:
     p = demo["protocol"]
+    full = demo.get("mode") in ("full", "smoke")
     return [
-        "# normlab demo: which of the paper's claims reproduce on MNIST-1D",
+        "# normlab reproduce: the paper's claims on MNIST-1D, every run to its plateau"
+        if full
+        else "# normlab demo: which of the paper's claims reproduce on MNIST-1D",
         "",
         *first_table(demo),
         "",
+        *([] if full else [FULL_RUN_NOTE, ""]),
         "What *reproduced* means, per claim (fixed before the demo's seeds ran):",
         "",
         *criteria_markdown(),
@@ -305,7 +327,7 @@ def _md_header(demo: dict) -> list[str]:
 def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: list[str]) -> list[str]:
     a, b, p = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"], demo["protocol"]
     md = [
-        f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {p['lr_steps']} steps)",
+        f"## (a) Learning rate (batch {a['spec']['base_batch_size']}, {_budget(p, 'lr')})",
         "",
         "Final test accuracy; claims 1, 2 and 5 of the first table are judged from it.",
         "",
@@ -316,9 +338,12 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         "![](a_loss_curves.png)",
         "",
     ]
+    data = f"{p['batch_num_train']} training samples" if p.get("batch_num_train") else "every training sample"
+    cap = f" of at most {p['batch_max_steps']} steps" if p.get("batch_max_steps") else ""
+    scaling = "linearly" if p.get("batch_lr_scaling", "linear") == "linear" else "with the root of the batch size"
     md += [
-        f"## (b) Batch size (lr scaled linearly from {b['spec']['base_lr']:g} at batch "
-        f"{b['spec']['base_batch_size']}, equal epochs on {p['batch_num_train']} training samples)",
+        f"## (b) Batch size (lr scaled {scaling} from {b['spec']['base_lr']:g} at batch "
+        f"{b['spec']['base_batch_size']}, {p.get('batch_epochs', 1)} epoch(s){cap} on {data})",
         "",
         "Test accuracy with running statistics (eval mode) / with batch statistics (train mode); claims 3, 3a and "
         "BRN are judged from it.",
@@ -326,7 +351,7 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         *_batch_table(b),
         "",
         f"Has each run reached its plateau? How much its mean training loss fell over the last fifth of its steps "
-        f"(against the fifth before; < {100 * PLATEAU_FALL:.0f} % is a plateau), per seed:",
+        f"(against the fifth before; < {100 * PLATEAU_FALL:.0f} % or < {PLATEAU_FLOOR:g} nats is a plateau), per seed:",
         "",
         *_plateau_table(b, evidence),
         "",
@@ -334,8 +359,9 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         "",
     ]
     md += [
-        f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, the monitor recording "
-        f"every step of the first {p['collapse_steps']})",
+        f"## (c) Collapse diagnosis (width {p['collapse_width']:g}, lr {p['collapse_lr']:g}, "
+        + (f"{_budget(p, 'collapse')}, " if p.get("collapse_epochs", 1) > 1 else "")
+        + f"the monitor recording every step of the first {p['collapse_steps']})",
         "",
         *diag_lines,
         "",
@@ -368,12 +394,13 @@ def _twins_md(demo: dict, evidence: dict, out: Path, section: str, figure: str) 
     return [heading, "", *lines, ""], plot
 
 
-def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike, fresh: bool = False) -> list[Path]:
     """Write ``report.md`` and the plots; returns the paths written. The evidence from the runs' files
     (:func:`~normlab.runner.experiments.demo.claims.collect_evidence`) is gathered again where the runs' files are
-    in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs)."""
+    in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs); ``fresh=True``: the
+    caller has just gathered it from these files (``run_demo``), so it is not read twice."""
     out = Path(out_dir)
-    if (out / "collapse" / "runs").is_dir() or not demo.get("evidence"):
+    if not (fresh and demo.get("evidence")) and ((out / "collapse" / "runs").is_dir() or not demo.get("evidence")):
         demo = {**demo, "evidence": collect_evidence(out, demo["sections"])}
     evidence = demo["evidence"]
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]

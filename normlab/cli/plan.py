@@ -1,0 +1,23 @@
+"""What the grid commands print before they start: the runs to train and the estimated time
+(:func:`normlab.runner.grid.estimate.plan_text`)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from normlab.runner.grid.estimate import plan_text
+from normlab.runner.grid.execute import GridRun
+from normlab.runner.grid.pool import default_workers
+
+__all__ = ["announce_grids"]
+
+
+def announce_grids(command: str, grids: Sequence[GridRun], workers: int, address: str | None = None) -> float:
+    """Print ``normlab <command>: N runs to train: about M min ...`` for the unfinished cells of ``grids``; returns
+    the estimate in seconds (the progress line's ETA until the first run finishes)."""
+    cells = [c for g in grids for c in g.cells if c.cell_id in (g.wanted or {c.cell_id})]
+    todo = [c for g in grids for c in g.todo()]
+    text, minutes = plan_text(cells, todo, workers or default_workers(), remote=address is not None)
+    print(f"normlab {command}: {text} (estimated before it starts; evaluation adds to it)", file=sys.stderr)
+    return 60.0 * minutes

@@ -1,0 +1,55 @@
+"""The pilot that fixed ``normlab reproduce``'s protocol: its slowest cells on pilot seeds, with the plateau check.
+
+``python scripts/pilot_reproduce.py OUT [SEED] [small|batch2 [MAX_STEPS]]``: trains, with FULL_PROTOCOL's
+settings, the unnormalized net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section
+(b)'s batch sizes (PWS at 4 and 2, BN at 128 and 2, GN at 2); ``small``: only the cells of the second pilot
+(:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b). It prints each
+run's final accuracy and its plateau check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from normlab.runner.experiments.compare import COMPARE
+from normlab.runner.experiments.demo.claims import plateau_check
+from normlab.runner.experiments.demo.experiment import demo_sections
+from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL
+from normlab.runner.grid.execute import plan_grid, run_cells
+
+SMALL = {  # the second pilot, after the schedule moved: the cells that had missed the plateau, and the slowest learner
+    "lr_sweep": {("none", 128)},
+    "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2)},
+}
+BATCH2 = {"batch_size": {("bn", 2), ("pws", 2)}}  # the third pilot: batch 2 with twice the steps
+PICKS = {
+    "lr_sweep": {("none", 128), ("wn", 128), ("gn", 128), ("bn", 128)},
+    "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2), ("gn", 2)},
+}
+
+
+def main(argv: list[str]) -> int:
+    out, seed = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 200
+    picks = {"small": SMALL, "batch2": BATCH2}.get(argv[2] if len(argv) > 2 else "", PICKS)
+    p = dataclasses.replace(FULL_PROTOCOL, seeds=(seed,), guard_seeds=(seed,))
+    if len(argv) > 3:  # the cap on an epoch's steps in (b)
+        p = dataclasses.replace(p, batch_max_steps=int(argv[3]))
+    sections = demo_sections(p)
+    sections["lr_sweep"] = dataclasses.replace(sections["lr_sweep"], lrs=(min(p.lrs),))
+    grids = [plan_grid(COMPARE, sections[k], out / k, data_cache=out / "data") for k in picks]
+    for g, k in zip(grids, picks):
+        g.cells = [c for c in g.cells if (c.name, c.batch_size) in picks[k]]
+        g.start()
+    run_cells(grids, workers=2 if picks is BATCH2 else 1, threads=1, progress=False)
+    for g, k in zip(grids, picks):
+        for c in g.cells:
+            s = json.loads((g.cell_dir(c) / "summary.json").read_text())
+            print(k, c.cell_id, f"acc {s.get('final_test_acc')}", plateau_check(g.cell_dir(c)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
