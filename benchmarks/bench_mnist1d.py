@@ -30,7 +30,7 @@ def _time(args: dict, workers: int) -> tuple[float, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=mnist1d.DEFAULT_SAMPLES)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
