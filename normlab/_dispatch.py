@@ -106,9 +106,10 @@ def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]
 def clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
     """``t`` clipped (in place for a number limit unless ``in_place=False``: vmap has no batching rule for
     ``clamp_``) to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
-    if isinstance(limit, Tensor):
-        limit = limit.to(t)
-        return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    if isinstance(limit, Tensor):  # a 0-dim limit: clamp casts it to t's dtype itself, as ``.to`` would ...
+        if torch._C._are_functorch_transforms_active():  # ... but vmap promotes t to a batched limit's dtype
+            limit = limit.to(t)
+        return torch.clamp(t, limit.to(t).reciprocal() if inverse else -limit, limit)
     if not in_place:
         return torch.clamp(t, 1.0 / limit if inverse else -limit, limit)
     return t.clamp_(1.0 / limit if inverse else -limit, limit)

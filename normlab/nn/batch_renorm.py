@@ -55,7 +55,7 @@ from .._dispatch import (
     stats_value,
     write_buffer,
 )
-from .._functions import fused_batch_renorm, takes_fused
+from .._functions import fused_batch_renorm, is_identity, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
@@ -155,11 +155,20 @@ class RenormSchedule:
     def __call__(self, step: int | Tensor):
         """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
         if isinstance(step, Tensor):
+            if self.rmax_steps > self.warmup_steps and self.dmax_steps > self.warmup_steps:
+                return self._ramps(step)
             s = step.to(torch.float64)
             return self._ramp(s, 1.0, self.rmax, self.rmax_steps), self._ramp(s, 0.0, self.dmax, self.dmax_steps)
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
+
+    def _ramps(self, step: Tensor) -> tuple[Tensor, Tensor]:
+        """Both limits at the integer step tensor ``step`` in one ``clamp(slope * step + base, start, end)`` over
+        the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
+        ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
+        base, slope, low, high = _ramp_constants(self, step.device)
+        return torch.mul(step, slope).add_(base).clamp_(low, high).unbind()  # not addcmul: it fuses (one rounding)
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
@@ -170,6 +179,34 @@ class RenormSchedule:
             return torch.where(s >= end_step, end, start)
         slope = (end - start) / span
         return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
+
+
+_RAMP_CONSTANTS: dict = {}
+
+
+def _ramp_constants(schedule: RenormSchedule, device: torch.device) -> tuple[Tensor, ...]:
+    """``(base, slope, low, high)`` of :meth:`RenormSchedule._ramps` as float64 (2,) tensors on ``device``, built
+    once per schedule and device in eager (never written to); under torch.compile built in the graph."""
+    key = (schedule, device)
+    found = None if torch.compiler.is_compiling() else _RAMP_CONSTANTS.get(key)
+    if found is None:
+        slopes = [
+            (end - start) / (end_step - schedule.warmup_steps)
+            for start, end, end_step in (
+                (1.0, schedule.rmax, schedule.rmax_steps),
+                (0.0, schedule.dmax, schedule.dmax_steps),
+            )
+        ]
+        rows = (
+            [1.0 - slopes[0] * schedule.warmup_steps, 0.0 - slopes[1] * schedule.warmup_steps],
+            slopes,
+            [1.0, 0.0],
+            [schedule.rmax, schedule.dmax],
+        )
+        found = tuple(torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
+        if not torch.compiler.is_compiling():
+            _RAMP_CONSTANTS[key] = found
+    return found
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
@@ -445,6 +482,16 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
             if cumulative or not update:
                 buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
             kernel_momentum = 1.0 if cumulative else momentum
+            if is_identity(rmax, dmax) and not cumulative:
+                # r = 1, d = 0: BatchNorm's own training call, bit for bit. Its kernel updates the copies in ``prior``
+                # (autograd saves the tensors it gets, so the buffers stay free for the guarded write, which keeps
+                # their values for a non-finite batch); a replay ignores ``prior``
+                cudnn = torch.backends.cudnn.enabled
+                kernel_buffers = prior if update else buffers
+                out = torch.batch_norm(input, weight, bias, *kernel_buffers, True, momentum, self.eps, cudnn)
+                if update:
+                    self._commit(prior, running)
+                return out
             out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
             if update and cumulative:
                 new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
@@ -475,8 +522,9 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         ``kept`` (their values before the step); ``num_batches_tracked`` advances by one only for a finite batch,
         ``skipped_batches`` only for a non-finite one. Finite means: the updated running statistics are finite."""
         if self.check_finite:
-            # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two ops fewer than isfinite
-            finite = torch.cat([new[0].flatten(), new[1].flatten()]).mul_(0).eq_(0).all()
+            # mean . (var * 0) is 0 exactly when both are finite (inf * 0 and NaN * 0 are NaN, and NaN propagates
+            # through the sum): three ops (isfinite over both takes six)
+            finite = torch.dot(new[0].flatten(), new[1].flatten().mul(0)).eq(0)
         else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
             finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
         running, counters = (self.running_mean, self.running_var), (self.num_batches_tracked, self.skipped_batches)
