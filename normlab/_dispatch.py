@@ -138,13 +138,40 @@ def stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
 
 
 @torch.no_grad()
+def all_finite(a: Tensor, b: Tensor) -> Tensor:
+    """Whether every value of ``a`` and ``b`` (the same number of elements and dtype) is finite, as a 0-dim bool
+    tensor without a host read: ``a . (b * 0) == 0``, since ``x * 0`` is 0 for a finite x and NaN for inf or NaN, and
+    a NaN term makes the sum NaN. Three ops (``isfinite`` over both takes six)."""
+    return torch.dot(a.flatten(), b.flatten().mul(0)).eq(0)
+
+
+def _writes_in_place() -> bool:
+    """Eager outside torch.func transforms: results are written straight into the buffers (``out=``, ``add_``),
+    one op per buffer; torch.compile and the transforms take :func:`write_buffer`."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
+@torch.no_grad()
 def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor, kept=None) -> None:
     """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else ``kept`` (default: the buffer itself,
     unchanged): the non-finite policy's tensor ops (no host synchronisation or data-dependent branch, so eager,
     torch.compile and torch.export protect the buffers alike, on every device)."""
     kept = buffers if kept is None else kept
+    in_place = _writes_in_place()
     for buf, new, old in zip(buffers, values, kept):
-        write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
+        if in_place:
+            torch.where(finite, new.to(buf.dtype), old, out=buf)
+        else:
+            write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
+
+
+@torch.no_grad()
+def count_into(counter: Tensor, flag: Tensor) -> None:
+    """``counter += flag`` (an integer buffer and a 0-dim bool tensor; tensor ops, no host read)."""
+    if _writes_in_place():
+        counter.add_(flag)
+    else:
+        write_buffer(counter, counter + flag.to(counter.dtype))
 
 
 @torch.no_grad()

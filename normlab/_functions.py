@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import (
+    all_finite,
     as_param,
     centered_moments,
     channels_last_format,
@@ -218,7 +219,7 @@ def _sn_update_running(
     whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
     mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
-    finite = torch.isfinite(torch.cat([mean_bn, var_bn])).all()
+    finite = all_finite(mean_bn, var_bn)
     if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
         new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
         new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)

@@ -39,9 +39,9 @@ class SkippedBatches:
 
     def _count_skipped(self, finite: Tensor) -> None:
         """``skipped_batches += not finite`` (tensor ops; under torch.func the write leaves the transforms)."""
-        from .._dispatch import write_buffer
+        from .._dispatch import count_into
 
-        write_buffer(self.skipped_batches, self.skipped_batches + (~finite).to(self.skipped_batches.dtype))
+        count_into(self.skipped_batches, ~finite)
 
     def train(self, mode: bool = True):
         """Set training mode (``nn.Module.train``); leaving it reports the batches skipped since the last report as

@@ -46,14 +46,15 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
 from .._dispatch import (
+    all_finite,
     as_param,
+    count_into,
     guarded_update,
     param_dtype,
     recomputing,
     snapshot,
     static_numel,
     stats_value,
-    write_buffer,
 )
 from .._functions import fused_batch_renorm, is_identity, takes_fused
 from ._docs import fill
@@ -522,21 +523,12 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         ``kept`` (their values before the step); ``num_batches_tracked`` advances by one only for a finite batch,
         ``skipped_batches`` only for a non-finite one. Finite means: the updated running statistics are finite."""
         if self.check_finite:
-            # mean . (var * 0) is 0 exactly when both are finite (inf * 0 and NaN * 0 are NaN, and NaN propagates
-            # through the sum): three ops (isfinite over both takes six)
-            finite = torch.dot(new[0].flatten(), new[1].flatten().mul(0)).eq(0)
+            finite = all_finite(new[0], new[1])
         else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
             finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
-        running, counters = (self.running_mean, self.running_var), (self.num_batches_tracked, self.skipped_batches)
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            guarded_update(running, new, finite, kept)
-            write_buffer(counters[0], counters[0] + finite.to(counters[0].dtype))
-            self._count_skipped(finite)
-            return
-        for buf, value, old in zip(running, new, kept):  # eager: the same ops written into the buffers
-            torch.where(finite, value.to(buf.dtype), old, out=buf)
-        counters[0].add_(finite)
-        counters[1].add_(~finite)
+        guarded_update((self.running_mean, self.running_var), new, finite, kept)
+        count_into(self.num_batches_tracked, finite)
+        self._count_skipped(finite)
 
     # ------------------------------------------------------------------ activation checkpointing
     def _record(self, input: Tensor, prior, rmax, dmax) -> None:
