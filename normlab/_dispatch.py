@@ -145,7 +145,7 @@ def all_finite(a: Tensor, b: Tensor) -> Tensor:
     return torch.dot(a.flatten(), b.flatten().mul(0)).eq(0)
 
 
-def _writes_in_place() -> bool:
+def writes_in_place() -> bool:
     """Eager outside torch.func transforms: results are written straight into the buffers (``out=``, ``add_``),
     one op per buffer; torch.compile and the transforms take :func:`write_buffer`."""
     return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
@@ -157,7 +157,7 @@ def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: 
     unchanged): the non-finite policy's tensor ops (no host synchronisation or data-dependent branch, so eager,
     torch.compile and torch.export protect the buffers alike, on every device)."""
     kept = buffers if kept is None else kept
-    in_place = _writes_in_place()
+    in_place = writes_in_place()
     for buf, new, old in zip(buffers, values, kept):
         if in_place:
             torch.where(finite, new.to(buf.dtype), old, out=buf)
@@ -168,7 +168,7 @@ def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: 
 @torch.no_grad()
 def count_into(counter: Tensor, flag: Tensor) -> None:
     """``counter += flag`` (an integer buffer and a 0-dim bool tensor; tensor ops, no host read)."""
-    if _writes_in_place():
+    if writes_in_place():
         counter.add_(flag)
     else:
         write_buffer(counter, counter + flag.to(counter.dtype))
