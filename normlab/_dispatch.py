@@ -137,11 +137,11 @@ def stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
     return t
 
 
-@torch.no_grad()
 def all_finite(a: Tensor, b: Tensor) -> Tensor:
     """Whether every value of ``a`` and ``b`` (the same number of elements and dtype) is finite, as a 0-dim bool
     tensor without a host read: ``a . (b * 0) == 0``, since ``x * 0`` is 0 for a finite x and NaN for inf or NaN, and
-    a NaN term makes the sum NaN. Three ops (``isfinite`` over both takes six)."""
+    a NaN term makes the sum NaN. Three ops (``isfinite`` over both takes six). For detached statistics (the layers
+    call it in their no-grad update step: a nested ``no_grad`` would cost more than the ops)."""
     return torch.dot(a.flatten(), b.flatten().mul(0)).eq(0)
 
 
@@ -151,11 +151,11 @@ def writes_in_place() -> bool:
     return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
 
 
-@torch.no_grad()
 def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor, kept=None) -> None:
     """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else ``kept`` (default: the buffer itself,
     unchanged): the non-finite policy's tensor ops (no host synchronisation or data-dependent branch, so eager,
-    torch.compile and torch.export protect the buffers alike, on every device)."""
+    torch.compile and torch.export protect the buffers alike, on every device). Call it under ``torch.no_grad()``
+    (the layers' update steps run there)."""
     kept = buffers if kept is None else kept
     in_place = writes_in_place()
     for buf, new, old in zip(buffers, values, kept):
@@ -165,9 +165,9 @@ def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: 
             write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
 
 
-@torch.no_grad()
 def count_into(counter: Tensor, flag: Tensor) -> None:
-    """``counter += flag`` (an integer buffer and a 0-dim bool tensor; tensor ops, no host read)."""
+    """``counter += flag`` (an integer buffer and a 0-dim bool tensor, which never requires grad; tensor ops, no host
+    read)."""
     if writes_in_place():
         counter.add_(flag)
     else:

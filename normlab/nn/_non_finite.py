@@ -16,6 +16,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from .._dispatch import count_into
+
 __all__ = ["SkippedBatches", "skipped_batches"]
 
 
@@ -39,8 +41,6 @@ class SkippedBatches:
 
     def _count_skipped(self, finite: Tensor) -> None:
         """``skipped_batches += not finite`` (tensor ops; under torch.func the write leaves the transforms)."""
-        from .._dispatch import count_into
-
         count_into(self.skipped_batches, ~finite)
 
     def train(self, mode: bool = True):
