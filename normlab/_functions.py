@@ -292,9 +292,6 @@ def _instance_stats(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
     if layout == "samples":  # BatchNorm's channels_last statistics kernel, one sample at a time
         stats = [torch.batch_norm_update_stats(x[i : i + 1], None, None, 0.0) for i in range(n)]
         return torch.stack([m for m, _ in stats]), torch.stack([v for _, v in stats])
-    if layout == "rows":  # BatchNorm's statistics kernel on the (1, N*C, L) view: one pass per row, two-pass variance
-        mu, var = torch.batch_norm_update_stats(x.view(1, n * c, -1), None, None, 0.0)
-        return mu.view(n, c), var.view(n, c)
     dims = tuple(range(2, x.dim()))
     if layout == "generic" and x.device.type != "cpu":
         var, mu = torch.var_mean(x, dims, correction=0)
