@@ -468,7 +468,8 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         """One training step: batch statistics, r and d from ``prior`` (the running statistics before the step),
         the renormalized output, and (``update``) the guarded update of the running statistics, the step counter
         and ``skipped_batches`` (:meth:`_commit`). ``fused``: BatchNorm's statistics kernel updates the running
-        statistics in place and a non-finite batch puts ``prior`` back; else the new values are computed and
+        statistics in place and a non-finite batch puts ``prior`` back (with the numbers rmax=1, dmax=0 the step is
+        BatchNorm's own training call, 16 dispatched ops instead of 33); else the new values are computed and
         written where the batch was finite."""
         pdtype = param_dtype(input)
         weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
