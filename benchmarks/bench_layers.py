@@ -6,7 +6,8 @@ repeats, so a ratio is given as the range of its per-round values.
 
 - ``brn``: BatchRenorm1d/2d/3d (the default schedule past its warm-up, step 30,000: renormalization active) vs
   nn.BatchNorm1d/2d/3d at (256, 256), (32, 64), (2, 64, 32, 32), (32, 64, 32, 32), (8, 256, 56, 56) and
-  (4, 64, 8, 16, 16), contiguous and channels_last; torchrl's BatchRenorm1d (past its warm-up) for the 1d shapes
+  (4, 64, 8, 16, 16), contiguous and channels_last, and with constant limits (rmax=3, dmax=5) and the identity
+  limits (rmax=1, dmax=0); torchrl's BatchRenorm1d (past its warm-up) for the 1d shapes
   when torchrl can be imported.
 - ``sn``: SwitchableNorm2d vs nn.BatchNorm2d; ``in``: InstanceNorm2d vs nn.InstanceNorm2d (with and without running
   statistics), contiguous and channels_last.
@@ -161,6 +162,8 @@ def _brn_candidates(args, trl):
         cands = {
             f"nn.BatchNorm{dim}d": getattr(nn, f"BatchNorm{dim}d")(c, device=args.device),
             f"normlab BatchRenorm{dim}d": _normlab_brn(dim, c, args.device),
+            "normlab rmax=3,dmax=5": getattr(L, f"BatchRenorm{dim}d")(c, device=args.device, rmax=3.0, dmax=5.0),
+            "normlab rmax=1,dmax=0": getattr(L, f"BatchRenorm{dim}d")(c, device=args.device, rmax=1.0, dmax=0.0),
         }
         if dim == 1 and trl is not None:
             cands["torchrl BatchRenorm1d"] = _torchrl_layer(trl, c, args.device)

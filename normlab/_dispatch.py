@@ -106,9 +106,10 @@ def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]
 def clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
     """``t`` clipped (in place for a number limit unless ``in_place=False``: vmap has no batching rule for
     ``clamp_``) to ``[1/limit, limit]`` (``inverse``) or ``[-limit, limit]``."""
-    if isinstance(limit, Tensor):
-        limit = limit.to(t)
-        return torch.clamp(t, limit.reciprocal() if inverse else -limit, limit)
+    if isinstance(limit, Tensor):  # a 0-dim limit: clamp casts it to t's dtype itself, as ``.to`` would ...
+        if torch._C._are_functorch_transforms_active():  # ... but vmap promotes t to a batched limit's dtype
+            limit = limit.to(t)
+        return torch.clamp(t, limit.to(t).reciprocal() if inverse else -limit, limit)
     if not in_place:
         return torch.clamp(t, 1.0 / limit if inverse else -limit, limit)
     return t.clamp_(1.0 / limit if inverse else -limit, limit)
@@ -136,14 +137,41 @@ def stats_value(t: Tensor, buffer: Tensor, where: str) -> Tensor:
     return t
 
 
-@torch.no_grad()
+def all_finite(a: Tensor, b: Tensor) -> Tensor:
+    """Whether every value of ``a`` and ``b`` (the same number of elements and dtype) is finite, as a 0-dim bool
+    tensor without a host read: ``a . (b * 0) == 0``, since ``x * 0`` is 0 for a finite x and NaN for inf or NaN, and
+    a NaN term makes the sum NaN. Three ops (``isfinite`` over both takes six). For detached statistics (the layers
+    call it in their no-grad update step: a nested ``no_grad`` would cost more than the ops)."""
+    return torch.dot(a.flatten(), b.flatten().mul(0)).eq(0)
+
+
+def writes_in_place() -> bool:
+    """Eager outside torch.func transforms: results are written straight into the buffers (``out=``, ``add_``),
+    one op per buffer; torch.compile and the transforms take :func:`write_buffer`."""
+    return not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+
+
 def guarded_update(buffers: Sequence[Tensor], values: Sequence[Tensor], finite: Tensor, kept=None) -> None:
     """``buffer <- value`` where ``finite`` (a 0-dim bool tensor) holds, else ``kept`` (default: the buffer itself,
     unchanged): the non-finite policy's tensor ops (no host synchronisation or data-dependent branch, so eager,
-    torch.compile and torch.export protect the buffers alike, on every device)."""
+    torch.compile and torch.export protect the buffers alike, on every device). Call it under ``torch.no_grad()``
+    (the layers' update steps run there)."""
     kept = buffers if kept is None else kept
+    in_place = writes_in_place()
     for buf, new, old in zip(buffers, values, kept):
-        write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
+        if in_place:
+            torch.where(finite, new.to(buf.dtype), old, out=buf)
+        else:
+            write_buffer(buf, torch.where(finite, new.to(buf.dtype), old))
+
+
+def count_into(counter: Tensor, flag: Tensor) -> None:
+    """``counter += flag`` (an integer buffer and a 0-dim bool tensor, which never requires grad; tensor ops, no host
+    read)."""
+    if writes_in_place():
+        counter.add_(flag)
+    else:
+        write_buffer(counter, counter + flag.to(counter.dtype))
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._dispatch import (
+    all_finite,
     as_param,
     centered_moments,
     channels_last_format,
@@ -24,6 +25,7 @@ from ._dispatch import (
     static_numel,
     stats_dtype,
     stats_value,
+    writes_in_place,
 )
 
 __all__ = [
@@ -117,8 +119,22 @@ def _channel_affine(x: Tensor, mean: Tensor, alpha: Tensor, shift: Tensor) -> Te
         shape = (1, -1, 1, 1, 1)  # path on the CPU (3-4x slower than this elementwise pass there)
         beta = torch.addcmul(shift, mean, alpha, value=-1)
         return torch.addcmul(beta.reshape(shape), x, alpha.reshape(shape))
-    ones = torch.ones_like(mean)
-    return torch.native_batch_norm(x, alpha, shift, mean, ones, False, 0.0, 0.0)[0]
+    return torch.native_batch_norm(x, alpha, shift, mean, _ones_like(mean), False, 0.0, 0.0)[0]
+
+
+_ONES: dict = {}
+
+
+def _ones_like(t: Tensor) -> Tensor:
+    """``torch.ones_like(t)`` for a (C,) tensor, kept per size, dtype and device in eager outside torch.func (one op
+    fewer per step; never written: the inference kernel only reads its running variance)."""
+    if not writes_in_place():
+        return torch.ones_like(t)
+    key = (t.shape, t.dtype, t.device)
+    ones = _ONES.get(key)
+    if ones is None:
+        ones = _ONES[key] = torch.ones_like(t)
+    return ones
 
 
 def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior):
@@ -218,7 +234,7 @@ def _sn_update_running(
     whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
     mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
-    finite = torch.isfinite(torch.cat([mean_bn, var_bn])).all()
+    finite = all_finite(mean_bn, var_bn)
     if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
         new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
         new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)

@@ -288,11 +288,20 @@ def test_bad_input_errors():
     assert m(torch.randn(1, 3, 1, 1)).shape == (1, 3, 1, 1)  # fine in eval, as BatchNorm
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        _clipped_module,
+        lambda: BatchRenorm2d(3, dtype=F64, rmax=1.0, dmax=0.0),  # BatchNorm's own training call (its route)
+        lambda: BatchRenorm2d(3, dtype=F64),  # the schedule's limits as tensors
+    ],
+    ids=["clipped", "identity", "schedule"],
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_non_finite_batch_is_counted_and_leaves_running_stats(bad):
+def test_non_finite_batch_is_counted_and_leaves_running_stats(bad, make):
     """The non-finite policy (docs/design.md): state unchanged, counted in skipped_batches without a warning in the
-    step (that would need a host read), one RuntimeWarning at eval(), no exception."""
-    m = _clipped_module()
+    step (that would need a host read), one RuntimeWarning at eval(), no exception; on every route."""
+    m = make()
     m(torch.randn(4, 3, 2, 2, dtype=F64))
     before = {k: v.clone() for k, v in m.state_dict().items()}
     x = torch.randn(4, 3, 2, 2, dtype=F64)

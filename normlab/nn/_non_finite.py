@@ -16,6 +16,8 @@ import warnings
 import torch
 from torch import Tensor, nn
 
+from .._dispatch import count_into
+
 __all__ = ["SkippedBatches", "skipped_batches"]
 
 
@@ -39,9 +41,7 @@ class SkippedBatches:
 
     def _count_skipped(self, finite: Tensor) -> None:
         """``skipped_batches += not finite`` (tensor ops; under torch.func the write leaves the transforms)."""
-        from .._dispatch import write_buffer
-
-        write_buffer(self.skipped_batches, self.skipped_batches + (~finite).to(self.skipped_batches.dtype))
+        count_into(self.skipped_batches, ~finite)
 
     def train(self, mode: bool = True):
         """Set training mode (``nn.Module.train``); leaving it reports the batches skipped since the last report as

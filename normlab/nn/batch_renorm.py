@@ -46,16 +46,17 @@ from torch.nn.modules.batchnorm import _NormBase
 
 from .. import functional as NF
 from .._dispatch import (
+    all_finite,
     as_param,
+    count_into,
     guarded_update,
     param_dtype,
     recomputing,
     snapshot,
     static_numel,
     stats_value,
-    write_buffer,
 )
-from .._functions import fused_batch_renorm, takes_fused
+from .._functions import fused_batch_renorm, is_identity, takes_fused
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
@@ -156,11 +157,20 @@ class RenormSchedule:
     def __call__(self, step: int | Tensor):
         """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
         if isinstance(step, Tensor):
+            if self.rmax_steps > self.warmup_steps and self.dmax_steps > self.warmup_steps:
+                return self._ramps(step)
             s = step.to(torch.float64)
             return self._ramp(s, 1.0, self.rmax, self.rmax_steps), self._ramp(s, 0.0, self.dmax, self.dmax_steps)
         rmax = 1.0 + (self.rmax - 1.0) * self._fraction(step, self.rmax_steps)
         dmax = self.dmax * self._fraction(step, self.dmax_steps)
         return rmax, dmax
+
+    def _ramps(self, step: Tensor) -> tuple[Tensor, Tensor]:
+        """Both limits at the integer step tensor ``step`` in one ``clamp(slope * step + base, start, end)`` over
+        the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
+        ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
+        base, slope, low, high = _ramp_constants(self, step.device)
+        return torch.mul(step, slope).add_(base).clamp_(low, high).unbind()  # not addcmul: it fuses (one rounding)
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
@@ -171,6 +181,34 @@ class RenormSchedule:
             return torch.where(s >= end_step, end, start)
         slope = (end - start) / span
         return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
+
+
+_RAMP_CONSTANTS: dict = {}
+
+
+def _ramp_constants(schedule: RenormSchedule, device: torch.device) -> tuple[Tensor, ...]:
+    """``(base, slope, low, high)`` of :meth:`RenormSchedule._ramps` as float64 (2,) tensors on ``device``, built
+    once per schedule and device in eager (never written to); under torch.compile built in the graph."""
+    key = (schedule, device)
+    found = None if torch.compiler.is_compiling() else _RAMP_CONSTANTS.get(key)
+    if found is None:
+        slopes = [
+            (end - start) / (end_step - schedule.warmup_steps)
+            for start, end, end_step in (
+                (1.0, schedule.rmax, schedule.rmax_steps),
+                (0.0, schedule.dmax, schedule.dmax_steps),
+            )
+        ]
+        rows = (
+            [1.0 - slopes[0] * schedule.warmup_steps, 0.0 - slopes[1] * schedule.warmup_steps],
+            slopes,
+            [1.0, 0.0],
+            [schedule.rmax, schedule.dmax],
+        )
+        found = tuple(torch.tensor(row, dtype=torch.float64, device=device) for row in rows)
+        if not torch.compiler.is_compiling():
+            _RAMP_CONSTANTS[key] = found
+    return found
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
@@ -431,7 +469,8 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         """One training step: batch statistics, r and d from ``prior`` (the running statistics before the step),
         the renormalized output, and (``update``) the guarded update of the running statistics, the step counter
         and ``skipped_batches`` (:meth:`_commit`). ``fused``: BatchNorm's statistics kernel updates the running
-        statistics in place and a non-finite batch puts ``prior`` back; else the new values are computed and
+        statistics in place and a non-finite batch puts ``prior`` back (with the numbers rmax=1, dmax=0 the step is
+        BatchNorm's own training call, 16 dispatched ops instead of 33); else the new values are computed and
         written where the batch was finite."""
         pdtype = param_dtype(input)
         weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
@@ -446,6 +485,16 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
             if cumulative or not update:
                 buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
             kernel_momentum = 1.0 if cumulative else momentum
+            if is_identity(rmax, dmax) and not cumulative:
+                # r = 1, d = 0: BatchNorm's own training call, bit for bit. Its kernel updates the copies in ``prior``
+                # (autograd saves the tensors it gets, so the buffers stay free for the guarded write, which keeps
+                # their values for a non-finite batch); a replay ignores ``prior``
+                cudnn = torch.backends.cudnn.enabled
+                kernel_buffers = prior if update else buffers
+                out = torch.batch_norm(input, weight, bias, *kernel_buffers, True, momentum, self.eps, cudnn)
+                if update:
+                    self._commit(prior, running)
+                return out
             out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
             if update and cumulative:
                 new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
@@ -476,20 +525,12 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         ``kept`` (their values before the step); ``num_batches_tracked`` advances by one only for a finite batch,
         ``skipped_batches`` only for a non-finite one. Finite means: the updated running statistics are finite."""
         if self.check_finite:
-            # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two ops fewer than isfinite
-            finite = torch.cat([new[0].flatten(), new[1].flatten()]).mul_(0).eq_(0).all()
+            finite = all_finite(new[0], new[1])
         else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
             finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
-        running, counters = (self.running_mean, self.running_var), (self.num_batches_tracked, self.skipped_batches)
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            guarded_update(running, new, finite, kept)
-            write_buffer(counters[0], counters[0] + finite.to(counters[0].dtype))
-            self._count_skipped(finite)
-            return
-        for buf, value, old in zip(running, new, kept):  # eager: the same ops written into the buffers
-            torch.where(finite, value.to(buf.dtype), old, out=buf)
-        counters[0].add_(finite)
-        counters[1].add_(~finite)
+        guarded_update((self.running_mean, self.running_var), new, finite, kept)
+        count_into(self.num_batches_tracked, finite)
+        self._count_skipped(finite)
 
     # ------------------------------------------------------------------ activation checkpointing
     def _record(self, input: Tensor, prior, rmax, dmax) -> None:

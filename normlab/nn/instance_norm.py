@@ -30,7 +30,16 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
-from .._dispatch import HALF, channels_last_format, guarded_update, param_dtype, recomputing, static_numel, stats_value
+from .._dispatch import (
+    HALF,
+    all_finite,
+    channels_last_format,
+    guarded_update,
+    param_dtype,
+    recomputing,
+    static_numel,
+    stats_value,
+)
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
@@ -218,7 +227,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
         mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
         batch_mean = stats_value(mean.mean(0), self.running_mean, name)
         batch_var = stats_value(var.mean(0), self.running_var, name)
-        finite = torch.isfinite(batch_mean).all() & torch.isfinite(batch_var).all()
+        finite = all_finite(batch_mean, batch_var)
         count = self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype)
         if self.momentum is None:
             factor = 1.0 / count.clamp_min(1).to(self.running_mean.dtype)
