@@ -136,3 +136,18 @@ def test_window_mean_is_exact_and_does_not_overflow():
     assert window_mean([1e23, 1.0, -1e23, 1.0]) == 0.5
     with pytest.raises(ValueError, match="window_mean: expected at least one loss"):
         window_mean([])
+
+
+def test_the_guard_and_the_trainer_read_the_same_window_mean():
+    """The guard's loss trend and the trainer's tracker (CollapseTracker) average a window the same way: one huge
+    loss leaves no residue once it has left the window, and a window of the largest floats does not overflow."""
+    from normlab.monitor.guard import LOSS_WINDOW, _LossTrend
+
+    trend, tracker = _LossTrend(), CollapseTracker(LN10, window=LOSS_WINDOW)
+    for v in [LN10] * 5 + [1e24] + [LN10] * 30:
+        mean = trend.update(v)
+        tracker.update(v)
+        assert mean is None or mean == tracker.smoothed()
+    assert trend.update(LN10) == pytest.approx(LN10)
+    big = _LossTrend()
+    assert [big.update(1.7e308) for _ in range(LOSS_WINDOW)][-1] == pytest.approx(1.7e308)
