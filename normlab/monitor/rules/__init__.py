@@ -6,9 +6,11 @@
 - :class:`RegimeRule` (``normlab.monitor.rules.regime``): a layer's shift term dominating its variance term;
 - :class:`LossSpikeRule`, :class:`GradNormZScoreRule`, :class:`NonFiniteRule`
   (``normlab.monitor.rules.practitioners``): the checks practitioners use today;
-- :class:`AttentionLogitRule`, :class:`OutputLogitRule`, :class:`ResidualStreamRule`, :class:`NormGainRule`
-  (``normlab.monitor.rules.transformer``): growth of the probes' values (:mod:`normlab.monitor.probes`); a
-  monitor given one of them runs the probes on its recorded steps.
+- :class:`~normlab.monitor.rules.transformer.AttentionLogitRule`,
+  :class:`~normlab.monitor.rules.transformer.OutputLogitRule`,
+  :class:`~normlab.monitor.rules.transformer.ResidualStreamRule`,
+  :class:`~normlab.monitor.rules.transformer.NormGainRule` (``normlab.monitor.rules.transformer``): growth of the
+  probes' values (:mod:`normlab.monitor.probes`); a monitor given one of them runs the probes on its recorded steps.
 
 A new rule is a subclass of :class:`~normlab.monitor.Rule`; :func:`~normlab.monitor.replay` runs rules over a
 recorded run.
