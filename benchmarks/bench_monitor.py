@@ -16,7 +16,7 @@ unmonitored median, and the min / median / max of the per-round ratios (variant 
     .venv/bin/python benchmarks/bench_monitor.py --model gpt --batch-size 8 --probes   # the collapse benchmark's GPT
 
 ``--probes`` adds the variant ``every=10 + probes``: the default monitor plus the transformer probes
-(:class:`normlab.monitor.probes.ProbeSet`, attached on the recorded steps only). ``--model gpt`` is the collapse
+(``VarianceMonitor(probes=True)``: the probes run on the recorded steps only). ``--model gpt`` is the collapse
 benchmark's pre-LN character-level GPT (scripts/bench_setups.py: d 64, 2 layers, context 64) on random token ids.
 
 The machine may be shared with other jobs: compare the ratios, not absolute times, and rerun if noisy.
@@ -37,7 +37,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from normlab.monitor import VarianceMonitor
-from normlab.monitor.probes import ProbeSet
 from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
 from normlab.runner.models import build_model
 
@@ -127,21 +126,18 @@ def main(argv=None) -> int:
         ]
     specs = dict(VARIANTS)
     if args.probes:
-        specs["every=10 + probes"] = lambda: {"every": 10}
+        specs["every=10 + probes"] = lambda: {"every": 10, "probes": True}
 
     variants = {}
     for name, kwargs in specs.items():
         model = copy.deepcopy(base).train()
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
         mon = VarianceMonitor(model, **kwargs()) if kwargs else None
-        probes = ProbeSet(model) if name.endswith("+ probes") else None
-        variants[name] = (model, opt, mon, probes)
+        variants[name] = (model, opt, mon)
 
-    def run_block(model, opt, mon, probes, batches=data) -> float:
+    def run_block(model, opt, mon, batches=data) -> float:
         t0 = time.perf_counter()
         for x, y in batches:
-            if probes is not None and mon.is_recording:
-                probes.start()
             out = model(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
@@ -150,8 +146,6 @@ def main(argv=None) -> int:
                 opt.step()
             else:
                 mon.step(opt)
-            if probes is not None:
-                probes.stop()
         return (time.perf_counter() - t0) / len(batches)
 
     for v in variants.values():  # warm-up: 2 steps (the first is a recording step of every monitor)

@@ -56,10 +56,10 @@ def _light(records: Sequence[dict]) -> list[dict]:
     return [{k: r[k] for k in keep if k in r} for r in records if r.get("kind") != "norm"]
 
 
-def contexts(steps: Sequence[dict], every: int) -> Iterable[tuple]:
+def contexts(steps: Sequence[dict], every: int, adaptive: bool = False) -> Iterable[tuple]:
     """``(StepContext, records)`` per step of a run, as the monitor at ``every`` would have produced them: full
     records and probes on steps ``s % every == 0``, light records (output variances) and the scalars (loss,
-    gradient norm, lrs) on every step."""
+    gradient norm, lrs) on every step; ``adaptive``: the run's optimizer is adaptive (``StepContext.adaptive``)."""
     from normlab.monitor.rules import StepContext
 
     order, feeds, output = (), frozenset(), None
@@ -82,21 +82,30 @@ def contexts(steps: Sequence[dict], every: int) -> Iterable[tuple]:
             recorded=recorded,
             output_layer=output,
             layer_lrs={name: line["lrs"][0] for name in order},
+            adaptive=adaptive,
         )
         yield ctx, (line["records"] if recorded else _light(line["records"]))
 
 
-def first_events(rules: list, steps: Sequence[dict], every: int):
+def first_events(rules: list, steps: Sequence[dict], every: int, adaptive: bool = False):
     """``(first alarm, first event of any severity)`` when ``rules`` are replayed over a run (None when none)."""
     from normlab.monitor.rules import replay
 
-    events = replay(rules, contexts(steps, every))
+    events = replay(rules, contexts(steps, every, adaptive))
     return next((e for e in events if e.severity == "alarm"), None), (events[0] if events else None)
 
 
-def first_alarm(rules: list, steps: Sequence[dict], every: int):
+def first_alarm(rules: list, steps: Sequence[dict], every: int, adaptive: bool = False):
     """The first Event of severity "alarm" when ``rules`` are replayed over a run, or None."""
-    return first_events(rules, steps, every)[0]
+    return first_events(rules, steps, every, adaptive)[0]
+
+
+def adaptive_run(header: dict) -> bool:
+    """The run's optimizer was adaptive: the header's ``adaptive`` (written by collect), else from its set-up's
+    optimizer (runs recorded before the header had it: every optimizer of the set-ups but SGD is AdamW)."""
+    if header.get("adaptive") is not None:
+        return bool(header["adaptive"])
+    return SETUPS[header["setup"]]["opt"] != "sgd"
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -139,7 +148,7 @@ def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[d
                          collapsed=lab.collapsed, step=lab.step, kind=lab.kind))  # fmt: skip
         runs[-1]["events"] = {}
         for name, make in dets.items():
-            alarm, event = first_events(make(), steps, every)
+            alarm, event = first_events(make(), steps, every, adaptive_run(header))
             alarms[name].append(None if alarm is None else alarm.step)
             runs[-1]["events"][name] = None if event is None else event.step
         if log is not None and (k + 1) % 10 == 0:

@@ -87,6 +87,7 @@ def _record(rec) -> dict:
 def train_run(cfg: dict, path: Path, steps: int | None = None) -> dict:
     """Train one run and write its JSONL; returns a summary (name, steps run, seconds)."""
     from normlab.monitor.collapse import CollapseTracker
+    from normlab.monitor.optim_step import is_adaptive
     from normlab.monitor.probes import ProbeSet
 
     torch.set_num_threads(1)
@@ -98,7 +99,8 @@ def train_run(cfg: dict, path: Path, steps: int | None = None) -> dict:
     tracker = CollapseTracker(chance, window=WINDOW)  # stops the run at its collapse (the label needs no more)
     start, tmp = time.time(), path.with_suffix(".tmp")
     with open(tmp, "w") as f:
-        f.write(json.dumps(dict(header=True, **cfg, steps=steps, chance_loss=chance, batch=setup["batch"])) + "\n")
+        head = dict(header=True, **cfg, steps=steps, chance_loss=chance, batch=setup["batch"])
+        f.write(json.dumps(dict(head, adaptive=is_adaptive(opt))) + "\n")
         for step in range(steps):
             line = _train_step(model, opt, mon, probes, data, lr_at(step), step)
             f.write(json.dumps(line) + "\n")

@@ -87,3 +87,67 @@ def test_without_a_chance_loss_the_reference_is_the_starting_loss():
     assert label_collapse([4.0, float("inf")], window=10) == CollapseLabel(True, 1, "non_finite")
     # a healthy run that keeps learning
     assert not label_collapse([4.0 * (1 - 0.8 * t / 100) for t in range(100)], window=10).collapsed
+
+
+EXTREMES = [1e23, 1e24, 1e300, 1.7e308, 1e-300, 5e-324, 0.0]  # losses of a classifier: >= 0
+
+
+@pytest.mark.parametrize("value", EXTREMES)
+@pytest.mark.parametrize("where", [0, 3, 9, 25])
+def test_one_extreme_finite_loss_anywhere_does_not_ruin_the_smoothed_loss(value, where):
+    """The window mean is the mean of the window's values, whatever came before: a run that sits at chance after one
+    huge (or tiny) finite loss is a dead network, and one that learned and came back is a return to chance."""
+    if value > LN10:  # (a loss near 0 at chance is a net that learned something: not a dead-network case)
+        dead = [LN10] * 60
+        dead[where] = value
+        assert classify_trace(dead, 10, window=10) == ("never_left_chance", None)
+        t = CollapseTracker(LN10, window=10)
+        for v in dead:
+            t.update(v)
+        assert t.smoothed() == pytest.approx(LN10) and t.at_chance()
+    # learned, one extreme loss inside the learned stretch, then back at chance: dated where the window crosses
+    trace = [0.3 * LN10] * 30 + [LN10] * 30
+    trace[where] = value
+    kind, step = classify_trace(trace, 10, window=10)
+    if value > 0.95 * LN10 * 10 and 1 <= where < 30:
+        # a huge loss after the run learned (its first losses are low) is itself a return to chance
+        assert (kind, step) == ("returned_to_chance", max(0, where - 9))
+    else:  # as without it: the first window of ten losses at chance
+        assert (kind, step) == ("returned_to_chance", 30)
+
+
+def test_the_first_example_of_the_report_is_a_dead_network():
+    # a run at chance with one loss of 1e24: the running sum lost every other value and called it healthy
+    assert label_collapse([2.3] * 5 + [1e24] + [2.3] * 60, LN10) == CollapseLabel(True, None, "never_left_chance")
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan"), None])
+@pytest.mark.parametrize("where", [0, 5, 9, 40])
+def test_a_non_finite_loss_anywhere_in_the_window_is_a_collapse_at_its_step(bad, where):
+    trace = [0.3 * LN10] * 50
+    trace[where] = bad
+    assert classify_trace(trace, 10, window=10) == ("non_finite", where)
+
+
+def test_window_mean_is_exact_and_does_not_overflow():
+    from normlab.monitor.collapse import window_mean
+
+    assert window_mean([1.7e308] * 10) == pytest.approx(1.7e308)
+    assert window_mean([1e23, 1.0, -1e23, 1.0]) == 0.5
+    with pytest.raises(ValueError, match="window_mean: expected at least one loss"):
+        window_mean([])
+
+
+def test_the_guard_and_the_trainer_read_the_same_window_mean():
+    """The guard's loss trend and the trainer's tracker (CollapseTracker) average a window the same way: one huge
+    loss leaves no residue once it has left the window, and a window of the largest floats does not overflow."""
+    from normlab.monitor.guard import LOSS_WINDOW, _LossTrend
+
+    trend, tracker = _LossTrend(), CollapseTracker(LN10, window=LOSS_WINDOW)
+    for v in [LN10] * 5 + [1e24] + [LN10] * 30:
+        mean = trend.update(v)
+        tracker.update(v)
+        assert mean is None or mean == tracker.smoothed()
+    assert trend.update(LN10) == pytest.approx(LN10)
+    big = _LossTrend()
+    assert [big.update(1.7e308) for _ in range(LOSS_WINDOW)][-1] == pytest.approx(1.7e308)

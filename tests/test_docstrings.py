@@ -36,6 +36,8 @@ MODULES = [
     "normlab.monitor.rules.base",
     "normlab.monitor.rules.replay",
     "normlab.monitor.rules.practitioners",
+    "normlab.monitor.rules.transformer",
+    "normlab.monitor.probes",
     "normlab.runner.models",
 ]
 # The public API: every class and function in these modules' __all__ documents itself with an Example.

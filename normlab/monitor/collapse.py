@@ -35,6 +35,7 @@ __all__ = [
     "CollapseTracker",
     "label_collapse",
     "loss_window",
+    "window_mean",
 ]
 
 CHANCE = 0.95  # smoothed loss >= 0.95 x reference: back at (within 5 % of) chance, or worse
@@ -51,6 +52,24 @@ def loss_window(batch_size: int) -> int:
         (32, 10)
     """
     return max(10, math.ceil(1024 / batch_size))
+
+
+def window_mean(values: Iterable[float]) -> float:
+    """The mean of a window of finite losses, computed from the values themselves.
+
+    ``math.fsum`` of ``v / n``: exactly rounded, so one huge loss (1e23) among ordinary ones neither swallows them
+    nor, once it has left the window, leaves a residue behind (a running sum does both); and no overflow, since the
+    sum of ``v / n`` is at most the largest ``|v|``.
+
+    Example:
+        >>> window_mean([2.3, 1e24, 2.3]) > 3e23, window_mean([2.3, 2.3])
+        (True, 2.3)
+    """
+    values = list(values)
+    if not values:
+        raise ValueError("window_mean: expected at least one loss, got an empty window")
+    n = len(values)
+    return math.fsum(v / n for v in values)
 
 
 @dataclass(frozen=True)
@@ -104,8 +123,15 @@ class CollapseTracker:
         self.learned = False
         self.reference: float | None = self.chance_loss
         self._recent: deque[float] = deque(maxlen=window)
-        self._sum = 0.0
         self._steps = 0
+
+    def smoothed(self) -> float | None:
+        """The mean of the losses in the current window (None before the first loss).
+
+        Computed from the window itself on each call (:func:`window_mean`), never from a running sum, which one huge
+        finite loss (1e23) would ruin for the rest of the run.
+        """
+        return window_mean(self._recent) if self._recent else None
 
     def update(self, loss: float | None) -> str | None:
         """Record the loss of the next step (None or non-finite for a failed step); returns the collapse kind
@@ -117,12 +143,9 @@ class CollapseTracker:
         if loss is None or not math.isfinite(loss):
             self.kind, self.step = "non_finite", step
             return self.kind
-        if len(self._recent) == self.window:
-            self._sum -= self._recent[0]
         self._recent.append(float(loss))
-        self._sum += float(loss)
         full = len(self._recent) == self.window
-        smoothed = self._sum / len(self._recent)
+        smoothed = self.smoothed()
         if self.reference is None:
             if not full:
                 return None
@@ -138,7 +161,7 @@ class CollapseTracker:
         """The current smoothed loss is at ``CHANCE`` x ``chance_loss`` or above (False without ``chance_loss``)."""
         if self.chance_loss is None or not self._recent:
             return False
-        return self._sum / len(self._recent) >= CHANCE * self.chance_loss
+        return self.smoothed() >= CHANCE * self.chance_loss
 
     def finish(self) -> str | None:
         """End of the run: with ``chance_loss``, a run that never learned and ends at chance has collapsed (a dead

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from normlab.monitor.collapse import CHANCE, LEARNED, MIN_WINDOWS
+from normlab.monitor.collapse import CHANCE, LEARNED, MIN_WINDOWS, window_mean
 from normlab.monitor.optim_step import learning_rates, optimizer_step
 
 __all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
@@ -180,7 +180,7 @@ class _LossTrend:
         self.seen += 1
         if len(self.recent) < LOSS_WINDOW:
             return None
-        mean = sum(self.recent) / LOSS_WINDOW
+        mean = window_mean(self.recent)
         self.first = mean if self.first is None else self.first
         self.best = mean if self.best is None else min(self.best, mean)
         return mean

@@ -63,7 +63,8 @@ from normlab.monitor.hooks import (
 )
 from normlab.monitor.layers import filter_kernel, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.log import write_monitor_log
-from normlab.monitor.optim_step import learning_rates
+from normlab.monitor.optim_step import is_adaptive, learning_rates
+from normlab.monitor.probes import Probe, ProbeSet
 from normlab.monitor.records import LayerRecord, NormRecord
 from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, check_rules, context_from_records
 from normlab.monitor.rules.regime import layer_learning_rates
@@ -102,6 +103,21 @@ def _check_rules(rules) -> list[Rule]:
     return out
 
 
+def _probe_set(model: nn.Module, probes, rules: Sequence[Rule]) -> ProbeSet | None:
+    """The monitor's :class:`~normlab.monitor.probes.ProbeSet` from its ``probes`` argument, or None."""
+    if probes is None:
+        probes = any(getattr(r, "needs_probes", False) for r in rules)
+    if probes is True:
+        return ProbeSet(model)
+    if probes is False:
+        return None
+    if isinstance(probes, Probe) or not isinstance(probes, Sequence):
+        raise ValueError(
+            f"VarianceMonitor: probes must be None, True, False or a list of Probe, got {type(probes).__name__}"
+        )
+    return ProbeSet(model, probes) if probes else None
+
+
 class VarianceMonitor:
     """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps, and
     check rules on them.
@@ -128,6 +144,12 @@ class VarianceMonitor:
             (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
             writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
         on_event: optional callable(event) called for every event kept in ``mon.events``.
+        probes: per-step scalars no layer record shows (:mod:`normlab.monitor.probes`: attention logits, residual
+            stream, norm gains, output logits), measured on recorded steps only and passed to the rules as
+            ``ctx.probes``: True for :func:`~normlab.monitor.probes.DEFAULT_PROBES`, a list of
+            :class:`~normlab.monitor.probes.Probe` s, False for none; None (the default): the default probes when
+            a rule reads them (``Rule.needs_probes``: the transformer rules), else none, so that the default
+            rules pay nothing for them.
 
     Attributes:
         records: the per-layer records of the recorded steps.
@@ -156,6 +178,7 @@ class VarianceMonitor:
         record_eval: bool = False,
         tensorboard: str | os.PathLike | object | None = None,
         on_event: Callable[[Event], None] | None = None,
+        probes: bool | Sequence[Probe] | None = None,
     ) -> None:
         _check_args(model, every, dense_steps, dense_every)
         self.model = unwrap_model(model)
@@ -165,6 +188,8 @@ class VarianceMonitor:
         self.record_eval = record_eval
         self.on_event = on_event
         self.rules: list[Rule] = DEFAULT_RULES() if rules is None else _check_rules(rules)
+        self.probes = _probe_set(self.model, probes, self.rules)
+        self._probe_cache: dict[str, float] = {}
         self.events: list[Event] = []
         self._fired: set[str] = set()
         self._grad_norm: float | None = None
@@ -258,6 +283,11 @@ class VarianceMonitor:
         return self.alarm is not None
 
     def _sync_hooks(self) -> None:
+        if self.probes is not None:  # probes run on recorded steps only: started before the forward
+            if not self.closed and self.is_recording:
+                self.probes.start()
+            else:
+                self.probes.stop()
         want = not self.closed and (self.compiled or self.is_recording or self.is_light)
         if want and not self._handles:
             for name, mod, kind in self.layers:
@@ -389,6 +419,7 @@ class VarianceMonitor:
             self._loss = loss
         skipped = (not stepped) if skipped is None else skipped
         if self.is_recording:
+            self._probe_cache = self.probes.stop() if self.probes is not None else {}
             before, self._before = self._before, None
             if before is None:  # no snapshot: weight statistics of the current kernels, no update ratios
                 before, stepped = {n: filter_kernel(m).clone() for n, m, k in self.layers if k != "norm"}, False
@@ -427,11 +458,13 @@ class VarianceMonitor:
             probes=self._probe_values(),
             recorded=recorded,
             layer_lrs=layer_learning_rates(self.layers, opt) if recorded and opt is not None else {},
+            adaptive=is_adaptive(opt),
         )
 
     def _probe_values(self) -> dict[str, float]:
-        """Extra per-step scalars for ``ctx.probes`` (none yet)."""
-        return {}
+        """The probes' values of this step for ``ctx.probes`` (recorded steps; empty on the others)."""
+        values, self._probe_cache = self._probe_cache, {}
+        return values
 
     def _check(self, ctx: StepContext, step_records: list[dict]) -> None:
         """Check the rules due at this step; keep each rule's first event (TensorBoard, ``on_event``)."""
@@ -588,6 +621,8 @@ class VarianceMonitor:
         self.closed = True
         self._pending, self._light, self._light_grad, self._stepped_grad = {}, {}, None, None
         self._remove_hooks()
+        if self.probes is not None:
+            self.probes.stop()
         for h in self._optimizer_handles:
             h.remove()
         self._optimizer_handles = []

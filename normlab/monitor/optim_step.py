@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["optimizer_step", "scaler_skipped", "learning_rates"]
+__all__ = ["optimizer_step", "scaler_skipped", "learning_rates", "is_adaptive", "ADAPTIVE_STATE_KEYS"]
+
+# per-parameter state of the optimizers that divide each coordinate's step by a running scale of its own gradients:
+# Adam/AdamW/NAdam/RAdam (exp_avg_sq), Adamax (exp_inf), RMSprop/Adadelta (square_avg), Adagrad (sum)
+ADAPTIVE_STATE_KEYS = ("exp_avg_sq", "exp_inf", "square_avg", "sum")
+_ADAPTIVE_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
+_ADAPTIVE_CLASSES += (torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.SparseAdam)
 
 
 def scaler_skipped(scale_before: float | None, scale_after: float | None) -> bool:
@@ -28,6 +34,26 @@ def learning_rates(optimizer: torch.optim.Optimizer | None) -> tuple[float, ...]
         (0.1,)
     """
     return () if optimizer is None else tuple(float(g["lr"]) for g in optimizer.param_groups)
+
+
+def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether the optimizer is adaptive: it scales each parameter's step by a running magnitude of that
+    parameter's own gradients (Adam and its family, Adagrad, RMSprop), so its first steps move every weight by
+    about the learning rate whatever the gradient's scale, unlike SGD.
+
+    A torch.optim adaptive class, or (optimizers outside torch.optim: fused or 8-bit Adams) one of
+    ``ADAPTIVE_STATE_KEYS`` in the per-parameter state, which the first step fills.
+
+    Example:
+        >>> net = torch.nn.Linear(2, 1)
+        >>> is_adaptive(torch.optim.AdamW(net.parameters())), is_adaptive(torch.optim.SGD(net.parameters(), lr=0.1))
+        (True, False)
+    """
+    if optimizer is None:
+        return False
+    if isinstance(optimizer, _ADAPTIVE_CLASSES):
+        return True
+    return any(isinstance(st, dict) and any(k in st for k in ADAPTIVE_STATE_KEYS) for st in optimizer.state.values())
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, monitor=None, scaler=None, loss=None) -> bool:

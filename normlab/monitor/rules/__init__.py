@@ -5,7 +5,12 @@
   past a factor of their baseline, or at a rate that foretells a collapse;
 - :class:`RegimeRule` (``normlab.monitor.rules.regime``): a layer's shift term dominating its variance term;
 - :class:`LossSpikeRule`, :class:`GradNormZScoreRule`, :class:`NonFiniteRule`
-  (``normlab.monitor.rules.practitioners``): the checks practitioners use today.
+  (``normlab.monitor.rules.practitioners``): the checks practitioners use today;
+- :class:`~normlab.monitor.rules.transformer.AttentionLogitRule`,
+  :class:`~normlab.monitor.rules.transformer.OutputLogitRule`,
+  :class:`~normlab.monitor.rules.transformer.ResidualStreamRule`,
+  :class:`~normlab.monitor.rules.transformer.NormGainRule` (``normlab.monitor.rules.transformer``): growth of the
+  probes' values (:mod:`normlab.monitor.probes`); a monitor given one of them runs the probes on its recorded steps.
 
 A new rule is a subclass of :class:`~normlab.monitor.Rule`; :func:`~normlab.monitor.replay` runs rules over a
 recorded run.
@@ -15,6 +20,14 @@ from normlab.monitor.rules.base import Event, Rule, StepContext
 from normlab.monitor.rules.practitioners import GradNormZScoreRule, LossSpikeRule, NonFiniteRule
 from normlab.monitor.rules.regime import RegimeRule
 from normlab.monitor.rules.replay import check_rules, context_from_records, replay
+from normlab.monitor.rules.transformer import (
+    TRANSFORMER_RULES,
+    AttentionLogitRule,
+    NormGainRule,
+    OutputLogitRule,
+    ProbeGrowthRule,
+    ResidualStreamRule,
+)
 from normlab.monitor.rules.variance import CountdownRule, FactorRule
 
 
@@ -40,6 +53,12 @@ __all__ = [
     "LossSpikeRule",
     "GradNormZScoreRule",
     "NonFiniteRule",
+    "ProbeGrowthRule",
+    "AttentionLogitRule",
+    "OutputLogitRule",
+    "ResidualStreamRule",
+    "NormGainRule",
+    "TRANSFORMER_RULES",
     "check_rules",
     "context_from_records",
     "replay",

@@ -126,6 +126,9 @@ class StepContext:
         recorded: the records are this step's full records (False: light records, or none).
         output_layer: the output layer (the last conv/linear layer in forward order), if known.
         layer_lrs: the learning rate of each monitored layer's parameters, if known.
+        adaptive: the optimizer is adaptive (Adam family, Adagrad, RMSprop:
+            :func:`~normlab.monitor.optim_step.is_adaptive`): its first steps move every weight by about the learning
+            rate, so output variances grow fast at first in healthy runs too (the first-step transient).
 
     Example:
         >>> StepContext(step=3, loss=2.1).skipped
@@ -143,6 +146,7 @@ class StepContext:
     recorded: bool = True
     output_layer: str | None = None
     layer_lrs: Mapping[str, float] = field(default_factory=dict)
+    adaptive: bool = False
 
     def to_dict(self) -> dict:
         """The context as plain types (non-finite floats kept)."""
@@ -158,6 +162,7 @@ class StepContext:
             "recorded": self.recorded,
             "output_layer": self.output_layer,
             "layer_lrs": dict(self.layer_lrs),
+            "adaptive": self.adaptive,
         }
 
     @classmethod
@@ -175,6 +180,7 @@ class StepContext:
             recorded=bool(d.get("recorded", True)),
             output_layer=d.get("output_layer"),
             layer_lrs={str(k): float(v) for k, v in (d.get("layer_lrs") or {}).items()},
+            adaptive=bool(d.get("adaptive", False)),
         )
 
 
@@ -195,6 +201,8 @@ class Rule:
             (``ctx.grad_norm``).
         needs_loss: the rule reads ``ctx.loss`` (default True); the monitor reads a loss tensor back to the host
             only when a rule due at the step needs it, so rules that never read it say False.
+        needs_probes: the rule reads ``ctx.probes`` (default False): a monitor given such a rule runs the probes
+            (:mod:`normlab.monitor.probes`) on its recorded steps unless told otherwise (``probes=False``).
 
     The default :meth:`state_dict` returns ``{}`` and :meth:`load_state_dict` accepts it: a rule with state
     overrides all three methods. The base class takes no arguments; a subclass's ``__init__`` holds its thresholds.
@@ -219,6 +227,7 @@ class Rule:
     light_keys: ClassVar[tuple[str, ...]] = ()
     needs_grad_norm: ClassVar[bool] = False
     needs_loss: ClassVar[bool] = True
+    needs_probes: ClassVar[bool] = False
 
     def check(self, ctx: StepContext, records: Sequence[Mapping]) -> Event | None:
         """Check one step: an :class:`Event` when the rule fires, else None (updating the rule's state)."""

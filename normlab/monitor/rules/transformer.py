@@ -67,6 +67,8 @@ class ProbeGrowthRule(Rule):
 
     probe: ClassVar[str] = ""
     every_step: ClassVar[bool] = False
+    needs_probes: ClassVar[bool] = True
+    needs_loss: ClassVar[bool] = False
 
     def __init__(
         self, factor: float = 10.0, floor: float = 0.0, warmup: int = 50, patience: int = 1, severity: str = "alarm"

@@ -18,6 +18,15 @@ from normlab.monitor.rules.base import Event, Rule, StepContext
 __all__ = ["FactorRule", "CountdownRule", "alarm_message"]
 
 _NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
+# under an adaptive optimizer, the steps whose records the variance rules skip (the first-step transient); fixed on
+# the collapse benchmark's pilot seeds (docs/monitor_benchmark.md, round 2)
+ADAPTIVE_STEPS = 5
+
+
+def _steps(rule: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{rule}: adaptive_steps must be an int >= 0, got {value!r}")
+    return value
 
 
 def alarm_message(layer: str, quantity: str, value: float, baseline: float, reason: str) -> str:
@@ -82,6 +91,10 @@ class FactorRule(Rule):
             quantity with floor f and factor k is flagged only above k * f.
         baseline_records: how many first finite records form each baseline (their maximum); int >= 1.
         watch_output_layer: also apply the growth test to the output layer.
+        adaptive_steps: under an adaptive optimizer (``ctx.adaptive``: Adam family, Adagrad, RMSprop) the records of
+            steps before this one are neither tested nor taken into a baseline (non-finite values still are): the
+            optimizer's first steps move every weight by about the learning rate, which grows the output
+            variances of a small-init net by orders of magnitude in healthy runs. No effect under SGD (int >= 0).
 
     Example:
         >>> rule = FactorRule(explode_factor=100.0, implode_factor=None, min_initial=1e-6)
@@ -104,6 +117,7 @@ class FactorRule(Rule):
         min_initial: float | Mapping[str, float] | None = None,
         baseline_records: int = 1,
         watch_output_layer: bool = False,
+        adaptive_steps: int = ADAPTIVE_STEPS,
     ) -> None:
         # defaults: the classifier's logit variance grows ~100-200x in healthy training, so output_var needs 1e3;
         # output variance is compared with at least unit variance (the scale He init keeps); a PWS shift is 0
@@ -121,6 +135,7 @@ class FactorRule(Rule):
             raise ValueError(f"FactorRule: baseline_records must be an int >= 1, got {baseline_records!r}")
         self.baseline_records = baseline_records
         self.watch_output_layer = bool(watch_output_layer)
+        self.adaptive_steps = _steps("FactorRule", adaptive_steps)
         self.reset()
 
     def reset(self) -> None:
@@ -154,7 +169,7 @@ class FactorRule(Rule):
                 ) from e
         self.baselines, self.seen = baselines, seen
 
-    def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool) -> dict | None:
+    def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool, settling: bool = False) -> dict | None:
         """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
         value = rec.get(q)
         key = (rec["layer"], q)
@@ -164,6 +179,8 @@ class FactorRule(Rule):
         if value is None or not math.isfinite(value):
             value = math.nan if value is None else float(value)
             return {**flag, "value": value, "growth": math.inf, "severity": math.inf, **_NON_FINITE}
+        if settling:  # an adaptive optimizer's first steps: no baseline, no test
+            return None
         n_seen = self.seen.get(key, 0)
         if n_seen < self.baseline_records:  # still collecting the baseline: no test
             self.baselines[key] = max(self.baselines.get(key, -math.inf), float(value))
@@ -200,6 +217,7 @@ class FactorRule(Rule):
         output = {ctx.output_layer} if ctx.output_layer is not None else set()
         growth_exempt = set() if self.watch_output_layer else output
         shift_exempt = set(ctx.feeds_norm) - output
+        settling = ctx.adaptive and ctx.step < self.adaptive_steps
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
             for q in self.checked:
@@ -210,7 +228,7 @@ class FactorRule(Rule):
                     continue
                 grow = q in self.explode_factor and rec["layer"] not in growth_exempt
                 grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
-                flag = self._judge(rec, q, grow, shrink)
+                flag = self._judge(rec, q, grow, shrink, settling)
                 if flag is not None:
                     flagged.append(flag)
         if not flagged:
@@ -225,7 +243,7 @@ class FactorRule(Rule):
         return (
             f"FactorRule(explode_factor={self.explode_factor}, implode_factor={self.implode_factor}, "
             f"watch={self.watch}, min_initial={self.min_initial}, baseline_records={self.baseline_records}, "
-            f"watch_output_layer={self.watch_output_layer})"
+            f"watch_output_layer={self.watch_output_layer}, adaptive_steps={self.adaptive_steps})"
         )
 
 
@@ -255,6 +273,10 @@ class CountdownRule(Rule):
         span: minimum step distance of the growth rate (int >= 1).
         history: how many past gradient norms the running median keeps (int >= 5).
         every_step: check on every optimizer step (True) or on recorded steps only.
+        adaptive_steps: under an adaptive optimizer (``ctx.adaptive``) the output variances of steps before this one
+            are neither tested nor kept as first or past values (non-finite values still are flagged): the first
+            value and the growth rates start after the optimizer's first-step transient. No effect under SGD
+            (int >= 0).
 
     Example:
         >>> rule = CountdownRule(growth=1.0, level=15.0)
@@ -278,6 +300,7 @@ class CountdownRule(Rule):
         span: int = 2,
         history: int = 256,
         every_step: bool = True,
+        adaptive_steps: int = ADAPTIVE_STEPS,
     ) -> None:
         for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
             if value is not None and (
@@ -292,6 +315,7 @@ class CountdownRule(Rule):
         self.every_step = bool(every_step)
         self.light_keys = ("output_var",) if self.every_step else ()
         self.needs_grad_norm = grad_ratio is not None
+        self.adaptive_steps = _steps("CountdownRule", adaptive_steps)
         self.reset()
 
     def reset(self) -> None:
@@ -299,13 +323,15 @@ class CountdownRule(Rule):
         self.recent: dict[str, list[list[float]]] = {}  # [[step, V_l], ...], newest last, enough for the span
         self.grad_norms: list[float] = []
 
-    def _layer_flag(self, step: int, rec: Mapping, tested: bool) -> dict | None:
+    def _layer_flag(self, step: int, rec: Mapping, tested: bool, settling: bool = False) -> dict | None:
         name, v = rec["layer"], rec.get("output_var")
         flag = dict(layer=name, index=rec.get("index", 0), initial=self.first.get(name, math.nan))
         if v is None:
             return None
         if not math.isfinite(v):
             return {**flag, "quantity": "output_var", "value": float(v), "growth": math.inf, **_NON_FINITE}
+        if settling:  # an adaptive optimizer's first steps: neither a first nor a past value
+            return None
         v = float(v)
         self.first.setdefault(name, v)
         past = [p for p in self.recent.get(name, []) if step - p[0] >= self.span]
@@ -370,10 +396,11 @@ class CountdownRule(Rule):
         """Check one step (full or light records): an alarm naming the first flagged layer in forward order (the
         gradient counts as before every layer), or None."""
         exempt = set(ctx.feeds_norm) | ({ctx.output_layer} if ctx.output_layer is not None else set())
+        settling = ctx.adaptive and ctx.step < self.adaptive_steps
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
             if rec.get("kind") in ("conv", "linear"):
-                flag = self._layer_flag(ctx.step, rec, rec["layer"] not in exempt)
+                flag = self._layer_flag(ctx.step, rec, rec["layer"] not in exempt, settling)
             elif rec.get("output_var") is not None and not math.isfinite(rec["output_var"]):
                 flag = dict(
                     layer=rec["layer"],
@@ -420,7 +447,7 @@ class CountdownRule(Rule):
     def __repr__(self) -> str:
         return (
             f"CountdownRule(growth={self.growth}, level={self.level}, grad_ratio={self.grad_ratio}, span={self.span}, "
-            f"history={self.history}, every_step={self.every_step})"
+            f"history={self.history}, every_step={self.every_step}, adaptive_steps={self.adaptive_steps})"
         )
 
 
