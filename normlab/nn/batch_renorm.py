@@ -170,7 +170,8 @@ class RenormSchedule:
         the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
         ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
         base, slope, low, high = _ramp_constants(self, step.device)
-        return torch.mul(step, slope).add_(base).clamp_(low, high).unbind()  # not addcmul: it fuses (one rounding)
+        # not addcmul (it rounds once); clamp, not clamp_: torch.func.vmap has no batching rule for clamp_
+        return torch.mul(step, slope).add_(base).clamp(low, high).unbind()
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
