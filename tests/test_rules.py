@@ -196,13 +196,13 @@ class HeadVarianceAbove(Rule):
         head = next((r for r in records if r["layer"] == ctx.output_layer), None)
         if head is not None and head.get("output_var", 0.0) > self.limit:
             return Event(
-                self.name,
-                "alarm",
-                ctx.step,
-                f"head variance {head['output_var']:.3g}",
-                head["layer"],
-                "output_var",
-                head["output_var"],
+                rule=self.name,
+                severity="alarm",
+                step=ctx.step,
+                message=f"head variance {head['output_var']:.3g}",
+                layer=head["layer"],
+                quantity="output_var",
+                value=head["output_var"],
             )
         return None
 
