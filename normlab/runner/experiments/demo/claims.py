@@ -329,7 +329,7 @@ def _cost_rows(cost: dict) -> list[dict[str, str]]:
         )
         verdict = REPRODUCED if all(v == "cheaper" for v, _ in said.values()) else NOT_REPRODUCED
         key = f"batch {bs}: PWS {1000 * t['pws']['median_s']:.1f} ms; " + ", ".join(
-            f"{n.upper()} {1000 * t[n]['median_s']:.1f} ({v})" for n, (v, _) in said.items()
+            f"{n.upper()} {1000 * t[n]['median_s']:.1f} ({_SAID[v]})" for n, (v, _) in said.items()
         )
         rows.append(_row("4", verdict, nums, key))
     return rows
