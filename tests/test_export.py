@@ -32,7 +32,7 @@ MODELS = [  # (model, norm, conv, per-sample shape, extra arguments)
 
 def _rel(got, want: torch.Tensor) -> float:
     want = want.detach().double()
-    return float((torch.as_tensor(got).double() - want).abs().max() / want.abs().max())
+    return float((torch.as_tensor(got).detach().double() - want).abs().max() / want.abs().max())
 
 
 @pytest.mark.parametrize("name,norm,conv,shape,kw", MODELS, ids=lambda v: v if isinstance(v, str) else None)

@@ -19,7 +19,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         NAME,
         help="main job: normalization and collapse on MNIST-1D, a report with plots",
-        description="Run the demo (about 5 minutes on 2 CPU cores): (a) a learning-rate sweep of none, "
+        description="Run the demo (about 3.5 minutes on 2 idle CPU cores): (a) a learning-rate sweep of none, "
         "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
         "learning rate scaled linearly, (c) the monitor's collapse diagnosis (regime warning, countdown alarm) "
         "and the unnormalized runs again with --guard and with --guard-dead beside their unguarded twins, (d) the cost "
