@@ -30,7 +30,7 @@ class RecordSchedule:
     Step 0 is always recorded (the initial values). The first steps of a run are where a collapse at a high learning
     rate begins, so a dense start sees them without the cost of ``every=1`` for the whole run.
 
-    Args:
+    Attributes:
         every: the recording interval after the dense start (int >= 1). Default: 10.
         dense_steps: how many first steps are recorded densely (int >= 0; 0: no dense start). Default: 0.
         dense_every: the recording interval during the dense start (int >= 1). Default: 1.
@@ -69,7 +69,7 @@ class RecordSchedule:
 class RecordOptions:
     """Which layers and forwards a recording step keeps.
 
-    Args:
+    Attributes:
         include_norm: also record normalization layers (their output variance and input ratio), not only the
             conv/linear layers. Default: True.
         record_eval: also record forwards of modules in eval mode. Default: False (training forwards only, so an
