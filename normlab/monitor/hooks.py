@@ -175,7 +175,7 @@ def weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
     d = wf - filter_mean[:, None]
     vo = (d * d).sum(dim=1) / n
     shift = (n * filter_mean).var(unbiased=False)
-    denom = n * stats._flat_variance(wf)
+    denom = n * stats.output_variance(wf)  # Var[W] of all entries, as shift_scale_free computes it
     low, high = torch.aminmax(vo)
     values = [
         vo.mean(),

@@ -158,6 +158,7 @@ class VarianceMonitor:
             :attr:`alarm` is the first of severity ``"alarm"``, :attr:`warning` the first ``"warning"``.
         schedule: the :class:`~normlab.monitor.RecordSchedule` (``every`` as given, or made from the int).
         recording: the :class:`~normlab.monitor.RecordOptions`.
+        sinks: the sinks of :meth:`add_sink`, by handle id, in the order they were added.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -270,7 +271,7 @@ class VarianceMonitor:
     # ----------------------------------------------------------------- hooks
     @property
     def current_step(self) -> int:
-        """The monitor's step: the optimizer steps it has seen (set it to resume at another step)."""
+        """The number of optimizer steps the monitor has seen; set it to resume at another step (the hooks follow)."""
         return self._step
 
     @current_step.setter
