@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
                 mon.step(opt)
         return (time.perf_counter() - t0) / len(batches)
 
+    load_before = os.getloadavg()[0]  # the machine may be shared: its load is part of the result
     for v in variants.values():  # warm-up: 2 steps (the first is a recording step of every monitor)
         run_block(*v, batches=data[:2])
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -155,13 +157,14 @@ def main(argv=None) -> int:
     for r in range(args.repeats):
         for k in names[r % len(names) :] + names[: r % len(names)]:
             times[k].append(run_block(*variants[k]))
+    load = [load_before, os.getloadavg()[0]]
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med["unmonitored"]
     rounds = {k: sorted(a / b for a, b in zip(times[k], times["unmonitored"])) for k in names}
     print(
         f"{source}, norm {args.norm if args.model in ('plain', 'plain1d') else '(its own)'}, width {args.width}, input "
         f"{'x'.join(map(str, shape))}, batch {args.batch_size}, {args.threads} thread(s), {args.repeats} interleaved "
-        f"repeats of {args.steps} steps"
+        f"repeats of {args.steps} steps; load average {load[0]:.1f} before, {load[1]:.1f} after"
     )
     print(f"{'variant':<24}{'median ms/step':>16}{'min ms/step':>14}{'ratio':>8}   per-round ratio min/median/max")
     for k in names:
@@ -184,6 +187,7 @@ def main(argv=None) -> int:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "note": "shared machine: ratios are the result, absolute times are noisy",
+        "load_average_1min": load,
         "median_step_s": med,
         "all_step_s": times,
         "ratio_to_unmonitored": {k: med[k] / ref for k in names},

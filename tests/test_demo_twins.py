@@ -322,3 +322,33 @@ def test_section_c_says_why_when_no_collapsed_run_raised_the_regime_warning(tmp_
     lines, _ = _diagnosis_section(out, demo, demo["evidence"])
     (note,) = [x for x in lines if x.startswith("No run here raised the regime warning")]
     assert "10x its variance term for 2 steps" in note and "docs/research/monitor_calibration.md, round 5" in note
+
+
+def test_a_monitor_row_that_is_not_met_says_which_runs_which_rule_and_what_the_label_says(tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    # (c) seed 1 did not collapse; a seed 2 collapses at step 50 and its alarm comes at 55, after it
+    late = {**ALARM, "rule": "countdown", "step": 55}
+    _run(out / "collapse/runs/none_s2", monitor_alarm=late, collapsed=True, collapse_reason="non_finite_loss",
+         collapse_step=50, final_test_acc=0.1)  # fmt: skip
+    demo["sections"]["collapse"]["cells"].append({"cell": "none_s2", "name": "none", "lr": 0.1, "seed": 2})
+    demo["evidence"]["diagnoses"]["collapse"]["none_s2"] = diagnose_run(out / "collapse/runs/none_s2")
+    # a false alarm in section (a): the factor rule fires in a run the collapse label calls healthy
+    cell = next(c for c in demo["sections"]["lr_sweep"]["cells"] if c["name"] == "none" and c["lr"] == 0.1)
+    implosion = {"rule": "factor", "layer": "head", "step": 60, "quantity": "input_sq", "value": 1e-4, "initial": 1.0}
+    _run(out / "lr_sweep/runs" / cell["cell"], monitor_alarm=implosion, final_test_acc=0.28)
+    demo["evidence"]["diagnoses"]["lr_sweep"] = {cell["cell"]: diagnose_run(out / "lr_sweep/runs" / cell["cell"])}
+    row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]
+    assert row["verdict"] == "not reproduced"
+    why = row["numbers"].split(". ", 1)[1].split("; guard (")[0]
+    assert why == (
+        "Not met because of 1 false alarm: alarms in runs the collapse label (normlab.monitor.collapse) calls healthy "
+        "(no non-finite loss, no return to chance; they ended at 28 % test accuracy): 1 by the factor rule "
+        f"(input_sq) in (a) none lr 0.1 seed {cell['seed']}. Also only 1 of 3 seeds was warned (2 needed): "
+        "(c) none lr 0.1 seed 1 did not collapse (nothing to warn of); (c) none lr 0.1 seed 2 collapsed at step 50 "
+        "(a non-finite loss): the countdown rule (output_var_growth) alarmed at step 55, not before"
+    )
+    # met: a timely alarm on two seeds and no false alarm -> no explanation
+    del demo["evidence"]["diagnoses"]["lr_sweep"]
+    demo["evidence"]["diagnoses"]["collapse"]["none_s2"]["lead_steps"] = 5
+    row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]
+    assert row["verdict"] == "reproduced" and "Not met" not in row["numbers"]

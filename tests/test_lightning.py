@@ -89,6 +89,24 @@ def test_records_every_n_steps_and_logs_through_the_module_logger(tmp_path, one_
     assert logged == pytest.approx({r["step"]: r["output_var"] for r in records if r["layer"] == "net.0"}, rel=1e-6)
 
 
+def test_a_schedule_recording_options_and_tensorboard_reach_the_monitor(tmp_path, one_thread):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from normlab.monitor import RecordOptions, RecordSchedule
+
+    schedule = RecordSchedule(every=4, dense_steps=3)
+    cb = VarianceMonitorCallback(
+        every=schedule, log=False, recording=RecordOptions(include_norm=False), tensorboard=tmp_path / "tb"
+    )
+    _fit(Tiny(), cb, max_steps=6)
+    assert cb.monitor.schedule == schedule and sorted({r["step"] for r in cb.monitor.records}) == [0, 1, 2, 4]
+    assert {r["kind"] for r in cb.monitor.records} <= {"conv", "linear"}
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()  # written by the monitor's board, closed at teardown
+    assert {e.step for e in acc.Scalars("output_var/net.0")} == {0, 1, 2, 4}
+
+
 def test_gradient_accumulation_records_once_per_optimizer_step(one_thread):
     cb = VarianceMonitorCallback(every=1, log=False)
     trainer = _fit(Tiny(), cb, max_steps=3, accumulate_grad_batches=2)

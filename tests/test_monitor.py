@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.monitor import VarianceMonitor, signal_propagation, stats
+from normlab.monitor import RecordOptions, VarianceMonitor, signal_propagation, stats
 from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule, StepContext
 from normlab.monitor.spp import channel_signal_stats
 
@@ -202,7 +202,7 @@ def test_hooks_removed_leave_outputs_bit_identical():
     x = torch.randn(4, 2, 4, 4)
     model.eval()
     ref = model(x)
-    with VarianceMonitor(model, every=1, record_eval=True) as mon:
+    with VarianceMonitor(model, every=1, recording=RecordOptions(record_eval=True)) as mon:
         during = model(x)
         mon.step()
     after = model(x)
@@ -306,7 +306,8 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     fired = []
     # the countdown on recorded steps only: on every step it would fire at step 3; this test is the factor rules'
     rules = [FactorRule(explode_factor=50.0, watch_output_layer=True), RegimeRule(), CountdownRule(every_step=False)]
-    mon = VarianceMonitor(model, every=2, rules=rules, on_event=fired.append)
+    mon = VarianceMonitor(model, every=2, rules=rules)
+    mon.add_sink(fired.append)
     x = torch.randn(32, 8)
     for step in range(6):
         if step == 3:  # explode the first layer: both outputs grow by 1e4 (early) and more (late)
@@ -481,8 +482,9 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
     lost.current_step = 4
     run(fresh_model, lost, range(4, 10), x)
     assert lost.alarm is None
-    # an alarm that already fired is restored (and on_event is not called again)
-    again = VarianceMonitor(ref_model, **kw(), on_event=lambda a: pytest.fail("on_event called twice"))
+    # an alarm that already fired is restored (and not sent to the sinks again)
+    again = VarianceMonitor(ref_model, **kw())
+    again.add_sink(lambda a: pytest.fail("event sent twice"))
     again.load_state_dict(ref.state_dict())
     assert again.alarm == ref.alarm and again.should_stop
 
@@ -703,7 +705,7 @@ def test_records_carry_the_two_terms_of_the_output_variance():
     conv = nn.Conv2d(64, 32, 1, bias=False)
     with torch.no_grad():
         conv.weight.normal_(0, (2 / 64) ** 0.5).add_(torch.randn(32, 1, 1, 1) * 0.05)
-    mon = VarianceMonitor(nn.Sequential(conv), every=1, include_norm=False)
+    mon = VarianceMonitor(nn.Sequential(conv), every=1, recording=RecordOptions(include_norm=False))
     conv(torch.relu(torch.randn(64, 64, 8, 8)))
     mon.step()
     (rec,) = mon.records
@@ -928,7 +930,7 @@ def test_normlab_standardized_convs_are_recorded_on_the_kernel_they_apply(kind, 
     conv.train(training)  # eval: the inference kernel cache serves the kernel
     conv_nd = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[d]
     torch.testing.assert_close(conv_nd(x, effective_weight(conv), conv.bias), conv(x))
-    rec = _record(conv, x, record_eval=not training)
+    rec = _record(conv, x, recording=RecordOptions(record_eval=not training))
     assert rec["output_var"] > 0 and stats.shift_scale_free(conv.weight).item() > 0.5 and rec["shift_scale_free"] < 1e-6
 
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.monitor import VarianceMonitor, stats
+from normlab.monitor import RecordOptions, VarianceMonitor, stats
 from normlab.monitor.layers import effective_weight
 from normlab.nn import is_norm_layer
 
@@ -308,7 +308,7 @@ def test_every_timm_standardized_conv_class_has_its_applied_kernel(cls, training
         if hasattr(conv, "gain"):
             conv.gain.uniform_(0.5, 2.0)
     x = torch.randn(2, 3, 9, 9)
-    mon = VarianceMonitor(conv, every=1, record_eval=not training)
+    mon = VarianceMonitor(conv, every=1, recording=RecordOptions(record_eval=not training))
     y = conv(x)
     mon.step()
     xin = pad_same(x, conv.kernel_size, conv.stride, conv.dilation) if getattr(conv, "same_pad", False) else x

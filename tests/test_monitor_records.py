@@ -237,3 +237,41 @@ def test_valid_json_that_is_not_a_monitor_log_is_named_with_what_was_expected(tm
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "not a monitor log" in err and "monitor.jsonl" in err
     assert not (tmp_path / "plots").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(6, 3, 3, 3), (5, 7), (4, 1), (3, 2, 5)])
+def test_weight_stats_equal_the_stats_functions_bit_for_bit(shape, dtype):
+    """The monitor computes the weight statistics with shared filter means; they are the values of the pure
+    functions of normlab.monitor.stats exactly (a constant filter and a non-finite kernel included)."""
+    from normlab.monitor import stats
+    from normlab.monitor.hooks import weight_stats
+
+    g = torch.Generator().manual_seed(100)
+    for case in ("random", "constant_filter", "nan"):
+        w = (torch.randn(shape, generator=g) * 0.3 + 0.1).to(dtype)
+        if case == "constant_filter":
+            w[0] = 0.5
+        if case == "nan":
+            w.view(-1)[1] = float("nan")
+        after = w - 0.01 * torch.randn(shape, generator=g).to(dtype)
+        mu = stats.filter_mean_update(w, after)
+        got = weight_stats(w, after, mu)
+        vo, wf = stats.weight_variance(w), stats.filters(w)
+        want = {
+            "weight_var": vo.mean(),
+            "weight_var_min": vo.min(),
+            "weight_var_max": vo.max(),
+            "weight_sq_mean": wf.square().mean(),
+            "weight_norm": wf.norm(),
+            "shift": stats.shift_of_average(w),
+            "shift_scale_free": stats.shift_scale_free(w),
+        }
+        for key, value in want.items():
+            assert got[key] == float(value) or (math.isnan(got[key]) and math.isnan(float(value))), (case, key)
+        assert got["constant_filters"] == int((vo == 0).sum())
+        if "update_ratio_mean" in got:
+            ratio = stats.weight_variance(after) / torch.where(vo != 0, vo, torch.ones_like(vo))
+            summary = stats.masked_summary(ratio, vo != 0).double().tolist()
+            got_summary = [got[k] for k in ("update_ratio_mean", "update_ratio_min", "update_ratio_max")]
+            assert got_summary == summary or all(math.isnan(a) and math.isnan(b) for a, b in zip(got_summary, summary))

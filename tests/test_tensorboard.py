@@ -63,7 +63,8 @@ def test_monitor_events_equal_its_jsonl_records_histograms_and_alarm(tmp_path, o
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
-    mon = VarianceMonitor(model, every=2, tensorboard=tmp_path / "tb")
+    mon = VarianceMonitor(model, every=2)
+    mon.add_sink(MonitorBoard(tmp_path / "tb"))  # closed by mon.close()
     for step in range(8):
         if step == 5:  # blow up the first conv: the alarm fires at the next recorded step
             with torch.no_grad():
@@ -94,7 +95,8 @@ def test_monitor_writes_to_a_given_writer_and_leaves_it_open(tmp_path):
 
     writer = SummaryWriter(str(tmp_path))
     model = _net()
-    with VarianceMonitor(model, every=1, tensorboard=writer) as mon:
+    with VarianceMonitor(model, every=1) as mon:
+        mon.add_sink(MonitorBoard(writer))
         model(torch.randn(4, 3, 8, 8)).sum().backward()
         mon.step()
     writer.add_scalar("mine", 1.0, 0)  # still open
@@ -178,7 +180,7 @@ def test_a_resumed_run_purges_the_events_after_its_checkpoint(tmp_path, monkeypa
 def test_without_tensorboard_the_error_names_the_extra(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # not installed
     with pytest.raises(ImportError, match=r"pip install 'normlab\[tensorboard\]'"):
-        VarianceMonitor(_net(), tensorboard=tmp_path / "tb")
+        MonitorBoard(tmp_path / "tb")
     assert main(["train", "--tensorboard", str(tmp_path / "tb"), "--out", str(tmp_path / "run")]) == 2
     assert "--tensorboard needs TensorBoard: pip install 'normlab[tensorboard]'" in capsys.readouterr().err
     assert not (tmp_path / "run").exists() and not (tmp_path / "tb").exists()

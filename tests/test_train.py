@@ -298,7 +298,7 @@ class FakeMonitor:
     fire_at = 4
     risk_at = 1
 
-    def __init__(self, model, every=10, dense_steps=0, dense_every=1):
+    def __init__(self, model, every=10, rules=None):
         self.model, self.every, self.current_step, self.records, self.events = model, every, 0, [], []
 
     @property

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from normlab.integrations.tensorboard import scalar_tags
-from normlab.monitor import CollapseGuard, VarianceMonitor
+from normlab.monitor import CollapseGuard, RecordSchedule, VarianceMonitor
 from normlab.monitor.guard import RunCollapsed
 from normlab.monitor.optim_step import scaler_skipped
 
@@ -100,7 +100,7 @@ class VarianceMonitorCallback(pl.Callback):
 
     Args:
         every: record on monitor steps 0, every, 2 * every, ... (a monitor step is a training batch in which the
-            optimizer stepped).
+            optimizer stepped), or a :class:`~normlab.monitor.RecordSchedule` (a dense start).
         stop_on_alarm: stop the trainer (``trainer.should_stop``) when the collapse warning fires (with ``guard``,
             an alarm is a rescue instead; only an alarm the guard leaves standing stops the trainer).
         log: log the recorded scalars through the module's logger.
@@ -113,9 +113,11 @@ class VarianceMonitorCallback(pl.Callback):
             lowered rate). After ``max_rescues`` rescues the module is put back on that snapshot, a warning says why
             and the trainer stops (``callback.gave_up`` holds the message). One process and one optimizer only.
             ``trainer.global_step`` keeps counting the steps taken, the rolled-back ones included.
-        **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``rules``,
-            ``include_norm``, ``tensorboard`` (written by rank 0 only), ...); the training step's loss (its output,
-            or its ``"loss"``) reaches the rules as ``ctx.loss``.
+        tensorboard: a log directory or a ``SummaryWriter``: the monitor's records and events are also written
+            there (:class:`~normlab.integrations.tensorboard.MonitorBoard`, by rank 0 only).
+        **monitor_kwargs: further :class:`~normlab.monitor.VarianceMonitor` arguments (``rules``, ``probes``,
+            ``recording``). The training step's loss (its output, or its ``"loss"``) reaches the rules as
+            ``ctx.loss``.
 
     Attributes:
         monitor: the :class:`~normlab.monitor.VarianceMonitor` of the current (or last) fit, None before.
@@ -134,15 +136,17 @@ class VarianceMonitorCallback(pl.Callback):
 
     def __init__(
         self,
-        every: int = 10,
+        every: int | RecordSchedule = 10,
         stop_on_alarm: bool = False,
         log: bool = True,
         jsonl: str | os.PathLike | None = None,
         guard: bool | Mapping[str, Any] | None = None,
+        tensorboard: str | os.PathLike | Any | None = None,
         **monitor_kwargs: Any,
     ) -> None:
         super().__init__()
         self.every, self.stop_on_alarm, self.log_scalars, self.jsonl = every, stop_on_alarm, log, jsonl
+        self.tensorboard = tensorboard
         self.monitor_kwargs = monitor_kwargs
         self.guard_kwargs = _guard_kwargs(guard)
         self.monitor: VarianceMonitor | None = None
@@ -168,10 +172,11 @@ class VarianceMonitorCallback(pl.Callback):
                 f"VarianceMonitorCallback: guard runs in one process only (its rollbacks are not synchronised "
                 f"across DDP ranks; world size {trainer.world_size}); drop guard= or train on one device"
             )
-        kwargs = dict(self.monitor_kwargs)
-        if trainer.global_rank != 0:  # one writer per event directory: rank 0's
-            kwargs.pop("tensorboard", None)
-        self.monitor = VarianceMonitor(pl_module, every=self.every, **kwargs)
+        self.monitor = VarianceMonitor(pl_module, every=self.every, **self.monitor_kwargs)
+        if self.tensorboard is not None and trainer.global_rank == 0:  # one writer per event directory: rank 0's
+            from normlab.integrations.tensorboard import MonitorBoard
+
+            self.monitor.add_sink(MonitorBoard(self.tensorboard))
         if self._state is not None:
             self.monitor.load_state_dict(self._state)
             self._state = None

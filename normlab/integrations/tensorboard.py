@@ -1,6 +1,7 @@
 """TensorBoard for the variance monitor: per-layer scalars grouped as the paper's figures, histograms, the alarm.
 
-``VarianceMonitor(model, tensorboard="runs/tb")`` (or a ``SummaryWriter``) writes, on every recorded step:
+``mon.add_sink(MonitorBoard("runs/tb"))`` (or ``MonitorBoard(writer)`` for a ``SummaryWriter``) writes, on every
+recorded step of the :class:`~normlab.monitor.VarianceMonitor` ``mon``:
 
 ========================  ==========================================================  ===============
 tag                       value (one curve per layer; the layer's module name)         paper
@@ -86,7 +87,7 @@ class MonitorBoard:
             with ``add_scalar``/``add_histogram``/``add_text`` (``SummaryWriter``, tensorboardX), left open.
         **writer_kwargs: ``SummaryWriter`` arguments for a directory (e.g. ``purge_step`` when resuming).
 
-    Usually made by the monitor: ``VarianceMonitor(model, tensorboard=log_dir)``.
+    A sink of the monitor: ``mon.add_sink(MonitorBoard(log_dir))`` (the monitor's :meth:`close` closes it).
 
     Example:
         >>> import tempfile

@@ -21,6 +21,7 @@ from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_ke
 from normlab.monitor.log import load_log, write_monitor_log
 from normlab.monitor.monitor import VarianceMonitor
 from normlab.monitor.optim_step import optimizer_step
+from normlab.monitor.options import RecordOptions, RecordSchedule
 from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, replay
 from normlab.monitor.spp import signal_propagation
 
@@ -53,6 +54,8 @@ def render_monitor_plots(jsonl_path, out_dir):
 
 __all__ = [
     "VarianceMonitor",
+    "RecordSchedule",
+    "RecordOptions",
     "Rule",
     "Event",
     "StepContext",

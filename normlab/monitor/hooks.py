@@ -33,6 +33,14 @@ def grad_norm(model: nn.Module) -> float:
     return 0.0 if norm is None else float(norm)
 
 
+def _read_back(values: list[Tensor]) -> list[float]:
+    """Scalar tensors as Python floats in ONE read-back: stacked, then widened to float64 once (the same values as
+    widening each one first: float32 -> float64 is exact)."""
+    if all(v.dtype == values[0].dtype for v in values):
+        return torch.stack(values).double().tolist()
+    return torch.stack([v.double() for v in values]).tolist()
+
+
 def read_light(output_vars: dict[str, Tensor], grad: Tensor | None) -> tuple[dict[str, float], float | None]:
     """The values of the monitor's light (per-step) path in ONE read-back to the host.
 
@@ -48,12 +56,12 @@ def read_light(output_vars: dict[str, Tensor], grad: Tensor | None) -> tuple[dic
         >>> read_light({"c1": torch.tensor(2.0)}, torch.tensor(0.5))
         ({'c1': 2.0}, 0.5)
     """
-    values = [v.detach().double() for v in output_vars.values()]
+    values = [v.detach() for v in output_vars.values()]
     if grad is not None:
-        values.append(grad.detach().double())
+        values.append(grad.detach())
     if not values:
         return {}, None
-    out = torch.stack(values).tolist()
+    out = _read_back(values)
     norm = out.pop() if grad is not None else None
     return dict(zip(output_vars, out)), norm
 
@@ -91,7 +99,8 @@ def _input_stats(module: nn.Module, kind: str, x: Tensor) -> tuple[list[str], li
     else:
         m, sq = xf.mean(), xf.square().mean()
     names = list(_INPUT_KEYS)
-    values = [m.square(), sq, sq - m.square(), m.square() / sq]
+    m2 = m.square()
+    values = [m2, sq, sq - m2, m2 / sq]
     if dims is not None:
         names += [*_CHANNEL_KEYS, "input_channels"]
         values += list(stats.moments_ratio_summary(ch_mean, ch_sq).unbind())
@@ -124,7 +133,7 @@ def activation_stats(module: nn.Module, kind: str, args, output) -> dict:
         values += more[1]
     if not values:
         return {}
-    out = dict(zip(names, torch.stack([v.double() for v in values]).tolist()))
+    out = dict(zip(names, _read_back(values)))
     if out.get("input_sq") == 0.0:
         del out["input_ratio"]
     if "input_channels" in out:
@@ -160,16 +169,23 @@ def weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
     """
     wf = stats.filters(w)
     names = list(_WEIGHT_KEYS)
-    vo = stats.weight_variance(w)
+    # the values of stats.weight_variance, shift_of_average and shift_scale_free, the filter means computed once
+    n = wf.shape[1]
+    filter_mean = wf.mean(dim=1)
+    d = wf - filter_mean[:, None]
+    vo = (d * d).sum(dim=1) / n
+    shift = (n * filter_mean).var(unbiased=False)
+    denom = n * stats.output_variance(wf)  # Var[W] of all entries, as shift_scale_free computes it
+    low, high = torch.aminmax(vo)
     values = [
         vo.mean(),
-        vo.min(),
-        vo.max(),
+        low,
+        high,
         wf.square().mean(),
         wf.norm(),
-        stats.shift_of_average(w),
-        stats.shift_scale_free(w),
-        (vo == 0).sum(),
+        shift,
+        torch.where(denom == 0, torch.zeros_like(shift), shift / denom),
+        (vo == 0).sum().to(vo.dtype),
     ]
     if after is not None:
         varies = vo != 0  # a nan filter is kept: a non-finite kernel must show in the record
@@ -177,7 +193,7 @@ def weight_stats(w: Tensor, after: Tensor | None, mu: Tensor | None) -> dict:
         names += _UPDATE_KEYS
         values += [*stats.masked_summary(ratio, varies).unbind(), mu.mean(), mu.std(unbiased=False), mu.abs().max()]
     out = {"fan_in": wf.shape[1], "out_channels": wf.shape[0]}
-    out.update(zip(names, torch.stack([v.double() for v in values]).tolist()))
+    out.update(zip(names, _read_back(values)))
     out["constant_filters"] = int(out["constant_filters"])
     if out["constant_filters"] == wf.shape[0]:
         for k in _UPDATE_KEYS[:3]:

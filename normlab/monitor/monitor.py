@@ -27,9 +27,9 @@ back.
 Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
 optimizer step and ``mon.after_update()`` right after it: together they are ``mon.step(optimizer)``
 (:func:`normlab.monitor.optimizer_step` does this for a GradScaler).
-``VarianceMonitor(..., tensorboard=DIR or SummaryWriter)`` also writes every recorded step to TensorBoard
+``mon.add_sink(MonitorBoard(DIR or SummaryWriter))`` also writes every recorded step to TensorBoard
 (:mod:`normlab.integrations.tensorboard`: per-layer scalars grouped as the paper's figures, per-filter mean-update
-histograms, the events as text).
+histograms, the events as text); ``mon.add_sink(callback)`` calls ``callback(event)`` for every event kept.
 
 Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped; hooks sit on the local
 replica, so each rank records its own shard of the batch) and ``torch.compile`` (``._orig_mod`` is unwrapped).
@@ -43,13 +43,14 @@ from __future__ import annotations
 
 import csv
 import io
-import os
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from normlab._files import atomic_write
 from normlab.monitor import stats
@@ -64,6 +65,7 @@ from normlab.monitor.hooks import (
 from normlab.monitor.layers import filter_kernel, is_compiled, supported_layers, unwrap_model
 from normlab.monitor.log import write_monitor_log
 from normlab.monitor.optim_step import is_adaptive, learning_rates
+from normlab.monitor.options import RecordOptions, RecordSchedule, check_sink
 from normlab.monitor.probes import Probe, ProbeSet
 from normlab.monitor.records import LayerRecord, NormRecord
 from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, check_rules, context_from_records
@@ -73,13 +75,15 @@ from normlab.monitor.spp import signal_propagation
 __all__ = ["VarianceMonitor"]
 
 
-def _check_args(model, every, dense_steps, dense_every) -> None:
-    """Refuse a model that is no nn.Module and a recording interval that is no int in range, in one line."""
+def _check_args(model, recording) -> RecordOptions:
+    """Refuse a model that is no nn.Module and ``recording`` that is no RecordOptions, in one line."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"VarianceMonitor: model must be an nn.Module, got {type(model).__name__}")
-    for name, value, low in (("every", every, 1), ("dense_steps", dense_steps, 0), ("dense_every", dense_every, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"VarianceMonitor: {name} must be an int >= {low}, got {value!r}")
+    if recording is None:
+        return RecordOptions()
+    if not isinstance(recording, RecordOptions):
+        raise TypeError(f"VarianceMonitor: recording must be None or a RecordOptions, got {type(recording).__name__}")
+    return recording
 
 
 def _keys(state) -> str:
@@ -124,37 +128,37 @@ class VarianceMonitor:
 
     Args:
         model: any nn.Module (DDP/DataParallel and torch.compile wrappers are unwrapped).
-        every: record on steps 0, every, 2*every, ... (int >= 1).
+        every: record on steps 0, every, 2*every, ... (int >= 1), or a :class:`~normlab.monitor.RecordSchedule`
+            (e.g. ``RecordSchedule(every=10, dense_steps=200)``: also every step of the first 200). Default: 10.
         rules: the rules to check (:mod:`normlab.monitor.rules`), in the order their events are wanted; None (the
             default) for :func:`~normlab.monitor.DEFAULT_RULES` (the growth/implosion factors, the regime
             warning, the countdown), ``[]`` to record only. Rule names must be unique.
-        optimizer: attach to this optimizer: its own ``optimizer.step()`` then records (step hooks call
-            :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
-            needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
-            (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
-            optimizer step itself) or ``before_update``/``after_update``. ``opt.step(); mon.step(opt)`` (either
-            way) raises RuntimeError instead of applying the same gradients twice.
-        dense_steps: also record every ``dense_every`` steps during the first ``dense_steps`` steps (the first
-            steps of a run are where a collapse at a high learning rate begins). Default: 0 (off).
-        dense_every: the recording interval during the first ``dense_steps`` steps (int >= 1). Default: 1.
-        include_norm: also monitor normalization layers (output variance, input ratio).
-        record_eval: also record forwards of modules in eval mode (default: training forwards only, so an
-            evaluation pass inside a recording step does not replace the training statistics).
-        tensorboard: a log directory or a ``SummaryWriter``: every recorded step is also written there
-            (:class:`normlab.integrations.tensorboard.MonitorBoard`, kept in ``mon.tensorboard``; a directory's
-            writer is closed by :meth:`close`). Needs ``pip install 'normlab[tensorboard]'``.
-        on_event: optional callable(event) called for every event kept in ``mon.events``.
         probes: per-step scalars no layer record shows (:mod:`normlab.monitor.probes`: attention logits, residual
             stream, norm gains, output logits), measured on recorded steps only and passed to the rules as
             ``ctx.probes``: True for :func:`~normlab.monitor.probes.DEFAULT_PROBES`, a list of
             :class:`~normlab.monitor.probes.Probe` s, False for none; None (the default): the default probes when
             a rule reads them (``Rule.needs_probes``: the transformer rules), else none, so that the default
             rules pay nothing for them.
+        optimizer: attach to this optimizer: its own ``optimizer.step()`` then records (step hooks call
+            :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
+            needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
+            (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
+            optimizer step itself) or ``before_update``/``after_update``. ``opt.step(); mon.step(opt)`` (either
+            way) raises RuntimeError instead of applying the same gradients twice.
+        recording: which layers and forwards are recorded, a :class:`~normlab.monitor.RecordOptions`
+            (``include_norm``, ``record_eval``); None for the defaults (conv/linear and normalization layers,
+            training forwards only).
+
+    Where the records and events go besides ``mon.records`` and ``mon.events``: :meth:`add_sink` (TensorBoard, a
+    callback per event).
 
     Attributes:
         records: the per-layer records of the recorded steps.
         events: the :class:`~normlab.monitor.Event` s raised so far, in order (each rule's first);
             :attr:`alarm` is the first of severity ``"alarm"``, :attr:`warning` the first ``"warning"``.
+        schedule: the :class:`~normlab.monitor.RecordSchedule` (``every`` as given, or made from the int).
+        recording: the :class:`~normlab.monitor.RecordOptions`.
+        sinks: the sinks of :meth:`add_sink`, by handle id, in the order they were added.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -169,39 +173,36 @@ class VarianceMonitor:
     def __init__(
         self,
         model: nn.Module,
-        every: int = 10,
+        every: int | RecordSchedule = 10,
         rules: Sequence[Rule] | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        dense_steps: int = 0,
-        dense_every: int = 1,
-        include_norm: bool = True,
-        record_eval: bool = False,
-        tensorboard: str | os.PathLike | object | None = None,
-        on_event: Callable[[Event], None] | None = None,
+        *,
         probes: bool | Sequence[Probe] | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        recording: RecordOptions | None = None,
     ) -> None:
-        _check_args(model, every, dense_steps, dense_every)
+        self.recording = _check_args(model, recording)
+        self.schedule = RecordSchedule.of(every)
         self.model = unwrap_model(model)
         self.compiled = is_compiled(model)
-        self.every, self.dense_steps, self.dense_every = every, dense_steps, dense_every
-        self.include_norm = include_norm
-        self.record_eval = record_eval
-        self.on_event = on_event
         self.rules: list[Rule] = DEFAULT_RULES() if rules is None else _check_rules(rules)
         self.probes = _probe_set(self.model, probes, self.rules)
+        self.sinks: OrderedDict[int, object] = OrderedDict()  # add_sink's, by handle id
         self._probe_cache: dict[str, float] = {}
         self.events: list[Event] = []
         self._fired: set[str] = set()
         self._grad_norm: float | None = None
         self._loss = None  # this step's loss (a float or a tensor, read back only when a rule is checked)
-        self.layers = supported_layers(self.model, include_norm=include_norm)
+        self.layers = supported_layers(self.model, include_norm=self.recording.include_norm)
         if not self.layers:
             raise ValueError(
                 f"VarianceMonitor: model {type(self.model).__name__} has no supported layers "
                 "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES - nn.Conv*d, "
                 "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
-        self.current_step = 0
+        self._record_eval = self.recording.record_eval  # read by every hook call
+        self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # for _grad_mark
+        self._step = 0
+        self._mode: str | None = None  # the current step's hooks: "record", "light" or None (set by _sync_hooks)
         self.records: list[LayerRecord | NormRecord] = []
         self.spp: dict | None = None
         self.closed = False
@@ -217,17 +218,44 @@ class VarianceMonitor:
         self._handles: list = []
         self._warned_compiled = False
         self._before: dict[str, Tensor] | None = None
-        self.tensorboard = None
-        if tensorboard is not None:
-            from normlab.integrations.tensorboard import MonitorBoard
-
-            self.tensorboard = MonitorBoard(tensorboard)
         self.optimizer = None
         self._lr_optimizer = None  # where the regime warning reads the learning rate (attached or last stepped)
         self._optimizer_handles: list = []
         if optimizer is not None:
             self._attach(optimizer)
         self._sync_hooks()
+
+    @property
+    def every(self) -> int:
+        """The recording interval after the schedule's dense start (``schedule.every``)."""
+        return self.schedule.every
+
+    def add_sink(self, sink) -> RemovableHandle:
+        """Send what the monitor keeps somewhere else too: ``sink`` is a callable, called with every event kept in
+        :attr:`events`, or an object with ``write_records(step_records, mean_updates)`` (called on every recorded
+        step with its records and each conv/linear layer's per-filter mean updates) and/or ``write_event(event)``;
+        its ``close()``, if any, is called by :meth:`close`.
+
+        Returns a handle whose ``remove()`` detaches the sink (as torch's hooks).
+
+        Example:
+            >>> mon = VarianceMonitor(nn.Linear(2, 2), every=1)
+            >>> handle = mon.add_sink(print)             # every event, as it is raised
+            >>> handle.remove()
+            >>> # TensorBoard: mon.add_sink(MonitorBoard("runs/tb")) (normlab.integrations.tensorboard)
+        """
+        check_sink(sink)
+        handle = RemovableHandle(self.sinks)
+        self.sinks[handle.id] = sink
+        return handle
+
+    def _to_sinks(self, method: str, *args) -> None:
+        for sink in list(self.sinks.values()):
+            write = getattr(sink, method, None)
+            if callable(write):
+                write(*args)
+            elif method == "write_event" and callable(sink) and not hasattr(sink, "write_records"):
+                sink(*args)
 
     def _attach(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -242,11 +270,20 @@ class VarianceMonitor:
 
     # ----------------------------------------------------------------- hooks
     @property
+    def current_step(self) -> int:
+        """The number of optimizer steps the monitor has seen; set it to resume at another step (the hooks follow)."""
+        return self._step
+
+    @current_step.setter
+    def current_step(self, step: int) -> None:
+        self._step = step
+        self._sync_hooks()
+
+    @property
     def is_recording(self) -> bool:
         """True when the current step (forward + ``step``) is recorded."""
         step = self.current_step
-        dense = step < self.dense_steps and step % self.dense_every == 0
-        return not self.closed and (dense or step % self.every == 0)
+        return not self.closed and self.schedule.is_due(step)
 
     @property
     def is_light(self) -> bool:
@@ -283,12 +320,15 @@ class VarianceMonitor:
         return self.alarm is not None
 
     def _sync_hooks(self) -> None:
+        """Set this step's mode (what the forward hooks keep) and attach or remove the hooks to match it."""
+        recording = self.is_recording
+        self._mode = "record" if recording else ("light" if self.is_light else None)
         if self.probes is not None:  # probes run on recorded steps only: started before the forward
-            if not self.closed and self.is_recording:
+            if recording:
                 self.probes.start()
             else:
                 self.probes.stop()
-        want = not self.closed and (self.compiled or self.is_recording or self.is_light)
+        want = not self.closed and (self.compiled or self._mode is not None)
         if want and not self._handles:
             for name, mod, kind in self.layers:
                 self._handles.append(mod.register_forward_hook(self._make_hook(name, mod, kind)))
@@ -305,15 +345,16 @@ class VarianceMonitor:
             # `module is not target`: a deepcopy of the model (EMA copy, signal_propagation) carries the hook too
             if module is not target or name in self._pending or name in self._light:
                 return
-            if not (module.training or self.record_eval):
+            if not (module.training or self._record_eval):
                 return
-            if self.is_recording:
+            mode = self._mode
+            if mode == "record":
                 with torch.no_grad():
                     self._pending[name] = activation_stats(module, kind, args, output)
                 if self._versions_step != self.current_step:
                     self._versions, self._versions_step = {}, self.current_step
                 self._versions[name] = param_versions(module)
-            elif kind != "norm" and self.is_light:  # the countdown tests conv/linear outputs only
+            elif kind != "norm" and mode == "light":  # the countdown tests conv/linear outputs only
                 if isinstance(output, Tensor) and output.numel() > 0:
                     with torch.no_grad():
                         self._light[name] = stats.output_variance(output)
@@ -354,10 +395,9 @@ class VarianceMonitor:
 
         A backward either makes a new gradient tensor (after ``zero_grad()``) or accumulates into the old one in
         place (a new version), so an unchanged mark means no backward ran since it was taken."""
-        for _name, mod, _kind in self.layers:
-            for p in mod.parameters():
-                if p.grad is not None:
-                    return p.grad, p.grad._version
+        for p in self._params:
+            if p.grad is not None:
+                return p.grad, p.grad._version
         return None
 
     def _refuse_second_step(self) -> None:
@@ -427,8 +467,7 @@ class VarianceMonitor:
         elif self._checks_step():
             self._light_check(skipped)
         self._loss, self._grad_norm, self._light_grad = None, None, None
-        self.current_step += 1
-        self._sync_hooks()
+        self.current_step += 1  # syncs the hooks
 
     def _indices(self) -> dict[str, int]:
         """Each layer's forward-order index; a layer not run in a recorded forward is ordered after those that ran."""
@@ -467,13 +506,10 @@ class VarianceMonitor:
         return values
 
     def _check(self, ctx: StepContext, step_records: list[dict]) -> None:
-        """Check the rules due at this step; keep each rule's first event (TensorBoard, ``on_event``)."""
+        """Check the rules due at this step; keep each rule's first event and send it to the sinks."""
         for event in check_rules(self.rules, ctx, step_records, self._fired):
             self.events.append(event)
-            if self.tensorboard is not None:
-                self.tensorboard.write_event(event)
-            if self.on_event is not None:
-                self.on_event(event)
+            self._to_sinks("write_event", event)
 
     @torch.no_grad()
     def _light_check(self, skipped: bool) -> None:
@@ -524,8 +560,8 @@ class VarianceMonitor:
         self._pending = {}
         step_records.sort(key=lambda r: r["index"])
         self.records.extend(step_records)
-        if self.tensorboard is not None:
-            self.tensorboard.write_records(step_records, updates)
+        if self.sinks:
+            self._to_sinks("write_records", step_records, updates)
         self._check(self._context(step_records, True, self._grad_norm, skipped), step_records)
 
     # ------------------------------------------------------------ checkpoint
@@ -536,7 +572,7 @@ class VarianceMonitor:
         :meth:`to_jsonl`); the state is small and constant in the length of training."""
         return {
             "every": self.every,
-            "dense": [self.dense_steps, self.dense_every],
+            "dense": [self.schedule.dense_steps, self.schedule.dense_every],
             "current_step": self.current_step,
             "order": dict(self._order),
             "rules": {rule.name: rule.state_dict() for rule in self.rules},
@@ -546,7 +582,7 @@ class VarianceMonitor:
 
     def load_state_dict(self, state: Mapping) -> None:
         """Restore :meth:`state_dict` (e.g. when resuming training): step counter, forward order, each rule's state
-        (a rule missing from the state starts fresh) and the events already raised (``on_event`` is not called
+        (a rule missing from the state starts fresh) and the events already raised (the sinks are not sent
         again for them).
 
         Raises ValueError when ``state`` is malformed, was made with another ``every``, names layers this model
@@ -557,9 +593,10 @@ class VarianceMonitor:
                 f"'current_step' and 'rules', got {_keys(state)}"
             )
         saved = "every={}, dense_steps={}, dense_every={}".format(
-            state["every"], *state.get("dense", [self.dense_steps, self.dense_every])
+            state["every"], *state.get("dense", [self.schedule.dense_steps, self.schedule.dense_every])
         )
-        mine = f"every={self.every}, dense_steps={self.dense_steps}, dense_every={self.dense_every}"
+        sc = self.schedule
+        mine = f"every={sc.every}, dense_steps={sc.dense_steps}, dense_every={sc.dense_every}"
         if saved != mine:
             raise ValueError(
                 f"VarianceMonitor.load_state_dict: state was recorded with {saved}, this monitor uses {mine}"
@@ -584,8 +621,7 @@ class VarianceMonitor:
         self._fired = set(state.get("fired", [e.rule for e in self.events]))
         self._order = {str(k): int(v) for k, v in order.items()}
         self._pending, self._light, self._light_grad, self._grad_norm, self._loss = {}, {}, None, None, None
-        self.current_step = step
-        self._sync_hooks()
+        self.current_step = step  # syncs the hooks
 
     # ---------------------------------------------------------------- extras
     def add_signal_propagation(self, input_shape: Sequence[int], **kwargs) -> dict:
@@ -618,7 +654,7 @@ class VarianceMonitor:
 
     def close(self) -> None:
         """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""
-        self.closed = True
+        self.closed, self._mode = True, None
         self._pending, self._light, self._light_grad, self._stepped_grad = {}, {}, None, None
         self._remove_hooks()
         if self.probes is not None:
@@ -626,8 +662,9 @@ class VarianceMonitor:
         for h in self._optimizer_handles:
             h.remove()
         self._optimizer_handles = []
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        for sink in list(self.sinks.values()):
+            if callable(getattr(sink, "close", None)):
+                sink.close()
 
     def __enter__(self) -> VarianceMonitor:
         return self

@@ -53,6 +53,8 @@ def is_adaptive(optimizer: torch.optim.Optimizer | None) -> bool:
         return False
     if isinstance(optimizer, _ADAPTIVE_CLASSES):
         return True
+    if type(optimizer).__module__.startswith("torch.optim."):  # torch.optim's own SGD, ASGD, ...: not adaptive
+        return False
     return any(isinstance(st, dict) and any(k in st for k in ADAPTIVE_STATE_KEYS) for st in optimizer.state.values())
 
 

@@ -50,7 +50,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from normlab.monitor import CollapseGuard, Event, RunCollapsed, VarianceMonitor, load_log, write_monitor_log
+from normlab.monitor import (
+    CollapseGuard,
+    Event,
+    RecordSchedule,
+    RunCollapsed,
+    VarianceMonitor,
+    load_log,
+    write_monitor_log,
+)
 from normlab.monitor.collapse import CollapseTracker, loss_window
 from normlab.monitor.optim_step import optimizer_step
 from normlab.nn import RenormSchedule, param_groups
@@ -171,10 +179,11 @@ def _load_checkpoint(path: Path) -> dict:
 
 
 def _alarm_dict(alarm: Event) -> dict:
-    """layer, step, quantity, value, initial (the baseline of a variance rule's alarm, else None) of a monitor
+    """rule, layer, step, quantity, value, initial (the baseline of a variance rule's alarm, else None) of a monitor
     alarm."""
     d = alarm.to_dict()
-    return {**{k: d[k] for k in ("layer", "step", "quantity", "value")}, "initial": d["details"].get("baseline")}
+    out = {k: d[k] for k in ("rule", "layer", "step", "quantity", "value")}
+    return {**out, "initial": d["details"].get("baseline")}
 
 
 def _regime_dict(event: Event) -> dict:
@@ -343,14 +352,10 @@ class Trainer:
             # a resumed run drops the events written after its checkpoint
             self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
         if cfg.monitor_every > 0:
-            board = {} if self.board is None else {"tensorboard": self.board.writer}
-            self.monitor = VarianceMonitor(
-                self.raw_model,
-                every=cfg.monitor_every,
-                dense_steps=cfg.monitor_dense_steps,
-                dense_every=cfg.monitor_dense_every,
-                **board,
-            )
+            schedule = RecordSchedule(cfg.monitor_every, cfg.monitor_dense_steps, cfg.monitor_dense_every)
+            self.monitor = VarianceMonitor(self.raw_model, every=schedule)
+            if self.board is not None:  # the run's board: the monitor's records and events beside the run's scalars
+                self.monitor.add_sink(MonitorBoard(self.board.writer))
 
     def _snapshot(self) -> dict:
         if self.guard is not None:

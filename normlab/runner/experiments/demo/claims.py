@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.demo.diagnosis import alarm_audit, audited_runs, diagnose_run
+from normlab.runner.experiments.demo.diagnosis import GUARDED_SECTIONS, alarm_audit, audited_runs, diagnose_run
 from normlab.runner.experiments.demo.twins import FLAGS, guard_clause, twin_pairs
 from normlab.runner.grid.verdicts import FAIL_MARGIN, TRAIN_FRACTION, chance_level, failed, format_acc, trains
 
@@ -361,7 +361,86 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
         f"{audit['false_alarms']} false alarm{'' if audit['false_alarms'] == 1 else 's'} in {audit['healthy_runs']} "
         f"healthy runs"
     )
+    if not met:
+        nums += f". {_why_not(demo, diag, c, dated + dead)}"
     return _row("mon", REPRODUCED if met else NOT_REPRODUCED, "; ".join([nums, *(c for c in clauses if c)]), key)
+
+
+_SECTION = {"lr_sweep": "(a)", "batch_size": "(b)", "collapse": "(c)"}
+_ENDED = {"non_finite_loss": "a non-finite loss", "returned_to_chance": "a return to chance"}
+# the rule behind an alarm's quantity, for records made before summaries named the rule
+_RULE_OF = {"output_var_growth": "countdown", "output_var_level": "countdown", "input_sq": "factor", "shift": "factor"}
+
+
+def _run_name(demo: dict, key: str, cell: str) -> str:
+    """A run in a few words: its section, norm, learning rate (and batch size in (b)) and seed."""
+    c = next((x for x in demo["sections"].get(key, {}).get("cells", []) if x["cell"] == cell), None)
+    if c is None:
+        return f"{_SECTION.get(key, key)} {cell}"
+    batch = f" batch {c['batch_size']}" if key == "batch_size" else ""
+    return f"{_SECTION.get(key, key)} {c['name']} lr {float(c['lr']):g}{batch} seed {c['seed']}"
+
+
+def _rule(alarm: dict) -> str:
+    rule = alarm.get("rule") or _RULE_OF.get(alarm.get("quantity"))
+    return f"the {rule} rule ({alarm.get('quantity')})" if rule else f"an alarm on {alarm.get('quantity')}"
+
+
+def _span(values: list[float]) -> str:
+    """``"24-55 %"``, or ``"28 %"`` when they round alike."""
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return f"{low} %" if low == high else f"{low}-{high} %"
+
+
+def _why_not(demo: dict, diag: dict, collapse: dict, warned: int) -> str:
+    """Why the monitor's claim is not met, in two sentences: the false alarms grouped by rule (which runs, what the
+    collapse label says of them), then each seed of (c)'s unnormalized net without a timely alarm."""
+    false = [
+        (key, cell, d)
+        for key, sec in diag.items()
+        if key not in GUARDED_SECTIONS
+        for cell, d in sec.items()
+        if d and d["monitored"] and not d["collapsed"] and d["alarm"]
+    ]
+    out = []
+    if false:
+        by_rule: dict[str, list[str]] = {}
+        for key, cell, d in false:
+            by_rule.setdefault(_rule(d["alarm"]), []).append(_run_name(demo, key, cell))
+        accs = [100 * d["final_test_acc"] for _, _, d in false if isinstance(d.get("final_test_acc"), (int, float))]
+        ended = f"; they ended at {_span(accs)} test accuracy" if accs else ""
+        groups = "; ".join(
+            f"{len(runs)} by {rule} in {', '.join(runs)}"
+            for rule, runs in sorted(by_rule.items(), key=lambda kv: -len(kv[1]))
+        )
+        n = len(false)
+        out.append(
+            f"Not met because of {n} false alarm{'' if n == 1 else 's'}: alarms in runs the collapse label "
+            f"(normlab.monitor.collapse) calls healthy (no non-finite loss, no return to chance{ended}): {groups}"
+        )
+    if warned < ALARM_SEEDS:
+        seeds, plain = [], [x for x in collapse["cells"] if x["name"] == "none"]
+        for x in plain:
+            d = diag.get("collapse", {}).get(x["cell"])
+            if not d or (d["lead_steps"] is not None and d["lead_steps"] > 0):
+                continue
+            if d["collapse_reason"] == "never_left_chance" and d["alarm"]:
+                continue
+            name = _run_name(demo, "collapse", x["cell"])
+            if not d["collapsed"]:
+                seeds.append(f"{name} did not collapse (nothing to warn of)")
+            elif d["collapse_step"] is None:
+                seeds.append(f"{name} never learned and raised no alarm")
+            else:
+                alarm = d["alarm"]
+                when = "no alarm" if not alarm else f"{_rule(alarm)} alarmed at step {alarm.get('step')}, not before"
+                why = _ENDED.get(d["collapse_reason"], d["collapse_reason"])
+                seeds.append(f"{name} collapsed at step {d['collapse_step']} ({why}): {when}")
+        out.append(
+            f"{'Also' if false else 'Not met because'} only {warned} of {len(plain)} seeds "
+            f"{'was' if warned == 1 else 'were'} warned ({ALARM_SEEDS} needed): " + "; ".join(seeds)
+        )
+    return ". ".join(out) if out else "Not met"
 
 
 # ------------------------------------------------------------------------------------------------- the table
