@@ -29,6 +29,7 @@ from ._dispatch import (
 )
 
 __all__ = [
+    "group_norm_weight",
     "is_identity",
     "takes_fused",
     "fused_batch_renorm",
@@ -260,6 +261,17 @@ def _constant(value: float, n: int, like: Tensor) -> Tensor:
     if found is None:
         found = _CONSTANTS[key] = torch.full((n,), value, dtype=like.dtype, device=like.device)
     return found
+
+
+def group_norm_weight(weight: Tensor | None, bias: Tensor | None, x: Tensor) -> Tensor | None:
+    """The ``weight`` to give torch's group norm: ``weight``, or ones when only ``bias`` is given (torch's
+    ``native_group_norm`` backward fails with "tensor does not have a device" for a bias without a weight; a
+    weight of ones, which needs no gradient, computes the same output and gradients)."""
+    if weight is not None or bias is None:
+        return weight
+    if writes_in_place():  # eager: the kept constant (read only)
+        return _constant(1.0, bias.numel(), bias)
+    return torch.ones_like(bias)
 
 
 def _instance_stats(x: Tensor, layout: str, count: int) -> tuple[Tensor, Tensor]:
@@ -521,3 +533,68 @@ def switchable_forward(
         if skipped is not None:
             skipped(finite)
     return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Instance normalization of channels_last inputs
+# --------------------------------------------------------------------------------------------------
+class _InstanceNormFn(torch.autograd.Function):
+    """Instance normalization of a channels_last / channels_last_3d float32/float64 input in its own layout.
+
+    torch's instance and group norm kernels need a contiguous copy of a channels_last input (and torch's CPU
+    channels_last group norm computes the variance as E[x^2] - E[x]^2, which loses all precision for large means),
+    so this Function reuses the per-(n, c) kernels of :class:`_SwitchableNormFn`: one statistics pass (BatchNorm's
+    channels_last statistics kernel per sample on the CPU, centred), ``y = x * scale + shift`` with
+    ``s = rsqrt(var + eps)`` (biased variance), ``scale = s * weight``, ``shift = bias - mean * scale``. Backward with
+    ``G1 = sum_hw(g)``, ``G2 = sum_hw(g * (x - mean))`` from one reduction pass (S spatial values)::
+
+        dL/dx = scale * (g - G1 / S - (x - mean) * s^2 * G2 / S)        (one pass)
+        dL/dweight = sum_n(G2 * s)        dL/dbias = sum_n(G1)
+
+    Double backward (``create_graph=True``) differentiates torch's group norm on a contiguous copy instead. Outputs:
+    y (x's layout, never a view) and the per-(n, c) mean and unbiased variance (no gradient; for the running
+    statistics, so that tracking needs no second pass).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        layout, count = _instance_layout(x), static_numel(x, 2)
+        mean, var = _instance_stats(x, layout, count)  # unbiased variance (the running statistics' convention)
+        s = torch.mul(var, (count - 1) / count).add_(eps).rsqrt_()
+        scale = s if weight is None else s * as_param(weight, x.dtype)
+        shift = (
+            torch.mul(mean, scale).neg_()
+            if bias is None
+            else torch.addcmul(as_param(bias, x.dtype), mean, scale, value=-1)
+        )
+        ctx.save_for_backward(x, weight, bias)
+        ctx.stats, ctx.eps, ctx.layout = (mean, s, scale), eps, layout
+        ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)
+        return _instance_affine(x, scale, shift, layout), mean, var
+
+    @staticmethod
+    def backward(ctx, grad, *_stats):
+        if grad is None:  # only the (non-differentiable) statistics were differentiated
+            return None, None, None, None
+        x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradient of group norm, itself differentiable
+            inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+            y = torch.group_norm(x.contiguous(), x.shape[1], group_norm_weight(weight, bias, x), bias, ctx.eps)
+            found = dict(
+                zip(map(id, inputs), torch.autograd.grad(y, inputs, grad, create_graph=True, allow_unused=True))
+            )
+            return tuple(None if t is None else found.get(id(t)) for t in (x, weight, bias)) + (None,)
+        mean, s, scale = ctx.stats
+        layout, count = ctx.layout, static_numel(x, 2)
+        g = same_layout(grad, x)
+        g1, g2 = _instance_dots(g, x, mean, layout)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            a = torch.mul(scale, s.square()).mul_(g2).mul_(-1.0 / count)  # coefficient of x
+            b = torch.mul(scale, g1).mul_(-1.0 / count).addcmul_(a, mean, value=-1)
+            spatial = (1,) * (x.dim() - 2)
+            gx = _instance_affine(x, a, b, layout).addcmul_(g, scale.view(scale.shape + spatial))
+        d_w = None if weight is None else as_param((g2 * s).sum(0), weight.dtype)
+        d_b = None if bias is None else as_param(g1.sum(0), bias.dtype)
+        return gx, d_w, d_b, None
