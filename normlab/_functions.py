@@ -30,6 +30,7 @@ from ._dispatch import (
 
 __all__ = [
     "group_norm_weight",
+    "instance_norm_in_layout",
     "is_identity",
     "takes_fused",
     "fused_batch_renorm",
@@ -598,3 +599,10 @@ class _InstanceNormFn(torch.autograd.Function):
         d_w = None if weight is None else as_param((g2 * s).sum(0), weight.dtype)
         d_b = None if bias is None else as_param(g1.sum(0), bias.dtype)
         return gx, d_w, d_b, None
+
+
+def instance_norm_in_layout(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
+    """Instance normalization of a channels_last / channels_last_3d float32/float64 input in its own layout
+    (:class:`_InstanceNormFn`, eager): returns ``(y, mean, var)``, the output and the per-(n, c) mean and unbiased
+    variance (no gradient)."""
+    return _InstanceNormFn.apply(x, weight, bias, eps)

@@ -7,8 +7,10 @@ torch checkpoint loads unchanged. Differences from torch:
 - statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
   :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
   channel per group (same formula, faster; see ``benchmarks/bench_norms.py``);
-- channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel
-  returns a contiguous tensor);
+- channels_last (and channels_last_3d) inputs are normalized in their own layout, without a layout copy, and give
+  outputs in the same memory format (torch's CPU kernel copies them to a contiguous tensor and returns that);
+- with ``track_running_stats`` the running statistics come from the statistics of the normalize pass (no second
+  pass over the input);
 - a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
 - tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
 - with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
@@ -41,7 +43,7 @@ from .._dispatch import (
     static_numel,
     stats_value,
 )
-from .._functions import _InstanceNormFn, group_norm_weight
+from .._functions import group_norm_weight, instance_norm_in_layout
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
@@ -207,10 +209,10 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
         eager float32/float64 contiguous input: torch's fused group-norm kernel with one channel per group
         (``native_group_norm``, faster than torch's own instance norm on the CPU, exact double backward), whose mean
         and inverse std give the running statistics; eager channels_last / channels_last_3d:
-        :class:`normlab._functions._InstanceNormFn` in the input's layout (no layout copy); torch.compile, torch.export,
-        jit.trace, torch.func, the meta device and empty inputs: group norm on a contiguous copy (torch's CPU
-        channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for large means),
-        the output returned in the input's memory format."""
+        :func:`normlab._functions.instance_norm_in_layout` in the input's layout (no layout copy); torch.compile,
+        torch.export, jit.trace, torch.func, the meta device and empty inputs: group norm on a contiguous copy
+        (torch's CPU channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for
+        large means), the output returned in the input's memory format."""
         if x.dtype in HALF:
             return NF.instance_norm(x, self.weight, self.bias, self.eps), None
         fmt = channels_last_format(x)
@@ -221,7 +223,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
             y = F.group_norm(x.contiguous(), self.num_features, weight, self.bias, self.eps)
             return y.contiguous(memory_format=fmt), None
         if fmt is not None:
-            y, mean, var = _InstanceNormFn.apply(x, self.weight, self.bias, self.eps)
+            y, mean, var = instance_norm_in_layout(x, self.weight, self.bias, self.eps)
             return y, (mean, var)
         n, c, count = x.shape[0], self.num_features, static_numel(x, 2)
         y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, self.bias, n, c, count, c, self.eps)
