@@ -132,10 +132,11 @@ def _layouts(shape):
 def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
     """One row per shape, layout and candidate; the first candidate is the reference of the ratios."""
     rows = []
+    if args.shape:  # the given shapes instead, those of a rank the section takes
+        ranks = {len(shape) for shape in shapes}
+        shapes = [s for s in (tuple(int(n) for n in text.split(",")) for text in args.shape) if len(s) in ranks]
     for shape in shapes:
         if args.max_numel and math.prod(shape) > args.max_numel:
-            continue
-        if args.shape and ",".join(map(str, shape)) not in args.shape:
             continue
         for layout in _layouts(shape):
             repeats, iters = _sizes(shape)
@@ -310,7 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, routes, sn, in, crossq")
     parser.add_argument("--compile", action="store_true", help="brn and sn with both sides under torch.compile")
     parser.add_argument("--max-numel", type=int, default=0, help="skip shapes with more elements (0: none skipped)")
-    parser.add_argument("--shape", action="append", default=None, help="only this shape, e.g. 4,64,8,16,16 (repeat)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=None,
+        help="this shape instead of the section's own (those of a rank the section takes), e.g. 4,64,8,16,16; "
+        "repeat for more",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the rows")
     parser.add_argument(
         "--clock",

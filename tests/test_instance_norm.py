@@ -2,11 +2,13 @@
 
 import copy
 import io
+import math
 
 import pytest
 import torch
 from torch import nn
 
+from normlab.nn import instance_norm as instance_norm_module
 from normlab.nn.instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 
 CLASSES = {
@@ -326,9 +328,13 @@ ROUTES = {
 @pytest.mark.parametrize("route", list(ROUTES))
 @pytest.mark.parametrize("center, scale", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("track", [False, True])
-def test_every_route_matches_torch_float64(route, center, scale, track):
-    """Each route (group norm with its statistics for the running update, the channels_last Function, the strided
-    input) against torch's InstanceNorm in float64: output and its layout, every gradient, running statistics."""
+@pytest.mark.parametrize("in_layout_from", [0, None])
+def test_every_route_matches_torch_float64(route, center, scale, track, in_layout_from, monkeypatch):
+    """Each route (group norm with its statistics for the running update, the channels_last Function, which these
+    small inputs take with the size threshold at 0, the contiguous copy, the strided input) against torch's
+    InstanceNorm in float64: output and its layout, every gradient, running statistics."""
+    if in_layout_from is not None:
+        monkeypatch.setattr(instance_norm_module, "_IN_LAYOUT_MIN_SAMPLE", in_layout_from)
     torch.manual_seed(13)
     dim = 3 if route == "channels_last_3d" else 2
     ours_cls, ref_cls = CLASSES[dim]
@@ -364,10 +370,11 @@ def test_every_route_matches_torch_float64(route, center, scale, track):
 
 
 @pytest.mark.parametrize("fmt", [torch.channels_last, torch.channels_last_3d])
-def test_channels_last_gradcheck_and_gradgradcheck(fmt):
+def test_channels_last_gradcheck_and_gradgradcheck(fmt, monkeypatch):
     torch.manual_seed(14)
     m = (InstanceNorm2d if fmt == torch.channels_last else InstanceNorm3d)(3, affine=True).double()
     shape = (2, 3, 3, 4) if fmt == torch.channels_last else (2, 3, 2, 3, 2)
+    monkeypatch.setattr(instance_norm_module, "_IN_LAYOUT_MIN_SAMPLE", 0)  # the in-layout Function at this size
     x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
     w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
     b = torch.randn(3, dtype=torch.float64).requires_grad_()
@@ -382,8 +389,9 @@ def test_channels_last_gradcheck_and_gradgradcheck(fmt):
 @pytest.mark.parametrize("fmt", [torch.channels_last, torch.channels_last_3d])
 @pytest.mark.parametrize("track", [False, True])
 def test_channels_last_step_copies_no_layout(fmt, track):
-    """A channels_last training step (forward + backward) makes no layout copy of the input, the output or the
-    gradient (torch's kernels would need contiguous ones), and tracking takes no second statistics pass."""
+    """A channels_last training step (forward + backward) of a sample of at least ``_IN_LAYOUT_MIN_SAMPLE`` values
+    makes no layout copy of the input, the output or the gradient (torch's kernels would need contiguous ones), and
+    tracking takes no second statistics pass."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -397,8 +405,9 @@ def test_channels_last_step_copies_no_layout(fmt, track):
             self.ops.append((str(func.overloadpacket), first.numel() if isinstance(first, torch.Tensor) else 0))
             return out
 
-    m = (InstanceNorm2d if fmt == torch.channels_last else InstanceNorm3d)(4, affine=True, track_running_stats=track)
-    shape = (2, 4, 5, 6) if fmt == torch.channels_last else (2, 4, 3, 4, 5)
+    m = (InstanceNorm2d if fmt == torch.channels_last else InstanceNorm3d)(16, affine=True, track_running_stats=track)
+    shape = (2, 16, 64, 64) if fmt == torch.channels_last else (2, 16, 16, 16, 16)  # 65536 values per sample
+    assert shape[1] * math.prod(shape[2:]) >= instance_norm_module._IN_LAYOUT_MIN_SAMPLE
     x = torch.randn(shape).contiguous(memory_format=fmt).requires_grad_()
     g = torch.randn(shape).contiguous(memory_format=fmt)
     m(x).backward(g)

@@ -433,15 +433,15 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
 
         - eval, no running statistics or an empty batch: BatchNorm's own call (:func:`normlab.functional.batch_renorm`);
         - a training step in eager on CPU/CUDA (``takes_fused``): with the numbers rmax=1, dmax=0 and a float momentum
-          :meth:`_batchnorm_step` (BatchNorm's own training call), else :meth:`_fused_step` (one statistics pass,
+          ``_batchnorm_step`` (BatchNorm's own training call), else ``_fused_step`` (one statistics pass,
           BatchNorm's kernels);
         - a training step under torch.compile / torch.export / jit.trace / torch.func or on the meta device:
-          :meth:`_composite_step` (plain differentiable ops).
+          ``_composite_step`` (plain differentiable ops).
 
         The same choice is made on every device. Each step computes r and d from ``prior`` (the running statistics
         before the step) and, with ``update``, writes the running statistics, the step counter and
-        ``skipped_batches`` through :meth:`_commit`. Inside a backward pass (a checkpoint recomputation) an eager
-        step replays the recorded forward (:meth:`_replay`): its prior and limits, no update."""
+        ``skipped_batches`` through ``_commit``. Inside a backward pass (a checkpoint recomputation) an eager
+        step replays the recorded forward (``_replay``): its prior and limits, no update."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
         if not self._updating() or static_numel(input) == 0:

@@ -7,8 +7,9 @@ torch checkpoint loads unchanged. Differences from torch:
 - statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
   :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
   channel per group (same formula, faster; see ``benchmarks/bench_norms.py``);
-- channels_last (and channels_last_3d) inputs are normalized in their own layout, without a layout copy, and give
-  outputs in the same memory format (torch's CPU kernel copies them to a contiguous tensor and returns that);
+- channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel copies
+  them to a contiguous tensor and returns that); from 65536 values per sample they are normalized in their own
+  layout, without a layout copy (smaller ones go through a contiguous copy, which costs less there);
 - with ``track_running_stats`` the running statistics come from the statistics of the normalize pass (no second
   pass over the input);
 - a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
@@ -49,6 +50,13 @@ from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+_IN_LAYOUT_MIN_SAMPLE = 1 << 16
+"""Values per sample (C * spatial) from which a channels_last / channels_last_3d input is normalized in its own
+layout (no copies, but about 30 more dispatched ops and per-sample kernel calls); smaller ones go through a
+contiguous copy, which costs less there. The crossover measured on a CPU, one thread (``benchmarks/RESULTS.md``,
+issue 25, third round): the copy is cheaper up to (2, 64, 28, 28) and (16, 32, 16, 16), the in-layout route from
+(2, 64, 32, 32), 2.5-3.5x faster there and above."""
 
 
 # The docstring of the public classes: one text, filled in per dimension ($input, $over, $memory, $example, ...).
@@ -208,8 +216,10 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
         Routes, decided here once: float16/bfloat16 (statistics in float32) :func:`normlab.functional.instance_norm`;
         eager float32/float64 contiguous input: torch's fused group-norm kernel with one channel per group
         (``native_group_norm``, faster than torch's own instance norm on the CPU, exact double backward), whose mean
-        and inverse std give the running statistics; eager channels_last / channels_last_3d:
-        :func:`normlab._functions.instance_norm_in_layout` in the input's layout (no layout copy); torch.compile,
+        and inverse std give the running statistics (a smaller channels_last sample, see ``_IN_LAYOUT_MIN_SAMPLE``:
+        on a contiguous copy, the output returned in the input's layout); eager channels_last / channels_last_3d with
+        at least ``_IN_LAYOUT_MIN_SAMPLE`` values per sample: :func:`normlab._functions.instance_norm_in_layout` in
+        the input's layout (no layout copy); torch.compile,
         torch.export, jit.trace, torch.func, the meta device and empty inputs: group norm on a contiguous copy
         (torch's CPU channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for
         large means), the output returned in the input's memory format."""
@@ -222,11 +232,13 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
                 return F.group_norm(x, self.num_features, weight, self.bias, self.eps), None
             y = F.group_norm(x.contiguous(), self.num_features, weight, self.bias, self.eps)
             return y.contiguous(memory_format=fmt), None
-        if fmt is not None:
+        if fmt is not None and static_numel(x, 1) >= _IN_LAYOUT_MIN_SAMPLE:
             y, mean, var = instance_norm_in_layout(x, self.weight, self.bias, self.eps)
             return y, (mean, var)
         n, c, count = x.shape[0], self.num_features, static_numel(x, 2)
         y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, self.bias, n, c, count, c, self.eps)
+        if fmt is not None:
+            y = y.contiguous(memory_format=fmt)
         if not track:
             return y, None
         with torch.no_grad():  # the unbiased variance from group norm's 1 / sqrt(var + eps)
