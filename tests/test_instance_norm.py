@@ -390,8 +390,8 @@ def test_channels_last_gradcheck_and_gradgradcheck(fmt, monkeypatch):
 @pytest.mark.parametrize("track", [False, True])
 def test_channels_last_step_copies_no_layout(fmt, track):
     """A channels_last training step (forward + backward) of a sample of at least ``_IN_LAYOUT_MIN_SAMPLE`` values
-    makes no layout copy of the input, the output or the gradient (torch's kernels would need contiguous ones), and
-    tracking takes no second statistics pass."""
+    makes no layout copy of the input, the output or the gradient (torch's kernels would need contiguous ones) and no
+    host read-back, and tracking takes no second statistics pass."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Ops(TorchDispatchMode):
@@ -415,6 +415,7 @@ def test_channels_last_step_copies_no_layout(fmt, track):
         m(x).backward(g)
     copies = [op for op, n in log.ops if op in ("aten.clone", "aten.copy_", "aten._to_copy") and n == x.numel()]
     assert copies == []
+    assert "aten._local_scalar_dense" not in [op for op, _ in log.ops]  # no host read-back (tests/test_readbacks.py)
     passes = [op for op, _ in log.ops if op in ("aten.batch_norm_update_stats", "aten.mean", "aten.var_mean")]
     assert passes == ["aten.batch_norm_update_stats"] * shape[0] + ["aten.mean"] * (2 if track else 0)  # the
     # statistics per sample, then (tracking) the batch averages of the (N, C) statistics: no second pass over x
