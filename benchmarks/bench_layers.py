@@ -11,10 +11,18 @@ repeats, so a ratio is given as the range of its per-round values.
   when torchrl can be imported.
 - ``sn``: SwitchableNorm2d vs nn.BatchNorm2d; ``in``: InstanceNorm2d vs nn.InstanceNorm2d (with and without running
   statistics), contiguous and channels_last.
+- ``routes`` (not in the default sections): BatchRenorm's two training routes through
+  :func:`normlab.functional.batch_renorm` (constant limits, no non-finite bookkeeping) vs nn.BatchNorm at the brn
+  shapes: the fused route (one statistics pass) and the fold of REFERENCE section 3 (``fused=False``), which
+  the eager layer would take if it had a single route.
 - ``crossq``: one critic update as CrossQ does it (Bhatt et al. 2024): an MLP 23 -> 256 -> 256 -> 1 with a
   normalization after each hidden linear layer, the (s, a) and (s', a') batches of 256 joined into one forward,
   TD loss, Adam step; normlab BatchRenorm1d vs nn.BatchNorm1d vs torchrl's BatchRenorm1d.
 - ``--compile``: the brn and sn rows again with both sides under torch.compile (inductor).
+
+- ``--clock cpu``: time each sample with the timing thread's CPU time (``time.thread_time``) instead of the
+  elapsed time: on a machine shared with other jobs it leaves out the time the thread waits for a core (it still
+  includes the cache and memory-bandwidth effects of the other jobs). One thread only.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_layers.py --threads 1 --rounds 3 --out runs/bench/bench_layers.json
 """
@@ -61,11 +69,15 @@ def _torchrl_layer(cls, c: int, device) -> nn.Module:
     return m
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+_clock = time.perf_counter
+
+
 def _time(fn, iters: int) -> float:
-    start = time.perf_counter()
+    start = _clock()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start) / iters
+    return (_clock() - start) / iters
 
 
 def _interleaved(steps: dict, repeats: int, iters: int, warmup: int = 3) -> dict[str, float]:
@@ -120,10 +132,11 @@ def _layouts(shape):
 def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
     """One row per shape, layout and candidate; the first candidate is the reference of the ratios."""
     rows = []
+    if args.shape:  # the given shapes instead, those of a rank the section takes
+        ranks = {len(shape) for shape in shapes}
+        shapes = [s for s in (tuple(int(n) for n in text.split(",")) for text in args.shape) if len(s) in ranks]
     for shape in shapes:
         if args.max_numel and math.prod(shape) > args.max_numel:
-            continue
-        if args.shape and ",".join(map(str, shape)) not in args.shape:
             continue
         for layout in _layouts(shape):
             repeats, iters = _sizes(shape)
@@ -168,6 +181,41 @@ def _brn_candidates(args, trl):
         if dim == 1 and trl is not None:
             cands["torchrl BatchRenorm1d"] = _torchrl_layer(trl, c, args.device)
         return cands
+
+    return make
+
+
+class _RenormRoute(nn.Module):
+    """:func:`normlab.functional.batch_renorm` in training with constant limits (rmax=3, dmax=5) on one route: the
+    fused one (one statistics pass, BatchNorm's kernels through an autograd Function) or the composite one
+    (``fused=False``: the fold of REFERENCE section 3, batch statistics without gradient, then BatchNorm's training
+    call with ``weight * r`` and ``bias + weight * d``, which takes the statistics again). No non-finite guard,
+    counters or schedule on either: the two routes' own cost, side by side."""
+
+    def __init__(self, c: int, fused: bool, device):
+        super().__init__()
+        self.fused = fused
+        self.weight = nn.Parameter(torch.ones(c, device=device))
+        self.bias = nn.Parameter(torch.zeros(c, device=device))
+        self.register_buffer("running_mean", torch.zeros(c, device=device))
+        self.register_buffer("running_var", torch.ones(c, device=device))
+
+    def forward(self, x):
+        from normlab.functional import batch_renorm
+
+        return batch_renorm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, True, 0.1, 1e-5, 3.0, 5.0, self.fused
+        )
+
+
+def _route_candidates(args):
+    def make(shape):
+        dim, c = DIM[len(shape)], shape[1]
+        return {
+            f"nn.BatchNorm{dim}d": getattr(nn, f"BatchNorm{dim}d")(c, device=args.device),
+            "fused route": _RenormRoute(c, True, args.device),
+            "fold route (fused=False)": _RenormRoute(c, False, args.device),
+        }
 
     return make
 
@@ -260,18 +308,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3, help="side-by-side rounds (the range of their ratios)")
-    parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, sn, in, crossq")
+    parser.add_argument("--sections", default="brn,sn,in,crossq", help="comma-separated: brn, routes, sn, in, crossq")
     parser.add_argument("--compile", action="store_true", help="brn and sn with both sides under torch.compile")
     parser.add_argument("--max-numel", type=int, default=0, help="skip shapes with more elements (0: none skipped)")
-    parser.add_argument("--shape", action="append", default=None, help="only this shape, e.g. 4,64,8,16,16 (repeat)")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        default=None,
+        help="this shape instead of the section's own (those of a rank the section takes), e.g. 4,64,8,16,16; "
+        "repeat for more",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the rows")
+    parser.add_argument(
+        "--clock",
+        choices=sorted(CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: the timing thread's CPU time (time.thread_time), which leaves out the time "
+        "the thread waits for a core on an oversubscribed machine (with --threads 1 only)",
+    )
     args = parser.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        parser.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    global _clock
+    _clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     trl = _torchrl_brn()
     sections = {s.strip() for s in args.sections.split(",")}
     rows = []
     if "brn" in sections:
         rows += _rows("brn", _brn_candidates(args, trl), BRN_SHAPES, args)
+    if "routes" in sections and not args.compile:
+        rows += _rows("routes", _route_candidates(args), BRN_SHAPES, args)
     if "sn" in sections:
         rows += _rows("sn", _sn_candidates(args), NORM_SHAPES, args)
     if "in" in sections and not args.compile:
@@ -285,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "threads": args.threads,
         "rounds": args.rounds,
+        "clock": args.clock,
         "machine": platform.processor() or platform.machine(),
     }
     if args.out:

@@ -53,7 +53,8 @@ def _brn(dim, c, **kw):
 
 
 def _cases():
-    """(name, reference module, candidate modules by name, input shape)."""
+    """(name, reference module, candidate modules by name, input shape); a name ending in channels_last: that
+    layout."""
     for shape in [(256, 256), (32, 64), (2, 64, 32, 32)]:
         dim = {2: 1, 4: 2}[len(shape)]
         c = shape[1]
@@ -68,7 +69,14 @@ def _cases():
             },
             shape,
         )
-    yield "(2, 64, 32, 32)", nn.BatchNorm2d(64), {"SwitchableNorm2d": L.SwitchableNorm2d(64)}, (2, 64, 32, 32)
+    for layout in ("contiguous", "channels_last"):
+        name = f"(2, 64, 32, 32) {layout}"
+        yield name, nn.BatchNorm2d(64), {"SwitchableNorm2d": L.SwitchableNorm2d(64)}, (2, 64, 32, 32)
+        for track in (False, True):
+            suffix = "(track_running_stats)" if track else ""
+            ref = nn.InstanceNorm2d(64, affine=True, track_running_stats=track)
+            ours = L.InstanceNorm2d(64, affine=True, track_running_stats=track)
+            yield name, ref, {f"InstanceNorm2d{suffix}": ours}, (2, 64, 32, 32)
 
 
 def main(argv=None) -> int:
@@ -78,15 +86,18 @@ def main(argv=None) -> int:
     parser.add_argument("--verbose", action="store_true", help="list each layer's ops by name")
     args = parser.parse_args(argv)
     torch.manual_seed(100)
-    print(f"{'shape':<18} {'layer':<44} {'ops':>5} {'torch':>6} {'ratio':>6}")
+    print(f"{'shape':<32} {'layer':<44} {'ops':>5} {'torch':>6} {'ratio':>6}")
     for shape_name, ref, candidates, shape in _cases():
-        x = torch.randn(shape, requires_grad=True)
+        x = torch.randn(shape)
+        if shape_name.endswith("channels_last"):
+            x = x.contiguous(memory_format=torch.channels_last)
+        x.requires_grad_()
         ref_ops = count_step(ref, x)
         ref_n = sum(ref_ops.values())
         for name, module in candidates.items():
             ops = count_step(module, x)
             n = sum(ops.values())
-            print(f"{shape_name:<18} {name:<44} {n:>5} {ref_n:>6} {n / ref_n:>6.2f}")
+            print(f"{shape_name:<32} {name:<44} {n:>5} {ref_n:>6} {n / ref_n:>6.2f}")
             if args.verbose:
                 print("    " + ", ".join(f"{k} x{v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1])))
         if args.verbose:

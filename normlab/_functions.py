@@ -29,6 +29,8 @@ from ._dispatch import (
 )
 
 __all__ = [
+    "group_norm_weight",
+    "instance_norm_in_layout",
     "is_identity",
     "takes_fused",
     "fused_batch_renorm",
@@ -185,46 +187,6 @@ def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor,
     return mean, var, (means, variances, mw, vw)
 
 
-def _sn_mix_backward(d_mean: Tensor, d_var: Tensor, parts, batch_bn: bool):
-    """Backward of :func:`_sn_mix`: gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed
-    mean and variance (all (N, C) but the logits).
-
-    With the softmax weights a (means) and b (variances), ``rows(X)`` the mean over channels (N, 1) and ``cols(X)``
-    the mean over the batch (1, C): ``mean = a0 mu + a1 rows(mu) + a2 cols(mu)`` is self-adjoint in mu, and
-    ``var = b0 q + b1 rows(q) + b2 cols(q) - (b0 mu^2 + b1 rows(mu)^2 + b2 cols(mu)^2)`` with
-    ``q = var_in + mu^2``, so::
-
-        d var_in = b0 d_var + b1 rows(d_var) + b2 cols(d_var)
-        d mu     = a0 d_mean + a1 rows(d_mean) + a2 cols(d_mean)
-                   + 2 b1 (mu - mean_ln) rows(d_var) + 2 b2 (mu - mean_bn) cols(d_var)
-        d logits = softmax backward of g_k = sum(d_mean * mean_k)  (resp. d_var, variances)
-
-    The BN terms only with batch statistics (``batch_bn``); running statistics are constants.
-    """
-    means, variances, mw, vw = parts
-    mu = means[0]
-    a, b = mw.unbind(), vw.unbind()  # 0-dim tensors: never read back to the host
-    rows_m, rows_v = d_mean.mean(1, keepdim=True), d_var.mean(1, keepdim=True)
-    # 0-dim tensor weights: multiplications, never ``alpha=``/``value=`` (a Scalar argument is a host read)
-    d_var_in = torch.addcmul(d_var * b[0], rows_v, b[1])
-    d_mu = torch.addcmul(d_mean * a[0], rows_m, a[1]).addcmul_(mu - means[1], rows_v * (2 * b[1]))
-    if batch_bn:
-        cols_m, cols_v = d_mean.mean(0, keepdim=True), d_var.mean(0, keepdim=True)
-        d_var_in.addcmul_(cols_v, b[2])
-        d_mu.addcmul_(cols_m, a[2]).addcmul_(mu - means[2], cols_v * (2 * b[2]))
-    n, c = mu.shape
-    reduced_m, reduced_v = [d_mean, rows_m * c], [d_var, rows_v * c]
-    if len(means) == 3:
-        reduced_m.append(d_mean.sum(0, keepdim=True))
-        reduced_v.append(d_var.sum(0, keepdim=True))
-    # g_k = sum(d_mean * mean_k) with the broadcast summed first: (N, C) . (N, C), (N, 1) . (N, 1), (1, C) . (1, C)
-    g_mw = torch.stack([torch.vdot(r.flatten(), m.flatten()) for r, m in zip(reduced_m, means)])
-    g_vw = torch.stack([torch.vdot(r.flatten(), v.flatten()) for r, v in zip(reduced_v, variances)])
-    d_mw = torch._softmax_backward_data(g_mw, mw, 0, mw.dtype)
-    d_vw = torch._softmax_backward_data(g_vw, vw, 0, vw.dtype)
-    return d_mu, d_var_in, d_mw, d_vw
-
-
 @torch.no_grad()
 def _sn_update_running(
     running_mean, running_var, batch, momentum: float, using_moving_average: bool, where: str = "switchable_norm"
@@ -233,7 +195,9 @@ def _sn_update_running(
     average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
     whether the batch statistics were finite (a 0-dim bool tensor)."""
     c = running_mean.numel()
-    mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
+    mean_bn, var_bn = batch
+    if mean_bn.dim() != 1 or mean_bn.requires_grad:  # the composite path's (1, C) statistics (the fused path's: (C,))
+        mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
     finite = all_finite(mean_bn, var_bn)
     if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
         new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
@@ -286,20 +250,43 @@ def _instance_layout(x: Tensor) -> str:
     return "samples" if channels_last_format(x) is not None else "generic"
 
 
-def _instance_stats(x: Tensor, layout: str) -> tuple[Tensor, Tensor]:
-    """Per-(n, c) mean and biased variance of ``x`` (N, C, *) over the spatial dims, both (N, C), two-pass."""
+_CONSTANTS: dict = {}
+
+
+def _constant(value: float, n: int, like: Tensor) -> Tensor:
+    """A (n,) tensor filled with ``value`` (``n = 0``: empty), kept per value, size, dtype and device: the eager
+    kernels below only read it (BatchNorm's inference kernel reads its running statistics), so one copy serves
+    every call (two ops fewer per call than building it)."""
+    key = (value, n, like.dtype, like.device)
+    found = _CONSTANTS.get(key)
+    if found is None:
+        found = _CONSTANTS[key] = torch.full((n,), value, dtype=like.dtype, device=like.device)
+    return found
+
+
+def group_norm_weight(weight: Tensor | None, bias: Tensor | None, x: Tensor) -> Tensor | None:
+    """The ``weight`` to give torch's group norm: ``weight``, or ones when only ``bias`` is given (torch's
+    ``native_group_norm`` backward fails with "tensor does not have a device" for a bias without a weight; a
+    weight of ones, which needs no gradient, computes the same output and gradients)."""
+    if weight is not None or bias is None:
+        return weight
+    if writes_in_place():  # eager: the kept constant (read only)
+        return _constant(1.0, bias.numel(), bias)
+    return torch.ones_like(bias)
+
+
+def _instance_stats(x: Tensor, layout: str, count: int) -> tuple[Tensor, Tensor]:
+    """Per-(n, c) mean and unbiased variance of ``x`` (N, C, *) over its ``count`` spatial values, both (N, C),
+    two-pass (centred: exact for large means)."""
     n, c = x.shape[:2]
     if layout == "samples":  # BatchNorm's channels_last statistics kernel, one sample at a time
         stats = [torch.batch_norm_update_stats(x[i : i + 1], None, None, 0.0) for i in range(n)]
-        return torch.stack([m for m, _ in stats]), torch.stack([v for _, v in stats])
+        var = torch.stack([v for _, v in stats]).mul_(count / (count - 1))
+        return torch.stack([m for m, _ in stats]), var
     dims = tuple(range(2, x.dim()))
-    if layout == "generic" and x.device.type != "cpu":
-        var, mu = torch.var_mean(x, dims, correction=0)
-        return mu, var
-    mu = x.mean(dims)
-    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
-    var = torch.linalg.vector_norm(centered, dim=dims).square_().div_(x[0, 0].numel())
-    return mu, var
+    mu = x.mean(dims, keepdim=True)
+    var = torch.linalg.vector_norm(x - mu, dim=dims).square_().div_(count - 1)
+    return mu.view(n, c), var
 
 
 def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tensor, Tensor]:
@@ -308,13 +295,14 @@ def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tenso
     n, c = x.shape[:2]
     mask = [False, True, True]
     if layout == "rows":
-        ones = torch.ones(n * c, dtype=mu.dtype)
+        flat = (1, n * c, -1)
+        ones = _constant(1.0, n * c, mu)
         _, dot, total = torch.ops.aten.native_batch_norm_backward(
-            g.reshape(1, n * c, -1), x.reshape(1, n * c, -1), None, None, None, mu.reshape(-1), ones, True, 0.0, mask
+            g.view(flat), x.view(flat), None, None, None, mu.view(-1), ones, True, 0.0, mask
         )
-        return total.reshape(n, c), dot.reshape(n, c)
+        return total.view(n, c), dot.view(n, c)
     if layout == "samples":
-        ones = torch.ones(c, dtype=mu.dtype)
+        ones = _constant(1.0, c, mu)
         parts = [
             torch.ops.aten.native_batch_norm_backward(
                 g[i : i + 1], x[i : i + 1], None, None, None, mu[i], ones, True, 0.0, mask
@@ -323,76 +311,105 @@ def _instance_dots(g: Tensor, x: Tensor, mu: Tensor, layout: str) -> tuple[Tenso
         ]
         return torch.stack([p[2] for p in parts]), torch.stack([p[1] for p in parts])
     dims = tuple(range(2, x.dim()))
-    centered = x - mu.reshape(x.shape[:2] + (1,) * len(dims))
+    centered = x - mu.view(x.shape[:2] + (1,) * len(dims))
     return g.sum(dims), (g * centered).sum(dims)
 
 
 def _instance_affine(x: Tensor, scale: Tensor, shift: Tensor, layout: str) -> Tensor:
-    """``x * scale + shift`` with (N, C) coefficients, in x's memory format (CPU rows: BatchNorm's normalize
-    kernel on the (1, N*C, L) view, with running_var 1 and eps 0 it is exactly this affine)."""
+    """``x * scale + shift`` with (N, C) coefficients, in x's memory format; never a view (in-place ops on the
+    Function's output work). CPU rows: BatchNorm's normalize kernel on the (1, N*C, L) view, with running_var 1
+    and eps 0 it is exactly this affine."""
     n, c = x.shape[:2]
-    if layout == "rows":  # written through a (1, N*C, L) view into y, which is returned: y is not a view
-        zeros = torch.zeros(n * c, dtype=scale.dtype)
-        ones = torch.ones(n * c, dtype=scale.dtype)
-        y, flat, unused = torch.empty_like(x), (1, n * c, -1), scale.new_empty(0)
-        torch.ops.aten.native_batch_norm.out(
+    if layout == "rows":
+        flat = (1, n * c, -1)
+        zeros, ones, unused = _constant(0.0, n * c, scale), _constant(1.0, n * c, scale), _constant(0.0, 0, scale)
+        y = torch.empty_like(x)  # written through a (1, N*C, L) view, returned whole: not a view for autograd
+        torch.native_batch_norm(
             x.view(flat),
-            scale.reshape(-1),
-            shift.reshape(-1),
+            scale.view(-1),
+            shift.view(-1),
             zeros,
             ones,
             False,
             0.0,
             0.0,
-            out=y.view(flat),
-            save_mean=unused,
-            save_invstd=unused,
+            out=(y.view(flat), unused, unused),
         )
         return y
     shape = (n, c) + (1,) * (x.dim() - 2)
-    return torch.addcmul(shift.reshape(shape), x, scale.reshape(shape))
+    return torch.addcmul(shift.view(shape), x, scale.view(shape))
+
+
+def _mix(weights: Tensor, parts: list[Tensor]) -> Tensor:
+    """``sum_k weights[k] * parts[k]`` broadcast to (N, C); the weights stay 0-dim tensors (never read back)."""
+    w = weights.unbind()
+    out = torch.mul(parts[0], w[0])
+    for part, wk in zip(parts[1:], w[1:]):
+        out.addcmul_(part, wk)
+    return out
 
 
 class _SwitchableNormFn(torch.autograd.Function):
     """Switchable normalization with an explicit backward (see :func:`switchable_norm` for the formula).
 
-    Forward: one statistics pass for the per-(n, c) mean and variance (LN and BN statistics are their averages), the
-    (N, C)-sized mixture, one normalize pass ``x * scale + shift``. Backward, with ``G1 = sum_hw(g)`` and
-    ``G2 = sum_hw(g * (x - mu))`` from one reduction pass (``s = rsqrt(var + eps)``, ``scale = s * weight``)::
+    Forward: one statistics pass for the per-(n, c) mean ``mu`` and unbiased variance ``var_in``; the LN (N, 1) and
+    BN (C,) statistics are means of ``(mu, var_in + mu^2)`` over channels and over the batch; the (N, C) mixtures
+    ``mean = sum_k a_k mean_k``, ``var = sum_k b_k var_k`` (softmax weights a, b); one normalize pass
+    ``y = x * scale + shift`` with ``s = rsqrt(var + eps)``, ``scale = s * weight``, ``shift = bias - mean * scale``.
 
-        dL/dscale = G2 + (mu - mean) * G1        dL/dmean = -scale * G1        dL/dbias = sum_n(G1)
-        dL/dweight = sum_n(dL/dscale * s)        dL/dvar = -dL/dscale * weight * s^3 / 2
-        (dL/dmu, dL/dvar_in, dL/dlogits) = _sn_mix_backward(dL/dmean, dL/dvar)
-        dL/dx = g * scale + dL/dmu / S + dL/dvar_in * 2 (x - mu) / (S - 1)        (one pass)
+    Backward, with ``G1 = sum_hw(g)`` and ``G2 = sum_hw(g * (x - mu))`` from one reduction pass, ``rows`` the mean
+    over channels (N, 1) and ``cols`` the mean over the batch (C,)::
 
-    Double backward (``create_graph=True``) differentiates the composite formula instead. Outputs: y (never a
-    view, so in-place ops on it work) and, with batch BN statistics, their (1, C) mean and variance (no gradient;
-    the caller updates the running statistics with them), else two None.
+        dL/dscale = G2 + (mu - mean) G1      dL/dmean = -scale G1      dL/dvar = -dL/dscale weight s^3 / 2
+        dL/dvar_in = b0 dL/dvar + b1 rows(dL/dvar) + b2 cols(dL/dvar)
+        dL/dmu     = a0 dL/dmean + a1 rows(dL/dmean) + a2 cols(dL/dmean)
+                     + 2 b1 (mu - mean_ln) rows(dL/dvar) + 2 b2 (mu - mean_bn) cols(dL/dvar)
+        dL/dlogits = softmax backward of g_k = sum(dL/dmean * mean_k) (resp. dL/dvar, var_k)
+        dL/dx = g scale + dL/dmu / S + dL/dvar_in 2 (x - mu) / (S - 1)                (one pass)
+        dL/dweight = sum_n(dL/dscale s)      dL/dbias = sum_n(G1)
+
+    (the BN terms of dL/dmu and dL/dvar_in only with batch statistics: running statistics are constants; S the
+    spatial size). Double backward (``create_graph=True``) differentiates the composite formula instead. Outputs: y
+    (never a view, so in-place ops on it work) and, with batch BN statistics, their (C,) mean and variance (no
+    gradient; the caller updates the running statistics with them), else two None.
     """
 
     @staticmethod
     def forward(ctx, x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, cfg):
         eps, using_bn = cfg
         xs, layout = stats_dtype(x), _instance_layout(x)
-        mu, var = _instance_stats(xs, layout)
-        count = x[0, 0].numel()
-        bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
-        mean, var_mix, parts = _sn_mix(mu, var.mul_(count / (count - 1)), mean_weight, var_weight, bn_stats)
-        s = torch.rsqrt(var_mix.add_(eps))
-        scale = s if weight is None else s * weight.to(xs.dtype)
-        shift = torch.mul(mean, scale).neg_()
-        if bias is not None:
-            shift = shift.add_(bias.to(xs.dtype))
-        ctx.save_for_backward(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var)
-        ctx.stats = (mean, s, scale, parts, bn_stats is None)
+        mu, var_in = _instance_stats(xs, layout, static_numel(x, 2))
+        dtype = mu.dtype
+        # LN (N, 1) and BN (C,) statistics from the per-(n, c) mean and second moment var_in + mu^2
+        pair = torch.stack([mu, torch.addcmul(var_in, mu, mu)])
+        ln_mean, ln_sq = pair.mean(2, keepdim=True).unbind()
+        means, variances = [mu, ln_mean], [var_in, torch.addcmul(ln_sq, ln_mean, ln_mean, value=-1)]
+        batch_bn = using_bn and bn_mean is None
+        if batch_bn:
+            bn_mean, bn_sq = pair.mean(1).unbind()
+            bn_var = torch.addcmul(bn_sq, bn_mean, bn_mean, value=-1)
+        if using_bn:
+            means.append(as_param(bn_mean, dtype))
+            variances.append(as_param(bn_var, dtype))
+        mw, vw = torch.softmax(as_param(mean_weight, dtype), 0), torch.softmax(as_param(var_weight, dtype), 0)
+        mean, s = _mix(mw, means), _mix(vw, variances).add_(eps).rsqrt_()
+        scale = s if weight is None else s * as_param(weight, dtype)
+        shift = (
+            torch.mul(mean, scale).neg_()
+            if bias is None
+            else torch.addcmul(as_param(bias, dtype), mean, scale, value=-1)
+        )
+        ctx.save_for_backward(x, mean_weight, var_weight, weight, bias)
+        ctx.stats = (mean, s, scale, means, variances, mw, vw, batch_bn)
         ctx.cfg, ctx.layout = cfg, layout
-        y = _instance_affine(xs, scale, shift, layout).to(x.dtype)
-        if bn_stats is not None:
+        y = as_param(_instance_affine(xs, scale, shift, layout), x.dtype)
+        if not batch_bn:
+            ctx.running = (bn_mean, bn_var)
             return y, None, None
-        batch = (parts[0][2], parts[1][2])
-        ctx.mark_non_differentiable(*batch)
+        ctx.running = (None, None)
+        ctx.mark_non_differentiable(bn_mean, bn_var)
         ctx.set_materialize_grads(False)  # no zero gradients built for the statistics
-        return (y,) + batch
+        return y, bn_mean, bn_var
 
     @staticmethod
     def backward(ctx, grad, *_batch_stats):
@@ -400,33 +417,63 @@ class _SwitchableNormFn(torch.autograd.Function):
             return (None,) * 8
         if torch.is_grad_enabled():
             return _switchable_double_backward(ctx, grad)
-        x, mean_weight, var_weight, weight, bias = ctx.saved_tensors[:5]
-        mean, s, scale, parts, batch_bn = ctx.stats
-        mu, layout, count = parts[0][0], ctx.layout, x[0, 0].numel()
+        x, mean_weight, var_weight, weight, bias = ctx.saved_tensors
+        mean, s, scale, means, variances, mw, vw, batch_bn = ctx.stats
+        mu, layout, count = means[0], ctx.layout, static_numel(x, 2)
         xs = stats_dtype(x)
-        g = same_layout(grad, x).to(xs.dtype)
+        g = as_param(same_layout(grad, x), xs.dtype)
         g1, g2 = _instance_dots(g, xs, mu, layout)
         d_scale = torch.addcmul(g2, mu - mean, g1)
         d_mean = torch.mul(scale, g1).neg_()
-        d_s = d_scale if weight is None else d_scale * weight.to(xs.dtype)
-        d_var = d_s.mul_(s.pow(3)).mul_(-0.5)
-        d_mu, d_var_in, d_mw, d_vw = _sn_mix_backward(d_mean, d_var, parts, batch_bn)
+        d_var = torch.mul(d_scale, scale).mul_(s.square()).mul_(-0.5)  # scale s^2 = weight s^3
+        d_mu, d_var_in, d_mw, d_vw = _mix_backward(d_mean, d_var, means, variances, mw, vw, batch_bn)
         gx = None
         if ctx.needs_input_grad[0]:
             a = d_var_in.mul_(2.0 / (count - 1))
             b = torch.addcmul(d_mu.div_(count), a, mu, value=-1.0)
             spatial = (1,) * (x.dim() - 2)
-            gx = _instance_affine(xs, a, b, layout).addcmul_(g, scale.reshape(scale.shape + spatial)).to(x.dtype)
-        d_w = None if weight is None else (d_scale * s).sum(0).to(weight.dtype)
-        d_b = None if bias is None else g1.sum(0).to(bias.dtype)
-        return gx, d_mw.to(mean_weight.dtype), d_vw.to(var_weight.dtype), d_w, d_b, None, None, None
+            gx = _instance_affine(xs, a, b, layout).addcmul_(g, scale.view(scale.shape + spatial))
+            gx = as_param(gx, x.dtype)
+        d_w = None if weight is None else as_param((d_scale * s).sum(0), weight.dtype)
+        d_b = None if bias is None else as_param(g1.sum(0), bias.dtype)
+        return gx, as_param(d_mw, mean_weight.dtype), as_param(d_vw, var_weight.dtype), d_w, d_b, None, None, None
+
+
+def _mix_backward(d_mean, d_var, means, variances, mw, vw, batch_bn: bool):
+    """Gradients of ``(mu, var_in, mean_weight, var_weight)`` from those of the mixed (N, C) mean and variance (the
+    formulas of :class:`_SwitchableNormFn`). ``rows(X)`` (N, 1) and ``cols(X)`` (C,) of both gradients come from
+    one stack; the logit gradient of component k is ``sum(d_mean * mean_k)`` with the broadcast summed first."""
+    n, c = d_mean.shape
+    mu = means[0]
+    a, b = mw.unbind(), vw.unbind()
+    d = torch.stack([d_mean, d_var])  # (2, N, C)
+    rows = d.mean(2, keepdim=True)  # (2, N, 1)
+    rows_m, rows_v = rows.unbind()
+    d_var_in = torch.mul(d_var, b[0]).addcmul_(rows_v, b[1])
+    d_mu = torch.mul(d_mean, a[0]).addcmul_(rows_m, a[1]).addcmul_(mu - means[1], rows_v * b[1], value=2)
+    logits = [
+        torch.mul(d, torch.stack([mu, variances[0]])).sum((1, 2)),
+        torch.mul(rows, torch.stack([means[1], variances[1]])).sum((1, 2)).mul_(c),
+    ]
+    if len(means) == 3:
+        cols = d.mean(1)  # (2, C)
+        logits.append(torch.mul(cols, torch.stack([means[2], variances[2]])).sum(1).mul_(n))
+        if batch_bn:
+            cols_m, cols_v = cols.unbind()
+            d_var_in.addcmul_(cols_v, b[2])
+            d_mu.addcmul_(cols_m, a[2]).addcmul_(mu - means[2], cols_v * b[2], value=2)
+    g_mw, g_vw = torch.stack(logits, 1).unbind()
+    d_mw = torch._softmax_backward_data(g_mw, mw, 0, mw.dtype)
+    d_vw = torch._softmax_backward_data(g_vw, vw, 0, vw.dtype)
+    return d_mu, d_var_in, d_mw, d_vw
 
 
 def _switchable_double_backward(ctx, grad):
     """Backward with ``create_graph=True``: the gradient of the composite formula, itself differentiable."""
-    x, mean_weight, var_weight, weight, bias, bn_mean, bn_var = ctx.saved_tensors
+    x, mean_weight, var_weight, weight, bias = ctx.saved_tensors
+    bn_mean, bn_var = ctx.running
     eps, using_bn = ctx.cfg[:2]
-    bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean, bn_var))
+    bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean.view(1, -1), bn_var.view(1, -1)))
     inputs = [t for t in (x, mean_weight, var_weight, weight, bias) if t is not None and t.requires_grad]
     y, _ = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
     found = torch.autograd.grad(y.to(x.dtype), inputs, grad, create_graph=True, allow_unused=True)
@@ -466,20 +513,20 @@ def switchable_forward(
     :mod:`normlab._dispatch`) and, given the layer's ``skipped`` count callback, is counted."""
     if x.dim() < 3:
         raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
-    n, c = x.shape[:2]
     spatial = x.shape[2:].numel()
     if spatial < 2:
         raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
     has_running = running_mean is not None and running_var is not None
     update = training and using_bn and has_running and static_numel(x, 0, 1) > 0 and not recomputing()
-    bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, c, stats_dtype(x).dtype)
     if fused is None:
         fused = _sn_fused_ok(x)
     if fused:
-        bn_mean, bn_var = bn_stats if isinstance(bn_stats, tuple) else (None, None)
+        eval_bn = using_bn and not training and has_running
+        bn_mean, bn_var = (running_mean, running_var) if eval_bn else (None, None)
         y, *batch = _SwitchableNormFn.apply(x, mean_weight, var_weight, weight, bias, bn_mean, bn_var, (eps, using_bn))
         batch = None if batch[0] is None else batch
     else:
+        bn_stats = _sn_bn_stats(using_bn, training, running_mean, running_var, x.shape[1], stats_dtype(x).dtype)
         y, batch = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
         y = y.to(x.dtype)
     if update and batch is not None:
@@ -487,3 +534,75 @@ def switchable_forward(
         if skipped is not None:
             skipped(finite)
     return y
+
+
+# --------------------------------------------------------------------------------------------------
+# Instance normalization of channels_last inputs
+# --------------------------------------------------------------------------------------------------
+class _InstanceNormFn(torch.autograd.Function):
+    """Instance normalization of a channels_last / channels_last_3d float32/float64 input in its own layout.
+
+    torch's instance and group norm kernels need a contiguous copy of a channels_last input (and torch's CPU
+    channels_last group norm computes the variance as E[x^2] - E[x]^2, which loses all precision for large means),
+    so this Function reuses the per-(n, c) kernels of :class:`_SwitchableNormFn`: one statistics pass (BatchNorm's
+    channels_last statistics kernel per sample on the CPU, centred), ``y = x * scale + shift`` with
+    ``s = rsqrt(var + eps)`` (biased variance), ``scale = s * weight``, ``shift = bias - mean * scale``. Backward with
+    ``G1 = sum_hw(g)``, ``G2 = sum_hw(g * (x - mean))`` from one reduction pass (S spatial values)::
+
+        dL/dx = scale * (g - G1 / S - (x - mean) * s^2 * G2 / S)        (one pass)
+        dL/dweight = sum_n(G2 * s)        dL/dbias = sum_n(G1)
+
+    Double backward (``create_graph=True``) differentiates torch's group norm on a contiguous copy instead. Outputs:
+    y (x's layout, never a view) and the per-(n, c) mean and unbiased variance (no gradient; for the running
+    statistics, so that tracking needs no second pass).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        layout, count = _instance_layout(x), static_numel(x, 2)
+        mean, var = _instance_stats(x, layout, count)  # unbiased variance (the running statistics' convention)
+        s = torch.mul(var, (count - 1) / count).add_(eps).rsqrt_()
+        scale = s if weight is None else s * as_param(weight, x.dtype)
+        shift = (
+            torch.mul(mean, scale).neg_()
+            if bias is None
+            else torch.addcmul(as_param(bias, x.dtype), mean, scale, value=-1)
+        )
+        ctx.save_for_backward(x, weight, bias)
+        ctx.stats, ctx.eps, ctx.layout = (mean, s, scale), eps, layout
+        ctx.mark_non_differentiable(mean, var)
+        ctx.set_materialize_grads(False)
+        return _instance_affine(x, scale, shift, layout), mean, var
+
+    @staticmethod
+    def backward(ctx, grad, *_stats):
+        if grad is None:  # only the (non-differentiable) statistics were differentiated
+            return None, None, None, None
+        x, weight, bias = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the gradient of group norm, itself differentiable
+            inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
+            y = torch.group_norm(x.contiguous(), x.shape[1], group_norm_weight(weight, bias, x), bias, ctx.eps)
+            found = dict(
+                zip(map(id, inputs), torch.autograd.grad(y, inputs, grad, create_graph=True, allow_unused=True))
+            )
+            return tuple(None if t is None else found.get(id(t)) for t in (x, weight, bias)) + (None,)
+        mean, s, scale = ctx.stats
+        layout, count = ctx.layout, static_numel(x, 2)
+        g = same_layout(grad, x)
+        g1, g2 = _instance_dots(g, x, mean, layout)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            a = torch.mul(scale, s.square()).mul_(g2).mul_(-1.0 / count)  # coefficient of x
+            b = torch.mul(scale, g1).mul_(-1.0 / count).addcmul_(a, mean, value=-1)
+            spatial = (1,) * (x.dim() - 2)
+            gx = _instance_affine(x, a, b, layout).addcmul_(g, scale.view(scale.shape + spatial))
+        d_w = None if weight is None else as_param((g2 * s).sum(0), weight.dtype)
+        d_b = None if bias is None else as_param(g1.sum(0), bias.dtype)
+        return gx, d_w, d_b, None
+
+
+def instance_norm_in_layout(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float):
+    """Instance normalization of a channels_last / channels_last_3d float32/float64 input in its own layout
+    (:class:`_InstanceNormFn`, eager): returns ``(y, mean, var)``, the output and the per-(n, c) mean and unbiased
+    variance (no gradient)."""
+    return _InstanceNormFn.apply(x, weight, bias, eps)

@@ -2,11 +2,13 @@
 
 import copy
 import io
+import math
 
 import pytest
 import torch
 from torch import nn
 
+from normlab.nn import instance_norm as instance_norm_module
 from normlab.nn.instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 
 CLASSES = {
@@ -312,3 +314,108 @@ def test_momentum_none_is_cumulative_average():
     torch.testing.assert_close(m.running_mean, sum(x.mean((0, 2, 3)) for x in xs) / 3, rtol=1e-12, atol=1e-12)
     expected_var = sum(x.flatten(2).var(-1).mean(0) for x in xs) / 3  # unbiased per instance, as torch
     torch.testing.assert_close(m.running_var, expected_var, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- every route
+ROUTES = {
+    "contiguous": lambda t: t,
+    "channels_last": lambda t: t.contiguous(memory_format=torch.channels_last),
+    "channels_last_3d": lambda t: t.contiguous(memory_format=torch.channels_last_3d),
+    "strided": lambda t: t.transpose(-1, -2).contiguous().transpose(-1, -2),
+}
+
+
+@pytest.mark.parametrize("route", list(ROUTES))
+@pytest.mark.parametrize("center, scale", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("track", [False, True])
+@pytest.mark.parametrize("in_layout_from", [0, None])
+def test_every_route_matches_torch_float64(route, center, scale, track, in_layout_from, monkeypatch):
+    """Each route (group norm with its statistics for the running update, the channels_last Function, which these
+    small inputs take with the size threshold at 0, the contiguous copy, the strided input) against torch's
+    InstanceNorm in float64: output and its layout, every gradient, running statistics."""
+    if in_layout_from is not None:
+        monkeypatch.setattr(instance_norm_module, "_IN_LAYOUT_MIN_SAMPLE", in_layout_from)
+    torch.manual_seed(13)
+    dim = 3 if route == "channels_last_3d" else 2
+    ours_cls, ref_cls = CLASSES[dim]
+    ours = ours_cls(4, track_running_stats=track, momentum=0.3, center=center, scale=scale).double()
+    ref = ref_cls(4, affine=True, track_running_stats=track, momentum=0.3).double()
+    with torch.no_grad():
+        ref.weight.copy_(torch.rand(4, dtype=torch.float64) + 0.5 if scale else torch.ones(4, dtype=torch.float64))
+        ref.bias.copy_(torch.randn(4, dtype=torch.float64) if center else torch.zeros(4, dtype=torch.float64))
+        if scale:
+            ours.weight.copy_(ref.weight)
+        if center:
+            ours.bias.copy_(ref.bias)
+    for step in range(2):
+        base = torch.randn((3, 4) + (5, 6, 4)[:dim], dtype=torch.float64) * (step + 2) + 1e3
+        x = ROUTES[route](base.clone()).detach().requires_grad_()
+        x_ref = base.clone().requires_grad_()
+        y, y_ref = ours(x), ref(x_ref)
+        torch.testing.assert_close(y, y_ref, rtol=1e-9, atol=1e-9)
+        if route.startswith("channels_last"):
+            assert y.is_contiguous(memory_format=torch.channels_last if dim == 2 else torch.channels_last_3d)
+        g = torch.randn_like(y_ref)
+        y.backward(ROUTES[route](g))
+        y_ref.backward(g)
+        torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-8, atol=1e-9)
+        if scale:
+            torch.testing.assert_close(ours.weight.grad, ref.weight.grad, rtol=1e-8, atol=1e-9)
+        if center:
+            torch.testing.assert_close(ours.bias.grad, ref.bias.grad, rtol=1e-8, atol=1e-9)
+    if track:
+        torch.testing.assert_close(ours.running_mean, ref.running_mean, rtol=1e-12, atol=1e-9)
+        torch.testing.assert_close(ours.running_var, ref.running_var, rtol=1e-9, atol=1e-9)
+        assert int(ours.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("fmt", [torch.channels_last, torch.channels_last_3d])
+def test_channels_last_gradcheck_and_gradgradcheck(fmt, monkeypatch):
+    torch.manual_seed(14)
+    m = (InstanceNorm2d if fmt == torch.channels_last else InstanceNorm3d)(3, affine=True).double()
+    shape = (2, 3, 3, 4) if fmt == torch.channels_last else (2, 3, 2, 3, 2)
+    monkeypatch.setattr(instance_norm_module, "_IN_LAYOUT_MIN_SAMPLE", 0)  # the in-layout Function at this size
+    x = torch.randn(shape, dtype=torch.float64).contiguous(memory_format=fmt).requires_grad_()
+    w = (torch.rand(3, dtype=torch.float64) + 0.5).requires_grad_()
+    b = torch.randn(3, dtype=torch.float64).requires_grad_()
+
+    def f(t, w_, b_):
+        return torch.func.functional_call(m, {"weight": w_, "bias": b_}, (t,))
+
+    assert torch.autograd.gradcheck(f, (x, w, b))
+    assert torch.autograd.gradgradcheck(f, (x, w, b))
+
+
+@pytest.mark.parametrize("fmt", [torch.channels_last, torch.channels_last_3d])
+@pytest.mark.parametrize("track", [False, True])
+def test_channels_last_step_copies_no_layout(fmt, track):
+    """A channels_last training step (forward + backward) of a sample of at least ``_IN_LAYOUT_MIN_SAMPLE`` values
+    makes no layout copy of the input, the output or the gradient (torch's kernels would need contiguous ones) and no
+    host read-back, and tracking takes no second statistics pass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = out[0] if isinstance(out, (tuple, list)) else out
+            self.ops.append((str(func.overloadpacket), first.numel() if isinstance(first, torch.Tensor) else 0))
+            return out
+
+    m = (InstanceNorm2d if fmt == torch.channels_last else InstanceNorm3d)(16, affine=True, track_running_stats=track)
+    shape = (2, 16, 64, 64) if fmt == torch.channels_last else (2, 16, 16, 16, 16)  # 65536 values per sample
+    assert shape[1] * math.prod(shape[2:]) >= instance_norm_module._IN_LAYOUT_MIN_SAMPLE
+    x = torch.randn(shape).contiguous(memory_format=fmt).requires_grad_()
+    g = torch.randn(shape).contiguous(memory_format=fmt)
+    m(x).backward(g)
+    with Ops() as log:
+        m(x).backward(g)
+    copies = [op for op, n in log.ops if op in ("aten.clone", "aten.copy_", "aten._to_copy") and n == x.numel()]
+    assert copies == []
+    assert "aten._local_scalar_dense" not in [op for op, _ in log.ops]  # no host read-back (tests/test_readbacks.py)
+    passes = [op for op, _ in log.ops if op in ("aten.batch_norm_update_stats", "aten.mean", "aten.var_mean")]
+    assert passes == ["aten.batch_norm_update_stats"] * shape[0] + ["aten.mean"] * (2 if track else 0)  # the
+    # statistics per sample, then (tracking) the batch averages of the (N, C) statistics: no second pass over x

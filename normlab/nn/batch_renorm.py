@@ -429,11 +429,19 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
     def forward(self, input: Tensor) -> Tensor:
         """Input (N, C, *) -> output of the same shape, dtype and memory format.
 
-        The route is decided here, once: eval (or no running statistics, or an empty batch) is BatchNorm's own
-        call; a training step is ``_train_step``, whose kernels are chosen by ``takes_fused`` (eager with
-        BatchNorm's kernels, else the composite ops torch.compile / torch.export / jit.trace / torch.func trace),
-        the same choice on every device. Inside a backward pass (a checkpoint recomputation) the step replays the
-        recorded forward (``_replay``)."""
+        The route is decided here, once, and each route is one method that reads top to bottom:
+
+        - eval, no running statistics or an empty batch: BatchNorm's own call (:func:`normlab.functional.batch_renorm`);
+        - a training step in eager on CPU/CUDA (``takes_fused``): with the numbers rmax=1, dmax=0 and a float momentum
+          ``_batchnorm_step`` (BatchNorm's own training call), else ``_fused_step`` (one statistics pass,
+          BatchNorm's kernels);
+        - a training step under torch.compile / torch.export / jit.trace / torch.func or on the meta device:
+          ``_composite_step`` (plain differentiable ops).
+
+        The same choice is made on every device. Each step computes r and d from ``prior`` (the running statistics
+        before the step) and, with ``update``, writes the running statistics, the step counter and
+        ``skipped_batches`` through ``_commit``. Inside a backward pass (a checkpoint recomputation) an eager
+        step replays the recorded forward (``_replay``): its prior and limits, no update."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         self._check_input(input, bn_training)
         if not self._updating() or static_numel(input) == 0:
@@ -452,57 +460,72 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
             )
         fused = takes_fused(input, self.running_mean, self.running_var)
         record = self._replay(input) if fused and recomputing() else None
-        if record is not None:
-            return self._train_step(input, fused, *record, update=False)
-        prior = snapshot(self.running_mean, self.running_var)
-        rmax, dmax = self.renorm_limits()  # tensors for a schedule: the step is never read back
+        update = record is None
+        if update:
+            prior = snapshot(self.running_mean, self.running_var)
+            rmax, dmax = self.renorm_limits()  # tensors for a schedule: the step is never read back
+        else:
+            prior, rmax, dmax = record
+        if not fused:
+            step = self._composite_step
+        elif is_identity(rmax, dmax) and self.momentum is not None:
+            step = self._batchnorm_step
+        else:
+            step = self._fused_step
         try:
-            out = self._train_step(input, fused, prior, rmax, dmax, update=True)
+            out = step(input, prior, rmax, dmax, update)
         except RuntimeError as e:
             if torch._C._functorch.peek_interpreter_stack() is None:
                 raise
             raise self._vmap_error(e) from e
-        if fused:
+        if fused and update:
             self._record(input, prior, rmax, dmax)
         return out
 
-    def _train_step(self, input: Tensor, fused: bool, prior, rmax, dmax, update: bool) -> Tensor:
-        """One training step: batch statistics, r and d from ``prior`` (the running statistics before the step),
-        the renormalized output, and (``update``) the guarded update of the running statistics, the step counter
-        and ``skipped_batches`` (:meth:`_commit`). ``fused``: BatchNorm's statistics kernel updates the running
-        statistics in place and a non-finite batch puts ``prior`` back (with the numbers rmax=1, dmax=0 the step is
-        BatchNorm's own training call, 16 dispatched ops instead of 33); else the new values are computed and
-        written where the batch was finite."""
+    def _batchnorm_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
+        """rmax=1, dmax=0 (r = 1, d = 0): BatchNorm's own training call, bit for bit, 16 dispatched ops instead of
+        33. Its kernel updates the copies in ``prior`` (autograd saves the tensors it gets, so the buffers stay free
+        for the guarded write of :meth:`_commit`, which keeps their values for a non-finite batch); a replay lets it
+        update throwaway zeros (the kernel takes the statistics' dtype from the buffers)."""
         pdtype = param_dtype(input)
         weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
-        momentum = self._factor()
+        buffers = prior if update else (torch.zeros_like(prior[0]), torch.zeros_like(prior[1]))
+        cudnn = torch.backends.cudnn.enabled
+        out = torch.batch_norm(input, weight, bias, *buffers, True, self.momentum, self.eps, cudnn)
+        if update:
+            self._commit(prior, (self.running_mean, self.running_var))
+        return out
+
+    def _fused_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
+        """Eager renormalization: :func:`normlab._functions.fused_batch_renorm` (BatchNorm's statistics kernel, r and
+        d from ``prior``, BatchNorm's normalize and backward kernels). The statistics kernel updates the running
+        statistics in place (BatchNorm's own update, bit for bit) and a non-finite batch puts ``prior`` back; for
+        the cumulative average (momentum None) it writes the batch's values into zeros (momentum 1) and the average
+        is taken here; a replay lets it update throwaway zeros."""
+        pdtype = param_dtype(input)
+        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
         running = (self.running_mean, self.running_var)
-        if fused:
-            # the statistics kernel updates ``buffers`` in place (BatchNorm's own update, bit for bit); for the
-            # cumulative average it writes the batch's values into zeros (momentum 1) and the average is taken below;
-            # a replay updates throwaway zeros (the kernel takes the statistics' dtype from the buffers)
-            cumulative = isinstance(momentum, Tensor)
-            buffers = running
-            if cumulative or not update:
-                buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
-            kernel_momentum = 1.0 if cumulative else momentum
-            if is_identity(rmax, dmax) and not cumulative:
-                # r = 1, d = 0: BatchNorm's own training call, bit for bit. Its kernel updates the copies in ``prior``
-                # (autograd saves the tensors it gets, so the buffers stay free for the guarded write, which keeps
-                # their values for a non-finite batch); a replay ignores ``prior``
-                cudnn = torch.backends.cudnn.enabled
-                kernel_buffers = prior if update else buffers
-                out = torch.batch_norm(input, weight, bias, *kernel_buffers, True, momentum, self.eps, cudnn)
-                if update:
-                    self._commit(prior, running)
-                return out
-            out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
-            if update and cumulative:
-                new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
-                self._commit(new, running)
-            elif update:
-                self._commit(running, prior)
-            return out
+        cumulative = self.momentum is None
+        buffers = running
+        if cumulative or not update:
+            buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
+        momentum = self._factor()
+        kernel_momentum = 1.0 if cumulative else momentum
+        out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
+        if update and cumulative:
+            new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
+            self._commit(new, running)
+        elif update:
+            self._commit(running, prior)
+        return out
+
+    def _composite_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
+        """The step in plain differentiable ops, what torch.compile / torch.export / jit.trace / torch.func trace:
+        the batch statistics without gradient, r and d, then BatchNorm's training call with the folded affine
+        ``weight * r``, ``bias + weight * d`` (it computes the batch statistics again, with their gradient), then
+        the new running statistics written through :meth:`_commit`."""
+        pdtype = param_dtype(input)
+        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
         mean, var = NF.batch_moments(input)
         r, d = NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
         scale = r if weight is None else weight * r
@@ -516,7 +539,7 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
             where = type(self).__name__
             mean, var = stats_value(mean, self.running_mean, where), stats_value(var, self.running_var, where)
             count = static_numel(input) // self.num_features
-            new = _momentum_update(self.running_mean, self.running_var, mean, var, count, momentum)
+            new = _momentum_update(self.running_mean, self.running_var, mean, var, count, self._factor())
             self._commit(new, (self.running_mean, self.running_var))
         return out
 

@@ -7,8 +7,11 @@ torch checkpoint loads unchanged. Differences from torch:
 - statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
   :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
   channel per group (same formula, faster; see ``benchmarks/bench_norms.py``);
-- channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel
-  returns a contiguous tensor);
+- channels_last (and channels_last_3d) inputs give outputs in the same memory format (torch's CPU kernel copies
+  them to a contiguous tensor and returns that); from 65536 values per sample they are normalized in their own
+  layout, without a layout copy (smaller ones go through a contiguous copy, which costs less there);
+- with ``track_running_stats`` the running statistics come from the statistics of the normalize pass (no second
+  pass over the input);
 - a channel-count mismatch is an error even with ``affine=False`` (torch only warns);
 - tf.contrib-style ``center`` (learn ``bias``) and ``scale`` (learn ``weight``) can be chosen separately.
 - with ``track_running_stats``, ``momentum=None`` means a cumulative average (as BatchNorm; torch's InstanceNorm
@@ -36,15 +39,24 @@ from .._dispatch import (
     channels_last_format,
     guarded_update,
     param_dtype,
+    plain_eager,
     recomputing,
     static_numel,
     stats_value,
 )
+from .._functions import group_norm_weight, instance_norm_in_layout
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+_IN_LAYOUT_MIN_SAMPLE = 1 << 16
+"""Values per sample (C * spatial) from which a channels_last / channels_last_3d input is normalized in its own
+layout (no copies, but about 30 more dispatched ops and per-sample kernel calls); smaller ones go through a
+contiguous copy, which costs less there. The crossover measured on a CPU, one thread (``benchmarks/RESULTS.md``,
+issue 25, third round): the copy is cheaper up to (2, 64, 28, 28) and (16, 32, 16, 16), the in-layout route from
+(2, 64, 32, 32), 2.5-3.5x faster there and above."""
 
 
 # The docstring of the public classes: one text, filled in per dimension ($input, $over, $memory, $example, ...).
@@ -190,41 +202,68 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
                     f"{type(self).__name__}: expected more than 1 spatial value per channel when using instance "
                     f"statistics, got input of shape {tuple(x.shape)}"
                 )
-            if self.training and self.track_running_stats:
-                self._track(x)
-            return self._normalize_with_instance_stats(x)
+            track = self.training and self.track_running_stats
+            y, stats = self._normalize_with_instance_stats(x, track)
+            if track:
+                self._track(x, stats)
+            return y
         return self._normalize_with_running_stats(x)
 
-    def _normalize_with_instance_stats(self, x: Tensor) -> Tensor:
-        """float32/float64: instance norm is group norm with one channel per group, so torch's fused
-        ``group_norm`` kernel does it (faster than torch's own instance norm on CPU, exact double backward).
-        channels_last inputs go through a contiguous copy because torch's CPU channels_last group norm computes the
-        variance as E[x^2] - E[x]^2 and loses all precision for large means; the output is returned in the input's
-        memory format. float16/bfloat16: :func:`normlab.functional.instance_norm` (statistics in float32)."""
-        if x.dtype in HALF:
-            return NF.instance_norm(x, self.weight, self.bias, self.eps)
-        fmt = channels_last_format(x)
-        if fmt is None:
-            return F.group_norm(x, self.num_features, self.weight, self.bias, self.eps)
-        y = F.group_norm(x.contiguous(), self.num_features, self.weight, self.bias, self.eps)
-        return y.contiguous(memory_format=fmt)
+    def _normalize_with_instance_stats(self, x: Tensor, track: bool) -> tuple[Tensor, tuple | None]:
+        """The output and, when ``track`` and the route computes them anyway, the per-(n, c) mean and unbiased
+        variance for the running statistics (else None: :meth:`_update_running_stats` takes its own pass).
 
-    def _track(self, x: Tensor) -> None:
+        Routes, decided here once: float16/bfloat16 (statistics in float32) :func:`normlab.functional.instance_norm`;
+        eager float32/float64 contiguous input: torch's fused group-norm kernel with one channel per group
+        (``native_group_norm``, faster than torch's own instance norm on the CPU, exact double backward), whose mean
+        and inverse std give the running statistics (a smaller channels_last sample, see ``_IN_LAYOUT_MIN_SAMPLE``:
+        on a contiguous copy, the output returned in the input's layout); eager channels_last / channels_last_3d with
+        at least ``_IN_LAYOUT_MIN_SAMPLE`` values per sample: :func:`normlab._functions.instance_norm_in_layout` in
+        the input's layout (no layout copy); torch.compile,
+        torch.export, jit.trace, torch.func, the meta device and empty inputs: group norm on a contiguous copy
+        (torch's CPU channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for
+        large means), the output returned in the input's memory format."""
+        if x.dtype in HALF:
+            return NF.instance_norm(x, self.weight, self.bias, self.eps), None
+        fmt = channels_last_format(x)
+        weight = group_norm_weight(self.weight, self.bias, x)
+        if not plain_eager(x) or static_numel(x) == 0:
+            if fmt is None:
+                return F.group_norm(x, self.num_features, weight, self.bias, self.eps), None
+            y = F.group_norm(x.contiguous(), self.num_features, weight, self.bias, self.eps)
+            return y.contiguous(memory_format=fmt), None
+        if fmt is not None and static_numel(x, 1) >= _IN_LAYOUT_MIN_SAMPLE:
+            y, mean, var = instance_norm_in_layout(x, self.weight, self.bias, self.eps)
+            return y, (mean, var)
+        n, c, count = x.shape[0], self.num_features, static_numel(x, 2)
+        y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, self.bias, n, c, count, c, self.eps)
+        if fmt is not None:
+            y = y.contiguous(memory_format=fmt)
+        if not track:
+            return y, None
+        with torch.no_grad():  # the unbiased variance from group norm's 1 / sqrt(var + eps)
+            var = rstd.detach().pow(-2).sub_(self.eps).mul_(count / (count - 1))
+        return y, (mean.detach(), var)
+
+    def _track(self, x: Tensor, stats: tuple | None) -> None:
         """Update the running statistics from a training batch (not an empty one, not again in checkpointing's
         recomputation); count it in ``skipped_batches`` when its statistics were not finite (no host read)."""
         if static_numel(x, 0, 1) == 0 or recomputing():
             return
-        self._count_skipped(self._update_running_stats(x))
+        self._count_skipped(self._update_running_stats(x, stats))
 
     @torch.no_grad()
-    def _update_running_stats(self, x: Tensor) -> Tensor:
+    def _update_running_stats(self, x: Tensor, stats: tuple | None = None) -> Tensor:
         """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the
-        per-instance mean / unbiased variance (momentum=None: cumulative average). Tensor ops only (no host
+        per-instance mean / unbiased variance (momentum=None: cumulative average), from ``stats`` (the per-(n, c)
+        mean and unbiased variance) or, when None, a statistics pass over ``x``. Tensor ops only (no host
         synchronisation): a non-finite batch leaves the statistics and ``num_batches_tracked`` unchanged, also when
         compiled. Returns whether the batch statistics were finite (0-dim bool tensor)."""
         name = type(self).__name__
-        dims = tuple(range(2, x.dim()))
-        mean, var = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
+        if stats is None:
+            dims = tuple(range(2, x.dim()))
+            stats = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
+        mean, var = stats
         batch_mean = stats_value(mean.mean(0), self.running_mean, name)
         batch_var = stats_value(var.mean(0), self.running_var, name)
         finite = all_finite(batch_mean, batch_var)
