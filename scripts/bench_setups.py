@@ -29,6 +29,10 @@ SETUPS = {  # fixed on pilot seed 200 (docs/monitor_benchmark.md) before the rep
     "cnn_plain": dict(model="cnn_plain", opt="sgd", lrs=(0.002, 0.005, 0.01, 0.05), steps=150, warmup=0, batch=64),
     "mlp_sgd": dict(model="mlp", opt="sgd", lrs=(0.01, 0.1, 0.3, 1.0), steps=200, warmup=0, batch=64),
     "mlp_adamw": dict(model="mlp", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 0.1), steps=200, warmup=0, batch=64),
+    "gpt_slow": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 0.3, 0.6, 1.0), steps=800, warmup=600, batch=16),
+    # PILOT (round 3, seeds 200-209 only): slow-onset candidates
+    "gpt_long": dict(model="gpt", opt="adamw", lrs=(0.1, 0.2, 0.3, 0.45), steps=1000, warmup=100, batch=16),
+    "gpt_longwarm": dict(model="gpt", opt="adamw", lrs=(0.3, 0.6, 1.0), steps=1000, warmup=600, batch=16),
 }
 CONTEXT = 64
 
