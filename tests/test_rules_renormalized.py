@@ -53,10 +53,10 @@ def test_non_finite_values_are_flagged_in_layers_a_norm_reads_alone():
 class _Tape(FactorRule):
     def __init__(self):
         super().__init__()
-        self.seen = []
+        self.tape = []
 
     def check(self, ctx, records):
-        self.seen.append(renormalized_alone(records))
+        self.tape.append(renormalized_alone(records))
         return super().check(ctx, records)
 
 
@@ -81,7 +81,7 @@ def test_renormalized_alone_on_a_live_monitor_bn_and_pre_ln_residual():
         loss.backward()
         mon.step(opt)
         mon.close()
-        assert tape.seen and tape.seen[-1] == expected, (type(model).__name__, tape.seen)
+        assert tape.tape and tape.tape[-1] == expected, (type(model).__name__, tape.tape)
 
 
 def test_repr_and_default():

@@ -22,7 +22,7 @@ _NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
 # the collapse benchmark's pilot seeds (docs/monitor_benchmark.md, round 2)
 ADAPTIVE_STEPS = 5
 # under an adaptive optimizer, the consecutive flagged steps the countdown needs (docs/monitor_benchmark.md, round 3)
-ADAPTIVE_CONFIRM = 1
+ADAPTIVE_CONFIRM = 3
 
 
 def _steps(rule: str, value) -> int:
