@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from bench_setups import SETUPS
+from bench_setups import ALL_SETUPS, SETUPS
 from collapse_bench import LEAD, WINDOW, load_run, run_name
 
 
@@ -105,7 +105,7 @@ def adaptive_run(header: dict) -> bool:
     optimizer (runs recorded before the header had it: every optimizer of the set-ups but SGD is AdamW)."""
     if header.get("adaptive") is not None:
         return bool(header["adaptive"])
-    return SETUPS[header["setup"]]["opt"] != "sgd"
+    return ALL_SETUPS[header["setup"]]["opt"] != "sgd"
 
 
 # ---------------------------------------------------------------------------------------------- scoring
@@ -146,6 +146,7 @@ def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[d
         lab = label(header, steps)
         runs.append(dict(name=path.stem, setup=header["setup"], lr=header["lr"], seed=header["seed"],
                          collapsed=lab.collapsed, step=lab.step, kind=lab.kind))  # fmt: skip
+        runs[-1]["final_loss"] = final_loss(steps)
         runs[-1]["events"] = {}
         for name, make in dets.items():
             alarm, event = first_events(make(), steps, every, adaptive_run(header))
@@ -154,6 +155,52 @@ def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[d
         if log is not None and (k + 1) % 10 == 0:
             log(f"evaluated {k + 1}/{len(paths)}")
     return runs, alarms
+
+
+def final_loss(steps: Sequence[dict]) -> float | None:
+    """The mean of the last ``WINDOW`` finite training losses of a run (None when none is finite)."""
+    import math
+
+    from normlab.monitor.collapse import window_mean
+
+    finite = [s["loss"] for s in steps if s["loss"] is not None and math.isfinite(s["loss"])]
+    return window_mean(finite[-WINDOW:]) if finite else None
+
+
+DEGRADED = 1.1  # informational: a healthy run that ended >= 10 % above the best healthy run of its set-up and seed
+
+
+def degraded(runs: Sequence[dict]) -> list[bool]:
+    """Per run: healthy by the label, yet its final loss is >= ``DEGRADED`` x the lowest final loss among the healthy
+    runs of the same set-up and seed (a run that trained on, worse; the label does not count it, and neither do the
+    scores: this only splits the false alarms in the table)."""
+    best: dict[tuple, float] = {}
+    for r in runs:
+        if not r["collapsed"] and r.get("final_loss") is not None:
+            key = (r["setup"], r["seed"])
+            best[key] = min(best.get(key, float("inf")), r["final_loss"])
+    return [
+        not r["collapsed"]
+        and r.get("final_loss") is not None
+        and r["final_loss"] >= DEGRADED * best[(r["setup"], r["seed"])]
+        for r in runs
+    ]
+
+
+def _degraded_table(runs: list[dict], alarms: dict[str, list]) -> list[str]:
+    """False alarms split into healthy runs that ended degraded (``degraded``) and the others."""
+    bad = degraded(runs)
+    healthy = [i for i, r in enumerate(runs) if not r["collapsed"]]
+    n_bad = sum(bad[i] for i in healthy)
+    out = ["", f"**False alarms by how the healthy run ended** (informational; degraded: final loss >= {DEGRADED:g}x "
+           "the best healthy run of its set-up and seed)", "",
+           f"| detector | on degraded healthy runs (of {n_bad}) | on the others (of {len(healthy) - n_bad}) |",
+           "|---|---|---|"]  # fmt: skip
+    for name, per_run in alarms.items():
+        on_bad = sum(per_run[i] is not None for i in healthy if bad[i])
+        on_good = sum(per_run[i] is not None for i in healthy if not bad[i])
+        out.append(f"| {name} | {on_bad} | {on_good} |")
+    return out
 
 
 def _fmt(s: dict) -> str:
@@ -177,6 +224,7 @@ def markdown(runs: list[dict], alarms: dict[str, list], setups: Sequence[str]) -
             f"{sum(r['step'] is not None and r['step'] >= LEAD for r in col)} | {sum(r['step'] is None for r in col)} |"
         )
     lines += _warnings_table(runs, alarms)
+    lines += _degraded_table(runs, alarms)
     for title, idx in [("all set-ups", range(len(runs)))] + [
         (s, [i for i, r in enumerate(runs) if r["setup"] == s]) for s in setups
     ]:
@@ -219,4 +267,15 @@ def evaluate_dir(out: Path, seeds, setups, every: int = 10) -> dict:
                 summary=score(runs, alarms), missing=missing)  # fmt: skip
 
 
-__all__ = ["SETUPS", "detectors", "contexts", "first_alarm", "label", "score", "evaluate_runs", "markdown"]
+__all__ = [
+    "SETUPS",
+    "detectors",
+    "contexts",
+    "first_alarm",
+    "label",
+    "score",
+    "evaluate_runs",
+    "markdown",
+    "final_loss",
+    "degraded",
+]

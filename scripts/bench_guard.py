@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_setups import SETUPS, batches, build
+from bench_setups import ALL_SETUPS, batches, build
 from collapse_bench import WINDOW
 
 
@@ -41,7 +41,7 @@ def guard_run(cfg: dict, steps: int | None = None) -> dict:
     from normlab.monitor.collapse import label_collapse
 
     torch.set_num_threads(1)
-    setup = SETUPS[cfg["setup"]]
+    setup = ALL_SETUPS[cfg["setup"]]
     model, opt, _lr_at, chance = build(cfg["setup"], cfg["lr"], cfg["seed"])
     mon, scheds, guard = _guarded(model, opt, chance, setup["warmup"])
     data = batches(setup["model"], setup["batch"], cfg["seed"] + 1)

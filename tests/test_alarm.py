@@ -191,10 +191,12 @@ def test_monitor_countdown_skips_a_layer_renormalized_downstream():
     assert mon.alarm is None
 
 
-def test_output_variance_growth_of_a_renormalized_conv_still_alarms_with_the_factor_rules():
+@pytest.mark.parametrize("watch", [False, True])
+def test_output_variance_growth_of_a_conv_its_norm_reads_alone_alarms_only_when_watched(watch):
+    # round 3: BatchNorm removes the conv's scale, so FactorRule no longer growth-tests it unless asked to
     torch.manual_seed(0)
     model = ConvBN()
-    mon = VarianceMonitor(model, every=1, rules=[FactorRule()])
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=watch)])
     x = torch.randn(16, 2, 12)
     for t in range(3):
         if t == 1:
@@ -202,4 +204,7 @@ def test_output_variance_growth_of_a_renormalized_conv_still_alarms_with_the_fac
                 model.conv.weight.mul_(1e3)
         model(x)
         mon.step()
-    assert mon.alarm.layer == "conv" and mon.alarm.quantity == "output_var" and mon.alarm.step == 1
+    if not watch:
+        assert mon.alarm is None
+    else:
+        assert mon.alarm.layer == "conv" and mon.alarm.quantity == "output_var" and mon.alarm.step == 1

@@ -98,3 +98,24 @@ def test_guard_run_and_table():
     runs = [dict(setup="mlp_sgd", collapsed=True), dict(setup="mlp_sgd", collapsed=False)]
     text = bench_guard.guard_table(runs, [saved, healthy], ["mlp_sgd"])
     assert f"| mlp_sgd | {int(not saved['collapsed'])}/1 | 0/1 |" in text
+
+
+def test_degraded_split_is_relative_to_the_best_healthy_run_of_the_same_setup_and_seed():
+    steps = lambda v: [dict(step=i, loss=v) for i in range(20)]  # noqa: E731
+    assert bench_evaluate.final_loss(steps(2.0) + [dict(step=20, loss=float("nan"))]) == pytest.approx(2.0)
+    runs = [
+        dict(setup="a", seed=1, collapsed=False, final_loss=2.0),
+        dict(setup="a", seed=1, collapsed=False, final_loss=2.19),  # 9.5 % worse: not degraded
+        dict(setup="a", seed=1, collapsed=False, final_loss=2.2),  # 10 % worse: degraded
+        dict(setup="a", seed=2, collapsed=False, final_loss=2.2),  # best of its seed
+        dict(setup="b", seed=1, collapsed=True, final_loss=9.0),  # collapsed: never degraded
+    ]
+    assert bench_evaluate.degraded(runs) == [False, False, True, False, False]
+
+
+def test_the_report_setups_include_the_slow_onset_gpt_and_not_the_pilot_only_ones():
+    from bench_setups import ALL_SETUPS, PILOT_SETUPS, SETUPS
+
+    assert "gpt_slow" in SETUPS and SETUPS["gpt_slow"]["warmup"] >= 200
+    assert not set(PILOT_SETUPS) & set(SETUPS) and set(ALL_SETUPS) == set(SETUPS) | set(PILOT_SETUPS)
+    assert collapse_bench.configs([320], ["gpt_long"])[0]["setup"] == "gpt_long"  # pilot set-ups run by name

@@ -23,7 +23,8 @@ from normlab.integrations.lightning import VarianceMonitorCallback  # noqa: E402
 
 
 class Tiny(pl.LightningModule):
-    """A conv net on 8x8 inputs; ``blow_up_at``: multiply the first conv's weights by 1e3 at that step."""
+    """A conv net on 8x8 inputs; ``blow_up_at``: multiply the BatchNorm's gain by 1e3 at that step (the conv before it
+    is renormalized by it, so a blown-up conv kernel would change nothing downstream)."""
 
     def __init__(self, blow_up_at: int | None = None, two_optimizers: bool = False):
         super().__init__()
@@ -34,7 +35,7 @@ class Tiny(pl.LightningModule):
     def training_step(self, batch, batch_idx):
         if self.blow_up_at is not None and self.global_step == self.blow_up_at:
             with torch.no_grad():
-                self.net[0].weight.mul_(1e3)
+                self.net[1].weight.mul_(1e3)
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         if not self.automatic_optimization:  # manual optimization: the conv and the classifier step separately
@@ -125,9 +126,9 @@ def test_two_optimizers_one_record_per_batch_covering_both(one_thread):
 
 def test_alarm_stops_the_trainer(one_thread):
     cb = VarianceMonitorCallback(every=1, stop_on_alarm=True, log=False)
-    with pytest.warns(UserWarning, match="collapse warning at step 3: layer 'net.0'"):
+    with pytest.warns(UserWarning, match="collapse warning at step 3: layer 'net.1'"):
         trainer = _fit(Tiny(blow_up_at=3), cb, max_steps=20)
-    assert cb.monitor.alarm.layer == "net.0" and cb.monitor.alarm.step == 3
+    assert cb.monitor.alarm.layer == "net.1" and cb.monitor.alarm.step == 3
     assert trainer.global_step == 4  # stopped after the batch that raised the alarm
     free = VarianceMonitorCallback(every=1, log=False)
     assert _fit(Tiny(blow_up_at=3), free, max_steps=8).global_step == 8 and free.monitor.alarm is not None
@@ -155,7 +156,7 @@ class BlowUpOnRankOne(Tiny):
     def training_step(self, batch, batch_idx):
         if self.global_rank == 1 and self.global_step == 3:
             with torch.no_grad():
-                self.net[0].weight.mul_(1e3)
+                self.net[1].weight.mul_(1e3)
         return super().training_step(batch, batch_idx)
 
     def teardown(self, stage):
@@ -259,7 +260,7 @@ def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
     assert trainer.global_step == 16 and cb.guard.steps == 16 - 4  # the trainer counts the lost steps too
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
     assert cb.monitor.alarm is None and all(torch.isfinite(p).all() for p in module.parameters())
-    assert float(module.net[0].weight.detach().abs().max()) < 10  # the x1e3 kernel was thrown away
+    assert float(module.net[1].weight.detach().abs().max()) < 10  # the x1e3 gain was thrown away
 
 
 def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_before_it(one_thread):
@@ -270,7 +271,7 @@ def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_
     (r,) = cb.guard.rescues
     assert r.step == 8 and r.onset == 5 and r.restored_step == 2 and cb.guard.dismissed == []
     assert all(torch.isfinite(p).all() for p in module.parameters())
-    assert float(module.net[0].weight.detach().abs().max()) < 10  # back to before the x1e3 kernel
+    assert float(module.net[1].weight.detach().abs().max()) < 10  # back to before the x1e3 gain
 
 
 def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread):

@@ -25,7 +25,9 @@ def run(rule, values, adaptive, recorded=True):
     return replay([rule], steps, once=False)
 
 
-@pytest.mark.parametrize("make", [lambda k: CountdownRule(adaptive_steps=k), lambda k: FactorRule(adaptive_steps=k)])
+@pytest.mark.parametrize(
+    "make", [lambda k: CountdownRule(adaptive_steps=k, adaptive_confirm=1), lambda k: FactorRule(adaptive_steps=k)]
+)
 def test_the_transient_is_skipped_under_an_adaptive_optimizer_only(make):
     transient = [1e-3 * 100**s for s in range(4)] + [2e3] * 26  # 2e6x its first value in 4 steps
     assert run(make(5), transient, adaptive=False), "the transient trips the rule under SGD (as before)"
@@ -113,3 +115,32 @@ def test_the_monitor_tells_the_rules_whether_the_optimizer_is_adaptive():
         assert seen == [want] * 3
     assert StepContext.from_dict(StepContext(step=1, adaptive=True).to_dict()).adaptive
     assert not StepContext.from_dict({"step": 1}).adaptive  # older contexts: not adaptive
+
+
+def test_adaptive_confirm_waits_for_a_persisting_rate_under_an_adaptive_optimizer_only():
+    # after the skipped steps: one 20x jump that then levels off (flagged on the two steps whose span holds it), and
+    # a runaway at 1.5 per step
+    surge = [1.0] * 11 + [20.0] * 10
+    runaway = [1.0] * 10 + [math.exp(1.5 * s) for s in range(15)]
+    for k in (2, 3):
+        assert run(CountdownRule(adaptive_confirm=k), surge, adaptive=False), "under SGD the surge still alarms"
+    assert run(CountdownRule(adaptive_confirm=1), surge, adaptive=True), "k=1: no confirmation"
+    assert run(CountdownRule(adaptive_confirm=2), surge, adaptive=True)
+    assert run(CountdownRule(adaptive_confirm=3), surge, adaptive=True) == []
+    first = {k: run(CountdownRule(adaptive_confirm=k), runaway, adaptive=True)[0].step for k in (1, 2, 3)}
+    assert first[2] == first[1] + 1 and first[3] == first[1] + 2, first
+    # a non-finite value alarms at once
+    events = run(CountdownRule(adaptive_confirm=5), [1.0] * 8 + [math.inf], adaptive=True)
+    assert events and events[0].step == 8
+
+
+def test_adaptive_confirm_streak_is_in_the_state_dict():
+    rule = CountdownRule(adaptive_confirm=3)
+    run(rule, [1.0] * 11 + [20.0], adaptive=True)
+    state = rule.state_dict()
+    assert state["streak"] == {"h": 1}
+    fresh = CountdownRule(adaptive_confirm=3)
+    fresh.load_state_dict(state)
+    assert fresh.streak == {"h": 1}
+    with pytest.raises(ValueError):
+        CountdownRule(adaptive_confirm=0)

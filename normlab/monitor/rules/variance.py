@@ -15,18 +15,53 @@ from collections.abc import Mapping, Sequence
 from normlab.monitor.records import layer_keys
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
-__all__ = ["FactorRule", "CountdownRule", "alarm_message"]
+__all__ = ["FactorRule", "CountdownRule", "alarm_message", "renormalized_alone"]
 
 _NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
 # under an adaptive optimizer, the steps whose records the variance rules skip (the first-step transient); fixed on
 # the collapse benchmark's pilot seeds (docs/monitor_benchmark.md, round 2)
 ADAPTIVE_STEPS = 5
+# under an adaptive optimizer, the consecutive flagged steps the countdown needs (docs/monitor_benchmark.md, round 3)
+ADAPTIVE_CONFIRM = 3
 
 
 def _steps(rule: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{rule}: adaptive_steps must be an int >= 0, got {value!r}")
     return value
+
+
+def renormalized_alone(records: Sequence[Mapping], rtol: float = 1e-4) -> set[str]:
+    r"""Names of the conv/linear layers whose output a normalization layer reads alone: the next layer in forward
+    order (``index``) is a norm layer (``kind == "norm"``) whose input variance is the layer's output variance
+    (relative difference <= ``rtol``).
+
+    A conv followed by its BatchNorm qualifies; the output projection of a pre-LN transformer block does not (the
+    next norm reads the residual stream, the projection's output plus the block's input), nor does a layer
+    whose records lack the two variances.
+
+    .. math::
+        |\mathrm{Var}_{in}(\text{norm}) - \mathrm{Var}_{out}(l)| \le \text{rtol}\, \mathrm{Var}_{out}(l)
+
+    Example:
+        >>> recs = [dict(layer="c1", index=0, kind="conv", output_var=2.0),
+        ...         dict(layer="bn", index=1, kind="norm", input_var=2.0),
+        ...         dict(layer="proj", index=2, kind="linear", output_var=1e-4),
+        ...         dict(layer="ln", index=3, kind="norm", input_var=1e-3)]
+        >>> sorted(renormalized_alone(recs))
+        ['c1']
+    """
+    ordered = sorted(records, key=lambda r: r.get("index", 0))
+    out = set()
+    for rec, nxt in zip(ordered, ordered[1:]):
+        if rec.get("kind") not in ("conv", "linear") or nxt.get("kind") != "norm":
+            continue
+        v, w = rec.get("output_var"), nxt.get("input_var")
+        if v is None or w is None or not (math.isfinite(v) and math.isfinite(w)):
+            continue
+        if abs(w - v) <= rtol * abs(v):
+            out.add(rec["layer"])
+    return out
 
 
 def alarm_message(layer: str, quantity: str, value: float, baseline: float, reason: str) -> str:
@@ -78,8 +113,12 @@ class FactorRule(Rule):
     Exemptions (from the step's context): the output layer (``ctx.output_layer``, the classifier: its logit
     variance and per-class offsets grow as the net becomes confident) gets no growth test unless
     ``watch_output_layer``; a layer whose output a normalization layer renormalizes (``ctx.feeds_norm``) gets no
-    growth test of ``shift``; the implosion test runs on the output layer only (its input's second moment falling
-    10,000x is a net whose last ReLUs died).
+    growth test of ``shift``; a layer whose output a normalization layer reads alone (:func:`renormalized_alone`
+    at the layer's first recorded step: a conv before its BatchNorm) gets no growth test of ``output_var`` unless
+    ``watch_renormalized``: the norm removes its scale, and the weights before a normalization grow in norm in
+    healthy training (their gradient is orthogonal to them); this is judged once, at the first record, so that a
+    residual branch that comes to dominate the sum a norm reads is not taken for a lone input later. The implosion
+    test runs on the output layer only (its input's second moment falling 10,000x is a net whose last ReLUs died).
 
     Args:
         explode_factor: growth factor over the baseline (> 1); a float for every watched quantity or a mapping
@@ -91,6 +130,7 @@ class FactorRule(Rule):
             quantity with floor f and factor k is flagged only above k * f.
         baseline_records: how many first finite records form each baseline (their maximum); int >= 1.
         watch_output_layer: also apply the growth test to the output layer.
+        watch_renormalized: also apply the ``output_var`` growth test to layers a normalization layer reads alone.
         adaptive_steps: under an adaptive optimizer (``ctx.adaptive``: Adam family, Adagrad, RMSprop) the records of
             steps before this one are neither tested nor taken into a baseline (non-finite values still are): the
             optimizer's first steps move every weight by about the learning rate, which grows the output
@@ -118,6 +158,7 @@ class FactorRule(Rule):
         baseline_records: int = 1,
         watch_output_layer: bool = False,
         adaptive_steps: int = ADAPTIVE_STEPS,
+        watch_renormalized: bool = False,
     ) -> None:
         # defaults: the classifier's logit variance grows ~100-200x in healthy training, so output_var needs 1e3;
         # output variance is compared with at least unit variance (the scale He init keeps); a PWS shift is 0
@@ -135,18 +176,21 @@ class FactorRule(Rule):
             raise ValueError(f"FactorRule: baseline_records must be an int >= 1, got {baseline_records!r}")
         self.baseline_records = baseline_records
         self.watch_output_layer = bool(watch_output_layer)
+        self.watch_renormalized = bool(watch_renormalized)
         self.adaptive_steps = _steps("FactorRule", adaptive_steps)
         self.reset()
 
     def reset(self) -> None:
         self.baselines: dict[tuple[str, str], float] = {}  # baseline (running max while still collecting)
         self.seen: dict[tuple[str, str], int] = {}  # finite values that went into the baseline
+        self.alone: dict[str, bool] = {}  # layer -> a norm reads its output alone (judged at its first record)
 
     def state_dict(self) -> dict:
-        """``{"baseline_records", "baselines": [[layer, quantity, baseline, n_seen], ...]}``."""
+        """``{"baseline_records", "baselines": [[layer, quantity, baseline, n_seen], ...], "alone": {layer: bool}}``."""
         return {
             "baseline_records": self.baseline_records,
             "baselines": [[layer, q, v, self.seen.get((layer, q), 1)] for (layer, q), v in self.baselines.items()],
+            "alone": dict(self.alone),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -168,6 +212,7 @@ class FactorRule(Rule):
                     f"FactorRule.load_state_dict: bad baseline row {row!r}, expected [layer, quantity, value, n_seen]"
                 ) from e
         self.baselines, self.seen = baselines, seen
+        self.alone = {str(k): bool(v) for k, v in (state.get("alone") or {}).items()}  # older states: judged anew
 
     def _judge(self, rec: Mapping, q: str, grow: bool, shrink: bool, settling: bool = False) -> dict | None:
         """The flag of one (layer, quantity) at this step, or None; collects the baseline on the way."""
@@ -217,6 +262,12 @@ class FactorRule(Rule):
         output = {ctx.output_layer} if ctx.output_layer is not None else set()
         growth_exempt = set() if self.watch_output_layer else output
         shift_exempt = set(ctx.feeds_norm) - output
+        if not self.watch_renormalized:
+            alone = renormalized_alone(records)
+            for rec in records:
+                if rec.get("kind") in ("conv", "linear"):
+                    self.alone.setdefault(rec["layer"], rec["layer"] in alone)
+        var_exempt = {k for k, v in self.alone.items() if v} - output
         settling = ctx.adaptive and ctx.step < self.adaptive_steps
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
@@ -228,6 +279,7 @@ class FactorRule(Rule):
                     continue
                 grow = q in self.explode_factor and rec["layer"] not in growth_exempt
                 grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
+                grow = grow and not (q == "output_var" and rec["layer"] in var_exempt)
                 flag = self._judge(rec, q, grow, shrink, settling)
                 if flag is not None:
                     flagged.append(flag)
@@ -243,7 +295,8 @@ class FactorRule(Rule):
         return (
             f"FactorRule(explode_factor={self.explode_factor}, implode_factor={self.implode_factor}, "
             f"watch={self.watch}, min_initial={self.min_initial}, baseline_records={self.baseline_records}, "
-            f"watch_output_layer={self.watch_output_layer}, adaptive_steps={self.adaptive_steps})"
+            f"watch_output_layer={self.watch_output_layer}, adaptive_steps={self.adaptive_steps}, "
+            f"watch_renormalized={self.watch_renormalized})"
         )
 
 
@@ -277,6 +330,11 @@ class CountdownRule(Rule):
             are neither tested nor kept as first or past values (non-finite values still are flagged): the first
             value and the growth rates start after the optimizer's first-step transient. No effect under SGD
             (int >= 0).
+        adaptive_confirm: under an adaptive optimizer, a layer's growth or level flag raises the alarm only when the
+            layer stays flagged on this many consecutive checked steps (non-finite values alarm at once). An
+            adaptive optimizer moves each weight by at most about the learning rate per step, so a surge of the
+            output variance after a few large updates decays (its rate falls like 1/t), while a runaway persists.
+            No effect under SGD (int >= 1; 1: no confirmation).
 
     Example:
         >>> rule = CountdownRule(growth=1.0, level=15.0)
@@ -301,13 +359,14 @@ class CountdownRule(Rule):
         history: int = 256,
         every_step: bool = True,
         adaptive_steps: int = ADAPTIVE_STEPS,
+        adaptive_confirm: int = ADAPTIVE_CONFIRM,
     ) -> None:
         for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
             if value is not None and (
                 isinstance(value, bool) or not isinstance(value, int | float) or not low < value < math.inf
             ):
                 raise ValueError(f"CountdownRule: {name} must be None or a finite number > {low:g}, got {value!r}")
-        for name, value, low in (("span", span, 1), ("history", history, 5)):
+        for name, value, low in (("span", span, 1), ("history", history, 5), ("adaptive_confirm", adaptive_confirm, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"CountdownRule: {name} must be an int >= {low}, got {value!r}")
         self.growth, self.level, self.grad_ratio = growth, level, grad_ratio
@@ -316,12 +375,14 @@ class CountdownRule(Rule):
         self.light_keys = ("output_var",) if self.every_step else ()
         self.needs_grad_norm = grad_ratio is not None
         self.adaptive_steps = _steps("CountdownRule", adaptive_steps)
+        self.adaptive_confirm = adaptive_confirm
         self.reset()
 
     def reset(self) -> None:
         self.first: dict[str, float] = {}  # V_l at its first value
         self.recent: dict[str, list[list[float]]] = {}  # [[step, V_l], ...], newest last, enough for the span
         self.grad_norms: list[float] = []
+        self.streak: dict[str, int] = {}  # layer -> consecutive checked steps flagged (adaptive confirmation)
 
     def _layer_flag(self, step: int, rec: Mapping, tested: bool, settling: bool = False) -> dict | None:
         name, v = rec["layer"], rec.get("output_var")
@@ -401,6 +462,12 @@ class CountdownRule(Rule):
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
             if rec.get("kind") in ("conv", "linear"):
                 flag = self._layer_flag(ctx.step, rec, rec["layer"] not in exempt, settling)
+                if ctx.adaptive and flag is not None and flag["direction"] != "non-finite":
+                    self.streak[rec["layer"]] = self.streak.get(rec["layer"], 0) + 1
+                    if self.streak[rec["layer"]] < self.adaptive_confirm:
+                        flag = None  # not confirmed yet
+                else:
+                    self.streak.pop(rec["layer"], None)
             elif rec.get("output_var") is not None and not math.isfinite(rec["output_var"]):
                 flag = dict(
                     layer=rec["layer"],
@@ -424,12 +491,13 @@ class CountdownRule(Rule):
         return _event(self.name, ctx.step, top, flagged)
 
     def state_dict(self) -> dict:
-        """``{"span", "first", "recent", "grad_norms"}`` as plain Python types."""
+        """``{"span", "first", "recent", "grad_norms", "streak"}`` as plain Python types."""
         return {
             "span": self.span,
             "first": dict(self.first),
             "recent": {k: [list(p) for p in v] for k, v in self.recent.items()},
             "grad_norms": list(self.grad_norms),
+            "streak": dict(self.streak),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -443,11 +511,13 @@ class CountdownRule(Rule):
         self.first = {str(k): float(v) for k, v in state["first"].items()}
         self.recent = {str(k): [[int(a), float(b)] for a, b in v] for k, v in state["recent"].items()}
         self.grad_norms = [float(g) for g in state["grad_norms"]]
+        self.streak = {str(k): int(v) for k, v in (state.get("streak") or {}).items()}  # older states: none
 
     def __repr__(self) -> str:
         return (
             f"CountdownRule(growth={self.growth}, level={self.level}, grad_ratio={self.grad_ratio}, span={self.span}, "
-            f"history={self.history}, every_step={self.every_step}, adaptive_steps={self.adaptive_steps})"
+            f"history={self.history}, every_step={self.every_step}, adaptive_steps={self.adaptive_steps}, "
+            f"adaptive_confirm={self.adaptive_confirm})"
         )
 
 
