@@ -135,6 +135,7 @@ def _start_compare(out: Path, in_cells: bool = True) -> subprocess.Popen:
         "--threads",
         "1",
         "--no-progress",
+        "--yes",  # it trains for minutes on purpose: its estimate (timed on this machine) must not stop it
         "--out",
         str(out),
     ]
