@@ -299,6 +299,9 @@ def test_twins_are_drawn_against_the_optimizer_steps_taken(saved, tmp_path):
     vertical = {(ln.get_color(), ln.get_xdata()[0]) for ln in ax.lines[2:] if len(set(ln.get_xdata())) == 1}
     assert ("r", rescue["step"]) in vertical and ("tab:green", rescue["restored_step"]) in vertical
     assert "optimizer step" in ax.get_xlabel()
+    from matplotlib.colors import to_hex
+
+    assert to_hex(guarded.get_color()) == to_hex(norm_color(pairs[0]["name"]))  # the norm's colour, as elsewhere
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ from typing import Any
 
 from normlab.monitor.guard import AT_CHANCE, DEAD_AFTER, LEARNED_FRACTION, LOSS_WINDOW
 from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
+from normlab.runner.grid.palette import norm_color
 from normlab.runner.training.train import GUARD_EVERY
 
 __all__ = [
@@ -208,7 +209,7 @@ def _loss(run_dir: Path) -> list[float]:
 
 FONT = 10  # points: the smallest type of the figure, readable on a slide
 UNGUARDED = {"color": "0.72", "linewidth": 4.0, "solid_capstyle": "butt"}  # a wide grey band under ...
-GUARDED_LINE = {"color": "tab:blue", "linewidth": 1.5}  # ... the guarded run: where they coincide, blue on grey
+GUARDED_LINE = {"linewidth": 1.5}  # ... the guarded run in its norm's colour (norm_color): dark on grey where they meet
 
 
 def _with_gaps(xs: list[int], ys: list[float]) -> tuple[list[float], list[float]]:
@@ -233,7 +234,7 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
     ax.plot(range(1, len(plain) + 1), plain, **UNGUARDED)
     guarded = _loss(out / section / "runs" / pair["cell"])
     xs, marks = step_axis(len(guarded), g["rescues"])
-    ax.plot(*_with_gaps(xs, guarded), **GUARDED_LINE)  # a gap over the steps a rollback threw away
+    ax.plot(*_with_gaps(xs, guarded), color=norm_color(pair["name"]), **GUARDED_LINE)  # broken over lost steps
     ax.axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
     notes = []
     for i, (r, (trouble, restored)) in enumerate(zip(g["rescues"], marks)):
@@ -271,7 +272,8 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
 
 
 def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: str = GUARDED) -> Path | None:
-    """One panel per pair: the training loss of the unguarded (a grey band) and the guarded (a blue line on it) run
+    """One panel per pair: the training loss of the unguarded (a grey band) and the guarded (a line on it in the norm's
+    colour) run
     of ``section`` against the optimizer steps taken (:func:`step_axis`: both twins at the same batch at the same x,
     the guarded line broken over the steps a rollback threw away); for each rescue a red dotted line where the guard
     saw the trouble and a green dashed line at the step it restored (the guarded run goes on from that step's state
@@ -292,7 +294,7 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
         1, len(pairs), figsize=(4.6 * len(pairs) + 2.8, 4.4), squeeze=False, sharey=True, layout="constrained"
     )
     rescued = [_panel(ax, pair, Path(out), section) for ax, pair in zip(axes[0], pairs)]
-    handles = [Line2D([], [], **UNGUARDED), Line2D([], [], **GUARDED_LINE)]
+    handles = [Line2D([], [], **UNGUARDED), Line2D([], [], color=norm_color(pairs[0]["name"]), **GUARDED_LINE)]
     labels = ["unguarded run", f"the same run with {FLAGS[section]}"]
     if any(rescued):
         trouble = "non-finite loss/gradient\nor loss climb" + (
