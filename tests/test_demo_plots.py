@@ -304,6 +304,18 @@ def test_twins_are_drawn_against_the_optimizer_steps_taken(saved, tmp_path):
     assert to_hex(guarded.get_color()) == to_hex(norm_color(pairs[0]["name"]))  # the norm's colour, as elsewhere
 
 
+def test_a_second_rescue_is_marked_at_its_optimizer_step_and_named_with_the_guards_step(saved, tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    pairs = [p for p in twin_pairs(demo, demo["evidence"]) if p["guarded"]["rescues"]]
+    second = {**pairs[0]["guarded"]["rescues"][0], "step": 20, "restored_step": 0, "steps_lost": 20}
+    pairs[0]["guarded"]["rescues"] = [*pairs[0]["guarded"]["rescues"], second]  # 31 steps, then 20 more, lost
+    plot_twins(pairs, out, tmp_path / "t.png")
+    ax = saved[-1].axes[0]
+    vertical = {(ln.get_color(), ln.get_xdata()[0]) for ln in ax.lines[2:] if len(set(ln.get_xdata())) == 1}
+    assert ("r", 31 + 20) in vertical  # the guard's step 20 came after the 31 steps the first rollback threw away
+    assert "trouble at step 51 (its step 20 after the rollbacks before)" in " ".join(t.get_text() for t in ax.texts)
+
+
 @pytest.mark.parametrize(
     ("kept", "rescues", "xs", "marks"),
     [

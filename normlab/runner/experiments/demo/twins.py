@@ -240,8 +240,10 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
     for i, (r, (trouble, restored)) in enumerate(zip(g["rescues"], marks)):
         ax.axvline(trouble, color="r", linestyle=":", linewidth=1.4)
         ax.axvline(restored, color="tab:green", linestyle="--", linewidth=1.4)
+        kept = f" (its step {r['step']} after the rollbacks before)" if trouble != r["step"] else ""
         notes.append(
-            f"rescue {i + 1}: trouble at step {trouble}, back to {restored}, lr {r['lr_before']:g} -> {r['lr_after']:g}"
+            f"rescue {i + 1}: trouble at step {trouble}{kept}, back to {restored}, lr {r['lr_before']:g} -> "
+            f"{r['lr_after']:g}"
         )
     if not notes:  # no rescue: the guard changed nothing, so the two runs are one curve; say so, and what it saw
         notes.append("no rescue: the guarded run is the unguarded one")
