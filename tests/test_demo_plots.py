@@ -21,21 +21,29 @@ from test_demo_twins import _twin_demo  # noqa: E402
 
 from normlab.runner.experiments.demo import diagnosis, plots  # noqa: E402
 from normlab.runner.experiments.demo.report import diagnosis_picks  # noqa: E402
-from normlab.runner.experiments.demo.twins import plot_twins, twin_pairs  # noqa: E402
+from normlab.runner.experiments.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
+from normlab.runner.grid import report as grid_report  # noqa: E402
+from normlab.runner.grid.palette import NORM_ORDER, norm_color, norm_order  # noqa: E402
 
 MIN_POINTS = 9
 
 
-@pytest.fixture
-def saved(monkeypatch):
-    """The figures the plot functions save (drawn, so tick labels exist), instead of their files."""
-    figures = []
+def saved_keep(figures: list):
+    """A stand-in for atomic_savefig that draws the figure (so tick labels exist) and keeps it in ``figures``."""
 
     def keep(fig, path, dpi=100, **kw):
         fig.canvas.draw()
         figures.append(fig)
         return Path(path)
 
+    return keep
+
+
+@pytest.fixture
+def saved(monkeypatch):
+    """The figures the plot functions save (drawn, so tick labels exist), instead of their files."""
+    figures = []
+    keep = saved_keep(figures)
     monkeypatch.setattr(plots, "atomic_savefig", keep)
     monkeypatch.setattr(diagnosis, "atomic_savefig", keep)
     monkeypatch.setattr("normlab.runner.io.atomic_savefig", keep)  # twins imports it when it draws
@@ -166,3 +174,157 @@ def test_the_twins_figure_keeps_coinciding_curves_visible_and_names_only_drawn_m
     plot_twins(healthy, out, tmp_path / "t.png")
     labels = _legend(saved[-1])
     assert not any("trouble" in x or "rolled back" in x for x in labels), labels
+
+
+def _grids() -> tuple[dict, dict]:
+    """Sections (a) and (b) of a demo record, as grid results the grid report can also draw."""
+    demo = _demo()
+    for section in demo["sections"].values():
+        section["spec"].update(dataset="mnist1d", model="plain1d")
+    return demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
+
+
+def _norm_colours(fig, names: list[str]) -> dict[str, str]:
+    """norm -> the colour a figure gives it: its legend entry (a figure with one legend entry per norm), else the
+    title of its panel (one panel per norm, in the figure's order)."""
+    from matplotlib.colors import to_hex
+
+    out = {}
+    for legend in fig.legends:
+        for handle, text in zip(legend.legend_handles, legend.get_texts()):
+            if text.get_text() in names:
+                out[text.get_text()] = to_hex(handle.get_color())
+    if not out:
+        panels = [ax for ax in fig.axes if ax.get_visible()]
+        for ax, name in zip(panels, norm_order(names)):
+            out[name] = to_hex(ax.title.get_color())
+    return out
+
+
+def test_a_norm_has_one_colour_and_one_place_in_every_figure_that_draws_norms(saved, monkeypatch, tmp_path):
+    from matplotlib.colors import to_hex
+
+    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    a, b = _grids()
+    b["spec"]["norms"] = list(reversed(b["spec"]["norms"]))  # a grid may list its norms in any order
+    seen: dict[str, set[str]] = {}
+    figures = [
+        (plots.lr_plot, (a, tmp_path / "a.png"), a),
+        (plots.loss_curves_plot, (a, _traces(tmp_path, a, {}), tmp_path / "l.png"), a),
+        (plots.batch_plot, (b, tmp_path / "b.png"), b),
+        (grid_report.plot_sweep, (a, tmp_path / "g.png", "lr"), a),
+        (grid_report.plot_sweep, (b, tmp_path / "h.png", "batch_size"), b),
+    ]
+    for draw, args, results in figures:
+        draw(*args)
+        colours = _norm_colours(saved[-1], results["spec"]["norms"])
+        assert set(colours) == set(results["spec"]["norms"]), (draw.__name__, colours)
+        for name, colour in colours.items():
+            seen.setdefault(name, set()).add(colour)
+        labels = [t for t in _legend(saved[-1]) if t in colours]
+        assert not labels or labels == norm_order(labels), labels  # listed in the one fixed order
+    assert all(c == {to_hex(norm_color(n))} for n, c in seen.items()), seen
+    assert {"bn", "pws", "none"} <= set(seen)
+
+
+def test_the_palette_gives_every_known_norm_its_own_colour_and_a_fixed_order():
+    from matplotlib.colors import to_hex
+
+    assert len({to_hex(norm_color(n)) for n in NORM_ORDER}) == len(NORM_ORDER)
+    assert norm_order(["pws:gamma=0.01", "x", "bn", "none", "pws"]) == ["none", "bn", "pws", "pws:gamma=0.01", "x"]
+    assert norm_color("gn:groups=8") == norm_color("gn:groups=8")  # a name without an entry: the same every time
+
+
+def _bimodal(results: dict, name: str, x_key: str, x: float, accs: tuple[float, ...]) -> dict:
+    """``results`` with the seeds of (``name``, ``x``) at ``accs`` (two clusters: mean +- std passes 0 % or 100 %)."""
+    results = copy.deepcopy(results)
+    cells = [c for c in results["cells"] if c["name"] == name and float(c[x_key]) == x]
+    for c, acc in zip(cells, accs, strict=True):
+        c["final_test_acc"] = c["final_test_acc_train_mode"] = acc
+    mean = sum(accs) / len(accs)
+    std = (sum((v - mean) ** 2 for v in accs) / (len(accs) - 1)) ** 0.5
+    for g in results["groups"]:
+        if g["name"] == name and float(g[x_key]) == x:
+            g.update(final_mean=mean, final_std=std, train_mode_mean=mean)
+    return results
+
+
+def _bars(fig) -> list[tuple[float, float, float]]:
+    """(x, bottom, top) of every error bar drawn."""
+    from matplotlib.collections import LineCollection
+
+    return [
+        (seg[0][0], min(seg[0][1], seg[1][1]), max(seg[0][1], seg[1][1]))
+        for ax in fig.axes
+        for coll in ax.collections
+        if isinstance(coll, LineCollection)
+        for seg in coll.get_segments()
+        if len(seg) == 2 and seg[0][0] == seg[1][0]
+    ]
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_accuracy_bars_span_the_seeds_and_stay_between_0_and_100_percent(saved, monkeypatch, tmp_path, high):
+    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    accs = (0.99, 0.99, 0.05) if high else (0.01, 0.95, 0.96)  # mean +- std above 100 % / below 0 %
+    a, b = _grids()
+    a = _bimodal(a, "bn", "lr", 0.1, accs)
+    b = _bimodal(b, "bn", "batch_size", 2, accs)
+    for draw, args, x in (
+        (plots.lr_plot, (a, tmp_path / "a.png"), 0.1),
+        (plots.batch_plot, (b, tmp_path / "b.png"), 2),
+        (grid_report.plot_sweep, (a, tmp_path / "g.png", "lr"), 0.1),
+        (grid_report.plot_sweep, (b, tmp_path / "h.png", "batch_size"), 2),
+    ):
+        draw(*args)
+        bars = _bars(saved[-1])
+        assert bars and all(0 <= lo <= hi <= 100 for _, lo, hi in bars), (draw.__name__, bars)
+        spans = {(round(lo, 6), round(hi, 6)) for bx, lo, hi in bars if abs(bx / x - 1) < 0.2}
+        assert (round(100 * min(accs), 6), round(100 * max(accs), 6)) in spans, (draw.__name__, spans)
+        text = " ".join(_legend(saved[-1]) + [t.get_text() for t in saved[-1].texts])
+        assert "lowest to highest seed" in text and "std" not in text  # the figure says what a bar is
+
+
+def test_twins_are_drawn_against_the_optimizer_steps_taken(saved, tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    pairs = [p for p in twin_pairs(demo, demo["evidence"]) if p["guarded"]["rescues"]]
+    plot_twins(pairs, out, tmp_path / "t.png")
+    ax = saved[-1].axes[0]
+    (rescue,) = pairs[0]["guarded"]["rescues"]
+    plain, guarded = ax.lines[0], ax.lines[1]
+    gx = [x for x in guarded.get_xdata() if x == x]
+    assert list(plain.get_xdata()) == list(range(1, len(plain.get_xdata()) + 1))  # unguarded: every step kept
+    assert max(gx) == len(gx) + rescue["steps_lost"]  # the guarded run took its lost steps too, on the same batches
+    assert min(gx) == rescue["step"] + 1  # restored to step 0: the guarded run goes on from the next batch
+    vertical = {(ln.get_color(), ln.get_xdata()[0]) for ln in ax.lines[2:] if len(set(ln.get_xdata())) == 1}
+    assert ("r", rescue["step"]) in vertical and ("tab:green", rescue["restored_step"]) in vertical
+    assert "optimizer step" in ax.get_xlabel()
+    from matplotlib.colors import to_hex
+
+    assert to_hex(guarded.get_color()) == to_hex(norm_color(pairs[0]["name"]))  # the norm's colour, as elsewhere
+
+
+def test_a_second_rescue_is_marked_at_its_optimizer_step_and_named_with_the_guards_step(saved, tmp_path):
+    demo, out = _twin_demo(tmp_path)
+    pairs = [p for p in twin_pairs(demo, demo["evidence"]) if p["guarded"]["rescues"]]
+    second = {**pairs[0]["guarded"]["rescues"][0], "step": 20, "restored_step": 0, "steps_lost": 20}
+    pairs[0]["guarded"]["rescues"] = [*pairs[0]["guarded"]["rescues"], second]  # 31 steps, then 20 more, lost
+    plot_twins(pairs, out, tmp_path / "t.png")
+    ax = saved[-1].axes[0]
+    vertical = {(ln.get_color(), ln.get_xdata()[0]) for ln in ax.lines[2:] if len(set(ln.get_xdata())) == 1}
+    assert ("r", 31 + 20) in vertical  # the guard's step 20 came after the 31 steps the first rollback threw away
+    assert "trouble at step 51 (its step 20 after the rollbacks before)" in " ".join(t.get_text() for t in ax.texts)
+
+
+@pytest.mark.parametrize(
+    ("kept", "rescues", "xs", "marks"),
+    [
+        (3, [], [1, 2, 3], []),
+        (5, [{"step": 4, "restored_step": 2}], [1, 2, 5, 6, 7], [(4, 2)]),
+        # a second rescue on the trajectory after the first: its steps are counted from the taken steps
+        (4, [{"step": 3, "restored_step": 1}, {"step": 3, "restored_step": 2}], [1, 4, 6, 7], [(3, 1), (5, 4)]),
+        (2, [{"step": 2, "restored_step": 0}], [3, 4], [(2, 0)]),
+    ],
+)
+def test_step_axis_places_kept_steps_and_rescues_on_the_steps_taken(kept, rescues, xs, marks):
+    assert step_axis(kept, rescues) == (xs, marks)

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             threads=args.threads,
             progress=not args.no_progress,
-            announce=lambda grids: announce_grids(NAME, grids, args.workers),
+            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, after_s=after_s),
         )
     print("\n".join(claims_terminal(demo)))  # the full table opens report.md
     print(

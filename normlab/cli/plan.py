@@ -13,11 +13,14 @@ from normlab.runner.grid.pool import default_workers
 __all__ = ["announce_grids"]
 
 
-def announce_grids(command: str, grids: Sequence[GridRun], workers: int, address: str | None = None) -> float:
-    """Print ``normlab <command>: N runs to train: about M min ...`` for the unfinished cells of ``grids``; returns
-    the estimate in seconds (the progress line's ETA until the first run finishes)."""
+def announce_grids(
+    command: str, grids: Sequence[GridRun], workers: int, address: str | None = None, after_s: float | None = None
+) -> float:
+    """Print ``normlab <command>: N runs to train: about M min ...`` for the unfinished cells of ``grids`` (the
+    runs' steps, evaluations and monitor, :mod:`~normlab.runner.grid.estimate`, and ``after_s``: the seconds of the
+    work after the runs); returns the estimate in seconds (the progress line's ETA until the first run finishes)."""
     cells = [c for g in grids for c in g.cells if c.cell_id in (g.wanted or {c.cell_id})]
     todo = [c for g in grids for c in g.todo()]
-    text, minutes = plan_text(cells, todo, workers or default_workers(), remote=address is not None)
-    print(f"normlab {command}: {text} (estimated before it starts; evaluation adds to it)", file=sys.stderr)
+    text, minutes = plan_text(cells, todo, workers or default_workers(), remote=address is not None, after_s=after_s)
+    print(f"normlab {command}: {text} (estimated before it starts)", file=sys.stderr)
     return 60.0 * minutes

@@ -112,7 +112,7 @@ def _run_mnist1d(args: argparse.Namespace, out: Path) -> int:
             progress=not args.no_progress,
             backend=args.backend,
             address=args.address,
-            announce=lambda grids: announce_grids(NAME, grids, args.workers, args.address),
+            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, args.address, after_s),
         )
     print("\n".join(first_table(demo)))
     print(f"\nreport: {out / 'report.md'}")

@@ -1,11 +1,18 @@
 """How long a grid will take here, measured before it starts (``normlab compare`` says it, and asks for ``--yes``
 past :data:`CONFIRM_MINUTES`).
 
-The estimate is ``sum over cells of steps x seconds per step / workers``: the steps of a cell are its epochs times
-its steps per epoch (capped by ``max_steps_per_epoch``); the seconds per step are timed here, once per distinct
-(model, norm, conv, width, batch size, data set), as the median of a few SGD steps on random input with one torch
-thread (what a pool worker uses). Evaluation passes and the monitor add to that, so the figure is a lower bound
-of the order of the real time, not a promise.
+The estimate is ``sum over cells of the cell's seconds / workers``, a cell's seconds being
+
+    steps x (seconds per step) + evaluations x (seconds per evaluation)
+    + recorded steps x (the monitor's seconds per recorded step) + :data:`RUN_OVERHEAD_S`
+
+The steps of a cell are its epochs times its steps per epoch (capped by ``max_steps_per_epoch``), its evaluations
+``evals_per_epoch`` per epoch, its recorded steps those of its monitor's schedule. The seconds are timed here, once
+per distinct (model, norm, conv, width, batch size, data set), with one torch thread (what a pool worker uses): the
+median of a few SGD steps on random input, of a few passes over a test set of the run's size (and, with
+``eval_train_mode``, the train-mode pass) and of a few steps with a :class:`~normlab.monitor.VarianceMonitor`
+recording, less the plain step. :data:`RUN_OVERHEAD_S` (starting a run, building its data and model, writing its
+files) was measured once (docs/research/estimate_calibration.md).
 """
 
 from __future__ import annotations
@@ -16,14 +23,33 @@ from collections.abc import Sequence
 
 import torch
 
+from normlab.monitor import VarianceMonitor
+from normlab.monitor.optim_step import optimizer_step
+from normlab.monitor.options import RecordSchedule
 from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
 from normlab.runner.grid.spec import Cell
 from normlab.runner.training.config import TrainConfig, resolve_device
+from normlab.runner.training.evaluation import TRAIN_MODE_SAMPLES
 
-__all__ = ["CONFIRM_MINUTES", "cell_steps", "step_seconds", "estimate_minutes", "plan_text"]
+__all__ = [
+    "CONFIRM_MINUTES",
+    "RUN_OVERHEAD_S",
+    "cell_steps",
+    "cell_evals",
+    "cell_recorded_steps",
+    "step_seconds",
+    "eval_seconds",
+    "monitor_seconds",
+    "cell_seconds",
+    "estimate_seconds",
+    "estimate_minutes",
+    "plan_text",
+]
 
 CONFIRM_MINUTES = 15.0  # a grid estimated longer than this starts only with --yes
 TRAIN_SIZES = {"digits": 1437, "cifar10": 50_000}  # training-set sizes; mnist1d: 80 % of num_samples
+TEST_SIZES = {"digits": 360, "cifar10": 10_000}  # test-set sizes; mnist1d: 20 % of num_samples
+RUN_OVERHEAD_S = 0.15  # seconds of a run besides its steps, evaluations and monitor (measured: see the module doc)
 
 
 def cell_steps(cfg: TrainConfig) -> int:
@@ -35,36 +61,113 @@ def cell_steps(cfg: TrainConfig) -> int:
     return per_epoch * cfg.epochs
 
 
-def step_seconds(cfg: TrainConfig, repeats: int = 2) -> float:
-    """Median seconds of one SGD step of ``cfg``'s model at its batch size on its device (one torch thread on the
-    CPU), random input."""
+def cell_evals(cfg: TrainConfig) -> int:
+    """Evaluations of one run: ``evals_per_epoch`` per epoch (at most one per step)."""
+    per_epoch = cell_steps(cfg) // max(1, cfg.epochs)
+    return max(1, min(cfg.evals_per_epoch, per_epoch)) * cfg.epochs
+
+
+def cell_recorded_steps(cfg: TrainConfig) -> int:
+    """Steps of one run that its monitor records (0 without a monitor), by the run's record schedule."""
+    if cfg.monitor_every <= 0:
+        return 0
+    schedule = RecordSchedule(cfg.monitor_every, cfg.monitor_dense_steps, cfg.monitor_dense_every)
+    return sum(schedule.is_due(s) for s in range(cell_steps(cfg)))
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls after one warm-up call, with one torch thread."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        dev = resolve_device(cfg.device)
-        shape = INPUT_SHAPES[cfg.dataset]
-        model = cfg.make_model().to(dev)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-6)
-        x = torch.randn(cfg.batch_size, *shape, device=dev)
-        y = torch.randint(0, DATASET_CLASSES[cfg.dataset], (cfg.batch_size,), device=dev)
         times = []
-        for _ in range(repeats + 1):  # the first step warms up (allocations, one-time initialisation)
+        for _ in range(repeats + 1):  # the first call warms up (allocations, one-time initialisation)
             t0 = time.perf_counter()
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-            opt.step()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+            fn()
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
     finally:
         torch.set_num_threads(threads)
 
 
-def estimate_minutes(cells: Sequence[Cell], workers: int) -> float:
-    """Estimated wall-clock minutes to train ``cells`` with ``workers`` parallel workers (see the module doc)."""
-    timed: dict[tuple, float] = {}
-    total = 0.0
+def _batch(cfg: TrainConfig, n: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, *INPUT_SHAPES[cfg.dataset], device=dev)
+    return x, torch.randint(0, DATASET_CLASSES[cfg.dataset], (n,), device=dev)
+
+
+def _sgd_step(cfg: TrainConfig, monitored: bool):
+    """A function taking one SGD step of ``cfg``'s model on random input (``monitored``: a monitor records it)."""
+    dev = resolve_device(cfg.device)
+    model = cfg.make_model().to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    monitor = VarianceMonitor(model, every=1) if monitored else None
+    x, y = _batch(cfg, cfg.batch_size, dev)
+
+    def step() -> None:
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer_step(opt, monitor, None, loss=loss.detach() if monitored else None)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return step
+
+
+def step_seconds(cfg: TrainConfig, repeats: int = 2) -> float:
+    """Median seconds of one SGD step of ``cfg``'s model at its batch size on its device (one torch thread on the
+    CPU), random input."""
+    return _timed(_sgd_step(cfg, monitored=False), repeats)
+
+
+def monitor_seconds(cfg: TrainConfig, repeats: int = 2, plain: float | None = None) -> float:
+    """Seconds a :class:`~normlab.monitor.VarianceMonitor` adds to a step it records: a monitored step less a plain
+    one (``plain``: its seconds, already timed; else timed here), at least 0."""
+    if plain is None:
+        plain = step_seconds(cfg, repeats)
+    return max(0.0, _timed(_sgd_step(cfg, monitored=True), repeats) - plain)
+
+
+def eval_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
+    """Seconds of one evaluation of ``cfg``'s run: the forward passes over a test set of the run's size in eval mode
+    (batches of 512), and with ``eval_train_mode`` the train-mode pass over its first samples at the training batch
+    size; each kind of batch is timed (median, random input) and counted, not run in full."""
+    dev = resolve_device(cfg.device)
+    model = cfg.make_model().to(dev)
+    n_test = TEST_SIZES.get(cfg.dataset, int(0.2 * (cfg.num_samples or 25_000)))
+    x, _ = _batch(cfg, min(n_test, 512), dev)
+
+    def forward(n: int, train: bool):
+        @torch.no_grad()
+        def run() -> None:
+            model.train(train)
+            model(x[:n])
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+
+        return run
+
+    full, rest = divmod(n_test, 512)
+    total = full * _timed(forward(512, False), repeats) + (_timed(forward(rest, False), repeats) if rest else 0.0)
+    if cfg.eval_train_mode and cfg.batch_size <= x.shape[0]:
+        total += min(n_test, TRAIN_MODE_SAMPLES) // cfg.batch_size * _timed(forward(cfg.batch_size, True), repeats)
+    return total
+
+
+def cell_seconds(cfg: TrainConfig, timed: dict[str, float]) -> float:
+    """Estimated seconds of one run from its timed ``{"step", "eval", "monitor"}`` seconds (see the module doc)."""
+    return (
+        cell_steps(cfg) * timed["step"]
+        + cell_evals(cfg) * timed["eval"]
+        + cell_recorded_steps(cfg) * timed["monitor"]
+        + RUN_OVERHEAD_S
+    )
+
+
+def estimate_seconds(cells: Sequence[Cell]) -> list[float]:
+    """Estimated seconds of each of ``cells`` in one worker (see the module doc)."""
+    timed: dict[tuple, dict[str, float]] = {}
+    out = []
     for cell in cells:
         c = cell.config
         key = (
@@ -77,18 +180,41 @@ def estimate_minutes(cells: Sequence[Cell], workers: int) -> float:
             c.batch_size,
             c.dataset,
             c.device,
+            c.num_samples,
+            c.eval_train_mode,
         )
         if key not in timed:
-            timed[key] = step_seconds(c)
-        total += cell_steps(c) * timed[key]
-    return total / max(1, min(workers, len(cells))) / 60.0
+            timed[key] = {"step": step_seconds(c), "eval": 0.0, "monitor": 0.0}
+        if cell_evals(c) and "evaluated" not in timed[key]:
+            timed[key].update(eval=eval_seconds(c), evaluated=1.0)
+        if cell_recorded_steps(c) and "monitored" not in timed[key]:
+            timed[key].update(monitor=monitor_seconds(c, plain=timed[key]["step"]), monitored=1.0)
+        out.append(cell_seconds(c, timed[key]))
+    return out
 
 
-def plan_text(cells: Sequence[Cell], todo: Sequence[Cell], workers: int, remote: bool = False) -> tuple[str, float]:
+def estimate_minutes(cells: Sequence[Cell], workers: int) -> float:
+    """Estimated wall-clock minutes to train ``cells`` with ``workers`` parallel workers (see the module doc)."""
+    return sum(estimate_seconds(cells)) / max(1, min(workers, len(cells))) / 60.0
+
+
+def plan_text(
+    cells: Sequence[Cell], todo: Sequence[Cell], workers: int, remote: bool = False, after_s: float | None = None
+) -> tuple[str, float]:
     """What a command prints before it starts, and the estimate in minutes: ``"12 runs to train (3 already done):
-    about 9 min with 2 worker(s) here"`` (``remote``: on a Ray cluster, timed here)."""
+    about 9 min with 2 worker(s) here"`` (``remote``: on a Ray cluster, timed here; ``after_s``: seconds of work after
+    the runs, added and named: ``"about 3.3 min with 2 worker(s) here (runs 2.8 min, then 30 s of reporting)"``)."""
     minutes = estimate_minutes(todo, workers) if todo else 0.0
     where = "on the Ray cluster (timed here)" if remote else f"with {max(1, min(workers, len(todo)))} worker(s) here"
     done = f", {len(cells) - len(todo)} already done" if len(todo) < len(cells) else ""
     runs = f"{len(todo)} run" + ("s" if len(todo) != 1 else "")
-    return f"{runs} to train{done}: about {minutes:.0f} min {where}", minutes
+    if not after_s:
+        return f"{runs} to train{done}: about {_minutes(minutes)} min {where}", minutes
+    total = minutes + after_s / 60.0
+    text = f"about {_minutes(total)} min {where} (runs {_minutes(minutes)} min, then {after_s:.0f} s of reporting)"
+    return f"{runs} to train{done}: {text}", total
+
+
+def _minutes(m: float) -> str:
+    """Whole minutes, or one decimal under 10 (a 2-minute demo said as 2.4, not 2)."""
+    return f"{m:.1f}" if m < 10 else f"{m:.0f}"

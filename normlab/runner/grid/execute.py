@@ -301,6 +301,7 @@ def run_cells(
     backend: str = "process",
     address: str | None = None,
     estimate_s: float | None = None,
+    after_s: float | None = None,
     label: str | None = None,
 ) -> dict[str, Any]:
     """Run every unfinished cell of ``grids``, the most expensive first, with ``threads`` torch threads each
@@ -311,7 +312,8 @@ def run_cells(
     ``threads`` CPUs (default: every usable core); see :mod:`normlab.runner.grid.ray_backend`.
     ``progress``: after each finished cell, one line with the runs done, remaining and the ETA
     (:class:`~normlab.runner.grid.progress.GridProgress`; ``estimate_s`` is the ETA until the first cell finishes,
-    ``label`` begins the line, default the experiment's).
+    ``after_s`` the seconds of the caller's work after the cells, part of every ETA, ``label`` begins the line,
+    default the experiment's).
 
     Returns:
         ``{"cells_run", "workers", "wall_s", "cpu_s"}`` of this call (workers: Ray's CPUs on Ray).
@@ -335,6 +337,7 @@ def run_cells(
         noun=first.noun,
         enabled=progress,
         estimate_s=estimate_s,
+        after_s=after_s,
     )
     t0, cpu0 = time.perf_counter(), _cpu_times()
 

@@ -3,7 +3,8 @@
 On a terminal the line is rewritten in place (carriage return) after each finished run; elsewhere (a log file, a
 pipe, CI) each finished run prints one plain line, so a log reads top to bottom. The ETA weighs the runs by their
 relative cost (the grid engine's ``Experiment.cost``): the wall time so far times the cost still to run over the
-cost finished in this session; before the first run finishes it is the estimate given at the start, if any.
+cost finished in this session; before the first run finishes it is the estimate given at the start, if any. Work
+that follows the runs (``after_s``: a report, a timed section) is added to it until it is done.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ class GridProgress:
         label: how each line begins (``normlab compare``).
         noun: what a run is called (``runs``).
         enabled: False prints nothing.
-        estimate_s: the estimated seconds of the whole batch, shown as the ETA until a run finishes.
+        estimate_s: the estimated seconds of the whole batch, shown as the ETA until a run finishes (``after_s``
+            included).
+        after_s: the estimated seconds of the work after the last run, part of every later ETA.
         stream: where to print (default ``sys.stderr``); a terminal gets one line rewritten in place.
 
     Example::
@@ -57,6 +60,7 @@ class GridProgress:
         noun: str = "runs",
         enabled: bool = True,
         estimate_s: float | None = None,
+        after_s: float | None = None,
         stream: TextIO | None = None,
     ) -> None:
         self.remaining_costs = list(costs)
@@ -64,19 +68,21 @@ class GridProgress:
         self.done = done
         self.cost_done = 0.0
         self.label, self.noun, self.enabled, self.estimate_s = label, noun, enabled, estimate_s
+        self.after_s = after_s or 0.0
         self.stream = stream if stream is not None else sys.stderr
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
         self._wrote = False
 
     def eta_s(self) -> float | None:
-        """Seconds left: elapsed x remaining cost / finished cost (the start's estimate before a run finished)."""
+        """Seconds left: elapsed x remaining cost / finished cost, plus the work after the runs (the start's estimate
+        before a run finished)."""
         left = sum(self.remaining_costs)
         if left <= 0:
-            return 0.0
+            return self.after_s
         if self.cost_done <= 0:
             return self.estimate_s
-        return (time.perf_counter() - self.t0) * left / self.cost_done
+        return (time.perf_counter() - self.t0) * left / self.cost_done + self.after_s
 
     def line(self, last: str = "") -> str:
         """The progress line: ``label: 12/45 runs done, 33 remaining, ETA 14 min (last: ...)``."""

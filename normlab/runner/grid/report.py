@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from normlab.runner.grid.palette import norm_color, norm_order
 from normlab.runner.grid.verdicts import COST_CRITERION, CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
 from normlab.runner.io import atomic_savefig, atomic_write_text
 
@@ -154,9 +155,11 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 _STYLES = ("-", "--", "-.", ":")
 
 
-def _style(i: int) -> dict[str, Any]:
-    """Distinct marker and line style per norm, so curves that coincide (e.g. BN and BRN) stay visible."""
+def _style(i: int, name: str) -> dict[str, Any]:
+    """The ``i``-th norm's look: its colour (the same in every figure, :func:`~normlab.runner.grid.palette.norm_color`)
+    and a distinct marker and line style, so curves that coincide (e.g. BN and BRN) stay visible."""
     return {
+        "color": norm_color(name),
         "marker": _MARKERS[i % len(_MARKERS)],
         "linestyle": _STYLES[i % len(_STYLES)],
         "markersize": 5,
@@ -188,15 +191,14 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     keys = sorted(panels)
     fig, axes = pyplot.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
     for ax, o in zip(axes[0], keys):
-        for i, name in enumerate(spec["norms"]):
+        for i, name in enumerate(norm_order(spec["norms"])):
             gs = sorted(panels[o].get(name, []), key=lambda g: g[axis])
             gs = [g for g in gs if g["final_mean"] is not None]
             if not gs:
                 continue
             xs = [g[axis] for g in gs]
             ys = [100 * g["final_mean"] for g in gs]
-            es = [100 * (g["final_std"] or 0.0) for g in gs]
-            ax.errorbar(xs, ys, yerr=es, capsize=3, label=name, **_style(i))
+            ax.errorbar(xs, ys, yerr=_seed_range(results, gs, axis, other), capsize=3, label=name, **_style(i, name))
             for g in gs:  # mark collapsed settings
                 if g["collapsed_count"]:
                     ax.plot([g[axis]], [100 * g["final_mean"]], "kx", markersize=9)
@@ -220,13 +222,33 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     _legend(fig, axes)
     fig.suptitle(
         f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
-        f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean ± std over seeds; x: a seed collapsed; "
+        f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean over seeds, bar: lowest to highest seed; "
+        "x: a seed collapsed; "
         f"dotted: chance)",
         fontsize=10,
     )
     atomic_savefig(fig, path, dpi=100)
     pyplot.close(fig)
     return path
+
+
+def _seed_range(results: dict[str, Any], groups: Sequence[dict[str, Any]], axis: str, other: str) -> list[list[float]]:
+    """The error bars of ``groups`` (percent below and above each mean): from the mean to the lowest and the highest
+    seed's final accuracy, so a bar stays within the seeds' values (a mean +- std can pass 0 % or 100 %)."""
+    low, high = [], []
+    for g in groups:
+        accs = [
+            100 * c["final_test_acc"]
+            for c in results["cells"]
+            if c["name"] == g["name"]
+            and float(c[axis]) == float(g[axis])
+            and float(c[other]) == float(g[other])
+            and c.get("final_test_acc") is not None
+        ]
+        mean = 100 * g["final_mean"]
+        low.append(mean - min(accs, default=mean))
+        high.append(max(accs, default=mean) - mean)
+    return [low, high]
 
 
 def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
@@ -246,7 +268,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
     pyplot = plt()
     fig, axes = pyplot.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
     for ax, (lr, bs) in zip(axes[0], panels):
-        for k, name in enumerate(spec["norms"]):
+        for k, name in enumerate(norm_order(spec["norms"])):
             runs = [
                 c
                 for c in results["cells"]
@@ -265,7 +287,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
                 if vals:
                     xs.append(runs[0]["history"][min(i, len(runs[0]["history"]) - 1)]["epoch"] or i + 1)
                     ys.append(100 * sum(vals) / len(vals))
-            ax.plot(xs, ys, label=name, **_style(k))
+            ax.plot(xs, ys, label=name, **_style(k, name))
         if chance_level(results):
             ax.axhline(100 * chance_level(results), color="0.5", linewidth=0.8, linestyle=":")
         ax.xaxis.get_major_locator().set_params(integer=True)

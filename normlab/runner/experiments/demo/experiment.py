@@ -35,11 +35,22 @@ from normlab.runner.data.mnist1d import load_mnist1d
 from normlab.runner.experiments.compare import COMPARE
 from normlab.runner.experiments.demo.claims import collect_evidence
 from normlab.runner.experiments.demo.report import render_demo_report
+from normlab.runner.grid.estimate import step_seconds
 from normlab.runner.grid.execute import GridRun, default_workers, plan_grid, run_cells
-from normlab.runner.grid.spec import GridSpec
+from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.io import atomic_write_json
 
-__all__ = ["DemoProtocol", "PROTOCOL", "QUICK_PROTOCOL", "demo_sections", "milestone_epochs", "plan_demo", "run_demo"]
+__all__ = [
+    "DemoProtocol",
+    "PROTOCOL",
+    "QUICK_PROTOCOL",
+    "REPORT_S",
+    "after_runs_seconds",
+    "demo_sections",
+    "milestone_epochs",
+    "plan_demo",
+    "run_demo",
+]
 
 
 @dataclass(frozen=True)
@@ -211,6 +222,31 @@ def _step_cost(p: DemoProtocol, out: Path) -> dict[str, Any]:
     return result
 
 
+REPORT_S = 9.0  # seconds of the evidence and the report after section (d) (measured once, see below)
+
+
+def after_runs_seconds(p: DemoProtocol) -> float:
+    """Estimated seconds of the demo's work after its training runs, in this process: section (d)'s steps (each
+    norm's step timed here at each cost batch size, times the steps :func:`~normlab.runner.bench.step_times` takes:
+    2 warm-up steps and ``cost_repeats x cost_iters``) and the evidence and report (:data:`REPORT_S`, measured once:
+    docs/research/estimate_calibration.md)."""
+    norms = tuple(dict.fromkeys(n.split(":")[0] for n in p.lr_norms))
+    spec = GridSpec(
+        norms=norms,
+        lrs=(0.1,),
+        batch_sizes=p.cost_batch_sizes,
+        seeds=(p.seeds[0],),
+        epochs=1,
+        dataset="mnist1d",
+        model="plain1d",
+        width=p.lr_width,
+        layout="cross",
+        train_kwargs={"num_samples": p.num_samples},
+    )
+    steps = 2 + p.cost_repeats * p.cost_iters
+    return REPORT_S + sum(steps * step_seconds(c.config) for c in expand_grid(spec))
+
+
 def plan_demo(out: Path, p: DemoProtocol, workers: int = 1) -> dict[str, GridRun]:
     """Generate the data once, by ``workers`` processes, before the grid's workers start, and plan every section's
     grid under ``out`` (read only)."""
@@ -230,7 +266,7 @@ def run_demo(
     progress: bool = True,
     backend: str = "process",
     address: str | None = None,
-    announce: Callable[[list[GridRun]], float | None] | None = None,
+    announce: Callable[[list[GridRun], float], float | None] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick", "mode",
     "sections", "cost", "evidence"}`` (the sections' results dicts; the evidence the claims' verdicts take from the
@@ -239,13 +275,15 @@ def run_demo(
     ``protocol`` replaces :data:`PROTOCOL` (``normlab reproduce`` passes its own; ``mode`` names it in the report:
     ``"demo"``, ``"quick"``, ``"full"`` or ``"smoke"``); ``announce(grids)`` is called on the planned grids before
     anything is written (it prints the estimate and returns it in seconds, the progress line's first ETA; it may
-    refuse); ``backend`` / ``address``: see
+    refuse; the second argument: :func:`after_runs_seconds`, the work after the runs, which it adds to the estimate);
+    ``backend`` / ``address``: see
     :func:`~normlab.runner.grid.execute.run_cells`."""
     p = protocol or (QUICK_PROTOCOL if quick else PROTOCOL)
     mode = mode or ("quick" if quick else "demo")
     out = Path(out_dir)
     grids = plan_demo(out, p, workers=int(workers or default_workers()) if backend == "process" else 1)
-    estimate_s = announce(list(grids.values())) if announce is not None else None
+    after_s = after_runs_seconds(p) if announce is not None else None
+    estimate_s = announce(list(grids.values()), after_s) if announce is not None else None
     for grid in grids.values():
         grid.start()
     command = "demo" if mode in ("demo", "quick") else "reproduce"
@@ -263,6 +301,7 @@ def run_demo(
         backend=backend,
         address=address,
         estimate_s=estimate_s,
+        after_s=after_s,
         label=f"normlab {command}",
     )
     demo = {

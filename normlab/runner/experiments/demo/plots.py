@@ -1,5 +1,7 @@
-"""The demo's plots, drawn to be read at a glance: each seed a faint line or point around a bold mean, log axes
-where the data span decades, the legend outside the data and every mark explained in the figure."""
+"""The demo's plots, drawn to be read at a glance: each seed a faint line or point around a bold mean (its bar the
+range of the seeds, so it stays within the seeds' values), log axes where the data span decades, the legend outside
+the data and every mark explained in the figure. A norm has the same colour in every figure
+(:func:`~normlab.runner.grid.palette.norm_color`), and the norms come in one fixed order."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ import math
 from pathlib import Path
 from typing import Any
 
+from normlab.runner.grid.palette import norm_color, norm_order
 from normlab.runner.grid.report import plt
 from normlab.runner.grid.verdicts import chance_level
 from normlab.runner.io import atomic_savefig
 
-__all__ = ["lr_plot", "loss_curves_plot", "batch_plot", "smoothed"]
+__all__ = ["lr_plot", "loss_curves_plot", "batch_plot", "smoothed", "lr_shade"]
 
 _LABELS = {"pws": "pws (gamma 1e-3)", "pws:gamma=0.01": "pws (gamma 1e-2)"}
 FONT = 10  # points: the smallest type of every figure (ticks, legends, notes), readable on a slide
@@ -61,8 +64,9 @@ def _seed_values(results: dict, name: str, key: str, x_key: str) -> dict[float, 
 
 
 def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: float = 1.0, **line) -> Any:
-    """Faint point per seed (x where it collapsed), bold mean line with its std as error bars; ``dodge`` multiplies
-    the x values (a log axis) to set groups side by side (1: at their true x)."""
+    """Faint point per seed (x where it collapsed), bold mean line with the range of the seeds (lowest to highest) as
+    its bar, so the bar never leaves the seeds' values (a mean +- std of two clusters of seeds can pass 0 % or 100 %);
+    ``dodge`` multiplies the x values (a log axis) to set groups side by side (1: at their true x)."""
     xs_vals = {x * dodge: v for x, v in xs_vals.items()}
     xs = list(xs_vals)
     for x, vals in xs_vals.items():
@@ -71,15 +75,9 @@ def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: fl
         ax.plot([x] * len(ok), ok, "o", color=color, alpha=0.35, markersize=5)
         ax.plot([x] * len(bad), bad, "x", color=color, alpha=0.8, markersize=7, markeredgewidth=1.5)
     means = [sum(v[0] for v in vals) / len(vals) for vals in xs_vals.values()]
-    stds = [_std([v[0] for v in vals]) for vals in xs_vals.values()]
-    return ax.errorbar(xs, means, yerr=stds, color=color, linewidth=2.2, capsize=3, **line)
-
-
-def _std(vals: list[float]) -> float:
-    if len(vals) < 2:
-        return 0.0
-    m = sum(vals) / len(vals)
-    return math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+    low = [m - min(v[0] for v in vals) for m, vals in zip(means, xs_vals.values())]
+    high = [max(v[0] for v in vals) - m for m, vals in zip(means, xs_vals.values())]
+    return ax.errorbar(xs, means, yerr=[low, high], color=color, linewidth=2.2, capsize=3, **line)
 
 
 def _any_collapsed(results: dict) -> bool:
@@ -91,7 +89,7 @@ def _marks_legend(results: dict, extra: list | None = None) -> list:
     from matplotlib.lines import Line2D
 
     marks = [
-        Line2D([], [], color="0.3", linewidth=2.2, label="mean over seeds (bar: ± std)"),
+        Line2D([], [], color="0.3", linewidth=2.2, label="mean over seeds\n(bar: lowest to highest seed)"),
         Line2D([], [], color="0.3", marker="o", alpha=0.4, linestyle="", label="one seed"),
     ]
     if _any_collapsed(results):
@@ -110,7 +108,7 @@ def lr_plot(results: dict, path: Path) -> Path | None:
         return None
     from matplotlib.lines import Line2D
 
-    names = list(results["spec"]["norms"])
+    names = norm_order(results["spec"]["norms"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
     fig, axes = plt().subplots(
@@ -119,11 +117,11 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     values = {n: _seed_values(results, n, "final_test_acc", "lr") for n in names}
     means = {n: {x: sum(v[0] for v in vals) / len(vals) for x, vals in values[n].items()} for n in names}
     chance = chance_level(results)
-    for i, (ax, name) in enumerate(zip(axes.flat, names)):
+    for ax, name in zip(axes.flat, names):
         for other in names:
             if other != name and means[other]:
                 ax.plot(list(means[other]), list(means[other].values()), color="0.8", linewidth=1, zorder=1)
-        _seeds_and_mean(ax, values[name], f"C{i % 10}")
+        _seeds_and_mean(ax, values[name], norm_color(name))
         if chance:
             ax.axhline(100 * chance, color="0.4", linestyle=":", linewidth=1)
         ax.set_xscale("log")
@@ -131,7 +129,7 @@ def lr_plot(results: dict, path: Path) -> Path | None:
         ax.set_xticklabels([f"{x:g}" for x in lrs])
         ax.minorticks_off()
         ax.set(ylim=(0, 100), xlim=(lrs[0] / 1.4, lrs[-1] * 1.4))
-        ax.set_title(_label(name), color=f"C{i % 10}", fontweight="bold")
+        ax.set_title(_label(name), color=norm_color(name), fontweight="bold")
         ax.grid(alpha=0.3)
     for ax in axes.flat[len(names) :]:
         ax.set_visible(False)
@@ -194,6 +192,18 @@ def _end_mark(ax, curve: list[float], color: str) -> set[str]:
     return drawn
 
 
+_LR_STYLES = ("-", "--", "-.", (0, (5, 1, 1, 1, 1, 1)))  # the mean line of the 1st, 2nd, ... learning rate
+
+
+def lr_shade(color: str, i: int, n: int) -> tuple[float, float, float]:
+    """``color`` for the ``i``-th of ``n`` learning rates: mixed with white, the more the lower the rate (the lowest
+    55 % white, the highest the colour itself), so a norm keeps its colour in every panel."""
+    from matplotlib.colors import to_rgb
+
+    white = 0.55 * (n - 1 - i) / max(1, n - 1)
+    return tuple(c + (1 - c) * white for c in to_rgb(color))
+
+
 def _loss_marks_legend(drawn: set[str]) -> list:
     from matplotlib.lines import Line2D
 
@@ -213,15 +223,15 @@ def _loss_marks_legend(drawn: set[str]) -> list:
 
 
 def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
-    """Smoothed training loss per step: one panel per norm, one colour per learning rate, each seed a faint line
-    around the bold mean (where every seed is finite), log loss axis shared by all panels; the legend names only
-    the marks drawn."""
+    """Smoothed training loss per step: one panel per norm in the norm's colour, the learning rate by shade and line
+    style (light and solid: the lowest; dark and dash-dotted: the highest), each seed a faint line around the bold
+    mean (where every seed is finite), log loss axis shared by all panels; the legend names only the marks drawn."""
     traces = _traces(results, grid_dir)
     if not traces:
         return None
     from matplotlib.lines import Line2D
 
-    names, lrs = list(results["spec"]["norms"]), sorted(results["spec"]["lrs"])
+    names, lrs = norm_order(results["spec"]["norms"]), sorted(results["spec"]["lrs"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
     fig, axes = plt().subplots(
@@ -233,18 +243,18 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         sharey=True,
         layout="constrained",
     )
-    colors = {lr: f"C{i}" for i, lr in enumerate(lrs)}
     drawn: set[str] = set()
     for ax, name in zip(axes.flat, names):
-        for lr in lrs:
+        for i, lr in enumerate(lrs):
+            color, dashes = lr_shade(norm_color(name), i, len(lrs)), _LR_STYLES[i % len(_LR_STYLES)]
             curves = traces.get((name, lr), [])
             for c in curves:
-                ax.plot(c, color=colors[lr], linewidth=0.7, alpha=0.35)
-                drawn |= _end_mark(ax, c, colors[lr])
+                ax.plot(c, color=color, linewidth=0.7, alpha=0.35)
+                drawn |= _end_mark(ax, c, color)
             if curves:
-                ax.plot(_mean_curve(curves), color=colors[lr], linewidth=2.0)
+                ax.plot(_mean_curve(curves), color=color, linewidth=2.0, linestyle=dashes)
         ax.axhline(math.log(10), color="0.3", linestyle=":", linewidth=1)
-        ax.set_title(_label(name))
+        ax.set_title(_label(name), color=norm_color(name), fontweight="bold")
         ax.set_yscale("log")
         ax.set_ylim(0.05, AXIS_TOP)
         ax.grid(alpha=0.3, which="both")
@@ -254,7 +264,17 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         ax.set_xlabel("step")
     for ax in axes[:, 0]:
         ax.set_ylabel("training loss")
-    handles = [Line2D([], [], color=colors[lr], linewidth=2.0, label=f"lr {lr:g}") for lr in lrs] + [
+    handles = [
+        Line2D(
+            [],
+            [],
+            color=lr_shade("0.15", i, len(lrs)),
+            linewidth=2.0,
+            linestyle=_LR_STYLES[i % len(_LR_STYLES)],
+            label=f"lr {lr:g}",
+        )
+        for i, lr in enumerate(lrs)
+    ] + [
         Line2D([], [], color="0.3", linewidth=2.0, label="mean over seeds"),
         Line2D([], [], color="0.3", linewidth=0.7, alpha=0.5, label="one seed"),
         *_loss_marks_legend(drawn),
@@ -295,12 +315,13 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
 
     fig, axes = plt().subplots(1, 2, figsize=(13, 5.2), sharey=True, layout="constrained")
     handles, ringed = [], set()
-    for i, name in enumerate(results["spec"]["norms"]):
-        color = f"C{i % 10}"
+    names = norm_order(results["spec"]["norms"])
+    for i, name in enumerate(names):
+        color = norm_color(name)
         for ax, key in zip(axes, ("final_test_acc", "final_test_acc_train_mode")):
             vals = _seed_values(results, name, key, "batch_size")
             if vals:
-                dodge = 2 ** (0.04 * (i - (len(results["spec"]["norms"]) - 1) / 2))
+                dodge = 2 ** (0.04 * (i - (len(names) - 1) / 2))
                 _seeds_and_mean(ax, vals, color, dodge)
                 if plateau is not None:
                     ringed |= _ring_unplateaued(ax, vals, plateau, dodge)

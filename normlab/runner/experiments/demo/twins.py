@@ -24,6 +24,7 @@ from typing import Any
 
 from normlab.monitor.guard import AT_CHANCE, DEAD_AFTER, LEARNED_FRACTION, LOSS_WINDOW
 from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
+from normlab.runner.grid.palette import norm_color
 from normlab.runner.training.train import GUARD_EVERY
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "rescue_text",
     "twins_markdown",
     "guard_clause",
+    "step_axis",
     "plot_twins",
 ]
 
@@ -169,6 +171,36 @@ def guard_clause(pairs: Sequence[dict[str, Any]], flag: str = "--guard") -> str 
     return text
 
 
+def step_axis(kept: int, rescues: Sequence[dict[str, Any]]) -> tuple[list[int], list[tuple[int, int]]]:
+    """Where a guarded run's steps lie on the axis of optimizer steps taken (the steps a rollback threw away
+    included, so both twins are at the same batch at the same x: the batches of lost steps are not replayed).
+
+    The run's loss trace holds its ``kept`` steps (trajectory steps 1, 2, ...); each rescue (in order) saw trouble
+    after ``step`` steps of the trajectory it was on and went back to its step ``restored_step``. Returns the x of
+    each kept step and, per rescue, the x of the trouble and of the step restored (0: the start).
+
+    Example::
+
+        >>> xs, marks = step_axis(5, [{"step": 4, "restored_step": 2}])
+        >>> xs, marks  # steps 1 and 2 kept, 3 and 4 thrown away, then on from the 5th step taken
+        ([1, 2, 5, 6, 7], [(4, 2)])
+    """
+    xs: list[int] = []  # x of each step of the trajectory the run is on
+    taken = 0  # optimizer steps taken so far, thrown-away ones included
+    marks = []
+    for r in rescues:
+        while len(xs) < r["step"]:
+            taken += 1
+            xs.append(taken)
+        restored = int(r["restored_step"])
+        marks.append((taken, xs[restored - 1] if restored > 0 else 0))
+        del xs[restored:]
+    while len(xs) < kept:
+        taken += 1
+        xs.append(taken)
+    return xs[:kept], marks
+
+
 def _loss(run_dir: Path) -> list[float]:
     """The run's loss of every kept step (NaN where it was not finite); empty without a loss trace."""
     path = run_dir / "loss_trace.json"
@@ -177,7 +209,20 @@ def _loss(run_dir: Path) -> list[float]:
 
 FONT = 10  # points: the smallest type of the figure, readable on a slide
 UNGUARDED = {"color": "0.72", "linewidth": 4.0, "solid_capstyle": "butt"}  # a wide grey band under ...
-GUARDED_LINE = {"color": "tab:blue", "linewidth": 1.5}  # ... the guarded run: where they coincide, blue on grey
+GUARDED_LINE = {"linewidth": 1.5}  # ... the guarded run in its norm's colour (norm_color): dark on grey where they meet
+
+
+def _with_gaps(xs: list[int], ys: list[float]) -> tuple[list[float], list[float]]:
+    """``xs``, ``ys`` with a NaN point where ``xs`` jumps, so the line breaks there instead of bridging the gap."""
+    gx: list[float] = []
+    gy: list[float] = []
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if i and x > xs[i - 1] + 1:
+            gx.append(math.nan)
+            gy.append(math.nan)
+        gx.append(x)
+        gy.append(y)
+    return gx, gy
 
 
 def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
@@ -185,16 +230,19 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
     visible), each rescue's trouble step and the step it went back to; the outcomes in the title. True when the
     panel has a rescue."""
     u, g = pair["unguarded"], pair["guarded"]
-    for run_dir, style in ((out / "collapse", UNGUARDED), (out / section, GUARDED_LINE)):
-        losses = _loss(run_dir / "runs" / pair["cell"])
-        ax.plot(range(len(losses)), losses, **style)
+    plain = _loss(out / "collapse" / "runs" / pair["cell"])
+    ax.plot(range(1, len(plain) + 1), plain, **UNGUARDED)
+    guarded = _loss(out / section / "runs" / pair["cell"])
+    xs, marks = step_axis(len(guarded), g["rescues"])
+    ax.plot(*_with_gaps(xs, guarded), color=norm_color(pair["name"]), **GUARDED_LINE)  # broken over lost steps
     ax.axhline(math.log(10), color="0.5", linestyle=":", linewidth=1)
     notes = []
-    for i, r in enumerate(g["rescues"]):
-        ax.axvline(r["step"], color="r", linestyle=":", linewidth=1.4)
-        ax.axvline(r["restored_step"], color="tab:green", linestyle="--", linewidth=1.4)
+    for i, (r, (trouble, restored)) in enumerate(zip(g["rescues"], marks)):
+        ax.axvline(trouble, color="r", linestyle=":", linewidth=1.4)
+        ax.axvline(restored, color="tab:green", linestyle="--", linewidth=1.4)
+        kept = f" (its step {r['step']} after the rollbacks before)" if trouble != r["step"] else ""
         notes.append(
-            f"rescue {i + 1}: trouble at step {r['step']}, back to {r['restored_step']}, lr {r['lr_before']:g} -> "
+            f"rescue {i + 1}: trouble at step {trouble}{kept}, back to {restored}, lr {r['lr_before']:g} -> "
             f"{r['lr_after']:g}"
         )
     if not notes:  # no rescue: the guard changed nothing, so the two runs are one curve; say so, and what it saw
@@ -218,7 +266,7 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
         fontsize=FONT,
         loc="left",
     )
-    ax.set_xlabel("step (kept steps of each run)", fontsize=FONT)
+    ax.set_xlabel("optimizer step (steps a rollback threw away included)", fontsize=FONT)
     ax.set_ylabel("training loss", fontsize=FONT)
     ax.tick_params(labelsize=FONT)
     ax.grid(alpha=0.3)
@@ -226,9 +274,12 @@ def _panel(ax, pair: dict[str, Any], out: Path, section: str) -> bool:
 
 
 def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: str = GUARDED) -> Path | None:
-    """One panel per pair: the training loss of the unguarded (a grey band) and the guarded (a blue line on it) run
-    of ``section``; for each rescue a red dotted line where the guard saw the trouble and a green dashed line at the
-    step it restored (from there on the guarded run goes on at the lowered learning rate). The legend lists only
+    """One panel per pair: the training loss of the unguarded (a grey band) and the guarded (a line on it in the norm's
+    colour) run
+    of ``section`` against the optimizer steps taken (:func:`step_axis`: both twins at the same batch at the same x,
+    the guarded line broken over the steps a rollback threw away); for each rescue a red dotted line where the guard
+    saw the trouble and a green dashed line at the step it restored (the guarded run goes on from that step's state
+    at the lowered learning rate). The legend lists only
     the marks drawn. None without pairs that have loss traces."""
     pairs = [p for p in pairs if (Path(out) / section / "runs" / p["cell"] / "loss_trace.json").is_file()]
     if not pairs:
@@ -245,7 +296,7 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
         1, len(pairs), figsize=(4.6 * len(pairs) + 2.8, 4.4), squeeze=False, sharey=True, layout="constrained"
     )
     rescued = [_panel(ax, pair, Path(out), section) for ax, pair in zip(axes[0], pairs)]
-    handles = [Line2D([], [], **UNGUARDED), Line2D([], [], **GUARDED_LINE)]
+    handles = [Line2D([], [], **UNGUARDED), Line2D([], [], color=norm_color(pairs[0]["name"]), **GUARDED_LINE)]
     labels = ["unguarded run", f"the same run with {FLAGS[section]}"]
     if any(rescued):
         trouble = "non-finite loss/gradient\nor loss climb" + (

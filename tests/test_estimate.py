@@ -1,0 +1,89 @@
+"""normlab.runner.grid.estimate and the progress line: the estimate counts what a run does besides its steps (its
+evaluations, its monitor's recorded steps, its start), the demo's estimate the work after its runs, and the ETA
+keeps that work until it is done."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from normlab.monitor.log import load_log
+from normlab.runner.experiments.demo import experiment
+from normlab.runner.grid import estimate
+from normlab.runner.grid.estimate import cell_evals, cell_recorded_steps, cell_steps, plan_text
+from normlab.runner.grid.progress import GridProgress
+from normlab.runner.grid.spec import GridSpec, expand_grid
+from normlab.runner.training.config import TrainConfig
+from normlab.runner.training.train import train
+
+
+@pytest.mark.parametrize(
+    ("steps", "evals", "every", "dense"),
+    [(7, 3, 3, 0), (6, 1, 1, 0), (9, 4, 5, 3), (5, 9, 0, 0)],
+)
+def test_the_evaluations_and_recorded_steps_counted_are_those_a_run_makes(tmp_path, steps, evals, every, dense):
+    cfg = TrainConfig(
+        dataset="digits",
+        model="plain",
+        norm="bn",
+        width=0.125,
+        batch_size=16,
+        epochs=1,
+        max_steps_per_epoch=steps,
+        evals_per_epoch=evals,
+        monitor_every=every,
+        monitor_dense_steps=dense,
+        stop_on_collapse=False,
+    )
+    train(cfg, tmp_path, progress=False)
+    metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert cell_steps(cfg) == steps and cell_evals(cfg) == len(metrics)
+    recorded = {r["step"] for r in load_log(tmp_path / "monitor.jsonl").records} if every else set()
+    assert cell_recorded_steps(cfg) == len(recorded)
+
+
+def test_the_estimate_adds_evaluations_the_monitor_and_each_runs_start(monkeypatch):
+    cells = expand_grid(
+        GridSpec(
+            norms=("bn",),
+            lrs=(0.1,),
+            batch_sizes=(16,),
+            seeds=(0, 1),
+            epochs=1,
+            width=0.125,
+            max_steps_per_epoch=4,
+            train_kwargs={"evals_per_epoch": 2, "monitor_every": 2},
+        )
+    )
+    monkeypatch.setattr(estimate, "step_seconds", lambda cfg: 0.5)
+    monkeypatch.setattr(estimate, "eval_seconds", lambda cfg: 0.25)
+    monkeypatch.setattr(estimate, "monitor_seconds", lambda cfg, plain=None: 0.1)
+    one = 4 * 0.5 + 2 * 0.25 + 2 * 0.1 + estimate.RUN_OVERHEAD_S  # 4 steps, 2 evaluations, steps 0 and 2 recorded
+    assert estimate.estimate_seconds(cells) == pytest.approx([one, one])
+    assert estimate.estimate_minutes(cells, 2) == pytest.approx(one / 60)
+
+
+def test_an_evaluation_and_a_recorded_step_cost_time_when_timed():
+    cfg = TrainConfig(dataset="digits", model="plain", norm="bn", width=0.125, batch_size=4, eval_train_mode=True)
+    assert estimate.eval_seconds(cfg) > 0 and estimate.monitor_seconds(cfg) >= 0
+
+
+def test_the_demo_estimate_names_the_work_after_the_runs_and_the_eta_keeps_it(monkeypatch):
+    monkeypatch.setattr(experiment, "step_seconds", lambda cfg: 0.5)
+    p = experiment.QUICK_PROTOCOL  # section (d): 3 norms at batch 32, 2 warm-up steps and 1 x 1 timed
+    assert experiment.after_runs_seconds(p) == pytest.approx(experiment.REPORT_S + 3 * 3 * 0.5)
+    monkeypatch.setattr(estimate, "estimate_minutes", lambda todo, workers: 2.0)
+    cells = expand_grid(GridSpec(norms=("bn",), lrs=(0.1,), batch_sizes=(16,), seeds=(0,), epochs=1))
+    text, minutes = plan_text(cells, cells, 2, after_s=30.0)
+    assert (
+        minutes == 2.5
+        and text == "1 run to train: about 2.5 min with 1 worker(s) here (runs 2.0 min, then 30 s of reporting)"
+    )
+    out = io.StringIO()
+    bar = GridProgress([1.0, 1.0], stream=out, estimate_s=150.0, after_s=30.0)
+    assert bar.eta_s() == 150.0  # before a run finished: the whole estimate
+    bar.update("a", "ok", 1.0)
+    assert bar.eta_s() >= 30.0  # the runs left, then the reporting
+    bar.update("b", "ok", 1.0)
+    assert bar.eta_s() == 30.0 and "ETA 30 s" in out.getvalue().splitlines()[-1]  # runs done: the reporting is left
