@@ -164,8 +164,8 @@ def test_frozen_batchnorm_resnet18_folds_and_converts():
     assert not norm_types(folded)
     brn = convert_norm(model, "brn", inplace=False)
     assert FrozenBatchNorm2d not in norm_types(brn) and not brn.training
-    with torch.no_grad():
-        assert rel_err(brn(x), model(x)) < 1e-6  # the buffers are copied: same eval function
+    with torch.no_grad():  # float64: the same eval function, without float32 rounding (2.6e-6 on one CPU)
+        assert rel_err(brn.double()(x.double()), model.double()(x.double())) < 1e-12  # the buffers are copied
 
 
 def test_fold_check_allows_the_float32_rounding_of_a_deep_model():

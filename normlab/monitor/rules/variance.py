@@ -113,8 +113,9 @@ class FactorRule(Rule):
     Exemptions (from the step's context): the output layer (``ctx.output_layer``, the classifier: its logit
     variance and per-class offsets grow as the net becomes confident) gets no growth test unless
     ``watch_output_layer``; a layer whose output a normalization layer renormalizes (``ctx.feeds_norm``) gets no
-    growth test of ``shift``; a layer whose output a normalization layer reads alone (:func:`renormalized_alone`
-    at the layer's first recorded step: a conv before its BatchNorm) gets no growth test of ``output_var`` unless
+    growth test of ``shift``; a layer whose output a normalization layer reads alone
+    (:func:`~normlab.monitor.rules.variance.renormalized_alone` at the layer's first recorded step: a conv before its
+    BatchNorm) gets no growth test of ``output_var`` unless
     ``watch_renormalized``: the norm removes its scale, and the weights before a normalization grow in norm in
     healthy training (their gradient is orthogonal to them); this is judged once, at the first record, so that a
     residual branch that comes to dominate the sum a norm reads is not taken for a lone input later. The implosion
