@@ -4,6 +4,7 @@ smoke run), the plateau criterion, and the progress line (runs remaining, ETA) o
 import inspect
 import io
 import json
+import random
 import re
 
 import pytest
@@ -77,6 +78,32 @@ def test_plateau_check_relative_fall_or_an_absolute_floor_near_zero(tmp_path):
     assert not _trace(tmp_path, [0.5] * 40 + [0.4] * 10)["plateau"]
     assert _trace(tmp_path, [0.5] * 50)["plateau"]
     assert not _trace(tmp_path, [0.5] * 40 + [float("nan")] * 10)["plateau"]
+
+
+def _two_sample_losses(rng, n, p_wrong):
+    """``n`` steps of batch 2: each step's loss is the mean of two samples', 0.02 nats if right, 4 if wrong."""
+    return [sum(4.0 if rng.random() < p_wrong else 0.02 for _ in range(2)) / 2 for _ in range(n)]
+
+
+def test_plateau_check_a_fall_within_the_noise_of_a_two_sample_loss_is_a_plateau(tmp_path):
+    rng = random.Random(100)
+    # a converged batch-2 run: a true fall of 0.01 nats from 0.27, under a per-step noise of ~0.9 nats
+    flat = _trace(tmp_path, _two_sample_losses(rng, 12_000, 0.065) + _two_sample_losses(rng, 4_000, 0.0625))
+    assert flat["plateau"] and flat["noise_nats"] > 0.01
+    # the same noise, a run still learning (0.27 -> 0.19 nats): not a plateau
+    falling = _trace(tmp_path, _two_sample_losses(rng, 12_000, 0.065) + _two_sample_losses(rng, 4_000, 0.045))
+    assert not falling["plateau"] and falling["fall_nats"] > 2 * falling["noise_nats"]
+    # a noiseless trace falling 10 % (0.05 nats): no noise to hide in
+    smooth = _trace(tmp_path, [0.5] * 40 + [0.45] * 10)
+    assert not smooth["plateau"] and smooth["noise_nats"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_plateau_noise_counts_correlated_steps_by_their_blocks(tmp_path):
+    # the same values, once shuffled, once in slow waves: the waves' block means spread, so their noise is larger
+    wave = [0.3 + 0.1 * ((i // 40) % 2) for i in range(1_000)]
+    shuffled = wave[:]
+    random.Random(101).shuffle(shuffled)
+    assert _trace(tmp_path, wave)["noise_nats"] > 2 * _trace(tmp_path, shuffled)["noise_nats"]
 
 
 # -------------------------------------------------------------------------------------------- the protocol
