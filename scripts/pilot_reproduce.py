@@ -4,7 +4,8 @@
 settings, the unnormalized net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section
 (b)'s batch sizes (PWS at 4 and 2, BN at 128 and 2, GN at 2); ``small``: only the cells of the second pilot
 (:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b); ``smallb``: every
-norm of (b) at batches 4 and 2 (the pilots of the noise-aware criterion, seeds 203 and up). It prints each run's
+norm of (b) at batches 4 and 2; ``b2``: every norm of (b) at batch 2 (the fourth pilot, of the noise-aware
+criterion, seeds 203 and 204). It prints each run's
 final accuracy, its plateau check and its step time.
 """
 
@@ -27,6 +28,7 @@ SMALL = {  # the second pilot, after the schedule moved: the cells that had miss
 }
 BATCH2 = {"batch_size": {("bn", 2), ("pws", 2)}}  # the third pilot: batch 2 with twice the steps
 SMALLB = {"batch_size": {(n, b) for n in ("bn", "brn", "gn", "sn", "pws") for b in (4, 2)}}  # pilots 203-: (b) <128
+B2 = {"batch_size": {(n, 2) for n in ("bn", "brn", "gn", "sn", "pws")}}  # the fourth pilot as cut: (b) at batch 2
 PICKS = {
     "lr_sweep": {("none", 128), ("wn", 128), ("gn", 128), ("bn", 128)},
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2), ("gn", 2)},
@@ -35,7 +37,7 @@ PICKS = {
 
 def main(argv: list[str]) -> int:
     out, seed = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 200
-    picks = {"small": SMALL, "batch2": BATCH2, "smallb": SMALLB}.get(argv[2] if len(argv) > 2 else "", PICKS)
+    picks = {"small": SMALL, "batch2": BATCH2, "smallb": SMALLB, "b2": B2}.get(argv[2] if len(argv) > 2 else "", PICKS)
     p = dataclasses.replace(FULL_PROTOCOL, seeds=(seed,), guard_seeds=(seed,))
     if len(argv) > 3:  # the cap on an epoch's steps in (b)
         p = dataclasses.replace(p, batch_max_steps=int(argv[3]))
