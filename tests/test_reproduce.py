@@ -127,6 +127,21 @@ def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
     assert milestone_epochs(FULL_PROTOCOL, 1) == ()
 
 
+def test_the_records_stages_train_every_cell_of_the_full_run_once():
+    # scripts/record_reproduce.py only reorders normlab reproduce's runs: each cell in exactly one stage
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "record_reproduce.py"
+    spec = importlib.util.spec_from_file_location("record_reproduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for key, grid in demo_sections(FULL_PROTOCOL).items():
+        for cell in expand_grid(grid):
+            hits = [label for label, section, pick in mod.STAGES if section == key and pick(cell)]
+            assert len(hits) == 1, (key, cell.cell_id, hits)
+
+
 def test_the_quick_demo_cells_are_unchanged_by_the_full_protocols_fields():
     # the demo's cells keep their configs (a resumed demo directory stays valid): no schedule, its step caps
     for name, spec in demo_sections(PROTOCOL).items():
