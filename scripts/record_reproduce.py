@@ -68,7 +68,8 @@ def partial(out: Path) -> None:
     for path in runs:
         s = json.loads(path.read_text())
         cfg = s["config"]
-        groups.setdefault((cfg["norm"], int(cfg["batch_size"])), []).append({**s, "dir": path.parent})
+        name = path.parent.name.split("_lr")[0]  # the cell's norm name (PWS is a conv: its config's norm is none)
+        groups.setdefault((name, int(cfg["batch_size"])), []).append({**s, "dir": path.parent})
     print("| norm | batch | seeds | eval mode % | train mode % | plateau: fall % / nats vs 2 se (per seed) | steps |")
     print("|---|---|---|---|---|---|---|")
     for (norm, bs), ss in sorted(groups.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
