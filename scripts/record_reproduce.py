@@ -9,7 +9,8 @@ every finished run) and writes the report; CPU training is deterministic, so the
 
 ``python scripts/record_reproduce.py partial OUT``: the finished runs of section (b) as a markdown table (test
 accuracy in eval mode / train mode, mean ± sample std over the finished seeds, and each run's plateau check), for
-a record that could not finish (docs/reproduction.md, "The recorded full run").
+a record that could not finish (docs/reproduction.md, "The recorded full run"); ``verdicts OUT``: claims 3, 3a and
+Batch Renorm's from those runs, by the report's own code and criteria.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.runner.experiments.demo.claims import PLATEAU_Z, plateau_check
+from normlab.runner.experiments.demo.claims import PLATEAU_Z, _batch_rows, plateau_check
 from normlab.runner.experiments.demo.experiment import plan_demo
 from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL
 from normlab.runner.grid.execute import run_cells
@@ -85,11 +86,23 @@ def partial(out: Path) -> None:
         print(f"| {norm} | {bs} | {seeds} | {ev} | {tm} | {falls} | {checks[0]['steps']} |")
 
 
+def verdicts(out: Path) -> None:
+    """Claims 3, 3a and Batch Renorm's, by the report's own code and criteria, from section (b)'s finished runs
+    alone (``results.json``, rewritten after each run): a group without runs counts as missing, as in the report."""
+    b = json.loads((out / "batch_size" / "results.json").read_text())
+    plateau = {c["cell"]: plateau_check(out / "batch_size" / "runs" / c["cell"]) for c in b["cells"]}
+    runs = {(g["name"], int(g["batch_size"])): g["n_seeds"] for g in b["groups"]}
+    print(f"section (b): {len(b['cells'])} finished runs; seeds per group: {runs}")
+    for r in _batch_rows(b, {"plateau": plateau}):
+        print(f"- **{r['id']}**: **{r['verdict']}**: {r['numbers']}")
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("train", "partial"):
-        print("usage: python scripts/record_reproduce.py train|partial OUT", file=sys.stderr)
+    modes = {"train": train, "partial": partial, "verdicts": verdicts}
+    if len(argv) != 2 or argv[0] not in modes:
+        print("usage: python scripts/record_reproduce.py train|partial|verdicts OUT", file=sys.stderr)
         return 2
-    (train if argv[0] == "train" else partial)(Path(argv[1]))
+    modes[argv[0]](Path(argv[1]))
     return 0
 
 

@@ -106,6 +106,17 @@ def test_plateau_noise_counts_correlated_steps_by_their_blocks(tmp_path):
     assert _trace(tmp_path, wave)["noise_nats"] > 2 * _trace(tmp_path, shuffled)["noise_nats"]
 
 
+def test_a_batch_size_without_a_finished_run_is_named_not_run():
+    # a record that did not finish: claim 3's plateau condition names what is missing instead of "None steps"
+    from normlab.runner.experiments.demo.claims import _plateau_state
+
+    b = {"spec": {"batch_sizes": [128, 2], "norms": ["bn"]}, "cells": [{"cell": "x", "name": "bn", "batch_size": 128}]}
+    ok = {"plateau": {"x": {"steps": 10, "fall": 0.0, "plateau": True}}}
+    assert _plateau_state(b, ok, ("bn",)) == ["BN at batch 2 (not run)"]
+    falling = {"plateau": {"x": {"steps": 10, "fall": 0.2, "plateau": False}}}
+    assert _plateau_state(b, falling, ("bn",))[0] == "BN at batch 128 (10 steps, loss still falling 20 %)"
+
+
 # -------------------------------------------------------------------------------------------- the protocol
 def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
     # report seeds: not the demo's 0-2, not the reserved 3-99, not the pilots'

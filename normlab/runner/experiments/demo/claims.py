@@ -241,7 +241,8 @@ def _claim5(g: dict, lrs: list[float], names: list[str], ok) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------ (b) claims 3, BRN
 def _plateau_state(b: dict, evidence: dict, names: tuple[str, ...]) -> list[str]:
-    """The (norm, batch) settings of ``names`` whose runs did not reach their plateau (most seeds), in words."""
+    """The (norm, batch) settings of ``names`` whose runs did not reach their plateau (most seeds), in words (a
+    setting without a finished run, as in a record that did not finish: "not run")."""
     plateau = evidence.get("plateau") or {}
     out = []
     for bs in sorted(b["spec"]["batch_sizes"], reverse=True):
@@ -251,7 +252,7 @@ def _plateau_state(b: dict, evidence: dict, names: tuple[str, ...]) -> list[str]
                 falls = [x["fall"] for x in checks if x and x["fall"] is not None]
                 fall = f", loss still falling {100 * sum(falls) / len(falls):.0f} %" if falls else ""
                 steps = next((x["steps"] for x in checks if x), None)
-                out.append(f"{n.upper()} at batch {bs} ({steps} steps{fall})")
+                out.append(f"{n.upper()} at batch {bs} ({f'{steps} steps{fall}' if steps is not None else 'not run'})")
     return out
 
 
@@ -270,7 +271,7 @@ def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
             _row(
                 "3",
                 NOT_TESTABLE,
-                f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
+                f"not at their plateau: {'; '.join(unplateaued[:3])}"
                 f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
                 f"information, {nums}",
                 f"not at plateau: {unplateaued[0]}"
