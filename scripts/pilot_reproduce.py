@@ -3,8 +3,10 @@
 ``python scripts/pilot_reproduce.py OUT [SEED] [small|batch2 [MAX_STEPS]]``: trains, with FULL_PROTOCOL's
 settings, the unnormalized net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section
 (b)'s batch sizes (PWS at 4 and 2, BN at 128 and 2, GN at 2); ``small``: only the cells of the second pilot
-(:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b). It prints each
-run's final accuracy and its plateau check.
+(:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b); ``smallb``: every
+norm of (b) at batches 4 and 2; ``b2``: every norm of (b) at batch 2 (the fourth pilot, of the noise-aware
+criterion, seeds 203 and 204). It prints each run's
+final accuracy, its plateau check and its step time.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ SMALL = {  # the second pilot, after the schedule moved: the cells that had miss
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2)},
 }
 BATCH2 = {"batch_size": {("bn", 2), ("pws", 2)}}  # the third pilot: batch 2 with twice the steps
+SMALLB = {"batch_size": {(n, b) for n in ("bn", "brn", "gn", "sn", "pws") for b in (4, 2)}}  # pilots 203-: (b) <128
+B2 = {"batch_size": {(n, 2) for n in ("bn", "brn", "gn", "sn", "pws")}}  # the fourth pilot as cut: (b) at batch 2
 PICKS = {
     "lr_sweep": {("none", 128), ("wn", 128), ("gn", 128), ("bn", 128)},
     "batch_size": {("bn", 128), ("pws", 4), ("pws", 2), ("bn", 2), ("gn", 2)},
@@ -33,7 +37,7 @@ PICKS = {
 
 def main(argv: list[str]) -> int:
     out, seed = Path(argv[0]), int(argv[1]) if len(argv) > 1 else 200
-    picks = {"small": SMALL, "batch2": BATCH2}.get(argv[2] if len(argv) > 2 else "", PICKS)
+    picks = {"small": SMALL, "batch2": BATCH2, "smallb": SMALLB, "b2": B2}.get(argv[2] if len(argv) > 2 else "", PICKS)
     p = dataclasses.replace(FULL_PROTOCOL, seeds=(seed,), guard_seeds=(seed,))
     if len(argv) > 3:  # the cap on an epoch's steps in (b)
         p = dataclasses.replace(p, batch_max_steps=int(argv[3]))
@@ -43,11 +47,12 @@ def main(argv: list[str]) -> int:
     for g, k in zip(grids, picks):
         g.cells = [c for c in g.cells if (c.name, c.batch_size) in picks[k]]
         g.start()
-    run_cells(grids, workers=2 if picks is BATCH2 else 1, threads=1, progress=False)
+    run_cells(grids, workers=1 if picks in (PICKS, SMALL) else 2, threads=1, progress=False)
     for g, k in zip(grids, picks):
         for c in g.cells:
             s = json.loads((g.cell_dir(c) / "summary.json").read_text())
-            print(k, c.cell_id, f"acc {s.get('final_test_acc')}", plateau_check(g.cell_dir(c)))
+            acc = f"acc {s.get('final_test_acc')} / {s.get('final_test_acc_train_mode')}"
+            print(k, c.cell_id, acc, f"step {s.get('step_time_s')}", plateau_check(g.cell_dir(c)), flush=True)
     return 0
 
 

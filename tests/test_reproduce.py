@@ -4,6 +4,7 @@ smoke run), the plateau criterion, and the progress line (runs remaining, ETA) o
 import inspect
 import io
 import json
+import random
 import re
 
 import pytest
@@ -79,6 +80,43 @@ def test_plateau_check_relative_fall_or_an_absolute_floor_near_zero(tmp_path):
     assert not _trace(tmp_path, [0.5] * 40 + [float("nan")] * 10)["plateau"]
 
 
+def _two_sample_losses(rng, n, p_wrong):
+    """``n`` steps of batch 2: each step's loss is the mean of two samples', 0.02 nats if right, 4 if wrong."""
+    return [sum(4.0 if rng.random() < p_wrong else 0.02 for _ in range(2)) / 2 for _ in range(n)]
+
+
+def test_plateau_check_a_fall_within_the_noise_of_a_two_sample_loss_is_a_plateau(tmp_path):
+    rng = random.Random(100)
+    # a converged batch-2 run: a true fall of 0.01 nats from 0.27, under a per-step noise of ~0.9 nats
+    flat = _trace(tmp_path, _two_sample_losses(rng, 12_000, 0.065) + _two_sample_losses(rng, 4_000, 0.0625))
+    assert flat["plateau"] and flat["noise_nats"] > 0.01
+    # the same noise, a run still learning (0.27 -> 0.19 nats): not a plateau
+    falling = _trace(tmp_path, _two_sample_losses(rng, 12_000, 0.065) + _two_sample_losses(rng, 4_000, 0.045))
+    assert not falling["plateau"] and falling["fall_nats"] > 2 * falling["noise_nats"]
+    # a noiseless trace falling 10 % (0.05 nats): no noise to hide in
+    smooth = _trace(tmp_path, [0.5] * 40 + [0.45] * 10)
+    assert not smooth["plateau"] and smooth["noise_nats"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_plateau_noise_counts_correlated_steps_by_their_blocks(tmp_path):
+    # the same values, once shuffled, once in slow waves: the waves' block means spread, so their noise is larger
+    wave = [0.3 + 0.1 * ((i // 40) % 2) for i in range(1_000)]
+    shuffled = wave[:]
+    random.Random(101).shuffle(shuffled)
+    assert _trace(tmp_path, wave)["noise_nats"] > 2 * _trace(tmp_path, shuffled)["noise_nats"]
+
+
+def test_a_batch_size_without_a_finished_run_is_named_not_run():
+    # a record that did not finish: claim 3's plateau condition names what is missing instead of "None steps"
+    from normlab.runner.experiments.demo.claims import _plateau_state
+
+    b = {"spec": {"batch_sizes": [128, 2], "norms": ["bn"]}, "cells": [{"cell": "x", "name": "bn", "batch_size": 128}]}
+    ok = {"plateau": {"x": {"steps": 10, "fall": 0.0, "plateau": True}}}
+    assert _plateau_state(b, ok, ("bn",)) == ["BN at batch 2 (not run)"]
+    falling = {"plateau": {"x": {"steps": 10, "fall": 0.2, "plateau": False}}}
+    assert _plateau_state(b, falling, ("bn",))[0] == "BN at batch 128 (10 steps, loss still falling 20 %)"
+
+
 # -------------------------------------------------------------------------------------------- the protocol
 def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
     # report seeds: not the demo's 0-2, not the reserved 3-99, not the pilots'
@@ -98,6 +136,21 @@ def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
     assert collapse.monitor_dense_steps == 200 and collapse.monitor_dense_every == 1
     assert milestone_epochs(FULL_PROTOCOL, 10) == (4, 6) and milestone_epochs(FULL_PROTOCOL, 5) == (2, 3)
     assert milestone_epochs(FULL_PROTOCOL, 1) == ()
+
+
+def test_the_records_stages_train_every_cell_of_the_full_run_once():
+    # scripts/record_reproduce.py only reorders normlab reproduce's runs: each cell in exactly one stage
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "record_reproduce.py"
+    spec = importlib.util.spec_from_file_location("record_reproduce", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for key, grid in demo_sections(FULL_PROTOCOL).items():
+        for cell in expand_grid(grid):
+            hits = [label for label, section, pick in mod.STAGES if section == key and pick(cell)]
+            assert len(hits) == 1, (key, cell.cell_id, hits)
 
 
 def test_the_quick_demo_cells_are_unchanged_by_the_full_protocols_fields():

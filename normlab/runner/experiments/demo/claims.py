@@ -25,6 +25,8 @@ __all__ = [
     "ALARM_SEEDS",
     "PLATEAU_FALL",
     "PLATEAU_FLOOR",
+    "PLATEAU_Z",
+    "PLATEAU_BLOCKS",
     "TIME_FLOOR",
     "collect_evidence",
     "plateau_check",
@@ -40,6 +42,8 @@ BRN_GAIN = 0.01  # Batch Renorm recovers a small batch when its accuracy there i
 ALARM_SEEDS = 2  # the monitor's target: an alarm before the collapse on >= 2 seeds of the unnormalized net
 PLATEAU_FALL = 0.05  # a run is at its plateau when its loss over the last fifth is < 5 % below the fifth before
 PLATEAU_FLOOR = 0.01  # ... or < 0.01 nats below it (the mean probability of the right class moves by < 1 %)
+PLATEAU_Z = 2.0  # ... or less than 2 standard errors of the difference of the two means (within the trace's noise)
+PLATEAU_BLOCKS = 10  # each fifth's standard error from the spread of the means of its 10 consecutive blocks
 TIME_FLOOR = 0.03  # two step times closer than 3 % of PWS's (or than their spread) are a tie
 PAPER_HIGH_LR = 0.1  # claim 5's learning rate in the paper (1e-1)
 
@@ -50,8 +54,8 @@ CLAIM_CRITERIA = {
     "2": "reproduced if PWS (gamma 1e-3 or 1e-2) *trains* at a learning rate where claim 1 is reproduced; not "
     "testable where claim 1 is not",
     "3": f"testable only if every BN, GN and PWS run of section (b) reached its plateau (mean training loss over the "
-    f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} % or {PLATEAU_FLOOR:g} nats below the fifth "
-    f"before); then reproduced if "
+    f"last fifth of its steps less than {100 * PLATEAU_FALL:.0f} %, or {PLATEAU_FLOOR:g} nats, or "
+    f"{PLATEAU_Z:g} standard errors below the fifth before); then reproduced if "
     f"BN's mean accuracy at the smallest batch is >= {100 * DROP:.0f} points below its batch-128 accuracy while "
     f"PWS's is not",
     "3a": f"reproduced if BN's train-mode accuracy (batch statistics) at the smallest batch is >= "
@@ -84,11 +88,33 @@ REPRODUCED, NOT_REPRODUCED, NOT_TESTABLE = "reproduced", "not reproduced", "not 
 
 
 # ------------------------------------------------------------------------------------------------- evidence
+def _window_se(xs: list[float]) -> float:
+    """The standard error of the mean of ``xs`` (consecutive steps' losses) by the method of batch means: the spread
+    of the means of :data:`PLATEAU_BLOCKS` consecutive blocks, so that correlated steps are not counted as
+    independent; 0 for fewer than 2 blocks."""
+    b = min(PLATEAU_BLOCKS, len(xs))
+    if b < 2:
+        return 0.0
+    n = len(xs) // b
+    means = [sum(xs[i * n : (i + 1) * n]) / n for i in range(b)]
+    m = sum(means) / b
+    return math.sqrt(sum((x - m) ** 2 for x in means) / (b - 1) / b)
+
+
 def plateau_check(run_dir: Path) -> dict[str, Any] | None:
-    """Has the run's training loss levelled off? The mean over the last fifth of its steps against the fifth before:
-    a plateau when it fell less than :data:`PLATEAU_FALL` of the earlier mean, or less than :data:`PLATEAU_FLOOR`
-    nats (a loss near zero, whose relative changes are noise). ``{"steps", "fall" (relative), "fall_nats",
-    "plateau"}``; None without a loss trace."""
+    r"""Has the run's training loss levelled off? The mean :math:`\bar a` over the fifth before the last fifth of
+    its steps against the mean :math:`\bar b` over the last fifth: a plateau when the fall
+    :math:`\bar a - \bar b` is less than :data:`PLATEAU_FALL` of :math:`\bar a`, or less than
+    :data:`PLATEAU_FLOOR` nats (a loss near zero, whose relative changes are noise), or less than
+    :data:`PLATEAU_Z` standard errors of the difference,
+    :math:`z \sqrt{\mathrm{se}_a^2 + \mathrm{se}_b^2}` (a fall the trace's own noise could make: at batch 2 a
+    step's loss is the mean of two samples' losses). Each fifth's standard error is that of its mean by batch means
+    (:data:`PLATEAU_BLOCKS` blocks).
+
+    Returns:
+        ``{"steps", "fall" (relative), "fall_nats", "noise_nats" (the standard error of the difference),
+        "plateau"}``; None without a loss trace.
+    """
     path = Path(run_dir) / "loss_trace.json"
     if not path.is_file():
         return None
@@ -101,11 +127,13 @@ def plateau_check(run_dir: Path) -> dict[str, Any] | None:
         return {"steps": len(losses), "fall": None, "plateau": False}
     a, b = sum(prev) / k, sum(last) / k
     fall = (a - b) / a if a > 0 else 0.0
+    noise = math.hypot(_window_se(prev), _window_se(last))
     return {
         "steps": len(losses),
         "fall": fall,
         "fall_nats": a - b,
-        "plateau": fall < PLATEAU_FALL or a - b < PLATEAU_FLOOR,
+        "noise_nats": noise,
+        "plateau": fall < PLATEAU_FALL or a - b < PLATEAU_FLOOR or a - b < PLATEAU_Z * noise,
     }
 
 
@@ -213,7 +241,8 @@ def _claim5(g: dict, lrs: list[float], names: list[str], ok) -> dict[str, str]:
 
 # ------------------------------------------------------------------------------------------ (b) claims 3, BRN
 def _plateau_state(b: dict, evidence: dict, names: tuple[str, ...]) -> list[str]:
-    """The (norm, batch) settings of ``names`` whose runs did not reach their plateau (most seeds), in words."""
+    """The (norm, batch) settings of ``names`` whose runs did not reach their plateau (most seeds), in words (a
+    setting without a finished run, as in a record that did not finish: "not run")."""
     plateau = evidence.get("plateau") or {}
     out = []
     for bs in sorted(b["spec"]["batch_sizes"], reverse=True):
@@ -223,7 +252,7 @@ def _plateau_state(b: dict, evidence: dict, names: tuple[str, ...]) -> list[str]
                 falls = [x["fall"] for x in checks if x and x["fall"] is not None]
                 fall = f", loss still falling {100 * sum(falls) / len(falls):.0f} %" if falls else ""
                 steps = next((x["steps"] for x in checks if x), None)
-                out.append(f"{n.upper()} at batch {bs} ({steps} steps{fall})")
+                out.append(f"{n.upper()} at batch {bs} ({f'{steps} steps{fall}' if steps is not None else 'not run'})")
     return out
 
 
@@ -242,7 +271,7 @@ def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
             _row(
                 "3",
                 NOT_TESTABLE,
-                f"not at their plateau after equal epochs: {'; '.join(unplateaued[:3])}"
+                f"not at their plateau: {'; '.join(unplateaued[:3])}"
                 f"{' ...' if len(unplateaued) > 3 else ''}; a drop from batch {base} cannot be measured. For "
                 f"information, {nums}",
                 f"not at plateau: {unplateaued[0]}"

@@ -15,6 +15,7 @@ from normlab.monitor.rules import RegimeRule
 from normlab.runner.experiments.demo.claims import (
     PLATEAU_FALL,
     PLATEAU_FLOOR,
+    PLATEAU_Z,
     claims_markdown,
     collect_evidence,
     criteria_markdown,
@@ -86,6 +87,15 @@ def _batch_table(results: dict) -> list[str]:
     return rows
 
 
+def _fall_text(x: dict) -> str:
+    """One run's plateau check in a few characters: the relative fall, with the fall in nats and its noise (two
+    standard errors) where the check records them."""
+    rel = f"{round(100 * x['fall']) + 0:d} %"
+    if x.get("noise_nats") is None:
+        return rel
+    return f"{rel} ({x['fall_nats']:.3f} vs {PLATEAU_Z:g}x{x['noise_nats']:.3f} nats)"
+
+
 def _plateau_table(results: dict, evidence: dict) -> list[str]:
     """Per norm and batch size: how much the training loss still fell over the last fifth of the run's steps."""
     spec, plateau = results["spec"], evidence.get("plateau") or {}
@@ -97,11 +107,9 @@ def _plateau_table(results: dict, evidence: dict) -> list[str]:
             checks = [
                 plateau.get(c["cell"]) for c in results["cells"] if c["name"] == name and int(c["batch_size"]) == b
             ]
-            falls = [x["fall"] for x in checks if x and x["fall"] is not None]
+            falls = [_fall_text(x) for x in checks if x and x["fall"] is not None]
             at = sum(1 for x in checks if x and x["plateau"])
-            cells.append(
-                f"{', '.join(f'{round(100 * f) + 0:d} %' for f in falls) or 'n/a'} ({at}/{len(checks)} at plateau)"
-            )
+            cells.append(f"{', '.join(falls) or 'n/a'} ({at}/{len(checks)} at plateau)")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     return rows
 
@@ -351,7 +359,9 @@ def _sections_md(demo: dict, evidence: dict, diag_lines: list[str], twin_lines: 
         *_batch_table(b),
         "",
         f"Has each run reached its plateau? How much its mean training loss fell over the last fifth of its steps "
-        f"(against the fifth before; < {100 * PLATEAU_FALL:.0f} % or < {PLATEAU_FLOOR:g} nats is a plateau), per seed:",
+        f"(against the fifth before: relative, and in nats against {PLATEAU_Z:g} standard errors of the difference; "
+        f"< {100 * PLATEAU_FALL:.0f} %, < {PLATEAU_FLOOR:g} nats or < {PLATEAU_Z:g} standard errors is a plateau), "
+        "per seed:",
         "",
         *_plateau_table(b, evidence),
         "",
