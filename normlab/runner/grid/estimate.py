@@ -99,7 +99,7 @@ def _sgd_step(cfg: TrainConfig, monitored: bool):
     """A function taking one SGD step of ``cfg``'s model on random input (``monitored``: a monitor records it)."""
     dev = resolve_device(cfg.device)
     model = cfg.make_model().to(dev)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # as the trainer
     monitor = VarianceMonitor(model, every=1) if monitored else None
     x, y = _batch(cfg, cfg.batch_size, dev)
 

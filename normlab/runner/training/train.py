@@ -340,7 +340,7 @@ class Trainer:
         groups = param_groups(
             self.raw_model, cfg.weight_decay, no_decay=() if not cfg.nowd_norm_alpha else ("alpha", "norm", "bias")
         )
-        self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+        self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.tracker = CollapseTracker(math.log(info["num_classes"]), loss_window(cfg.batch_size))
