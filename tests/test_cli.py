@@ -277,7 +277,7 @@ def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
     )
     assert estimate_minutes(cells, 1) > 0
     monkeypatch.setattr(estimate, "step_seconds", lambda cfg: 0.5)
-    monkeypatch.setattr(estimate, "eval_seconds", lambda cfg: 0.0)
+    monkeypatch.setattr(estimate, "eval_mode_seconds", lambda cfg: 0.0)
     monkeypatch.setattr(estimate, "RUN_OVERHEAD_S", 0.0)
     assert estimate_minutes(cells, 1) == 2 * 2 * 0.5 / 60  # 2 cells x 2 steps x 0.5 s
     assert estimate_minutes(cells, 2) == 2 * 2 * 0.5 / 60 / 2  # two workers share the cells

@@ -57,11 +57,44 @@ def test_the_estimate_adds_evaluations_the_monitor_and_each_runs_start(monkeypat
         )
     )
     monkeypatch.setattr(estimate, "step_seconds", lambda cfg: 0.5)
-    monkeypatch.setattr(estimate, "eval_seconds", lambda cfg: 0.25)
+    monkeypatch.setattr(estimate, "eval_mode_seconds", lambda cfg: 0.25)
     monkeypatch.setattr(estimate, "monitor_seconds", lambda cfg, plain=None: 0.1)
     one = 4 * 0.5 + 2 * 0.25 + 2 * 0.1 + estimate.RUN_OVERHEAD_S  # 4 steps, 2 evaluations, steps 0 and 2 recorded
     assert estimate.estimate_seconds(cells) == pytest.approx([one, one])
     assert estimate.estimate_minutes(cells, 2) == pytest.approx(one / 60)
+
+
+def test_each_pass_is_timed_once_per_what_it_depends_on(monkeypatch):
+    """The eval-mode pass once per model (not per batch size); the step, the train-mode pass and the monitor once
+    per model and batch size; an evaluation is the eval-mode pass plus the train-mode pass of the cell's batch."""
+    cells = expand_grid(
+        GridSpec(
+            norms=("bn", "gn"),
+            lrs=(0.1,),
+            batch_sizes=(16, 4, 2),
+            seeds=(0, 1),
+            epochs=1,
+            width=0.125,
+            max_steps_per_epoch=4,
+            train_kwargs={"evals_per_epoch": 1, "monitor_every": 2, "eval_train_mode": True},
+        )
+    )
+    calls: dict[str, list] = {"step": [], "eval": [], "train": [], "monitor": []}
+
+    def timer(kind, value):
+        return lambda cfg, plain=None: calls[kind].append((cfg.norm, cfg.batch_size)) or value(cfg)
+
+    monkeypatch.setattr(estimate, "step_seconds", timer("step", lambda cfg: 0.5))
+    monkeypatch.setattr(estimate, "eval_mode_seconds", timer("eval", lambda cfg: 0.25))
+    monkeypatch.setattr(estimate, "train_mode_seconds", timer("train", lambda cfg: 0.01 * cfg.batch_size))
+    monkeypatch.setattr(estimate, "monitor_seconds", timer("monitor", lambda cfg: 0.1))
+    seconds = estimate.estimate_seconds(cells)
+    assert sorted(calls["eval"]) == [("bn", 16), ("gn", 16)]  # one per model, at the first batch size seen
+    for kind in ("step", "train", "monitor"):
+        assert sorted(calls[kind]) == sorted({(n, b) for n in ("bn", "gn") for b in (16, 4, 2)})
+    for cell, s in zip(cells, seconds):
+        b = cell.config.batch_size
+        assert s == pytest.approx(4 * 0.5 + (0.25 + 0.01 * b) + 2 * 0.1 + estimate.RUN_OVERHEAD_S)
 
 
 def test_an_evaluation_and_a_recorded_step_cost_time_when_timed():

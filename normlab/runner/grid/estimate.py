@@ -7,12 +7,13 @@ The estimate is ``sum over cells of the cell's seconds / workers``, a cell's sec
     + recorded steps x (the monitor's seconds per recorded step) + :data:`RUN_OVERHEAD_S`
 
 The steps of a cell are its epochs times its steps per epoch (capped by ``max_steps_per_epoch``), its evaluations
-``evals_per_epoch`` per epoch, its recorded steps those of its monitor's schedule. The seconds are timed here, once
-per distinct (model, norm, conv, width, batch size, data set), with one torch thread (what a pool worker uses): the
-median of a few SGD steps on random input, of a few passes over a test set of the run's size (and, with
-``eval_train_mode``, the train-mode pass) and of a few steps with a :class:`~normlab.monitor.VarianceMonitor`
-recording, less the plain step. :data:`RUN_OVERHEAD_S` (starting a run, building its data and model, writing its
-files) was measured once (docs/research/estimate_calibration.md).
+``evals_per_epoch`` per epoch, its recorded steps those of its monitor's schedule. The seconds are timed here with
+one torch thread (what a pool worker uses), each once per what it depends on: the median of a few SGD steps on
+random input, of the train-mode pass (``eval_train_mode``) and of a few steps with a
+:class:`~normlab.monitor.VarianceMonitor` recording, less the plain step, once per model (norm, conv, width, data
+set) and batch size; the eval-mode pass over a test set of the run's size once per model. :data:`RUN_OVERHEAD_S`
+(starting a run, building its data and model, writing its files) was measured once
+(docs/research/estimate_calibration.md).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ __all__ = [
     "cell_recorded_steps",
     "step_seconds",
     "eval_seconds",
+    "eval_mode_seconds",
+    "train_mode_seconds",
     "monitor_seconds",
     "cell_seconds",
     "estimate_seconds",
@@ -129,29 +132,48 @@ def monitor_seconds(cfg: TrainConfig, repeats: int = 2, plain: float | None = No
 
 
 def eval_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
-    """Seconds of one evaluation of ``cfg``'s run: the forward passes over a test set of the run's size in eval mode
-    (batches of 512), and with ``eval_train_mode`` the train-mode pass over its first samples at the training batch
-    size; each kind of batch is timed (median, random input) and counted, not run in full."""
-    dev = resolve_device(cfg.device)
-    model = cfg.make_model().to(dev)
-    n_test = TEST_SIZES.get(cfg.dataset, int(0.2 * (cfg.num_samples or 25_000)))
-    x, _ = _batch(cfg, min(n_test, 512), dev)
-
-    def forward(n: int, train: bool):
-        @torch.no_grad()
-        def run() -> None:
-            model.train(train)
-            model(x[:n])
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-
-        return run
-
-    full, rest = divmod(n_test, 512)
-    total = full * _timed(forward(512, False), repeats) + (_timed(forward(rest, False), repeats) if rest else 0.0)
-    if cfg.eval_train_mode and cfg.batch_size <= x.shape[0]:
-        total += min(n_test, TRAIN_MODE_SAMPLES) // cfg.batch_size * _timed(forward(cfg.batch_size, True), repeats)
+    """Seconds of one evaluation of ``cfg``'s run: :func:`eval_mode_seconds` plus, with ``eval_train_mode``,
+    :func:`train_mode_seconds`."""
+    total = eval_mode_seconds(cfg, repeats)
+    if cfg.eval_train_mode:
+        total += train_mode_seconds(cfg, repeats)
     return total
+
+
+def _forward(cfg: TrainConfig, n: int, train: bool):
+    """A function running ``cfg``'s model forward on ``n`` random samples without gradient (``train``: train mode)."""
+    dev = resolve_device(cfg.device)
+    model = cfg.make_model().to(dev).train(train)
+    x, _ = _batch(cfg, n, dev)
+
+    @torch.no_grad()
+    def run() -> None:
+        model(x)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return run
+
+
+def _test_size(cfg: TrainConfig) -> int:
+    return TEST_SIZES.get(cfg.dataset, int(0.2 * (cfg.num_samples or 25_000)))
+
+
+def eval_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
+    """Seconds of the eval-mode pass over a test set of the run's size (batches of 512; one full batch and the
+    remainder timed, median of random input, and counted). It does not depend on the training batch size."""
+    full, rest = divmod(_test_size(cfg), 512)
+    total = full * _timed(_forward(cfg, 512, False), repeats) if full else 0.0
+    return total + (_timed(_forward(cfg, rest, False), repeats) if rest else 0.0)
+
+
+def train_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
+    """Seconds of the train-mode pass (``eval_train_mode``): batches of the training batch size over the first
+    :data:`~normlab.runner.training.evaluation.TRAIN_MODE_SAMPLES` test samples (0 for a batch over 512)."""
+    if cfg.batch_size > 512:
+        return 0.0
+    batches = min(_test_size(cfg), TRAIN_MODE_SAMPLES) // cfg.batch_size
+    return batches * _timed(_forward(cfg, cfg.batch_size, True), repeats) if batches else 0.0
 
 
 def cell_seconds(cfg: TrainConfig, timed: dict[str, float]) -> float:
@@ -165,31 +187,28 @@ def cell_seconds(cfg: TrainConfig, timed: dict[str, float]) -> float:
 
 
 def estimate_seconds(cells: Sequence[Cell]) -> list[float]:
-    """Estimated seconds of each of ``cells`` in one worker (see the module doc)."""
-    timed: dict[tuple, dict[str, float]] = {}
+    """Estimated seconds of each of ``cells`` in one worker (see the module doc). Each kind of work is timed once
+    per model it depends on: the eval-mode pass once per model, the step, the train-mode pass and the monitor once
+    per model and batch size."""
+    steps: dict[tuple, dict[str, float]] = {}
+    eval_mode: dict[tuple, float] = {}
     out = []
     for cell in cells:
         c = cell.config
-        key = (
-            c.model,
-            c.norm,
-            c.conv,
-            repr(c.conv_kwargs),
-            repr(c.model_kwargs),
-            c.width,
-            c.batch_size,
-            c.dataset,
-            c.device,
-            c.num_samples,
-            c.eval_train_mode,
-        )
-        if key not in timed:
-            timed[key] = {"step": step_seconds(c), "eval": 0.0, "monitor": 0.0}
-        if cell_evals(c) and "evaluated" not in timed[key]:
-            timed[key].update(eval=eval_seconds(c), evaluated=1.0)
-        if cell_recorded_steps(c) and "monitored" not in timed[key]:
-            timed[key].update(monitor=monitor_seconds(c, plain=timed[key]["step"]), monitored=1.0)
-        out.append(cell_seconds(c, timed[key]))
+        model_key = (c.model, c.norm, c.conv, repr(c.conv_kwargs), repr(c.model_kwargs), c.width, c.dataset)
+        model_key += (c.device, c.num_samples)
+        key = (*model_key, c.batch_size)
+        if key not in steps:
+            steps[key] = {"step": step_seconds(c)}
+        timed = steps[key]
+        if cell_evals(c) and c.eval_train_mode and "train_mode" not in timed:
+            timed["train_mode"] = train_mode_seconds(c)
+        if cell_evals(c) and model_key not in eval_mode:
+            eval_mode[model_key] = eval_mode_seconds(c)
+        if cell_recorded_steps(c) and "monitor" not in timed:
+            timed["monitor"] = monitor_seconds(c, plain=timed["step"])
+        evaluation = eval_mode.get(model_key, 0.0) + (timed.get("train_mode", 0.0) if c.eval_train_mode else 0.0)
+        out.append(cell_seconds(c, {"step": timed["step"], "eval": evaluation, "monitor": timed.get("monitor", 0.0)}))
     return out
 
 
