@@ -131,12 +131,7 @@ def lr_plot(results: dict, path: Path) -> Path | None:
         ax.set(ylim=(0, 100), xlim=(lrs[0] / 1.4, lrs[-1] * 1.4))
         ax.set_title(_label(name), color=norm_color(name), fontweight="bold")
         ax.grid(alpha=0.3)
-    for ax in axes.flat[len(names) :]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("learning rate")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("test acc. (%)")
+    _finish_grid(axes, len(names), "learning rate", "test acc. (%)")
     fig.suptitle(
         f"(a) final test accuracy vs learning rate (log scale), batch {results['spec']['base_batch_size']}",
         fontsize=TITLE,
@@ -258,12 +253,7 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
         ax.set_yscale("log")
         ax.set_ylim(0.05, AXIS_TOP)
         ax.grid(alpha=0.3, which="both")
-    for ax in axes.flat[len(names) :]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel("step")
-    for ax in axes[:, 0]:
-        ax.set_ylabel("training loss")
+    _finish_grid(axes, len(names), "step", "training loss")
     handles = [
         Line2D(
             [],
@@ -375,3 +365,13 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
         )
     note = "\n".join(notes) or None
     return _save(fig, path, handles + _marks_legend(results, extra), "norm", note)
+
+
+def _finish_grid(axes, used: int, xlabel: str, ylabel: str) -> None:
+    """Hide the panels of a grid of axes past the first ``used``; label the bottom row's x and the left column's y."""
+    for ax in axes.flat[used:]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel(xlabel)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
