@@ -328,3 +328,24 @@ def test_a_second_rescue_is_marked_at_its_optimizer_step_and_named_with_the_guar
 )
 def test_step_axis_places_kept_steps_and_rescues_on_the_steps_taken(kept, rescues, xs, marks):
     assert step_axis(kept, rescues) == (xs, marks)
+
+
+def test_seed_bars_of_equal_seeds_are_drawn_although_their_mean_rounds_past_them(saved, monkeypatch, tmp_path):
+    """Three seeds at 99.03 % have a mean of 99.03000000000002 %: the bar's upper length would be negative and
+    matplotlib refuses the figure (the full reproduction's report crashed on it). Every figure with seed bars draws."""
+    assert sum([99.03] * 3) / 3 > 99.03  # the rounding this test is about
+    assert grid_report.seed_range_bar(sum([99.03] * 3) / 3, [99.03] * 3) == (pytest.approx(0.0), 0.0)
+    assert grid_report.seed_range_bar(50.0, [40.0, 70.0]) == (10.0, 20.0)
+    assert grid_report.seed_range_bar(50.0, []) == (0.0, 0.0)
+    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    a, b = _grids()
+    for section in (a, b):
+        for c in section["cells"]:
+            c["final_test_acc"] = 0.9903
+        for g in section["groups"]:
+            g["final_mean"] = sum([0.9903] * 3) / 3
+    plots.lr_plot(a, tmp_path / "a.png")
+    plots.batch_plot(b, tmp_path / "b.png")
+    grid_report.plot_sweep(a, tmp_path / "g.png", "lr")
+    grid_report.plot_sweep(b, tmp_path / "h.png", "batch_size")
+    assert len(saved) == 4

@@ -245,10 +245,18 @@ def _seed_range(results: dict[str, Any], groups: Sequence[dict[str, Any]], axis:
             and float(c[other]) == float(g[other])
             and c.get("final_test_acc") is not None
         ]
-        mean = 100 * g["final_mean"]
-        low.append(mean - min(accs, default=mean))
-        high.append(max(accs, default=mean) - mean)
+        below, above = seed_range_bar(100 * g["final_mean"], accs)
+        low.append(below)
+        high.append(above)
     return [low, high]
+
+
+def seed_range_bar(mean: float, values: Sequence[float]) -> tuple[float, float]:
+    """An error bar from ``mean`` down to the lowest and up to the highest of ``values`` (the seeds' results), as
+    matplotlib's ``yerr`` takes it: two lengths, never negative (the mean of equal values can round past them)."""
+    if not values:
+        return 0.0, 0.0
+    return max(0.0, mean - min(values)), max(0.0, max(values) - mean)
 
 
 def plot_curves(results: dict[str, Any], path: Path) -> Path | None:

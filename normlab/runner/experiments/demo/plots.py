@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.runner.grid.palette import norm_color, norm_order
-from normlab.runner.grid.report import plt
+from normlab.runner.grid.report import plt, seed_range_bar
 from normlab.runner.grid.verdicts import chance_level
 from normlab.runner.io import atomic_savefig
 
@@ -75,9 +75,9 @@ def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: fl
         ax.plot([x] * len(ok), ok, "o", color=color, alpha=0.35, markersize=5)
         ax.plot([x] * len(bad), bad, "x", color=color, alpha=0.8, markersize=7, markeredgewidth=1.5)
     means = [sum(v[0] for v in vals) / len(vals) for vals in xs_vals.values()]
-    low = [m - min(v[0] for v in vals) for m, vals in zip(means, xs_vals.values())]
-    high = [max(v[0] for v in vals) - m for m, vals in zip(means, xs_vals.values())]
-    return ax.errorbar(xs, means, yerr=[low, high], color=color, linewidth=2.2, capsize=3, **line)
+    bars = [seed_range_bar(m, [v[0] for v in vals]) for m, vals in zip(means, xs_vals.values())]
+    yerr = [[b[0] for b in bars], [b[1] for b in bars]]
+    return ax.errorbar(xs, means, yerr=yerr, color=color, linewidth=2.2, capsize=3, **line)
 
 
 def _any_collapsed(results: dict) -> bool:
