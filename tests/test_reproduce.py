@@ -176,10 +176,29 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
     assert set(demo["evidence"]["plateau_all"]) == set(demo["sections"])
     report = (out / "report.md").read_text()
     assert report.startswith("# normlab reproduce") and "2 epochs, lr x0.1 after 50 % of them" in report
+    assert "The protocol: `normlab.runner.experiments.reproduce.mnist1d.SMOKE_PROTOCOL`" in report
+    assert re.search(r"\*\*Plateau\*\*: (all 14 runs|\d+ of 14 runs) reached their plateau", report)
     assert "| 3 |" in stdout and str(out / "report.md") in stdout
     # resumable: a second call trains nothing
     assert main(["reproduce", "--smoke", "--out", str(out), "--workers", "1", "--threads", "1"]) == 0
     assert "0 runs to train, 14 already done" in capsys.readouterr().err
+
+
+def test_the_plateau_summary_counts_every_run_and_names_each_miss_by_how_it_missed():
+    from normlab.runner.experiments.demo.report import plateau_summary
+
+    ok = {"plateau": True, "fall": 0.01, "fall_nats": 0.001, "noise_nats": 0.001, "steps": 100}
+    falling = {"plateau": False, "fall": 0.099, "fall_nats": 0.0183, "noise_nats": 0.0064, "steps": 100}
+    died = {"plateau": False, "fall": None, "steps": 40}
+    assert plateau_summary({"lr_sweep": {"a": ok}, "batch_size": {"b": ok}}, {})[0].startswith(
+        "**Plateau**: all 2 runs reached their plateau"
+    )
+    line = plateau_summary(
+        {"lr_sweep": {"a": ok, "x": died}, "batch_size": {"y": falling}},
+        {"x": {"collapse_reason": "non_finite_loss"}, "y": {"collapse_reason": None}},
+    )[0]
+    assert line.startswith("**Plateau**: 1 of 3 runs reached their plateau")
+    assert "(a) x (collapsed: non finite loss)" in line and "(b) y (fell 9.9 %, 0.0183 nats vs 2 x 0.0064)" in line
 
 
 # ---------------------------------------------------------------------------------------- CIFAR-10 preset

@@ -28,6 +28,7 @@ __all__ = [
     "PLATEAU_Z",
     "PLATEAU_BLOCKS",
     "TIME_FLOOR",
+    "SECTION_LETTERS",
     "collect_evidence",
     "plateau_check",
     "claims_table",
@@ -395,7 +396,7 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
     return _row("mon", REPRODUCED if met else NOT_REPRODUCED, "; ".join([nums, *(c for c in clauses if c)]), key)
 
 
-_SECTION = {"lr_sweep": "(a)", "batch_size": "(b)", "collapse": "(c)"}
+SECTION_LETTERS = {"lr_sweep": "(a)", "batch_size": "(b)", "collapse": "(c)"}  # a section key as the report says it
 _ENDED = {"non_finite_loss": "a non-finite loss", "returned_to_chance": "a return to chance"}
 # the rule behind an alarm's quantity, for records made before summaries named the rule
 _RULE_OF = {"output_var_growth": "countdown", "output_var_level": "countdown", "input_sq": "factor", "shift": "factor"}
@@ -405,9 +406,9 @@ def _run_name(demo: dict, key: str, cell: str) -> str:
     """A run in a few words: its section, norm, learning rate (and batch size in (b)) and seed."""
     c = next((x for x in demo["sections"].get(key, {}).get("cells", []) if x["cell"] == cell), None)
     if c is None:
-        return f"{_SECTION.get(key, key)} {cell}"
+        return f"{SECTION_LETTERS.get(key, key)} {cell}"
     batch = f" batch {c['batch_size']}" if key == "batch_size" else ""
-    return f"{_SECTION.get(key, key)} {c['name']} lr {float(c['lr']):g}{batch} seed {c['seed']}"
+    return f"{SECTION_LETTERS.get(key, key)} {c['name']} lr {float(c['lr']):g}{batch} seed {c['seed']}"
 
 
 def _rule(alarm: dict) -> str:

@@ -16,6 +16,7 @@ from normlab.runner.experiments.demo.claims import (
     PLATEAU_FALL,
     PLATEAU_FLOOR,
     PLATEAU_Z,
+    SECTION_LETTERS,
     claims_markdown,
     collect_evidence,
     criteria_markdown,
@@ -28,6 +29,14 @@ from normlab.runner.grid.verdicts import CRITERIA, format_acc
 from normlab.runner.io import atomic_write_text
 
 __all__ = ["render_demo_report", "first_table", "risk_sentence", "alarm_sentence"]
+
+
+PROTOCOL_NAMES = {  # the report names the protocol its runs used (by the run's mode)
+    "demo": "normlab.runner.experiments.demo.experiment.PROTOCOL",
+    "quick": "normlab.runner.experiments.demo.experiment.QUICK_PROTOCOL",
+    "full": "normlab.runner.experiments.reproduce.mnist1d.FULL_PROTOCOL",
+    "smoke": "normlab.runner.experiments.reproduce.mnist1d.SMOKE_PROTOCOL",
+}
 
 
 def _groups(results: dict) -> dict[tuple[str, float, int], dict]:
@@ -326,8 +335,39 @@ def _md_header(demo: dict) -> list[str]:
         + f"MNIST-1D generated locally ({p['num_samples']} samples, 80 % train), the paper's plain net in 1-D "
         f"(width {p['lr_width']:g} in (a), (b), (d); {p['collapse_width']:g} in (c)), SGD momentum 0.9, weight "
         f"decay 5e-4 (not on norm parameters, biases and PWS alpha), seeds {', '.join(map(str, p['seeds']))}. "
-        f"Accuracies: test set, mean ± sample std over seeds. The protocol: "
-        "`normlab.runner.experiments.demo.experiment.PROTOCOL`.",
+        f"Accuracies: test set, mean ± sample std over seeds. The protocol: `{PROTOCOL_NAMES[demo.get('mode')]}`.",
+        "",
+        *(plateau_summary(demo["evidence"].get("plateau_all") or {}, _cells(demo)) if full else []),
+    ]
+
+
+def _cells(demo: dict) -> dict[str, dict]:
+    return {c["cell"]: c for sec in demo["sections"].values() for c in sec.get("cells", [])}
+
+
+def plateau_summary(plateau_all: dict[str, dict], cells: dict[str, dict]) -> list[str]:
+    """The full run's plateau in one paragraph: how many runs met the criterion, per section, and each that did not
+    (its relative fall, its fall in nats against two standard errors; a collapsed run by how it ended)."""
+    total = sum(len(runs) for runs in plateau_all.values())
+    misses = [(sec, cell, chk) for sec, runs in plateau_all.items() for cell, chk in runs.items() if not chk["plateau"]]
+    if not misses:
+        return [f"**Plateau**: all {total} runs reached their plateau (criterion in claim 3's row above).", ""]
+    said = []
+    for sec, cell, chk in misses:
+        reason = (cells.get(cell) or {}).get("collapse_reason")
+        if reason:
+            said.append(f"{SECTION_LETTERS.get(sec, sec)} {cell} (collapsed: {reason.replace('_', ' ')})")
+        elif chk.get("fall") is not None:
+            noise = f" vs {PLATEAU_Z:g} x {chk['noise_nats']:.4f}" if chk.get("noise_nats") is not None else ""
+            said.append(
+                f"{SECTION_LETTERS.get(sec, sec)} {cell} (fell {100 * chk['fall']:.1f} %, "
+                f"{chk['fall_nats']:.4f} nats{noise})"
+            )
+        else:
+            said.append(f"{SECTION_LETTERS.get(sec, sec)} {cell} (too short to judge)")
+    return [
+        f"**Plateau**: {total - len(misses)} of {total} runs reached their plateau (criterion in claim 3's row "
+        f"above); not: {'; '.join(said)}.",
         "",
     ]
 
