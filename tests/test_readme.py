@@ -1,10 +1,12 @@
 """The Python examples of the README and of docs/integrations.md run as written (in a temporary directory: some
-write runs/...); the README's table of claims is the terminal's rendering of the recorded demo; no README line is
-longer than 120 characters."""
+write runs/...); the README's table of claims is the terminal's rendering of the recorded full run (and
+docs/reproduction.md's of the recorded demo); no README line is longer than 120 characters."""
 
 import os
 import re
 from pathlib import Path
+
+import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 INTEGRATIONS = README.parent / "docs" / "integrations.md"  # the integrations' examples, moved out of the README
@@ -27,27 +29,31 @@ def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
         assert list((tmp_path / "runs" / "tb").glob("events.out.tfevents.*"))
 
 
-DEMO_RECORD = README.parent / "docs" / "demo_record.json"
-BEGIN, END = "<!-- demo-claims:begin -->", "<!-- demo-claims:end -->"
+DOCS = README.parent / "docs"
+QUOTED_TABLES = [  # (the text that quotes a record's table, its markers, the record, the command that makes both)
+    (README, "reproduce-claims", DOCS / "reproduce_record.json", "runs/reproduce docs/reproduce_record.json"),
+    (DOCS / "reproduction.md", "demo-claims", DOCS / "demo_record.json", "runs/demo docs/demo_record.json"),
+]
 
 
-def test_readme_demo_table_is_the_reports_table_of_the_recorded_demo():
-    """The README quotes the table of claims `normlab demo` prints (the terminal's rendering of the report's first
-    table). It must be exactly what normlab makes of the recorded run (docs/demo_record.json, saved from runs/demo):
-    a hand-edited number, a changed criterion or wording in the builder, or a new record without the README updated
-    all fail here."""
+@pytest.mark.parametrize("text_path, marker, record, command", QUOTED_TABLES, ids=["readme", "reproduction.md"])
+def test_quoted_claims_table_is_the_reports_table_of_its_record(text_path, marker, record, command):
+    """The README quotes the table of claims `normlab reproduce` printed at the end of the recorded full run, and
+    docs/reproduction.md the one of the recorded demo (the terminal's rendering of the report's first table). Each
+    must be exactly what normlab makes of its record (saved from the run's directory): a hand-edited number, a
+    changed criterion or wording in the builder, or a new record without the text updated all fail here."""
     import json
 
     from normlab.runner.experiments.demo.terminal import claims_terminal
 
-    text = README.read_text()
-    assert text.count(BEGIN) == 1 and text.count(END) == 1, "README lacks the demo-claims markers"
-    quoted = text.split(BEGIN)[1].split(END)[0].strip()
-    built = "\n".join(["```text", *claims_terminal(json.loads(DEMO_RECORD.read_text())), "```"]).strip()
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    text = text_path.read_text()
+    assert text.count(begin) == 1 and text.count(end) == 1, f"{text_path.name} lacks the {marker} markers"
+    quoted = text.split(begin)[1].split(end)[0].strip()
+    built = "\n".join(["```text", *claims_terminal(json.loads(record.read_text())), "```"]).strip()
     assert quoted == built, (
-        "README's demo table differs from the report's: refresh both with `python -m "
-        "normlab.runner.experiments.demo.terminal runs/demo docs/demo_record.json` and paste "
-        "its output between the markers"
+        f"{text_path.name}'s claims table differs from its record's: refresh both with `python -m "
+        f"normlab.runner.experiments.demo.terminal {command}` and paste its output between the markers"
     )
 
 
