@@ -335,10 +335,15 @@ def _md_header(demo: dict) -> list[str]:
         + f"MNIST-1D generated locally ({p['num_samples']} samples, 80 % train), the paper's plain net in 1-D "
         f"(width {p['lr_width']:g} in (a), (b), (d); {p['collapse_width']:g} in (c)), SGD momentum 0.9, weight "
         f"decay 5e-4 (not on norm parameters, biases and PWS alpha), seeds {', '.join(map(str, p['seeds']))}. "
-        f"Accuracies: test set, mean ± sample std over seeds. The protocol: `{PROTOCOL_NAMES[demo.get('mode')]}`.",
+        f"Accuracies: test set, mean ± sample std over seeds. The protocol: `{PROTOCOL_NAMES[_mode(demo)]}`.",
         "",
-        *(plateau_summary(demo["evidence"].get("plateau_all") or {}, _cells(demo)) if full else []),
+        *(plateau_summary((demo.get("evidence") or {}).get("plateau_all") or {}, _cells(demo)) if full else []),
     ]
+
+
+def _mode(demo: dict) -> str:
+    """The run's mode (a record from before modes were recorded is the demo's, or its quick version's)."""
+    return demo.get("mode") or ("quick" if demo.get("quick") else "demo")
 
 
 def _cells(demo: dict) -> dict[str, dict]:
