@@ -78,6 +78,12 @@ def plain_eager(x: Tensor) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None
 
 
+def forward_ad_active() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()``: dual tensors need ops with forward derivatives (the
+    composite paths; ``torch.func.jvp`` is a functorch transform, which :func:`plain_eager` already excludes)."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
 def recomputing() -> bool:
     """True while autograd runs a backward pass: a forward then is activation checkpointing's recomputation
     (``torch.utils.checkpoint``, reentrant or not), which must not update the running statistics a second time."""
@@ -85,13 +91,14 @@ def recomputing() -> bool:
 
 
 def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
-    """Copies of the running statistics before a step updates them (one ``torch.stack`` under torch.compile).
+    """Copies of the running statistics before a step updates them (one op under torch.compile).
 
     Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
     buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
     updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
-    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves. Eager: two clones
-    (fewer dispatched ops).
+    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves; inside an
+    activation-checkpointed region, where everything is recomputed, :func:`_prior_snapshot` marks it to be saved.
+    Eager: two clones (fewer dispatched ops).
     """
     with torch.no_grad():
         # the shapes are compared only when compiling (under jit.trace they are traced tensors)
@@ -99,8 +106,56 @@ def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]
             return running_mean.clone(), running_var.clone()
         if running_mean.shape != running_var.shape:
             return running_mean.clone(), running_var.clone()
-        both = torch.stack([running_mean, running_var])
+        both = torch.ops.normlab.prior_snapshot(running_mean, running_var)
         return both[0], both[1]
+
+
+_LIBRARY = torch.library.Library("normlab", "FRAGMENT")  # kept alive: the op lives as long as this object
+_LIBRARY.define("prior_snapshot(Tensor running_mean, Tensor running_var) -> Tensor")
+
+
+def _prior_snapshot(running_mean: Tensor, running_var: Tensor) -> Tensor:
+    """``torch.stack([running_mean, running_var])``, the snapshot of :func:`snapshot` under torch.compile, as an op
+    that decomposes while AOTAutograd traces (CompositeImplicitAutograd). Inside an activation-checkpointed region
+    torch's partitioner recomputes every op of the region in the backward, this one included, from the buffers the
+    forward has updated in place by then (pytorch/pytorch#197039): so here the stack is traced past the region's
+    selective-checkpoint modes and marked ``MUST_SAVE``, and the backward gets the values of the forward."""
+    with _saved_in_checkpoint():
+        return torch.stack([running_mean, running_var])
+
+
+@contextlib.contextmanager
+def _saved_in_checkpoint():
+    """While AOTAutograd traces an activation-checkpointed region (its ``_CachingTorchDispatchMode`` on top of the
+    dispatch mode stack): the ops run here skip those modes and their graph nodes are marked ``MUST_SAVE``; else
+    nothing changes."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import CheckpointPolicy, _CachingTorchDispatchMode
+
+    with contextlib.ExitStack() as stack:
+        popped = False
+        while isinstance(_get_current_dispatch_mode(), _CachingTorchDispatchMode):
+            stack.enter_context(_pop_mode_temporarily())
+            popped = True
+        if not popped:
+            yield
+            return
+        import torch.fx.traceback as fx_traceback
+
+        meta = fx_traceback.current_meta
+        before = meta.get("recompute", _MISSING)
+        meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        try:
+            yield
+        finally:
+            if before is _MISSING:
+                meta.pop("recompute", None)
+            else:
+                meta["recompute"] = before
+
+
+_MISSING = object()
+_LIBRARY.impl("prior_snapshot", _prior_snapshot, "CompositeImplicitAutograd")
 
 
 def clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:
