@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as NF
-from .._dispatch import all_finite, count_into, guarded_update, static_numel, stats_value
+from .._dispatch import all_finite, count_into, guarded_update, kept_for_backward, static_numel, stats_value
 from ._recompute import checkpoint_region, recorded_prior
 
 __all__ = ["Spec", "check_input", "commit", "renorm_forward", "renorm_step"]
@@ -112,6 +112,7 @@ def renorm_step(input: Tensor, state, limits, spec: Spec, compute: Callable):
     (nothing for a recomputation) and the record. ``state``: running mean, running var, ``num_batches_tracked``,
     ``skipped_batches``. Returns ``result``."""
     running = state[:2]
+    limits = kept_for_backward(limits)  # under torch.compile: the schedule's values at this step, for the backward
     region = checkpoint_region()
     prior, recorded = running, None
     if region is not None:
