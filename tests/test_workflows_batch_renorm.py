@@ -245,6 +245,20 @@ def test_a_recomputation_without_record_is_reported():
     assert len(messages) == 1 and messages[0].startswith("BatchRenorm2d: 9 activation-checkpoint recomputation")
 
 
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_checkpointed_step_reads_nothing_back(flavour):
+    """Finding the record is tensor ops only: a checkpointed training step (forward, recomputation, backward) copies
+    no device value to the host (``tests/test_readbacks.py`` counts the plain steps)."""
+    from test_readbacks import ReadBacks
+
+    region = _Region(SyncBatchRenorm, CASES[4][2], "repeated", **SCHEDULE)
+    for step in range(3):
+        x, _ = _batch(CASES[4][3], step)
+        with ReadBacks() as reads:
+            _run(flavour, region, x.requires_grad_()).sum().backward()
+        assert reads.ops == [], step
+
+
 @pytest.mark.slow
 def test_torch_compile_over_a_checkpointed_model():
     """torch.compile over a model that checkpoints a block (the compiled backward recomputes the region): gradients

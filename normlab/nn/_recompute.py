@@ -43,11 +43,8 @@ from .._dispatch import channels_last_format
 
 __all__ = ["Recorded", "checkpoint_region", "recorded_prior", "report_misses"]
 
-CAPACITY = 32  # records per layer (rows of its table)
+CAPACITY = 32  # records per layer
 SAMPLES = 32  # input values in a fingerprint
-_LIMITS = slice(SAMPLES, SAMPLES + 2)  # then one column each: the row's number, its duplicate number, its genuine
-_SEQ, _DUP, _EPISODE, _USED = SAMPLES + 2, SAMPLES + 3, SAMPLES + 4, SAMPLES + 5  # episode, the replay that used it
-_PRIOR = SAMPLES + 6  # then running_mean (C), running_var (C)
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # running_mean buffer -> _Records (dies with the buffer)
 
@@ -73,80 +70,79 @@ def checkpoint_region() -> tuple | None:
 def _fingerprint(x: Tensor) -> Tensor:
     """``SAMPLES`` values of ``x`` evenly spaced in memory, as float64 (NaN/inf made finite so that a non-finite
     batch still matches its recomputation). No copy of ``x`` when it is dense (any memory format)."""
-    x = x.detach()
     n = x.numel()
-    dense = x.is_contiguous() or channels_last_format(x) is not None
-    flat = x.as_strided((n,), (1,), x.storage_offset()) if dense else x.reshape(-1)
-    sample = torch.nan_to_num(flat[:: max(n // SAMPLES, 1)][:SAMPLES].double(), 0.0, 1e300, -1e300)  # a copy
-    if sample.numel() < SAMPLES:
-        sample = torch.cat([sample, sample.new_zeros(SAMPLES - sample.numel())])
-    return sample
+    if n >= SAMPLES and (x.is_contiguous() or channels_last_format(x) is not None):
+        sample = x.as_strided((SAMPLES,), (n // SAMPLES,), x.storage_offset())
+    else:  # a view with gaps, or fewer values than samples (repeated)
+        sample = x.reshape(-1)[torch.arange(SAMPLES, device=x.device) % n]
+    return torch.nan_to_num(sample.double(), 0.0, 1e300, -1e300)  # a copy, also of a float64 x
 
 
 def _tolerance(dtype: torch.dtype) -> float:
     """The largest relative difference of two fingerprints of one input: 0 for a deterministic recomputation;
     32 units of the input dtype's rounding for nondeterministic ops (two different batches differ by O(1))."""
-    return 32 * torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return 32 * torch.finfo(dtype).eps
 
 
 class _Records:
-    """One layer's record table: rows ``[fingerprint (SAMPLES) | rmax, dmax | seq, dup, episode, used | prior mean
-    (C) | prior var (C)]`` in float64 on the buffers' device (``seq`` -1: an empty row), a device count of misses,
-    and the host's bookkeeping (the next row, the current episodes)."""
+    """One layer's records on the buffers' device: fingerprints (NaN: an empty row), priors (running mean and
+    variance), limits, and per row its number, duplicate number, genuine episode and the replay episode that used it;
+    one more row than ``CAPACITY`` takes a recomputation's writes (the same ops as a genuine forward's, discarded).
+    Also a device count of misses and the host's bookkeeping (rows written, the current episodes)."""
 
     def __init__(self, running_mean: Tensor) -> None:
-        c = running_mean.numel()
-        self.table = torch.zeros(CAPACITY, _PRIOR + 2 * c, dtype=torch.float64, device=running_mean.device)
-        self.table[:, _SEQ] = -1
-        self.misses = torch.zeros((), dtype=torch.long, device=running_mean.device)
+        c, device = running_mean.numel(), running_mean.device
+        self.keys = torch.full((CAPACITY + 1, SAMPLES), float("nan"), dtype=torch.float64, device=device)
+        self.priors = torch.zeros(CAPACITY + 1, 2, c, dtype=running_mean.dtype, device=device)
+        self.limits = torch.zeros(CAPACITY + 1, 2, dtype=torch.float64, device=device)
+        self.meta = torch.full((CAPACITY + 1, 4), -2.0, dtype=torch.float64, device=device)  # seq, dup, genuine, used
+        self.rows = torch.arange(CAPACITY + 1, device=device)
+        self.misses = torch.zeros((), dtype=torch.long, device=device)
         self.reported = 0
         self.written = 0  # rows written so far (the next one: written % CAPACITY)
         self.genuine = self.replay = 0  # the current genuine / recomputation episode numbers
-        self.last: tuple = ("none",)  # the key of the last episode, with the pack hook as a weak reference
+        self.last: tuple = ("none", None, None, None)  # the last episode's key, the pack hook as a weak reference
 
-    def episode(self, region: tuple) -> tuple[bool, int]:
-        """``(recomputing, episode number)`` of a forward in ``region`` (see :func:`checkpoint_region`)."""
+    def episode(self, region: tuple) -> bool:
+        """Whether a forward in ``region`` (see :func:`checkpoint_region`) is a recomputation; counts episodes."""
         gid, hook, node = region
         kind = "genuine" if gid == -1 else "replay"
-        last_kind, last_gid, last_hook, last_node = self.last + (None,) * (4 - len(self.last))
+        last_kind, last_gid, last_hook, last_node = self.last
         same = kind == last_kind and gid == last_gid and node == last_node
-        same = same and (hook is None if last_hook is None else last_hook() is hook)
-        if not same:
+        if not same or (hook is not None if last_hook is None else last_hook() is not hook):
             if kind == "genuine":
                 self.genuine += 1
             else:
                 self.replay += 1
         self.last = (kind, gid, None if hook is None else weakref.ref(hook), node)
-        return kind == "replay", self.replay if kind == "replay" else self.genuine
+        return kind == "replay"
 
 
 class Recorded:
     """One step's use of the records (what :func:`recorded_prior` found), written back by :meth:`write`."""
 
-    def __init__(self, records: _Records, row: Tensor, hit: Tensor, slot: Tensor, replay: bool, episode: int):
-        self.records, self.row, self.hit, self.slot = records, row, hit, slot
-        self.replay, self.episode = replay, episode
+    def __init__(self, records: _Records, replay: bool, hit: Tensor, slot: Tensor, row: tuple):
+        self.records, self.replay, self.hit, self.slot, self.row = records, replay, hit, slot, row
 
     @torch.no_grad()
     def write(self) -> None:
-        """Append the step's row (a genuine forward) or mark its record used (a recomputation that found one):
-        the same ops either way, the choice is in the values."""
-        records, table = self.records, self.records.table
-        k = records.written % CAPACITY
-        keep = self.hit | self.replay  # a recomputation appends nothing
-        table[k] = torch.where(keep, table[k], self.row)
-        used = table[:, _USED]
-        mark = torch.arange(CAPACITY, device=table.device).eq(self.slot).logical_and_(self.hit)
-        table[:, _USED] = torch.where(mark, float(self.episode), used)
+        """A genuine forward appends its row; a recomputation writes it into the spare row and marks the record it
+        used: the same ops either way (selective checkpointing replays a region op by op)."""
+        records = self.records
+        k = CAPACITY if self.replay else records.written % CAPACITY
+        fp, prior, limits, dup = self.row
+        records.keys[k].copy_(fp)
+        records.priors[k].copy_(prior)
+        if limits is not None:
+            records.limits[k].copy_(limits)
+        seq, genuine = float(records.written), float(records.genuine)
+        records.meta[k].copy_(
+            torch.stack([dup.new_full((), seq), dup, dup.new_full((), genuine), dup.new_full((), -2.0)])
+        )
+        mark = records.rows.eq(self.slot).logical_and_(self.hit)
+        records.meta[:, 3].masked_fill_(mark, float(records.replay))
         if not self.replay:
             records.written += 1
-
-
-def _scalar(table: Tensor, value) -> Tensor:
-    """``value`` (a number or a 0-dim tensor) as a float64 0-dim tensor on the table's device (a fill, no copy)."""
-    if isinstance(value, Tensor):
-        return value.to(torch.float64)
-    return table.new_full((), float(value))
 
 
 @torch.no_grad()
@@ -157,31 +153,26 @@ def recorded_prior(x: Tensor, running: tuple[Tensor, Tensor], limits: tuple, sch
     (``recorded.hit``, a 0-dim bool tensor: then nothing may be updated) and keeps the row to write. Limits from a
     schedule (``scheduled``) come back as tensors; constant limits stay numbers (the step's route depends on them)."""
     records = _TABLES.get(running[0])
-    if records is None or records.table.shape[1] != _PRIOR + 2 * running[0].numel():
+    if records is None or records.priors.shape[2] != running[0].numel():
         records = _TABLES[running[0]] = _Records(running[0])
-    replay, episode = records.episode(region)
-    table = records.table
+    replay = records.episode(region)
     fp = _fingerprint(x)
     scale = fp.abs().amax().mul_(_tolerance(x.dtype))
-    match = (table[:, :SAMPLES] - fp).abs_().amax(1).le(scale).logical_and_(table[:, _SEQ].ge(0))
-    seen = match.logical_and(table[:, _USED].eq(episode if replay else -2)).sum()  # used in this episode
-    same = match.logical_and(table[:, _EPISODE].eq(records.genuine)).sum()  # written in this genuine episode
-    candidates = match.logical_and_(table[:, _DUP].eq(seen)) & replay
-    newest = torch.where(candidates, table[:, _SEQ], -1.0)
-    slot = newest.argmax()
-    hit = newest.amax().ge(0)
-    row = table[slot]
-    c = running[0].numel()
-    mean = torch.where(hit, row[_PRIOR : _PRIOR + c].to(running[0].dtype), running[0])
-    var = torch.where(hit, row[_PRIOR + c :].to(running[1].dtype), running[1])
-    head = torch.stack([_scalar(table, v) for v in (*limits, records.written)] + [same.double()])
-    chosen = torch.where(hit, row[_LIMITS], head[:2])
-    if scheduled:
-        limits = tuple(chosen.unbind())
+    match = (records.keys[:CAPACITY] - fp).abs_().amax(1).le(scale)  # NaN rows (empty) never match
+    seq, dup, genuine, used = records.meta[:CAPACITY].unbind(1)
+    seen = used.eq(records.replay if replay else -3).logical_and_(match).sum()  # used in this replay episode
+    same = genuine.eq(records.genuine).logical_and_(match).sum()  # written in this genuine episode
+    candidates = dup.eq(seen).logical_and_(match) & replay
+    slot = torch.where(candidates, seq, -1.0).argmax().view(1)  # the newest candidate
+    hit = candidates.any()
+    prior = torch.where(hit, records.priors.index_select(0, slot)[0], torch.stack(running))
     records.misses.add_(hit.logical_not() & replay)
-    tail = torch.stack([_scalar(table, records.genuine), _scalar(table, -2.0)])
-    new_row = torch.cat([fp, head, tail, mean.double(), var.double()])
-    return (mean, var), limits, Recorded(records, new_row, hit, slot, replay, episode)
+    kept = None
+    if scheduled:  # the limits are tensors (constant limits are numbers, the same in every forward)
+        kept = torch.where(hit, records.limits.index_select(0, slot)[0], torch.stack(limits).double())
+        limits = tuple(kept.unbind())
+    mean, var = prior.unbind()
+    return (mean, var), limits, Recorded(records, replay, hit, slot, (fp, prior, kept, same.double()))
 
 
 def report_misses(running_mean: Tensor | None, where: str) -> None:
