@@ -14,7 +14,9 @@ running statistics it renormalized against) and its limits, in a per-layer table
 forward inside a backward pass (a recomputation) picks the record with its fingerprint, with tensor ops only
 (compare, select with ``where``; no host read), and the layer computes the step with that prior and limits and
 leaves the running statistics and the step counter alone. A genuine forward and its recomputation run the same ops
-(the host flags become values): selective activation checkpointing replays a region op by op.
+(the host flags become values; a recomputation writes its row into a spare row): selective activation checkpointing
+replays a region op by op. The records hang on the layer's ``running_mean`` buffer (a weak key): ``.to()``,
+``deepcopy`` and pickling start without them, and a ``torch.fx`` graph sharing the buffers shares them.
 
 The same input twice: records with one fingerprint are numbered in the order a forward made them (``dup``), and
 the k-th recomputation with that fingerprint in one *episode* (one recomputation of a region: one graph task, one

@@ -27,7 +27,7 @@ from .. import functional as NF
 from .._dispatch import all_finite, count_into, guarded_update, kept_for_backward, static_numel, stats_value
 from ._recompute import checkpoint_region, recorded_prior
 
-__all__ = ["Spec", "check_input", "commit", "renorm_forward", "renorm_step"]
+__all__ = ["Spec", "check_input", "commit", "factor", "renorm_forward", "renorm_step"]
 
 
 class Spec(NamedTuple):

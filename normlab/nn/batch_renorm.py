@@ -256,9 +256,15 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
           statistics in float32; after ``.half()`` the running statistics stay float32.
 
     Note:
-        Works under ``torch.utils.checkpoint`` (a recomputation replays its original step: the gradients are the
-        un-checkpointed ones and the running statistics advance once per real forward), torch.compile
-        (``fullgraph=True``), torch.export, torch.jit.trace, torch.func (grad, vmap, functional_call) and on the
+        Under ``torch.utils.checkpoint`` (reentrant or not, nested, selective, early stop on or off; timm's
+        ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) a recomputation finds the
+        forward it repeats by a fingerprint of its input (tensor ops only) and repeats that step: the gradients
+        are the un-checkpointed ones and the running statistics and ``num_batches_tracked`` advance once per
+        genuine forward; a recomputation that finds no record (more than 32 forwards of the layer between a
+        forward and its backward, nondeterministic values) updates nothing and is reported at ``.eval()``
+        (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over checkpointed models
+        too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
+        be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd), forward-mode AD and on the
         meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
         BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
 
@@ -404,8 +410,8 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
         except Exception as e:  # noqa: BLE001 - whatever the schedule raises on a Proxy
             raise TypeError(
                 f"{type(self).__name__}: torch.fx cannot trace its schedule {self.schedule!r} ({type(e).__name__}: "
-                f"{e}); use RenormSchedule, constant rmax/dmax or a schedule in tensor ops, or keep the layer a leaf "
-                "module of the tracer"
+                f"{str(e).splitlines()[0] if str(e) else ''}); use RenormSchedule, constant rmax/dmax or a schedule "
+                "in tensor ops, or keep the layer a leaf module of the tracer"
             ) from e
 
     # ------------------------------------------------------------------ forward
