@@ -418,7 +418,7 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
     def forward(self, input: Tensor) -> Tensor:
         """Input (N, C, *) -> output of the same shape, dtype and memory format.
 
-        The layer evaluates its limits and makes one call, :func:`normlab.nn._renorm_step.renorm_forward`, with its
+        The layer evaluates its limits and makes one call, ``normlab.nn._renorm_step.renorm_forward``, with its
         parameters, buffers and settings: eval is BatchNorm's own call; a training step takes the prior (the running
         statistics, or in a checkpoint recomputation the recorded forward's), runs
         :func:`normlab.functional.batch_renorm_train` and commits the new running statistics. Eager, compiled,
