@@ -94,10 +94,16 @@ def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]
     """Copies of the running statistics before a step updates them (:func:`kept_for_backward` under torch.compile).
     Eager: two clones."""
     with torch.no_grad():
-        if not torch.compiler.is_compiling():
+        if not _partitioned():
             return running_mean.clone(), running_var.clone()
         mean, var = kept_for_backward((running_mean, running_var))
         return mean, var
+
+
+def _partitioned() -> bool:
+    """torch.compile is tracing a graph that its partitioner will split into forward and backward (not eager, not
+    torch.export, whose graph keeps plain ops)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
 
 
 def kept_for_backward(values: Sequence) -> tuple:
@@ -108,9 +114,9 @@ def kept_for_backward(values: Sequence) -> tuple:
     way. A value computed from a buffer the step then updates in place (the running statistics, the step counter a
     schedule reads) would come back changed: r and d, and so the gradients, would follow the new statistics
     (pytorch/pytorch#197039). So the tensors among ``values`` are copied by ``torch.ops.normlab.kept_copy``, whose
-    copies are marked ``MUST_SAVE`` while AOTAutograd traces (see :func:`_kept_copy`). Eager (and for numbers): the
-    values themselves."""
-    if not torch.compiler.is_compiling():
+    copies are marked ``MUST_SAVE`` while AOTAutograd traces (see :func:`_kept_copy`). Eager, under torch.export (no
+    partitioner: its graph keeps plain ops) and for numbers: the values themselves."""
+    if not _partitioned():
         return tuple(values)
     tensors = [v for v in values if isinstance(v, Tensor)]
     if not tensors:
