@@ -165,7 +165,7 @@ def test_weight_cache_auto_is_off_off_the_cpu():
     m.to("meta")
     assert m.weight_cache == "auto"
     calls = []
-    m._compute_weight = lambda: calls.append(1) or torch.empty(3, C, 3, 3, device="meta")
+    m._compute_weight = lambda *tensors: calls.append(1) or torch.empty(3, C, 3, 3, device="meta")
     m.effective_weight()
     m.effective_weight()
     assert calls == [1, 1]  # recomputed each time: no cache to verify
