@@ -210,7 +210,7 @@ def _sn_update_running(running, batch, momentum, using_moving_average: bool, whe
         count = running[2] + finite.to(running[2].dtype)
         values.append(count)
         if momentum is None:
-            momentum = count.clamp_min(1).reciprocal().to(running_mean.dtype)
+            momentum = count.to(running_mean.dtype).clamp_min(1).reciprocal()
     if momentum is None:
         raise ValueError(f"{where}: momentum=None (cumulative average) needs num_batches_tracked; got None")
     if using_moving_average:  # lerp(running, batch, momentum) = (1 - momentum) * running + momentum * batch

@@ -86,7 +86,9 @@ def _brn_cases():
 
 def _norm_cases():
     for k, cls in ((1, SwitchableNorm1d), (2, SwitchableNorm2d), (3, SwitchableNorm3d)):
-        for mode, kw in {"bn": {}, "no-bn": {"using_bn": False}, "sums": {"using_moving_average": False}}.items():
+        modes = {"bn": {}, "no-bn": {"using_bn": False}, "sums": {"using_moving_average": False}}
+        modes["cumulative"] = {"momentum": None}  # 1 / num_batches_tracked from the device count, no read
+        for mode, kw in modes.items():
             yield pytest.param(cls, (4, C) + SPATIAL[k], kw, id=f"{cls.__name__}-{mode}")
     for k, cls in ((1, InstanceNorm1d), (2, InstanceNorm2d), (3, InstanceNorm3d)):
         for mode, kw in {
