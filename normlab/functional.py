@@ -338,20 +338,17 @@ def switchable_norm(
 
     ``mean_weight``/``var_weight`` are logits of shape (3,) (or (2,) with ``using_bn=False``: IN, LN).
     BN statistics: in training the batch's, and (with ``using_moving_average``) the running buffers are updated
-    in place as ``running = (1 - momentum) * running + momentum * batch`` (BatchNorm's convention: ``momentum``
-    weighs the *new* value; the official code's 0.9 of the old value is 0.1 here); without moving average the
-    buffers accumulate sums. In eval the running buffers are used. An empty batch has no BN statistics: its output
-    is empty, and every gradient is zero (finite).
-    Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
+    in place as ``running = (1 - momentum) * running + momentum * batch`` (BatchNorm's convention; the official
+    0.9 of the old value is 0.1); without moving average the buffers accumulate sums. In eval the running buffers
+    are used. Statistics are in float32 for half inputs; the output keeps x's dtype and memory format.
 
     Implementation: eager on CPU/CUDA an autograd Function with an explicit backward (two passes each way, done by
     BatchNorm's CPU kernels; its output is never a view, so in-place ops such as ``relu_`` work); ``fused=False``,
     torch.compile/export, jit.trace, torch.func, forward-mode AD, the meta device and empty inputs use the composite
-    formula.
+    formula. An empty batch gives an empty output and zero gradients.
 
-    Running statistics: a batch whose BN statistics are not finite (tensor ops, no host synchronisation; the layers
-    count such batches: ``docs/design.md``, "Non-finite batches"), an empty batch and checkpointing's recomputation
-    leave them unchanged.
+    Running statistics: a non-finite batch (tensor ops, no host synchronisation; ``docs/design.md``, "Non-finite
+    batches"), an empty batch and checkpointing's recomputation leave them unchanged.
 
     Args:
         x: the input (N, C, *) with more than one spatial value per channel.
@@ -363,9 +360,8 @@ def switchable_norm(
         running_var: the running BN variance (C,), updated in place in training. Default: None.
         training: use the batch's BN statistics (and update the running ones) or the running ones.
             Default: False.
-        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value); a float
-            in training with running statistics (the layers pass ``None``, a cumulative average, with their
-            ``num_batches_tracked``). Default: 0.1.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value), a float
+            (the layers' ``None``, a cumulative average, uses their ``num_batches_tracked``). Default: 0.1.
         eps: added to the mixed variance inside the square root. Default: 1e-5.
         using_bn: mix in BN statistics (the logits then have 3 entries). Default: True.
         using_moving_average: update the running statistics as a moving average; False: accumulate sums.
@@ -381,21 +377,8 @@ def switchable_norm(
         >>> switchable_norm(torch.randn(4, 8, 6, 6), logits, logits, training=True).shape
         torch.Size([4, 8, 6, 6])
     """
-    return switchable_forward(
-        x,
-        mean_weight,
-        var_weight,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        momentum,
-        eps,
-        using_bn,
-        using_moving_average,
-        fused,
-    )
+    stats = (running_mean, running_var, training, momentum, eps, using_bn, using_moving_average, fused)
+    return switchable_forward(x, mean_weight, var_weight, weight, bias, *stats)
 
 
 # --------------------------------------------------------------------------------------------------
