@@ -214,13 +214,14 @@ class _StdConvNd(FiniteState):
         """The kernel from ``tensors`` (the parameters as read once by the caller): recomputed in training, under
         graph capture (jit, compile, fx), forward-mode AD, when a gradient is needed, for a parametrized or
         hook-computed ``weight`` (a new tensor at every read) and with ``weight_cache="off"``; else the cached one."""
-        if self.training or _capturing_graph() or forward_ad_active():
+        if _capturing_graph() or forward_ad_active():
             return self._compute_weight(*tensors)
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # (before self.training: the output
+            return self._compute_weight(*tensors)  # is the same in both modes, as nn.Conv2d's, which never reads it)
         mode = self.weight_cache
         if mode == "auto":
             mode = "verified" if tensors[0].device.type == "cpu" else "off"
-        if needs_grad or mode == "off" or not self._registered(tensors):
+        if self.training or mode == "off" or not self._registered(tensors):
             return self._compute_weight(*tensors)
         return self._cached_weight(tensors, verify=mode == "verified")
 
@@ -396,7 +397,7 @@ class _PWSConvNd(_StdConvNd):
         parameters re-arms the read. Under graph capture (jit, compile, fx) and torch.func the init runs in tensor
         ops every training step until the flag is set (a no-op on an initialised layer). ``tensors``: the
         parameters as the forward read them (``weight`` once)."""
-        if self.__dict__.get("_alpha_done") or not (self.training and self.init_alpha):
+        if self.__dict__.get("_alpha_done") or not (self.init_alpha and self.training):
             return
         if _capturing_graph() or torch._C._functorch.peek_interpreter_stack() is not None:
             self._data_init_alpha(input, tensors[0])  # tensor ops only: a no-op once initialised
