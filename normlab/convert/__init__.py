@@ -16,7 +16,7 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   set under every name that held the old one (norms and convs alike).
 * Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
   ``rmax`` for a BatchNorm without running statistics) names the layer it would replace; nothing is changed then.
-* A new layer keeps the replaced layer's state (:mod:`normlab.convert.state`): device, dtype, memory format
+* A new layer keeps the replaced layer's state (``normlab/convert/state.py``): device, dtype, memory format
   (channels_last kernels), the training flag and each parameter's ``requires_grad`` (a frozen layer stays frozen,
   parameters it lacked included). Module hooks are not carried over (as by torch's
   ``SyncBatchNorm.convert_sync_batchnorm``): every such layer is named in one ``UserWarning``.

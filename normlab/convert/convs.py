@@ -38,7 +38,7 @@ __all__ = ["make_std_conv", "convert_convs"]
 
 def make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> nn.Module:
     """The ``to`` (``pws``/``ws``) conv of ``dim`` dims with ``conv``'s arguments, raw weight and bias (zero if new),
-    device, dtype, memory format, ``requires_grad`` and training flag (:mod:`normlab.convert.state`)."""
+    device, dtype, memory format, ``requires_grad`` and training flag (``normlab/convert/state.py``)."""
     cls = get_conv_class(to, dim)
     new = cls(**conv_kwargs(conv), **{"bias": bias, **kw})
     copy_into(new.weight, conv.weight)

@@ -124,7 +124,7 @@ def _build(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> n
 def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
     """The ``to`` layer computing in place of ``bn`` (reusing its drop/act modules), with the state that carries:
     the values (:mod:`normlab.convert`), device, dtype, ``requires_grad`` and training flag
-    (:mod:`normlab.convert.state`)."""
+    (``normlab/convert/state.py``)."""
     new = _build(bn, spec, to, dim, kw)
     if to == "none":
         return keep_state(bn, new, True)
