@@ -346,6 +346,22 @@ def test_fold_gives_each_reason_once_for_many_batchnorms():
     )
 
 
+@pytest.mark.parametrize("hook", ["forward", "forward_pre", "state_dict", "load_state_dict_pre"])
+def test_a_layer_whose_hooks_are_not_carried_is_named(hook):
+    """torch's convert_sync_batchnorm carries no hook either (tests/test_batchnorm_tools.py); old code: a
+    state-dict hook was dropped without a word."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    register = {
+        "forward": lambda m: m.register_forward_hook(lambda *a: None),
+        "forward_pre": lambda m: m.register_forward_pre_hook(lambda *a: None),
+        "state_dict": lambda m: m.register_state_dict_post_hook(lambda *a: None),
+        "load_state_dict_pre": lambda m: m.register_load_state_dict_pre_hook(lambda *a: None),
+    }
+    register[hook](model[1])
+    with pytest.warns(UserWarning, match=r"hooks on these layers are not carried over .*: 1 \(BatchNorm2d\)$"):
+        convert_norm(model, "gn")
+
+
 def test_convert_norm_on_a_copy_leaves_the_original_state():
     model, x = build("bn2d", "all", "norm_eval")
     before = copy.deepcopy(model.state_dict())

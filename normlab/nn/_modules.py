@@ -39,12 +39,22 @@ def swap_modules(model: nn.Module, new: dict[int, nn.Module]) -> nn.Module:
     return new.get(id(model), model)
 
 
-_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOKS = (
+    "_forward_pre_hooks",
+    "_forward_hooks",
+    "_backward_pre_hooks",
+    "_backward_hooks",
+    "_state_dict_pre_hooks",
+    "_state_dict_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
 
 
 def warn_lost_hooks(modules, names: dict, where: str) -> None:
-    """One ``UserWarning`` naming each of ``modules`` (being replaced) that has module hooks: a hook may change
-    what the layer computes, and its replacement does not carry it."""
+    """One ``UserWarning`` naming each of ``modules`` (being replaced) that has module hooks (forward, backward,
+    state-dict): a hook may change what the layer computes or saves, and its replacement does not carry it (nor
+    does torch's ``SyncBatchNorm.convert_sync_batchnorm``)."""
     hooked = [f"{names[id(m)]} ({type(m).__name__})" for m in modules if any(getattr(m, h, None) for h in _HOOKS)]
     if hooked:
         warnings.warn(
