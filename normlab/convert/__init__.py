@@ -9,7 +9,7 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   are buffers and whose ``eps`` is a plain attribute; a **BatchRenorm** is normlab's
   :class:`~normlab.nn.BatchRenorm2d` (1d/3d), :class:`~normlab.nn.SyncBatchRenorm` or their timm NormAct versions
   (a ``_BatchNorm`` subclass that renormalizes in training and computes BatchNorm in eval: it is converted like a
-  BatchNorm, keeping its schedule or limits for ``brn``, and folded like one). A BatchNorm or BatchRenorm subclass
+  BatchNorm, keeping its schedule or limits for ``brn``, folded like one and removed by ``pws`` like one). A BatchNorm or BatchRenorm subclass
   with its own ``forward`` computes something unknown: it is never replaced or folded, and every such module is
   named in one ``UserWarning``.
 * A module registered under several names or parents (an alias, a shared layer) is replaced by ONE new module,
