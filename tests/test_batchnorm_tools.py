@@ -41,23 +41,6 @@ LIMITS = {
 }
 
 
-def _sn_has_torch_momentum() -> bool:
-    """SwitchableNorm takes ``momentum=None`` (torch's convention, a cumulative average): the SwitchableNorm
-    helper's change, which normlab.nn.update_bn is written against."""
-    try:
-        SwitchableNorm2d(2, momentum=None)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-SN_CONVENTION = pytest.mark.xfail(
-    not _sn_has_torch_momentum(),
-    reason="SwitchableNorm's momentum in torch's convention (None: cumulative average) is another branch's change",
-    strict=True,
-)
-
-
 def brn_model(dim: int, cls=None, **kw) -> nn.Sequential:
     """conv -> BatchRenorm -> ReLU -> conv -> BatchNorm: the BatchNorm shows what the BatchRenorm handed on."""
     cls = cls or BRN[dim]
@@ -196,7 +179,7 @@ LAYERS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(k, marks=SN_CONVENTION) if k == "sn" else k for k in LAYERS])
+@pytest.mark.parametrize("name", list(LAYERS))
 def test_normlab_update_bn_re_estimates_every_layer_with_running_statistics(name):
     """Old code: no normlab.nn.update_bn (torch's skips SwitchableNorm and InstanceNorm)."""
     torch.manual_seed(105)

@@ -9,9 +9,9 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   are buffers and whose ``eps`` is a plain attribute; a **BatchRenorm** is normlab's
   :class:`~normlab.nn.BatchRenorm2d` (1d/3d), :class:`~normlab.nn.SyncBatchRenorm` or their timm NormAct versions
   (a ``_BatchNorm`` subclass that renormalizes in training and computes BatchNorm in eval: it is converted like a
-  BatchNorm, keeping its schedule or limits for ``brn``, folded like one and removed by ``pws`` like one). A BatchNorm or BatchRenorm subclass
-  with its own ``forward`` computes something unknown: it is never replaced or folded, and every such module is
-  named in one ``UserWarning``.
+  BatchNorm, keeping its schedule or limits for ``brn``, folded like one and removed by ``pws`` like one). A
+  BatchNorm or BatchRenorm subclass with its own ``forward`` computes something unknown: it is never replaced or
+  folded, and every such module is named in one ``UserWarning``.
 * A module registered under several names or parents (an alias, a shared layer) is replaced by ONE new module,
   set under every name that held the old one (norms and convs alike).
 * Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
@@ -39,9 +39,11 @@ replaces layers; ``inplace=False``: a deep copy is converted and the original is
   Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size; the
   running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` and ``bn`` (whose
   state is BatchNorm's: ``eps``/``momentum``/``affine``/``track_running_stats`` are kept too) and ``sn`` (its BN
-  branch estimates the same batch moments). ``eps`` (and ``affine`` where the new layer takes it) follow the
-  BatchNorm unless given in ``**kw``, as do ``bias=False`` and ``check_finite`` where the new layer takes them.
-  **Refused** (``ValueError``, one line naming every such layer and why, before anything is changed): ``gn``,
+  branch estimates the same batch moments, with BatchNorm's ``momentum``). ``eps`` (and ``affine`` where the new
+  layer takes it) follow the BatchNorm unless given in ``**kw``, as do ``bias=False`` and ``check_finite`` where
+  the new layer takes them.
+  **Refused** (``ValueError``, one line giving each reason once with the first few layers and their count, before
+  anything is changed): ``gn``,
   ``ln``, ``in``, ``sn`` for a ``BatchNorm1d`` unless it is known to see (N, C, L) input, since these norms need a
   length axis and over (N, C) they would normalize each sample over its features (or fail). Known means: every
   call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the

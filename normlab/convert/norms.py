@@ -78,17 +78,19 @@ def _renorm_limits(bn: nn.Module, spec: BatchNormSpec, to: str, kw: dict) -> dic
 
 
 def _derived(bn: nn.Module, spec: BatchNormSpec, to: str, cls: type, kw: dict) -> dict:
-    """The BatchNorm's settings the new layer ``cls`` takes: eps, affine, no bias (``bias=False``, an InstanceNorm's
-    ``center=False``), ``check_finite``; momentum and running statistics for bn/brn (sn is always affine and has its
-    own momentum convention); a BatchRenorm's schedule or limits for brn."""
+    """The BatchNorm's settings the new layer ``cls`` takes: eps, affine, no bias (``bias=False``), ``check_finite``;
+    momentum for bn/brn/sn (SwitchableNorm's is BatchNorm's; it is always affine) and the running statistics for
+    bn/brn; a BatchRenorm's schedule or limits for brn."""
     affine = getattr(bn, "affine", True)
     out = {"eps": bn.eps, "affine": affine}
     if affine and getattr(bn, "bias", 0) is None:
-        out.update(bias=False, center=False)
+        out["bias"] = False
     if hasattr(bn, "check_finite"):
         out["check_finite"] = bn.check_finite
+    if to in ("brn", "bn", "sn"):
+        out["momentum"] = getattr(bn, "momentum", 0.1)
     if to in ("brn", "bn"):
-        out.update(momentum=getattr(bn, "momentum", 0.1), track_running_stats=getattr(bn, "track_running_stats", True))
+        out["track_running_stats"] = getattr(bn, "track_running_stats", True)
     if to == "sn":
         out.pop("affine")
     out.update(_renorm_limits(bn, spec, to, kw))
