@@ -148,12 +148,13 @@ class Recorded:
 
 
 @torch.no_grad()
-def recorded_prior(x: Tensor, running: tuple[Tensor, Tensor], limits: tuple, scheduled: bool, region: tuple):
+def recorded_prior(x: Tensor, running: tuple[Tensor, Tensor], limits: tuple, region: tuple):
     """``(prior, limits, recorded)`` of a training forward of a layer in a checkpointed ``region``: in a
     recomputation the prior (running mean and variance) and limits of the genuine forward it repeats, else
     ``running`` and ``limits`` themselves; ``recorded`` (a :class:`Recorded`) says whether it repeated one
-    (``recorded.hit``, a 0-dim bool tensor: then nothing may be updated) and keeps the row to write. Limits from a
-    schedule (``scheduled``) come back as tensors; constant limits stay numbers (the step's route depends on them)."""
+    (``recorded.hit``, a 0-dim bool tensor: then nothing may be updated) and keeps the row to write. Limits that are
+    tensors (a schedule's) come back as tensors; numbers (constant limits, the same in every forward, and the
+    BatchNorm limits of a re-estimation) stay numbers: the step's route depends on them."""
     records = _TABLES.get(running[0])
     if records is None or records.priors.shape[2] != running[0].numel():
         records = _TABLES[running[0]] = _Records(running[0])
@@ -170,8 +171,9 @@ def recorded_prior(x: Tensor, running: tuple[Tensor, Tensor], limits: tuple, sch
     prior = torch.where(hit, records.priors.index_select(0, slot)[0], torch.stack(running))
     records.misses.add_(hit.logical_not() & replay)
     kept = None
-    if scheduled:  # the limits are tensors (constant limits are numbers, the same in every forward)
-        kept = torch.where(hit, records.limits.index_select(0, slot)[0], torch.stack(limits).double())
+    if any(isinstance(v, Tensor) for v in limits):
+        now = torch.stack([v.double() if isinstance(v, Tensor) else fp.new_full((), v) for v in limits])
+        kept = torch.where(hit, records.limits.index_select(0, slot)[0], now)
         limits = tuple(kept.unbind())
     mean, var = prior.unbind()
     return (mean, var), limits, Recorded(records, replay, hit, slot, (fp, prior, kept, same.double()))

@@ -42,7 +42,6 @@ class Spec(NamedTuple):
     momentum: float | None
     eps: float
     check_finite: bool
-    scheduled: bool
 
 
 def check_input(input: Tensor, spec: Spec, bn_training: bool, local: bool = True) -> None:
@@ -116,7 +115,7 @@ def renorm_step(input: Tensor, state, limits, spec: Spec, compute: Callable):
     region = checkpoint_region()
     prior, recorded = running, None
     if region is not None:
-        prior, limits, recorded = recorded_prior(input, running, limits, spec.scheduled, region)
+        prior, limits, recorded = recorded_prior(input, running, limits, region)
     try:
         result, new = compute(prior, limits)
         commit(state, new, spec, None if recorded is None else recorded.hit)

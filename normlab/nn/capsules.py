@@ -22,6 +22,8 @@ from torch import Tensor, nn
 
 from normlab.functional import squash
 
+from ._non_finite import FiniteState
+
 __all__ = ["PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss"]
 
 
@@ -127,11 +129,12 @@ class PrimaryCapsules(nn.Module):
         return f"num_capsules={self.num_capsules}, capsule_dim={self.capsule_dim}"
 
 
-class RoutingCapsules(nn.Module):
+class RoutingCapsules(FiniteState, nn.Module):
     """Fully connected capsule layer with dynamic routing (the paper's DigitCaps).
 
     ``u_hat[n, i, j] = W[i, j] @ u[n, i]``, then :func:`dynamic_routing` (softmax over the parents, logits per
-    example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2).
+    example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2); a loaded
+    non-finite ``weight`` is named at load, as for every normlab layer.
 
     Args:
         in_capsules: the number of child capsules (1152 in the paper).
