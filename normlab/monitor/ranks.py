@@ -99,8 +99,13 @@ def _owned_rows(t: Tensor) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class Ranks:
-    """The ranks a monitor merges its statistics over: ``group`` (a process group; None for this process alone),
-    this process's ``rank`` in it and its ``size``.
+    """The ranks a monitor merges its statistics over (:meth:`of` reads them from the model).
+
+    Attributes:
+        group: the process group (a DDP wrapper's, or the default group for DTensor parameters); None for this
+            process alone.
+        rank: this process's rank in ``group``.
+        size: the number of ranks in ``group`` (1: nothing to merge).
 
     Example:
         >>> Ranks.of(nn.Linear(2, 2))          # no DDP wrapper, no DTensor parameter: this process alone
