@@ -58,7 +58,14 @@ from torch.utils.hooks import RemovableHandle
 
 from normlab._files import atomic_write
 from normlab.monitor import stats
-from normlab.monitor.hooks import StepStats, activation_moments, grad_norm, grad_norm_tensor, param_versions
+from normlab.monitor.hooks import (
+    ActivationMoments,
+    StepStats,
+    activation_moments,
+    grad_norm,
+    grad_norm_tensor,
+    param_versions,
+)
 from normlab.monitor.layers import (
     check_sharding,
     filter_kernel,
@@ -218,7 +225,7 @@ class VarianceMonitor:
         self.spp: dict | None = None
         self.closed = False
         self._order: dict[str, int] = {}
-        self._pending: dict[str, dict] = {}
+        self._pending: dict[str, ActivationMoments] = {}  # this recorded forward's moments, per layer
         self._light: dict[str, tuple] = {}  # output moments of a light step, merged and read back in after_update
         self._light_grad: Tensor | None = None
         self._scale_free: dict[str, float] = {}  # shift_scale_free of the last full record (the level rule reads it)
