@@ -1,12 +1,38 @@
 """The PWS paper's headline effects, judged from a grid's results by the explicit criteria in :data:`CRITERIA`.
 
-Nothing here is hard-coded: every verdict is computed from ``results.json`` (``normlab report DIR`` re-judges it).
+Nothing here is hard-coded: every verdict is computed from ``results.json`` (``normlab-lab report DIR`` re-judges
+it). :data:`PAPER_EFFECTS` hands them to normlab's grid report (:class:`normlab.runner.grid.report.Effects`), and
+:data:`PAPER_COMPARE` is normlab's comparison with that report (the CIFAR-10 reproduction, ``normlab-lab report``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+from normlab.runner.experiments.compare import COMPARE
+from normlab.runner.grid.report import Effects, render_report
+from normlab.runner.grid.results import chance_level, format_acc
+
+__all__ = [
+    "FAIL_MARGIN",
+    "TRAIN_FRACTION",
+    "DEGRADE_DROP",
+    "TIME_TIE",
+    "CRITERIA",
+    "DEGRADE_CRITERION",
+    "COST_CRITERION",
+    "failed",
+    "trains",
+    "headline_effects",
+    "cost_comparison",
+    "PAPER_EFFECTS",
+    "PAPER_COMPARE",
+    "render_paper_report",
+]
 
 # Criteria for the headline effects (absolute accuracy, fractions in [0, 1]).
 FAIL_MARGIN = 0.10  # "failed": collapsed in most seeds, or final accuracy <= chance + FAIL_MARGIN
@@ -35,11 +61,6 @@ def _groups(results: dict[str, Any]) -> dict[tuple[str, float, int], dict[str, A
     return {(g["name"], float(g["lr"]), int(g["batch_size"])): g for g in results["groups"]}
 
 
-def chance_level(results: dict[str, Any]) -> float:
-    n = results.get("num_classes")
-    return 1.0 / n if n else 0.0
-
-
 def _best_final(results: dict[str, Any]) -> float:
     vals = [g["final_mean"] for g in results["groups"] if g["final_mean"] is not None]
     return max(vals) if vals else 0.0
@@ -59,18 +80,6 @@ def trains(g: dict[str, Any] | None, chance: float, best: float) -> bool:
     if g is None or g["collapsed_count"] > 0 or g["final_mean"] is None:
         return False
     return g["final_mean"] >= chance + TRAIN_FRACTION * (best - chance)
-
-
-def format_acc(g: dict[str, Any] | None) -> str:
-    if g is None or g["final_mean"] is None:
-        return "n/a"
-    s = f"{100 * g['final_mean']:.1f}"
-    if g["n_seeds"] > 1:
-        s += f" ± {100 * g['final_std']:.1f}"
-    s += " %"
-    if g["collapsed_count"]:
-        s += f" (collapsed {g['collapsed_count']}/{g['n_seeds']})"
-    return s
 
 
 # --------------------------------------------------------------------------------------------------
@@ -333,3 +342,14 @@ def _identical_norms(results: dict[str, Any]) -> list[list[str]]:
         else:
             groups.append([n])
     return [g for g in groups if len(g) > 1]
+
+
+PAPER_EFFECTS = Effects(headline_effects, f"{CRITERIA} {DEGRADE_CRITERION} {COST_CRITERION}")
+
+
+def render_paper_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
+    """normlab's grid report with the paper's headline effects judged above the table."""
+    return render_report(results, out_dir, PAPER_EFFECTS)
+
+
+PAPER_COMPARE = dataclasses.replace(COMPARE, render=render_paper_report)

@@ -7,7 +7,7 @@ raise <= 1 false alarm per 10 healthy runs on the pilot's adaptive-optimizer run
 none, the value with the fewest false alarms (ties: the smaller). SGD runs are untouched by construction
 (``StepContext.adaptive`` is False there) and are not scored here.
 
-    PYTHONPATH=$PWD python scripts/bench_adaptive_steps.py runs/bench_pilot runs/bench_pilot201 runs/bench_explore
+    python lab/scripts/bench_adaptive_steps.py runs/bench_pilot runs/bench_pilot201 runs/bench_explore
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_evaluate import adaptive_run, first_events, label, score  # noqa: E402
-from collapse_bench import load_run  # noqa: E402
+from normlab.monitor.rules import DEFAULT_RULES, CountdownRule, FactorRule
+from normlab_lab.collapse_bench.evaluate import adaptive_run, first_events, label, score
+from normlab_lab.collapse_bench.protocol import load_run
 
 GRID = (0, 5, 10, 20, 30, 50)
 SEEDS = (200, 201)  # pilot seeds only
@@ -35,8 +34,6 @@ def pilot_paths(dirs: list[str]) -> list[Path]:
 
 
 def main(dirs: list[str]) -> None:
-    from normlab.monitor.rules import DEFAULT_RULES, CountdownRule, FactorRule
-
     runs, loaded = [], []
     for path in pilot_paths(dirs):
         header, steps = load_run(path)

@@ -1,20 +1,23 @@
 """Collapse study: which monitor signals warn before a collapse on MNIST-1D ``plain1d``
-(docs/research/monitor_calibration.md).
+(lab/docs/monitor_calibration.md).
 
-    python scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2] [--widths 0.5]
-    python scripts/collapse_study.py analyze  [--out runs/collapse_study]
-    python scripts/collapse_study.py evaluate [--out runs/collapse_study] [--widths 0.5]
-    python scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103] [--variant immediate|chance]
-    python scripts/collapse_study.py round3   [--out runs/study3_cal]
-    python scripts/collapse_study.py round4   [--out runs/study3_cal] [--also runs/study3_report]
-    python scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
+    python lab/scripts/collapse_study.py collect  [--out runs/collapse_study] [--seeds 100-109] [--workers 2]
+                                                  [--widths 0.5]
+    python lab/scripts/collapse_study.py analyze  [--out runs/collapse_study]
+    python lab/scripts/collapse_study.py evaluate [--out runs/collapse_study] [--widths 0.5]
+    python lab/scripts/collapse_study.py guard    [--out runs/collapse_study] [--seeds 100-103]
+                                                  [--variant immediate|chance]
+    python lab/scripts/collapse_study.py round3   [--out runs/study3_cal]
+    python lab/scripts/collapse_study.py round4   [--out runs/study3_cal] [--also runs/study3_report]
+    python lab/scripts/collapse_study.py suggest  [--out runs/collapse_study] [--seeds 100-101] [--lrs 0.1,0.2]
 
-``collect`` trains every run of the protocol (norm x width x lr x seed) with a small loop of its own and writes one
-JSONL per run (first line: the run's header with the layer list; then one line per step with the loss, the gradient
-norm and per layer output_var, shift_term, variance_term, input_sq). A finished run is not rerun. ``analyze`` fits
-every candidate rule's threshold on one half of the seeds (seed parity) and reports it on the other, then swaps.
+``collect`` trains every run of the protocol (norm x width x lr x seed) through the lab's loop
+(:func:`normlab_lab.steps.train_steps`) and writes one JSONL per run (first line: the run's header with the layer
+list; then one line per step with the loss, the gradient norm and per layer output_var, shift_term, variance_term,
+input_sq). A finished run is not rerun. ``analyze`` fits every candidate rule's threshold on one half of the
+seeds (seed parity) and reports it on the other, then swaps.
 ``evaluate`` fits nothing: it scores the rules the library ships, with their default thresholds, on every complete
-seed (the held-out width 1.0: docs/research/monitor_calibration.md), replaying the detector classes on the records.
+seed (the held-out width 1.0: lab/docs/monitor_calibration.md), replaying the detector classes on the records.
 ``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
 ``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
 learning rate (the regime warning's ``details["suggested_lr"]``), the same run restarted at that rate.
@@ -37,9 +40,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
+from normlab.monitor.collapse import CollapseTracker
+from normlab.monitor.rules import DEFAULT_RULES, CountdownRule, FactorRule, StepContext, context_from_records
+from normlab.monitor.rules import replay as replay_rules
+from normlab.runner.data.datasets import get_dataset
+from normlab.runner.models import build_model
+from normlab_lab.steps import train_steps
+
 NORMS = {"none": ("none", "conv"), "bn": ("bn", "conv"), "pws": ("none", "pws")}
 LRS = (0.05, 0.1, 0.2)
-WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (docs/research/monitor_calibration.md)
+WIDTHS = (0.5,)  # 1.0 did not fit the compute budget (lab/docs/monitor_calibration.md)
 CONTROL_LR = 0.01  # healthy controls: BN at lr 0.01
 STEPS = 300
 BATCH = 128
@@ -70,15 +81,11 @@ def run_name(cfg) -> str:
 
 
 def _data():
-    from normlab.runner.data.datasets import get_dataset
-
     train, test, _ = get_dataset("mnist1d", num_samples=NUM_SAMPLES)
     return train.x.float(), train.y, test.x.float(), test.y
 
 
 def _build(cfg):
-    from normlab.runner.models import build_model
-
     norm, conv = NORMS[cfg["norm"]]
     return build_model("plain1d", norm, conv, 1, 10, (1, 40), cfg["width"])
 
@@ -120,22 +127,16 @@ def _evaluable(model, kind, guard) -> bool:
 def rules():
     """The rules the study's monitor ships with (a fresh set per call): the library's defaults. The live monitor and
     :func:`replay` both read this, so a test that patches it changes both."""
-    from normlab.monitor.rules import DEFAULT_RULES
-
     return DEFAULT_RULES()
 
 
 def _old_detector():
     """The monitor's alarm before the countdown: the factor rule with its defaults, only the output layer exempt."""
-    from normlab.monitor.rules import FactorRule
-
     return FactorRule()
 
 
 def _old_check(old, step, records):
     """The old alarm's event at ``step``: the factor rule told only which layer is the output layer."""
-    from normlab.monitor.rules import StepContext, context_from_records
-
     ctx = context_from_records(step, records)
     return old.check(StepContext(step=step, output_layer=ctx.output_layer), records)
 
@@ -146,15 +147,20 @@ def _regime_dict(event) -> dict | None:
     return None if event is None else {"step": event.step, "layer": event.layer, **event.details}
 
 
+def _batches(x, y, seed: int):
+    """The study's batches: ``BATCH`` samples drawn with replacement by a generator seeded with the run's seed."""
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        idx = torch.randint(0, x.shape[0], (BATCH,), generator=gen)
+        yield x[idx], y[idx]
+
+
 def train_run(cfg, steps=None, guard_kwargs=None):
     """Train one run; returns (header, step lines, summary). The monitor has the shipped defaults (factor rules,
     countdown alarm, regime warning): ``summary["alarm"]`` and ``summary["risk"]`` are what it raised (they do not
     change the run). ``guard_kwargs``: train under a CollapseGuard; else the old alarm (:func:`_old_detector`) is
     replayed on the records."""
     steps = STEPS if steps is None else steps
-    from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
-    from normlab.monitor.collapse import CollapseTracker
-
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()
     model = _build(cfg)
@@ -163,43 +169,45 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     mon = VarianceMonitor(model, every=1, rules=rules(), optimizer=opt)
     old, old_alarm = _old_detector(), None
     guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
-    gen = torch.Generator().manual_seed(cfg["seed"])
     tracker = CollapseTracker(math.log(10))
-    lines, loss_fn, gave_up = [], nn.CrossEntropyLoss(), None
+    lines, gave_up = [], None
     kept = []  # guard: the losses of the trajectory the model is on (a rolled-back episode's losses are dropped)
-    for step in range(steps):
-        idx = torch.randint(0, x.shape[0], (BATCH,), generator=gen)
-        loss = loss_fn(model(x[idx]), y[idx])
-        opt.zero_grad()
-        loss.backward()
+
+    def step(t, loss):
         gnorm = _grad_norm(model)
         n_rec = len(mon.records)
         lv = float(loss.detach())
-        try:
-            took = guard.step(loss) if guard is not None else opt.step()
-        except RunCollapsed as e:
-            gave_up = str(e)
-            break
+        took = guard.step(loss) if guard is not None else opt.step()
+        return gnorm, n_rec, lv, took
+
+    def after(t, loss, result):
+        nonlocal kept, old_alarm
+        gnorm, n_rec, lv, took = result
         if guard is not None:
             kept = kept + [lv if math.isfinite(lv) else None] if took else kept[: guard.steps]
         if study and old_alarm is None and len(mon.records) > n_rec:
-            hit = _old_check(old, step, mon.records[n_rec:])
+            hit = _old_check(old, t, mon.records[n_rec:])
             old_alarm = None if hit is None else {"step": hit.step, "layer": hit.layer}
         tracker.update(lv if math.isfinite(lv) else None)
         lines.append(
             {
-                "t": step,
+                "t": t,
                 "loss": lv if math.isfinite(lv) else None,
                 "gnorm": gnorm if math.isfinite(gnorm) else None,
                 "L": _layer_line(mon.records[n_rec:]),
             }
         )
         del mon.records[:]
-        if guard is None and tracker.kind == "non_finite":
-            break
+        return not (guard is None and tracker.kind == "non_finite")
+
+    try:
+        train_steps(model, opt, _batches(x, y, cfg["seed"]), steps, step, loss_fn=nn.CrossEntropyLoss(), after=after)
+    except RunCollapsed as e:
+        gave_up = str(e)
     kind = tracker.finish()
     layers = [[n, k] for n, _, k in mon.layers]
-    order = sorted(mon._order, key=mon._order.get)
+    forward = mon.state_dict()["order"]  # each layer's place in the forward pass
+    order = sorted(forward, key=forward.get)
     header = {"cfg": cfg, "layers": layers, "order": order}
     summary = {
         "kind": kind,
@@ -667,7 +675,7 @@ def choose_guard(runs):
 
 
 def round3(raw_runs) -> str:
-    """Round 3's choices on the calibration runs (docs/research/monitor_calibration.md): the regime rule (ratio,
+    """Round 3's choices on the calibration runs (lab/docs/monitor_calibration.md): the regime rule (ratio,
     window) and the guard's (confirm, loss_climb), with the score of every candidate."""
     runs = [prepare(r) for r in raw_runs]
     out = [f"{len(runs)} calibration runs, seeds {sorted({r['cfg']['seed'] for r in runs})}"]
@@ -685,7 +693,7 @@ def round3(raw_runs) -> str:
 
 
 def round4(raw_runs) -> str:
-    """Round 4's choice (docs/research/monitor_calibration.md): the round-3 guard with and without
+    """Round 4's choice (lab/docs/monitor_calibration.md): the round-3 guard with and without
     ``chance_loss = ln 10`` (the loss climb measured towards chance, and a waiting alarm confirmed by a dead network),
     on the calibration runs."""
     runs = [prepare(r) for r in raw_runs if r["cfg"]["norm"] != "bn"]
@@ -724,9 +732,6 @@ def replay(run) -> dict:
     """First step of the shipped alarm (the first alarm of :func:`rules`, as ``VarianceMonitor`` keeps it), of the
     countdown alone and of the regime warning, replayed on the collected records with the library's
     :func:`~normlab.monitor.rules.replay` (None: never)."""
-    from normlab.monitor.rules import CountdownRule, context_from_records
-    from normlab.monitor.rules import replay as replay_rules
-
     steps = []
     for line in run["steps"]:
         recs = replay_records(run, line)
@@ -946,5 +951,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     raise SystemExit(main())

@@ -4,7 +4,7 @@
 steps, evaluations, the monitor and the runs' own overhead (two workers), the work after the runs, and how long the
 timing took. ``overhead OUT``: trains the first cell of sections (a), (b) and (c) for 2 steps, 3 times each, and
 prints the wall time against the estimate of its parts (the first run of a process also pays its imports).
-Record: docs/research/estimate_calibration.md.
+Record: lab/docs/estimate_calibration.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from normlab.runner.experiments.compare import train_cell
-from normlab.runner.experiments.demo.experiment import PROTOCOL, after_runs_seconds, plan_demo
 from normlab.runner.grid import estimate as E
+from normlab_lab.demo.experiment import PROTOCOL, after_runs_seconds, plan_demo
 
 
 def _timed(cfg) -> dict[str, float]:

@@ -1,7 +1,7 @@
-"""The long regime of docs/reproduction.md: does weight decay shrink ||W|| over ~20,000 steps at lr 0.01 until a net
+"""The long regime of lab/docs/reproduction.md: does weight decay shrink ||W|| over ~20,000 steps at lr 0.01 until a net
 without output normalization (or with BN / PWS) collapses?
 
-The grid is trained once with ``normlab compare`` (the command is in docs/reproduction.md, about 25 CPU-minutes per
+The grid is trained once with ``normlab compare`` (the command is in lab/docs/reproduction.md, about 25 CPU-minutes per
 run); this script reads its output directory and prints, per run, the outcome (collapsed or not, final and worst
 late test accuracy) and the trajectories the paper's argument is about:
 
@@ -15,7 +15,7 @@ late test accuracy) and the trajectories the paper's argument is about:
   paper's argument predicts;
 - ``shift``: the monitor's shift of the average weight, Var over filters of n*mean(W_o), averaged over conv layers.
 
-    .venv/bin/python scripts/long_regime.py runs/long_regime
+    .venv/bin/python lab/scripts/long_regime.py runs/long_regime
 """
 
 from __future__ import annotations

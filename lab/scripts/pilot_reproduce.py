@@ -1,6 +1,6 @@
-"""The pilot that fixed ``normlab reproduce``'s protocol: its slowest cells on pilot seeds, with the plateau check.
+"""The pilot that fixed ``normlab-lab reproduce``'s protocol: its slowest cells on pilot seeds, with the plateau check.
 
-``python scripts/pilot_reproduce.py OUT [SEED] [small|batch2 [MAX_STEPS]]``: trains, with FULL_PROTOCOL's
+``python lab/scripts/pilot_reproduce.py OUT [SEED] [small|batch2 [MAX_STEPS]]``: trains, with FULL_PROTOCOL's
 settings, the unnormalized net, WN, GN and BN at section (a)'s lowest learning rate, and BN / GN / PWS at section
 (b)'s batch sizes (PWS at 4 and 2, BN at 128 and 2, GN at 2); ``small``: only the cells of the second pilot
 (:data:`SMALL`); ``batch2``: BN and PWS at batch 2, with MAX_STEPS as the cap on an epoch of (b); ``smallb``: every
@@ -18,10 +18,10 @@ import sys
 from pathlib import Path
 
 from normlab.runner.experiments.compare import COMPARE
-from normlab.runner.experiments.demo.claims import plateau_check
-from normlab.runner.experiments.demo.experiment import demo_sections
-from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL
 from normlab.runner.grid.execute import plan_grid, run_cells
+from normlab_lab.demo.claims import plateau_check
+from normlab_lab.demo.experiment import demo_sections
+from normlab_lab.reproduce.mnist1d import FULL_PROTOCOL
 
 SMALL = {  # the second pilot, after the schedule moved: the cells that had missed the plateau, and the slowest learner
     "lr_sweep": {("none", 128)},

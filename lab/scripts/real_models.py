@@ -1,7 +1,7 @@
 """Survey normlab on real model definitions: one row per model, one column per conversion target + fold + monitor.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/real_models.py --out table.md --json table.json
-    .venv/bin/python scripts/real_models.py --models resnet10t,gpt2 --targets bn,pws   # a few cells
+    PYTHONPATH=$PWD .venv/bin/python lab/scripts/real_models.py --out table.md --json table.json
+    .venv/bin/python lab/scripts/real_models.py --models resnet10t,gpt2 --targets bn,pws   # a few cells
 
 Models (built without weights, seed 0, batch 2): 16 timm architectures (``timm.create_model(name,
 pretrained=False, num_classes=4)``: plain BatchNorm, timm's BatchNormAct2d, StdConv2d, ScaledStdConv2d,
@@ -29,7 +29,7 @@ crash or a hang costs one row, not the table):
   modules that ran (nn.Linear, nn.ConvNd, nn.ConvTransposeNd, transformers' Conv1D) against those with a record of
   their forward: ``ok 40/40`` or ``MISS 2/50``; ``nonfinite 3``: record values that are NaN/inf.
 
-The functions take the converter, folder and monitor as arguments (tests/test_real_models_script.py feeds broken
+The functions take the converter, folder and monitor as arguments (lab/tests/test_real_models_script.py feeds broken
 ones to check that a wrong result shows as such).
 """
 
@@ -52,7 +52,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (lab/scripts/real_models.py)
 for _p in (str(ROOT), str(ROOT / "tests")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
@@ -65,6 +65,7 @@ from torch import Tensor, nn  # noqa: E402
 import normlab  # noqa: E402
 from normlab.convert import CONVERT_TARGETS, convert_norm, fold_for_inference  # noqa: E402
 from normlab.monitor import VarianceMonitor  # noqa: E402
+from normlab.nn import BATCH_RENORM_TYPES  # noqa: E402
 
 torchvision_cpu.prepare()  # before timm / torchvision are imported (lazily, by the builders below)
 
@@ -326,8 +327,6 @@ def convert_cell(base: nn.Module, x: Tensor, target: str, reference: Tensor, con
 
 
 def _bn_like(model: nn.Module) -> int:
-    from normlab.nn import BATCH_RENORM_TYPES
-
     return sum(
         isinstance(m, (nn.modules.batchnorm._BatchNorm, *BATCH_RENORM_TYPES)) or type(m).__name__ == "FrozenBatchNorm2d"
         for m in model.modules()
@@ -522,7 +521,7 @@ def markdown(rows: list[dict], targets: list[str], seconds: float | None = None)
             texts = [cell_text(c, row["cells"].get(c)) for c in cols]
         lines.append("| " + " | ".join([f"`{row['model']}`", *texts]) + " |")
     legend = (
-        f"Cells: see scripts/real_models.py. Keep/fold tolerance: relative output difference {TOL:g}. "
+        f"Cells: see lab/scripts/real_models.py. Keep/fold tolerance: relative output difference {TOL:g}. "
         "fold cells: relative error, BatchNorms folded / BatchNorm-like layers; monitor: recorded/ran; "
         "sub:N: N replaced layers were subclasses of a torch BatchNorm (timm's BatchNormAct2d: its activation "
         "is replaced too); wN: N warnings (texts in the JSON)."

@@ -1,15 +1,15 @@
-"""The record of ``normlab reproduce`` on a shared machine: the same runs, trained in an order that answers the
+"""The record of ``normlab-lab reproduce`` on a shared machine: the same runs, trained in an order that answers the
 claims the demo could not test first, and the table of whatever has finished.
 
-``python scripts/record_reproduce.py train OUT``: plans exactly the grids and directories that
-``normlab reproduce --out OUT`` plans (:data:`~normlab.runner.experiments.reproduce.mnist1d.FULL_PROTOCOL`, seeds
+``python lab/scripts/record_reproduce.py train OUT``: plans exactly the grids and directories that
+``normlab-lab reproduce --out OUT`` plans (:data:`~normlab_lab.reproduce.mnist1d.FULL_PROTOCOL`, seeds
 300-302) and trains their cells in the stages of :data:`STAGES` (2 workers, one thread each), printing each stage's
-wall time and the CPU time of its workers. ``normlab reproduce --out OUT`` resumes the same directory (it skips
+wall time and the CPU time of its workers. ``normlab-lab reproduce --out OUT`` resumes the same directory (it skips
 every finished run) and writes the report; CPU training is deterministic, so the order changes no number.
 
-``python scripts/record_reproduce.py partial OUT``: the finished runs of section (b) as a markdown table (test
+``python lab/scripts/record_reproduce.py partial OUT``: the finished runs of section (b) as a markdown table (test
 accuracy in eval mode / train mode, mean ± sample std over the finished seeds, and each run's plateau check), for
-a record that could not finish (docs/reproduction.md, "The recorded full run"); ``verdicts OUT``: claims 3, 3a and
+a record that could not finish (lab/docs/reproduction.md, "The recorded full run"); ``verdicts OUT``: claims 3, 3a and
 Batch Renorm's from those runs, by the report's own code and criteria.
 """
 
@@ -22,10 +22,10 @@ import sys
 import time
 from pathlib import Path
 
-from normlab.runner.experiments.demo.claims import PLATEAU_Z, _batch_rows, plateau_check
-from normlab.runner.experiments.demo.experiment import plan_demo
-from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL
 from normlab.runner.grid.execute import run_cells
+from normlab_lab.demo.claims import PLATEAU_Z, batch_rows, plateau_check
+from normlab_lab.demo.experiment import plan_demo
+from normlab_lab.reproduce.mnist1d import FULL_PROTOCOL
 
 CLAIM_NORMS_A = {"none", "bn", "wn", "pws", "pws:gamma=0.01"}
 STAGES = [  # (label, section, which cells): claims 3 and 3a first, then 3's plateau condition, BRN, ...
@@ -93,14 +93,14 @@ def verdicts(out: Path) -> None:
     plateau = {c["cell"]: plateau_check(out / "batch_size" / "runs" / c["cell"]) for c in b["cells"]}
     runs = {(g["name"], int(g["batch_size"])): g["n_seeds"] for g in b["groups"]}
     print(f"section (b): {len(b['cells'])} finished runs; seeds per group: {runs}")
-    for r in _batch_rows(b, {"plateau": plateau}):
+    for r in batch_rows(b, {"plateau": plateau}):
         print(f"- **{r['id']}**: **{r['verdict']}**: {r['numbers']}")
 
 
 def main(argv: list[str]) -> int:
     modes = {"train": train, "partial": partial, "verdicts": verdicts}
     if len(argv) != 2 or argv[0] not in modes:
-        print("usage: python scripts/record_reproduce.py train|partial|verdicts OUT", file=sys.stderr)
+        print("usage: python lab/scripts/record_reproduce.py train|partial|verdicts OUT", file=sys.stderr)
         return 2
     modes[argv[0]](Path(argv[1]))
     return 0

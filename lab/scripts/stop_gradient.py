@@ -1,9 +1,9 @@
-"""Every number of docs/gradients.md: what a stop_gradient does inside tf.nn.moments-style statistics (seed 000)
+"""Every number of lab/docs/gradients.md: what a stop_gradient does inside tf.nn.moments-style statistics (seed 000)
 and inside dynamic routing (seed 001), measured with autograd in float64.
 
-    .venv/bin/python scripts/stop_gradient.py          # prints the tables of docs/gradients.md (a few seconds)
+    .venv/bin/python lab/scripts/stop_gradient.py          # prints the tables of lab/docs/gradients.md (a few seconds)
 
-The functions return plain dicts so that tests/test_stop_gradient.py checks the same numbers the document shows.
+The functions return plain dicts so that lab/tests/test_stop_gradient.py checks the same numbers the document shows.
 """
 
 from __future__ import annotations

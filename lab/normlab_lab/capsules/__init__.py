@@ -1,1 +1,1 @@
-"""The capsule routing experiment (docs/capsules.md): CapsNet models, one cell's training, statistics, report."""
+"""The capsule routing experiment (lab/docs/capsules.md): CapsNet models, one cell's training, statistics, report."""

@@ -1,10 +1,10 @@
-"""The capsule routing experiment (seed 001, docs/capsules.md) as an experiment of the grid engine: routing
+"""The capsule routing experiment (seed 001, lab/docs/capsules.md) as an experiment of the grid engine: routing
 iterations x gradient through the inner iterations x reconstruction x seeds.
 
 :class:`CapsSpec` describes the grid (checked once, when it is made), :func:`expand_cells` turns it into
 :class:`CapsCell` objects, each with its :class:`CapsConfig`, and :data:`CAPSULES` hands them to
 :mod:`normlab.runner.grid.execute` with the training function of one cell
-(:func:`~normlab.runner.experiments.capsules.train.run_cell`): worker processes or Ray, failed-cell records,
+(:func:`~normlab_lab.capsules.train.run_cell`): worker processes or Ray, failed-cell records,
 resuming and extending a grid in the same directory (``capsules.json``) work as for ``normlab compare``.
 :func:`run_capsules` runs one grid and adds the experiment's own timings (wall and CPU time of every invocation
 that ran cells, kept across resumes, and a round-robin timing of one training step of every variant, measured
@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from normlab.runner.errors import FieldError
-from normlab.runner.experiments.capsules.report import render_report
-from normlab.runner.experiments.capsules.stats import RESULTS_KIND, collect, variant_name
-from normlab.runner.experiments.capsules.train import coupling_entropy, load_data, run_cell, step_benchmark
 from normlab.runner.grid.execute import Experiment, GridRun, run_experiment
 from normlab.runner.grid.spec import DictSpec, unique
+from normlab_lab import PROG
+from normlab_lab.capsules.report import render_report
+from normlab_lab.capsules.stats import RESULTS_KIND, collect, variant_name
+from normlab_lab.capsules.train import coupling_entropy, load_data, run_cell, step_benchmark
 
 __all__ = [
     "CapsSpec",
@@ -219,7 +220,7 @@ CAPSULES = Experiment(
     cost=_cost,
     describe=_describe,
     noun="cells",
-    label="normlab capsules",
+    label=f"{PROG} capsules",
 )
 
 
@@ -241,7 +242,7 @@ def run_capsules(
     Finished cells (a ``summary.json`` with the same config) are skipped; a grid already in ``out_dir`` is
     extended. ``workers`` processes (default: one per usable core) with ``threads`` torch threads each, or Ray
     (``backend``, ``address``: :func:`~normlab.runner.grid.execute.run_cells`). Returns the results dict
-    (:func:`normlab.runner.experiments.capsules.stats.collect`) with ``timings`` (every invocation that ran cells,
+    (:func:`normlab_lab.capsules.stats.collect`) with ``timings`` (every invocation that ran cells,
     kept across resumes) and ``step_bench`` (:func:`step_benchmark`, measured once).
     """
     say = log or (lambda s: print(s, file=sys.stderr))
@@ -254,7 +255,7 @@ def run_capsules(
         if ran["cells_run"]:
             extra["timings"] = [*extra["timings"], {**ran, "load_avg": _load_avg()}]
         if extra["step_bench"] is None:
-            say("normlab capsules: timing one training step of every variant, round-robin (seconds)")
+            say(f"{PROG} capsules: timing one training step of every variant, round-robin (seconds)")
             extra["step_bench"] = step_benchmark(grid.spec, threads=int(threads))
         return extra
 

@@ -1,7 +1,7 @@
 """The capsule grid's report: ``results.md`` (verdicts, per-variant table, paired comparisons, timing) and PNG
 plots (test error per variant with every seed, training curves, time per step, coupling entropy per iteration).
 
-Everything is computed from the results dict of :func:`normlab.runner.experiments.capsules.stats.collect`.
+Everything is computed from the results dict of :func:`normlab_lab.capsules.stats.collect`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.capsules.stats import CRITERIA
 from normlab.runner.grid.report import status_lines, write_report
 from normlab.runner.io import atomic_write
+from normlab_lab.capsules.stats import CRITERIA
 
 __all__ = [
     "markdown_report",
@@ -192,7 +192,14 @@ def _setup_line(results: dict[str, Any]) -> str:
 
 
 def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
-    lines = ["# normlab capsules report", "", _setup_line(results), "", _timing_line(results), *status_lines(results)]
+    lines = [
+        "# normlab-lab capsules report",
+        "",
+        _setup_line(results),
+        "",
+        _timing_line(results),
+        *status_lines(results),
+    ]
     lines += [
         "",
         "## Verdicts",

@@ -1,6 +1,6 @@
 """Analysis of the capsule routing grid: per-variant mean ± std, paired per-seed differences with 95 % intervals,
 and the verdicts on the paper's and the seed's claims, by the criteria in :data:`CRITERIA` (fixed before the grid
-was run; docs/capsules.md).
+was run; lab/docs/capsules.md).
 
 Everything is computed from the cells' summaries, so re-rendering a ``results.json`` gives the same verdicts.
 """
@@ -183,7 +183,7 @@ def collect(
     """results.json of a capsule grid from ``(cell, summary)`` pairs (``complete=False`` while it still runs);
     ``failed``: ``(cell, error line)`` of the cells that raised; ``timings``: wall and CPU time of each invocation
     that ran cells; ``step_bench``: seconds per training step of each variant timed round-robin
-    (:func:`normlab.runner.experiments.capsules.train.step_benchmark`)."""
+    (:func:`normlab_lab.capsules.train.step_benchmark`)."""
     cells = [_cell_record(c, s) for c, s in pairs]
     results = {
         "kind": RESULTS_KIND,

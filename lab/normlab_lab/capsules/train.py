@@ -1,7 +1,7 @@
-"""One cell of the capsule routing experiment (docs/capsules.md): a CapsNet of
-:mod:`normlab.runner.experiments.capsules.capsnet` trained by the protocol, and what is measured on it.
+"""One cell of the capsule routing experiment (lab/docs/capsules.md): a CapsNet of
+:mod:`normlab_lab.capsules.capsnet` trained by the protocol, and what is measured on it.
 
-Protocol (fixed before the measurements; docs/capsules.md):
+Protocol (fixed before the measurements; lab/docs/capsules.md):
 
 - A variant is (routing iterations r, gradient ``detached`` = naturomics' stop_gradient or ``full`` = the
   official code, reconstruction ``off``/``on``). With r = 1 the two gradients are the same computation (there is
@@ -32,9 +32,9 @@ import torch
 
 from normlab.nn import dynamic_routing, margin_loss
 from normlab.runner.data.datasets import get_dataset
-from normlab.runner.experiments.capsules.capsnet import build_capsnet
-from normlab.runner.experiments.capsules.stats import variant_name
 from normlab.runner.io import atomic_write_json
+from normlab_lab.capsules.capsnet import build_capsnet
+from normlab_lab.capsules.stats import variant_name
 
 __all__ = ["run_cell", "coupling_entropy", "step_benchmark", "load_data"]
 
@@ -202,7 +202,7 @@ def _train_epoch(model, opt, ds, perm: torch.Tensor, cfg) -> dict[str, Any]:
 
 
 def run_cell(cfg, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Train one cell of config ``cfg`` (a :class:`~normlab.runner.experiments.capsules.experiment.CapsConfig`;
+    """Train one cell of config ``cfg`` (a :class:`~normlab_lab.capsules.experiment.CapsConfig`;
     see the protocol); write and return ``out_dir/summary.json``."""
     t_wall, t_cpu = time.perf_counter(), time.process_time()
     train_ds, test_ds, rng = load_data(cfg.dataset, cfg.data_dir)

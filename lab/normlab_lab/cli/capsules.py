@@ -1,4 +1,4 @@
-"""``normlab capsules``: the capsule routing experiment (routing iterations x gradient through the inner iterations
+"""``normlab-lab capsules``: the capsule routing experiment (routing iterations x gradient through the inner iterations
 x reconstruction x seeds), with paired comparisons and verdicts on the paper's and the seed's claims."""
 
 from __future__ import annotations
@@ -6,18 +6,20 @@ from __future__ import annotations
 import argparse
 import sys
 
+from normlab.cli.args import MAX_WORKERS, add_out_arg, finite_float, integer, options_named, positive_int
 from normlab.runner.errors import UsageError
-from normlab.runner.experiments.capsules.experiment import (
+from normlab.runner.io import check_dir_option
+from normlab_lab import PROG
+from normlab_lab.capsules.experiment import (
     DATASETS,
     CapsSpec,
     expand_cells,
     quick_spec,
     run_capsules,
 )
-from normlab.runner.experiments.capsules.report import summary_lines, variant_table
-from normlab.runner.io import check_dir_option
+from normlab_lab.capsules.report import summary_lines, variant_table
 
-from .args import MAX_WORKERS, add_out_arg, finite_float, integer, options_named, positive_int
+__all__ = ["add_parser", "run"]
 
 NAME = "capsules"
 
@@ -44,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="capsule routing experiment: iterations x stop_gradient x reconstruction x seeds",
         description="Train CapsNets (dynamic routing) on bundled data for every routing variant and "
         "seed; write OUT/results.json, OUT/results.md (paired comparisons, verdicts) and "
-        "PNG plots. Rerun the same command to resume. See docs/capsules.md.",
+        "PNG plots. Rerun the same command to resume. See lab/docs/capsules.md.",
     )
     p.add_argument(
         "--iterations",
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         spec = _spec(args)
         cells = expand_cells(spec)
         print(
-            f"normlab capsules: {len(cells) // len(spec.seeds)} variants x {len(spec.seeds)} seeds = {len(cells)} "
+            f"{PROG} {NAME}: {len(cells) // len(spec.seeds)} variants x {len(spec.seeds)} seeds = {len(cells)} "
             f"runs of {spec.epochs} epochs on {spec.dataset} -> {out}",
             file=sys.stderr,
         )

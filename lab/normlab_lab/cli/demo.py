@@ -1,16 +1,18 @@
-"""``normlab demo``: the main job, the seeds' phenomena on MNIST-1D with a report and plots."""
+"""``normlab-lab demo``: the main job, the seeds' phenomena on MNIST-1D with a report and plots."""
 
 from __future__ import annotations
 
 import argparse
 
-from normlab.runner.experiments.demo.experiment import run_demo
-from normlab.runner.experiments.demo.terminal import claims_terminal
+from normlab.cli.args import MAX_WORKERS, add_out_arg, integer, threads_int
+from normlab.cli.plan import announce_grids
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
+from normlab_lab import PROG
+from normlab_lab.demo.experiment import run_demo
+from normlab_lab.demo.terminal import claims_terminal
 
-from .args import MAX_WORKERS, add_out_arg, integer, threads_int
-from .plan import announce_grids
+__all__ = ["add_parser", "run"]
 
 NAME = "demo"
 
@@ -57,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
             workers=args.workers,
             threads=args.threads,
             progress=not args.no_progress,
-            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, after_s=after_s),
+            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, after_s=after_s, prog=PROG),
         )
     print("\n".join(claims_terminal(demo)))  # the full table opens report.md
     print(

@@ -1,25 +1,26 @@
-"""``normlab reproduce``: the full reproduction (the demo's sections trained to their plateau on MNIST-1D) or the PWS
-paper's CIFAR-10 table (``--preset cifar10-pws``)."""
+"""``normlab-lab reproduce``: the full reproduction (the demo's sections trained to their plateau on MNIST-1D) or the
+PWS paper's CIFAR-10 table (``--preset cifar10-pws``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from normlab.cli.args import MAX_SEED, MAX_WORKERS, device, integer, list_of, threads_int
+from normlab.cli.plan import announce_grids
+from normlab.runner.data.cifar10 import download_cifar10
 from normlab.runner.errors import UsageError
-from normlab.runner.experiments.compare import COMPARE
-from normlab.runner.experiments.demo.experiment import run_demo
-from normlab.runner.experiments.demo.report import first_table
-from normlab.runner.experiments.reproduce.cifar10 import cifar10_grids, has_cifar10, write_synthetic_cifar10
-from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL, SMOKE_PROTOCOL
 from normlab.runner.grid.execute import BACKENDS, plan_grid, run_cells
 from normlab.runner.grid.ray_backend import check_address, check_device, require_ray
 from normlab.runner.grid.report import print_summary
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
-
-from .args import MAX_SEED, MAX_WORKERS, device, integer, list_of, threads_int
-from .plan import announce_grids
+from normlab_lab import PROG
+from normlab_lab.demo.experiment import run_demo
+from normlab_lab.demo.report import first_table
+from normlab_lab.reproduce.cifar10 import cifar10_grids, has_cifar10, write_synthetic_cifar10
+from normlab_lab.reproduce.mnist1d import FULL_PROTOCOL, SMOKE_PROTOCOL
+from normlab_lab.verdicts import PAPER_COMPARE, PAPER_EFFECTS
 
 NAME = "reproduce"
 PRESETS = ("mnist1d", "cifar10-pws")
@@ -32,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "paper's CIFAR-10 table (--preset cifar10-pws, for a GPU or a Ray cluster)",
         description="mnist1d (default): the demo's sections (a) learning rates, (b) batch sizes, (c) collapse "
         "diagnosis with guarded twins, (d) step cost, every run trained to its plateau on all of MNIST-1D with an lr "
-        "schedule, seeds 300-302 (docs/reproduction.md, 'Full reproduction'). cifar10-pws: the PWS paper's "
+        "schedule, seeds 300-302 (lab/docs/reproduction.md, 'Full reproduction'). cifar10-pws: the PWS paper's "
         "classification table: CIFAR-10, the plain net and the ResNet x BN, GN, SN, WN, PWS x lr 1e-2, 1e-1, 200 "
         "epochs (lr x0.1 after 100, 150, 180), SGD momentum 0.9, weight decay 5e-4, batch 128, flip + crop. "
         "Prints its estimated time first; rerun to resume.",
@@ -112,7 +113,7 @@ def _run_mnist1d(args: argparse.Namespace, out: Path) -> int:
             progress=not args.no_progress,
             backend=args.backend,
             address=args.address,
-            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, args.address, after_s),
+            announce=lambda grids, after_s: announce_grids(NAME, grids, args.workers, args.address, after_s, PROG),
         )
     print("\n".join(first_table(demo)))
     print(f"\nreport: {out / 'report.md'}")
@@ -123,14 +124,12 @@ def _cifar_data(args: argparse.Namespace, out: Path) -> str:
     """The data directory of the run: --data-dir (downloaded first with --download), or for a smoke run without
     CIFAR-10 there, random CIFAR-shaped batches under OUT/synthetic-cifar10 (said in one line)."""
     if args.download:
-        from normlab.runner.data.cifar10 import download_cifar10
-
         download_cifar10(args.data_dir)
     if has_cifar10(args.data_dir):
         return str(args.data_dir)
     where = out / "synthetic-cifar10"
     write_synthetic_cifar10(where)
-    print(f"normlab {NAME}: no CIFAR-10 in --data-dir; the smoke run uses random CIFAR-shaped images ({where})")
+    print(f"{PROG} {NAME}: no CIFAR-10 in --data-dir; the smoke run uses random CIFAR-shaped images ({where})")
     return str(where)
 
 
@@ -139,8 +138,8 @@ def _run_cifar10(args: argparse.Namespace, out: Path) -> int:
         remove_stale_temps(out)
         data_dir = _cifar_data(args, out)
         specs = cifar10_grids(tuple(args.seeds or (300,)), data_dir, smoke=args.smoke, device=args.device)
-        grids = [plan_grid(COMPARE, spec, out / model) for model, spec in specs.items()]
-        estimate_s = announce_grids(NAME, grids, args.workers, args.address)
+        grids = [plan_grid(PAPER_COMPARE, spec, out / model) for model, spec in specs.items()]
+        estimate_s = announce_grids(NAME, grids, args.workers, args.address, prog=PROG)
         for g in grids:
             g.start()
         try:
@@ -152,12 +151,12 @@ def _run_cifar10(args: argparse.Namespace, out: Path) -> int:
                 backend=args.backend,
                 address=args.address,
                 estimate_s=estimate_s,
-                label=f"normlab {NAME}",
+                label=f"{PROG} {NAME}",
             )
         finally:
             results = [g.finish(render=True) for g in grids]
     for g, r in zip(grids, results):
-        print_summary(r, g.out)
+        print_summary(r, g.out, PAPER_EFFECTS)
     return 0
 
 

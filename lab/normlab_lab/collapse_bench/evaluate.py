@@ -1,4 +1,4 @@
-"""The collapse benchmark's offline evaluation (scripts/collapse_bench.py evaluate): labels, replay, table.
+"""The collapse benchmark's offline evaluation (``normlab-lab collapse-bench evaluate``): labels, replay, table.
 
 Every detector is replayed over the same recorded runs. Definitions (fixed before any alarm was read):
 
@@ -11,22 +11,40 @@ Every detector is replayed over the same recorded runs. Definitions (fixed befor
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from bench_setups import ALL_SETUPS, SETUPS
-from collapse_bench import LEAD, WINDOW, load_run, run_name
+from normlab.monitor import rules as R
+from normlab.monitor.collapse import label_collapse, window_mean
+from normlab.monitor.rules import StepContext, replay
+from normlab.monitor.rules import transformer as T
+from normlab_lab.collapse_bench.protocol import LEAD, WINDOW, configs, load_run, run_path
+from normlab_lab.collapse_bench.setups import ALL_SETUPS, SETUPS
+
+__all__ = [
+    "SETUPS",
+    "detectors",
+    "contexts",
+    "first_events",
+    "first_alarm",
+    "adaptive_run",
+    "label",
+    "score",
+    "evaluate_runs",
+    "markdown",
+    "final_loss",
+    "degraded",
+    "evaluate_dir",
+]
 
 
 # ---------------------------------------------------------------------------------------------- detectors
 def detectors() -> dict[str, Callable[[], list]]:
     """Name -> factory of fresh rule lists: each default rule alone, the default set, the transformer rules, and
     the practitioners' detectors (each alone)."""
-    from normlab.monitor import rules as R
-    from normlab.monitor.rules import transformer as T
-
-    defaults = getattr(R, "DEFAULT_RULES", list)  # the monitor engineer's default set (empty until it exists)
+    defaults = R.DEFAULT_RULES
     out: dict[str, Callable[[], list]] = {"default": defaults}
     for i, rule in enumerate(defaults()):
         out[f"default:{rule.name}"] = lambda i=i: [defaults()[i]]
@@ -35,10 +53,8 @@ def detectors() -> dict[str, Callable[[], list]]:
     default_names = {r.name for r in defaults()}
     if not all(cls.name in default_names for cls in T.TRANSFORMER_RULES):
         out["default+transformer"] = lambda: [*defaults(), *(c() for c in T.TRANSFORMER_RULES)]
-    for name in ("LossSpikeRule", "GradNormZScoreRule", "NonFiniteRule"):
-        cls = getattr(R, name, None)
-        if cls is not None:
-            out[f"practitioner:{cls.name}"] = lambda cls=cls: [cls()]
+    for cls in (R.LossSpikeRule, R.GradNormZScoreRule, R.NonFiniteRule):
+        out[f"practitioner:{cls.name}"] = lambda cls=cls: [cls()]
     return out
 
 
@@ -60,8 +76,6 @@ def contexts(steps: Sequence[dict], every: int, adaptive: bool = False) -> Itera
     """``(StepContext, records)`` per step of a run, as the monitor at ``every`` would have produced them: full
     records and probes on steps ``s % every == 0``, light records (output variances) and the scalars (loss,
     gradient norm, lrs) on every step; ``adaptive``: the run's optimizer is adaptive (``StepContext.adaptive``)."""
-    from normlab.monitor.rules import StepContext
-
     order, feeds, output = (), frozenset(), None
     for line in steps:
         recorded = line["step"] % every == 0
@@ -89,8 +103,6 @@ def contexts(steps: Sequence[dict], every: int, adaptive: bool = False) -> Itera
 
 def first_events(rules: list, steps: Sequence[dict], every: int, adaptive: bool = False):
     """``(first alarm, first event of any severity)`` when ``rules`` are replayed over a run (None when none)."""
-    from normlab.monitor.rules import replay
-
     events = replay(rules, contexts(steps, every, adaptive))
     return next((e for e in events if e.severity == "alarm"), None), (events[0] if events else None)
 
@@ -111,8 +123,6 @@ def adaptive_run(header: dict) -> bool:
 # ---------------------------------------------------------------------------------------------- scoring
 def label(header: dict, steps: Sequence[dict]):
     """The run's collapse label from its losses alone (the library's definition)."""
-    from normlab.monitor.collapse import label_collapse
-
     return label_collapse([s["loss"] for s in steps], chance_loss=header["chance_loss"], window=WINDOW)
 
 
@@ -159,10 +169,6 @@ def evaluate_runs(paths: list[Path], every: int = 10, log=print) -> tuple[list[d
 
 def final_loss(steps: Sequence[dict]) -> float | None:
     """The mean of the last ``WINDOW`` finite training losses of a run (None when none is finite)."""
-    import math
-
-    from normlab.monitor.collapse import window_mean
-
     finite = [s["loss"] for s in steps if s["loss"] is not None and math.isfinite(s["loss"])]
     return window_mean(finite[-WINDOW:]) if finite else None
 
@@ -255,27 +261,11 @@ def _warnings_table(runs: list[dict], alarms: dict[str, list]) -> list[str]:
 
 def evaluate_dir(out: Path, seeds, setups, every: int = 10) -> dict:
     """Evaluate every run of ``setups`` x seeds found in ``out``."""
-    from collapse_bench import configs
-
-    paths = [out / f"{run_name(c)}.jsonl" for c in configs(seeds, setups)]
+    paths = [run_path(out, c) for c in configs(seeds, setups)]
     missing = [p.name for p in paths if not p.exists()]
     if missing:
-        print(f"collapse_bench evaluate: {len(missing)} runs missing (not collected), e.g. {missing[0]}")
+        print(f"normlab-lab collapse-bench evaluate: {len(missing)} runs missing (not collected), e.g. {missing[0]}")
     paths = [p for p in paths if p.exists()]
     runs, alarms = evaluate_runs(paths, every)
     return dict(runs=runs, alarms=alarms, every=every, setups=list(setups), markdown=markdown(runs, alarms, setups),
                 summary=score(runs, alarms), missing=missing)  # fmt: skip
-
-
-__all__ = [
-    "SETUPS",
-    "detectors",
-    "contexts",
-    "first_alarm",
-    "label",
-    "score",
-    "evaluate_runs",
-    "markdown",
-    "final_loss",
-    "degraded",
-]

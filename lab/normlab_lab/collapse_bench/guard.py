@@ -1,4 +1,4 @@
-"""The collapse benchmark's guard check (scripts/collapse_bench.py guard): live re-runs under CollapseGuard.
+"""The collapse benchmark's guard check (``normlab-lab collapse-bench guard``): live re-runs under CollapseGuard.
 
 Each run of the protocol (same set-up, learning rate, seed, data order) is trained again with
 :class:`normlab.monitor.CollapseGuard` at its defaults around a :class:`normlab.monitor.VarianceMonitor` at its
@@ -11,24 +11,26 @@ ends healthy; a healthy run is *changed* when the guard rolled it back at least 
 
 from __future__ import annotations
 
-import inspect
 import json
 import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from bench_setups import ALL_SETUPS, batches, build
-from collapse_bench import WINDOW
+
+from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
+from normlab.monitor.collapse import label_collapse
+from normlab_lab.collapse_bench.evaluate import label
+from normlab_lab.collapse_bench.protocol import WINDOW, configs, load_run, run_path
+from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build
+from normlab_lab.steps import train_steps
+
+__all__ = ["guard_run", "guard_all", "guard_table", "runs_to_guard"]
 
 
 def _guarded(model, opt, chance: float, warmup: int):
-    from normlab.monitor import CollapseGuard, VarianceMonitor
-
-    kwargs = {}
-    if "probes" in inspect.signature(VarianceMonitor).parameters:
-        kwargs["probes"] = True
-    mon = VarianceMonitor(model, **kwargs)
+    mon = VarianceMonitor(model, probes=True)
     scheds = []
     if warmup:
         scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))]
@@ -37,35 +39,32 @@ def _guarded(model, opt, chance: float, warmup: int):
 
 def guard_run(cfg: dict, steps: int | None = None) -> dict:
     """Train one run under the default guard (``steps``: override the set-up's step count); its summary."""
-    from normlab.monitor import RunCollapsed
-    from normlab.monitor.collapse import label_collapse
-
     torch.set_num_threads(1)
     setup = ALL_SETUPS[cfg["setup"]]
     model, opt, _lr_at, chance = build(cfg["setup"], cfg["lr"], cfg["seed"])
     mon, scheds, guard = _guarded(model, opt, chance, setup["warmup"])
     data = batches(setup["model"], setup["batch"], cfg["seed"] + 1)
     losses: dict[int, float] = {}
-    gave_up, start, calls = False, time.time(), 0
+    gave_up, start = False, time.time()
     steps = steps or setup["steps"]
-    while guard.steps < steps and calls < 3 * steps:
-        calls += 1
-        x, y = next(data)
-        out = model(x)
-        loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        step = guard.steps
+
+    def step(t: int, loss: torch.Tensor) -> bool:
+        nonlocal gave_up
+        at = guard.steps
         try:
             took = guard.step(loss)
         except RunCollapsed:
             gave_up = True
-            losses[step] = loss.item()
-            break
-        if took and guard.steps == step + 1:
-            losses[step] = loss.item()
+            losses[at] = loss.item()
+            return False
+        if took and guard.steps == at + 1:
+            losses[at] = loss.item()
             for s in scheds:
                 s.step()
+        return True
+
+    # a rolled-back step is taken again: at most 3 x steps calls for ``steps`` kept steps
+    train_steps(model, opt, data, 3 * steps, step, before=lambda t: guard.steps < steps, after=lambda t, _, go: go)
     kept = [losses[s] for s in sorted(losses) if s < guard.steps or gave_up]
     lab = label_collapse(kept, chance_loss=chance, window=WINDOW, finished=not gave_up)
     mon.close()
@@ -73,10 +72,10 @@ def guard_run(cfg: dict, steps: int | None = None) -> dict:
                 kind=lab.kind, seconds=round(time.time() - start, 1))  # fmt: skip
 
 
-def guard_all(out: Path, runs: list[dict], workers: int, log=print, steps: int | None = None) -> list[dict]:
+def guard_all(
+    out: Path, runs: list[dict], workers: int, log: Callable[[str], None] = print, steps: int | None = None
+) -> list[dict]:
     """Guard re-runs of ``runs`` (label dicts from the evaluation), cached in ``out/guard.jsonl``."""
-    from concurrent.futures import ProcessPoolExecutor
-
     cache = out / "guard.jsonl"
     done = {}
     if cache.exists():
@@ -92,6 +91,26 @@ def guard_all(out: Path, runs: list[dict], workers: int, log=print, steps: int |
             done[(res["setup"], res["lr"], res["seed"])] = res
             log(f"[guard {k + 1}/{len(cfgs)}] {res}")
     return [done[(r["setup"], r["lr"], r["seed"])] for r in runs]
+
+
+def runs_to_guard(out: Path, seeds: Sequence[int], setups: Sequence[str], healthy: int | None) -> list[dict]:
+    """The collected runs to guard, labelled from their losses: every collapsing run and, per set-up, the first
+    ``healthy`` healthy ones (None: all of them)."""
+    runs = []
+    for cfg in configs(seeds, setups):
+        path = run_path(out, cfg)
+        if path.exists():
+            runs.append(dict(**cfg, collapsed=label(*load_run(path)).collapsed))
+    if healthy is None:
+        return runs
+    kept, count = [], {}
+    for r in runs:
+        if not r["collapsed"]:
+            count[r["setup"]] = count.get(r["setup"], 0) + 1
+            if count[r["setup"]] > healthy:
+                continue
+        kept.append(r)
+    return kept
 
 
 def guard_table(runs: list[dict], guarded: list[dict], setups) -> str:

@@ -1,11 +1,13 @@
-"""The collapse benchmark's set-ups (scripts/collapse_bench.py): models, data and optimizers, all built locally.
+"""The collapse benchmark's set-ups (:mod:`normlab_lab.collapse_bench`): models, data and optimizers, all built
+locally.
 
 Set-ups (each a learning-rate sweep that gives healthy and collapsing runs):
 
 - ``gpt_warmup`` / ``gpt_nowarmup``: a pre-LN character-level GPT (d 64, 2 layers, 4 heads, context 64, init std
   0.02, no qk-layernorm, no z-loss) under AdamW (betas 0.9/0.95, weight decay 1e-4), with a 100-step linear warm-up
   or none, then a constant rate: the small-scale-proxy regime of Wortsman et al. (2023) at high rates. The text is
-  the repository's own docs and source (``docs/*.md``, ``normlab/**/*.py``), no download.
+  the repository's own docs and source (``docs/*.md``, ``lab/docs/*.md``, ``normlab/**/*.py``), no download: it
+  changes with the repository, so a recorded round holds for the text of its commit.
 - ``cnn_bn`` / ``cnn_plain``: a residual CNN on sklearn digits (16x16) with and without BatchNorm, SGD momentum 0.9.
 - ``mlp_sgd`` / ``mlp_adamw``: a 5-layer ReLU MLP (width 128, He init) on flattened digits, SGD momentum 0.9 or AdamW.
 - ``gpt_slow`` (round 3): the GPT with a 600-step linear warm-up to its peak rate, then constant, 800 steps: the
@@ -23,9 +25,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+from normlab.runner.data.datasets import get_dataset
 
-SETUPS = {  # fixed on pilot seeds (docs/monitor_benchmark.md) before the report seeds were run; gpt_slow: round 3
+__all__ = [
+    "SETUPS",
+    "PILOT_SETUPS",
+    "ALL_SETUPS",
+    "CONTEXT",
+    "char_text",
+    "digits",
+    "batches",
+    "chance_loss",
+    "CharGPT",
+    "res_cnn",
+    "mlp",
+    "build",
+]
+
+ROOT = Path(__file__).resolve().parents[3]  # the repository (lab/normlab_lab/collapse_bench/setups.py)
+
+SETUPS = {  # fixed on pilot seeds (lab/docs/monitor_benchmark.md) before the report seeds were run; gpt_slow: round 3
     "gpt_warmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 0.3, 0.6, 1.0), steps=300, warmup=100, batch=16),
     "gpt_nowarmup": dict(model="gpt", opt="adamw", lrs=(1e-3, 1e-2, 0.3, 0.6, 1.0), steps=300, warmup=0, batch=16),
     "gpt_slow": dict(model="gpt", opt="adamw", lrs=(1e-2, 0.3, 0.6, 1.0), steps=800, warmup=600, batch=16),
@@ -34,7 +53,7 @@ SETUPS = {  # fixed on pilot seeds (docs/monitor_benchmark.md) before the report
     "mlp_sgd": dict(model="mlp", opt="sgd", lrs=(0.01, 0.1, 0.3, 1.0), steps=200, warmup=0, batch=64),
     "mlp_adamw": dict(model="mlp", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 0.1), steps=200, warmup=0, batch=64),
 }
-# set-ups tried on the pilot seeds of round 3 and not kept (docs/research/monitor_calibration.md); runnable by name
+# set-ups tried on the pilot seeds of round 3 and not kept (lab/docs/monitor_calibration.md); runnable by name
 PILOT_SETUPS = {
     "gpt_long": dict(model="gpt", opt="adamw", lrs=(0.1, 0.2, 0.3, 0.45), steps=1000, warmup=100, batch=16),
     "gpt_longwarm": dict(model="gpt", opt="adamw", lrs=(0.3, 0.6, 1.0), steps=1000, warmup=600, batch=16),
@@ -47,7 +66,8 @@ CONTEXT = 64
 @lru_cache(maxsize=1)
 def char_text() -> tuple[torch.Tensor, int]:
     """The repository's docs and source as one id tensor (printable ASCII + newline; others become '?')."""
-    files = sorted((ROOT / "docs").glob("*.md")) + sorted((ROOT / "normlab").rglob("*.py"))
+    files = [*sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "lab" / "docs").glob("*.md"))]
+    files += sorted((ROOT / "normlab").rglob("*.py"))
     text = "\n".join(p.read_text(encoding="utf-8", errors="replace") for p in files)
     vocab = "\n" + "".join(chr(c) for c in range(32, 127))
     index = {c: i for i, c in enumerate(vocab)}
@@ -57,8 +77,7 @@ def char_text() -> tuple[torch.Tensor, int]:
 
 @lru_cache(maxsize=1)
 def digits() -> tuple[torch.Tensor, torch.Tensor]:
-    from normlab.runner.data.datasets import get_dataset
-
+    """The bundled digits' training set: ``(x, y)``, x of shape (N, 1, 16, 16)."""
     train, _test, _ = get_dataset("digits")
     return train.x.float(), train.y
 

@@ -13,9 +13,10 @@ import math
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.demo.diagnosis import GUARDED_SECTIONS, alarm_audit, audited_runs, diagnose_run
-from normlab.runner.experiments.demo.twins import FLAGS, guard_clause, twin_pairs
-from normlab.runner.grid.verdicts import FAIL_MARGIN, TRAIN_FRACTION, chance_level, failed, format_acc, trains
+from normlab.runner.grid.results import chance_level, format_acc
+from normlab_lab.demo.diagnosis import GUARDED_SECTIONS, alarm_audit, audited_runs, diagnose_run
+from normlab_lab.demo.twins import FLAGS, guard_clause, twin_pairs
+from normlab_lab.verdicts import FAIL_MARGIN, TRAIN_FRACTION, failed, trains
 
 __all__ = [
     "CLAIM_CRITERIA",
@@ -32,6 +33,7 @@ __all__ = [
     "collect_evidence",
     "plateau_check",
     "claims_table",
+    "batch_rows",
     "claims_markdown",
     "criteria_markdown",
     "timing_verdict",
@@ -257,7 +259,10 @@ def _plateau_state(b: dict, evidence: dict, names: tuple[str, ...]) -> list[str]
     return out
 
 
-def _batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
+def batch_rows(b: dict, evidence: dict) -> list[dict[str, str]]:
+    """The claims table's rows of section (b) (claims 3, 3a and Batch Renorm's) from its results ``b`` and the
+    runs' ``evidence`` (:func:`collect_evidence`); also what ``lab/scripts/record_reproduce.py`` judges a partial
+    record by."""
     g, spec = _groups(b), b["spec"]
     base, lr = int(spec["base_batch_size"]), float(spec["base_lr"])
     small = sorted(x for x in spec["batch_sizes"] if x < base)
@@ -480,9 +485,9 @@ def claims_table(demo: dict[str, Any]) -> list[dict[str, str]]:
     Needs ``demo["evidence"]`` (:func:`collect_evidence`)."""
     evidence = demo.get("evidence") or {}
     a, b = demo["sections"]["lr_sweep"], demo["sections"]["batch_size"]
-    lr_rows, batch_rows = _lr_rows(a), _batch_rows(b, evidence)
+    lr_rows, b_rows = _lr_rows(a), batch_rows(b, evidence)
     by_id: dict[str, list[dict[str, str]]] = {}
-    for r in [*lr_rows, *batch_rows, *_cost_rows(demo["cost"]), _monitor_row(demo, evidence)]:
+    for r in [*lr_rows, *b_rows, *_cost_rows(demo["cost"]), _monitor_row(demo, evidence)]:
         by_id.setdefault(r["id"], []).append(r)
     return [r for cid in _STATEMENTS for r in by_id.get(cid, [])]
 
@@ -507,8 +512,8 @@ RECORD_KEYS = ("spec", "num_classes", "groups", "cells")
 
 def claims_record(demo: dict[str, Any]) -> dict[str, Any]:
     """What :func:`claims_table` reads of a demo record, without the runs' histories: the record committed as
-    ``docs/demo_record.json``, from which the README's table of claims (the terminal's,
-    :func:`~normlab.runner.experiments.demo.terminal.claims_terminal`) is checked (tests/test_readme.py)."""
+    ``lab/docs/demo_record.json``, from which the README's table of claims (the terminal's,
+    :func:`~normlab_lab.demo.terminal.claims_terminal`) is checked (tests/test_readme.py)."""
     sections = {k: {key: sec[key] for key in RECORD_KEYS if key in sec} for k, sec in demo["sections"].items()}
     for sec in sections.values():
         sec["cells"] = [{k: v for k, v in c.items() if k != "history"} for c in sec.get("cells", [])]

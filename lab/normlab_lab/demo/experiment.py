@@ -1,4 +1,4 @@
-"""``normlab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about five minutes on 2 cores.
+"""``normlab-lab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about five minutes on 2 cores.
 
 Four sections, each a grid under ``<out>/<section>/`` (the training runs of all sections share one process pool):
 
@@ -16,7 +16,7 @@ c. ``collapse``: the collapse diagnosis at the paper's width, the monitor record
 d. the cost of one training step per normalization, timed side by side.
 
 The protocol (:data:`PROTOCOL`) was fixed from pilot runs on other seeds before the demo's own seeds ran;
-``docs/reproduction.md`` records both. ``quick=True`` runs a seconds-long version that only checks the pipeline.
+``lab/docs/reproduction.md`` records both. ``quick=True`` runs a seconds-long version that only checks the pipeline.
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from normlab.runner.bench import step_times
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.data.mnist1d import load_mnist1d
 from normlab.runner.experiments.compare import COMPARE
-from normlab.runner.experiments.demo.claims import collect_evidence
-from normlab.runner.experiments.demo.report import render_demo_report
 from normlab.runner.grid.estimate import step_seconds
 from normlab.runner.grid.execute import GridRun, default_workers, plan_grid, run_cells
 from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.io import atomic_write_json
+from normlab_lab import PROG
+from normlab_lab.demo.claims import collect_evidence
+from normlab_lab.demo.report import render_demo_report
 
 __all__ = [
     "DemoProtocol",
@@ -73,7 +74,7 @@ class DemoProtocol:
     collapse_steps: int = 100
     # (c) guarded twins: section (c)'s runs of guard_norm (same width, lr, steps, monitor) with guard=True, on
     # guard_seeds (the rule was fixed before any guarded run: every demo seed of the unnormalized net); and the same
-    # runs with guard_dead=True (docs/research/monitor_calibration.md, round 5: fixed before they ran)
+    # runs with guard_dead=True (lab/docs/monitor_calibration.md, round 5: fixed before they ran)
     guard_norm: str = "none"
     guard_seeds: tuple[int, ...] = (0, 1, 2)
     # (b) batch size, lr scaled linearly, equal epochs on a subset
@@ -88,7 +89,7 @@ class DemoProtocol:
     cost_batch_sizes: tuple[int, ...] = (128, 2)
     cost_repeats: int = 3
     cost_iters: int = 6
-    # the full reproduction (``normlab reproduce``): epochs per section (the step caps above then cap each epoch;
+    # the full reproduction (``normlab-lab reproduce``): epochs per section (the step caps above then cap each epoch;
     # 0 = no cap), the lr schedule (x ``lr_decay`` after each fraction of a section's epochs) and (b)'s lr scaling
     lr_epochs: int = 1
     collapse_epochs: int = 1
@@ -229,7 +230,7 @@ def after_runs_seconds(p: DemoProtocol) -> float:
     """Estimated seconds of the demo's work after its training runs, in this process: section (d)'s steps (each
     norm's step timed here at each cost batch size, times the steps :func:`~normlab.runner.bench.step_times` takes:
     2 warm-up steps and ``cost_repeats x cost_iters``) and the evidence and report (:data:`REPORT_S`, measured once:
-    docs/research/estimate_calibration.md)."""
+    lab/docs/estimate_calibration.md)."""
     norms = tuple(dict.fromkeys(n.split(":")[0] for n in p.lr_norms))
     spec = GridSpec(
         norms=norms,
@@ -270,9 +271,9 @@ def run_demo(
 ) -> dict[str, Any]:
     """Run (or resume) the demo into ``out_dir`` and write its report; returns ``{"protocol", "quick", "mode",
     "sections", "cost", "evidence"}`` (the sections' results dicts; the evidence the claims' verdicts take from the
-    runs' files, :func:`~normlab.runner.experiments.demo.claims.collect_evidence`).
+    runs' files, :func:`~normlab_lab.demo.claims.collect_evidence`).
 
-    ``protocol`` replaces :data:`PROTOCOL` (``normlab reproduce`` passes its own; ``mode`` names it in the report:
+    ``protocol`` replaces :data:`PROTOCOL` (``normlab-lab reproduce`` passes its own; ``mode`` names it in the report:
     ``"demo"``, ``"quick"``, ``"full"`` or ``"smoke"``); ``announce(grids)`` is called on the planned grids before
     anything is written (it prints the estimate and returns it in seconds, the progress line's first ETA; it may
     refuse; the second argument: :func:`after_runs_seconds`, the work after the runs, which it adds to the estimate);
@@ -288,7 +289,7 @@ def run_demo(
         grid.start()
     command = "demo" if mode in ("demo", "quick") else "reproduce"
     print(
-        f"normlab {command}: "
+        f"{PROG} {command}: "
         f"{sum(len(g.cells) for g in grids.values())} training runs on MNIST-1D "
         f"({p.num_samples} samples), seeds {list(p.seeds)} -> {out}",
         file=sys.stderr,
@@ -302,7 +303,7 @@ def run_demo(
         address=address,
         estimate_s=estimate_s,
         after_s=after_s,
-        label=f"normlab {command}",
+        label=f"{PROG} {command}",
     )
     demo = {
         "protocol": dataclasses.asdict(p),

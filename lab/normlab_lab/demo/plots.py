@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from normlab.runner.grid.palette import norm_color, norm_order
-from normlab.runner.grid.report import plt, seed_range_bar
-from normlab.runner.grid.verdicts import chance_level
+from normlab.runner.grid.report import agg_pyplot, seed_range_bar
+from normlab.runner.grid.results import chance_level
 from normlab.runner.io import atomic_savefig
 
 __all__ = ["lr_plot", "loss_curves_plot", "batch_plot", "smoothed", "lr_shade"]
@@ -50,7 +50,7 @@ def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None,
     if note:
         fig.supxlabel(note, fontsize=FONT, color="0.15")
     atomic_savefig(fig, path, dpi=100)
-    plt().close(fig)
+    agg_pyplot().close(fig)
     return path
 
 
@@ -111,7 +111,7 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     names = norm_order(results["spec"]["norms"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt().subplots(
+    fig, axes = agg_pyplot().subplots(
         rows, cols, figsize=(3.6 * cols + 2.6, 2.7 * rows + 0.6), squeeze=False, sharex=True, layout="constrained"
     )
     values = {n: _seed_values(results, n, "final_test_acc", "lr") for n in names}
@@ -229,7 +229,7 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     names, lrs = norm_order(results["spec"]["norms"]), sorted(results["spec"]["lrs"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt().subplots(
+    fig, axes = agg_pyplot().subplots(
         rows,
         cols,
         figsize=(4.2 * cols + 2.8, 2.9 * rows + 0.4),
@@ -295,7 +295,7 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
     """Test accuracy against the batch size (log axis): eval mode (running statistics) and train mode (batch
     statistics) side by side, one colour per norm, seeds faint around the bold mean.
 
-    ``plateau`` (cell id -> :func:`~normlab.runner.experiments.demo.claims.plateau_check`): a mean whose seeds
+    ``plateau`` (cell id -> :func:`~normlab_lab.demo.claims.plateau_check`): a mean whose seeds
     mostly did not reach their plateau is ringed, and the figure says under it that those points are not
     comparable (equal epochs are fewer steps at a larger batch)."""
     bss = sorted(results["spec"]["batch_sizes"])
@@ -303,7 +303,7 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
         return None
     from matplotlib.lines import Line2D
 
-    fig, axes = plt().subplots(1, 2, figsize=(13, 5.2), sharey=True, layout="constrained")
+    fig, axes = agg_pyplot().subplots(1, 2, figsize=(13, 5.2), sharey=True, layout="constrained")
     handles, ringed = [], set()
     names = norm_order(results["spec"]["norms"])
     for i, name in enumerate(names):

@@ -1,8 +1,8 @@
 """The demo's report: first the table of claims and verdicts (:mod:`.claims`), then the four sections' numbers.
 
 ``render_demo_report(demo, out)`` writes ``report.md`` and its plots into ``out`` from the dict
-:func:`~normlab.runner.experiments.demo.experiment.run_demo` returns (also saved as ``demo.json``, so
-``normlab report`` can re-render it) and the runs' files under ``out/<section>/runs``.
+:func:`~normlab_lab.demo.experiment.run_demo` returns (also saved as ``demo.json``, so
+``normlab-lab report`` can re-render it) and the runs' files under ``out/<section>/runs``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.rules import RegimeRule
-from normlab.runner.experiments.demo.claims import (
+from normlab.runner.grid.results import format_acc
+from normlab.runner.io import atomic_write_text
+from normlab_lab.demo.claims import (
     PLATEAU_FALL,
     PLATEAU_FLOOR,
     PLATEAU_Z,
@@ -22,20 +24,19 @@ from normlab.runner.experiments.demo.claims import (
     criteria_markdown,
     timing_verdict,
 )
-from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD, alarm_audit, audited_runs, plot_diagnosis
-from normlab.runner.experiments.demo.plots import batch_plot, loss_curves_plot, lr_plot
-from normlab.runner.experiments.demo.twins import FIGURES, plot_twins, twin_pairs, twins_markdown
-from normlab.runner.grid.verdicts import CRITERIA, format_acc
-from normlab.runner.io import atomic_write_text
+from normlab_lab.demo.diagnosis import GUARDED, GUARDED_DEAD, alarm_audit, audited_runs, plot_diagnosis
+from normlab_lab.demo.plots import batch_plot, loss_curves_plot, lr_plot
+from normlab_lab.demo.twins import FIGURES, plot_twins, twin_pairs, twins_markdown
+from normlab_lab.verdicts import CRITERIA
 
 __all__ = ["render_demo_report", "first_table", "risk_sentence", "alarm_sentence"]
 
 
 PROTOCOL_NAMES = {  # the report names the protocol its runs used (by the run's mode)
-    "demo": "normlab.runner.experiments.demo.experiment.PROTOCOL",
-    "quick": "normlab.runner.experiments.demo.experiment.QUICK_PROTOCOL",
-    "full": "normlab.runner.experiments.reproduce.mnist1d.FULL_PROTOCOL",
-    "smoke": "normlab.runner.experiments.reproduce.mnist1d.SMOKE_PROTOCOL",
+    "demo": "normlab_lab.demo.experiment.PROTOCOL",
+    "quick": "normlab_lab.demo.experiment.QUICK_PROTOCOL",
+    "full": "normlab_lab.reproduce.mnist1d.FULL_PROTOCOL",
+    "smoke": "normlab_lab.reproduce.mnist1d.SMOKE_PROTOCOL",
 }
 
 
@@ -202,7 +203,7 @@ def _no_regime_note(cells: list[dict], diag: dict) -> list[str]:
         "No run here raised the regime warning. Its rule (a layer whose output is not normalized downstream, with "
         f"its shift term above {RegimeRule().min_ratio:g}x its variance term for {RegimeRule().window} steps) "
         "was chosen at width 1.0; at width 0.5 it rarely fires (1 of 11 collapsing plain runs on held-out seeds, "
-        "docs/research/monitor_calibration.md, round 5).",
+        "lab/docs/monitor_calibration.md, round 5).",
     ]
 
 
@@ -292,12 +293,12 @@ def _cost_section(cost: dict) -> list[str]:
 
 # ------------------------------------------------------------------------------------------------------ assembly
 def first_table(demo: dict[str, Any]) -> list[str]:
-    """The report's first table (claims, verdicts, numbers); also what ``normlab demo`` prints last."""
+    """The report's first table (claims, verdicts, numbers); also what ``normlab-lab demo`` prints last."""
     return claims_markdown(demo)
 
 
 FULL_RUN_NOTE = (
-    "Only the full run (`normlab reproduce`, docs/reproduction.md) trains every run to its plateau: a verdict "
+    "Only the full run (`normlab-lab reproduce`, lab/docs/reproduction.md) trains every run to its plateau: a verdict "
     "*not testable here* (claim 3, and Batch Renorm's 'close to large-batch BN', whenever a run of (b) is short of "
     "its plateau) is one only it can give, and its runs of (a) and (c) finish training where the demo's stop after "
     "the first steps."
@@ -317,9 +318,9 @@ def _md_header(demo: dict) -> list[str]:
     p = demo["protocol"]
     full = demo.get("mode") in ("full", "smoke")
     return [
-        "# normlab reproduce: the paper's claims on MNIST-1D, every run to its plateau"
+        "# normlab-lab reproduce: the paper's claims on MNIST-1D, every run to its plateau"
         if full
-        else "# normlab demo: which of the paper's claims reproduce on MNIST-1D",
+        else "# normlab-lab demo: which of the paper's claims reproduce on MNIST-1D",
         "",
         *first_table(demo),
         "",
@@ -451,7 +452,7 @@ def _twins_md(demo: dict, evidence: dict, out: Path, section: str, figure: str) 
 
 def render_demo_report(demo: dict[str, Any], out_dir: str | os.PathLike, fresh: bool = False) -> list[Path]:
     """Write ``report.md`` and the plots; returns the paths written. The evidence from the runs' files
-    (:func:`~normlab.runner.experiments.demo.claims.collect_evidence`) is gathered again where the runs' files are
+    (:func:`~normlab_lab.demo.claims.collect_evidence`) is gathered again where the runs' files are
     in ``out_dir``, else taken from ``demo["evidence"]`` (a record copied without its runs); ``fresh=True``: the
     caller has just gathered it from these files (``run_demo``), so it is not read twice."""
     out = Path(out_dir)

@@ -1,9 +1,9 @@
 """The demo's table of claims for a terminal: one block per claim that fits in 100 columns.
 
-``report.md`` keeps the full table (:func:`~normlab.runner.experiments.demo.claims.claims_markdown`: each claim in
+``report.md`` keeps the full table (:func:`~normlab_lab.demo.claims.claims_markdown`: each claim in
 its source's words, the verdict and every number behind it); the terminal shows, per claim, a short title, the
 verdict and its key number, wrapped to the width (the README quotes it for the recorded demo:
-``python -m normlab.runner.experiments.demo.terminal runs/demo docs/demo_record.json`` saves the record and prints
+``python -m normlab_lab.demo.terminal runs/demo lab/docs/demo_record.json`` saves the record and prints
 the table)::
 
     claim                                    verdict            key number
@@ -19,8 +19,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.experiments.demo.claims import claims_record, claims_table, collect_evidence
 from normlab.runner.io import atomic_write_json
+from normlab_lab.demo.claims import claims_record, claims_table, collect_evidence
 
 __all__ = ["TITLES", "WIDTH", "claims_terminal"]
 
@@ -44,7 +44,7 @@ def claims_terminal(demo: dict[str, Any], width: int = WIDTH) -> list[str]:
     """The claims table as plain-text lines of at most ``width`` characters (``width`` >= 80).
 
     Args:
-        demo (dict): the demo's record (``demo.json`` with its evidence, or ``docs/demo_record.json``).
+        demo (dict): the demo's record (``demo.json`` with its evidence, or ``lab/docs/demo_record.json``).
         width (int, optional): the most characters a line may have. Default: 100.
 
     Returns:
@@ -68,12 +68,12 @@ def claims_terminal(demo: dict[str, Any], width: int = WIDTH) -> list[str]:
     return lines
 
 
-USAGE = "usage: python -m normlab.runner.experiments.demo.terminal DEMO_DIR RECORD.json"
+USAGE = "usage: python -m normlab_lab.demo.terminal DEMO_DIR RECORD.json"
 
 
 def _main(argv: list[str]) -> int:
-    """``python -m normlab.runner.experiments.demo.terminal DEMO_DIR RECORD.json``: save DEMO_DIR's record (its
-    evidence gathered again from its runs) and print the README's table (what ``normlab demo`` prints); 2 with a
+    """``python -m normlab_lab.demo.terminal DEMO_DIR RECORD.json``: save DEMO_DIR's record (its
+    evidence gathered again from its runs) and print the README's table (what ``normlab-lab demo`` prints); 2 with a
     one-line message on bad arguments."""
 
     if len(argv) != 2 or argv[0].startswith("-"):
@@ -82,7 +82,8 @@ def _main(argv: list[str]) -> int:
     demo_dir, target = Path(argv[0]), Path(argv[1])
     if not (demo_dir / "demo.json").is_file():
         print(
-            f"claims: {demo_dir / 'demo.json'} not found: DEMO_DIR must be a finished `normlab demo --out` directory",
+            f"claims: {demo_dir / 'demo.json'} not found: DEMO_DIR must be a finished `normlab-lab demo --out` "
+            "directory",
             file=sys.stderr,
         )
         return 2

@@ -22,10 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.monitor.guard import AT_CHANCE, DEAD_AFTER, LEARNED_FRACTION, LOSS_WINDOW
-from normlab.runner.experiments.demo.diagnosis import GUARDED, GUARDED_DEAD
+from normlab.monitor.collapse import CHANCE as AT_CHANCE
+from normlab.monitor.collapse import LEARNED as LEARNED_FRACTION
+from normlab.monitor.collapse import MIN_WINDOWS as DEAD_AFTER
+from normlab.monitor.guard import LOSS_WINDOW
 from normlab.runner.grid.palette import norm_color
+from normlab.runner.io import atomic_savefig
 from normlab.runner.training.train import GUARD_EVERY
+from normlab_lab.demo.diagnosis import GUARDED, GUARDED_DEAD
 
 __all__ = [
     "FLAGS",
@@ -136,12 +140,12 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bo
         "of the lost steps are not replayed. Trouble is a non-finite loss or gradient, or a loss climbing back "
         "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
         "rollback then goes back to before the alarm), else it is dismissed "
-        "(docs/research/monitor_calibration.md, round 3)."
+        "(lab/docs/monitor_calibration.md, round 3)."
         + (
             f" With --guard-dead a waiting alarm on a net that has not learned (its best {LOSS_WINDOW}-step mean loss"
             f" never below {LEARNED_FRACTION:g} ln 10) keeps waiting, and is confirmed once the net has seen"
             f" {DEAD_AFTER * LOSS_WINDOW} steps and its {LOSS_WINDOW}-step mean is at {AT_CHANCE:g} ln 10 or above;"
-            " the loss climb is measured towards ln 10 (docs/research/monitor_calibration.md, rounds 4 and 5)."
+            " the loss climb is measured towards ln 10 (lab/docs/monitor_calibration.md, rounds 4 and 5)."
             if dead
             else ""
         ),
@@ -289,8 +293,6 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
-
-    from normlab.runner.io import atomic_savefig
 
     fig, axes = plt.subplots(
         1, len(pairs), figsize=(4.6 * len(pairs) + 2.8, 4.4), squeeze=False, sharey=True, layout="constrained"

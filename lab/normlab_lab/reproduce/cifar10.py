@@ -1,4 +1,4 @@
-"""The PWS paper's CIFAR-10 classification table as a preset (``normlab reproduce --preset cifar10-pws``).
+"""The PWS paper's CIFAR-10 classification table as a preset (``normlab-lab reproduce --preset cifar10-pws``).
 
 The paper's protocol (Liu et al., AAAI 2021, classification experiments): CIFAR-10 with the simple augmentation
 (random crop of the 4-pixel zero-padded image and a random horizontal flip), the plain ConvPool-CNN-C net without

@@ -1,13 +1,13 @@
 """The full reproduction on MNIST-1D: the demo's sections (a)-(d), every run trained to its plateau.
 
-:data:`FULL_PROTOCOL` is the demo's :class:`~normlab.runner.experiments.demo.experiment.DemoProtocol` with epochs
+:data:`FULL_PROTOCOL` is the demo's :class:`~normlab_lab.demo.experiment.DemoProtocol` with epochs
 instead of step caps, an lr schedule (x0.1 after 40 % and after 60 % of each section's epochs: the paper's steps,
 placed so that the last two fifths of every run, which the plateau criterion compares, both lie in the final
-phase) and the report seeds 300-302. It was chosen from pilots on seeds 200-202 (docs/reproduction.md, "Full
+phase) and the report seeds 300-302. It was chosen from pilots on seeds 200-202 (lab/docs/reproduction.md, "Full
 reproduction"), in which the slowest cells of each section (BN at batch 128, PWS at batches 4 and 2, the
 unnormalized net, WN and GN at the lowest learning rate) met the report's plateau criterion
-(:func:`~normlab.runner.experiments.demo.claims.plateau_check`); BN at batch 2 met it once the criterion took the
-noise of a two-sample loss into account (a fourth pilot, seed 203; docs/reproduction.md). Section (a) trains 5
+(:func:`~normlab_lab.demo.claims.plateau_check`); BN at batch 2 met it once the criterion took the
+noise of a two-sample loss into account (a fourth pilot, seed 203; lab/docs/reproduction.md). Section (a) trains 5
 epochs since a fifth pilot (seeds 206-207), in which every norm of (a) at learning rates 0.02 and 0.1 met the
 criterion in 5.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from normlab.runner.experiments.demo.experiment import QUICK_PROTOCOL, DemoProtocol
+from normlab_lab.demo.experiment import QUICK_PROTOCOL, DemoProtocol
 
 __all__ = ["FULL_PROTOCOL", "SMOKE_PROTOCOL", "REPORT_SEEDS", "PILOT_SEEDS"]
 
