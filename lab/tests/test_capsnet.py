@@ -1,4 +1,4 @@
-"""The runner's CapsNet models (normlab.runner.experiments.capsules.capsnet): the MNIST configuration of the
+"""The runner's CapsNet models (normlab_lab.capsules.capsnet): the MNIST configuration of the
 paper, the digits and MNIST-1D presets, the masked reconstruction decoder and the stop_gradient's effect on the
 model's gradient."""
 
@@ -10,7 +10,7 @@ import torch
 from normlab.functional import squash
 from normlab.nn import margin_loss
 from normlab.runner.errors import UsageError
-from normlab.runner.experiments.capsules.capsnet import CAPSNET_PRESETS, RECON_SCALE, build_capsnet
+from normlab_lab.capsules.capsnet import CAPSNET_PRESETS, RECON_SCALE, build_capsnet
 
 
 def test_mnist_configuration_builds_and_steps(one_thread):

@@ -1,4 +1,4 @@
-"""``normlab capsules``: the routing experiment end to end (quick mode), resume, refusals, and the statistics
+"""``normlab-lab capsules``: the routing experiment end to end (quick mode), resume, refusals, and the statistics
 behind its verdicts (paired differences, t intervals, the claim criteria)."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from conftest import refused
+from labtest import refused
 
-from normlab.cli import main
 from normlab.runner.errors import UsageError
-from normlab.runner.experiments.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
-from normlab.runner.experiments.capsules.stats import paired, t_quantile, verdicts
+from normlab_lab.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
+from normlab_lab.capsules.stats import paired, t_quantile, verdicts
+from normlab_lab.cli import main
 
 
 def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):
@@ -180,7 +180,7 @@ def test_help(capsys):
         main(["capsules", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "usage: normlab capsules" in out and "--iterations" in out and "--quick" in out
+    assert "usage: normlab-lab capsules" in out and "--iterations" in out and "--quick" in out
 
 
 def test_the_capsule_grid_runs_on_the_grid_engine_failed_cells_and_merging(tmp_path, one_thread):

@@ -1,4 +1,4 @@
-"""scripts/collapse_study.py, which produces the calibration record docs/research/monitor_calibration.md, on tiny
+"""lab/scripts/collapse_study.py, which produces the calibration record lab/docs/monitor_calibration.md, on tiny
 and synthetic runs."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import json
 import math
 
 import pytest
-from conftest import load_script
+from labtest import load_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    return load_script("scripts/collapse_study.py")
+    return load_script("lab/scripts/collapse_study.py")
 
 
 LAYERS = [["c1", "conv"], ["c2", "conv"], ["head", "conv"]]

@@ -19,11 +19,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_demo_report import _demo  # noqa: E402
 from test_demo_twins import _twin_demo  # noqa: E402
 
-from normlab.runner.experiments.demo import diagnosis, plots  # noqa: E402
-from normlab.runner.experiments.demo.report import diagnosis_picks  # noqa: E402
-from normlab.runner.experiments.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
 from normlab.runner.grid import report as grid_report  # noqa: E402
 from normlab.runner.grid.palette import NORM_ORDER, norm_color, norm_order  # noqa: E402
+from normlab_lab.demo import diagnosis, plots  # noqa: E402
+from normlab_lab.demo.report import diagnosis_picks  # noqa: E402
+from normlab_lab.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
 
 MIN_POINTS = 9
 

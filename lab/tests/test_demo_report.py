@@ -1,4 +1,4 @@
-"""normlab.runner.experiments.demo: the first table of the demo's report says, claim by claim and in the paper's
+"""normlab_lab.demo: the first table of the demo's report says, claim by claim and in the paper's
 order, reproduced / not reproduced / not testable here with the numbers; its words and signs read as they should."""
 
 import json
@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from normlab.runner.experiments.demo.claims import claims_markdown, claims_table, plateau_check, timing_verdict
-from normlab.runner.experiments.demo.diagnosis import _series
-from normlab.runner.experiments.demo.report import _cost_section
 from normlab.runner.grid.report import markdown_table, summary_lines
+from normlab_lab.demo.claims import claims_markdown, claims_table, plateau_check, timing_verdict
+from normlab_lab.demo.diagnosis import _series
+from normlab_lab.demo.report import _cost_section
+from normlab_lab.verdicts import PAPER_EFFECTS
 
 LR_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws+gn", "pws", "pws:gamma=0.01")
 
@@ -214,7 +215,7 @@ def test_grid_cost_effect_reports_a_tie_within_the_spread_over_seeds():
         c["step_time_s"] = {"gn": 0.0100 + 0.0005 * c["seed"], "pws": 0.0100 + 0.0004 * c["seed"], "bn": 0.013}.get(
             c["name"], 0.02
         )
-    line = next(x for x in summary_lines(a) if "PWS step is cheaper" in x)
+    line = next(x for x in summary_lines(a, PAPER_EFFECTS) if "PWS step is cheaper" in x)
     assert line.startswith("[TIE]") and "GN 1.01x (a tie)" in line and "BN 1.25x (PWS cheaper)" in line
 
 
@@ -271,9 +272,9 @@ def test_rounding_noise_of_zero_mean_filters_is_not_drawn_as_signal():
     ids=["record-like", "no-claim-1", "claim-2", "quick", "docs-record"],
 )
 def test_the_terminal_table_fits_100_columns_with_every_claim(demo):
-    """What `normlab demo` prints: every claim of the report's table with its verdict and key number, no line over
+    """What `normlab-lab demo` prints: every claim of the report's table with its verdict and key number, no line over
     100 characters (report.md keeps the full text)."""
-    from normlab.runner.experiments.demo.terminal import WIDTH, claims_terminal
+    from normlab_lab.demo.terminal import WIDTH, claims_terminal
 
     lines = claims_terminal(demo)
     assert WIDTH == 100 and all(len(line) <= WIDTH for line in lines), max(lines, key=len)

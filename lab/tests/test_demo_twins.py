@@ -12,21 +12,21 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_demo_report import _demo  # noqa: E402
 
 from normlab.monitor import write_monitor_log  # noqa: E402
-from normlab.runner.experiments.demo.claims import claims_markdown, claims_record, claims_table  # noqa: E402
-from normlab.runner.experiments.demo.diagnosis import (  # noqa: E402
+from normlab_lab.demo.claims import claims_markdown, claims_record, claims_table  # noqa: E402
+from normlab_lab.demo.diagnosis import (  # noqa: E402
     GUARDED_DEAD,
     alarm_audit,
     audited_runs,
     diagnose_run,
 )
-from normlab.runner.experiments.demo.experiment import PROTOCOL  # noqa: E402
-from normlab.runner.experiments.demo.report import (  # noqa: E402
+from normlab_lab.demo.experiment import PROTOCOL  # noqa: E402
+from normlab_lab.demo.report import (  # noqa: E402
     _diagnosis_section,
     alarm_sentence,
     render_demo_report,
     risk_sentence,
 )
-from normlab.runner.experiments.demo.twins import (  # noqa: E402
+from normlab_lab.demo.twins import (  # noqa: E402
     guard_clause,
     plot_twins,
     twin_pairs,
@@ -237,7 +237,7 @@ def test_the_report_renders_section_c_with_both_figures(tmp_path):
     c = md.split("## (c)")[1].split("## (d)")[0]
     assert "*Regime warning* at step 24" in c and "### Guarded twins" in c and "![](c_guarded_twins.png)" in c
     assert "1 of 1 collapsing runs ended healthy" in md.split("## Protocol")[0]  # the claims table's monitor row
-    del demo["sections"]["guard"]  # a demo.json of an earlier version re-rendered (``normlab report``)
+    del demo["sections"]["guard"]  # a demo.json of an earlier version re-rendered (``normlab-lab report``)
     render_demo_report(demo, out)
     assert "No guarded twins in this record" in (out / "report.md").read_text()
 
@@ -304,10 +304,10 @@ def test_the_report_renders_the_guard_dead_twins_after_the_guard_twins(tmp_path)
 
 
 def test_the_claims_tool_refuses_bad_arguments_in_one_line(tmp_path, capsys):
-    from normlab.runner.experiments.demo.terminal import _main
+    from normlab_lab.demo.terminal import _main
 
     assert _main([]) == 2 and _main(["--help"]) == 2
-    assert capsys.readouterr().err.count("usage: python -m normlab.runner.experiments.demo.terminal") == 2
+    assert capsys.readouterr().err.count("usage: python -m normlab_lab.demo.terminal") == 2
     assert _main([str(tmp_path), str(tmp_path / "record.json")]) == 2
     err = capsys.readouterr().err
     assert "demo.json not found" in err and len(err.strip().splitlines()) == 1
@@ -321,7 +321,7 @@ def test_section_c_says_why_when_no_collapsed_run_raised_the_regime_warning(tmp_
     demo["evidence"]["diagnoses"]["collapse"]["none_s0"]["risk"] = None
     lines, _ = _diagnosis_section(out, demo, demo["evidence"])
     (note,) = [x for x in lines if x.startswith("No run here raised the regime warning")]
-    assert "10x its variance term for 2 steps" in note and "docs/research/monitor_calibration.md, round 5" in note
+    assert "10x its variance term for 2 steps" in note and "lab/docs/monitor_calibration.md, round 5" in note
 
 
 def test_a_monitor_row_that_is_not_met_says_which_runs_which_rule_and_what_the_label_says(tmp_path):

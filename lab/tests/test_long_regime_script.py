@@ -1,4 +1,4 @@
-"""scripts/long_regime.py, which produces the long-regime table of docs/reproduction.md, on a tiny run."""
+"""lab/scripts/long_regime.py, which produces the long-regime table of lab/docs/reproduction.md, on a tiny run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import sys
 
 import pytest
-from conftest import load_script
+from labtest import load_script
 
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import train
@@ -15,7 +15,7 @@ from normlab.runner.training.train import train
 
 @pytest.fixture(scope="module")
 def lr_script():
-    return load_script("scripts/long_regime.py")
+    return load_script("lab/scripts/long_regime.py")
 
 
 @pytest.mark.parametrize("norm, conv", [("none", "conv"), ("none", "pws")])

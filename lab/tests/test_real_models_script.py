@@ -1,4 +1,4 @@
-"""scripts/real_models.py, the survey of normlab on real model definitions: the table and JSON have one row per
+"""lab/scripts/real_models.py, the survey of normlab on real model definitions: the table and JSON have one row per
 model and one cell per target + fold + monitor, and a wrong result shows as WRONG / MISS / MUTATED / crash."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import load_script
+from labtest import load_script
 from torch import nn
 
 from normlab.convert import convert_norm, fold_for_inference
@@ -21,7 +21,7 @@ CELL = re.compile(r"^(ok|noop|WRONG|caught|MUTATED|MISS|refused|crash|timeout|di
 
 @pytest.fixture(scope="module")
 def rm():
-    return load_script("scripts/real_models.py")
+    return load_script("lab/scripts/real_models.py")
 
 
 def _tiny(rm):

@@ -1,5 +1,5 @@
-"""normlab reproduce: the full MNIST-1D protocol, its smoke run end to end, the CIFAR-10 preset (its protocol and its
-smoke run), the plateau criterion, and the progress line (runs remaining, ETA) of every grid command."""
+"""normlab-lab reproduce: the full MNIST-1D protocol, its smoke run end to end, the CIFAR-10 preset (its protocol and
+its smoke run), the plateau criterion, and the progress line (runs remaining, ETA) of every grid command."""
 
 import inspect
 import io
@@ -9,31 +9,31 @@ import re
 
 import pytest
 
-from normlab.cli import main
 from normlab.nn import PWSConv2d
-from normlab.runner.experiments.demo.claims import plateau_check
-from normlab.runner.experiments.demo.experiment import PROTOCOL, demo_sections, milestone_epochs
-from normlab.runner.experiments.reproduce.cifar10 import PAPER, cifar10_grids
-from normlab.runner.experiments.reproduce.mnist1d import FULL_PROTOCOL, PILOT_SEEDS, REPORT_SEEDS
 from normlab.runner.grid.estimate import cell_steps
 from normlab.runner.grid.progress import GridProgress, format_duration
 from normlab.runner.grid.spec import expand_grid
+from normlab_lab.cli import main
+from normlab_lab.demo.claims import plateau_check
+from normlab_lab.demo.experiment import PROTOCOL, demo_sections, milestone_epochs
+from normlab_lab.reproduce.cifar10 import PAPER, cifar10_grids
+from normlab_lab.reproduce.mnist1d import FULL_PROTOCOL, PILOT_SEEDS, REPORT_SEEDS
 
 
 # ------------------------------------------------------------------------------------------ progress line
 def test_progress_prints_plain_lines_with_runs_remaining_and_eta_when_not_a_terminal():
     out = io.StringIO()  # not a tty: a log file, a pipe
-    p = GridProgress([3.0, 1.0, 1.0], done=2, label="normlab demo", stream=out, estimate_s=600.0)
+    p = GridProgress([3.0, 1.0, 1.0], done=2, label="normlab-lab demo", stream=out, estimate_s=600.0)
     assert "ETA 10 min" in p.line()  # before any run finished: the start's estimate
     p.update("a", "acc 0.9", 3.0)
     p.update("b", "acc 0.8", 1.0)
     p.close()
     lines = out.getvalue().splitlines()
     assert "\r" not in out.getvalue() and len(lines) == 2
-    assert lines[0].startswith("normlab demo: 3/5 runs done, 2 remaining, ETA ") and lines[0].endswith(
+    assert lines[0].startswith("normlab-lab demo: 3/5 runs done, 2 remaining, ETA ") and lines[0].endswith(
         "(last: a: acc 0.9)"
     )
-    assert lines[1].startswith("normlab demo: 4/5 runs done, 1 remaining, ETA ")
+    assert lines[1].startswith("normlab-lab demo: 4/5 runs done, 1 remaining, ETA ")
     # the ETA weighs what is left by cost: 1 unit left after 4 done takes a quarter of the time so far
     p.t0 -= 100.0
     assert p.eta_s() == pytest.approx(25.0, rel=0.05)
@@ -46,7 +46,7 @@ class _Tty(io.StringIO):
 
 def test_progress_rewrites_one_line_in_place_on_a_terminal():
     out = _Tty()
-    p = GridProgress([1.0, 1.0], stream=out, label="normlab reproduce")
+    p = GridProgress([1.0, 1.0], stream=out, label="normlab-lab reproduce")
     p.update("a", "ok")
     p.update("b", "ok")
     p.close()
@@ -108,7 +108,7 @@ def test_plateau_noise_counts_correlated_steps_by_their_blocks(tmp_path):
 
 def test_a_batch_size_without_a_finished_run_is_named_not_run():
     # a record that did not finish: claim 3's plateau condition names what is missing instead of "None steps"
-    from normlab.runner.experiments.demo.claims import _plateau_state
+    from normlab_lab.demo.claims import _plateau_state
 
     b = {"spec": {"batch_sizes": [128, 2], "norms": ["bn"]}, "cells": [{"cell": "x", "name": "bn", "batch_size": 128}]}
     ok = {"plateau": {"x": {"steps": 10, "fall": 0.0, "plateau": True}}}
@@ -139,7 +139,7 @@ def test_full_protocol_uses_report_seeds_epochs_and_a_schedule():
 
 
 def test_the_records_stages_train_every_cell_of_the_full_run_once():
-    # scripts/record_reproduce.py only reorders normlab reproduce's runs: each cell in exactly one stage
+    # lab/scripts/record_reproduce.py only reorders normlab-lab reproduce's runs: each cell in exactly one stage
     import importlib.util
     from pathlib import Path
 
@@ -165,7 +165,7 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
     out = tmp_path / "r"
     assert main(["reproduce", "--smoke", "--out", str(out), "--workers", "1", "--threads", "1"]) == 0
     stdout, err = capsys.readouterr()
-    assert "normlab reproduce: 14 runs to train: about" in err
+    assert "normlab-lab reproduce: 14 runs to train: about" in err
     # plain lines (pytest's capture is not a terminal); the runs done, the ETA is the reporting the estimate named
     reporting = re.search(r"then (\d+) s of reporting", err).group(1)
     assert f"14/14 runs done, 0 remaining, ETA {reporting} s" in err
@@ -175,8 +175,8 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
     assert demo["mode"] == "smoke" and demo["quick"]
     assert set(demo["evidence"]["plateau_all"]) == set(demo["sections"])
     report = (out / "report.md").read_text()
-    assert report.startswith("# normlab reproduce") and "2 epochs, lr x0.1 after 50 % of them" in report
-    assert "The protocol: `normlab.runner.experiments.reproduce.mnist1d.SMOKE_PROTOCOL`" in report
+    assert report.startswith("# normlab-lab reproduce") and "2 epochs, lr x0.1 after 50 % of them" in report
+    assert "The protocol: `normlab_lab.reproduce.mnist1d.SMOKE_PROTOCOL`" in report
     assert re.search(r"\*\*Plateau\*\*: (all 14 runs|\d+ of 14 runs) reached their plateau", report)
     assert "| 3 |" in stdout and str(out / "report.md") in stdout
     # resumable: a second call trains nothing
@@ -185,7 +185,7 @@ def test_reproduce_smoke_runs_the_whole_pipeline(tmp_path, capsys):
 
 
 def test_the_plateau_summary_counts_every_run_and_names_each_miss_by_how_it_missed():
-    from normlab.runner.experiments.demo.report import plateau_summary
+    from normlab_lab.demo.report import plateau_summary
 
     ok = {"plateau": True, "fall": 0.01, "fall_nats": 0.001, "noise_nats": 0.001, "steps": 100}
     falling = {"plateau": False, "fall": 0.099, "fall_nats": 0.0183, "noise_nats": 0.0064, "steps": 100}
@@ -228,6 +228,8 @@ def test_cifar10_preset_smoke_runs_on_random_cifar_shaped_images(tmp_path, capsy
         assert results["complete"] and len(results["cells"]) == 10
         assert results["spec"]["dataset"] == "cifar10" and results["spec"]["model"] == model
         assert all(c["steps_run"] == 2 and c["final_test_acc"] is not None for c in results["cells"])
+        assert "## Headline effects" in (out / model / "results.md").read_text()  # the paper's, judged
+    assert "[info] Norms that do not train at the highest learning rate" in stdout  # ... and printed
 
 
 @pytest.mark.parametrize(

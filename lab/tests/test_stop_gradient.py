@@ -1,4 +1,4 @@
-"""scripts/stop_gradient.py, which produces every number of docs/gradients.md: the statements the document makes
+"""lab/scripts/stop_gradient.py, which produces every number of lab/docs/gradients.md: the statements the document makes
 hold for the numbers the script computes."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import math
 from pathlib import Path
 
 import pytest
-from conftest import load_script
+from labtest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def sg():
-    return load_script("scripts/stop_gradient.py")
+    return load_script("lab/scripts/stop_gradient.py")
 
 
 def test_mean_is_stationary(sg):
@@ -61,6 +61,6 @@ def test_routing(sg):
 
 
 def test_docs_show_the_scripts_output(sg, one_thread):
-    """docs/gradients.md ends with exactly what the script prints (rerun the script after changing it)."""
+    """lab/docs/gradients.md ends with exactly what the script prints (rerun the script after changing it)."""
     doc = (ROOT / "docs" / "gradients.md").read_text()
     assert doc.rstrip().endswith(sg.markdown().rstrip())
