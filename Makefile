@@ -57,4 +57,4 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build build dist
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache docs/_build build dist lab/build lab/dist

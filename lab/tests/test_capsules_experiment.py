@@ -8,12 +8,13 @@ import math
 
 import pytest
 import torch
-from labtest import refused
 
 from normlab.runner.errors import UsageError
 from normlab_lab.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
 from normlab_lab.capsules.stats import paired, t_quantile, verdicts
 from normlab_lab.cli import main
+
+from .labtest import refused
 
 
 def test_quick_mode_end_to_end_and_resume(tmp_path, capsys, one_thread):

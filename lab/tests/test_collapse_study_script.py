@@ -7,7 +7,8 @@ import json
 import math
 
 import pytest
-from labtest import load_script
+
+from .labtest import load_script
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -15,15 +14,14 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.text import Text  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_demo_report import _demo  # noqa: E402
-from test_demo_twins import _twin_demo  # noqa: E402
-
 from normlab.runner.grid import report as grid_report  # noqa: E402
 from normlab.runner.grid.palette import NORM_ORDER, norm_color, norm_order  # noqa: E402
-from normlab_lab.demo import diagnosis, plots  # noqa: E402
+from normlab_lab.demo import diagnosis, plots, twins  # noqa: E402
 from normlab_lab.demo.report import diagnosis_picks  # noqa: E402
 from normlab_lab.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
+
+from .test_demo_report import _demo  # noqa: E402
+from .test_demo_twins import _twin_demo  # noqa: E402
 
 MIN_POINTS = 9
 
@@ -46,7 +44,7 @@ def saved(monkeypatch):
     keep = saved_keep(figures)
     monkeypatch.setattr(plots, "atomic_savefig", keep)
     monkeypatch.setattr(diagnosis, "atomic_savefig", keep)
-    monkeypatch.setattr("normlab.runner.io.atomic_savefig", keep)  # twins imports it when it draws
+    monkeypatch.setattr(twins, "atomic_savefig", keep)
     return figures
 
 

@@ -5,11 +5,7 @@ figure) and the guard's clause in the claims table's monitor row; records withou
 import copy
 import dataclasses
 import json
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_demo_report import _demo  # noqa: E402
 
 from normlab.monitor import write_monitor_log  # noqa: E402
 from normlab_lab.demo.claims import claims_markdown, claims_record, claims_table  # noqa: E402
@@ -33,6 +29,8 @@ from normlab_lab.demo.twins import (  # noqa: E402
     twin_summary,
     twins_markdown,
 )
+
+from .test_demo_report import _demo  # noqa: E402
 
 RISK = {
     "step": 24,

@@ -7,11 +7,12 @@ import logging
 from pathlib import Path
 
 import pytest
-from labtest import needs
 
 from normlab_lab.capsules.experiment import CapsSpec, run_capsules
 from normlab_lab.demo.experiment import run_demo
 from normlab_lab.reproduce.mnist1d import SMOKE_PROTOCOL
+
+from .labtest import needs
 
 _TIMING = ("step_time_s", "time_s")
 

@@ -7,10 +7,11 @@ import math
 import sys
 
 import pytest
-from labtest import load_script
 
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import train
+
+from .labtest import load_script
 
 
 @pytest.fixture(scope="module")

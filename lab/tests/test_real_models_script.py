@@ -10,11 +10,12 @@ import warnings
 
 import pytest
 import torch
-from labtest import load_script
 from torch import nn
 
 from normlab.convert import convert_norm, fold_for_inference
 from normlab.monitor import VarianceMonitor
+
+from .labtest import load_script
 
 CELL = re.compile(r"^(ok|noop|WRONG|caught|MUTATED|MISS|refused|crash|timeout|died)\b")
 

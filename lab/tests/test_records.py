@@ -3,14 +3,13 @@
 (``lab/docs/demo_record.json``); each is exactly what the lab makes of its record."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
-from labtest import LAB, ROOT
 
 from normlab_lab.demo.claims import claims_record, claims_table
 from normlab_lab.demo.terminal import claims_terminal
+
+from .labtest import LAB, ROOT
 
 README = ROOT / "README.md"
 DOCS = LAB / "docs"
@@ -39,8 +38,7 @@ def test_quoted_claims_table_is_the_reports_table_of_its_record(text_path, marke
 
 def test_demo_record_keeps_every_verdict():
     """lab/docs/demo_record.json drops the runs' histories only: the table built from it is the demo's own."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_demo_report import _demo
+    from .test_demo_report import _demo
 
     demo = _demo()
     for sec in demo["sections"].values():

@@ -7,7 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from labtest import load_script
+
+from .labtest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
