@@ -41,6 +41,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
     p.add_argument("--steps", type=positive_int, default=None, help="override every set-up's step count (tests)")
     p.add_argument(
+        "--lrs",
+        type=_rates,
+        default=None,
+        help="collect: these learning rates instead of each set-up's grid, e.g. 0.01,0.1 (a pilot's candidates)",
+    )
+    p.add_argument(
         "--every",
         type=positive_int,
         default=10,
@@ -57,6 +63,17 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _rates(text: str) -> list[float]:
+    """ "0.01,0.1" -> [0.01, 0.1]: positive finite learning rates."""
+    try:
+        rates = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected learning rates such as 0.01,0.1, got {text!r}") from None
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise argparse.ArgumentTypeError(f"expected positive finite learning rates such as 0.01,0.1, got {text!r}")
+    return rates
+
+
 def _guard(args: argparse.Namespace, out: Path, seeds: list[int], setups: list[str], json_path: str | None) -> None:
     """Guard re-runs of every collapsing run and of up to ``--guard-healthy`` healthy runs per set-up."""
     runs = runs_to_guard(out, seeds, setups, args.guard_healthy)
@@ -71,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     out = check_dir_option(args.out, "--out")
     seeds, setups = parse_seeds(args.seeds), parse_setups(args.setups)
     if args.stage in ("collect", "all"):
-        collect(out, seeds, setups, args.workers, args.steps)
+        collect(out, seeds, setups, args.workers, args.steps, lrs=args.lrs)
     if args.stage in ("evaluate", "all"):
         table = evaluate_dir(out, seeds, setups, every=args.every)
         print(table["markdown"])
