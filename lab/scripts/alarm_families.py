@@ -186,8 +186,10 @@ def calibrate(dirs: list[str]) -> None:
     regime = alone(runs, ROUND3)["regime alone"]
     fam = by_family(runs, regime)
     keep = fam["all"]["warned"] >= 1 and all(10 * v["false_alarms"] <= 2 * v["healthy"] for v in fam.values())
-    print(f"\nRegime warning: {'kept on' if keep else 'off'} by default (criterion: it warns >= 1 warnable collapse "
-          ">= 5 steps ahead and flags <= 2 per 10 healthy runs of every calibration family)")
+    print(
+        f"\nRegime warning: {'kept on' if keep else 'off'} by default (criterion: it warns >= 1 warnable collapse "
+        ">= 5 steps ahead and flags <= 2 per 10 healthy runs of every calibration family)"
+    )
     print("\nForward selection on every calibration family:\n")
     config, chosen = greedy(runs)
     if not keep:
@@ -210,7 +212,9 @@ def calibrate(dirs: list[str]) -> None:
     for r, ev in zip(runs, evs):
         first = next((e for e in ev if e.severity == "alarm"), None)
         if first is not None and not r["collapsed"]:
-            print(f"false alarm (adopted set): {r['name']} step {first.step} {first.rule} {first.layer} {first.quantity}")
+            print(
+                f"false alarm (adopted set): {r['name']} step {first.step} {first.rule} {first.layer} {first.quantity}"
+            )
 
 
 def report(dirs: list[str]) -> None:

@@ -159,6 +159,3 @@ def regression_chance(y: torch.Tensor) -> float:
         1.0
     """
     return float(y.flatten(1).var(0, unbiased=False).mean())
-
-
-

@@ -26,9 +26,7 @@ def configs(
     seeds: Iterable[int], setups: Sequence[str] = tuple(SETUPS), lrs: Sequence[float] | None = None
 ) -> list[dict]:
     """Every run of the protocol: set-up x lr x seed (``lrs``: these rates instead of each set-up's grid)."""
-    return [
-        dict(setup=s, lr=lr, seed=seed) for seed in seeds for s in setups for lr in (lrs or ALL_SETUPS[s]["lrs"])
-    ]
+    return [dict(setup=s, lr=lr, seed=seed) for seed in seeds for s in setups for lr in (lrs or ALL_SETUPS[s]["lrs"])]
 
 
 def run_path(out: Path, cfg: dict) -> Path:

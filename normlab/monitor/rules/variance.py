@@ -564,8 +564,8 @@ class CountdownRule(Rule):
         self.recent = {str(k): [[int(a), float(b)] for a, b in v] for k, v in state["recent"].items()}
         self.grad_norms = [float(g) for g in state["grad_norms"]]
         self.streak = {str(k): int(v) for k, v in (state.get("streak") or {}).items()}  # older states: none
-        self.high = {str(k): float(v) for k, v in (state.get("high") or {}).items()}
-        self.rates = {str(k): [float(r) for r in v] for k, v in (state.get("rates") or {}).items()}
+        self.high = {str(k): float(v) for k, v in state["high"].items()}
+        self.rates = {str(k): [float(r) for r in v] for k, v in state["rates"].items()}
 
     def __repr__(self) -> str:
         return (
