@@ -11,6 +11,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
+from normlab._checks import number_problem
 from normlab.convert.dataflow import fixed_shapes, input_producers, seen_shapes
 from normlab.convert.recognize import (
     BatchNormSpec,
@@ -111,8 +112,9 @@ def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[str]:
     g = kw.get("num_groups")
     if to != "gn" or g is None:
         return []
-    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        return [f"any layer: num_groups must be a positive int, got {g!r}"]
+    expected = number_problem(g, integer=True, low=1)
+    if expected is not None:
+        return [f"any layer: num_groups must be {expected}, got {g!r}"]
     out = []
     for m, _ in bns:
         c = num_channels(m)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .._checks import check_number
 from .batch_renorm import BatchRenorm1d, BatchRenorm2d, BatchRenorm3d
 from .instance_norm import InstanceNorm1d, InstanceNorm2d, InstanceNorm3d
 from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
@@ -141,8 +142,7 @@ def _lookup(table: dict[str, dict[int, type]], what: str, name: str, dim: int) -
 
 
 def _check_channels(what: str, arg: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what}: {arg} must be a positive int, got {value!r}")
+    check_number(what, arg, value, integer=True, low=1)
 
 
 def get_norm_class(name: str, dim: int = 2) -> type:
