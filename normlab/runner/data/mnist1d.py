@@ -20,12 +20,22 @@ from pathlib import Path
 
 import numpy as np
 
+from normlab._checks import number_problem
 from normlab.runner.errors import UsageError
 from normlab.runner.io import atomic_write
 
-__all__ = ["DEFAULT_SAMPLES", "TRAIN_SPLIT", "generation_args", "cache_key", "load_mnist1d", "arrays_checksum"]
+__all__ = [
+    "DEFAULT_SAMPLES",
+    "MIN_SAMPLES",
+    "TRAIN_SPLIT",
+    "generation_args",
+    "cache_key",
+    "load_mnist1d",
+    "arrays_checksum",
+]
 
 DEFAULT_SAMPLES = 25_000  # 20,000 train / 5,000 test
+MIN_SAMPLES = 50  # the generator needs a few per class
 TRAIN_SPLIT = 0.8
 _KEYS = ("x", "y", "x_test", "y_test")
 _memory: dict[str, dict[str, np.ndarray]] = {}  # per process: cells of a grid in one worker load once
@@ -33,8 +43,9 @@ _memory: dict[str, dict[str, np.ndarray]] = {}  # per process: cells of a grid i
 
 def generation_args(num_samples: int = DEFAULT_SAMPLES) -> dict:
     """mnist1d's generation arguments with ``num_samples`` (train + test, split 80/20)."""
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 50:
-        raise UsageError(f"mnist1d: num_samples must be an integer >= 50, got {num_samples!r}")
+    expected = number_problem(num_samples, integer=True, low=MIN_SAMPLES)
+    if expected is not None:
+        raise UsageError(f"mnist1d: num_samples must be {expected}, got {num_samples!r}")
     from mnist1d.data import get_dataset_args
 
     args = get_dataset_args(as_dict=True)
