@@ -90,7 +90,7 @@ def test_mnist1d_generation_is_deterministic_for_its_arguments(tmp_path):
         mnist1d.generation_args(10)
     with pytest.raises(ValueError, match="num_samples applies to generated data sets"):
         get_dataset("digits", num_samples=100)
-    with pytest.raises(ValueError, match=r"num_train: expected an integer in \[1, 1437\]"):
+    with pytest.raises(ValueError, match=r"num_train: expected an int in \[1, 1437\]"):
         get_dataset("digits", num_train=5000)
 
 

@@ -138,7 +138,8 @@ def resolve(kind: str, name: str, *, owner: str = "TrainConfig", field: str | No
         elif _IMPORT_PATH.match(name):
             _cache[key] = _imported(kind, name, owner, field)
         else:
-            raise _refuse(kind, name, f"unknown {kind}; {_expected(kind)}", owner, field)
+            noun = "dataset" if kind == "data" else kind
+            raise FieldError(owner, field or _FIELDS[kind], f"unknown {noun} {name!r}; {_expected(kind)}")
     return _cache[key]
 
 

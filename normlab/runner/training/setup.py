@@ -236,7 +236,8 @@ def _dry_run(config: TrainConfig, model: nn.Module, task: Task, info: dict, x, y
         raise UsageError(f"{what} outputs shape {tuple(out.shape)}, {config.dataset} has {classes} classes")
     for name, fn in (("loss", task.loss_sum), ("metric", task.metric_sum)):
         try:
-            value = fn(out, y)
+            with torch.no_grad():
+                value = fn(out, y)
         except Exception as e:  # noqa: BLE001 - the user's loss or metric: one line says what failed
             raise FieldError(
                 "TrainConfig",
