@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from normlab.convert import convert_norm
+from normlab.nn import NORM_NAMES as NORMS
 from normlab.nn import create_norm
 
 __all__ = ["NormLayer", "put_norm"]
@@ -54,7 +55,8 @@ def _convert(model: nn.Module, to: str, what: str, example: torch.Tensor, **kw) 
     before = _ids(model)
     model = convert_norm(model, to=to, example_input=example, **kw)
     if _ids(model) == before:
-        raise ValueError(f"convert_norm(to={to!r}) found no {what} to replace in {type(model).__name__}")
+        hint = " (build it with BatchNorm layers, or give its function a norm_layer argument)" if to in NORMS else ""
+        raise ValueError(f"convert_norm(to={to!r}) found no {what} to replace in {type(model).__name__}{hint}")
     return model
 
 

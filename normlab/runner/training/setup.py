@@ -221,19 +221,23 @@ def _name(config: TrainConfig) -> str:
 
 def _dry_run(config: TrainConfig, model: nn.Module, task: Task, info: dict, x, y) -> None:
     """The model's output on two samples must be what the loss and the metric take (one line naming what not)."""
-    what = f"model {config.model!r} (norm={config.norm}, conv={config.conv}, width={config.width:g})"
+    what = f"{config.model!r} (norm={config.norm}, conv={config.conv}, width={config.width:g})"
     try:
         with torch.no_grad():
             out = model.eval()(x)
     except Exception as e:  # noqa: BLE001 - the user's model: one line says what failed
-        raise UsageError(
-            f"{what} cannot run on {config.dataset} input of shape {tuple(x.shape[1:])}: {error_line(e)}"
+        raise FieldError(
+            "TrainConfig",
+            "model",
+            f"{what} cannot run on {config.dataset} input of shape {tuple(x.shape[1:])}: {error_line(e)}",
         ) from None
     finally:
         model.train()
     classes = info.get("num_classes")
     if config.metric == "accuracy" and classes and (out.dim() != 2 or out.shape[-1] != classes):
-        raise UsageError(f"{what} outputs shape {tuple(out.shape)}, {config.dataset} has {classes} classes")
+        raise FieldError(
+            "TrainConfig", "model", f"{what} outputs shape {tuple(out.shape)}, {config.dataset} has {classes} classes"
+        )
     for name, fn in (("loss", task.loss_sum), ("metric", task.metric_sum)):
         try:
             with torch.no_grad():
@@ -242,7 +246,7 @@ def _dry_run(config: TrainConfig, model: nn.Module, task: Task, info: dict, x, y
             raise FieldError(
                 "TrainConfig",
                 name,
-                f"{getattr(task, name)!r} does not take the output of {what} (shape {tuple(out.shape)}) and the "
+                f"{getattr(task, name)!r} does not take the output of model {what} (shape {tuple(out.shape)}) and the "
                 f"targets (shape {tuple(y.shape)}, {y.dtype}): {error_line(e)}",
             ) from None
         if value is not None and torch.as_tensor(value).numel() != 1:
