@@ -264,32 +264,31 @@ def compare(
                           lrs=[0.01, 0.1], epochs=2, out="runs/resnet18")
         print(results["norms"][0]["highest_lr_trained"])
     """
-    names = {
-        "model": name_of("model", model),
-        "data": name_of("data", data),
-        "loss": name_of("loss", loss),
-        "metric": name_of("metric", metric),
-    }
+    names = {kind: name_of(kind, value) for kind, value in (("model", model), ("data", data), ("loss", loss))}
+    names["metric"] = name_of("metric", metric)
     workers = _where(names, workers, backend)
+    grid = dict(norms=norms, lrs=lrs, batch_sizes=batch_sizes, seeds=seeds, epochs=epochs)
+    spec = _spec(names, grid, options, {"monitor_every": monitor_every, "stop_on": stop_on, "guard": guard})
+    announce = _announcer(progress, workers, remote=backend == "ray" and address is not None)
+    kw = {"workers": workers, "threads": threads, "backend": backend, "address": address}
+    return run_grid(spec, out, progress=progress, announce=announce, **kw)
+
+
+def _spec(names: dict[str, str], grid: dict[str, Any], options: dict[str, Any], runs: dict[str, Any]) -> GridSpec:
+    """The GridSpec of :func:`compare`: its lists, the names, the further options split into the grid's and every
+    run's (a loss, a metric and the guard recorded only when they are not the defaults)."""
     grid_options, shared = _split_options(options)
-    for key, value in (("loss", names["loss"]), ("metric", names["metric"])):
-        if value != getattr(_DEFAULTS, key):
-            shared[key] = value
-    shared.update(monitor_every=monitor_every, stop_on=stop_on)
-    if guard:
+    for key in ("loss", "metric"):
+        if names[key] != getattr(_DEFAULTS, key):
+            shared[key] = names[key]
+    shared.update(monitor_every=runs["monitor_every"], stop_on=runs["stop_on"])
+    if runs["guard"]:
         shared["guard"] = True
-    spec = GridSpec(
-        norms=norms,
-        lrs=lrs,
-        batch_sizes=batch_sizes,
-        seeds=seeds,
-        epochs=epochs,
-        dataset=names["data"],
-        model=names["model"],
-        train_kwargs=shared,
-        **grid_options,
-    )
-    remote = backend == "ray" and address is not None
+    return GridSpec(**grid, dataset=names["data"], model=names["model"], train_kwargs=shared, **grid_options)
+
+
+def _announcer(progress: bool, workers: int, remote: bool) -> Callable[[GridRun], None]:
+    """What :func:`compare` says before it starts: how many runs and about how long (stderr)."""
 
     def announce(grid: GridRun) -> None:
         if progress and grid.todo():
@@ -297,5 +296,4 @@ def compare(
             text, _ = plan_text(cells, grid.todo(), workers, remote=remote)
             print(f"normlab compare: {text}", file=sys.stderr)
 
-    kw = {"workers": workers, "threads": threads, "backend": backend, "address": address}
-    return run_grid(spec, out, progress=progress, announce=announce, **kw)
+    return announce
