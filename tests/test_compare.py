@@ -338,3 +338,25 @@ def test_torchrun_trains_each_run_over_the_processes(tmp_path):
         assert s["world_size"] == 2 and s["epochs_run"] == 3
     assert r.stdout.count("| bn |") == 1  # rank 0 prints the table, alone
     assert json.loads((out / "results.json").read_text())["complete"]
+
+
+def test_a_refusal_raised_in_a_worker_reaches_the_parent_whole():
+    """A FieldError pickles (a worker process or a Ray task raises it; it used to arrive as 'cannot deserialize')."""
+    import pickle
+
+    from normlab.runner.errors import FieldError
+
+    e = FieldError("TrainConfig", "model", "{lrs} too high", ("lrs",), sep=" ")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is FieldError and str(back) == str(e) == "TrainConfig model lrs too high"
+    assert str(back.for_options(lambda f: "--" + f)) == "--model --lrs too high"
+
+
+def test_ray_tasks_import_a_factory_of_this_process(tmp_path):
+    """The embedded Ray's workers import from this process's path (tests/ here, the current directory for the CLI)."""
+    from conftest import needs
+
+    needs("ray")
+    results = compare("user_factories:small_cnn", "user_factories:digits16", norms=["gn"], lrs=[0.05], out=tmp_path,
+                      backend="ray", workers=1, **TINY)  # fmt: skip
+    assert not results["failed"] and results["cells"][0]["steps_run"] == 3

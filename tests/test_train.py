@@ -680,3 +680,31 @@ def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):
     train(ok, ck, progress=False)
     state = load_ckpt(ck / "checkpoint.pt")["state"]
     assert state["guard"]["steps"] == state["steps_total"] == 6 and state["rescues"] == []
+
+
+def test_the_train_command_loads_the_data_and_builds_the_model_once(tmp_path, monkeypatch):
+    """`normlab train` checks its run (data, batch size, model, dry run) before it writes anything, and the trainer
+    trains what the check built: MNIST-1D generated once, the model built once (it used to be twice each)."""
+    from normlab.cli import main
+    from normlab.runner.data import datasets, mnist1d
+    from normlab.runner.training import setup
+
+    counts = {"generated": 0, "loaded": 0, "built": 0}
+
+    def counting(key, fn):
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(mnist1d, "_memory", {})
+    monkeypatch.setattr(setup, "_MEMORY", {})
+    monkeypatch.setattr(mnist1d, "_generate", counting("generated", mnist1d._generate))
+    monkeypatch.setattr(setup, "get_dataset", counting("loaded", datasets.get_dataset))
+    monkeypatch.setattr(setup, "build_builtin", counting("built", setup.build_builtin))
+    argv = ["train", "--dataset", "mnist1d", "--model", "plain1d", "--num-samples", "500", "--width", "0.125"]
+    argv += ["--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "16", "--quiet", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert counts == {"generated": 1, "loaded": 1, "built": 1}
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 2
