@@ -9,7 +9,8 @@ import pytest
 from normlab.runner.experiments.demo.claims import claims_markdown, claims_table, plateau_check, timing_verdict
 from normlab.runner.experiments.demo.diagnosis import _series
 from normlab.runner.experiments.demo.report import _cost_section
-from normlab.runner.grid.report import markdown_table, summary_lines
+from normlab.runner.grid.report import markdown_table
+from normlab.runner.grid.verdicts import headline_effects
 
 LR_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws+gn", "pws", "pws:gamma=0.01")
 
@@ -214,7 +215,8 @@ def test_grid_cost_effect_reports_a_tie_within_the_spread_over_seeds():
         c["step_time_s"] = {"gn": 0.0100 + 0.0005 * c["seed"], "pws": 0.0100 + 0.0004 * c["seed"], "bn": 0.013}.get(
             c["name"], 0.02
         )
-    line = next(x for x in summary_lines(a) if "PWS step is cheaper" in x)
+    effect = next(e for e in headline_effects(a) if "PWS step is cheaper" in e["effect"])
+    line = f"[{'TIE' if effect.get('mark') == 'tie' else effect['appeared']}] {effect['text']}"
     assert line.startswith("[TIE]") and "GN 1.01x (a tie)" in line and "BN 1.25x (PWS cheaper)" in line
 
 
