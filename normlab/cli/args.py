@@ -24,7 +24,7 @@ from normlab.runner.errors import FieldError, UsageError
 from normlab.runner.factories import LOSSES, METRICS
 from normlab.runner.io import check_dir_option
 from normlab.runner.models import MAX_WIDTH, MODELS
-from normlab.runner.training.config import BRN_SCHEDULES, MAX_THREADS, STOP_ON, TrainConfig, resolve_device
+from normlab.runner.training.config import BRN_SCHEDULES, GROUPS, MAX_THREADS, STOP_ON, TrainConfig, resolve_device
 
 __all__ = [
     "OneLineParser",
@@ -380,36 +380,23 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# TrainConfig fields that the options of a grid's cells set (compare: its GridSpec fields and --norms; train: its own
+# options); every other field with an option of its own name is shared by the cells (:func:`train_kwargs`)
+CELL_FIELDS = ("dataset", "model", "norm", "conv", "conv_kwargs", "width", "lr", "batch_size", "epochs", "seed")
+CELL_FIELDS += ("target_acc", "max_steps_per_epoch")
+# recorded only when not their default, so that grids and checkpoints written before the option existed stay resumable
+_ONLY_WHEN_SET = ("data_dir", "amp", "guard", "guard_dead", "stop_on", "loss", "metric")
+
+
 def train_kwargs(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields the optimisation and data options set."""
-    kw = dict(
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        nowd_norm_alpha=not args.wd_norm_alpha,
-        milestones=tuple(args.milestones),
-        lr_gamma=args.lr_gamma,
-        device=args.device,
-        brn_schedule=args.brn_schedule,
-        num_samples=args.num_samples,
-        num_train=args.num_train,
-        evals_per_epoch=args.evals_per_epoch,
-        eval_train_mode=args.eval_train_mode,
-        monitor_every=args.monitor_every,
-        monitor_dense_steps=args.monitor_dense_steps,
-        monitor_dense_every=args.monitor_dense_every,
-    )
-    if args.data_dir is not None:
-        kw["data_dir"] = args.data_dir
-    asked = {  # only when asked: grids and checkpoints written before a flag existed stay resumable
-        "amp": args.amp,
-        "guard": args.guard or args.guard_dead,  # --guard-dead implies --guard
-        "guard_dead": args.guard_dead,
-    }
-    kw.update({flag: True for flag, on in asked.items() if on})
-    for name in ("stop_on", "loss", "metric"):  # likewise: only a value other than the default is recorded
-        if getattr(args, name) != getattr(DEFAULTS, name):
-            kw[name] = getattr(args, name)
-    return kw
+    """The TrainConfig fields the options set besides :data:`CELL_FIELDS`: every field with an option of its name
+    (``--weight-decay`` -> ``weight_decay``), and ``nowd_norm_alpha`` (``--wd-norm-alpha`` turns it off); ``guard`` is
+    on with ``--guard-dead`` too."""
+    fields = [f for group in GROUPS.values() for f in group if f not in CELL_FIELDS and hasattr(args, f)]
+    kw = {f: getattr(args, f) for f in fields}
+    kw.update(nowd_norm_alpha=not args.wd_norm_alpha, milestones=tuple(args.milestones))
+    kw["guard"] = args.guard or args.guard_dead
+    return {k: v for k, v in kw.items() if k not in _ONLY_WHEN_SET or v != getattr(DEFAULTS, k)}
 
 
 def option_name(field: str, renames: dict[str, str] | None = None) -> str:
