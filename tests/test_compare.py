@@ -360,3 +360,19 @@ def test_ray_tasks_import_a_factory_of_this_process(tmp_path):
     results = compare("user_factories:small_cnn", "user_factories:digits16", norms=["gn"], lrs=[0.05], out=tmp_path,
                       backend="ray", workers=1, **TINY)  # fmt: skip
     assert not results["failed"] and results["cells"][0]["steps_run"] == 3
+
+
+def test_a_built_module_is_refused_and_a_redefined_data_function_is_loaded_again(tmp_path):
+    with pytest.raises(UsageError, match="model: 'Sequential': pass the function .* not a built module"):
+        compare(uf.small_cnn(10, 1), uf.digits16, norms=["bn"], out=tmp_path / "m", **TINY)
+    for n in (600, 700):  # a notebook redefines its data function under the same name
+
+        def data(n=n):
+            return uf.digits16(n)
+
+        results = compare(uf.small_cnn, data, norms=["bn"], lrs=[0.05], out=tmp_path / str(n), **TINY)
+        assert _summary(tmp_path / str(n), results["cells"][0]["cell"])["num_classes"] == 10
+    from normlab.runner.training import setup
+
+    loaded = {v[2]["num_train"] for k, v in setup._MEMORY.items() if k[0].endswith("<locals>.data")}
+    assert loaded == {600, 700}  # the second function's data, not the first one's kept under the same name

@@ -25,6 +25,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
+
 from normlab.runner.data.datasets import DATASETS
 from normlab.runner.errors import FieldError
 from normlab.runner.models import MODELS
@@ -169,6 +171,15 @@ def name_of(kind: str, value) -> str:
     """
     if isinstance(value, str):
         return value
+    if kind == "model" and isinstance(value, nn.Module):
+        raise _refuse(
+            kind,
+            type(value).__name__,
+            "pass the function (or class) that builds the model, not a built module: "
+            "each run builds its own, from its seed",
+            "TrainConfig",
+            None,
+        )
     if not callable(value):
         raise _refuse(
             kind, value, f"{_expected(kind)}, or a function; got a {type(value).__name__}", "TrainConfig", None

@@ -78,7 +78,11 @@ class RunInputs:
 
 
 def _source(config: TrainConfig) -> tuple:
-    return (config.dataset, config.data_dir, config.num_samples, config.num_train)
+    """What decides a data set: its name and arguments, and a factory's function itself (one redefined in a notebook
+    under the same name is another data set)."""
+    factory = resolve("data", config.dataset)
+    fn = None if factory.builtin else factory.fn
+    return (config.dataset, config.data_dir, config.num_samples, config.num_train, fn)
 
 
 def load_data(config: TrainConfig) -> tuple[Any, Any, dict[str, Any]]:
