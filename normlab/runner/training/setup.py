@@ -20,9 +20,11 @@ class.
 from __future__ import annotations
 
 import inspect
+import random
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -53,10 +55,6 @@ _MEMORY_SIZE = 4
 
 def seed_everything(seed: int) -> None:
     """Seed python's, numpy's and torch's global generators."""
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
