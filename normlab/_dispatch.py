@@ -78,6 +78,28 @@ def plain_eager(x: Tensor) -> bool:
     return torch._C._functorch.peek_interpreter_stack() is None
 
 
+def forward_ad_active() -> bool:
+    """True inside ``torch.autograd.forward_ad.dual_level()``: inputs may carry tangents, and an autograd Function
+    without a ``jvp`` (normlab's fused paths) would raise, so the layers take their composite paths (plain aten ops,
+    each with a forward derivative). ``torch.func.jvp``/``jacfwd`` are functorch transforms (:func:`plain_eager`)."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def fx_tracing() -> bool:
+    """True while ``torch.fx.symbolic_trace`` traces a forward: its values are Proxies, so a layer computes its
+    kernels in the graph (no cache lookups, no reads of a value)."""
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
+def batched_backward(grad: Tensor) -> bool:
+    """True when a backward runs under vmap: batched gradients (``autograd.grad(is_grads_batched=True)``,
+    ``torch.autograd.functional.jacobian/hessian(vectorize=True)``: the legacy vmap) or a torch.func transform. Kernels
+    called with ``out=`` have no batching rule there, so an autograd Function differentiates its composite formula
+    instead."""
+    ft = torch._C._functorch
+    return torch._C._are_functorch_transforms_active() or ft.is_legacy_batchedtensor(grad)
+
+
 def recomputing() -> bool:
     """True while autograd runs a backward pass: a forward then is activation checkpointing's recomputation
     (``torch.utils.checkpoint``, reentrant or not), which must not update the running statistics a second time."""

@@ -14,9 +14,12 @@ from torch import Tensor
 from ._dispatch import (
     all_finite,
     as_param,
+    batched_backward,
     centered_moments,
     channels_last_format,
     clip,
+    count_into,
+    forward_ad_active,
     guarded_update,
     param_dtype,
     plain_eager,
@@ -175,7 +178,9 @@ def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor,
     var_ln = second.mean(1, keepdim=True) - mean_ln.square()
     means, variances = [mu, mean_ln], [var_in, var_ln]
     if bn_stats is not False:
-        if bn_stats is None:
+        if bn_stats is None and mu.shape[0] == 0:  # an empty batch has no BN statistics: zeros (constants), so the
+            bn_stats = (mu.new_zeros((1, mu.shape[1])),) * 2  # logits' gradients are 0 (BatchNorm's: 0), not NaN
+        elif bn_stats is None:
             mean_bn = mu.mean(0, keepdim=True)
             bn_stats = (mean_bn, second.mean(0, keepdim=True) - mean_bn.square())
         means.append(bn_stats[0])
@@ -188,24 +193,33 @@ def _sn_mix(mu: Tensor, var_in: Tensor, mean_weight: Tensor, var_weight: Tensor,
 
 
 @torch.no_grad()
-def _sn_update_running(
-    running_mean, running_var, batch, momentum: float, using_moving_average: bool, where: str = "switchable_norm"
-) -> Tensor:
-    """Official convention: ``running = momentum * running + (1 - momentum) * batch`` (or sums without moving
-    average: batch means and E[x^2]). A non-finite batch leaves the buffers unchanged (tensor ops only); returns
-    whether the batch statistics were finite (a 0-dim bool tensor)."""
+def _sn_update_running(running, batch, momentum, using_moving_average: bool, where: str) -> Tensor:
+    """BatchNorm's convention: ``running = (1 - momentum) * running + momentum * batch``, ``momentum=None`` the
+    cumulative average ``1 / num_batches_tracked`` (or sums without moving average: batch means and E[x^2]).
+    ``running``: ``(running_mean, running_var)`` or ``(running_mean, running_var, num_batches_tracked)``. A
+    non-finite batch leaves the buffers unchanged (tensor ops only); returns whether the batch statistics were finite
+    (a 0-dim bool tensor)."""
+    running_mean, running_var = running[:2]
     c = running_mean.numel()
     mean_bn, var_bn = batch
     if mean_bn.dim() != 1 or mean_bn.requires_grad:  # the composite path's (1, C) statistics (the fused path's: (C,))
         mean_bn, var_bn = (stats_value(t.detach(), running_mean, where).reshape(c) for t in batch)
     finite = all_finite(mean_bn, var_bn)
-    if using_moving_average:  # lerp(batch, running, momentum) = momentum * running + (1 - momentum) * batch
-        new_mean = torch.lerp(mean_bn.to(running_mean), running_mean, momentum)
-        new_var = torch.lerp(var_bn.to(running_var), running_var, momentum)
+    values = []
+    if len(running) == 3:  # the step counter, advanced by a finite batch only
+        count = running[2] + finite.to(running[2].dtype)
+        values.append(count)
+        if momentum is None:
+            momentum = count.to(running_mean.dtype).clamp_min(1).reciprocal()
+    if momentum is None:
+        raise ValueError(f"{where}: momentum=None (cumulative average) needs num_batches_tracked; got None")
+    if using_moving_average:  # lerp(running, batch, momentum) = (1 - momentum) * running + momentum * batch
+        new_mean = torch.lerp(running_mean, mean_bn.to(running_mean), momentum)
+        new_var = torch.lerp(running_var, var_bn.to(running_var), momentum)
     else:
         new_mean = running_mean + mean_bn.to(running_mean)
         new_var = running_var + (mean_bn.square() + var_bn).to(running_var)
-    guarded_update((running_mean, running_var), (new_mean, new_var), finite)
+    guarded_update(running, [new_mean, new_var, *values], finite)
     return finite
 
 
@@ -369,7 +383,9 @@ class _SwitchableNormFn(torch.autograd.Function):
         dL/dweight = sum_n(dL/dscale s)      dL/dbias = sum_n(G1)
 
     (the BN terms of dL/dmu and dL/dvar_in only with batch statistics: running statistics are constants; S the
-    spatial size). Double backward (``create_graph=True``) differentiates the composite formula instead. Outputs: y
+    spatial size). Double backward (``create_graph=True``) and batched gradients (``is_grads_batched=True``,
+    ``jacobian(vectorize=True)``: the backward runs under vmap, which the kernels' ``out=`` forms have no batching rule
+    for) differentiate the composite formula instead. Outputs: y
     (never a view, so in-place ops on it work) and, with batch BN statistics, their (C,) mean and variance (no
     gradient; the caller updates the running statistics with them), else two None.
     """
@@ -415,8 +431,8 @@ class _SwitchableNormFn(torch.autograd.Function):
     def backward(ctx, grad, *_batch_stats):
         if grad is None:  # only the (non-differentiable) statistics were differentiated
             return (None,) * 8
-        if torch.is_grad_enabled():
-            return _switchable_double_backward(ctx, grad)
+        if torch.is_grad_enabled() or batched_backward(grad):
+            return _switchable_double_backward(ctx, grad)  # create_graph=True, or batched gradients (vmap)
         x, mean_weight, var_weight, weight, bias = ctx.saved_tensors
         mean, s, scale, means, variances, mw, vw, batch_bn = ctx.stats
         mu, layout, count = means[0], ctx.layout, static_numel(x, 2)
@@ -469,26 +485,57 @@ def _mix_backward(d_mean, d_var, means, variances, mw, vw, batch_bn: bool):
 
 
 def _switchable_double_backward(ctx, grad):
-    """Backward with ``create_graph=True``: the gradient of the composite formula, itself differentiable."""
+    """Backward with ``create_graph=True`` or under vmap: the gradient of the composite formula (differentiable
+    itself with ``create_graph``; plain ops with batching rules)."""
     x, mean_weight, var_weight, weight, bias = ctx.saved_tensors
     bn_mean, bn_var = ctx.running
     eps, using_bn = ctx.cfg[:2]
     bn_stats = False if not using_bn else (None if bn_mean is None else (bn_mean.view(1, -1), bn_var.view(1, -1)))
-    inputs = [t for t in (x, mean_weight, var_weight, weight, bias) if t is not None and t.requires_grad]
-    y, _ = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
-    found = torch.autograd.grad(y.to(x.dtype), inputs, grad, create_graph=True, allow_unused=True)
+    tensors = (x, mean_weight, var_weight, weight, bias)
+    return _composite_grads(
+        lambda: _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)[0].to(x.dtype),
+        tensors,
+        grad,
+    ) + (None, None, None)
+
+
+def _composite_grads(forward, tensors, grad) -> tuple:
+    """The gradients of ``forward()`` (a recomputation from differentiable ops) for each of ``tensors`` that requires
+    grad (None for the others), given the output's ``grad``; with a graph when the caller's backward builds one."""
+    create = torch.is_grad_enabled()
+    inputs = [t for t in tensors if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        found = torch.autograd.grad(forward(), inputs, grad, create_graph=create, allow_unused=True)
     by_id = {id(t): g for t, g in zip(inputs, found)}
-    return tuple(by_id.get(id(t)) if t is not None else None for t in (x, mean_weight, var_weight, weight, bias)) + (
-        None,
-        None,
-        None,
-    )
+    return tuple(None if t is None else by_id.get(id(t)) for t in tensors)
 
 
 def _sn_fused_ok(x: Tensor) -> bool:
     """Whether :class:`_SwitchableNormFn` may run: eager on CPU/CUDA with a non-empty input. torch.compile,
-    torch.export, jit.trace, torch.func transforms, other devices (meta) and empty inputs take the composite path."""
-    return static_numel(x) > 0 and plain_eager(x)
+    torch.export, jit.trace, torch.func transforms, forward-mode AD (the Function has no ``jvp``; every op of the
+    composite formula has a forward derivative), other devices (meta) and empty inputs take the composite path."""
+    return static_numel(x) > 0 and plain_eager(x) and not forward_ad_active()
+
+
+def _sn_check(x: Tensor, where: str, layer) -> None:
+    """The input checks: a layer's (``layer = (num_features, spatial_dims, layout)``) or the functional's (None)."""
+    if layer is not None:
+        num_features, k, layout = layer
+        if x.dim() != k + 2:
+            raise ValueError(f"{where}: expected {k + 2}D input {layout}, got {x.dim()}D input")
+        if x.shape[1] != num_features:
+            raise ValueError(f"{where}: expected {num_features} channels (num_features), got {x.shape[1]}")
+        if x.shape[2:].numel() < 2:
+            raise ValueError(
+                f"{where}: instance statistics need more than 1 spatial value per channel, got input of shape "
+                f"{tuple(x.shape)}"
+            )
+        return
+    if x.dim() < 3:
+        raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
+    spatial = x.shape[2:].numel()
+    if spatial < 2:
+        raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
 
 
 def switchable_forward(
@@ -506,16 +553,16 @@ def switchable_forward(
     using_moving_average,
     fused,
     where="switchable_norm",
-    skipped=None,
+    counters=None,
+    layer=None,
 ):
-    """:func:`normlab.functional.switchable_norm` (which calls this), and the layers' forward with their name as
-    ``where``. A non-finite batch leaves the running statistics unchanged (tensor ops; the non-finite policy of
-    :mod:`normlab._dispatch`) and, given the layer's ``skipped`` count callback, is counted."""
-    if x.dim() < 3:
-        raise ValueError(f"{where}: expected input (N, C, *spatial) with >= 3 dims, got {x.dim()}D")
-    spatial = x.shape[2:].numel()
-    if spatial < 2:
-        raise ValueError(f"{where}: instance statistics need more than 1 spatial value per channel, got {spatial}")
+    """:func:`normlab.functional.switchable_norm` (which calls this), and the layers' whole forward with their name
+    as ``where``, their ``(num_features, spatial_dims, layout)`` as ``layer`` (the input checks) and their
+    ``(num_batches_tracked, skipped_batches)`` as ``counters``: one call with tensors and constants only, so that
+    torch.fx traces a layer as one node (``torch.fx.wrap``). A non-finite batch leaves the running statistics
+    unchanged (tensor ops; the non-finite policy of :mod:`normlab._dispatch`) and is counted in ``skipped_batches``.
+    The output has x's dtype and memory format."""
+    _sn_check(x, where, layer)
     has_running = running_mean is not None and running_var is not None
     update = training and using_bn and has_running and static_numel(x, 0, 1) > 0 and not recomputing()
     if fused is None:
@@ -530,10 +577,12 @@ def switchable_forward(
         y, batch = _switchable_composite(x, mean_weight, var_weight, weight, bias, bn_stats, eps)
         y = y.to(x.dtype)
     if update and batch is not None:
-        finite = _sn_update_running(running_mean, running_var, batch, momentum, using_moving_average, where)
-        if skipped is not None:
-            skipped(finite)
-    return y
+        running = (running_mean, running_var) if counters is None else (running_mean, running_var, counters[0])
+        finite = _sn_update_running(running, batch, momentum, using_moving_average, where)
+        if counters is not None:
+            count_into(counters[1], ~finite)
+    fmt = channels_last_format(x)
+    return y if fmt is None else y.contiguous(memory_format=fmt)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -552,7 +601,8 @@ class _InstanceNormFn(torch.autograd.Function):
         dL/dx = scale * (g - G1 / S - (x - mean) * s^2 * G2 / S)        (one pass)
         dL/dweight = sum_n(G2 * s)        dL/dbias = sum_n(G1)
 
-    Double backward (``create_graph=True``) differentiates torch's group norm on a contiguous copy instead. Outputs:
+    Double backward (``create_graph=True``) and batched gradients differentiate torch's group norm on a contiguous
+    copy instead. Outputs:
     y (x's layout, never a view) and the per-(n, c) mean and unbiased variance (no gradient; for the running
     statistics, so that tracking needs no second pass).
     """
@@ -579,13 +629,11 @@ class _InstanceNormFn(torch.autograd.Function):
         if grad is None:  # only the (non-differentiable) statistics were differentiated
             return None, None, None, None
         x, weight, bias = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph=True: the gradient of group norm, itself differentiable
-            inputs = [t for t in (x, weight, bias) if t is not None and t.requires_grad]
-            y = torch.group_norm(x.contiguous(), x.shape[1], group_norm_weight(weight, bias, x), bias, ctx.eps)
-            found = dict(
-                zip(map(id, inputs), torch.autograd.grad(y, inputs, grad, create_graph=True, allow_unused=True))
-            )
-            return tuple(None if t is None else found.get(id(t)) for t in (x, weight, bias)) + (None,)
+        if torch.is_grad_enabled() or batched_backward(grad):  # create_graph=True or batched gradients (vmap): the
+            # gradient of group norm, itself differentiable and batchable
+            c, eps = x.shape[1], ctx.eps
+            forward = lambda: torch.group_norm(x.contiguous(), c, group_norm_weight(weight, bias, x), bias, eps)  # noqa: E731
+            return _composite_grads(forward, (x, weight, bias), grad) + (None,)
         mean, s, scale = ctx.stats
         layout, count = ctx.layout, static_numel(x, 2)
         g = same_layout(grad, x)

@@ -5,6 +5,9 @@ them in place (as ``torch.nn.functional.batch_norm`` does). Each docstring state
 ``docs/design.md`` gives the sources.
 
 Shapes use N = batch, C = channels, ``*`` = any number of spatial dimensions.
+
+``torch.fx.symbolic_trace`` records :func:`instance_norm`, :func:`switchable_norm`, :func:`standardize_weight` and
+:func:`pws_weight` as one node each (``torch.fx.wrap``): their input checks read shapes, which a Proxy does not have.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def moments(x: Tensor, dims: int | Sequence[int], keepdim: bool = False, correct
 # --------------------------------------------------------------------------------------------------
 # Instance normalization
 # --------------------------------------------------------------------------------------------------
+@torch.fx.wrap
 def instance_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
     """Per-sample, per-channel normalization over the spatial dimensions.
 
@@ -306,6 +310,7 @@ def batch_renorm(
 # --------------------------------------------------------------------------------------------------
 # Switchable normalization
 # --------------------------------------------------------------------------------------------------
+@torch.fx.wrap
 def switchable_norm(
     x: Tensor,
     mean_weight: Tensor,
@@ -315,7 +320,7 @@ def switchable_norm(
     running_mean: Tensor | None = None,
     running_var: Tensor | None = None,
     training: bool = False,
-    momentum: float = 0.9,
+    momentum: float = 0.1,
     eps: float = 1e-5,
     using_bn: bool = True,
     using_moving_average: bool = True,
@@ -333,17 +338,17 @@ def switchable_norm(
 
     ``mean_weight``/``var_weight`` are logits of shape (3,) (or (2,) with ``using_bn=False``: IN, LN).
     BN statistics: in training the batch's, and (with ``using_moving_average``) the running buffers are updated
-    in place as ``running = momentum * running + (1 - momentum) * batch`` (official convention: ``momentum`` weighs
-    the *old* value); without moving average the buffers accumulate sums. In eval the running buffers are used.
-    Statistics are computed in float32 for half inputs; the output keeps x's dtype and memory format.
+    in place as ``running = (1 - momentum) * running + momentum * batch`` (BatchNorm's convention; the official
+    0.9 of the old value is 0.1); without moving average the buffers accumulate sums. In eval the running buffers
+    are used. Statistics are in float32 for half inputs; the output keeps x's dtype and memory format.
 
     Implementation: eager on CPU/CUDA an autograd Function with an explicit backward (two passes each way, done by
     BatchNorm's CPU kernels; its output is never a view, so in-place ops such as ``relu_`` work); ``fused=False``,
-    torch.compile/export, jit.trace, torch.func, the meta device and empty inputs use the composite formula.
+    torch.compile/export, jit.trace, torch.func, forward-mode AD, the meta device and empty inputs use the composite
+    formula. An empty batch gives an empty output and zero gradients.
 
-    Running statistics: a batch whose BN statistics are not finite (tensor ops, no host synchronisation; the layers
-    count such batches: ``docs/design.md``, "Non-finite batches"), an empty batch and checkpointing's recomputation
-    leave them unchanged.
+    Running statistics: a non-finite batch (tensor ops, no host synchronisation; ``docs/design.md``, "Non-finite
+    batches"), an empty batch and checkpointing's recomputation leave them unchanged.
 
     Args:
         x: the input (N, C, *) with more than one spatial value per channel.
@@ -355,7 +360,8 @@ def switchable_norm(
         running_var: the running BN variance (C,), updated in place in training. Default: None.
         training: use the batch's BN statistics (and update the running ones) or the running ones.
             Default: False.
-        momentum: the weight of the OLD running value (official convention). Default: 0.9.
+        momentum: the running-statistics update factor, BatchNorm's convention (weight of the new value), a float
+            (the layers' ``None``, a cumulative average, uses their ``num_batches_tracked``). Default: 0.1.
         eps: added to the mixed variance inside the square root. Default: 1e-5.
         using_bn: mix in BN statistics (the logits then have 3 entries). Default: True.
         using_moving_average: update the running statistics as a moving average; False: accumulate sums.
@@ -371,21 +377,8 @@ def switchable_norm(
         >>> switchable_norm(torch.randn(4, 8, 6, 6), logits, logits, training=True).shape
         torch.Size([4, 8, 6, 6])
     """
-    return switchable_forward(
-        x,
-        mean_weight,
-        var_weight,
-        weight,
-        bias,
-        running_mean,
-        running_var,
-        training,
-        momentum,
-        eps,
-        using_bn,
-        using_moving_average,
-        fused,
-    )
+    stats = (running_mean, running_var, training, momentum, eps, using_bn, using_moving_average, fused)
+    return switchable_forward(x, mean_weight, var_weight, weight, bias, *stats)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,6 +392,7 @@ def _filter_moments(weight: Tensor, where: str) -> tuple[Tensor, Tensor]:
     return moments(weight, tuple(range(1, weight.dim())), keepdim=True)
 
 
+@torch.fx.wrap
 def standardize_weight(weight: Tensor, eps: float = 1e-5) -> Tensor:
     """Weight Standardization (Qiao et al. 2019): each output filter to zero mean and unit variance.
 
@@ -421,6 +415,7 @@ def standardize_weight(weight: Tensor, eps: float = 1e-5) -> Tensor:
     return ((stats_dtype(weight) - mean) * torch.rsqrt(var + eps)).to(weight.dtype)
 
 
+@torch.fx.wrap
 def pws_weight(
     weight: Tensor,
     alpha: Tensor | None = None,

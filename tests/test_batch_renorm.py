@@ -468,10 +468,14 @@ def test_defect_no_nan_under_cpu_autocast():
 
 
 # ---------------------------------------------------------------------------------------------- sync conversion
-def test_torch_convert_sync_batchnorm_leaves_batchrenorm_alone():
+def test_torch_convert_sync_batchnorm_refuses_batchrenorm():
+    # BatchRenorm is a _BatchNorm: torch's converter would build a plain SyncBatchNorm (tests/test_batchnorm_tools.py)
     net = nn.Sequential(nn.Conv2d(3, 4, 1), BatchRenorm2d(4, rmax=2.0), nn.BatchNorm2d(4), BatchRenorm1d(4))
-    out = nn.SyncBatchNorm.convert_sync_batchnorm(net)
-    assert type(out[1]) is BatchRenorm2d and type(out[3]) is BatchRenorm1d and out[1].rmax == 2.0
+    with pytest.raises(TypeError, match=r"would turn BatchRenorm2d\(4\) into a plain SyncBatchNorm"):
+        nn.SyncBatchNorm.convert_sync_batchnorm(net)
+    assert type(net[1]) is BatchRenorm2d
+    out = SyncBatchRenorm.convert_sync_batchrenorm(net, batchnorm=True)
+    assert type(out[1]) is SyncBatchRenorm and type(out[3]) is SyncBatchRenorm and out[1].rmax == 2.0
     assert type(out[2]) is nn.SyncBatchNorm
 
 

@@ -153,7 +153,7 @@ def test_fold_equals_the_unfolded_model(name):
 def test_pws_leaves_timm_std_convs_with_a_warning(name, std):
     model = build(name)
     n = sum(type(m) is std for m in model.modules())
-    with pytest.warns(UserWarning, match=rf"left as they are: .*\({std.__name__}: already weight-standardized"):
+    with pytest.warns(UserWarning, match=rf"left as they are: .*\({std.__name__}\).*: already weight-standardized"):
         convert_norm(model, "pws")
     assert sum(type(m) is std for m in model.modules()) == n > 0
 
@@ -235,7 +235,7 @@ def test_attention_batchnorms_on_1x1_maps_are_refused(name, where, to):
     # gn put them on GroupNorm(C, C) over one value per group: the output was the bias whatever the input
     model = build(name)
     for x in (inputs(), None):
-        with pytest.raises(ValueError, match=rf"cannot replace {where} \(BatchNorm2d\) sees input \(2, \d+, 1, 1\)"):
+        with pytest.raises(ValueError, match=rf"cannot replace {where} \(BatchNorm2d, input \(2, \d+, 1, 1\)[,)]"):
             convert_norm(model, to, example_input=x)
     ln = convert_norm(model, "ln", inplace=False)  # C values in one group
     assert not any(isinstance(m, nn.BatchNorm2d) for m in ln.modules())

@@ -124,7 +124,10 @@ def test_constructors_have_batchnormact2d_signature():
     m = BatchRenormAct2d(8, act_layer="silu", drop_layer=nn.Dropout, rmax=2.0)
     assert type(m.act) is nn.SiLU and type(m.drop) is nn.Dropout and m.rmax == 2.0
     assert type(BatchRenormAct2d(8, apply_act=False).act) is nn.Identity
-    assert SwitchableNormAct2d(8, momentum=0.25).momentum == 0.75
+    assert SwitchableNormAct2d(8, momentum=0.25).momentum == 0.25  # BatchNorm's convention, passed on as it is
+    assert SwitchableNormAct2d(8, momentum=None).momentum is None  # cumulative average, as nn.BatchNorm2d
+    with pytest.raises(ValueError, match="SwitchableNormAct2d: track_running_stats must be True"):
+        SwitchableNormAct2d(8, track_running_stats=False)
     with pytest.raises(ValueError, match="SwitchableNormAct2d: affine must be True"):
         SwitchableNormAct2d(8, affine=False)
     assert GroupNormAct2d(48).num_groups == 24 and GroupNorm1Act2d(48).num_groups == 1

@@ -86,7 +86,9 @@ def _brn_cases():
 
 def _norm_cases():
     for k, cls in ((1, SwitchableNorm1d), (2, SwitchableNorm2d), (3, SwitchableNorm3d)):
-        for mode, kw in {"bn": {}, "no-bn": {"using_bn": False}, "sums": {"using_moving_average": False}}.items():
+        modes = {"bn": {}, "no-bn": {"using_bn": False}, "sums": {"using_moving_average": False}}
+        modes["cumulative"] = {"momentum": None}  # 1 / num_batches_tracked from the device count, no read
+        for mode, kw in modes.items():
             yield pytest.param(cls, (4, C) + SPATIAL[k], kw, id=f"{cls.__name__}-{mode}")
     for k, cls in ((1, InstanceNorm1d), (2, InstanceNorm2d), (3, InstanceNorm3d)):
         for mode, kw in {
@@ -165,7 +167,7 @@ def test_weight_cache_auto_is_off_off_the_cpu():
     m.to("meta")
     assert m.weight_cache == "auto"
     calls = []
-    m._compute_weight = lambda: calls.append(1) or torch.empty(3, C, 3, 3, device="meta")
+    m._compute_weight = lambda *tensors: calls.append(1) or torch.empty(3, C, 3, 3, device="meta")
     m.effective_weight()
     m.effective_weight()
     assert calls == [1, 1]  # recomputed each time: no cache to verify

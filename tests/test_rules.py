@@ -301,6 +301,16 @@ def test_replay_gives_the_live_monitors_events_on_the_same_run():
 
 
 # ------------------------------------------------------------------------------------------ old logs
+def _approx_floats(value):
+    """``value`` (a record, its nested dicts and lists) with every float compared within float32 rounding; ints,
+    strings and None compare exactly."""
+    if isinstance(value, dict):
+        return {k: _approx_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_approx_floats(v) for v in value]
+    return pytest.approx(value, rel=1e-5, abs=1e-9) if isinstance(value, float) else value
+
+
 def test_a_log_written_before_the_rules_loads_as_the_alarm_the_rules_raise_today():
     """tests/data/monitor_log_before_rules.jsonl: written by VarianceMonitor.to_jsonl before the rules existed (its
     one "alarm" event), on the run below; the default rules raise the same alarm on the same run today."""
@@ -327,16 +337,13 @@ def test_a_log_written_before_the_rules_loads_as_the_alarm_the_rules_raise_today
         opt.zero_grad()
         loss.backward()
         mon.step(opt)
-    assert [r for r in log.records] == [dict(r) for r in mon.records]
+    # float32 statistics: the same run on another CPU rounds differently (vector widths), so numbers are compared
+    # to float32 precision and everything else exactly
+    assert [_approx_floats(r) for r in log.records] == [dict(r) for r in mon.records]
     new = mon.alarm
-    assert (new.rule, new.step, new.layer, new.quantity, new.value) == (
-        old.rule,
-        old.step,
-        old.layer,
-        old.quantity,
-        old.value,
-    )
-    assert new.details == old.details and new.message == old.message
+    assert (new.rule, new.step, new.layer, new.quantity) == (old.rule, old.step, old.layer, old.quantity)
+    assert new.value == pytest.approx(old.value, rel=1e-5)
+    assert new.details == _approx_floats(old.details) and new.message == old.message
 
 
 def test_the_cli_reads_an_old_log_and_prints_its_alarm(tmp_path, capsys):

@@ -87,15 +87,24 @@ def test_matches_reference_train_and_eval(cls, shape, using_bn):
 
 def test_official_defaults():
     m = SwitchableNorm2d(5)
-    assert m.eps == 1e-5 and m.momentum == 0.9 and m.using_moving_average and m.using_bn and not m.last_gamma
+    assert m.eps == 1e-5 and m.momentum == 0.1 and m.using_moving_average and m.using_bn and not m.last_gamma
     assert torch.equal(m.weight, torch.ones(5)) and torch.equal(m.bias, torch.zeros(5))
     assert m.mean_weight.shape == (3,) and m.var_weight.shape == (3,)
     torch.testing.assert_close(torch.softmax(m.mean_weight, 0), torch.full((3,), 1 / 3))
     torch.testing.assert_close(torch.softmax(m.var_weight, 0), torch.full((3,), 1 / 3))
     assert torch.equal(m.running_mean, torch.zeros(5)) and torch.equal(m.running_var, torch.zeros(5))
-    assert set(m.state_dict()) == {"weight", "bias", "mean_weight", "var_weight", "running_mean", "running_var"}
+    assert set(m.state_dict()) == {
+        "weight",
+        "bias",
+        "mean_weight",
+        "var_weight",
+        "running_mean",
+        "running_var",
+        "num_batches_tracked",
+    }
     assert m._normlab_norm is True
-    # momentum weighs the OLD value: one step from zero gives 0.1 * batch statistic
+    # momentum weighs the NEW value (BatchNorm's convention; the official 0.9 of the old): one step from zero gives
+    # 0.1 * batch statistic
     x = torch.randn(4, 5, 3, 3) + 2
     m(x)
     torch.testing.assert_close(m.running_mean, 0.1 * x.mean((0, 2, 3)), rtol=1e-5, atol=1e-6)

@@ -6,13 +6,22 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   ``forward``; a **BatchNorm + activation** is timm's ``BatchNormAct2d``/``SyncBatchNormAct`` (the BatchNorm, then
   its ``drop`` and ``act`` modules); a **frozen BatchNorm** is torchvision's ``FrozenBatchNorm2d`` (and timm's
   ``FrozenBatchNormAct2d``): an eval-mode BatchNorm whose ``weight``, ``bias``, ``running_mean``, ``running_var``
-  are buffers and whose ``eps`` is a plain attribute. A BatchNorm subclass with its own ``forward`` computes
-  something unknown: it is never replaced or folded, and every such module is named in one ``UserWarning``.
+  are buffers and whose ``eps`` is a plain attribute; a **BatchRenorm** is normlab's
+  :class:`~normlab.nn.BatchRenorm2d` (1d/3d), :class:`~normlab.nn.SyncBatchRenorm` or their timm NormAct versions
+  (a ``_BatchNorm`` subclass that renormalizes in training and computes BatchNorm in eval: it is converted like a
+  BatchNorm, keeping its schedule or limits for ``brn``, folded like one and removed by ``pws`` like one). A
+  BatchNorm or BatchRenorm subclass with its own ``forward`` computes something unknown: it is never replaced or
+  folded, and every such module is named in one ``UserWarning``.
 * A module registered under several names or parents (an alias, a shared layer) is replaced by ONE new module,
   set under every name that held the old one (norms and convs alike).
 * Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
   ``rmax`` for a BatchNorm without running statistics) names the layer it would replace; nothing is changed then.
-  Module hooks on a replaced layer are not carried over: every such layer is named in one ``UserWarning``.
+* A new layer keeps the replaced layer's state (``normlab/convert/state.py``): device, dtype, memory format
+  (channels_last kernels), the training flag and each parameter's ``requires_grad`` (a frozen layer stays frozen,
+  parameters it lacked included). Module hooks are not carried over (as by torch's
+  ``SyncBatchNorm.convert_sync_batchnorm``): every such layer is named in one ``UserWarning``.
+* Warnings and refusals are one line each: each reason once, with the first few layers and their count. A model
+  without anything to convert gets one ``UserWarning`` naming what was looked for.
 
 :func:`convert_norm` ``(model, to, inplace=True, example_input=None)`` (``to`` has no default, since every target
 replaces layers; ``inplace=False``: a deep copy is converted and the original is left as it is):
@@ -25,13 +34,16 @@ replaces layers; ``inplace=False``: a deep copy is converted and the original is
   NormAct class of the target from :mod:`normlab.integrations.timm` (``bn``: timm's ``BatchNormAct2d``) holding the
   ORIGINAL ``drop`` and ``act`` modules (``none``: ``nn.Sequential(drop, act)``), so the activation is never lost
   and ``to="bn"`` computes the same function. A frozen BatchNorm is converted like a BatchNorm (its buffers
-  copied), i.e. it becomes trainable; its eval-mode output is unchanged for ``bn``/``brn``.
+  copied) and stays frozen (``requires_grad=False``; its running statistics update in training mode, so keep it in
+  eval mode to keep them); its eval-mode output is unchanged for ``bn``/``brn``.
   Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size; the
   running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` and ``bn`` (whose
   state is BatchNorm's: ``eps``/``momentum``/``affine``/``track_running_stats`` are kept too) and ``sn`` (its BN
-  branch estimates the same batch moments). ``eps`` (and ``affine`` where the new layer takes it) follow the
-  BatchNorm unless given in ``**kw``.
-  **Refused** (``ValueError``, one line naming every such layer and why, before anything is changed): ``gn``,
+  branch estimates the same batch moments, with BatchNorm's ``momentum``). ``eps`` (and ``affine`` where the new
+  layer takes it) follow the BatchNorm unless given in ``**kw``, as do ``bias=False`` and ``check_finite`` where
+  the new layer takes them.
+  **Refused** (``ValueError``, one line giving each reason once with the first few layers and their count, before
+  anything is changed): ``gn``,
   ``ln``, ``in``, ``sn`` for a ``BatchNorm1d`` unless it is known to see (N, C, L) input, since these norms need a
   length axis and over (N, C) they would normalize each sample over its features (or fail). Known means: every
   call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the
@@ -67,10 +79,12 @@ running statistics; frozen ones too; the norm part of a BatchNorm + activation o
 conv or a transposed conv is folded into that conv's weight and bias and replaced by ``nn.Identity`` (a BatchNorm +
 activation by ``nn.Sequential(drop, act)``). Folding follows the real dataflow, as above; a pair is folded only when
 the BN's only input is that conv's output, the conv's output has no other consumer, both run once per forward,
-nothing else reads their parameters and neither has hooks; every other conv/BN pair (a BatchNorm subclass with its
-own forward fed by a conv, a BatchNorm fed by a conv subclass with its own forward such as timm's ``Conv2dSame``,
-..., a BatchNorm without running statistics, ``track_running_stats=False``) is left unfolded and
-named, with the reason, in one warning. When the dataflow cannot be established no BatchNorm is folded (warning).
+nothing else reads their parameters and neither has hooks; every other BatchNorm (one whose input is not a conv's
+output: an activation in between (conv -> ReLU -> BN), the model's input, a Linear, a sum; a BatchNorm subclass
+with its own forward, a BatchNorm fed by a conv subclass with its own forward such as timm's ``Conv2dSame``, a
+BatchNorm without running statistics, ``track_running_stats=False``, ...) is left unfolded and named, with the
+reason (and what made its input, where ``torch.fx`` shows it), in one warning. When the dataflow cannot be
+established no BatchNorm is folded (warning).
 ``torch.fx`` traces every path; a hook trace sees one: when it is used and the traced forward turned a tensor's
 value into a Python value outside the convs and norms (``Tensor.__bool__``, ``item``, ...: data-dependent control
 flow), a second warning says that the folds rest on the path that input took and names every folded pair (an

@@ -19,8 +19,10 @@ from normlab.convert.recognize import (
     build_named,
     conv_kwargs,
     describe_batchnorm,
+    grouped,
     known_batchnorm_forwards,
     module_names,
+    name_list,
     num_channels,
     swap_modules,
     timm_std_kind,
@@ -28,27 +30,29 @@ from normlab.convert.recognize import (
     warn_lost_hooks,
     warn_unknown_batchnorms,
 )
+from normlab.convert.state import copy_into, is_frozen, keep_state
 from normlab.nn.registry import get_conv_class
 
 __all__ = ["make_std_conv", "convert_convs"]
 
 
 def make_std_conv(conv: nn.Module, to: str, dim: int, bias: bool, kw: dict) -> nn.Module:
-    """The ``to`` (``pws``/``ws``) conv of ``dim`` dims with ``conv``'s arguments, raw weight and bias (zero if new)."""
+    """The ``to`` (``pws``/``ws``) conv of ``dim`` dims with ``conv``'s arguments, raw weight and bias (zero if new),
+    device, dtype, memory format, ``requires_grad`` and training flag (``normlab/convert/state.py``)."""
     cls = get_conv_class(to, dim)
     new = cls(**conv_kwargs(conv), **{"bias": bias, **kw})
-    with torch.no_grad():
-        new.weight.copy_(conv.weight)
-        if new.bias is not None:
-            if conv.bias is not None:
-                new.bias.copy_(conv.bias)
-            else:
+    copy_into(new.weight, conv.weight)
+    if new.bias is not None:
+        if conv.bias is not None:
+            copy_into(new.bias, conv.bias)
+        else:
+            with torch.no_grad():
                 new.bias.zero_()
-    return new.train(conv.training)
+    return keep_state(conv, new, is_frozen(conv))
 
 
-def _left_convs(model: nn.Module, names: dict) -> list[str]:
-    """Convs ``pws``/``ws`` leave as they are, with the reason."""
+def _left_convs(model: nn.Module, names: dict) -> list[tuple[str, str]]:
+    """Convs ``pws``/``ws`` leave as they are, as (label, reason)."""
     out = []
     for m in unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd) and type(m) not in PLAIN_CONVS):
         if isinstance(m, STD_CONVS):
@@ -59,7 +63,7 @@ def _left_convs(model: nn.Module, names: dict) -> list[str]:
             why = "already weight-standardized (timm StdConv)"
         else:
             why = "a conv subclass (its forward may differ)"
-        out.append(f"{names[id(m)]} ({type(m).__name__}: {why})")
+        out.append((f"{names[id(m)]} ({type(m).__name__})", why))
     return out
 
 
@@ -91,7 +95,7 @@ def _removable_norms(model: nn.Module, convs: list, known: dict, example_input) 
         names = module_names(model)
         warnings.warn(
             f"convert_norm: remove_norm: the BatchNorms removed {path}; removed: "
-            + ", ".join(names[id(bn)] for bn in out),
+            + name_list([names[id(bn)] for bn in out]),
             UserWarning,
             stacklevel=4,  # the caller of convert_norm
         )
@@ -103,8 +107,16 @@ def convert_convs(model: nn.Module, to: str, remove_norm: bool, example_input, k
     known, names = known_batchnorm_forwards(), module_names(model)
     left = _left_convs(model, names)
     if left:
-        warnings.warn(f"convert_norm(to={to!r}): left as they are: {', '.join(left)}", UserWarning, stacklevel=3)
+        warnings.warn(f"convert_norm(to={to!r}): left as they are: {grouped(left)}", UserWarning, stacklevel=3)
     convs = unique_modules(model, lambda m: type(m) in PLAIN_CONVS)
+    if not convs:
+        warnings.warn(
+            f"convert_norm(to={to!r}): nothing to convert: no plain convolution (looked for nn.Conv1d/2d/3d, exact "
+            "types)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return model
     removed, with_norm = _removable_norms(model, convs, known, example_input) if remove_norm else ([], set())
     warn_unknown_batchnorms(model, known, names, "convert_norm")
     rest = {k: v for k, v in kw.items() if k != "bias"}

@@ -75,7 +75,9 @@ class Flow:
     was its only input, or None; ``uses``: how many consumers each conv call's output had; ``param_reads``: modules
     whose parameters or buffers were read outside their own call; ``value_reads``: the tensor methods that turned
     a tensor's value into a Python value outside conv/norm calls (a hook trace: where the forward's path may depend
-    on the data); ``how``: ``"torch.fx"`` or ``"hooks"``.
+    on the data); ``producers``: per norm whose first call's input is not a conv's output, what made that input
+    (``torch.fx`` only: "a ReLU output", "the model's input", ...); ``how``: ``"torch.fx"`` or
+    ``"hooks"``.
     """
 
     how: str
@@ -84,6 +86,7 @@ class Flow:
     uses: Counter = field(default_factory=Counter)
     param_reads: set[int] = field(default_factory=set)
     value_reads: Counter = field(default_factory=Counter)
+    producers: dict[int, str] = field(default_factory=dict)
 
     def source(self, bn: nn.Module) -> int | None:
         """The id of the conv whose output is ``bn``'s input in its first call, or None."""
@@ -96,7 +99,8 @@ class Flow:
             return f"the BatchNorm runs {self.calls[id(bn)]} times per forward"
         src = self.bn_inputs[id(bn)][0]
         if src is None or src[0] != id(conv):
-            return "its input is not the conv's output"
+            made_by = self.producers.get(id(bn))
+            return f"its input is {made_by}, not the conv's output" if made_by else "its input is not the conv's output"
         if self.calls[id(conv)] != 1:
             return f"the conv runs {self.calls[id(conv)]} times per forward"
         if self.uses[src] != 1:
@@ -158,7 +162,22 @@ def fx_flow(model: nn.Module, convs: Iterable[nn.Module], norms: Iterable[nn.Mod
             arg = node.args[0] if len(node.args) == 1 and not node.kwargs else None
             src = call_no.get(arg) if isinstance(arg, torch.fx.Node) else None
             flow.bn_inputs.setdefault(call_no[node][0], []).append(src if src and src[0] in conv_ids else None)
+            if not (src and src[0] in conv_ids) and isinstance(arg, torch.fx.Node):
+                flow.producers.setdefault(call_no[node][0], _producer(model, arg))
     return flow
+
+
+def _producer(model: nn.Module, node: torch.fx.Node) -> str:
+    """What made the value of ``node``, in words that do not name the layer (a warning gives each reason once):
+    "a ReLU output", "the output of add", "the model's input", ..."""
+    if node.op == "placeholder":
+        return "the model's input"
+    if node.op == "call_module":
+        return f"a {type(model.get_submodule(node.target)).__name__} output"
+    if node.op == "get_attr":
+        return "a tensor attribute of the model"
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"the output of {name}"
 
 
 class _Recorder(TorchFunctionMode):

@@ -7,7 +7,6 @@ The rules (which pairs fold, the output check): :mod:`normlab.convert`.
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from collections import OrderedDict
 
@@ -21,9 +20,11 @@ from normlab.convert.recognize import (
     STD_CONVS,
     conv_kwargs,
     describe_batchnorm,
+    grouped,
     is_unknown_batchnorm,
     known_batchnorm_forwards,
     module_names,
+    name_list,
     num_channels,
     swap_modules,
     timm_std_kind,
@@ -105,38 +106,26 @@ def _plain_conv(conv: nn.Module, dim: int, norm: nn.Module | None) -> nn.Module:
 
 def _is_batch_norm(m: nn.Module, known: dict) -> bool:
     """A BatchNorm / BatchRenorm of any kind (frozen, with activation, a subclass with its own forward)."""
-    return (
-        describe_batchnorm(m, known) is not None or is_unknown_batchnorm(m, known) or isinstance(m, BATCH_RENORM_TYPES)
-    )
+    return describe_batchnorm(m, known) is not None or is_unknown_batchnorm(m, known)
 
 
 def _unfoldable_norm(m: nn.Module, known: dict) -> str | None:
     """None for an eval-mode BatchNorm / BatchRenorm with running statistics (a frozen one, a BatchNorm +
     activation), else why it cannot be folded."""
     spec = describe_batchnorm(m, known)
-    if spec is None and not (isinstance(m, BATCH_RENORM_TYPES) and _brn_act(m) is not None):
+    if spec is None:
         kind = "BatchRenorm" if isinstance(m, BATCH_RENORM_TYPES) else "BatchNorm"
         return f"a {kind} subclass with its own forward"
     if any(getattr(m, k, None) is None for k in ("running_mean", "running_var")):
         return "no running statistics: track_running_stats=False, batch statistics in eval too"
-    if m.training and not (spec is not None and spec.frozen):
+    if m.training and not spec.frozen:
         return "the BatchNorm is in training mode"
     return None
 
 
-def _brn_act(m: nn.Module) -> bool | None:
-    """For a BatchRenorm: False (plain), True (normlab's timm NormAct: then drop, act), None (own forward)."""
-    if any(type(m).forward is cls.forward for cls in BATCH_RENORM_TYPES):
-        return False
-    na = sys.modules.get("normlab.integrations.timm")
-    norm_acts = (na.BatchRenormAct2d, na.SyncBatchRenormAct) if na is not None else ()
-    return True if any(type(m).forward is cls.forward for cls in norm_acts) else None
-
-
 def _folded_norm(m: nn.Module, known: dict) -> nn.Module:
     """What is left of a norm folded into its conv: nothing, or its drop and act."""
-    spec = describe_batchnorm(m, known)
-    act = spec.act if spec is not None else bool(_brn_act(m))
+    act = describe_batchnorm(m, known).act
     return nn.Sequential(OrderedDict(drop=m.drop, act=m.act)) if act else nn.Identity()
 
 
@@ -177,33 +166,52 @@ def _path_note(flow: Flow | None, why: str, pairs: list, names: dict, given: boo
     path = one_path(flow, why, given)
     if path is None or not pairs:
         return None
-    folds = ", ".join(f"{names[id(c)]} -> {names[id(b)]}" for c, b in pairs)
+    folds = name_list([f"{names[id(c)]} -> {names[id(b)]}" for c, b in pairs])
     return f"fold_for_inference: the folds {path}; folded: {folds}"
+
+
+def _lone_reason(flow: Flow | None, why: str, bn: nn.Module, unfoldable: str | None) -> str:
+    """Why a BatchNorm that no conv feeds stays: it cannot be folded at all, or what its input is."""
+    if unfoldable is not None:
+        return unfoldable
+    if flow is None:
+        return f"dataflow unknown ({why})"
+    if flow.calls[id(bn)] != 1:
+        return f"the BatchNorm runs {flow.calls[id(bn)]} times per forward"
+    made_by = flow.producers.get(id(bn))
+    return f"its input is {made_by}, not a conv's output" if made_by else "its input is not a conv's output"
 
 
 def _fold_plan(model: nn.Module, example_input: Tensor | None, known: dict):
     """Decide the conv -> BN pairs to fold: (pairs, [warning], default input, its output); the warnings name every
-    pair left unfolded with the reason, and say when the folds rest on the path of one traced input."""
+    BatchNorm left unfolded with the reason (with its conv where one feeds it), and say when the folds rest on the
+    path of one traced input."""
     names = module_names(model)
     convs = unique_modules(model, lambda m: isinstance(m, nn.modules.conv._ConvNd))  # foldable or not
     norms = unique_modules(model, lambda m: _is_batch_norm(m, known))
-    if not convs or not norms:
+    if not norms:
         return [], [], None, None
+    if not convs:
+        why = "the model has no conv to fold it into"
+        reasons = [(f"{names[id(bn)]} ({type(bn).__name__})", _unfoldable_norm(bn, known) or why) for bn in norms]
+        return [], ["fold_for_inference: left unfolded: " + grouped(reasons)], None, None
     flow, x, y, why = trace_flow(model, convs, norms, example_input)
     by_id = {id(c): c for c in convs}
     pairs, skipped = [], []
     old = {id(b): c for c, b in _registration_pairs(model, lambda m: any(m is n for n in norms), [])}
     for bn in norms:
         conv = by_id.get(flow.source(bn)) if flow is not None else None
-        if conv is None and id(bn) not in old:
-            continue  # not fed by a conv, and nothing suggested it was: nothing to report
-        conv = conv if conv is not None else old[id(bn)]
-        reason = _pair_reason(flow, why, conv, bn, pairs, _unfoldable_norm(bn, known))
+        conv = conv if conv is not None else old.get(id(bn))
+        unfoldable = _unfoldable_norm(bn, known)
+        if conv is None:  # no conv feeds it
+            skipped.append((f"{names[id(bn)]} ({type(bn).__name__})", _lone_reason(flow, why, bn, unfoldable)))
+            continue
+        reason = _pair_reason(flow, why, conv, bn, pairs, unfoldable)
         if reason is None:
             pairs.append((conv, bn))
         else:
-            skipped.append(f"{names[id(conv)]} -> {names[id(bn)]} ({reason})")
-    notes = ["fold_for_inference: left unfolded: " + "; ".join(skipped)] if skipped else []
+            skipped.append((f"{names[id(conv)]} -> {names[id(bn)]}", reason))
+    notes = ["fold_for_inference: left unfolded: " + grouped(skipped)] if skipped else []
     notes += [n for n in [_path_note(flow, why, pairs, names, example_input is not None)] if n]
     return pairs, notes, x, y
 
@@ -271,11 +279,13 @@ def fold_for_inference(
         The folded model, in eval mode. Model outputs are equal to the eval-mode original up to rounding.
 
     Warns:
-        UserWarning: listing each conv -> BatchNorm pair left unfolded and why (the conv's output has another
-        consumer, the BN is shared, an activation sits in between, the dataflow could not be established, a
-        BatchNorm subclass with its own forward, a BatchNorm without running statistics, ...); and a second
-        one naming every folded pair when the folds rest on a hook trace of one forward that read tensor values
-        (data-dependent control flow: another input may take another path).
+        UserWarning: one line naming every BatchNorm left unfolded (``conv -> bn`` where a conv feeds it) and
+        why, each reason once (an activation sits in between, e.g. conv -> ReLU -> BN, or its input is the
+        model's input, a Linear's output, a sum; the conv's output has another consumer, the BN is shared, the
+        dataflow could not be established, a BatchNorm subclass with its own forward, a BatchNorm without running
+        statistics, in training mode, ...); and a second one naming every folded pair when the folds rest on a
+        hook trace of one forward that read tensor values (data-dependent control flow: another input may take
+        another path).
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()

@@ -6,9 +6,9 @@ The rules (what is copied, what is refused): :mod:`normlab.convert`.
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections import OrderedDict
 
-import torch
 from torch import Tensor, nn
 
 from normlab._checks import number_problem
@@ -17,6 +17,7 @@ from normlab.convert.recognize import (
     BatchNormSpec,
     build_named,
     describe_batchnorm,
+    grouped,
     known_batchnorm_forwards,
     module_names,
     num_channels,
@@ -25,10 +26,11 @@ from normlab.convert.recognize import (
     warn_lost_hooks,
     warn_unknown_batchnorms,
 )
+from normlab.convert.state import copy_into, is_frozen, keep_state
 from normlab.nn.batch_renorm import SyncBatchRenorm
 from normlab.nn.registry import create_norm, default_groups, get_norm_class
 
-__all__ = ["new_norm", "convert_norms"]
+__all__ = ["new_norm", "convert_norms", "LOOKED_FOR"]
 
 # norms that need a length / spatial axis: refused for a BatchNorm1d over (N, C)
 _NEEDS_LENGTH = {"gn": "GroupNorm", "ln": "GroupNorm(1, C)", "in": "InstanceNorm1d", "sn": "SwitchableNorm1d"}
@@ -38,11 +40,10 @@ _SYNC = {"brn": SyncBatchRenorm, "bn": nn.SyncBatchNorm}
 
 
 def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> None:
-    with torch.no_grad():
-        for name in names:
-            a, b = getattr(src, name, None), getattr(dst, name, None)
-            if isinstance(a, Tensor) and isinstance(b, Tensor) and a.numel() == b.numel():
-                b.copy_(a.reshape(b.shape).to(b.dtype))
+    for name in names:
+        a, b = getattr(src, name, None), getattr(dst, name, None)
+        if isinstance(a, Tensor) and isinstance(b, Tensor) and a.numel() == b.numel():
+            copy_into(b, a)
 
 
 def _norm_act_class(to: str, spec: BatchNormSpec) -> type:
@@ -55,15 +56,46 @@ def _norm_act_class(to: str, spec: BatchNormSpec) -> type:
     return normlab_timm.NORM_ACT_CLASSES[to]
 
 
-def _derived(bn: nn.Module, to: str, cls: type) -> dict:
-    """The BatchNorm's settings the new layer ``cls`` takes: eps, affine; momentum and running statistics for
-    bn/brn (sn is always affine and has its own momentum convention)."""
-    out = {"eps": bn.eps, "affine": getattr(bn, "affine", True)}
+def _accepted(cls: type) -> set[str]:
+    """The keyword arguments ``cls`` takes: those of its ``__init__`` and, where that passes ``**kwargs`` on (a
+    NormAct class), those of the next ``__init__`` up its bases."""
+    names: set[str] = set()
+    for base in cls.__mro__:
+        init = base.__dict__.get("__init__")
+        if init is None:
+            continue
+        params = inspect.signature(init).parameters
+        names |= set(params)
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            break
+    return names
+
+
+def _renorm_limits(bn: nn.Module, spec: BatchNormSpec, to: str, kw: dict) -> dict:
+    """A BatchRenorm's schedule or limits for a ``brn`` layer in its place (unless ``**kw`` gives others)."""
+    if not (spec.renorm and to == "brn") or any(k in kw for k in ("rmax", "dmax", "schedule")):
+        return {}
+    return {"schedule": bn.schedule} if bn.schedule is not None else {"rmax": bn.rmax, "dmax": bn.dmax}
+
+
+def _derived(bn: nn.Module, spec: BatchNormSpec, to: str, cls: type, kw: dict) -> dict:
+    """The BatchNorm's settings the new layer ``cls`` takes: eps, affine, no bias (``bias=False``), ``check_finite``;
+    momentum for bn/brn/sn (SwitchableNorm's is BatchNorm's; it is always affine) and the running statistics for
+    bn/brn; a BatchRenorm's schedule or limits for brn."""
+    affine = getattr(bn, "affine", True)
+    out = {"eps": bn.eps, "affine": affine}
+    if affine and getattr(bn, "bias", 0) is None:
+        out["bias"] = False
+    if hasattr(bn, "check_finite"):
+        out["check_finite"] = bn.check_finite
+    if to in ("brn", "bn", "sn"):
+        out["momentum"] = getattr(bn, "momentum", 0.1)
     if to in ("brn", "bn"):
-        out.update(momentum=getattr(bn, "momentum", 0.1), track_running_stats=getattr(bn, "track_running_stats", True))
+        out["track_running_stats"] = getattr(bn, "track_running_stats", True)
     if to == "sn":
         out.pop("affine")
-    accepted = inspect.signature(cls.__init__).parameters
+    out.update(_renorm_limits(bn, spec, to, kw))
+    accepted = _accepted(cls)
     return {k: v for k, v in out.items() if k in accepted}
 
 
@@ -76,30 +108,39 @@ def _out_of_place(m: nn.Module) -> nn.Module:
     return m
 
 
-def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
-    """The ``to`` layer computing in place of ``bn`` (reusing its drop/act modules), with the state that carries."""
+def _build(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
+    """The ``to`` layer for ``bn``'s channels with its settings (and its drop/act modules), freshly initialized."""
     channels = num_channels(bn)
     if spec.act and to == "none":
         return nn.Sequential(OrderedDict(drop=_out_of_place(bn.drop), act=_out_of_place(bn.act)))
     if to == "none":
         return nn.Identity()
-    if spec.act:
+    if spec.act:  # its drop and act are set by new_norm
         cls = _norm_act_class(to, spec)
         no_act = {"apply_act": False} if "apply_act" in inspect.signature(cls.__init__).parameters else {}
-        new = cls(channels, **{**_derived(bn, to, cls), **kw, **no_act})
-        new.drop, new.act = bn.drop, bn.act
-    elif spec.sync and to in _SYNC:
-        new = _SYNC[to](channels, **{**_derived(bn, to, _SYNC[to]), **kw})
-    else:
-        new = create_norm(to, channels, dim=dim, **{**_derived(bn, to, get_norm_class(to, dim)), **kw})
+        return cls(channels, **{**_derived(bn, spec, to, cls, kw), **kw, **no_act})
+    if spec.sync and to in _SYNC:
+        return _SYNC[to](channels, **{**_derived(bn, spec, to, _SYNC[to], kw), **kw})
+    return create_norm(to, channels, dim=dim, **{**_derived(bn, spec, to, get_norm_class(to, dim), kw), **kw})
+
+
+def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
+    """The ``to`` layer computing in place of ``bn`` (reusing its drop/act modules), with the state that carries:
+    the values (:mod:`normlab.convert`), device, dtype, ``requires_grad`` and training flag
+    (``normlab/convert/state.py``)."""
+    new = _build(bn, spec, to, dim, kw)
+    if to == "none":
+        return keep_state(bn, new, True)
+    ref = next((t for t in (bn.weight, bn.running_mean) if isinstance(t, Tensor)), None)
+    if ref is not None:
+        new.to(device=ref.device, dtype=ref.dtype)  # first: the values are copied in the final dtype
     names = ("weight", "bias")
     if to in ("brn", "bn", "sn"):
         names += ("running_mean", "running_var", "num_batches_tracked")
     _copy_matching(bn, new, names)
-    ref = next((t for t in (bn.weight, bn.running_mean) if t is not None), None)
-    if ref is not None:
-        new.to(device=ref.device, dtype=ref.dtype)
-    return new.train(bn.training)
+    if spec.act:
+        new.drop, new.act = bn.drop, bn.act
+    return keep_state(bn, new, is_frozen(bn, spec.frozen))
 
 
 def _groups(to: str, channels: int, kw: dict) -> int:
@@ -107,47 +148,47 @@ def _groups(to: str, channels: int, kw: dict) -> int:
     return 1 if to == "ln" else kw.get("num_groups") or default_groups(channels)
 
 
-def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[str]:
-    """For ``gn`` with ``num_groups``: each BatchNorm whose channel count it does not divide."""
+def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[tuple[str, str]]:
+    """For ``gn`` with ``num_groups``: each BatchNorm whose channel count it does not divide, as (label, reason)."""
     g = kw.get("num_groups")
     if to != "gn" or g is None:
         return []
     expected = number_problem(g, integer=True, low=1)
     if expected is not None:
-        return [f"any layer: num_groups must be {expected}, got {g!r}"]
-    out = []
+        return [("any layer", f"num_groups must be {expected}, got {g!r}")]
+    out, top = [], max(32, g)
     for m, _ in bns:
         c = num_channels(m)
         if c % g:
-            top = max(32, g)
             divisors = ", ".join(str(d) for d in range(1, min(c, top) + 1) if c % d == 0)
-            out.append(
-                f"{names[id(m)]} ({type(m).__name__}): {c} channels, not divisible by num_groups={g} "
-                f"(divisors of {c} up to {top}: {divisors}; without num_groups each layer takes its largest <= 32)"
-            )
+            label = f"{names[id(m)]} ({type(m).__name__}, {c} channels, divisors up to {top}: {divisors})"
+            why = f"channels not divisible by num_groups={g} (without num_groups each layer takes its largest <= 32)"
+            out.append((label, why))
     return out
 
 
-def _degenerate(to: str, m: nn.Module, shapes: list, kw: dict) -> str | None:
+def _degenerate(to: str, m: nn.Module, shapes: list, kw: dict) -> tuple[str, str] | None:
     """Why ``to`` would compute a constant on an input of one of ``shapes``: a single position per channel
-    (``in``/``sn``) or a single value per group (``gn``/``ln``, e.g. a 1x1 map with one channel per group)."""
+    (``in``/``sn``) or a single value per group (``gn``/``ln``, e.g. a 1x1 map with one channel per group), as
+    (the input shape and groups for the label, the reason with ``{on}`` to fill in)."""
     c = num_channels(m)
     for s in shapes:
         if len(s) < 3:
             continue
         positions = s[2:].numel()
         if to in _INSTANCE_STATS and positions < 2:
-            return f"sees input {tuple(s)} {{on}}: instance statistics need more than one position per channel"
+            return f"input {tuple(s)}", "a single position per channel {on}, instance statistics need more than one"
         if to in ("gn", "ln") and c % _groups(to, c, kw) == 0 and c // _groups(to, c, kw) * positions < 2:
             g = _groups(to, c, kw)
-            return f"sees input {tuple(s)} {{on}}: GroupNorm({g}, {c}) would output its bias (one value per group)"
+            return f"input {tuple(s)}, GroupNorm({g}, {c})", "one value per group {on}, GroupNorm would output its bias"
     return None
 
 
-def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -> list[str]:
-    """Why ``to`` cannot replace each BatchNorm: ``num_groups`` does not divide its channels; its input lacks the
-    axis ``to`` normalizes over; or ``to`` would see one value per statistic there (on ``example_input``, else on
-    default inputs where the shape is fixed by the architecture: :func:`~normlab.convert.dataflow.fixed_shapes`)."""
+def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -> list[tuple[str, str]]:
+    """Why ``to`` cannot replace each BatchNorm, as (label, reason): ``num_groups`` does not divide its channels;
+    its input lacks the axis ``to`` normalizes over; or ``to`` would see one value per statistic there (on
+    ``example_input``, else on default inputs where the shape is fixed by the architecture:
+    :func:`~normlab.convert.dataflow.fixed_shapes`)."""
     out = _divisor_refusals(to, bns, names, kw)
     if to not in _NEEDS_LENGTH or not bns:
         return out
@@ -157,39 +198,58 @@ def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -
     else:
         seen, on = fixed_shapes(model, mods), "at every input size tried (fixed by the architecture)"
     context = input_producers(model, [m for m in bn1d if not seen.get(id(m))]) if bn1d else {}
+    needs = f"{_NEEDS_LENGTH[to]} needs (N, C, L)"
     for m in mods:
-        shapes, where = seen.get(id(m)) or [], f"{names[id(m)]} ({type(m).__name__})"
+        shapes, name, kind = seen.get(id(m)) or [], names[id(m)], type(m).__name__
         constant = _degenerate(to, m, shapes, kw)
         if any(len(s) == 2 for s in shapes):
-            out.append(f"{where} sees (N, C) input {on}: {_NEEDS_LENGTH[to]} needs (N, C, L)")
+            out.append((f"{name} ({kind})", f"sees (N, C) input {on}, {needs}"))
         elif constant is not None:
-            out.append(f"{where} {constant.format(on=on)}")
+            out.append((f"{name} ({kind}, {constant[0]})", "sees " + constant[1].format(on=on)))
         elif m in bn1d and not shapes and context.get(id(m)) != "conv1d":
             why = (
                 "its input is an nn.Linear output (N, C)"
                 if context.get(id(m)) == "linear"
                 else "its input may be (N, C) (give example_input to show it sees (N, C, L))"
             )
-            out.append(f"{where}: {why}; {_NEEDS_LENGTH[to]} needs (N, C, L)")
+            out.append((f"{name} ({kind})", f"{why}, {needs}"))
     return out
+
+
+#: What convert_norm looks for, in its warning when a model has none of it.
+LOOKED_FOR = (
+    "no BatchNorm (looked for torch's BatchNorm1d/2d/3d and SyncBatchNorm and their subclasses that keep their "
+    "forward, timm's BatchNormAct2d/SyncBatchNormAct/FrozenBatchNormAct2d, torchvision's FrozenBatchNorm2d, normlab's "
+    "BatchRenorm layers and their timm NormAct versions)"
+)
+
+
+def _batchnorms(model: nn.Module, known: dict) -> list[tuple[nn.Module, BatchNormSpec]]:
+    """Every BatchNorm of ``model`` (each once) with what it computes."""
+    found = unique_modules(model, lambda m: describe_batchnorm(m, known) is not None)
+    return [(m, describe_batchnorm(m, known)) for m in found]
+
+
+def _dims(model, bns: list, example_input) -> dict[int, int]:
+    """The spatial dimensions each BatchNorm of any rank (SyncBatchNorm) sees on ``example_input``."""
+    if example_input is None or not any(spec.dim is None for _, spec in bns):
+        return {}
+    seen = seen_shapes(model, [m for m, spec in bns if spec.dim is None], example_input)
+    return {k: len(v[0]) - 2 for k, v in seen.items() if v and 1 <= len(v[0]) - 2 <= 3}
 
 
 def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Module:
     """``convert_norm(model, to)`` for a norm name ``to``, on ``model`` itself (the caller copies it)."""
     known, names = known_batchnorm_forwards(), module_names(model)
-    bns = [
-        (m, spec)
-        for m in unique_modules(model, lambda m: describe_batchnorm(m, known) is not None)
-        for spec in [describe_batchnorm(m, known)]
-    ]
+    bns = _batchnorms(model, known)
     refused = _refusals(model, to, bns, names, example_input, kw)
     if refused:
-        raise ValueError(f"convert_norm(to={to!r}): cannot replace {'; '.join(refused)}")
+        raise ValueError(f"convert_norm(to={to!r}): cannot replace {grouped(refused)}")
     warn_unknown_batchnorms(model, known, names, "convert_norm")
-    dims = {}
-    if example_input is not None and any(spec.dim is None for _, spec in bns):
-        seen = seen_shapes(model, [m for m, spec in bns if spec.dim is None], example_input)
-        dims = {k: len(v[0]) - 2 for k, v in seen.items() if v and 1 <= len(v[0]) - 2 <= 3}
+    if not bns:
+        warnings.warn(f"convert_norm(to={to!r}): nothing to convert: {LOOKED_FOR}", UserWarning, stacklevel=3)
+        return model
+    dims = _dims(model, bns, example_input)
     new = {
         id(m): build_named(
             lambda m=m, spec=spec: new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw),

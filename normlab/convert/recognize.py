@@ -1,8 +1,9 @@
 """What a module computes, recognized by its ``forward`` and not by its class alone; a model's modules, each once.
 
 * :class:`BatchNormSpec` / :func:`describe_batchnorm`: torch's BatchNorms, timm's ``BatchNormAct2d`` /
-  ``SyncBatchNormAct`` / ``FrozenBatchNormAct2d`` and torchvision's ``FrozenBatchNorm2d`` (whichever of timm and
-  torchvision is loaded); a BatchNorm subclass with its own ``forward`` is none of them
+  ``SyncBatchNormAct`` / ``FrozenBatchNormAct2d``, torchvision's ``FrozenBatchNorm2d`` (whichever of timm and
+  torchvision is loaded) and normlab's BatchRenorm layers (``renorm``: a ``_BatchNorm`` subclass that is not a
+  plain BatchNorm; also as timm NormAct); a BatchNorm subclass with its own ``forward`` is none of them
   (:func:`is_unknown_batchnorm`).
 * timm's ``StdConv2d`` / ``ScaledStdConv2d`` (:func:`timm_std_kind`), normlab's WS/PWS convolutions
   (:data:`STD_CONVS`), torch's plain convolutions (:data:`PLAIN_CONVS`) and their constructor arguments
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from normlab.nn._modules import module_names, swap_modules, unique_modules, warn_lost_hooks
+from normlab.nn._modules import grouped, module_names, name_list, swap_modules, unique_modules, warn_lost_hooks
+from normlab.nn.batch_renorm import BATCH_RENORM_TYPES, BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm
 from normlab.nn.registry import CONV_CLASSES
 from normlab.nn.weight_std import PWS_CONV_TYPES, WS_CONV_TYPES
 
@@ -41,6 +43,8 @@ __all__ = [
     "build_named",
     "warn_lost_hooks",
     "warn_unknown_batchnorms",
+    "grouped",
+    "name_list",
 ]
 
 #: torch's plain convolution classes -> their spatial dimensions (exact types: a subclass may compute otherwise).
@@ -52,12 +56,14 @@ STD_CONVS = WS_CONV_TYPES + PWS_CONV_TYPES
 @dataclass(frozen=True)
 class BatchNormSpec:
     """A module that computes a BatchNorm: over ``dim`` spatial dimensions (None: any), synchronized across ranks,
-    frozen (eval statistics in buffers), followed by its ``drop`` and ``act`` children."""
+    frozen (eval statistics in buffers), followed by its ``drop`` and ``act`` children, renormalizing in training
+    (normlab's BatchRenorm; BatchNorm in eval)."""
 
     dim: int | None = 2
     sync: bool = False
     frozen: bool = False
     act: bool = False
+    renorm: bool = False
 
 
 def known_batchnorm_forwards() -> dict:
@@ -75,8 +81,27 @@ def known_batchnorm_forwards() -> dict:
     return known
 
 
+def _renorm_spec(m: nn.Module) -> BatchNormSpec | None:
+    """What BatchRenorm ``m`` computes (its forward is BatchRenorm's, SyncBatchRenorm's or that of normlab's timm
+    NormAct version), or None (a subclass with its own forward)."""
+    forward, dims = type(m).forward, (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d)
+    if isinstance(m, SyncBatchRenorm) and forward is SyncBatchRenorm.forward:
+        return BatchNormSpec(dim=None, sync=True, renorm=True)
+    dim = next((d for d, cls in enumerate(dims, 1) if isinstance(m, cls) and forward is cls.forward), None)
+    if dim is not None:
+        return BatchNormSpec(dim=dim, renorm=True)
+    na = sys.modules.get("normlab.integrations.timm")  # loaded whenever a BatchRenormAct2d exists
+    if na is None or forward is not na.BatchRenormAct2d.forward or not (hasattr(m, "drop") and hasattr(m, "act")):
+        return None
+    if isinstance(m, na.SyncBatchRenormAct):
+        return BatchNormSpec(dim=None, sync=True, act=True, renorm=True)
+    return BatchNormSpec(act=True, renorm=True) if isinstance(m, na.BatchRenormAct2d) else None
+
+
 def describe_batchnorm(m: nn.Module, known: dict) -> BatchNormSpec | None:
     """What BatchNorm ``m`` computes, or None when it is not one (or a BatchNorm subclass with its own forward)."""
+    if isinstance(m, BATCH_RENORM_TYPES):
+        return _renorm_spec(m)
     spec = known.get(type(m).forward)
     if spec is None or (spec.act and not (hasattr(m, "drop") and hasattr(m, "act"))):
         return None
@@ -142,7 +167,7 @@ def warn_unknown_batchnorms(model: nn.Module, known: dict, names: dict, where: s
     if unknown:
         warnings.warn(
             f"{where}: left as they are (BatchNorm subclasses with their own forward, which computes "
-            f"something else than a BatchNorm): {', '.join(unknown)}",
+            f"something else than a BatchNorm): {name_list(unknown)}",
             UserWarning,
             stacklevel=3,
         )

@@ -56,7 +56,13 @@ def convert_norm(
         The converted model.
 
     Raises:
-        ValueError: ``to`` unknown, or a target that cannot apply to some layer (one line naming each).
+        ValueError: ``to`` unknown, or a target that cannot apply to some layers: one line giving each reason once,
+            with the first few layers and their count.
+
+    Warns:
+        UserWarning: nothing to convert (no BatchNorm, or for ``pws``/``ws`` no plain conv), naming what was looked
+        for; layers left as they are (BatchNorm subclasses with their own forward, conv subclasses), with why;
+        layers whose hooks are not carried over.
 
     Example:
         >>> model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
@@ -66,7 +72,7 @@ def convert_norm(
         >>> convert_norm(mlp, to="in")
         Traceback (most recent call last):
         ...
-        ValueError: convert_norm(to='in'): cannot replace 1 (BatchNorm1d): its input is an nn.Linear output (N, C); ...
+        ValueError: convert_norm(to='in'): cannot replace 1 (BatchNorm1d): its input is an nn.Linear output (N, C), ...
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_norm: model must be an nn.Module, got {type(model).__name__}")

@@ -9,8 +9,8 @@ drop_layer, device, dtype)`` (plus keyword-only arguments of the norm):
 - :class:`BatchRenormAct2d`: :class:`~normlab.nn.BatchRenorm2d` (``brn``); state_dict keys equal
   ``BatchNormAct2d``'s (timm checkpoints load); ``rmax``, ``dmax``, ``schedule``, ``check_finite`` keyword-only.
 - :class:`SyncBatchRenormAct`: :class:`~normlab.nn.SyncBatchRenorm`; ``process_group`` keyword-only.
-- :class:`SwitchableNormAct2d`: :class:`~normlab.nn.SwitchableNorm2d` (``sn``); ``momentum`` in BatchNorm's
-  convention (the weight of the new value; SN's own is ``1 - momentum``); always affine.
+- :class:`SwitchableNormAct2d`: :class:`~normlab.nn.SwitchableNorm2d` (``sn``); ``momentum`` is passed on (SN's
+  is BatchNorm's convention too); always affine, always with running statistics.
 - :class:`InstanceNormAct2d`: :class:`~normlab.nn.InstanceNorm2d` (``in``); ``track_running_stats`` defaults to
   False.
 - :class:`GroupNormAct2d`: ``nn.GroupNorm`` with the largest divisor <= 32 of C groups (``gn``); ``num_groups``
@@ -169,14 +169,12 @@ class SwitchableNormAct2d(_NormAct, SwitchableNorm2d):
             raise ValueError(
                 "SwitchableNormAct2d: affine must be True (SwitchableNorm always has weight and bias), got affine=False"
             )
-        if momentum is None:
+        if not track_running_stats:
             raise ValueError(
-                "SwitchableNormAct2d: momentum must be a number in [0, 1] (BatchNorm's convention), "
-                "got None (cumulative average is not supported)"
+                "SwitchableNormAct2d: track_running_stats must be True (SwitchableNorm keeps running BN statistics; "
+                "using_bn=False mixes IN and LN statistics only), got track_running_stats=False"
             )
-        super().__init__(
-            num_features, eps, 1.0 - momentum, track_running_stats, device=device, dtype=dtype, **norm_kwargs
-        )
+        super().__init__(num_features, eps, momentum, device=device, dtype=dtype, **norm_kwargs)
         self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
 
 
@@ -269,14 +267,14 @@ torch.Size([2, 8, 4, 4])""",
 _document(
     SwitchableNormAct2d,
     """>>> SwitchableNormAct2d(8, momentum=0.1).momentum
-0.9""",
+0.1""",
     summary=":class:`~normlab.nn.SwitchableNorm2d`, then ``drop``, then ``act``.",
-    momentum="BatchNorm's convention, the weight of the new batch statistics (SwitchableNorm's own momentum,\n"
-    "            the weight of the old value, is ``1 - momentum``); ``None`` is refused.",
+    momentum="running-statistics update factor (``None``: cumulative average), as ``nn.BatchNorm2d`` and\n"
+    "            :class:`~normlab.nn.SwitchableNorm2d`.",
     affine="must be True (SwitchableNorm always has a weight and a bias).",
-    track="SwitchableNorm's ``using_moving_average`` (False: batch statistics in eval too).",
+    track="must be True (SwitchableNorm always keeps running BN statistics; ``using_bn=False`` drops BN).",
     extra="        **norm_kwargs: keyword-only :class:`~normlab.nn.SwitchableNorm2d` arguments (``using_bn``, "
-    "``last_gamma``).\n",
+    "``last_gamma``, ``using_moving_average``).\n",
     shape="Input (N, C, H, W) with H * W > 1; output: the same.",
 )
 _document(

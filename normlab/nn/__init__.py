@@ -2,7 +2,8 @@
 
 One file per family (``batch_renorm``, ``instance_norm``, ``switchable``, ``weight_std``, ``capsules``);
 ``registry`` maps names (``bn``, ``brn``, ``pws``, ...) to classes for every dimension; ``param_groups`` builds
-optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases.
+optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases; ``running_stats`` re-estimates
+every layer's running statistics (``update_bn``, torch's for every layer that keeps them).
 """
 
 from ._non_finite import skipped_batches
@@ -29,6 +30,7 @@ from .registry import (
     is_norm_layer,
     resolve_comparison,
 )
+from .running_stats import has_running_stats, update_bn
 from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
 from .weight_std import PWS_CONV_TYPES, WS_CONV_TYPES, PWSConv1d, PWSConv2d, PWSConv3d, WSConv1d, WSConv2d, WSConv3d
 
@@ -69,4 +71,6 @@ __all__ = [
     "param_groups",
     "is_norm_layer",
     "skipped_batches",
+    "update_bn",
+    "has_running_stats",
 ]

@@ -9,7 +9,12 @@ Recognized by ``forward``, as :mod:`normlab.convert` recognizes BatchNorms:
   :class:`~normlab.integrations.timm.SyncBatchRenormAct` holding the same ``drop`` and ``act`` modules (a plain
   ``SyncBatchRenorm`` would keep them as children and never call them: timm#1254's bug);
 * any other BatchRenorm subclass (its own forward computes something unknown) is left as it is, and every such
-  module is named in one ``UserWarning``.
+  module is named in one ``UserWarning``;
+* with ``batchnorm=True``, torch's BatchNorms too, each by the converter of its own library: ``nn.BatchNorm1d/2d/3d``
+  (or a subclass keeping their forward) by torch's ``SyncBatchNorm.convert_sync_batchnorm``, timm's
+  ``BatchNormAct2d`` by timm's ``convert_sync_batchnorm`` (a ``SyncBatchNormAct`` with its ``drop`` and ``act``);
+  a BatchNorm subclass with its own forward is left and named in the warning. (torch's and timm's converters refuse
+  a model with BatchRenorm, so a model with both kinds is converted here.)
 
 The new layer *shares* the old one's parameter and buffer tensors (optimizers built before the conversion stay
 valid), takes its settings (``eps``, ``momentum``, ``affine``, ``track_running_stats``, the bias, ``check_finite``,
@@ -22,8 +27,9 @@ import sys
 import warnings
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
-from normlab.nn._modules import module_names, swap_modules, unique_modules, warn_lost_hooks
+from normlab.nn._modules import module_names, name_list, swap_modules, unique_modules, warn_lost_hooks
 
 __all__ = ["to_sync_batchrenorm"]
 
@@ -65,25 +71,51 @@ def _sync_layer(m: nn.Module, cls: type, process_group) -> nn.Module:
     return new.train(m.training)
 
 
+def _torch_sync(m: nn.Module, process_group) -> nn.Module | None:
+    """``m`` (a torch BatchNorm, not a BatchRenorm) converted by its own library's converter, or None when its
+    forward is neither torch's nor timm's ``BatchNormAct2d``'s (it computes something else)."""
+    if type(m).forward is _BatchNorm.forward:
+        return nn.SyncBatchNorm.convert_sync_batchnorm(m, process_group)
+    norm_act = sys.modules.get("timm.layers.norm_act")
+    if norm_act is not None and type(m).forward is norm_act.BatchNormAct2d.forward:
+        return norm_act.convert_sync_batchnorm(m, process_group)
+    return None
+
+
+def _converted(m: nn.Module, process_group, plain: type, local: tuple[type, ...], base: type) -> nn.Module | None:
+    """The synchronized layer for ``m`` (a BatchRenorm, or with ``batchnorm`` a torch BatchNorm), or None."""
+    if isinstance(m, base):
+        cls = _sync_class(m, plain, local)
+        return None if cls is None else _sync_layer(m, cls, process_group)
+    return _torch_sync(m, process_group)
+
+
 def to_sync_batchrenorm(
-    module: nn.Module, process_group, plain: type, local: tuple[type, ...], base: type
+    module: nn.Module, process_group, plain: type, local: tuple[type, ...], base: type, batchnorm: bool = False
 ) -> nn.Module:
     """``module`` with every BatchRenorm (an instance of ``base`` not yet synchronized) replaced by its
     synchronized version (``plain``, the class ``convert_sync_batchrenorm`` is called on, for one of the plain
-    ``local`` classes); returns the new root when ``module`` itself is replaced (the rules: this module's
-    docstring). The classes come as arguments so that this module does not import ``batch_renorm``, which calls it."""
+    ``local`` classes), and with ``batchnorm`` every torch BatchNorm by torch's or timm's; returns the new root when
+    ``module`` itself is replaced (the rules: this module's docstring). The classes come as arguments so that this
+    module does not import ``batch_renorm``, which calls it."""
     names = module_names(module)
     new, unknown = {}, []
-    for m in unique_modules(module, lambda m: isinstance(m, base) and not isinstance(m, plain)):
-        cls = _sync_class(m, plain, local)
-        if cls is None:
+
+    def wanted(m: nn.Module) -> bool:
+        if isinstance(m, base):
+            return not isinstance(m, plain)
+        return batchnorm and isinstance(m, _BatchNorm) and not isinstance(m, nn.SyncBatchNorm)
+
+    for m in unique_modules(module, wanted):
+        out = _converted(m, process_group, plain, local, base)
+        if out is None:
             unknown.append(f"{names[id(m)]} ({type(m).__name__})")
         else:
-            new[id(m)] = _sync_layer(m, cls, process_group)
+            new[id(m)] = out
     if unknown:
         warnings.warn(
-            "SyncBatchRenorm.convert_sync_batchrenorm: left as they are (BatchRenorm subclasses with their own "
-            f"forward, which a SyncBatchRenorm would not compute): {', '.join(unknown)}",
+            "SyncBatchRenorm.convert_sync_batchrenorm: left as they are (BatchNorm/BatchRenorm subclasses with "
+            f"their own forward, which a synchronized layer would not compute): {name_list(unknown)}",
             UserWarning,
             stacklevel=3,
         )

@@ -25,9 +25,14 @@ so BatchNorm checkpoints load into BatchRenorm and back. ``running_var`` holds t
 and the running sigma is ``sqrt(running_var + eps)`` (the paper's moving average of sigma is not stored).
 ``num_batches_tracked`` is the schedule's step counter (the step of a batch is the count before that batch).
 
-The classes derive from ``torch.nn.modules.batchnorm._NormBase``, not ``_BatchNorm``: torch's
-``SyncBatchNorm.convert_sync_batchnorm`` turns every ``_BatchNorm`` into a plain ``SyncBatchNorm`` and would
-silently drop the renormalization. Use :meth:`SyncBatchRenorm.convert_sync_batchrenorm` instead.
+The classes derive from ``torch.nn.modules.batchnorm._BatchNorm`` (as timm's ``BatchNormAct2d`` does), so the
+tools that look for a BatchNorm find them: ``torch.optim.swa_utils.update_bn`` re-estimates their statistics
+exactly (BatchNorm's training output while it runs, then ``num_batches_tracked``, the schedule's step, put back),
+``norm_eval``-style freezing, FSDP's mixed precision and no-weight-decay rules treat them as BatchNorms. The tools
+that would rebuild them as a plain BatchNorm (``SyncBatchNorm.convert_sync_batchnorm``, timm's
+``convert_sync_batchnorm``/``convert_splitbn_model``/``freeze_batch_norm_2d``) stop with a ``TypeError`` naming what
+to call instead, :meth:`SyncBatchRenorm.convert_sync_batchrenorm` for the first. The rules:
+``normlab/nn/_bn_tools.py``; tool by tool: ``docs/batchnorm_tools.md``.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from string import Template
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as NF
 from .._checks import check_number, is_number
@@ -58,6 +63,7 @@ from .._dispatch import (
     stats_value,
 )
 from .._functions import fused_batch_renorm, is_identity, takes_fused
+from ._bn_tools import BatchNormTools, reestimating
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
@@ -303,7 +309,7 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
+class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNorm):
     """Shared implementation of :class:`BatchRenorm1d`/``2d``/``3d`` and :class:`SyncBatchRenorm`.
 
     Subclasses set ``_expected_dims`` and ``_shape_text``; their docstrings are ``_DOC`` filled in per class.
@@ -388,7 +394,10 @@ class _BatchRenorm(SkippedBatches, Float32StatsModule, _NormBase):
 
     # ------------------------------------------------------------------ limits
     def renorm_limits(self, step: int | Tensor | None = None):
-        """``(rmax, dmax)`` used for the batch at ``step`` (default: the next training batch)."""
+        """``(rmax, dmax)`` used for the batch at ``step`` (default: the next training batch); ``(1.0, 0.0)``
+        (BatchNorm) while ``update_bn`` re-estimates the running statistics."""
+        if reestimating(self):
+            return 1.0, 0.0
         if self.schedule is None:
             return self.rmax, self.dmax
         if step is None:
@@ -759,7 +768,9 @@ class SyncBatchRenorm(_BatchRenorm):
         return NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
 
     @classmethod
-    def convert_sync_batchrenorm(cls, module: torch.nn.Module, process_group=None) -> torch.nn.Module:
+    def convert_sync_batchrenorm(
+        cls, module: torch.nn.Module, process_group=None, *, batchnorm: bool = False
+    ) -> torch.nn.Module:
         """Replace every BatchRenorm layer in ``module`` by its synchronized version, computing what it computed.
 
         Like ``torch.nn.SyncBatchNorm.convert_sync_batchnorm``: the new layer takes the same settings and *shares*
@@ -769,10 +780,12 @@ class SyncBatchRenorm(_BatchRenorm):
         :class:`~normlab.integrations.timm.SyncBatchRenormAct` with the same ``drop`` and ``act`` modules; a
         subclass with its own forward is left as it is and named in one ``UserWarning``
         (``normlab/nn/_sync_convert.py``). A layer registered under several names is replaced by one new layer.
-        Returns the converted module (a new object if ``module`` itself is a BatchRenorm layer).
+        With ``batchnorm=True`` torch's BatchNorms become ``nn.SyncBatchNorm`` too (timm's ``BatchNormAct2d``:
+        ``SyncBatchNormAct``), by torch's and timm's own converters, which refuse a model with BatchRenorm.
+        Returns the converted module (a new object if ``module`` itself is a converted layer).
         """
         return to_sync_batchrenorm(
-            module, process_group, cls, (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d), _BatchRenorm
+            module, process_group, cls, (BatchRenorm1d, BatchRenorm2d, BatchRenorm3d), _BatchRenorm, batchnorm
         )
 
 

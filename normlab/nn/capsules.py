@@ -21,6 +21,8 @@ from torch import Tensor, nn
 from normlab._checks import check_number
 from normlab.functional import squash
 
+from ._non_finite import FiniteState
+
 __all__ = ["PrimaryCapsules", "RoutingCapsules", "dynamic_routing", "margin_loss"]
 
 
@@ -100,8 +102,7 @@ class PrimaryCapsules(nn.Module):
     ) -> None:
         super().__init__()
         for arg, val in (("in_channels", in_channels), ("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"PrimaryCapsules: {arg} must be a positive integer, got {val!r}")
+            check_number("PrimaryCapsules", arg, val, integer=True, low=1)
         self.in_channels = in_channels
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
@@ -125,11 +126,12 @@ class PrimaryCapsules(nn.Module):
         return f"num_capsules={self.num_capsules}, capsule_dim={self.capsule_dim}"
 
 
-class RoutingCapsules(nn.Module):
+class RoutingCapsules(FiniteState, nn.Module):
     """Fully connected capsule layer with dynamic routing (the paper's DigitCaps).
 
     ``u_hat[n, i, j] = W[i, j] @ u[n, i]``, then :func:`dynamic_routing` (softmax over the parents, logits per
-    example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2).
+    example). Parameter ``weight`` W (in_capsules, out_capsules, out_dim, in_dim), init N(0, init_std^2); a loaded
+    non-finite ``weight`` is named at load, as for every normlab layer.
 
     Args:
         in_capsules: the number of child capsules (1152 in the paper).
@@ -168,8 +170,7 @@ class RoutingCapsules(nn.Module):
             ("out_capsules", out_capsules),
             ("out_dim", out_dim),
         ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"RoutingCapsules: {arg} must be a positive integer, got {val!r}")
+            check_number("RoutingCapsules", arg, val, integer=True, low=1)
         check_number("RoutingCapsules", "iterations", iterations, integer=True, low=1)
         self.in_capsules, self.in_dim = in_capsules, in_dim
         self.out_capsules, self.out_dim = out_capsules, out_dim

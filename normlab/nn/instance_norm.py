@@ -1,8 +1,9 @@
 """Instance normalization modules built on :func:`normlab.functional.instance_norm`.
 
-``InstanceNorm1d/2d/3d`` take the constructor arguments of ``torch.nn.InstanceNorm1d/2d/3d`` and keep their
-``state_dict`` keys (``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``), so a
-torch checkpoint loads unchanged. Differences from torch:
+``InstanceNorm1d/2d/3d`` take the constructor arguments of ``torch.nn.InstanceNorm1d/2d/3d`` (torch 2.13's
+keyword ``bias=`` included) and keep their ``state_dict`` keys (``weight``, ``bias``, ``running_mean``,
+``running_var``, ``num_batches_tracked``), so a torch checkpoint loads unchanged. The forward is one call of
+``instance_norm_step``, which ``torch.fx.symbolic_trace`` records as one node. Differences from torch:
 
 - statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
   :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
@@ -38,6 +39,8 @@ from .._dispatch import (
     HALF,
     all_finite,
     channels_last_format,
+    count_into,
+    forward_ad_active,
     guarded_update,
     param_dtype,
     plain_eager,
@@ -86,7 +89,9 @@ _DOC = Template(r"""Instance normalization over $input inputs: per sample and ch
             after ``.half()``) and use them in eval mode. Default: False.
         device: the device of the parameters and buffers. Default: None (torch's default device).
         dtype: the dtype of the parameters and buffers. Default: None (torch's default dtype).
-        center: learn ``bias`` (keyword-only). Default: None (``affine``).
+        bias: with ``affine``, learn ``bias`` too (keyword-only, as torch 2.13's ``nn.InstanceNorm$dim``:
+            ``affine=True, bias=False`` learns ``weight`` only). Default: True.
+        center: learn ``bias`` (keyword-only). Default: None (``affine and bias``).
         scale: learn ``weight`` (keyword-only). Default: None (``affine``).
 
     Shape:
@@ -118,6 +123,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
         device=None,
         dtype=None,
         *,
+        bias: bool = True,
         center: bool | None = None,
         scale: bool | None = None,
     ) -> None:
@@ -128,25 +134,27 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
             raise ValueError(f"{name}: momentum must be in [0, 1] or None (cumulative average), got {momentum}")
+        if center and not bias:
+            raise ValueError(f"{name}: center=True learns a bias, which bias=False leaves out; give one of them")
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
         self.eps = eps
         self.momentum = momentum
-        self.center = affine if center is None else bool(center)
+        self.center = (affine and bool(bias)) if center is None else bool(center)
         self.scale = affine if scale is None else bool(scale)
-        self.affine = self.center and self.scale
+        self.affine = self.scale  # torch's meaning: a weight is learned (and a bias unless bias=False)
         self.track_running_stats = track_running_stats
-        if self.scale:
-            self.weight = nn.Parameter(torch.ones(num_features, **factory))
-        else:
-            self.register_parameter("weight", None)
-        if self.center:
-            self.bias = nn.Parameter(torch.zeros(num_features, **factory))
-        else:
-            self.register_parameter("bias", None)
-        if track_running_stats:
-            self.register_buffer("running_mean", torch.zeros(num_features, **factory))
-            self.register_buffer("running_var", torch.ones(num_features, **factory))
+        self._init_state(factory)
+
+    def _init_state(self, factory: dict) -> None:
+        """The parameters (``weight`` with ``scale``, ``bias`` with ``center``) and, with ``track_running_stats``,
+        torch's running-statistics buffers and the ``skipped_batches`` count."""
+        c, device = self.num_features, factory["device"]
+        self.register_parameter("weight", nn.Parameter(torch.ones(c, **factory)) if self.scale else None)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(c, **factory)) if self.center else None)
+        if self.track_running_stats:
+            self.register_buffer("running_mean", torch.zeros(c, **factory))
+            self.register_buffer("running_var", torch.ones(c, **factory))
             self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
             self._init_skipped(device)
         else:
@@ -175,122 +183,142 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
             f"scale={self.scale}, track_running_stats={self.track_running_stats}"
         )
 
-    def _check_input(self, x: Tensor) -> bool:
-        """Validate ``x``; return True when it is unbatched (C, *spatial)."""
-        name = type(self).__name__
-        k = self._spatial_dims
-        if x.dim() not in (k + 1, k + 2):
-            raise ValueError(
-                f"{name}: expected {k + 2}D input {self._layout} (or {k + 1}D unbatched), got {x.dim()}D input"
-            )
-        unbatched = x.dim() == k + 1
-        channels = x.shape[0] if unbatched else x.shape[1]
-        if channels != self.num_features:
-            raise ValueError(f"{name}: expected {self.num_features} channels (num_features), got {channels}")
-        return unbatched
-
     def forward(self, x: Tensor) -> Tensor:
-        """x: (N, C, *spatial) or unbatched (C, *spatial) -> same shape, dtype and memory format."""
-        unbatched = self._check_input(x)
-        if unbatched:
-            return self.forward(x.unsqueeze(0)).squeeze(0)
-        use_input_stats = self.training or not self.track_running_stats
-        if use_input_stats:
-            spatial = x.shape[2:].numel()
-            if spatial < 2:
-                raise ValueError(
-                    f"{type(self).__name__}: expected more than 1 spatial value per channel when using instance "
-                    f"statistics, got input of shape {tuple(x.shape)}"
-                )
-            track = self.training and self.track_running_stats
-            y, stats = self._normalize_with_instance_stats(x, track)
-            if track:
-                self._track(x, stats)
-            return y
-        return self._normalize_with_running_stats(x)
-
-    def _normalize_with_instance_stats(self, x: Tensor, track: bool) -> tuple[Tensor, tuple | None]:
-        """The output and, when ``track`` and the route computes them anyway, the per-(n, c) mean and unbiased
-        variance for the running statistics (else None: :meth:`_update_running_stats` takes its own pass).
-
-        Routes, decided here once: float16/bfloat16 (statistics in float32) :func:`normlab.functional.instance_norm`;
-        eager float32/float64 contiguous input: torch's fused group-norm kernel with one channel per group
-        (``native_group_norm``, faster than torch's own instance norm on the CPU, exact double backward), whose mean
-        and inverse std give the running statistics (a smaller channels_last sample, see ``_IN_LAYOUT_MIN_SAMPLE``:
-        on a contiguous copy, the output returned in the input's layout); eager channels_last / channels_last_3d with
-        at least ``_IN_LAYOUT_MIN_SAMPLE`` values per sample: :func:`normlab._functions.instance_norm_in_layout` in
-        the input's layout (no layout copy); torch.compile,
-        torch.export, jit.trace, torch.func, the meta device and empty inputs: group norm on a contiguous copy
-        (torch's CPU channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for
-        large means), the output returned in the input's memory format."""
-        if x.dtype in HALF:
-            return NF.instance_norm(x, self.weight, self.bias, self.eps), None
-        fmt = channels_last_format(x)
-        weight = group_norm_weight(self.weight, self.bias, x)
-        if not plain_eager(x) or static_numel(x) == 0:
-            if fmt is None:
-                return F.group_norm(x, self.num_features, weight, self.bias, self.eps), None
-            y = F.group_norm(x.contiguous(), self.num_features, weight, self.bias, self.eps)
-            return y.contiguous(memory_format=fmt), None
-        if fmt is not None and static_numel(x, 1) >= _IN_LAYOUT_MIN_SAMPLE:
-            y, mean, var = instance_norm_in_layout(x, self.weight, self.bias, self.eps)
-            return y, (mean, var)
-        n, c, count = x.shape[0], self.num_features, static_numel(x, 2)
-        y, mean, rstd = torch.native_group_norm(x.contiguous(), weight, self.bias, n, c, count, c, self.eps)
-        if fmt is not None:
-            y = y.contiguous(memory_format=fmt)
-        if not track:
-            return y, None
-        with torch.no_grad():  # the unbiased variance from group norm's 1 / sqrt(var + eps)
-            var = rstd.detach().pow(-2).sub_(self.eps).mul_(count / (count - 1))
-        return y, (mean.detach(), var)
-
-    def _track(self, x: Tensor, stats: tuple | None) -> None:
-        """Update the running statistics from a training batch (not an empty one, not again in checkpointing's
-        recomputation); count it in ``skipped_batches`` when its statistics were not finite (no host read)."""
-        if static_numel(x, 0, 1) == 0 or recomputing():
-            return
-        self._count_skipped(self._update_running_stats(x, stats))
-
-    @torch.no_grad()
-    def _update_running_stats(self, x: Tensor, stats: tuple | None = None) -> Tensor:
-        """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the
-        per-instance mean / unbiased variance (momentum=None: cumulative average), from ``stats`` (the per-(n, c)
-        mean and unbiased variance) or, when None, a statistics pass over ``x``. Tensor ops only (no host
-        synchronisation): a non-finite batch leaves the statistics and ``num_batches_tracked`` unchanged, also when
-        compiled. Returns whether the batch statistics were finite (0-dim bool tensor)."""
-        name = type(self).__name__
-        if stats is None:
-            dims = tuple(range(2, x.dim()))
-            stats = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
-        mean, var = stats
-        batch_mean = stats_value(mean.mean(0), self.running_mean, name)
-        batch_var = stats_value(var.mean(0), self.running_var, name)
-        finite = all_finite(batch_mean, batch_var)
-        count = self.num_batches_tracked + finite.to(self.num_batches_tracked.dtype)
-        if self.momentum is None:
-            factor = 1.0 / count.clamp_min(1).to(self.running_mean.dtype)
-        else:
-            factor = self.momentum
-        new_mean = self.running_mean.lerp(batch_mean.to(self.running_mean.dtype), factor)
-        new_var = self.running_var.lerp(batch_var.to(self.running_var.dtype), factor)
-        guarded_update(
-            (self.running_mean, self.running_var, self.num_batches_tracked), (new_mean, new_var, count), finite
+        """x: (N, C, *spatial) or unbatched (C, *spatial) -> same shape, dtype and memory format: one call of
+        ``instance_norm_step`` (the input checks, the step and the running statistics; one torch.fx node)."""
+        return instance_norm_step(
+            x,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            (self.num_batches_tracked, self.skipped_batches) if self.track_running_stats else None,
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
+            layer=(self.num_features, self._spatial_dims, self._layout, type(self).__name__),
         )
-        return finite
 
-    def _normalize_with_running_stats(self, x: Tensor) -> Tensor:
-        shape = (1, -1) + (1,) * (x.dim() - 2)
-        stats_dtype = param_dtype(x)
-        scale = torch.rsqrt(self.running_var.to(stats_dtype) + self.eps)
-        shift = -self.running_mean.to(stats_dtype) * scale
-        if self.weight is not None:
-            scale = scale * self.weight.to(stats_dtype)
-            shift = shift * self.weight.to(stats_dtype)
-        if self.bias is not None:
-            shift = shift + self.bias.to(stats_dtype)
-        y = x.to(stats_dtype) * scale.reshape(shape) + shift.reshape(shape)
-        return y.to(x.dtype)
+
+torch.fx.wrap("instance_norm_step")  # torch.fx.symbolic_trace records the layer's forward as this one call
+
+
+def instance_norm_step(x, weight, bias, running_mean, running_var, counters, *, training, momentum, eps, layer):
+    """The forward of :class:`InstanceNorm1d`/``2d``/``3d``: the input checks, the normalization and (training with
+    running statistics) their update, from tensors and constants only. ``counters``:
+    ``(num_batches_tracked, skipped_batches)`` with running statistics, else None; ``layer``:
+    ``(num_features, spatial_dims, layout, name)``."""
+    if _check_input(x, layer):  # unbatched (C, *spatial)
+        x = x.unsqueeze(0)
+        step = instance_norm_step(
+            x,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            counters,
+            training=training,
+            momentum=momentum,
+            eps=eps,
+            layer=layer,
+        )
+        return step.squeeze(0)
+    if training or running_mean is None:
+        if x.shape[2:].numel() < 2:
+            raise ValueError(
+                f"{layer[3]}: expected more than 1 spatial value per channel when using instance statistics, got "
+                f"input of shape {tuple(x.shape)}"
+            )
+        track = training and running_mean is not None
+        y, stats = _normalize_with_instance_stats(x, weight, bias, eps, track)
+        if track and static_numel(x, 0, 1) > 0 and not recomputing():  # not an empty batch, nor a recomputation
+            finite = _update_running_stats(x, stats, running_mean, running_var, counters[0], momentum, layer[3])
+            count_into(counters[1], ~finite)
+        return y
+    return _normalize_with_running_stats(x, weight, bias, running_mean, running_var, eps)
+
+
+def _check_input(x: Tensor, layer) -> bool:
+    """Validate ``x``; return True when it is unbatched (C, *spatial)."""
+    num_features, k, layout, name = layer
+    if x.dim() not in (k + 1, k + 2):
+        raise ValueError(f"{name}: expected {k + 2}D input {layout} (or {k + 1}D unbatched), got {x.dim()}D input")
+    unbatched = x.dim() == k + 1
+    channels = x.shape[0] if unbatched else x.shape[1]
+    if channels != num_features:
+        raise ValueError(f"{name}: expected {num_features} channels (num_features), got {channels}")
+    return unbatched
+
+
+def _normalize_with_instance_stats(x: Tensor, weight, bias, eps: float, track: bool) -> tuple[Tensor, tuple | None]:
+    """The output and, when ``track`` and the route computes them anyway, the per-(n, c) mean and unbiased variance
+    for the running statistics (else None: :func:`_update_running_stats` takes its own pass).
+
+    Routes, decided here once: float16/bfloat16 (statistics in float32) :func:`normlab.functional.instance_norm`;
+    eager float32/float64 contiguous input: torch's fused group-norm kernel with one channel per group
+    (``native_group_norm``, faster than torch's own instance norm on the CPU, exact double backward), whose mean and
+    inverse std give the running statistics (a smaller channels_last sample, see ``_IN_LAYOUT_MIN_SAMPLE``: on a
+    contiguous copy, the output returned in the input's layout); eager channels_last / channels_last_3d with at least
+    ``_IN_LAYOUT_MIN_SAMPLE`` values per sample: :func:`normlab._functions.instance_norm_in_layout` in the input's
+    layout (no layout copy); torch.compile, torch.export, jit.trace, torch.func, forward-mode AD, the meta device and
+    empty inputs: group norm on a contiguous copy (torch's CPU channels_last group norm computes the variance as
+    E[x^2] - E[x]^2 and loses all precision for large means), the output returned in the input's memory format."""
+    if x.dtype in HALF:
+        return NF.instance_norm(x, weight, bias, eps), None
+    fmt, c = channels_last_format(x), x.shape[1]
+    gn_weight = group_norm_weight(weight, bias, x)
+    if not plain_eager(x) or static_numel(x) == 0 or forward_ad_active():
+        if fmt is None:
+            return F.group_norm(x, c, gn_weight, bias, eps), None
+        return F.group_norm(x.contiguous(), c, gn_weight, bias, eps).contiguous(memory_format=fmt), None
+    if fmt is not None and static_numel(x, 1) >= _IN_LAYOUT_MIN_SAMPLE:
+        y, mean, var = instance_norm_in_layout(x, weight, bias, eps)
+        return y, (mean, var)
+    n, count = x.shape[0], static_numel(x, 2)
+    y, mean, rstd = torch.native_group_norm(x.contiguous(), gn_weight, bias, n, c, count, c, eps)
+    if fmt is not None:
+        y = y.contiguous(memory_format=fmt)
+    if not track:
+        return y, None
+    with torch.no_grad():  # the unbiased variance from group norm's 1 / sqrt(var + eps)
+        var = rstd.detach().pow(-2).sub_(eps).mul_(count / (count - 1))
+    return y, (mean.detach(), var)
+
+
+@torch.no_grad()
+def _update_running_stats(x, stats, running_mean, running_var, num_batches_tracked, momentum, name: str) -> Tensor:
+    """torch's convention: running <- (1 - momentum) * running + momentum * mean over the batch of the per-instance
+    mean / unbiased variance (momentum=None: cumulative average), from ``stats`` (the per-(n, c) mean and unbiased
+    variance) or, when None, a statistics pass over ``x``. Tensor ops only (no host synchronisation): a non-finite
+    batch leaves the statistics and ``num_batches_tracked`` unchanged, also when compiled. Returns whether the batch
+    statistics were finite (0-dim bool tensor)."""
+    if stats is None:
+        dims = tuple(range(2, x.dim()))
+        stats = NF.moments(x.detach(), dims, correction=1)  # (N, C), float32 for half inputs
+    mean, var = stats
+    batch_mean = stats_value(mean.mean(0), running_mean, name)
+    batch_var = stats_value(var.mean(0), running_var, name)
+    finite = all_finite(batch_mean, batch_var)
+    count = num_batches_tracked + finite.to(num_batches_tracked.dtype)
+    factor = 1.0 / count.clamp_min(1).to(running_mean.dtype) if momentum is None else momentum
+    new_mean = running_mean.lerp(batch_mean.to(running_mean.dtype), factor)
+    new_var = running_var.lerp(batch_var.to(running_var.dtype), factor)
+    guarded_update((running_mean, running_var, num_batches_tracked), (new_mean, new_var, count), finite)
+    return finite
+
+
+def _normalize_with_running_stats(x: Tensor, weight, bias, running_mean, running_var, eps: float) -> Tensor:
+    shape = (1, -1) + (1,) * (x.dim() - 2)
+    stats_dtype = param_dtype(x)
+    scale = torch.rsqrt(running_var.to(stats_dtype) + eps)
+    shift = -running_mean.to(stats_dtype) * scale
+    if weight is not None:
+        scale = scale * weight.to(stats_dtype)
+        shift = shift * weight.to(stats_dtype)
+    if bias is not None:
+        shift = shift + bias.to(stats_dtype)
+    y = x.to(stats_dtype) * scale.reshape(shape) + shift.reshape(shape)
+    return y.to(x.dtype)
 
 
 class InstanceNorm1d(_InstanceNorm):

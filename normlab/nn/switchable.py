@@ -3,18 +3,20 @@
 Each layer normalizes with a learned mixture of instance (IN, per sample and channel), layer (LN, per sample)
 and batch (BN, per channel) statistics: ``mean = softmax(mean_weight) . (mean_in, mean_ln, mean_bn)`` and the
 same for the variance with the separate logits ``var_weight``; then ``y = (x - mean) / sqrt(var + eps) * weight
-+ bias``. Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running stats starting at 0).
++ bias``. Defaults are the authors' (eps 1e-5, moving average, BN on, running stats starting at 0).
 
-Momentum convention (differs from ``torch.nn.BatchNorm``!): ``momentum`` weighs the OLD value,
-``running = momentum * running + (1 - momentum) * batch``. The official default 0.9 is torch's 0.1.
+Momentum is BatchNorm's (``torch.nn.BatchNorm2d``'s and every other normlab layer's): ``momentum`` weighs the NEW
+value, ``running = (1 - momentum) * running + momentum * batch``; the default 0.1 is the official code's 0.9 (which
+weighs the old value), and ``momentum=None`` is a cumulative average over ``num_batches_tracked``, as in torch.
 With ``using_moving_average=False`` the buffers accumulate sums of batch means and of E[x^2] instead (official
 behaviour; the caller is responsible for dividing by the number of batches before evaluation).
 
 A batch whose statistics are not finite leaves the running statistics unchanged (tensor ops, no host
 synchronisation, eager and compiled) and is counted in ``skipped_batches``, reported as a RuntimeWarning at
 ``.eval()`` or by :func:`normlab.nn.skipped_batches`: the non-finite policy of every normlab layer
-(``docs/design.md``, "Non-finite batches"); an empty batch returns an empty output and leaves them unchanged.
-Activation checkpointing updates them once (not again in the recomputation).
+(``docs/design.md``, "Non-finite batches"); an empty batch returns an empty output, leaves them unchanged and gives
+zero gradients. Activation checkpointing updates them once (not again in the recomputation). The forward is one call
+of ``switchable_forward`` (``normlab._functions``), which ``torch.fx.symbolic_trace`` records as one node.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ from string import Template
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_number
-from .._dispatch import channels_last_format
+from .._checks import check_number, number_problem
 from .._functions import switchable_forward
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
 
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
+
+torch.fx.wrap("switchable_forward")  # torch.fx.symbolic_trace records the layer's forward as this one call
 
 
 # The docstring of the public classes: one text, filled in per dimension ($input, $over, $details, $example).
@@ -45,7 +48,8 @@ _DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input input
     with ``w = softmax(mean_weight)`` and ``softmax(var_weight)``: a learned mixture of instance (IN, per sample
     and channel over $over), layer (LN, per sample) and batch (BN, per channel) statistics, computed by
     :func:`normlab.functional.switchable_norm`. In eval mode BN uses the running statistics.$details
-    Defaults are the authors' (eps 1e-5, momentum 0.9, moving average, BN on, running statistics starting at 0).
+    Defaults are the authors' (eps 1e-5, moving average, BN on, running statistics starting at 0); ``momentum`` is
+    BatchNorm's (the official 0.9 of the old value is the default 0.1 here).
     A batch whose statistics are not finite leaves the running statistics unchanged and is counted in the
     non-persistent buffer ``skipped_batches`` (no host synchronisation; a RuntimeWarning at ``.eval()`` or from
     :func:`normlab.nn.skipped_batches`; the policy of every normlab layer, ``docs/design.md`` "Non-finite
@@ -53,17 +57,19 @@ _DOC = Template(r"""Switchable Normalization (Luo et al. 2019) over $input input
 
     Learnable parameters: ``weight``, ``bias`` (C,); ``mean_weight``, ``var_weight`` (3,) logits (2 with
     ``using_bn=False``), initialised to ones. Buffers: ``running_mean``, ``running_var`` (C,), starting at zero
-    (as the official code).
+    (as the official code), and ``num_batches_tracked``, the finite training batches counted (BatchNorm's).
 
     Args:
         num_features: C, the number of channels (dim 1 of the input).
         eps: added to the mixed variance inside the square root (> 0). Default: 1e-5.
-        momentum: the running-statistics update factor in the official convention, the weight of the OLD value:
-            ``running = momentum * running + (1 - momentum) * batch`` (0.9 is torch's 0.1). Default: 0.9.
+        momentum: the running-statistics update factor, BatchNorm's convention (the weight of the NEW value):
+            ``running = (1 - momentum) * running + momentum * batch`` (the official 0.9 of the old value is 0.1);
+            ``None``: cumulative average, as ``nn.BatchNorm2d``. Default: 0.1.
         using_moving_average: update the running statistics as a moving average; False: the buffers accumulate
             sums of batch means and of E[x^2] instead (official behaviour: divide by the number of batches before
             evaluation). Default: True.
-        using_bn: mix in BN statistics; False: IN and LN only, no running statistics. Default: True.
+        using_bn: mix in BN statistics; False: IN and LN only, no running statistics (nor
+            ``num_batches_tracked``). Default: True.
         last_gamma: initialise ``weight`` to 0 instead of 1 (for the last norm of a residual branch).
             Default: False.
         device: the device of the parameters and buffers. Default: None (torch's default device).
@@ -87,12 +93,13 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
     _normlab_norm = True
     _spatial_dims = 2
     _layout = "(N, C, H, W)"
+    _version = 2  # version 2 keeps num_batches_tracked (BatchNorm's version 2 too); see _load_from_state_dict
 
     def __init__(
         self,
         num_features: int,
         eps: float = 1e-5,
-        momentum: float = 0.9,
+        momentum: float | None = 0.1,
         using_moving_average: bool = True,
         using_bn: bool = True,
         last_gamma: bool = False,
@@ -104,10 +111,10 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
         check_number(name, "num_features", num_features, integer=True, low=1)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
-        if not 0.0 <= momentum <= 1.0:
+        if number_problem(momentum, low=0, high=1, optional=True) is not None:
             raise ValueError(
-                f"{name}: momentum must be in [0, 1] (it weighs the OLD running value; official default 0.9), "
-                f"got {momentum}"
+                f"{name}: momentum must be in [0, 1] (BatchNorm's convention: the weight of the new value; the "
+                f"official 0.9 of the old value is 0.1) or None (cumulative average), got {momentum!r}"
             )
         factory = {"device": device, "dtype": dtype}
         self.num_features = num_features
@@ -124,10 +131,12 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
         if using_bn:
             self.register_buffer("running_mean", torch.zeros(num_features, **factory))
             self.register_buffer("running_var", torch.zeros(num_features, **factory))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
             self._init_skipped(device)
         else:
             self.register_buffer("running_mean", None)
             self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
             self.register_buffer("skipped_batches", None, persistent=False)
         self.reset_parameters()
 
@@ -135,6 +144,7 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
         if self.using_bn:
             self.running_mean.zero_()
             self.running_var.zero_()
+            self.num_batches_tracked.zero_()
             self._reset_skipped()
 
     def reset_parameters(self) -> None:
@@ -146,29 +156,28 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
 
     def extra_repr(self) -> str:
         return (
-            f"{self.num_features}, eps={self.eps}, momentum={self.momentum} (weighs old value), "
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
             f"using_moving_average={self.using_moving_average}, using_bn={self.using_bn}, "
             f"last_gamma={self.last_gamma}"
         )
 
-    def _check_input(self, x: Tensor) -> None:
-        name = type(self).__name__
-        k = self._spatial_dims
-        if x.dim() != k + 2:
-            raise ValueError(f"{name}: expected {k + 2}D input {self._layout}, got {x.dim()}D input")
-        if x.shape[1] != self.num_features:
-            raise ValueError(f"{name}: expected {self.num_features} channels (num_features), got {x.shape[1]}")
-        spatial = x.shape[2:].numel()
-        if spatial < 2:
-            raise ValueError(
-                f"{name}: instance statistics need more than 1 spatial value per channel, got input of shape "
-                f"{tuple(x.shape)}"
-            )
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        """A state without ``num_batches_tracked`` from before version 2 (the official code's checkpoints) loads
+        with the count 0, as BatchNorm's version-1 checkpoints do."""
+        version = local_metadata.get("version", None)
+        key = prefix + "num_batches_tracked"
+        if self.using_bn and (version is None or version < 2) and key not in state_dict:
+            state_dict[key] = torch.tensor(0, dtype=torch.long)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: (N, C, *spatial) -> same shape, dtype and memory format."""
-        self._check_input(x)
-        y = switchable_forward(
+        """x: (N, C, *spatial) -> same shape, dtype and memory format: one call of
+        ``switchable_forward`` (the input checks, the step and the running statistics; one torch.fx node)."""
+        return switchable_forward(
             x,
             self.mean_weight,
             self.var_weight,
@@ -183,10 +192,9 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
             using_moving_average=self.using_moving_average,
             fused=None,
             where=type(self).__name__,
-            skipped=self._count_skipped if self.using_bn else None,
+            counters=(self.num_batches_tracked, self.skipped_batches) if self.using_bn else None,
+            layer=(self.num_features, self._spatial_dims, self._layout),
         )
-        fmt = channels_last_format(x)
-        return y if fmt is None else y.contiguous(memory_format=fmt)
 
 
 class SwitchableNorm1d(_SwitchableNorm):

@@ -19,7 +19,9 @@ from torch import Tensor, nn
 from normlab._checks import check_number
 from normlab.functional import pws_weight, standardize_weight
 
+from .._dispatch import forward_ad_active, fx_tracing
 from ._docs import fill
+from ._non_finite import FiniteState
 
 __all__ = [
     "WSConv1d",
@@ -54,8 +56,51 @@ def _tensor_key(t: Tensor) -> tuple:
 
 
 def _capturing_graph() -> bool:
-    """True while a graph is being captured (trace/compile): captured graphs must recompute the kernel."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.jit.is_scripting()
+    """True while a graph is being captured (jit.trace/script, torch.compile, torch.fx): captured graphs must
+    recompute the kernel."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling() or torch.jit.is_scripting() or fx_tracing()
+
+
+# torch.fx.symbolic_trace records these calls as one node each (their checks read shapes, which Proxies lack).
+torch.fx.wrap("standardize_weight")
+torch.fx.wrap("pws_weight")
+torch.fx.wrap("_checked_input")
+torch.fx.wrap("_init_alpha_from")
+
+
+def _checked_input(input: Tensor, in_channels: int, dims: int, name: str) -> Tensor:
+    """``input`` itself, once its ndim and channels are checked (one torch.fx node)."""
+    if input.dim() not in (dims + 1, dims + 2):
+        raise ValueError(
+            f"{name}: expected {dims + 2}D input (N, C, *spatial) or {dims + 1}D unbatched input, got {input.dim()}D"
+        )
+    channels = input.shape[-dims - 1]
+    if channels != in_channels:
+        raise ValueError(f"{name}: expected input with {in_channels} channels, got {channels}")
+    return input
+
+
+@torch.no_grad()
+def _init_alpha_from(y: Tensor, input: Tensor, alpha: Tensor, alpha_initialized: Tensor) -> None:
+    """Set every alpha to sqrt(2 / Var(y)) (unbiased, ``y = conv(x, W_hat(alpha=1))`` without bias, pooled over the
+    ranks) and mark ``alpha_initialized``, unless the layer is initialised already or the batch cannot define it
+    (fewer than 2 outputs, a non-finite variance, or a degenerate one: at most 1e-8 of the input's E[x^2], e.g. an
+    all-zero or constant batch); then alpha and the flag stay as they are and the next batch initialises alpha. Tensor
+    ops only (no data-dependent branch; one torch.fx node)."""
+    y, x_sq = y.detach().double(), input.detach().double().square()
+    stats = torch.stack(
+        [y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(), y.new_tensor(float(x_sq.numel()))]
+    )
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stats)
+    total, total_sq, count, input_sq, input_count = stats
+    var = (total_sq - total.square() / count.clamp_min(1)) / (count - 1).clamp_min(1)
+    scale = input_sq / input_count.clamp_min(1)  # E[x^2]: Var(y) is about 2 E[x^2] for a non-degenerate batch
+    valid = (count >= 2) & torch.isfinite(var) & (var > 0) & (var > 1e-8 * scale)
+    new = torch.sqrt(2.0 / torch.where(valid, var, torch.ones_like(var))).to(alpha.dtype)
+    valid = valid & ~alpha_initialized  # an initialised alpha is never overwritten
+    alpha.copy_(torch.where(valid, new, alpha))
+    alpha_initialized.copy_(alpha_initialized | valid)
 
 
 # The docstrings of the public classes: one text per family, filled in per dimension ($conv, $input, $output,
@@ -144,12 +189,13 @@ def _doc(template: Template, example: str, **fields: str) -> str:
     return fill(template, example, shape=shape, conv_args=_CONV_ARGS, cache_arg=_CACHE_ARG, **fields)
 
 
-class _StdConvNd:
+class _StdConvNd(FiniteState):
     """Forward, input checks and inference kernel cache shared by the WS and PWS convolutions.
 
-    Subclasses (placed before ``nn.Conv{d}d`` in the bases) define ``_compute_weight()`` (the kernel, with
-    autograd), ``_cache_tensors()`` (the parameters the kernel depends on) and ``_cache_params()`` (the
-    hyper-parameters it depends on).
+    Subclasses (placed before ``nn.Conv{d}d`` in the bases) define ``_compute_weight(*tensors)`` (the kernel from
+    the parameters it depends on, with autograd), ``_cache_tensors()`` (those parameters, read once: ``weight`` may
+    be a parametrization, which runs at every read) and ``_cache_params()`` (the hyper-parameters it depends on).
+    A loaded non-finite ``weight``, ``bias`` or ``alpha`` is named at load (``FiniteState``).
     """
 
     _weight_cache: tuple | None = None  # (key, reference copies, kernel, kernel version); set per instance
@@ -161,14 +207,28 @@ class _StdConvNd:
 
         Computed with autograd whenever training or a gradient is needed; otherwise from the inference cache.
         """
-        tensors = self._cache_tensors()
-        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+        return self._kernel(self._cache_tensors())
+
+    def _kernel(self, tensors: tuple[Tensor, ...]) -> Tensor:
+        """The kernel from ``tensors`` (the parameters as read once by the caller): recomputed in training, under
+        graph capture (jit, compile, fx), forward-mode AD, when a gradient is needed, for a parametrized or
+        hook-computed ``weight`` (a new tensor at every read) and with ``weight_cache="off"``; else the cached one."""
+        if _capturing_graph() or forward_ad_active():
+            return self._compute_weight(*tensors)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # (before self.training: the output
+            return self._compute_weight(*tensors)  # is the same in both modes, as nn.Conv2d's, which never reads it)
         mode = self.weight_cache
         if mode == "auto":
             mode = "verified" if tensors[0].device.type == "cpu" else "off"
-        if self.training or needs_grad or mode == "off" or _capturing_graph():
-            return self._compute_weight()
+        if self.training or mode == "off" or not self._registered(tensors):
+            return self._compute_weight(*tensors)
         return self._cached_weight(tensors, verify=mode == "verified")
+
+    def _registered(self, tensors: tuple[Tensor, ...]) -> bool:
+        """Whether ``tensors`` are this layer's own registered parameters (what the cache keys on); not so for a
+        parametrized ``weight`` or one set by a hook (``torch.nn.utils.spectral_norm``): each read makes a new
+        tensor, whose address a later one may reuse."""
+        return all(any(t is p for p in self._parameters.values()) for t in tensors)
 
     def _cache_key(self, tensors: tuple[Tensor, ...]) -> tuple | None:
         if any(t.is_inference() for t in tensors):  # parameters created under inference_mode have no versions
@@ -192,12 +252,12 @@ class _StdConvNd:
         """The cached kernel if the parameters are unchanged (and, with ``verify``, equal by value), else a new one."""
         key = self._cache_key(tensors)
         if key is None:
-            return self._compute_weight()
+            return self._compute_weight(*tensors)
         kernel = self._cache_hit(key, tensors, verify)
         if kernel is not None:
             return kernel
         with torch.inference_mode(False), torch.no_grad():  # normal tensors (with versions) even in inference_mode
-            kernel = self._compute_weight().detach()
+            kernel = self._compute_weight(*tensors).detach()
             refs = tuple(t.detach().clone() for t in tensors) if verify else ()
         self._weight_cache = (key, refs, kernel, kernel._version)
         return kernel
@@ -215,24 +275,15 @@ class _StdConvNd:
         state["_weight_cache"] = None
         return state
 
-    def _check_input(self, input: Tensor) -> None:
-        d = len(self.kernel_size)
-        name = type(self).__name__
-        if input.dim() not in (d + 1, d + 2):
-            raise ValueError(
-                f"{name}: expected {d + 2}D input (N, C, *spatial) or {d + 1}D unbatched input, got {input.dim()}D"
-            )
-        channels = input.shape[-d - 1]
-        if channels != self.in_channels:
-            raise ValueError(f"{name}: expected input with {self.in_channels} channels, got {channels}")
-
     def forward(self, input: Tensor) -> Tensor:
-        """input (N, C_in, *spatial) or (C_in, *spatial) -> (N, C_out, *spatial') or (C_out, *spatial')."""
-        self._check_input(input)
-        self._before_forward(input)
-        return self._conv_forward(input, self.effective_weight(), self.bias)
+        """input (N, C_in, *spatial) or (C_in, *spatial) -> (N, C_out, *spatial') or (C_out, *spatial'). The
+        parameters are read once (a parametrization of ``weight`` runs once per forward, as in ``nn.Conv2d``)."""
+        input = _checked_input(input, self.in_channels, len(self.kernel_size), type(self).__name__)
+        tensors = self._cache_tensors()
+        self._before_forward(input, tensors)
+        return self._conv_forward(input, self._kernel(tensors), self.bias)
 
-    def _before_forward(self, input: Tensor) -> None:
+    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> None:
         pass
 
 
@@ -263,8 +314,8 @@ class _WSConvNd(_StdConvNd):
             in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode, device, dtype
         )
 
-    def _compute_weight(self) -> Tensor:
-        return standardize_weight(self.weight, self.eps)
+    def _compute_weight(self, weight: Tensor | None = None) -> Tensor:
+        return standardize_weight(self.weight if weight is None else weight, self.eps)
 
     def _cache_tensors(self) -> tuple[Tensor, ...]:
         return (self.weight,)
@@ -328,8 +379,9 @@ class _PWSConvNd(_StdConvNd):
         self._alpha_done = False
         self._weight_cache = None
 
-    def _compute_weight(self) -> Tensor:
-        return pws_weight(self.weight, self.alpha, self.gamma, self.relative_gamma, fan=self.fan)
+    def _compute_weight(self, weight: Tensor | None = None, alpha: Tensor | None = None) -> Tensor:
+        weight, alpha = (self.weight, self.alpha) if weight is None else (weight, alpha)
+        return pws_weight(weight, alpha, self.gamma, self.relative_gamma, fan=self.fan)
 
     def _cache_tensors(self) -> tuple[Tensor, ...]:
         return (self.weight, self.alpha)
@@ -337,46 +389,30 @@ class _PWSConvNd(_StdConvNd):
     def _cache_params(self) -> tuple:
         return (self.gamma, self.relative_gamma, self.fan)
 
-    def _before_forward(self, input: Tensor) -> None:
+    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> None:
         """The data-dependent init of alpha while it is pending. Whether it is pending is read from the buffer
         ``alpha_initialized`` (one host read per training step) only until a read finds it done; from then on the
         Python flag ``_alpha_done`` answers and a training step reads nothing back. Loading a state or resetting the
-        parameters re-arms the read. Under graph capture and torch.func the init runs in tensor ops every training
-        step until the flag is set (a no-op on an initialised layer)."""
-        if self.__dict__.get("_alpha_done") or not (self.training and self.init_alpha):
+        parameters re-arms the read. Under graph capture (jit, compile, fx) and torch.func the init runs in tensor
+        ops every training step until the flag is set (a no-op on an initialised layer). ``tensors``: the
+        parameters as the forward read them (``weight`` once)."""
+        if self.__dict__.get("_alpha_done") or not (self.init_alpha and self.training):
             return
-        if self.alpha_initialized.device.type == "meta":
-            return  # on the meta device there is no data to initialise from: the next real batch does it
         if _capturing_graph() or torch._C._functorch.peek_interpreter_stack() is not None:
-            self._data_init_alpha(input)  # tensor ops only: a no-op once initialised (torch.where on the flag)
+            self._data_init_alpha(input, tensors[0])  # tensor ops only: a no-op once initialised
+        elif self.alpha_initialized.device.type == "meta":
+            return  # on the meta device there is no data to initialise from: the next real batch does it
         elif bool(self.alpha_initialized):
             self._alpha_done = True
         else:
-            self._data_init_alpha(input)
+            self._data_init_alpha(input, tensors[0])
 
-    @torch.no_grad()
-    def _data_init_alpha(self, input: Tensor) -> None:
-        """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance.
-
-        A batch that cannot define it (fewer than 2 outputs, a non-finite variance, or a degenerate one: at most
-        1e-8 of the input's E[x^2], e.g. an all-zero or constant batch) leaves alpha and ``alpha_initialized``
-        unchanged, so the next batch initialises alpha. Tensor ops only (no data-dependent branch)."""
-        kernel = pws_weight(self.weight, None, self.gamma, self.relative_gamma, fan=self.fan)
-        y = self._conv_forward(input, kernel, None).double()
-        x_sq = input.detach().double().square()
-        stats = torch.stack(
-            [y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(), y.new_tensor(float(x_sq.numel()))]
-        )
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(stats)
-        total, total_sq, count, input_sq, input_count = stats
-        var = (total_sq - total.square() / count.clamp_min(1)) / (count - 1).clamp_min(1)
-        scale = input_sq / input_count.clamp_min(1)  # E[x^2]: Var(y) is about 2 E[x^2] for a non-degenerate batch
-        valid = (count >= 2) & torch.isfinite(var) & (var > 0) & (var > 1e-8 * scale)
-        alpha = torch.sqrt(2.0 / torch.where(valid, var, torch.ones_like(var))).to(self.alpha.dtype)
-        valid = valid & ~self.alpha_initialized  # an initialised alpha is never overwritten
-        self.alpha.copy_(torch.where(valid, alpha, self.alpha))
-        self.alpha_initialized.copy_(self.alpha_initialized | valid)
+    def _data_init_alpha(self, input: Tensor, weight: Tensor) -> None:
+        """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance (see
+        :func:`_init_alpha_from`); ``weight`` as the forward read it. Detached: no autograd graph, also in a traced
+        one."""
+        kernel = pws_weight(weight.detach(), None, self.gamma, self.relative_gamma, fan=self.fan)
+        _init_alpha_from(self._conv_forward(input.detach(), kernel, None), input, self.alpha, self.alpha_initialized)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
