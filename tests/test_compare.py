@@ -268,17 +268,17 @@ def test_the_plots_use_log_axes_where_values_span_decades(tmp_path):
     res = _hand_results([_cell(n, lr, s, 0.5 + lr / 4, 1.0) for n in ("bn", "pws") for lr in (0.01, 0.1, 1.0)
                          for s in (1, 2)])  # fmt: skip
     axes_seen = []
-    real = plots._save
+    real = plots.save_figure
 
     def keep(fig, path, *a, **kw):
         axes_seen.extend(ax.get_xscale() for ax in fig.axes if ax.get_visible())
         return real(fig, path, *a, **kw)
 
-    plots._save = keep
+    plots.save_figure = keep
     try:
         assert plots.metric_lr_plot(res, tmp_path / "lr.png").read_bytes()[:8] == PNG
     finally:
-        plots._save = real
+        plots.save_figure = real
     assert axes_seen == ["log", "log"]
     assert plots.spans_decades([0.01, 0.1]) and not plots.spans_decades([0.05, 0.2]) and not plots.spans_decades([0, 1])
 
@@ -322,7 +322,7 @@ def test_cli_on_a_user_factory_resumes_after_a_kill_with_the_same_results(tmp_pa
     assert not (out / "runs" / "gn_lr0.05_bs16_s100" / "summary.json").exists()
     again = subprocess.run(_cli(out, "--workers", "1"), env=_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
-    assert "1 of 2 runs already done" in again.stderr
+    assert "1 of 2 runs already done" in again.stderr and "1 run to train, 1 already done" in again.stderr
     for cell in ("bn_lr0.05_bs16_s100", "gn_lr0.05_bs16_s100"):
         assert _comparable(_summary(out, cell)) == _comparable(_summary(ref, cell))
 

@@ -32,6 +32,13 @@ __all__ = [
     "smoothed",
     "lr_shade",
     "spans_decades",
+    "save_figure",
+    "finish_grid",
+    "seeds_and_mean",
+    "marks_legend",
+    "mean_curve",
+    "end_mark",
+    "style_figure",
 ]
 
 FONT = 10  # points: the smallest type of every figure (ticks, legends, notes), readable on a slide
@@ -63,7 +70,7 @@ def spans_decades(values: Sequence[float]) -> bool:
     return bool(vals) and min(vals) > 0 and max(vals) >= 10 * min(vals)
 
 
-def _style(fig) -> None:
+def style_figure(fig) -> None:
     """Every text of ``fig`` at least :data:`FONT` points (tick labels included)."""
     for ax in fig.axes:
         ax.tick_params(labelsize=FONT)
@@ -71,10 +78,10 @@ def _style(fig) -> None:
             text.set_fontsize(max(text.get_fontsize(), FONT + 1))
 
 
-def _save(fig, path: Path, handles=None, legend_title: str | None = None, note: str | None = None) -> Path:
+def save_figure(fig, path: Path, handles=None, legend_title: str | None = None, note: str | None = None) -> Path:
     """Save ``fig`` (``layout="constrained"``) with the legend outside the panels on the right and ``note`` under
     them."""
-    _style(fig)
+    style_figure(fig)
     if handles:
         kw = {"fontsize": FONT, "frameon": False, "title": legend_title, "title_fontsize": FONT}
         fig.legend(handles=handles, loc="outside right center", **kw)
@@ -85,7 +92,7 @@ def _save(fig, path: Path, handles=None, legend_title: str | None = None, note: 
     return path
 
 
-def _finish_grid(axes, used: int, xlabel: str, ylabel: str) -> None:
+def finish_grid(axes, used: int, xlabel: str, ylabel: str) -> None:
     """Hide the panels of a grid of axes past the first ``used``; label the bottom row's x and the left column's y."""
     for ax in axes.flat[used:]:
         ax.set_visible(False)
@@ -123,7 +130,7 @@ def _seed_values(results: dict, name: str, key: str, x_key: str, scale: float) -
     return dict(sorted(out.items()))
 
 
-def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: float = 1.0, **line) -> Any:
+def seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: float = 1.0, **line) -> Any:
     """A faint point per seed (an x where it collapsed), the bold mean with the range of the seeds as its bar;
     ``dodge`` multiplies the x values (a log axis) to set groups side by side (1: at their true x)."""
     xs_vals = {x * dodge: v for x, v in xs_vals.items()}
@@ -137,7 +144,7 @@ def _seeds_and_mean(ax, xs_vals: dict[float, list[tuple]], color: str, dodge: fl
     return ax.errorbar(list(xs_vals), means, yerr=yerr, color=color, linewidth=2.2, capsize=3, **line)
 
 
-def _marks_legend(results: dict, extra: list | None = None) -> list:
+def marks_legend(results: dict, extra: list | None = None) -> list:
     """The marks' legend: only those the figure draws (a collapsed seed's x only where a seed collapsed)."""
     from matplotlib.lines import Line2D
 
@@ -190,18 +197,18 @@ def metric_lr_plot(results: dict, path: Path) -> Path | None:
             if other != name and means[other]:
                 ax.plot(list(means[other]), list(means[other].values()), color="0.8", linewidth=1, zorder=1)
         if values[name]:
-            _seeds_and_mean(ax, values[name], norm_color(name))
+            seeds_and_mean(ax, values[name], norm_color(name))
         m.chance_line(ax)
         _log_x(ax, lrs)
         m.limits(ax)
         ax.set_title(name, color=norm_color(name), fontweight="bold")
         ax.grid(alpha=0.3)
-    _finish_grid(axes, len(names), "learning rate", m.label)
+    finish_grid(axes, len(names), "learning rate", m.label)
     fig.suptitle(f"final {m.label} vs learning rate, batch {base_bs}", fontsize=TITLE)
     extra = [Line2D([], [], color="0.8", linewidth=1, label="the other norms' means")]
     if m.chance is not None:
         extra.append(Line2D([], [], color="0.4", linestyle=":", label=f"chance ({m.chance:.0f} %)"))
-    return _save(fig, path, _marks_legend(sub, extra))
+    return save_figure(fig, path, marks_legend(sub, extra))
 
 
 def smoothed(losses: list, window: int) -> list[float]:
@@ -226,14 +233,14 @@ def _traces(results: dict, grid_dir: Path) -> dict[tuple[str, float], list[list[
     return out
 
 
-def _mean_curve(curves: list[list[float]]) -> list[float]:
+def mean_curve(curves: list[list[float]]) -> list[float]:
     """The mean of the seeds' curves where every seed is finite (NaN elsewhere)."""
     n = max(len(c) for c in curves)
     cols = [[c[i] for c in curves if i < len(c) and math.isfinite(c[i])] for i in range(n)]
     return [sum(v) / len(v) if len(v) == len(curves) else math.nan for v in cols]
 
 
-def _end_mark(ax, curve: list[float], color: str, top: float) -> set[str]:
+def end_mark(ax, curve: list[float], color: str, top: float) -> set[str]:
     """A run whose loss left the axis: a triangle at ``top`` where it crossed; one whose loss became non-finite:
     an X at its last finite value (at ``top`` if above). Returns the marks drawn."""
     drawn = set()
@@ -312,9 +319,9 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
             color = lr_shade(norm_color(name), i, len(lrs))
             for c in traces.get((name, lr), []):
                 ax.plot(c, color=color, linewidth=0.7, alpha=0.35)
-                drawn |= _end_mark(ax, c, color, top)
+                drawn |= end_mark(ax, c, color, top)
             if traces.get((name, lr)):
-                ax.plot(_mean_curve(traces[(name, lr)]), color=color, linewidth=2.0, linestyle=_LR_STYLES[i % 4])
+                ax.plot(mean_curve(traces[(name, lr)]), color=color, linewidth=2.0, linestyle=_LR_STYLES[i % 4])
         if chance is not None:
             ax.axhline(chance, color="0.3", linestyle=":", linewidth=1)
         ax.set_title(name, color=norm_color(name), fontweight="bold")
@@ -322,10 +329,10 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
             ax.set_yscale("log")
             ax.set_ylim(min(values) / 2, top * 2.2)
         ax.grid(alpha=0.3, which="both")
-    _finish_grid(axes, len(names), "step", "training loss")
+    finish_grid(axes, len(names), "step", "training loss")
     scale = "log scale" if log else "linear scale"
     fig.suptitle(f"training loss per norm (running mean; {scale})", fontsize=TITLE)
-    return _save(fig, path, _loss_legend(lrs, drawn, top, chance), "learning rate")
+    return save_figure(fig, path, _loss_legend(lrs, drawn, top, chance), "learning rate")
 
 
 def metric_batch_plot(results: dict, path: Path) -> Path | None:
@@ -351,7 +358,7 @@ def metric_batch_plot(results: dict, path: Path) -> Path | None:
         for ax, key in zip(axes[0], keys):
             vals = _seed_values(sub, name, key, "batch_size", m.scale)
             if vals:
-                _seeds_and_mean(ax, vals, norm_color(name), 2 ** (0.04 * (i - (len(names) - 1) / 2)))
+                seeds_and_mean(ax, vals, norm_color(name), 2 ** (0.04 * (i - (len(names) - 1) / 2)))
     steps = {int(c["batch_size"]): c.get("steps_run") for c in cells}
     titles = ("eval mode: running statistics", "train mode: statistics of each test batch")
     for ax, title in zip(axes[0], titles if len(keys) > 1 else ("",)):
@@ -370,4 +377,4 @@ def metric_batch_plot(results: dict, path: Path) -> Path | None:
     note = None
     if steps.get(few) and steps.get(many) and steps[many] > 2 * steps[few]:
         note = f"Equal epochs: batch {few} trains {steps[few]} steps, batch {many} {steps[many]}."
-    return _save(fig, path, handles + _marks_legend(sub), "norm", note)
+    return save_figure(fig, path, handles + marks_legend(sub), "norm", note)
