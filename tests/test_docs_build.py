@@ -29,6 +29,7 @@ PUBLIC_MODULES = [
     "normlab.convert",
     "normlab.monitor",
     "normlab.monitor.stats",
+    "normlab.monitor.ranks",
     "normlab.monitor.records",
     "normlab.monitor.log",
     "normlab.monitor.plotting",

@@ -251,3 +251,49 @@ def test_reset_running_stats_zeroes_the_count_also_after_to_empty(make):
         m.eval()
     m.reset_running_stats()
     assert int(m.skipped_batches) == 0 and m._reported_skips == 0
+
+
+def test_the_monitor_reads_back_once_per_monitored_step_and_never_in_the_forward(monkeypatch):
+    """VarianceMonitor at every=3 with the default rules: a recorded forward keeps every layer's moments on the
+    device; the optimizer step of a recorded step reads all the records back in one transfer, a light step (the
+    countdown's output variances) in one, a step with no rule due not at all."""
+    from normlab.monitor import VarianceMonitor
+
+    torch.manual_seed(100)
+    model = torch.nn.Sequential(
+        PWSConv2d(C, 3, 3, padding=1, weight_cache="off"),
+        BatchRenorm2d(3),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(3 * 5 * 6, 2),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    quiet = VarianceMonitor(torch.nn.Linear(2, 2), every=3, rules=[])  # no rule: nothing due between its records
+    mons = [VarianceMonitor(model, every=3, optimizer=opt), quiet]
+    calls: list[str] = []
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(
+            torch.Tensor, name, lambda t, *a, _o=original, _n=name, **k: calls.append(_n) or _o(t, *a, **k)
+        )
+    per_step = []
+    for step in range(4):
+        x = _input((4, C, 5, 6), False, torch.float32, 100 + step)
+        with ReadBacks() as forward_reads:
+            y = model(x)
+        forward = forward_reads.ops + calls
+        (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+        calls.clear()
+        with ReadBacks() as step_reads:
+            opt.step()
+            opt.zero_grad()
+        quiet_calls = list(calls)
+        calls.clear()
+        with ReadBacks() as quiet_reads:
+            quiet.step()
+        per_step.append((forward, step_reads.ops + quiet_calls, quiet_reads.ops + calls))
+        calls.clear()
+    assert [f for f, _, _ in per_step] == [[]] * 4
+    assert [s for _, s, _ in per_step] == [["tolist"]] * 4  # recorded, light, light, recorded
+    assert [q for _, _, q in per_step] == [["tolist"], [], [], ["tolist"]]  # its records, nothing between them
+    assert {r["step"] for r in mons[0].records} == {0, 3}

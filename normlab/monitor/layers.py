@@ -42,6 +42,7 @@ taken over the dims they normalize (:func:`input_channel_dims`).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from normlab.monitor.ranks import check_filter_placements
 from normlab.nn import is_norm_layer
 
 __all__ = [
@@ -60,6 +62,8 @@ __all__ = [
     "effective_weight",
     "filter_kernel",
     "input_channel_dims",
+    "input_channels",
+    "layer_type",
     "LinearMapRule",
     "LINEAR_MAP_RULES",
     "linear_map_rule",
@@ -160,6 +164,8 @@ class LinearMapRule:
         matches: module -> True when the rule applies.
         kernel: module -> the kernel the module applies, in its own layout (may carry autograd; read detached).
         filters: (kernel, module) -> that kernel with output filters on dim 0.
+        rows_are_filters: dim 0 of the module's weight indexes its output filters (``filters`` is the identity), so a
+            weight sharded on dim 0 (FSDP2) keeps whole filters on each rank.
     """
 
     name: str
@@ -167,6 +173,7 @@ class LinearMapRule:
     matches: Callable[[nn.Module], bool]
     kernel: Callable[[nn.Module], Tensor]
     filters: Callable[[Tensor, nn.Module], Tensor] = lambda w, m: w
+    rows_are_filters: bool = True
 
 
 def _is_timm_std_conv(module: nn.Module) -> bool:
@@ -186,10 +193,11 @@ LINEAR_MAP_RULES: tuple[LinearMapRule, ...] = (
         lambda m: isinstance(m, nn.modules.conv._ConvTransposeNd),
         _own_kernel,
         _transpose_filters,
+        rows_are_filters=False,
     ),
     LinearMapRule("conv", "conv", lambda m: isinstance(m, nn.modules.conv._ConvNd), _own_kernel),
     LinearMapRule("linear", "linear", lambda m: isinstance(m, nn.Linear), _own_kernel),
-    LinearMapRule("hf_conv1d", "linear", _is_hf_conv1d, lambda m: m.weight, lambda w, m: w.t()),
+    LinearMapRule("hf_conv1d", "linear", _is_hf_conv1d, lambda m: m.weight, lambda w, m: w.t(), rows_are_filters=False),
 )
 
 
@@ -206,6 +214,29 @@ def layer_kind(module: nn.Module) -> str | None:
     if is_norm_layer(module):
         return "norm"
     return None
+
+
+def layer_type(module: nn.Module) -> str:
+    """The class name of a watched layer for its record: the layer's own class, also under FSDP2, which swaps the
+    class of every module it shards for a subclass named ``FSDP<name>``.
+
+    Example:
+        >>> layer_type(nn.Conv2d(1, 1, 1))
+        'Conv2d'
+    """
+    cls = type(module)
+    fsdp = _fsdp_module_class()
+    if fsdp is not None and issubclass(cls, fsdp):
+        cls = next((c for c in cls.__mro__[1:] if not issubclass(c, fsdp)), cls)
+    return cls.__name__
+
+
+def _fsdp_module_class():
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
 
 
 def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[str, nn.Module, str]]:
@@ -243,6 +274,16 @@ def _rule_of(module: nn.Module, fn: str) -> LinearMapRule:
     return rule
 
 
+def check_sharding(module: nn.Module, where: str) -> None:
+    """Refuse, in one line naming ``where``, a layer whose weight is a DTensor placed so that an output filter is split
+    across ranks (:func:`~normlab.monitor.ranks.check_filter_placements`): the monitor reads whole filters. A plain
+    weight, FSDP2's ``Shard(0)`` on a conv/linear weight and ``Replicate`` pass."""
+    rule = linear_map_rule(module)
+    weight = getattr(module, "weight", None)
+    if rule is not None and isinstance(weight, Tensor):
+        check_filter_placements(weight, where, rows_are_filters=rule.rows_are_filters)
+
+
 @torch.no_grad()
 def effective_weight(module: nn.Module) -> Tensor:
     """The kernel the layer applies, detached, in the layer's own layout (:data:`LINEAR_MAP_RULES`).
@@ -257,7 +298,9 @@ def effective_weight(module: nn.Module) -> Tensor:
         >>> effective_weight(conv).shape, filter_kernel(conv).shape
         (torch.Size([4, 3, 3, 3]), torch.Size([6, 2, 3, 3]))
     """
-    return _rule_of(module, "effective_weight").kernel(module).detach()
+    rule = _rule_of(module, "effective_weight")
+    check_sharding(module, f"effective_weight: {type(module).__name__}")
+    return rule.kernel(module).detach()
 
 
 @torch.no_grad()
@@ -276,6 +319,7 @@ def filter_kernel(module: nn.Module, kernel: Tensor | None = None) -> Tensor:
         torch.Size([6, 4, 3, 3])
     """
     rule = _rule_of(module, "filter_kernel")
+    check_sharding(module, f"filter_kernel: {type(module).__name__}")
     w = rule.kernel(module).detach() if kernel is None else kernel
     return rule.filters(w, module)
 
@@ -321,3 +365,34 @@ def input_channel_dims(module: nn.Module, kind: str, x: Tensor) -> tuple[int, ..
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         return _layer_norm_dims(module, x)
     return (1,)
+
+
+def input_channels(module: nn.Module, kind: str) -> int | None:
+    """How many channels :func:`input_channel_dims` finds in the layer's input, read from the module (the same on
+    every rank, before any forward): conv/linear from the weight (``in_channels``, ``in_features``, a ``Conv1D``'s
+    ``nx``), norms from ``num_features``, ``num_channels`` or ``normalized_shape``; None when the module does not say
+    (a lazy layer before its first forward, a norm of another shape).
+
+    Example:
+        >>> input_channels(nn.Conv2d(3, 8, 3), "conv"), input_channels(nn.LayerNorm([4, 5]), "norm")
+        (3, 20)
+    """
+    if kind != "norm":
+        rule = linear_map_rule(module)
+        weight = getattr(module, "weight", None)
+        if rule is None or not isinstance(weight, Tensor) or isinstance(weight, nn.parameter.UninitializedParameter):
+            return None
+        if rule.name == "hf_conv1d":
+            return int(weight.shape[0])
+        if rule.name == "conv_transpose":
+            return int(weight.shape[0])
+        per_group = int(weight.shape[1])
+        return per_group * getattr(module, "groups", 1) if kind == "conv" else per_group
+    for attr in ("num_features", "num_channels"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    shape = getattr(module, "normalized_shape", None)
+    if isinstance(shape, tuple | list) and shape and all(isinstance(d, int) for d in shape):
+        return math.prod(shape)
+    return None

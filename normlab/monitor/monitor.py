@@ -31,8 +31,11 @@ optimizer step and ``mon.after_update()`` right after it: together they are ``mo
 (:mod:`normlab.integrations.tensorboard`: per-layer scalars grouped as the paper's figures, per-filter mean-update
 histograms, the events as text); ``mon.add_sink(callback)`` calls ``callback(event)`` for every event kept.
 
-Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped; hooks sit on the local
-replica, so each rank records its own shard of the batch) and ``torch.compile`` (``._orig_mod`` is unwrapped).
+Supported wrappers: DistributedDataParallel / DataParallel (``.module`` is unwrapped), FSDP2 (``fully_shard``: its
+weights are DTensors, each rank holding whole output filters) and ``torch.compile`` (``._orig_mod`` is unwrapped).
+Under DDP and FSDP2 each rank measures its share of the batch and of the filters, and the ranks merge their
+measurements in one all-reduce per recorded (and light) step (:mod:`normlab.monitor.ranks`): every record is that of
+the whole model on the global batch, the same on every rank, so the rules raise the same events on every rank.
 Compiled models: create the monitor BEFORE the first call of the compiled model. Compiled code does not see hooks
 registered after it was compiled; the monitor then records only the weight-side quantities and warns once. With a
 compiled model the hooks stay attached for the monitor's whole life (adding/removing them would force
@@ -49,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
@@ -56,18 +60,27 @@ from normlab._checks import check_number
 from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.hooks import (
-    activation_stats,
+    ActivationMoments,
+    StepStats,
+    activation_moments,
     grad_norm,
     grad_norm_tensor,
     param_versions,
-    read_light,
-    weight_stats,
 )
-from normlab.monitor.layers import filter_kernel, is_compiled, supported_layers, unwrap_model
+from normlab.monitor.layers import (
+    check_sharding,
+    filter_kernel,
+    input_channels,
+    is_compiled,
+    layer_type,
+    supported_layers,
+    unwrap_model,
+)
 from normlab.monitor.log import write_monitor_log
 from normlab.monitor.optim_step import is_adaptive, learning_rates
 from normlab.monitor.options import RecordOptions, RecordSchedule, check_sink
 from normlab.monitor.probes import Probe, ProbeSet
+from normlab.monitor.ranks import Ranks, is_dtensor
 from normlab.monitor.records import LayerRecord, NormRecord
 from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, check_rules, context_from_records
 from normlab.monitor.rules.regime import layer_learning_rates
@@ -202,14 +215,19 @@ class VarianceMonitor:
             )
         self._record_eval = self.recording.record_eval  # read by every hook call
         self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # for _grad_mark
+        for name, mod, kind in self.layers:
+            if kind != "norm":
+                check_sharding(mod, f"VarianceMonitor: layer '{name}' ({type(mod).__name__})")
+        self.ranks = Ranks.of(model, self._params)  # the ranks each record is merged over (normlab.monitor.ranks)
+        self._sharded = any(is_dtensor(p) for p in self._params)
         self._step = 0
         self._mode: str | None = None  # the current step's hooks: "record", "light" or None (set by _sync_hooks)
         self.records: list[LayerRecord | NormRecord] = []
         self.spp: dict | None = None
         self.closed = False
         self._order: dict[str, int] = {}
-        self._pending: dict[str, dict] = {}
-        self._light: dict[str, Tensor] = {}  # output_var tensors of a light step, read back once in after_update
+        self._pending: dict[str, ActivationMoments] = {}  # this recorded forward's moments, per layer
+        self._light: dict[str, tuple] = {}  # output moments of a light step, merged and read back in after_update
         self._light_grad: Tensor | None = None
         self._scale_free: dict[str, float] = {}  # shift_scale_free of the last full record (the level rule reads it)
         # against a second optimizer step on the same gradients (see _refuse_second_step)
@@ -351,14 +369,17 @@ class VarianceMonitor:
             mode = self._mode
             if mode == "record":
                 with torch.no_grad():
-                    self._pending[name] = activation_stats(module, kind, args, output)
+                    self._pending[name] = activation_moments(module, kind, args, output)
                 if self._versions_step != self.current_step:
                     self._versions, self._versions_step = {}, self.current_step
-                self._versions[name] = param_versions(module)
+                if not self._sharded or all(is_dtensor(p) for p in module.parameters()):
+                    # FSDP2 swaps sharded parameters for unsharded ones around a forward: the versions of those
+                    # say nothing about an optimizer step (the sharded ones do)
+                    self._versions[name] = param_versions(module)
             elif kind != "norm" and mode == "light":  # the countdown tests conv/linear outputs only
                 if isinstance(output, Tensor) and output.numel() > 0:
                     with torch.no_grad():
-                        self._light[name] = stats.output_variance(output)
+                        self._light[name] = (output.numel(), *stats.output_moments(output))
             else:
                 return
             if name not in self._order:
@@ -512,19 +533,55 @@ class VarianceMonitor:
             self.events.append(event)
             self._to_sinks("write_event", event)
 
+    def _step_stats(self, recorded: bool) -> StepStats:
+        """This step's :class:`~normlab.monitor.hooks.StepStats` over the model's ranks, with the loss when a rule due
+        now reads it: on several ranks the rules read the mean of the ranks' losses, merged with the records."""
+        if recorded and not self._sharded and self.ranks.size == 1:
+            self._refuse_late_sharding()
+        device = self._params[0].device if self._params else None
+        step = StepStats(self.ranks, device)
+        if self.ranks.size > 1 and any(r.needs_loss and (r.every_step or recorded) for r in self.rules):
+            loss = self._loss.detach() if isinstance(self._loss, Tensor) else self._loss
+            step.add_mean("loss", loss)
+        return step
+
+    def _refuse_late_sharding(self) -> None:
+        """A model sharded (FSDP2) after the monitor was made would be recorded per rank: refuse it in one line."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        late = next((n for n, m, _k in self.layers if any(is_dtensor(p) for p in m.parameters())), None)
+        if late is not None:
+            raise RuntimeError(
+                f"VarianceMonitor: layer '{late}' was sharded (its parameters became DTensors) after the monitor was "
+                "made, so its records would not be merged over the ranks: create VarianceMonitor after fully_shard"
+            )
+
+    def _merged_loss(self, scalars: dict[str, float]) -> None:
+        if "loss" in scalars:
+            self._loss = scalars["loss"]
+
     @torch.no_grad()
     def _light_check(self, skipped: bool) -> None:
         """A step that records nothing: the rules checked on every step see its light records (each conv/linear
-        layer's output variance, when one of them needs it) and its scalars; nothing is added to ``records``."""
-        values, norm = read_light(self._light, self._light_grad)
+        layer's output variance, when one of them needs it; merged over the ranks) and its scalars; nothing is added
+        to ``records``."""
+        step = self._step_stats(recorded=False)
+        for name, _mod, kind in self.layers:
+            if kind != "norm" and self._light_rules:
+                step.add_output(name, self._light.get(name))
+        if self._light_grad is not None:  # measured on every rank alike (a rule due now reads it)
+            step.add_mean("grad_norm", self._light_grad)
+        values, _, scalars = step.finish()
+        self._merged_loss(scalars)
+        norm = scalars.get("grad_norm")
         self._light, self._light_grad = {}, None
         step_records = []
         if self._light_rules:
             indices = self._indices()
             for name, _mod, kind in self.layers:
                 rec: dict = {"step": self.current_step, "layer": name, "index": indices[name], "kind": kind}
-                if name in values:
-                    rec["output_var"] = values[name]
+                if "output_var" in values.get(name, {}):
+                    rec["output_var"] = values[name]["output_var"]
                 if name in self._scale_free:
                     rec["shift_scale_free"] = self._scale_free[name]
                 step_records.append(rec)
@@ -533,18 +590,26 @@ class VarianceMonitor:
 
     @torch.no_grad()
     def _finalize(self, before: dict[str, Tensor], stepped: bool, skipped: bool) -> None:
-        step_records, updates = [], {}
+        """A recorded step: every watched layer's record, merged over the ranks in one collective and read back in one
+        transfer (:class:`~normlab.monitor.hooks.StepStats`); then the rules."""
+        step = self._step_stats(recorded=True)
+        several = self.ranks.size > 1
+        for name, mod, kind in self.layers:
+            # on several ranks every rank sizes a layer's channel moments from the module (0: no per-channel keys)
+            channels = (input_channels(mod, kind) or 0) if several else None
+            step.add_activation(name, self._pending.get(name), channels)
+            if kind != "norm":
+                step.add_weights(name, before[name], filter_kernel(mod) if stepped else None)
+        values, updates, scalars = step.finish()
+        self._merged_loss(scalars)
+        step_records = []
         indices = self._indices()
         for name, mod, kind in self.layers:
             rec: dict = {"step": self.current_step, "layer": name, "index": indices[name]}
-            rec["type"] = type(mod).__name__
+            rec["type"] = layer_type(mod)
             rec["kind"] = kind
-            rec.update(self._pending.get(name, {}))
+            rec.update(values[name])
             if kind != "norm":
-                after = filter_kernel(mod) if stepped else None
-                if after is not None:  # per-filter mean updates: in the record's summary and TensorBoard's histograms
-                    updates[name] = stats.filter_mean_update(before[name], after)
-                rec.update(weight_stats(before[name], after, updates.get(name)))
                 rec.update(stats.variance_terms(rec))
                 if rec.get("shift_scale_free") is not None:
                     self._scale_free[name] = rec["shift_scale_free"]

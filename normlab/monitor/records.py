@@ -13,7 +13,9 @@ holds one JSON object a line:
 
 Keys are absent where they do not apply. A healthy model's records hold only finite values; a non-finite input or
 kernel shows as nan/inf in ``mon.records`` and as null in the file (a nan channel or filter is never left out as dead
-or constant). Weight quantities are taken on the kernel the recorded forward used (before the optimizer step).
+or constant). Weight quantities are taken on the kernel the recorded forward used (before the optimizer step). Under
+DDP and FSDP2 every record is merged over the ranks (:mod:`normlab.monitor.ranks`): weights over all filters,
+activations over every rank's share of the batch.
 
 The key tuples below (:data:`LAYER_KEYS`, ...) are read off these definitions, so a renamed key is one edit here;
 modules that name keys check them with :func:`layer_keys` when they are imported.

@@ -27,6 +27,7 @@ from torch import Tensor
 __all__ = [
     "fan_in",
     "filters",
+    "filter_moments",
     "weight_variance",
     "shift_of_average",
     "shift_scale_free",
@@ -39,6 +40,10 @@ __all__ = [
     "moments_ratio_summary",
     "masked_summary",
     "output_variance",
+    "output_moments",
+    "merge_moments",
+    "weight_summary",
+    "update_summary",
     "channel_moments",
     "channel_matrix",
     "variance_terms",
@@ -64,9 +69,32 @@ def fan_in(weight: Tensor) -> int:
 
 
 def filters(weight: Tensor) -> Tensor:
-    """View the weight as filters: (N_l, n_l), detached, float32 (float64 kept)."""
+    """View the weight as filters: (N_l, n_l), detached, float32 (float64 kept). A weight with no filters (an empty
+    shard of a sharded weight) gives (0, n_l)."""
     _check_weight(weight, "filters")
-    return _as_float(weight).reshape(weight.shape[0], -1)
+    return _as_float(weight).reshape(weight.shape[0], math.prod(weight.shape[1:]))
+
+
+def filter_moments(weight: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Per-filter mean and biased variance of the weight, centered two-pass (the values of
+    :func:`weight_variance`).
+
+    .. math::
+        m_o = \frac{1}{n_l} \sum_i W_{o,i}, \qquad
+        \mathrm{Var}[W_o] = \frac{1}{n_l} \sum_i (W_{o,i} - m_o)^2
+
+    Shape:
+        weight (N_l, ...) -> two (N_l,) tensors (float32; float64 kept).
+
+    Example:
+        >>> mean, var = filter_moments(torch.tensor([[1.0, 3.0], [2.0, 2.0]]))
+        >>> mean.tolist(), var.tolist()
+        ([2.0, 2.0], [1.0, 0.0])
+    """
+    w = filters(weight)
+    mean = w.mean(dim=1)
+    d = w - mean[:, None]
+    return mean, (d * d).sum(dim=1) / w.shape[1]
 
 
 def weight_variance(weight: Tensor) -> Tensor:
@@ -264,6 +292,110 @@ def output_variance(y: Tensor) -> Tensor:
     (the countdown's light steps).
     """
     return _flat_variance(_as_float(y))
+
+
+def output_moments(y: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean and sum of squared deviations ``M2 = sum((y - mean)^2)`` over all entries of ``y``, the moments that
+    :func:`merge_moments` merges across ranks: ``M2 / y.numel()`` is :func:`output_variance`. Two scalars (nan mean
+    for an empty tensor)."""
+    flat = _as_float(y).reshape(-1)
+    mean = flat.mean()
+    d = flat - mean
+    return mean, d.dot(d)
+
+
+def merge_moments(count: Tensor, mean: Tensor, m2: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Merge ``(count, mean, M2)`` of disjoint parts (dim 0) into those of their union (Chan, Golub and LeVeque's
+    pairwise update, what ``SyncBatchNorm`` does with each rank's statistics).
+
+    .. math::
+        N = \sum_r n_r, \qquad \bar y = \frac{1}{N}\sum_r n_r \bar y_r, \qquad
+        M_2 = \sum_r \left(M_{2,r} + n_r (\bar y_r - \bar y)^2\right)
+
+    and the biased variance of the union is ``M2 / N``. A part with ``n_r = 0`` (its mean and M2 given as 0) adds
+    nothing; a single part is returned unchanged.
+
+    Shape:
+        count, mean, m2 (R, *) -> three (*) tensors.
+
+    Example:
+        >>> a, b = torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0, 7.0])
+        >>> n, m, m2 = merge_moments(torch.tensor([2.0, 3.0]), torch.stack([a.mean(), b.mean()]),
+        ...                          torch.stack([(a - a.mean()).square().sum(), (b - b.mean()).square().sum()]))
+        >>> round(float(m2 / n), 5), round(float(torch.cat([a, b]).var(unbiased=False)), 5)
+        (4.64, 4.64)
+    """
+    if count.shape[0] == 1:
+        return count[0], mean[0], m2[0]
+    total = count.sum(dim=0)
+    merged = (count * mean).sum(dim=0) / total
+    return total, merged, (m2 + count * (mean - merged).square()).sum(dim=0)
+
+
+def weight_summary(filter_mean: Tensor, filter_var: Tensor, fan_in: int) -> Tensor:
+    r"""The weight statistics of a monitor record from the per-filter moments (:func:`filter_moments`) of all N_l
+    filters: ``[weight_var, weight_var_min, weight_var_max, weight_sq_mean, weight_norm, shift, shift_scale_free,
+    constant_filters]``.
+
+    With ``n = fan_in``, ``m_o`` the filter means and ``v_o = Var[W_o]`` (every filter has n entries)::
+
+        weight_var = mean_o v_o          E[W^2] = mean_o (v_o + m_o^2)       ||W|| = sqrt(N_l n E[W^2])
+        shift = Var_o[n m_o]             Var[W] = mean_o v_o + Var_o[m_o]    shift_scale_free = shift / (n Var[W])
+
+    (``shift_scale_free`` is 0 when ``Var[W] = 0``), the values of :func:`shift_of_average`,
+    :func:`shift_scale_free` and the moments over all entries up to float rounding; ``constant_filters`` counts the
+    filters with ``v_o = 0``.
+
+    Shape:
+        filter_mean, filter_var (N_l,) -> (8,).
+
+    Example:
+        >>> w = torch.tensor([[1.0, -1.0], [2.0, 2.0]])
+        >>> weight_summary(*filter_moments(w), fan_in=2).tolist()
+        [0.5, 0.0, 1.0, 2.5, 3.1622776985168457, 4.0, 1.3333333730697632, 1.0]
+    """
+    low, high = torch.aminmax(filter_var)
+    var_mean = filter_var.mean()
+    sq_mean = (filter_var + filter_mean.square()).mean()
+    shift = (fan_in * filter_mean).var(unbiased=False)
+    denom = fan_in * (var_mean + filter_mean.var(unbiased=False))
+    return torch.stack(
+        [
+            var_mean,
+            low,
+            high,
+            sq_mean,
+            (sq_mean * (filter_var.numel() * fan_in)).sqrt(),
+            shift,
+            torch.where(denom == 0, torch.zeros_like(shift), shift / denom),
+            (filter_var == 0).sum().to(filter_var.dtype),
+        ]
+    )
+
+
+def update_summary(filter_var: Tensor, after_var: Tensor, mean_update: Tensor) -> Tensor:
+    """The update statistics of a monitor record: ``[update_ratio_mean, _min, _max, mean_update_mean,
+    mean_update_std, mean_update_absmax]`` from the per-filter variances before and after the step and the
+    per-filter mean updates (:func:`filter_mean_update`).
+
+    The update ratio ``Var[W_o - dW_o] / Var[W_o]`` (:func:`update_ratio`) is summarized over the filters with
+    ``Var[W_o] != 0`` (:func:`masked_summary`: nan when every filter is constant; a nan filter is kept).
+
+    Shape:
+        filter_var, after_var, mean_update (N_l,) -> (6,).
+
+    Example:
+        >>> update_summary(torch.tensor([1.0, 0.0]), torch.tensor([0.25, 0.0]), torch.zeros(2)).tolist()
+        [0.25, 0.25, 0.25, 0.0, 0.0, 0.0]
+    """
+    varies = filter_var != 0
+    ratio = after_var / torch.where(varies, filter_var, torch.ones_like(filter_var))
+    return torch.cat(
+        [
+            masked_summary(ratio, varies),
+            torch.stack([mean_update.mean(), mean_update.std(unbiased=False), mean_update.abs().max()]),
+        ]
+    )
 
 
 def _flat_variance(x: Tensor) -> Tensor:
