@@ -260,7 +260,12 @@ def summary_lines(results: dict[str, Any]) -> list[str]:
         highest = "none" if n["highest_lr_trained"] is None else f"{n['highest_lr_trained']:g}"
         best = n["best"]
         at = "" if best is None else f"; best at lr {best['lr']:g}, batch {best['batch_size']}: "
-        at += "" if best is None else f"test loss {n['best_test_loss']:.4g}, {_value(results, n['best_metric_mean'])}"
+        unit = "test acc %" if _is_accuracy(results) else f"test {metric_name(results)}"
+        at += (
+            ""
+            if best is None
+            else f"test loss {n['best_test_loss']:.4g}, {unit} {_value(results, n['best_metric_mean'])}"
+        )
         alarms = f"; {n['alarms']} alarm(s)" if n["alarms"] else ""
         out.append(
             f"{n['name']}: highest lr that trained {highest}{at}; collapsed {n['collapsed']}/{n['runs']}{alarms}"

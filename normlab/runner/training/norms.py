@@ -15,6 +15,7 @@ trained as a copy of the original.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,9 @@ def _ids(model: nn.Module) -> set[int]:
 def _convert(model: nn.Module, to: str, what: str, example: torch.Tensor, **kw) -> nn.Module:
     """``convert_norm(model, to, **kw)``; a ValueError if it replaced no module (nothing to convert)."""
     before = _ids(model)
-    model = convert_norm(model, to=to, example_input=example, **kw)
+    with warnings.catch_warnings():  # "nothing to convert" is refused below, in one line
+        warnings.filterwarnings("ignore", message=r"convert_norm\(to=.*\): nothing to convert")
+        model = convert_norm(model, to=to, example_input=example, **kw)
     if _ids(model) == before:
         hint = " (build it with BatchNorm layers, or give its function a norm_layer argument)" if to in NORMS else ""
         raise ValueError(f"convert_norm(to={to!r}) found no {what} to replace in {type(model).__name__}{hint}")

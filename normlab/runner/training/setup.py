@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import random
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,9 +241,17 @@ def _dry_run(config: TrainConfig, model: nn.Module, task: Task, info: dict, x, y
         raise FieldError(
             "TrainConfig", "model", f"{what} outputs shape {tuple(out.shape)}, {config.dataset} has {classes} classes"
         )
+    if config.loss == "mse" and out.shape != y.shape:  # torch would broadcast them, and warn
+        raise FieldError(
+            "TrainConfig",
+            "loss",
+            f"'mse' compares the output of model {what} (shape {tuple(out.shape)}) with targets of its own shape, got "
+            f"{tuple(y.shape)}",
+        )
     for name, fn in (("loss", task.loss_sum), ("metric", task.metric_sum)):
         try:
-            with torch.no_grad():
+            with torch.no_grad(), warnings.catch_warnings():
+                warnings.simplefilter("error")  # a warning on the first batch (torch broadcasting shapes) is a misfit
                 value = fn(out, y)
         except Exception as e:  # noqa: BLE001 - the user's loss or metric: one line says what failed
             raise FieldError(
