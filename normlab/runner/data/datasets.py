@@ -41,10 +41,14 @@ __all__ = [
     "get_dataset",
 ]
 
-DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
-DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}  # spatial dimensions of a sample
+#: The number of classes of each data set.
+DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}
+#: The spatial dimensions of a sample of each data set (1 for a sequence, 2 for an image).
+DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}
 INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
-DATASET_SIZES = {"digits": (1437, 360), "cifar10": (50_000, 10_000)}  # (train, test); mnist1d: num_samples, split
+#: The (training, test) sizes of the data sets whose size is fixed (mnist1d's: its ``num_samples``, split 80/20).
+DATASET_SIZES = {"digits": (1437, 360), "cifar10": (50_000, 10_000)}
+#: The names :func:`get_dataset` takes.
 DATASETS = tuple(DATASET_CLASSES)
 
 

@@ -67,6 +67,7 @@ def _describe(summary: dict[str, Any]) -> str:
     return f"test {'acc' if metric == 'accuracy' else metric.rsplit(':', 1)[-1]} {value}{flag}{stop}"
 
 
+#: The normalization comparison as an experiment of the grid engine (``normlab compare``).
 COMPARE = Experiment(
     name="compare",
     spec_file="grid.json",

@@ -14,8 +14,8 @@ model or data set from a factory is timed like a built-in one): the median of a 
 training samples, of the train-mode pass (``eval_train_mode``) and of a few steps with a
 :class:`~normlab.monitor.VarianceMonitor` recording, less the plain step, once per model (norm, conv, width, data
 set) and batch size; the eval-mode pass over the test set once per model. :data:`RUN_OVERHEAD_S`
-(starting a run, building its data and model, writing its files) was measured once
-(docs/research/estimate_calibration.md).
+(starting a run, building its data and model, writing its files) is a constant (how it was measured: the
+documentation's page on the defaults).
 """
 
 from __future__ import annotations
@@ -53,8 +53,11 @@ __all__ = [
     "plan_text",
 ]
 
-CONFIRM_MINUTES = 15.0  # a grid estimated longer than this starts only with --yes
-RUN_OVERHEAD_S = 0.15  # seconds of a run besides its steps, evaluations and monitor (measured: see the module doc)
+#: A grid estimated longer than this many minutes starts only with ``--yes``.
+CONFIRM_MINUTES = 15.0
+#: Seconds of a run besides its steps, evaluations and monitor (starting it, building its data and model, writing its
+#: files).
+RUN_OVERHEAD_S = 0.15
 
 
 def _sizes(cfg: TrainConfig) -> tuple[int, int]:
@@ -186,7 +189,7 @@ def eval_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
 
 def train_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
     """Seconds of the train-mode pass (``eval_train_mode``): batches of the training batch size over the first
-    :data:`~normlab.runner.training.evaluation.TRAIN_MODE_SAMPLES` test samples (0 for a batch over 512)."""
+    ``TRAIN_MODE_SAMPLES`` (``normlab.runner.training.evaluation``) test samples (0 for a batch over 512)."""
     if cfg.batch_size > 512:
         return 0.0
     batches = min(_test_size(cfg), TRAIN_MODE_SAMPLES) // cfg.batch_size

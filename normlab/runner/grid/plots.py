@@ -24,7 +24,7 @@ from normlab.runner.io import atomic_savefig
 __all__ = [
     "FONT",
     "TITLE",
-    "plt",
+    "agg_pyplot",
     "seed_range_bar",
     "metric_lr_plot",
     "loss_curves_plot",
@@ -46,8 +46,8 @@ TITLE = 12
 DIVERGED = 9.0  # a run whose smoothed loss passes 9 x its reference (chance, else where the runs started) diverged
 
 
-def plt():
-    """matplotlib's pyplot on the Agg backend (files only, no display)."""
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: figures are drawn to files, no display is needed."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -88,7 +88,7 @@ def save_figure(fig, path: Path, handles=None, legend_title: str | None = None, 
     if note:
         fig.supxlabel(note, fontsize=FONT, color="0.15")
     atomic_savefig(fig, path, dpi=100)
-    plt().close(fig)
+    agg_pyplot().close(fig)
     return path
 
 
@@ -187,7 +187,7 @@ def metric_lr_plot(results: dict, path: Path) -> Path | None:
     names = norm_order(spec["norms"])
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
-    fig, axes = plt().subplots(
+    fig, axes = agg_pyplot().subplots(
         rows, cols, figsize=(3.6 * cols + 2.6, 2.7 * rows + 0.6), squeeze=False, sharex=True, layout="constrained"
     )
     values = {n: _seed_values(sub, n, "final_test_acc", "lr", m.scale) for n in names}
@@ -312,7 +312,9 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     cols = min(3, len(names))
     rows = -(-len(names) // cols)
     size = (4.2 * cols + 2.8, 2.9 * rows + 0.4)
-    fig, axes = plt().subplots(rows, cols, figsize=size, squeeze=False, sharex=True, sharey=True, layout="constrained")
+    fig, axes = agg_pyplot().subplots(
+        rows, cols, figsize=size, squeeze=False, sharex=True, sharey=True, layout="constrained"
+    )
     drawn: set[str] = set()
     for ax, name in zip(axes.flat, names):
         for i, lr in enumerate(lrs):
@@ -352,7 +354,7 @@ def metric_batch_plot(results: dict, path: Path) -> Path | None:
     if any(c.get("final_test_acc_train_mode") is not None for c in cells):
         keys.append("final_test_acc_train_mode")
     size = (6.5 * len(keys), 5.2)
-    fig, axes = plt().subplots(1, len(keys), figsize=size, sharey=True, squeeze=False, layout="constrained")
+    fig, axes = agg_pyplot().subplots(1, len(keys), figsize=size, sharey=True, squeeze=False, layout="constrained")
     names = norm_order(spec["norms"])
     for i, name in enumerate(names):
         for ax, key in zip(axes[0], keys):

@@ -3,23 +3,26 @@
 The report opens with one row per normalization (:func:`~normlab.runner.grid.results.per_norm`): the highest
 learning rate that trained, the setting of the lowest test loss with its loss and metric, the cost of a step, how
 many runs collapsed or stopped early, and the monitor's view (its alarms and the layer they named, the regime
-warning); then every (norm, lr, batch size) over seeds; then the plots (:mod:`normlab.runner.grid.plots`).
-Everything is computed from the results dict and the runs' files, so ``normlab report DIR`` renders the same report
-without training.
+warning); then every (norm, lr, batch size) over seeds; then the plots (:mod:`normlab.runner.grid.plots`). A caller
+that judges claims from the numbers (the lab's paper verdicts) passes them as :class:`Effects`, shown after the
+per-norm table. Everything is computed from the results dict and the runs' files, so ``normlab report DIR``
+renders the same report without training.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.grid.plots import loss_curves_plot, metric_batch_plot, metric_lr_plot, plt, seed_range_bar
+from normlab.runner.grid.plots import agg_pyplot, loss_curves_plot, metric_batch_plot, metric_lr_plot, seed_range_bar
 from normlab.runner.grid.results import chance_accuracy, metric_name
 from normlab.runner.io import atomic_write_text
 
 __all__ = [
+    "Effects",
     "lr_used",
     "norm_table",
     "markdown_table",
@@ -30,9 +33,35 @@ __all__ = [
     "render_report",
     "summary_lines",
     "print_summary",
-    "plt",
+    "agg_pyplot",
     "seed_range_bar",
 ]
+
+
+@dataclass(frozen=True)
+class Effects:
+    """Claims that a grid's report judges from its numbers; the report shows none without them.
+
+    Attributes:
+        judge: ``judge(results)`` returns one dict per claim: ``effect`` (the claim in words), ``appeared``
+            (True, False, or None when it is not testable or only information), ``text`` (the numbers behind the
+            verdict) and, optionally, ``mark`` (``"tie"``).
+        criteria: how the verdicts are reached, printed under them.
+        title: the heading of the report's section.
+
+    Example:
+        >>> effects = Effects(lambda results: [{"effect": "two seeds", "appeared": None, "text": "2 seeds"}], "")
+        >>> effects.judge({})[0]["effect"]
+        'two seeds'
+    """
+
+    judge: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    criteria: str
+    title: str = "Headline effects (computed from the table below)"
+
+
+def _effect_mark(e: dict[str, Any], marks: dict) -> str:
+    return marks["tie"] if e.get("mark") == "tie" else marks[e["appeared"]]
 
 
 def _is_accuracy(results: dict[str, Any]) -> bool:
@@ -194,8 +223,9 @@ def _setting(results: dict[str, Any]) -> str:
     )
 
 
-def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
-    """The report's markdown (the module docstring)."""
+def markdown_report(results: dict[str, Any], plots: Sequence[str] = (), effects: Effects | None = None) -> str:
+    """The report's markdown (the module docstring): the settings, the per-norm table, ``effects`` judged (if any),
+    every setting, the ``plots`` (file names beside results.md)."""
     lines = [
         "# normlab comparison report",
         "",
@@ -211,6 +241,13 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "",
         norm_table(results),
         "",
+    ]
+    if effects is not None:
+        marks = {"tie": "**tie**", True: "**yes**", False: "**no**", None: "info"}
+        lines += [f"## {effects.title}", ""]
+        lines += [f"- {e['effect']}: {_effect_mark(e, marks)}. {e['text']}" for e in effects.judge(results)]
+        lines += ["", f"Criteria: {effects.criteria}", ""]
+    lines += [
         "## Every setting (mean ± sample std over seeds)",
         "",
         markdown_table(results),
@@ -248,33 +285,41 @@ def write_report(
     return [md, *drawn]
 
 
-def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """Write results.md and the PNG plots into ``out_dir``; returns the paths written."""
-    return write_report(results, out_dir, render_plots, markdown_report)
+def render_report(results: dict[str, Any], out_dir: str | os.PathLike, effects: Effects | None = None) -> list[Path]:
+    """Write results.md (with ``effects`` judged, if given) and the PNG plots into ``out_dir``; returns the paths
+    written."""
+    return write_report(results, out_dir, render_plots, lambda r, plots: markdown_report(r, plots, effects))
 
 
-def summary_lines(results: dict[str, Any]) -> list[str]:
-    """A short console summary: one line per normalization."""
-    out = []
-    for n in results.get("norms") or []:
-        highest = "none" if n["highest_lr_trained"] is None else f"{n['highest_lr_trained']:g}"
-        best = n["best"]
-        at = "" if best is None else f"; best at lr {best['lr']:g}, batch {best['batch_size']}: "
+def _norm_line(results: dict[str, Any], n: dict[str, Any]) -> str:
+    highest = "none" if n["highest_lr_trained"] is None else f"{n['highest_lr_trained']:g}"
+    best, alarms = n["best"], f"; {n['alarms']} alarm(s)" if n["alarms"] else ""
+    at = ""
+    if best is not None:
         unit = "test acc %" if _is_accuracy(results) else f"test {metric_name(results)}"
-        at += (
-            ""
-            if best is None
-            else f"test loss {n['best_test_loss']:.4g}, {unit} {_value(results, n['best_metric_mean'])}"
-        )
-        alarms = f"; {n['alarms']} alarm(s)" if n["alarms"] else ""
-        out.append(
-            f"{n['name']}: highest lr that trained {highest}{at}; collapsed {n['collapsed']}/{n['runs']}{alarms}"
-        )
-    return out
+        at = f"; best at lr {best['lr']:g}, batch {best['batch_size']}: test loss {n['best_test_loss']:.4g}, "
+        at += f"{unit} {_value(results, n['best_metric_mean'])}"
+    return f"{n['name']}: highest lr that trained {highest}{at}; collapsed {n['collapsed']}/{n['runs']}{alarms}"
 
 
-def print_summary(results: dict[str, Any], out_dir: str | os.PathLike) -> None:
-    """Print the per-norm table and where the report and plots are."""
+def _effect_lines(results: dict[str, Any], effects: Effects | None) -> list[str]:
+    marks = {"tie": "TIE", True: "YES", False: "NO", None: "info"}
+    judged = effects.judge(results) if effects is not None else []
+    return [f"[{_effect_mark(e, marks)}] {e['effect']}: {e['text']}" for e in judged]
+
+
+def summary_lines(results: dict[str, Any], effects: Effects | None = None) -> list[str]:
+    """A short console summary: one line per normalization, then each of ``effects`` judged (if given)."""
+    return [_norm_line(results, n) for n in results.get("norms") or []] + _effect_lines(results, effects)
+
+
+def print_summary(results: dict[str, Any], out_dir: str | os.PathLike, effects: Effects | None = None) -> None:
+    """Print the per-norm table, ``effects`` judged (if given) and where the report and plots are."""
     out = Path(out_dir)
     print(norm_table(results))
+    lines = _effect_lines(results, effects)
+    if lines:
+        print()
+    for line in lines:
+        print(line)
     print(f"\nreport: {out / 'results.md'}  plots: {', '.join(str(p) for p in sorted(out.glob('*.png')))}")

@@ -132,7 +132,8 @@ class TrainConfig:
         guard: a :class:`normlab.monitor.CollapseGuard` takes the optimizer steps: on a non-finite loss or
             gradient, or the monitor's alarm, the run goes back to a snapshot from before the trouble with half
             the learning rate (one process only). guard_dead: the guard also measures against chance,
-            ``CollapseGuard(chance_loss=ln C)`` (docs/research/monitor_calibration.md, round 4).
+            ``CollapseGuard(chance_loss=ln C)``, so an alarm on a network that never learned is confirmed once the
+            net has sat at chance for 40 steps (it rolls back slow learners too).
     """
 
     # -- data
