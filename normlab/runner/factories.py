@@ -42,8 +42,11 @@ __all__ = [
     "is_builtin",
 ]
 
+#: What the resolver resolves.
 KINDS = ("model", "data", "loss", "metric")
+#: The losses by name (:mod:`normlab.runner.training.task`).
 LOSSES = ("cross_entropy", "mse")
+#: The metrics by name (``none``, the runs report their loss only).
 METRICS = ("accuracy", "none")
 _TABLES = {"model": MODELS, "data": DATASETS, "loss": LOSSES, "metric": METRICS}
 _HUBS = {"model": ("timm", "torchvision")}  # prefixes that name a model of a library

@@ -38,11 +38,11 @@ from normlab.runner.training.checks import check_grid
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import train
 
-__all__ = ["COMPARE", "COMPARE_DEFAULTS", "compare", "run_grid", "train_cell"]
+__all__ = ["COMPARE", "COMPARE_DEFAULTS", "compare", "comparison", "run_grid", "run_grid_ddp", "train_cell"]
 
 _DEFAULTS = TrainConfig()
-#: What a comparison's runs record and stop on unless told otherwise: the monitor every 10 steps, and a run stops
-#: when the monitor's alarm is confirmed by a collapse of its loss.
+#: The options a comparison's runs take unless told otherwise, the monitor recording every 10 steps and a run
+#: stopping when the monitor's alarm is confirmed by a collapse of its loss.
 COMPARE_DEFAULTS = {"monitor_every": 10, "stop_on": "confirmed"}
 _SPEC_FIELDS = {f.name for f in dataclasses.fields(GridSpec)} - {"train_kwargs", "dataset", "model"}
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -265,27 +265,56 @@ def compare(
                           lrs=[0.01, 0.1], epochs=2, out="runs/resnet18")
         print(results["norms"][0]["highest_lr_trained"])
     """
-    names = {kind: name_of(kind, value) for kind, value in (("model", model), ("data", data), ("loss", loss))}
-    names["metric"] = name_of("metric", metric)
+    spec = comparison(
+        model, data, norms=norms, lrs=lrs, batch_sizes=batch_sizes, seeds=seeds, epochs=epochs, loss=loss,
+        metric=metric, monitor_every=monitor_every, stop_on=stop_on, guard=guard, **options,
+    )  # fmt: skip
+    names = {
+        "model": spec.model,
+        "data": spec.dataset,
+        "loss": name_of("loss", loss),
+        "metric": name_of("metric", metric),
+    }
     workers = _where(names, workers, backend)
-    grid = dict(norms=norms, lrs=lrs, batch_sizes=batch_sizes, seeds=seeds, epochs=epochs)
-    spec = _spec(names, grid, options, {"monitor_every": monitor_every, "stop_on": stop_on, "guard": guard})
     announce = _announcer(progress, workers, remote=backend == "ray" and address is not None)
     kw = {"workers": workers, "threads": threads, "backend": backend, "address": address}
     return run_grid(spec, out, progress=progress, announce=announce, **kw)
 
 
-def _spec(names: dict[str, str], grid: dict[str, Any], options: dict[str, Any], runs: dict[str, Any]) -> GridSpec:
-    """The GridSpec of :func:`compare`: its lists, the names, the further options split into the grid's and every
-    run's (a loss, a metric and the guard recorded only when they are not the defaults)."""
+def comparison(
+    model: str | Callable = _DEFAULTS.model,
+    data: str | Callable = _DEFAULTS.dataset,
+    *,
+    norms: Sequence[str] = DEFAULT_NORMS,
+    lrs: Sequence[float] = (_DEFAULTS.lr,),
+    batch_sizes: Sequence[int] = (_DEFAULTS.batch_size,),
+    seeds: Sequence[int] = DEFAULT_SEEDS,
+    epochs: int = _DEFAULTS.epochs,
+    loss: str | Callable = _DEFAULTS.loss,
+    metric: str | Callable = _DEFAULTS.metric,
+    monitor_every: int = COMPARE_DEFAULTS["monitor_every"],
+    stop_on: str = COMPARE_DEFAULTS["stop_on"],
+    guard: bool = False,
+    **options: Any,
+) -> GridSpec:
+    """The grid :func:`compare` trains, for the same arguments (without where and how it runs): a
+    :class:`~normlab.runner.grid.spec.GridSpec` of the :data:`COMPARE` experiment, checked when made. A run option
+    (``loss``, ``metric``, ``monitor_every``, ``stop_on``, ``guard``) is recorded among the grid's shared
+    ``train_kwargs`` only where it is not :class:`~normlab.runner.training.config.TrainConfig`'s default; ``options``
+    go to the grid's fields or to every run's, as in :func:`compare`.
+
+    Example:
+        >>> spec = comparison("plain1d", "mnist1d", norms=["bn", "pws"], lrs=[0.02, 0.1], batch_sizes=[128])
+        >>> [c.cell_id for c in expand_grid(spec)][:2], spec.train_kwargs["stop_on"]
+        (['bn_lr0.02_bs128_s0', 'bn_lr0.02_bs128_s1'], 'confirmed')
+    """
     grid_options, shared = _split_options(options)
-    for key in ("loss", "metric"):
-        if names[key] != getattr(_DEFAULTS, key):
-            shared[key] = names[key]
-    shared.update(monitor_every=runs["monitor_every"], stop_on=runs["stop_on"])
-    if runs["guard"]:
-        shared["guard"] = True
-    return GridSpec(**grid, dataset=names["data"], model=names["model"], train_kwargs=shared, **grid_options)
+    runs = {"loss": name_of("loss", loss), "metric": name_of("metric", metric), "monitor_every": monitor_every}
+    runs.update(stop_on=stop_on, guard=guard)
+    shared.update({k: v for k, v in runs.items() if v != getattr(_DEFAULTS, k)})
+    grid = {"norms": norms, "lrs": lrs, "batch_sizes": batch_sizes, "seeds": seeds, "epochs": epochs}
+    data_name, model_name = name_of("data", data), name_of("model", model)
+    return GridSpec(**grid, dataset=data_name, model=model_name, train_kwargs=shared, **grid_options)
 
 
 def _announcer(progress: bool, workers: int, remote: bool) -> Callable[[GridRun], None]:

@@ -34,7 +34,8 @@ from normlab.runner.data.mnist1d import DEFAULT_SAMPLES, TRAIN_SPLIT
 from normlab.runner.grid.spec import Cell
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import TRAIN_MODE_SAMPLES
-from normlab.runner.training.setup import build_model, load_data, make_task, norm_kwargs, steps_per_epoch
+from normlab.runner.training.setup import build_model, load_data, norm_kwargs, steps_per_epoch
+from normlab.runner.training.task import make_task
 
 __all__ = [
     "CONFIRM_MINUTES",

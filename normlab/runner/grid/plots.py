@@ -41,7 +41,9 @@ __all__ = [
     "style_figure",
 ]
 
-FONT = 10  # points: the smallest type of every figure (ticks, legends, notes), readable on a slide
+#: The smallest type of every figure in points (ticks, legends, notes), readable on a slide.
+FONT = 10
+#: The type of a figure's title in points.
 TITLE = 12
 DIVERGED = 9.0  # a run whose smoothed loss passes 9 x its reference (chance, else where the runs started) diverged
 

@@ -20,7 +20,8 @@ from normlab.runner.models import MAX_WIDTH, MODEL_DIMS, MODELS, build_model
 __all__ = ["TrainConfig", "GROUPS", "RESUME_FREE", "BRN_SCHEDULES", "STOP_ON", "resolve_device", "resolve_name"]
 
 BRN_SCHEDULES = ("run", "paper")
-STOP_ON = ("non_finite", "confirmed", "alarm")  # what stops a run early: see TrainConfig's stop_on
+#: The values of ``stop_on``, what stops a run before its last epoch (see :class:`TrainConfig`).
+STOP_ON = ("non_finite", "confirmed", "alarm")
 # Fields that may differ between a run and its resumption: they do not change the results.
 RESUME_FREE = ("data_dir", "device")
 MAX_THREADS = 1024
@@ -56,9 +57,8 @@ def resolve_name(name: str, field: str = "norm", owner: str = "TrainConfig") -> 
         ) from None
 
 
-# The fields of a TrainConfig by what they decide (every field is in exactly one group; the CLI's help and the docs
-# list them so). A config stays one flat record: its JSON, a grid's shared options and a resume check compare it
-# field by field.
+#: The fields of a :class:`TrainConfig` by what they decide, each in exactly one group. A config stays one flat
+#: record, so its JSON, a grid's shared options and a resume check compare it field by field.
 GROUPS: dict[str, tuple[str, ...]] = {
     "data": ("dataset", "data_dir", "num_samples", "num_train"),
     "model": ("model", "norm", "conv", "width", "model_kwargs", "conv_kwargs", "brn_schedule"),
@@ -86,54 +86,42 @@ GROUPS: dict[str, tuple[str, ...]] = {
 class TrainConfig:
     """Everything that defines one training run (SGD with momentum, a MultiStepLR schedule, a loss and a metric).
 
-    The fields come in six groups (:data:`GROUPS`).
+    The fields, by group (:data:`GROUPS`):
 
-    Data:
-        dataset: a data set by name (:func:`normlab.runner.factories.resolve`): ``digits``, ``mnist1d``,
-            ``cifar10`` or a data factory ``pkg.module:function`` (:mod:`normlab.runner.data.user`).
-        data_dir: cifar10: the python batches; mnist1d: the cache of the generated arrays.
-        num_samples: mnist1d: samples generated (default 25,000). num_train: keep the first N training samples.
-
-    Model:
-        model: a model by name: ``plain``, ``plain1d``, ``resnet``, ``resnet_pws``, ``cnn1d``, ``timm:NAME``,
-            ``torchvision:NAME`` or a model factory ``pkg.module:function``
-            (:mod:`normlab.runner.training.setup`).
-        norm, conv: registry names (:mod:`normlab.nn.registry`); a factory's model gets them by
-            :func:`~normlab.runner.training.norms.put_norm`.
-        width: channel multiplier of the built-in models, in (0, :data:`~normlab.runner.models.MAX_WIDTH`].
-        model_kwargs: further arguments of the model (``blocks``, ``channels`` of the built-in ones; anything a
-            factory takes). conv_kwargs: arguments of every conv of kind ``conv`` (``{"gamma": 1e-2}`` for pws).
-        brn_schedule: ``"run"`` (the paper's BatchRenorm schedule compressed to reach its final limits halfway
-            through the run) or ``"paper"`` (5k-step warm-up).
-
-    Task:
-        loss: ``cross_entropy``, ``mse`` or ``pkg.module:function``; metric: ``accuracy``, ``none`` or
-            ``pkg.module:function`` (:mod:`normlab.runner.training.task`). The summary's ``*_acc`` values are the
-            metric's (accuracy unless ``metric`` names another).
-
-    Optimization:
-        lr, batch_size (per process under DDP), epochs, momentum, weight_decay (not on norm parameters, biases
-            and PWS alpha unless ``nowd_norm_alpha`` is False), milestones (epochs after which the lr is multiplied
-            by ``lr_gamma``), max_steps_per_epoch (quick runs), amp (mixed precision: bfloat16 autocast on CPU,
-            float16 autocast and a GradScaler on CUDA), seed, device.
-
-    Evaluation:
-        evals_per_epoch: test evaluations per epoch (curves). eval_train_mode: also evaluate with batch
-            statistics at the training batch size
-            (:func:`~normlab.runner.training.evaluation.evaluate_train_mode`). target_acc: a metric value for
-            ``epochs_to_target``.
-
-    Monitoring:
-        monitor_every: > 0 attaches a :class:`normlab.monitor.VarianceMonitor` recording every N steps (and every
-            ``monitor_dense_every`` steps during the first ``monitor_dense_steps``).
-        stop_on: what stops a run before its last epoch (:data:`STOP_ON`): ``"non_finite"`` (a non-finite loss;
-            always), ``"confirmed"`` (also a monitor alarm confirmed by a collapse of the loss: a return to chance
-            or to the loss it started from), ``"alarm"`` (also the monitor's alarm alone).
-        guard: a :class:`normlab.monitor.CollapseGuard` takes the optimizer steps: on a non-finite loss or
-            gradient, or the monitor's alarm, the run goes back to a snapshot from before the trouble with half
-            the learning rate (one process only). guard_dead: the guard also measures against chance,
-            ``CollapseGuard(chance_loss=ln C)``, so an alarm on a network that never learned is confirmed once the
-            net has sat at chance for 40 steps (it rolls back slow learners too).
+    - *data*: ``dataset``, a data set by name (:func:`normlab.runner.factories.resolve`): ``digits``, ``mnist1d``,
+      ``cifar10`` or a data factory ``pkg.module:function`` (:mod:`normlab.runner.data.user`); ``data_dir``
+      (cifar10: the python batches; mnist1d: the cache of the generated arrays); ``num_samples`` (mnist1d: samples
+      generated, default 25,000); ``num_train`` (keep the first N training samples).
+    - *model*: ``model``, a model by name: ``plain``, ``plain1d``, ``resnet``, ``resnet_pws``, ``cnn1d``,
+      ``timm:NAME``, ``torchvision:NAME`` or a model factory ``pkg.module:function``
+      (:mod:`normlab.runner.training.setup`); ``norm``, ``conv`` (names of :func:`normlab.nn.create_norm` and
+      :func:`normlab.nn.create_conv`; a factory's model gets them by :func:`~normlab.runner.training.norms.put_norm`);
+      ``width`` (channel multiplier of the built-in models, in (0, :data:`~normlab.runner.models.MAX_WIDTH`]);
+      ``model_kwargs`` (further arguments of the model: ``blocks``, ``channels`` of the built-in ones, anything a
+      factory takes); ``conv_kwargs`` (arguments of every conv of kind ``conv``, ``{"gamma": 1e-2}`` for pws);
+      ``brn_schedule`` (``"run"``, the paper's BatchRenorm schedule compressed to reach its final limits halfway
+      through the run, or ``"paper"``, a 5k-step warm-up).
+    - *task*: ``loss`` (``cross_entropy``, ``mse`` or ``pkg.module:function``) and ``metric`` (``accuracy``,
+      ``none`` or ``pkg.module:function``; :mod:`normlab.runner.training.task`). The summary's ``*_acc`` values are
+      the metric's (accuracy unless ``metric`` names another).
+    - *optimization*: ``lr``, ``batch_size`` (per process under DDP), ``epochs``, ``momentum``, ``weight_decay``
+      (not on norm parameters, biases and PWS alpha unless ``nowd_norm_alpha`` is False), ``milestones`` (epochs
+      after which the lr is multiplied by ``lr_gamma``), ``max_steps_per_epoch`` (quick runs), ``amp`` (mixed
+      precision: bfloat16 autocast on CPU, float16 autocast and a GradScaler on CUDA), ``seed``, ``device``.
+    - *evaluation*: ``evals_per_epoch`` (test evaluations per epoch, for curves), ``eval_train_mode`` (also
+      evaluate with batch statistics at the training batch size,
+      :func:`~normlab.runner.training.evaluation.evaluate_train_mode`), ``target_acc`` (a metric value for
+      ``epochs_to_target``).
+    - *monitoring*: ``monitor_every`` (> 0 attaches a :class:`normlab.monitor.VarianceMonitor` recording every N
+      steps, and every ``monitor_dense_every`` steps during the first ``monitor_dense_steps``); ``stop_on``, what
+      stops a run before its last epoch (:data:`STOP_ON`): ``"non_finite"`` (a non-finite loss; always),
+      ``"confirmed"`` (also a monitor alarm confirmed by a collapse of the loss: a return to chance or to the loss
+      it started from), ``"alarm"`` (also the monitor's alarm alone); ``guard`` (a
+      :class:`normlab.monitor.CollapseGuard` takes the optimizer steps: on a non-finite loss or gradient, or the
+      monitor's alarm, the run goes back to a snapshot from before the trouble with half the learning rate; one
+      process only); ``guard_dead`` (the guard also measures against chance, ``CollapseGuard(chance_loss=ln C)``,
+      so an alarm on a network that never learned is confirmed once the net has sat at chance for 40 steps; it
+      rolls back slow learners too).
     """
 
     # -- data

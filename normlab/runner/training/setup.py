@@ -2,8 +2,8 @@
 metric, checked on a real batch before anything is written.
 
 :func:`prepare` is the one place that does it: ``normlab train`` prepares once and hands the result to the trainer
-(:class:`~normlab.runner.training.train.Trainer` takes ``inputs=``); a grid prepares one cell of each kind in the
-parent (:func:`~normlab.runner.training.checks.check_grid`) and each cell again in its worker.
+(:func:`~normlab.runner.training.train.train` takes ``inputs=``); a grid prepares one cell of each kind in the
+parent (``normlab.runner.training.checks.check_grid``) and each cell again in its worker.
 
 A **model factory** (``pkg.module:function``, or a function of the Python API) is called with the keyword
 arguments its signature names among ``num_classes`` (the data's classes; also passed to a factory that takes
@@ -44,7 +44,6 @@ __all__ = [
     "prepare",
     "load_data",
     "build_model",
-    "make_task",
     "steps_per_epoch",
     "norm_kwargs",
     "seed_everything",

@@ -1,5 +1,5 @@
-"""What a run minimizes and what it reports: the loss and the metric of a :class:`~normlab.runner.training.config.
-TrainConfig`, resolved by name (:func:`normlab.runner.factories.resolve`).
+"""What a run minimizes and what it reports: the loss and the metric of a
+:class:`~normlab.runner.training.config.TrainConfig`, resolved by name (:func:`normlab.runner.factories.resolve`).
 
 A loss is ``loss(output, target) -> scalar tensor``, the mean over the batch (``cross_entropy``, ``mse``, or a
 ``pkg.module:function`` such as ``torch.nn.functional:l1_loss``). A metric is ``metric(output, target) -> scalar``,
