@@ -45,7 +45,8 @@ __all__ = [
 DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}
 #: The spatial dimensions of a sample of each data set (1 for a sequence, 2 for an image).
 DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}
-INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
+#: The shape of one sample of each data set, channels first.
+INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}
 #: The training and test sizes of the data sets whose size is fixed (mnist1d has ``num_samples``, split 80/20).
 DATASET_SIZES = {"digits": (1437, 360), "cifar10": (50_000, 10_000)}
 #: The names :func:`get_dataset` takes.

@@ -261,9 +261,7 @@ def compare(
 
     Example::
 
-        results = compare("timm:resnet18", "mypkg.data:small_images", norms=["bn", "gn", "pws"],
-                          lrs=[0.01, 0.1], epochs=2, out="runs/resnet18")
-        print(results["norms"][0]["highest_lr_trained"])
+        results = compare("timm:resnet18", "mypkg.data:images", norms=["bn", "gn", "pws"], lrs=[0.01, 0.1])
     """
     spec = comparison(
         model, data, norms=norms, lrs=lrs, batch_sizes=batch_sizes, seeds=seeds, epochs=epochs, loss=loss,

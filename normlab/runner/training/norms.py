@@ -35,8 +35,9 @@ class NormLayer:
     """``norm_layer`` for a model constructor: ``NormLayer("gn")(64)`` is ``create_norm("gn", 64, dim)`` (picklable).
 
     Example:
-        >>> NormLayer("gn")(64)
-        GroupNorm(32, 64, eps=1e-05, affine=True)
+        >>> layer = NormLayer("gn")(64)
+        >>> type(layer).__name__, layer.num_groups, layer.num_channels
+        ('GroupNorm', 32, 64)
     """
 
     norm: str
