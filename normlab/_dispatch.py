@@ -127,22 +127,70 @@ def recomputing() -> bool:
 
 
 def snapshot(running_mean: Tensor, running_var: Tensor) -> tuple[Tensor, Tensor]:
-    """Copies of the running statistics before a step updates them (one ``torch.stack`` under torch.compile).
-
-    Under torch.compile the partitioner may recompute cheap ops of the forward in the backward, and it treats module
-    buffers as free to save: a ``clone`` of a buffer would be recomputed in the backward from the buffer the step has
-    updated in place by then, so r and d (the weight gradient needs d) would come from the new statistics. A
-    concatenation is not in its recomputation allowlist, so the snapshot itself is what it saves. Eager: two clones
-    (fewer dispatched ops).
-    """
+    """Copies of the running statistics before a step updates them (:func:`kept_for_backward` under torch.compile).
+    Eager: two clones."""
     with torch.no_grad():
-        # the shapes are compared only when compiling (under jit.trace they are traced tensors)
-        if not torch.compiler.is_compiling() or running_mean.dtype != running_var.dtype:
+        if not _partitioned():
             return running_mean.clone(), running_var.clone()
-        if running_mean.shape != running_var.shape:
-            return running_mean.clone(), running_var.clone()
-        both = torch.stack([running_mean, running_var])
-        return both[0], both[1]
+        mean, var = kept_for_backward((running_mean, running_var))
+        return mean, var
+
+
+def _partitioned() -> bool:
+    """torch.compile is tracing a graph that its partitioner will split into forward and backward (not eager, not
+    torch.export, whose graph keeps plain ops)."""
+    return torch.compiler.is_compiling() and not torch.compiler.is_exporting()
+
+
+def kept_for_backward(values: Sequence) -> tuple:
+    """``values`` (tensors or numbers) as the backward of a compiled graph must see them: the values of the forward.
+
+    Under torch.compile the partitioner may recompute cheap ops of the forward in the backward instead of saving their
+    results, reading the graph's inputs again; inside an activation-checkpointed region it recomputes every op that
+    way. A value computed from a buffer the step then updates in place (the running statistics, the step counter a
+    schedule reads) would come back changed: r and d, and so the gradients, would follow the new statistics
+    (pytorch/pytorch#197039). So the tensors among ``values`` are copied by ``torch.ops.normlab.kept_copy``, whose
+    copies are marked ``MUST_SAVE`` while AOTAutograd traces (see :func:`_kept_copy`). Eager, under torch.export (no
+    partitioner: its graph keeps plain ops) and for numbers: the values themselves."""
+    if not _partitioned():
+        return tuple(values)
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    if not tensors:
+        return tuple(values)
+    copies = iter(torch.ops.normlab.kept_copy(tensors))
+    return tuple(next(copies) if isinstance(v, Tensor) else v for v in values)
+
+
+_LIBRARY = torch.library.Library("normlab", "FRAGMENT")  # kept alive: the op lives as long as this object
+_LIBRARY.define("kept_copy(Tensor[] values) -> Tensor[]")
+
+
+def _kept_copy(values: list[Tensor]) -> list[Tensor]:
+    """Clones of ``values`` whose graph nodes are marked ``MUST_SAVE`` (the partitioner saves them, never recomputes
+    them): an op that decomposes while AOTAutograd traces (CompositeImplicitAutograd), so this runs then. Inside an
+    activation-checkpointed region the clones are traced past the region's selective-checkpoint modes, which would
+    mark them for recomputation."""
+    import torch.fx.traceback as fx_traceback
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import CheckpointPolicy, _CachingTorchDispatchMode
+
+    with contextlib.ExitStack() as stack:
+        while isinstance(_get_current_dispatch_mode(), _CachingTorchDispatchMode):
+            stack.enter_context(_pop_mode_temporarily())
+        meta = fx_traceback.current_meta
+        before = meta.get("recompute", _MISSING)
+        meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        try:
+            return [v.clone() for v in values]
+        finally:
+            if before is _MISSING:
+                meta.pop("recompute", None)
+            else:
+                meta["recompute"] = before
+
+
+_MISSING = object()
+_LIBRARY.impl("kept_copy", _kept_copy, "CompositeImplicitAutograd")
 
 
 def clip(t: Tensor, limit: float | Tensor, inverse: bool, in_place: bool = True) -> Tensor:

@@ -36,6 +36,8 @@ __all__ = [
     "instance_norm_in_layout",
     "is_identity",
     "takes_fused",
+    "momentum_update",
+    "batchnorm_step",
     "fused_batch_renorm",
     "switchable_forward",
 ]
@@ -50,9 +52,11 @@ def is_identity(rmax: float | Tensor, dmax: float | Tensor) -> bool:
 
 
 def takes_fused(x: Tensor, running_mean: Tensor, running_var: Tensor) -> bool:
-    """Whether :func:`_batch_renorm_step` takes the fused path by default for these tensors."""
+    """Whether :func:`normlab.functional.batch_renorm_train` takes the fused path by default for these tensors: eager
+    (:func:`plain_eager`), outside forward-mode AD (BatchNorm's statistics kernel has no forward derivative), with
+    running statistics in the parameters' dtype."""
     pdtype = param_dtype(x)
-    return plain_eager(x) and running_mean.dtype == pdtype and running_var.dtype == pdtype
+    return plain_eager(x) and not forward_ad_active() and running_mean.dtype == pdtype and running_var.dtype == pdtype
 
 
 def _affine_forward(x, weight, bias, mean, invstd, r, d):
@@ -142,25 +146,56 @@ def _ones_like(t: Tensor) -> Tensor:
     return ones
 
 
-def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior):
-    """Training step with one statistics pass: BatchNorm's statistics kernel (which also updates the running
-    statistics, exactly as BatchNorm does; not when ``update`` is False), r and d from ``prior`` (the running
-    statistics before this batch), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is kept to a few
-    in-place ops: for small inputs their dispatch cost, not the passes over x, is what separates this from BatchNorm.
-    For the inputs :func:`takes_fused` accepts and a float ``momentum``; ``running_mean``/``running_var`` None:
-    nothing is updated (a checkpoint recomputation). Returns ``(y, (batch_mean, batch_var))``."""
+def momentum_update(running_mean, running_var, batch_mean, batch_var, count: int, momentum):
+    """BatchNorm's update, out of place: ``(1 - momentum) * running + momentum * batch``, with the unbiased batch
+    variance (``count / (count - 1)``) for ``running_var``. ``momentum``: a float or a 0-dim tensor."""
+    with torch.no_grad():
+        unbiased = batch_var * (count / (count - 1))
+        new_mean = running_mean * (1 - momentum) + (batch_mean * momentum).to(running_mean.dtype)
+        new_var = running_var * (1 - momentum) + (unbiased * momentum).to(running_var.dtype)
+    return new_mean, new_var
+
+
+def batchnorm_step(x, running_mean, running_var, weight, bias, momentum: float, eps):
+    """The limits ``rmax=1, dmax=0`` (r = 1, d = 0): BatchNorm's own training call, bit for bit (16 dispatched ops
+    in a layer's step instead of 33). Pure: the kernel updates copies of the running statistics, which are returned
+    (autograd saves the tensors the kernel gets, so they must not be the buffers a caller then writes).
+    Returns ``(y, new_running_mean, new_running_var)``."""
     pdtype = param_dtype(x)
     weight, bias = as_param(weight, pdtype), as_param(bias, pdtype)
     with torch.no_grad():
-        mean, var = torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+        new = running_mean.clone(), running_var.clone()
+    y = torch.batch_norm(x, weight, bias, *new, True, momentum, eps, torch.backends.cudnn.enabled)
+    return y, new[0], new[1]
+
+
+def fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax):
+    """Training step with one statistics pass: BatchNorm's statistics kernel (which also computes the updated running
+    statistics, exactly as BatchNorm does, into copies), r and d from ``running_mean``/``running_var`` (the
+    statistics before this batch, left unchanged), then :class:`_BatchNormWithAffine`. The per-channel arithmetic is
+    kept to a few in-place ops: for small inputs their dispatch cost, not the passes over x, is what separates this
+    from BatchNorm. For the inputs :func:`takes_fused` accepts; ``momentum`` a float or a 0-dim tensor (the
+    cumulative average's factor: then the kernel gives the batch's statistics and the average is taken here).
+    Returns ``(y, new_running_mean, new_running_var)``."""
+    pdtype = param_dtype(x)
+    weight, bias = as_param(weight, pdtype), as_param(bias, pdtype)
+    with torch.no_grad():
+        cumulative = isinstance(momentum, Tensor)
+        if cumulative:
+            new = torch.zeros_like(running_mean), torch.zeros_like(running_var)
+        else:
+            new = running_mean.clone(), running_var.clone()
+        mean, var = torch.batch_norm_update_stats(x, *new, 1.0 if cumulative else momentum)
+        if cumulative:
+            new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(new, (running_mean, running_var)))
         # BatchNorm's inverse std, 1 / sqrt(var + eps) evaluated in double as its CPU statistics kernel does (so the
         # result is bit for bit BatchNorm's); r = sigma_B / sigma and d as in renorm_correction.
         invstd = var.double().add(eps).rsqrt_().to(var.dtype)  # not in place: var.double() is var for float64
-        inv_sigma = torch.rsqrt(prior[1] + eps)
+        inv_sigma = torch.rsqrt(running_var + eps)
         r = clip(inv_sigma.div(invstd), rmax, inverse=True)
-        d = clip(torch.sub(mean, prior[0]).mul_(inv_sigma), dmax, inverse=False)
+        d = clip(torch.sub(mean, running_mean).mul_(inv_sigma), dmax, inverse=False)
     fn = _BatchNormWithAffineFunc if torch._C._are_functorch_transforms_active() else _BatchNormWithAffine
-    return fn.apply(x, weight, bias, mean, invstd, r, d, eps), (mean, var)
+    return fn.apply(x, weight, bias, mean, invstd, r, d, eps), new[0], new[1]
 
 
 # --------------------------------------------------------------------------------------------------

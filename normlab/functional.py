@@ -20,13 +20,21 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ._dispatch import as_param, centered_moments, clip, param_dtype, plain_eager, snapshot, static_numel, stats_dtype
-from ._functions import fused_batch_renorm, is_identity, switchable_forward, takes_fused
+from ._functions import (
+    batchnorm_step,
+    fused_batch_renorm,
+    is_identity,
+    momentum_update,
+    switchable_forward,
+    takes_fused,
+)
 
 __all__ = [
     "moments",
     "instance_norm",
     "batch_moments",
     "renorm_correction",
+    "batch_renorm_train",
     "batch_renorm",
     "switchable_norm",
     "standardize_weight",
@@ -199,13 +207,14 @@ def renorm_correction(
 
 
 def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax):
-    """The training step of :func:`batch_renorm` from public ops: statistics, r and d from a snapshot of the running
-    statistics before the step, ``F.batch_norm`` with batch statistics and the folded affine, then the running
-    statistics are updated explicitly. torch.compile, torch.jit.trace and torch.func trace this one, and it is the
-    reference the fused path is tested against. ``F.batch_norm`` never sees the running buffers: a compiled graph
-    that read them after an in-place update inside ``F.batch_norm`` would compute r and d from the updated
-    statistics. ``momentum`` may be a tensor (the cumulative average ``1 / num_batches_tracked`` without a host
-    sync)."""
+    """:func:`batch_renorm_train` from public ops: statistics, r and d from a snapshot of the running statistics,
+    BatchNorm's training call with batch statistics and the folded affine, the new running statistics computed out of
+    place. torch.compile, torch.export, torch.jit.trace, torch.func and forward-mode AD trace this one, and it is the
+    reference the fused path is tested against. The snapshot (:func:`normlab._dispatch.snapshot`) keeps a compiled
+    graph from recomputing r and d in the backward from buffers a caller has updated by then. ``momentum`` may be a
+    tensor (the cumulative average ``1 / (num_batches_tracked + 1)`` without a host sync)."""
+    pdtype = param_dtype(x)
+    weight, bias = as_param(weight, pdtype), as_param(bias, pdtype)
     batch_mean, batch_var = batch_moments(x)
     prior = snapshot(running_mean, running_var)
     r, d = renorm_correction(batch_mean, batch_var, prior[0], prior[1], eps, rmax, dmax)
@@ -214,19 +223,73 @@ def _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum
     else:
         scale = weight * r
         shift = weight * d if bias is None else bias + weight * d
-    y = F.batch_norm(x, None, None, scale, shift, True, 0.0, eps)
+    # torch.batch_norm, not F.batch_norm: the batch size was checked by the caller (F.batch_norm's own check branches
+    # on traced sizes under jit.trace)
+    cudnn = torch.backends.cudnn.enabled
+    y = torch.batch_norm(x, scale.to(pdtype), shift.to(pdtype), None, None, True, 0.0, eps, cudnn)
     count = static_numel(x) // static_numel(x, 1, 2)
-    _update_running(running_mean, running_var, batch_mean, batch_var, count, momentum)
-    return y
+    return (y, *momentum_update(running_mean, running_var, batch_mean, batch_var, count, momentum))
 
 
-def _update_running(running_mean, running_var, batch_mean, batch_var, count: int, momentum) -> None:
-    """BatchNorm's update in place: ``running = (1 - momentum) * running + momentum * batch``, with the unbiased
-    batch variance (``count / (count - 1)``) for ``running_var``."""
-    with torch.no_grad():
-        unbiased = batch_var * (count / (count - 1))
-        running_mean.mul_(1 - momentum).add_((batch_mean * momentum).to(running_mean.dtype))
-        running_var.mul_(1 - momentum).add_((unbiased * momentum).to(running_var.dtype))
+def batch_renorm_train(
+    x: Tensor,
+    running_mean: Tensor,
+    running_var: Tensor,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    momentum: float | Tensor = 0.1,
+    eps: float = 1e-5,
+    rmax: float | Tensor = 1.0,
+    dmax: float | Tensor = 0.0,
+    fused: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One Batch Renormalization training step (Ioffe 2017) against given running statistics and limits, without side
+    effects: the step every BatchRenorm layer takes (the layer decides the statistics and limits, then writes the
+    new running statistics into its buffers).
+
+    ``y = weight * ((x - mu_B) / sigma_B * r + d) + bias`` with r, d from :func:`renorm_correction` applied to
+    ``running_mean``/``running_var`` (the statistics before this batch; no gradient through r or d), and BatchNorm's
+    update ``new = (1 - momentum) * running + momentum * batch`` (the unbiased batch variance for the variance),
+    returned, not written: nothing passed in is modified. r and d are per-channel constants, so the step is one
+    BatchNorm step with weight ``weight * r`` and bias ``bias + weight * d``: the fused path (eager CPU/CUDA, the
+    default there) runs BatchNorm's statistics kernel once, BatchNorm's normalize kernel and BatchNorm's backward
+    kernel (an autograd Function with the folded affine); limits that are the numbers ``rmax=1, dmax=0`` run
+    BatchNorm's own training call. The composite path (``fused=False``, and always under torch.compile, torch.export,
+    torch.jit.trace, torch.func transforms and forward-mode AD) is the same step in plain differentiable ops. Half
+    inputs: statistics in float32, half ``weight``/``bias`` used in float32, the output in x's dtype.
+
+    Args:
+        x: the input (N, C, *) with more than one value per channel.
+        running_mean: the running mean (C,) before this batch.
+        running_var: the running unbiased variance (C,) before this batch.
+        weight: the per-channel scale (C,). Default: None (1).
+        bias: the per-channel shift (C,). Default: None (0).
+        momentum: the update factor, BatchNorm's convention (weight of the batch), a float or a 0-dim tensor (for
+            the cumulative average pass ``1 / (num_batches_tracked + 1)``). Default: 0.1.
+        eps: added to the variances inside the square roots. Default: 1e-5.
+        rmax: the limit of r (>= 1), a number or a 0-dim tensor. Default: 1.0.
+        dmax: the limit of d (>= 0), a number or a 0-dim tensor. Default: 0.0.
+        fused: take the fused path (True) or the composite one (False). Default: None (fused where it can run).
+
+    Returns:
+        ``(y, new_running_mean, new_running_var)``: the output (x's shape and dtype) and the updated statistics.
+
+    Shape:
+        x (N, C, *); running_mean, running_var, weight, bias (C,); y: x's shape; the new statistics (C,).
+
+    Example:
+        >>> x, rm, rv = torch.randn(8, 4, 5, 5), torch.zeros(4), torch.ones(4)
+        >>> y, new_mean, new_var = batch_renorm_train(x, rm, rv, rmax=3.0, dmax=5.0)
+        >>> torch.equal(rm, torch.zeros(4)), torch.allclose(new_mean, 0.1 * x.mean((0, 2, 3)))
+        (True, True)
+    """
+    if fused is None:
+        fused = takes_fused(x, running_mean, running_var)
+    if fused and is_identity(rmax, dmax) and not isinstance(momentum, Tensor):
+        return batchnorm_step(x, running_mean, running_var, weight, bias, momentum, eps)
+    if fused:
+        return fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
+    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
 
 
 def batch_renorm(
@@ -242,24 +305,15 @@ def batch_renorm(
     dmax: float | Tensor = 0.0,
     fused: bool | None = None,
 ) -> Tensor:
-    """Batch Renormalization (Ioffe 2017), with BatchNorm's buffers and momentum convention.
+    """Batch Renormalization (Ioffe 2017), with BatchNorm's buffers and momentum convention (as ``F.batch_norm``).
 
     Training: ``y = weight * ((x - mu_B) / sigma_B * r + d) + bias`` with r, d from :func:`renorm_correction`
-    (computed from the running statistics *before* this batch updates them, no gradient through r or d).
-    Inference (or ``training`` with no running statistics): plain BatchNorm, ``y = weight * (x - mu) / sigma + bias``.
-
-    Implementation: r and d are per-channel constants, so a training step is one BatchNorm step with weight
-    ``weight * r`` and bias ``bias + weight * d``. The fused path (eager CPU/CUDA, the default there) runs BatchNorm's
-    statistics kernel once (it also updates the running statistics: ``running_var`` tracks the unbiased variance,
-    exactly as BatchNorm), BatchNorm's normalize kernel and BatchNorm's backward kernel (an autograd Function that calls
-    them with the folded affine).
-    The composite path (``fused=False``, and always under torch.compile, torch.jit.trace and torch.func transforms)
-    calls ``F.batch_norm`` with batch statistics and the folded affine after a separate statistics pass, then updates
-    the running statistics explicitly. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm``
-    directly. Either way ``rmax=1, dmax=0`` gives exactly ``F.batch_norm``. The running sigma is
-    ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see README "Deviations").
-    Half inputs: statistics in float32; half ``weight``/``bias`` (a ``.half()`` module) are used in float32; the
-    output has x's dtype.
+    (computed from the running statistics *before* this batch updates them, no gradient through r or d), then the
+    running statistics are updated in place as BatchNorm updates them: :func:`batch_renorm_train`, whose
+    implementation notes apply. Limits that are the numbers ``rmax=1, dmax=0`` call ``F.batch_norm`` directly
+    (``rmax=1, dmax=0`` gives exactly ``F.batch_norm`` either way). Inference (or ``training`` with no running
+    statistics): plain BatchNorm, ``y = weight * (x - mu) / sigma + bias``. The running sigma is
+    ``sqrt(running_var + eps)`` (BatchNorm-compatible state; see ``docs/deviations.md``).
 
     Args:
         x: the input (N, C, *).
@@ -299,12 +353,13 @@ def batch_renorm(
         return F.batch_norm(x, None, None, weight, bias, True, 0.0, eps)
     if is_identity(rmax, dmax) and not isinstance(momentum, Tensor):
         return F.batch_norm(x, running_mean, running_var, weight, bias, True, momentum, eps)
-    if fused is None:
-        fused = takes_fused(x, running_mean, running_var)
-    if fused and not isinstance(momentum, Tensor):
-        prior = snapshot(running_mean, running_var)
-        return fused_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, prior)[0]
-    return _composite_batch_renorm(x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax)
+    y, new_mean, new_var = batch_renorm_train(
+        x, running_mean, running_var, weight, bias, momentum, eps, rmax, dmax, fused
+    )
+    with torch.no_grad():
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    return y
 
 
 # --------------------------------------------------------------------------------------------------

@@ -37,7 +37,6 @@ to call instead, :meth:`SyncBatchRenorm.convert_sync_batchrenorm` for the first.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -46,47 +45,24 @@ from string import Template
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as NF
-from .._dispatch import (
-    all_finite,
-    as_param,
-    count_into,
-    guarded_update,
-    param_dtype,
-    recomputing,
-    snapshot,
-    static_numel,
-    stats_value,
-)
-from .._functions import fused_batch_renorm, is_identity, takes_fused
+from .._dispatch import param_dtype
+from .._functions import momentum_update
 from ._bn_tools import BatchNormTools, reestimating
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
+from ._recompute import report_misses
+from ._renorm_step import Spec, check_input, factor, renorm_forward, renorm_step
 from ._sync_convert import to_sync_batchrenorm
 
+torch.fx.wrap("renorm_forward")  # one call_function node in a torch.fx graph (the layer's whole forward)
+
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
-
-_RECORDS = 16  # training forwards of a layer a checkpoint recomputation may replay (see _BatchRenorm._replay)
-
-
-def _input_key(x: Tensor) -> tuple:
-    """Host metadata that identifies the tensor a checkpoint recomputation gets again (see
-    :meth:`_BatchRenorm._replay`): no device read."""
-    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), x._version)
-
-
-def _momentum_update(running_mean, running_var, mean, var, count: int, momentum):
-    """BatchNorm's update, out of place: ``(1 - momentum) * running + momentum * batch``, with the unbiased batch
-    variance (``count / (count - 1)``) for ``running_var``."""
-    with torch.no_grad():
-        unbiased = var * (count / (count - 1))
-        new_mean = running_mean * (1 - momentum) + (mean * momentum).to(running_mean.dtype)
-        new_var = running_var * (1 - momentum) + (unbiased * momentum).to(running_var.dtype)
-    return new_mean, new_var
 
 
 def _is_number(value) -> bool:
@@ -162,6 +138,9 @@ class RenormSchedule:
 
     def __call__(self, step: int | Tensor):
         """Return ``(rmax, dmax)`` for a step (0-based: the number of batches already trained on)."""
+        if isinstance(step, torch.fx.Proxy):  # traced: Python-number constants (no tensor tied to a device)
+            s = step.to(torch.float64)
+            return self._ramp(s, 1.0, self.rmax, self.rmax_steps), self._ramp(s, 0.0, self.dmax, self.dmax_steps)
         if isinstance(step, Tensor):
             if self.rmax_steps > self.warmup_steps and self.dmax_steps > self.warmup_steps:
                 return self._ramps(step)
@@ -283,9 +262,15 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
           statistics in float32; after ``.half()`` the running statistics stay float32.
 
     Note:
-        Works under ``torch.utils.checkpoint`` (a recomputation replays its original step: the gradients are the
-        un-checkpointed ones and the running statistics advance once per real forward), torch.compile
-        (``fullgraph=True``), torch.export, torch.jit.trace, torch.func (grad, vmap, functional_call) and on the
+        Under ``torch.utils.checkpoint`` (reentrant or not, nested, selective, early stop on or off; timm's
+        ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) a recomputation finds the
+        forward it repeats by a fingerprint of its input (tensor ops only) and repeats that step: the gradients
+        are the un-checkpointed ones and the running statistics and ``num_batches_tracked`` advance once per
+        genuine forward; a recomputation that finds no record (more than 32 forwards of the layer between a
+        forward and its backward, nondeterministic values) updates nothing and is reported at ``.eval()``
+        (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over checkpointed models
+        too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
+        be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd), forward-mode AD and on the
         meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
         BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
 
@@ -382,23 +367,6 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         if input.dim() not in self._expected_dims:
             raise ValueError(f"{type(self).__name__}: expected {self._shape_text}, got {input.dim()}D input")
 
-    def _check_input(self, input: Tensor, bn_training: bool, local: bool = True) -> None:
-        where = type(self).__name__
-        if not isinstance(input, Tensor):
-            raise TypeError(f"{where}: expected a Tensor input, got {type(input).__name__}")
-        self._check_input_dim(input)
-        if static_numel(input, 1, 2) != self.num_features:
-            raise ValueError(
-                f"{where}: expected input with num_features={self.num_features} channels (dim 1), "
-                f"got {input.shape[1]} channels (input shape {tuple(input.shape)})"
-            )
-        if not input.is_floating_point():
-            raise TypeError(f"{where}: expected a floating-point input, got {input.dtype}")
-        if bn_training and local and static_numel(input) // self.num_features == 1:
-            raise ValueError(
-                f"{where}: expected more than 1 value per channel when training, got input shape {tuple(input.shape)}"
-            )
-
     # ------------------------------------------------------------------ limits
     def renorm_limits(self, step: int | Tensor | None = None):
         """``(rmax, dmax)`` used for the batch at ``step`` (default: the next training batch); ``(1.0, 0.0)``
@@ -411,13 +379,6 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
             step = self.num_batches_tracked if self.num_batches_tracked is not None else 0
         return self.schedule(step)
 
-    def _factor(self):
-        """The update factor of the batch being trained on: ``momentum``, or ``1 / (num_batches_tracked + 1)``
-        (cumulative average, BatchNorm's) as a tensor (no host read)."""
-        if self.momentum is None:
-            return (self.num_batches_tracked + 1).double().reciprocal()
-        return self.momentum
-
     def _updating(self) -> bool:
         return (
             self.training
@@ -427,175 +388,71 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
             and self.num_batches_tracked is not None
         )
 
-    def _vmap_error(self, error: RuntimeError) -> RuntimeError:
-        return RuntimeError(
-            f"{type(self).__name__}: a training step under a torch.func transform updates running_mean and "
-            f"running_var in place, so under vmap they must be batched like the input (torch.func.stack_module_state, "
-            f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({error})"
+    def _spec(self) -> Spec:
+        return Spec(
+            type(self).__name__,
+            self.num_features,
+            self._expected_dims,
+            self._shape_text,
+            self.training,
+            self.track_running_stats,
+            self.momentum,
+            self.eps,
+            self.check_finite,
         )
+
+    def _step_limits(self, input) -> tuple:
+        """The limits of a training step (unused otherwise): constants, or the schedule at ``num_batches_tracked``
+        (tensors, never read back). Under ``torch.fx`` tracing the schedule is traced on the buffer's node, so the
+        graph evaluates it at every call; a schedule that cannot be traced is refused."""
+        traced = isinstance(input, torch.fx.Proxy) and self.num_batches_tracked is not None
+        if not traced and not self._updating():
+            return 1.0, 0.0
+        if self.schedule is None or not traced:  # traced in eval too: one set of nodes in both modes' graphs
+            return self.renorm_limits()
+        tracer = input.tracer
+        path = tracer.path_of_module(self)
+        step = tracer.create_proxy("get_attr", f"{path}.num_batches_tracked" if path else "num_batches_tracked", (), {})
+        try:
+            return self.schedule(step)
+        except Exception as e:  # noqa: BLE001 - whatever the schedule raises on a Proxy
+            raise TypeError(
+                f"{type(self).__name__}: torch.fx cannot trace its schedule {self.schedule!r} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); use RenormSchedule, constant rmax/dmax or a schedule "
+                "in tensor ops, or keep the layer a leaf module of the tracer"
+            ) from e
 
     # ------------------------------------------------------------------ forward
     def forward(self, input: Tensor) -> Tensor:
         """Input (N, C, *) -> output of the same shape, dtype and memory format.
 
-        The route is decided here, once, and each route is one method that reads top to bottom:
+        The layer evaluates its limits and makes one call, ``normlab.nn._renorm_step.renorm_forward``, with its
+        parameters, buffers and settings: eval is BatchNorm's own call; a training step takes the prior (the running
+        statistics, or in a checkpoint recomputation the recorded forward's), runs
+        :func:`normlab.functional.batch_renorm_train` and commits the new running statistics. Eager, compiled,
+        recomputed and ``torch.fx``-traced (one ``call_function`` node) steps run this same call."""
+        rmax, dmax = self._step_limits(input)
+        return renorm_forward(
+            input,
+            self.weight,
+            self.bias,
+            self.running_mean,
+            self.running_var,
+            self.num_batches_tracked,
+            self.skipped_batches,
+            rmax,
+            dmax,
+            self._spec(),
+        )
 
-        - eval, no running statistics or an empty batch: BatchNorm's own call (:func:`normlab.functional.batch_renorm`);
-        - a training step in eager on CPU/CUDA (``takes_fused``): with the numbers rmax=1, dmax=0 and a float momentum
-          ``_batchnorm_step`` (BatchNorm's own training call), else ``_fused_step`` (one statistics pass,
-          BatchNorm's kernels);
-        - a training step under torch.compile / torch.export / jit.trace / torch.func or on the meta device:
-          ``_composite_step`` (plain differentiable ops).
-
-        The same choice is made on every device. Each step computes r and d from ``prior`` (the running statistics
-        before the step) and, with ``update``, writes the running statistics, the step counter and
-        ``skipped_batches`` through ``_commit``. Inside a backward pass (a checkpoint recomputation) an eager
-        step replays the recorded forward (``_replay``): its prior and limits, no update."""
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        self._check_input(input, bn_training)
-        if not self._updating() or static_numel(input) == 0:
-            # eval, no running statistics, or an empty batch (BatchNorm's empty output; unlike BatchNorm the step
-            # counter does not advance: no data, no step of the schedule)
-            use_running = not self.training or self.track_running_stats
-            return NF.batch_renorm(
-                input,
-                self.running_mean if use_running else None,
-                self.running_var if use_running else None,
-                self.weight,
-                self.bias,
-                bn_training,
-                0.0 if self.momentum is None else self.momentum,
-                self.eps,
-            )
-        fused = takes_fused(input, self.running_mean, self.running_var)
-        record = self._replay(input) if fused and recomputing() else None
-        update = record is None
-        if update:
-            prior = snapshot(self.running_mean, self.running_var)
-            rmax, dmax = self.renorm_limits()  # tensors for a schedule: the step is never read back
-        else:
-            prior, rmax, dmax = record
-        if not fused:
-            step = self._composite_step
-        elif is_identity(rmax, dmax) and self.momentum is not None:
-            step = self._batchnorm_step
-        else:
-            step = self._fused_step
-        try:
-            out = step(input, prior, rmax, dmax, update)
-        except RuntimeError as e:
-            if torch._C._functorch.peek_interpreter_stack() is None:
-                raise
-            raise self._vmap_error(e) from e
-        if fused and update:
-            self._record(input, prior, rmax, dmax)
-        return out
-
-    def _batchnorm_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
-        """rmax=1, dmax=0 (r = 1, d = 0): BatchNorm's own training call, bit for bit, 16 dispatched ops instead of
-        33. Its kernel updates the copies in ``prior`` (autograd saves the tensors it gets, so the buffers stay free
-        for the guarded write of :meth:`_commit`, which keeps their values for a non-finite batch); a replay lets it
-        update throwaway zeros (the kernel takes the statistics' dtype from the buffers)."""
-        pdtype = param_dtype(input)
-        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
-        buffers = prior if update else (torch.zeros_like(prior[0]), torch.zeros_like(prior[1]))
-        cudnn = torch.backends.cudnn.enabled
-        out = torch.batch_norm(input, weight, bias, *buffers, True, self.momentum, self.eps, cudnn)
-        if update:
-            self._commit(prior, (self.running_mean, self.running_var))
-        return out
-
-    def _fused_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
-        """Eager renormalization: :func:`normlab._functions.fused_batch_renorm` (BatchNorm's statistics kernel, r and
-        d from ``prior``, BatchNorm's normalize and backward kernels). The statistics kernel updates the running
-        statistics in place (BatchNorm's own update, bit for bit) and a non-finite batch puts ``prior`` back; for
-        the cumulative average (momentum None) it writes the batch's values into zeros (momentum 1) and the average
-        is taken here; a replay lets it update throwaway zeros."""
-        pdtype = param_dtype(input)
-        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
-        running = (self.running_mean, self.running_var)
-        cumulative = self.momentum is None
-        buffers = running
-        if cumulative or not update:
-            buffers = (torch.zeros_like(running[0]), torch.zeros_like(running[1]))
-        momentum = self._factor()
-        kernel_momentum = 1.0 if cumulative else momentum
-        out, _ = fused_batch_renorm(input, *buffers, weight, bias, kernel_momentum, self.eps, rmax, dmax, prior)
-        if update and cumulative:
-            new = tuple(torch.add(b * momentum, r * (1 - momentum)) for b, r in zip(buffers, running))
-            self._commit(new, running)
-        elif update:
-            self._commit(running, prior)
-        return out
-
-    def _composite_step(self, input: Tensor, prior, rmax, dmax, update: bool) -> Tensor:
-        """The step in plain differentiable ops, what torch.compile / torch.export / jit.trace / torch.func trace:
-        the batch statistics without gradient, r and d, then BatchNorm's training call with the folded affine
-        ``weight * r``, ``bias + weight * d`` (it computes the batch statistics again, with their gradient), then
-        the new running statistics written through :meth:`_commit`."""
-        pdtype = param_dtype(input)
-        weight, bias = as_param(self.weight, pdtype), as_param(self.bias, pdtype)
-        mean, var = NF.batch_moments(input)
-        r, d = NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
-        scale = r if weight is None else weight * r
-        shift = d if weight is None else weight * d
-        shift = shift if bias is None else shift + bias
-        # torch.batch_norm, not F.batch_norm: the batch size was checked in forward (F.batch_norm's own check
-        # branches on traced sizes under jit.trace)
-        cudnn = torch.backends.cudnn.enabled
-        out = torch.batch_norm(input, scale.to(pdtype), shift.to(pdtype), None, None, True, 0.0, self.eps, cudnn)
-        if update:
-            where = type(self).__name__
-            mean, var = stats_value(mean, self.running_mean, where), stats_value(var, self.running_var, where)
-            count = static_numel(input) // self.num_features
-            new = _momentum_update(self.running_mean, self.running_var, mean, var, count, self._factor())
-            self._commit(new, (self.running_mean, self.running_var))
-        return out
-
-    @torch.no_grad()
-    def _commit(self, new, kept) -> None:
-        """The non-finite policy in tensor ops: the running statistics become ``new`` if the batch was finite, else
-        ``kept`` (their values before the step); ``num_batches_tracked`` advances by one only for a finite batch,
-        ``skipped_batches`` only for a non-finite one. Finite means: the updated running statistics are finite."""
-        if self.check_finite:
-            finite = all_finite(new[0], new[1])
-        else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
-            finite = torch.ones((), dtype=torch.bool, device=self.running_mean.device)
-        guarded_update((self.running_mean, self.running_var), new, finite, kept)
-        count_into(self.num_batches_tracked, finite)
-        self._count_skipped(finite)
-
-    # ------------------------------------------------------------------ activation checkpointing
-    def _record(self, input: Tensor, prior, rmax, dmax) -> None:
-        """Keep what a checkpoint recomputation of this training forward needs (see :meth:`_replay`)."""
-        records = self.__dict__.setdefault("_recent_steps", collections.deque(maxlen=_RECORDS))
-        records.append((_input_key(input), (prior, rmax, dmax)))
-
-    def _replay(self, input: Tensor):
-        """``(prior, rmax, dmax)`` of the training forward that a recomputation inside a backward pass
-        (``torch.utils.checkpoint``, reentrant or not) replays, or None (a genuine forward: it trains as usual).
-
-        torch.utils.checkpoint runs the recomputation on the tensors the original forward got (non-reentrant: the
-        same tensors; reentrant: detached aliases of them), so the input's storage, offset, shape, strides and
-        version counter, host metadata that costs no device read, identify the forward it repeats: the latest of
-        the last ``_RECORDS`` training forwards of this layer with the same input. The step is then computed with
-        that forward's running statistics and limits and updates nothing: the output, r, d and so the gradients are
-        the original forward's, and the running statistics and ``num_batches_tracked`` advance once per forward.
-        """
-        key = _input_key(input)
-        for seen, record in reversed(self.__dict__.get("_recent_steps", ())):
-            if seen == key:
-                return record
-        return None
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__.pop("_recent_steps", None)  # records live on the old device/dtype
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self):
-        state = super().__getstate__()  # pickling and deepcopy drop the records
-        state.pop("_recent_steps", None)
-        return state
+    def _report_skipped(self, name: str | None = None) -> int:
+        """The skipped-batches report, and the checkpoint recomputations that found no record (both deferred
+        warnings: one host read each, at ``.eval()`` or :func:`normlab.nn.skipped_batches`)."""
+        count = super()._report_skipped(name)
+        buf = self._buffers.get("running_mean")
+        if buf is not None and buf.device.type != "meta" and not torch._C._functorch.is_functorch_wrapped_tensor(buf):
+            report_misses(buf, self._layer_name(name))
+        return count
 
     def extra_repr(self) -> str:
         limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"
@@ -718,7 +575,13 @@ class SyncBatchRenorm(_BatchRenorm):
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not bn_training or self._world_size() == 1:
             return super().forward(input)
-        self._check_input(input, bn_training, local=False)
+        if isinstance(input, torch.fx.Proxy):
+            raise TypeError(
+                f"{type(self).__name__}: torch.fx cannot trace the synchronized step ({self._world_size()} ranks); "
+                "trace the model in a single process or keep the layer a leaf module of the tracer"
+            )
+        spec = self._spec()
+        check_input(input, spec, bn_training, local=False)
         c = self.num_features
         count = input.numel() // c
         if count > 0:
@@ -739,7 +602,7 @@ class SyncBatchRenorm(_BatchRenorm):
         g_var = (total[c : 2 * c] / n - g_mean.square()).clamp_min(0.0)
         r = d = None
         if self._updating():
-            r, d = self._sync_step(input, g_mean, g_var, n)
+            r, d = self._sync_correction(input, g_mean.detach(), g_var.detach(), int(n), spec)
 
         # y = x * a + b with a = weight * r / sigma_B, b = bias + weight * d - mean * a (per channel, float64).
         a = torch.rsqrt(g_var + self.eps)
@@ -757,22 +620,17 @@ class SyncBatchRenorm(_BatchRenorm):
         out = torch.addcmul(b.to(comp).reshape(shape), input.to(comp), a.to(comp).reshape(shape))
         return out.to(input.dtype)
 
-    def _sync_step(self, input: Tensor, g_mean: Tensor, g_var: Tensor, n: float):
-        """r and d from the global statistics and the running statistics before the step, which then updates them
-        (the guarded update of :meth:`_BatchRenorm._commit`: the global statistics are identical on every rank, so
-        every rank skips a non-finite batch together); a checkpoint recomputation (:meth:`_BatchRenorm._replay`)
-        replays its original step instead and updates nothing."""
-        mean, var = g_mean.detach(), g_var.detach()
-        record = self._replay(input) if recomputing() else None
-        if record is None:
-            rmax, dmax = self.renorm_limits()
-            prior = snapshot(self.running_mean, self.running_var)
-            new = _momentum_update(self.running_mean, self.running_var, mean, var, int(n), self._factor())
-            self._commit(new, prior)
-            self._record(input, prior, rmax, dmax)
-        else:
-            prior, rmax, dmax = record
-        return NF.renorm_correction(mean, var, prior[0], prior[1], self.eps, rmax, dmax)
+    def _sync_correction(self, input: Tensor, mean: Tensor, var: Tensor, n: int, spec: Spec):
+        """r and d from the global statistics (identical on every rank) through the layer's one training step
+        (:func:`normlab.nn._renorm_step.renorm_step`: the prior and limits, or a recorded forward's in a checkpoint
+        recomputation; the guarded update with the global count, so every rank skips a non-finite batch together)."""
+        state = (self.running_mean, self.running_var, self.num_batches_tracked, self.skipped_batches)
+
+        def correction(prior, limits):
+            new = momentum_update(*prior, mean, var, n, factor(spec, state))
+            return NF.renorm_correction(mean, var, *prior, self.eps, *limits), new
+
+        return renorm_step(input, state, self.renorm_limits(), spec, correction)
 
     @classmethod
     def convert_sync_batchrenorm(
