@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.fx
 from conftest import needs
-from test_workflows_norms import SPECS
+from test_workflows_norms import SPECS, Spec
 from torch import nn
 from torch.optim.swa_utils import update_bn as torch_update_bn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -207,8 +207,26 @@ def _assert_state_equal(gm: torch.fx.GraphModule, model: nn.Module) -> None:
     torch.testing.assert_close(traced, {k: state[k] for k in traced}, rtol=0, atol=0)
 
 
+def _renorm_specs() -> list[Spec]:
+    """BatchRenorm in each flavour of its limits: constants, the identity, and a schedule that starts renormalizing
+    within the test's steps (so the graph must read ``num_batches_tracked`` when it runs); SyncBatchRenorm on one
+    process; timm's NormAct version."""
+    out = []
+    for d in (1, 2, 3):
+        brn = getattr(L, f"BatchRenorm{d}d")
+        out.append(Spec(f"BRN{d}d-limits", lambda brn=brn: brn(3, rmax=3.0, dmax=5.0), d))
+        out.append(Spec(f"BRN{d}d-identity", lambda brn=brn: brn(3, rmax=1.0, dmax=0.0), d))
+        schedule = RenormSchedule(warmup_steps=1, rmax=3.0, rmax_steps=3, dmax=5.0, dmax_steps=2)
+        out.append(Spec(f"BRN{d}d-schedule", lambda brn=brn, s=schedule: brn(3, schedule=s), d))
+    out.append(Spec("SyncBRN-limits", lambda: L.SyncBatchRenorm(3, rmax=3.0, dmax=5.0), 2))
+    return out
+
+
+RENORM_SPECS = _renorm_specs()
+
+
 @pytest.mark.parametrize("traced_in", ["train", "eval"])
-@pytest.mark.parametrize("spec", SPECS, ids=repr)
+@pytest.mark.parametrize("spec", SPECS + RENORM_SPECS, ids=repr)
 def test_fx_graph_module_follows_train_eval_and_update_bn(spec, traced_in):
     """``symbolic_trace`` of a model holding the layer, traced in one mode, then trained, evaluated, trained again
     and re-estimated by ``normlab.nn.update_bn`` on the GraphModule: outputs and state equal the model's at every
