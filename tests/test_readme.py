@@ -10,7 +10,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 INTEGRATIONS = README.parent / "docs" / "integrations.md"  # the integrations' examples, moved out of the README
-EXTRAS = ("lightning", "tensorboard", "ray", "onnx", "onnxruntime", "onnxscript")
+EXTRAS = ("lightning", "tensorboard", "ray", "onnx", "onnxruntime", "onnxscript", "timm")
 
 
 def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
