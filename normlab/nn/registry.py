@@ -96,9 +96,9 @@ _CARRIES_RUNNING = ("momentum", "track_running_stats")
 
 
 class NameView(Sequence):
-    """A live, read-only sequence of names (:data:`NORM_NAMES`, :data:`CONV_KINDS`): it lists the registry's names
-    each time it is read, so a module that imported it sees the names registered later. Compares equal to the
-    tuple of its names; ``+`` gives a tuple.
+    """A live, read-only sequence of names (:data:`~normlab.nn.NORM_NAMES`, :data:`~normlab.nn.CONV_KINDS`): it
+    lists the registry's names each time it is read, so a module that imported it sees the names registered later.
+    Compares equal to the tuple of its names; ``+`` gives a tuple.
 
     Example:
         >>> CONV_KINDS == ("conv", "wn", "ws", "pws"), "pws" in CONV_KINDS, CONV_KINDS + ("x",)
@@ -151,7 +151,7 @@ class NormEntry:
         name: the registry name.
         classes: {dim: class}, the classes built for each dim (every layer of a registered class counts as a norm
             layer: :func:`is_norm_layer`).
-        statistics: what one statistic is computed over (:data:`STATISTICS`): ``"batch"`` (per channel over the
+        statistics: what one statistic is computed over: ``"batch"`` (per channel over the
             batch and the positions: BatchNorm), ``"instance"`` (per sample and channel over the positions; a
             norm mixing several, as SwitchableNorm, takes its finest per-sample one), ``"group"`` (per sample
             over a group of channels and the positions; the constructor takes ``num_groups``), ``"layer"`` (per
@@ -191,7 +191,8 @@ class NormEntry:
 
     @property
     def per_sample(self) -> bool:
-        """Statistics of each sample over its positions: a BatchNorm1d over (N, C) cannot become this norm."""
+        """Whether the statistics are per sample (instance, group, layer); a BatchNorm1d over (N, C) cannot become
+        such a norm."""
         return self.statistics in ("instance", "group", "layer")
 
     def groups(self, num_channels: int, kwargs: Mapping[str, Any]) -> int | None:
