@@ -147,7 +147,7 @@ def _call_grouped(cls: type, num_channels: int, kwargs: dict) -> nn.Module:
 class NormEntry:
     """One norm name: what :func:`create_norm` builds for it and what the converter and the timm adapter need.
 
-    Args:
+    Attributes:
         name: the registry name.
         classes: {dim: class}, the classes built for each dim (every layer of a registered class counts as a norm
             layer: :func:`is_norm_layer`).
@@ -211,7 +211,7 @@ class ConvEntry:
     """One conv kind: the classes :func:`create_conv` builds, and the constructor arguments a comparison name may
     set after colons (``pws:gamma=1e-2``).
 
-    Args:
+    Attributes:
         name: the registry name.
         classes: {dim: class}; each constructor takes ``nn.Conv{dim}d``'s ``(in_channels, out_channels,
             kernel_size, **kw)``.
@@ -384,6 +384,9 @@ def _check_channels(what: str, arg: str, value) -> None:
 def norm_entry(name: str) -> NormEntry:
     """The :class:`NormEntry` of norm ``name`` (case-insensitive); an unknown name lists the known ones.
 
+    Args:
+        name: one of :data:`NORM_NAMES`.
+
     Example:
         >>> norm_entry("BRN").classes[1].__name__, norm_entry("in").per_sample
         ('BatchRenorm1d', True)
@@ -393,6 +396,9 @@ def norm_entry(name: str) -> NormEntry:
 
 def conv_entry(kind: str) -> ConvEntry:
     """The :class:`ConvEntry` of conv ``kind`` (case-insensitive); an unknown kind lists the known ones.
+
+    Args:
+        kind: one of :data:`CONV_KINDS`.
 
     Example:
         >>> conv_entry("wn").weight_norm, sorted(conv_entry("ws").options)
@@ -634,6 +640,9 @@ def _unregister(table: dict, what: str, name: str) -> None:
 def unregister_norm(name: str) -> None:
     """Remove a norm of :func:`register_norm` (a built-in name is refused in one line).
 
+    Args:
+        name: a name :func:`register_norm` registered.
+
     Example:
         >>> _ = register_norm("bn_again", nn.BatchNorm2d, statistics="batch", running_stats=True)
         >>> unregister_norm("bn_again"); "bn_again" in NORM_NAMES
@@ -644,6 +653,9 @@ def unregister_norm(name: str) -> None:
 
 def unregister_conv(name: str) -> None:
     """Remove a conv kind of :func:`register_conv` (a built-in kind is refused in one line).
+
+    Args:
+        name: a name :func:`register_conv` registered.
 
     Example:
         >>> _ = register_conv("conv_again", nn.Conv2d); unregister_conv("conv_again"); "conv_again" in CONV_KINDS
