@@ -17,7 +17,8 @@ unmonitored median, and the min / median / max of the per-round ratios (variant 
 
 ``--probes`` adds the variant ``every=10 + probes``: the default monitor plus the transformer probes
 (``VarianceMonitor(probes=True)``: the probes run on the recorded steps only). ``--model gpt`` is the collapse
-benchmark's pre-LN character-level GPT (scripts/bench_setups.py: d 64, 2 layers, context 64) on random token ids.
+benchmark's pre-LN character-level GPT (``normlab_lab.collapse_bench.setups.CharGPT``: d 64, 2 layers, context 64) on
+random token ids (the lab is installed beside normlab by ``make setup``).
 
 The machine may be shared with other jobs: compare the ratios, not absolute times, and rerun if noisy.
 """
@@ -66,12 +67,9 @@ def make_model(name: str, norm: str, in_channels: int, size: int, width: float) 
         arch = name.split(":", 1)[1]
         return timm.create_model(arch, pretrained=False), f"timm.create_model('{arch}')", (3, size, size)
     if name == "gpt":
-        import sys
+        from normlab_lab.collapse_bench.setups import CONTEXT, CharGPT
 
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-        from bench_setups import CONTEXT, CharGPT
-
-        return CharGPT(96), "scripts/bench_setups.py CharGPT(96)", (CONTEXT,)
+        return CharGPT(96), "normlab_lab.collapse_bench.setups.CharGPT(96)", (CONTEXT,)
     if name == "resnet50":
         import torchvision
 

@@ -1,11 +1,12 @@
 """Sphinx configuration of normlab's documentation: ``make docs`` builds it with warnings as errors.
 
-``sphinx-build -W --keep-going -E -b html docs docs/_build/html``. The API pages (docs/api/*.rst) list every public
-name of ``normlab.nn``, ``normlab.functional``, ``normlab.convert``, ``normlab.monitor`` and
-``normlab.integrations`` (tests/test_docs_build.py checks the list against each module's ``__all__``); the
-Markdown pages (the README and docs/*.md) are read by myst-parser. References are checked (``nitpicky``): a
-reference to a normlab name that is not documented fails the build; names of other projects (torch, Python,
-Lightning, TensorBoard) are not linked (no network at build time, so no intersphinx) and are ignored below.
+``sphinx-build -W --keep-going -E -b html docs docs/_build/html``. The API pages (docs/api/*.rst) list every public name
+of ``normlab.nn``, ``normlab.functional``, ``normlab.convert``, ``normlab.monitor``, ``normlab.integrations`` and the
+runner's modules that other code builds on (tests/test_docs_build.py checks the list against each module's ``__all__``,
+and that every normlab name the lab uses is there); the Markdown pages (the README, docs/*.md and the lab's pages,
+included by docs/lab/) are read by myst-parser. References are checked (``nitpicky``): a reference to a normlab name
+that is not documented fails the build; names of other projects (torch, Python, Lightning, TensorBoard) are not linked
+(no network at build time, so no intersphinx) and are ignored below.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ myst_enable_extensions = ["dollarmath"]
 nitpicky = True
 # Other projects' and the standard library's names in signatures (torch.Tensor, collections.abc.Mapping, ...) are
 # shown, not linked: intersphinx would need the network at build time. Python's builtins need no entry.
-nitpick_ignore_regex = [(r"py:class", r"(torch|numpy|lightning|tensorboard|collections|os|pathlib|typing)(\..+)?")]
+nitpick_ignore_regex = [
+    (r"py:class", r"(torch|numpy|lightning|tensorboard|collections|os|pathlib|typing|argparse)(\..+)?")
+]
 
 # --- known problems (in files owned by others): the owner fixes them, then deletes the entry --------------------
 # Each entry is exact and expires: tests/test_docs_build.py builds once without them (NORMLAB_DOCS_STRICT=1) and
@@ -79,7 +82,15 @@ nitpick_ignore_regex = [(r"py:class", r"(torch|numpy|lightning|tensorboard|colle
 # References to names that no API page documents: normlab.integrations.timm (public, but its module docstring's
 # table is malformed reStructuredText, so docs/api/integrations.rst cannot include it until timm.py is fixed) and
 # the private module normlab._dataflow (now normlab.convert.dataflow, referred to by its path).
-UNRESOLVED_REFERENCES: list[tuple[str, str]] = []
+#
+# normlab/runner/grid/spec.py, on the API page since the lab builds on GridSpec: unqualified names in the docstrings of
+# GridSpec (FieldError, the field ``norms``), expand_grid (TrainConfig) and unique (FieldError); qualified
+# (``~normlab.runner.errors.FieldError``, ...) they resolve.
+UNRESOLVED_REFERENCES: list[tuple[str, str]] = [
+    ("py:class", "FieldError"),
+    ("py:attr", "norms"),
+    ("py:class", "TrainConfig"),
+]
 STRICT = os.environ.get("NORMLAB_DOCS_STRICT") == "1"  # build without the workarounds above
 if not STRICT:
     nitpick_ignore = list(UNRESOLVED_REFERENCES)
@@ -104,8 +115,10 @@ def _defining_comment(name: str, obj) -> list[str]:
     """The ``#:`` comment of a constant in the module that defines it. autodoc reads the comments of the module a
     name is documented from, and normlab.nn and normlab.monitor re-export their submodules' constants."""
     package, attr = name.rsplit(".", 1)
-    for module_name, module in sorted(sys.modules.items()):
-        if not module_name.startswith(package + ".") or getattr(module, attr, None) is not obj:
+    top = package.split(".")[0] + "."  # a name re-exported from another subpackage (normlab.runner.io's TEMP_SUFFIX)
+    found = sorted(sys.modules.items(), key=lambda item: not item[0].startswith(package + "."))
+    for module_name, module in found:
+        if not module_name.startswith(top) or getattr(module, attr, None) is not obj:
             continue
         try:
             comment = ModuleAnalyzer.for_module(module_name).find_attr_docs().get(("", attr))
@@ -124,5 +137,16 @@ def _fix_docstring(app, what, name, obj, options, lines):
         lines[:] = _defining_comment(name, obj)
 
 
+# The lab's pages (lab/README.md, lab/docs/*.md) are in the site as docs/lab/..., pages that include them. A page of
+# docs/ links them by their path in the repository, ../lab/... (what GitHub follows); in the site that is lab/...
+_LAB_LINK = re.compile(r"\]\(\.\./lab/")
+
+
+def _lab_links(app, docname, source):
+    if "/" not in docname:  # a page of docs/ itself (docs/api/*.rst and the lab's pages link no lab page this way)
+        source[0] = _LAB_LINK.sub("](lab/", source[0])
+
+
 def setup(app):
     app.connect("autodoc-process-docstring", _fix_docstring)
+    app.connect("source-read", _lab_links)

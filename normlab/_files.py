@@ -18,6 +18,8 @@ from typing import IO, Any
 
 __all__ = ["atomic_write", "append_bytes", "atomic_savefig", "TEMP_SUFFIX"]
 
+#: The suffix of a writer's temporary file, which replaces the target when complete (a killed writer's are removed
+#: later).
 TEMP_SUFFIX = ".normlab-tmp"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

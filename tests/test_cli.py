@@ -15,11 +15,13 @@ from normlab.cli import main
 def test_python_m_normlab_help():
     r = subprocess.run([sys.executable, "-m", "normlab", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    for cmd in ("demo", "train", "compare", "report", "monitor", "bench"):
+    for cmd in ("train", "compare", "report", "monitor", "bench", "export"):
         assert cmd in r.stdout
+    for lab in ("demo", "reproduce", "capsules"):  # the lab's commands (normlab-lab)
+        assert f"    {lab} " not in r.stdout
 
 
-@pytest.mark.parametrize("cmd", ["demo", "train", "compare", "report"])
+@pytest.mark.parametrize("cmd", ["train", "compare", "report"])
 def test_subcommand_help(cmd, capsys):
     with pytest.raises(SystemExit) as e:
         main([cmd, "--help"])
@@ -110,7 +112,7 @@ def test_bench_prints_instructions(capsys):
 
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
-    assert "demo" in capsys.readouterr().out
+    assert "compare" in capsys.readouterr().out
 
 
 def test_monitor_subcommand_is_wired(capsys):
@@ -284,68 +286,6 @@ def test_estimate_times_a_step_and_counts_the_steps(monkeypatch):
     assert estimate_minutes(cells, 8) == 2 * 0.5 / 60  # no more workers than cells
 
 
-def test_demo_quick_writes_report(tmp_path, capsys):
-    rc = main(["demo", "--quick", "--out", str(tmp_path), "--workers", "1", "--threads", "1", "--no-progress"])
-    assert rc == 0
-    out, err = capsys.readouterr()
-    # the estimate comes before the first run (as compare's); --no-progress prints no progress line
-    assert "normlab demo: 14 runs to train: about" in err and "min with 1 worker(s) here" in err
-    assert err.index("runs to train") < err.index("training runs on MNIST-1D") and "remaining" not in err
-    report = (tmp_path / "report.md").read_text()
-    for section in ("## (a) Learning rate", "## (b) Batch size", "## (c) Collapse diagnosis", "## (d) Cost"):
-        assert section in report and section not in out  # the terminal shows the first table, not the report
-    # the report opens with the claims table; the terminal ends with the same table and the report's path
-    table = report.split("\n\n")[1]
-    assert table.startswith("| # | claim (as its source states it) | verdict | the numbers |")
-    assert [row.split(" | ")[0] for row in table.splitlines()[2:]] == [
-        "| 1",
-        "| 2",
-        "| 3",
-        "| 3a",
-        "| 4",
-        "| 5",
-        "| BRN",
-        "| mon",
-    ]
-    # the terminal's rendering: every claim's id starts a line, no line over 100 columns (report.md has the text)
-    assert table not in out and all(len(line) <= 100 for line in out.splitlines() if not line.startswith("report: "))
-    ids = [line.split()[0] for line in out.splitlines() if line[:1].strip() and not line.startswith(("report", "Q"))]
-    assert [i for i in ids if i != "claim" and not i.startswith("normlab")] == [
-        "1",
-        "2",
-        "3",
-        "3a",
-        "4",
-        "5",
-        "BRN",
-        "mon",
-    ]
-    assert out.rstrip().splitlines()[-1].startswith(f"report: {tmp_path / 'report.md'}")
-    assert "false alarm" in report and "at plateau" in report
-    demo = json.loads((tmp_path / "demo.json").read_text())
-    assert set(demo["sections"]) == {"lr_sweep", "collapse", "guard", "guard_dead", "batch_size"}
-    # the guarded twins: section (c)'s unnormalized runs again, the same config but guard=True (and guard_dead=True),
-    # beside their twins
-    twins = {c["cell"]: c for c in demo["sections"]["collapse"]["cells"]}
-    for section, dead in (("guard", False), ("guard_dead", True)):
-        for c in demo["sections"][section]["cells"]:
-            assert c["name"] == "none" and c["cell"] in twins and c["seed"] == twins[c["cell"]]["seed"]
-            summary = json.loads((tmp_path / section / "runs" / c["cell"] / "summary.json").read_text())
-            assert summary["config"]["guard"] is True and summary["config"]["guard_dead"] is dead
-            assert "monitor_risk" in summary
-    assert "### Guarded twins" in report and "| none seed 0 |" in report
-    assert "### Guarded twins with --guard-dead" in report
-    assert {c["name"] for c in demo["sections"]["lr_sweep"]["cells"]} == {"none", "bn", "pws"}
-    pngs = ("a_acc_vs_lr.png", "a_loss_curves.png", "b_acc_vs_batch_size.png", "c_collapse_diagnosis.png")
-    for png in (*pngs, "c_guarded_twins.png", "c_guarded_dead_twins.png"):
-        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # the batch-size section reports train-mode accuracy; every run of the demo is monitored
-    assert all(c["final_test_acc_train_mode"] is not None for c in demo["sections"]["batch_size"]["cells"])
-    assert all(c["monitored"] for sec in demo["sections"].values() for c in sec["cells"])
-    (tmp_path / "report.md").unlink()
-    assert main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.md").is_file()
-
-
 def test_guard_flag_reaches_every_cell_and_its_rescues_are_in_the_results(tmp_path, capsys):
     out = tmp_path / "grid"
     rc = main(
@@ -442,8 +382,6 @@ def _parse_error(argv, capsys) -> str:
         (["train", "--lrr", "0.1"], "--lrr", "--lr"),
         (["compare", "--lrr", "0.1"], "--lrr", "--lrs"),
         (["compare", "--norm", "bn"], "--norm", "--norms"),
-        (["demo", "--quik"], "--quik", "--quick"),
-        (["capsules", "--iteration", "1"], "--iteration", "--iterations"),
         (["--verison"], "--verison", "--version"),
     ],
 )
@@ -469,13 +407,14 @@ def test_a_mistyped_command_or_choice_gets_the_closest_one(capsys):
 
 
 def test_every_argument_parser_of_the_repository_refuses_abbreviations():
-    """Scripts and benchmarks too: an abbreviated option silently taken for another is a wrong experiment."""
+    """The lab (its scripts too) and the benchmarks too: an abbreviated option silently taken for another is a wrong
+    experiment."""
     import re
 
     from conftest import ROOT
 
     offenders = []
-    for path in [*ROOT.glob("scripts/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("normlab/**/*.py")]:
+    for path in [*ROOT.glob("lab/**/*.py"), *ROOT.glob("benchmarks/*.py"), *ROOT.glob("normlab/**/*.py")]:
         for call in re.findall(r"ArgumentParser\((.*?)\)", path.read_text(), flags=re.S):
             if call.strip() and "allow_abbrev=False" not in call:
                 offenders.append(path.name)

@@ -1,6 +1,6 @@
 """normlab.runner.grid.estimate and the progress line: the estimate counts what a run does besides its steps (its
-evaluations, its monitor's recorded steps, its start), the demo's estimate the work after its runs, and the ETA
-keeps that work until it is done."""
+evaluations, its monitor's recorded steps, its start) and the work after its runs, and the ETA keeps that work until
+it is done."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import io
 import pytest
 
 from normlab.monitor.log import load_log
-from normlab.runner.experiments.demo import experiment
 from normlab.runner.grid import estimate
 from normlab.runner.grid.estimate import cell_evals, cell_recorded_steps, cell_steps, plan_text
 from normlab.runner.grid.progress import GridProgress
@@ -102,10 +101,7 @@ def test_an_evaluation_and_a_recorded_step_cost_time_when_timed():
     assert estimate.eval_seconds(cfg) > 0 and estimate.monitor_seconds(cfg) >= 0
 
 
-def test_the_demo_estimate_names_the_work_after_the_runs_and_the_eta_keeps_it(monkeypatch):
-    monkeypatch.setattr(experiment, "step_seconds", lambda cfg: 0.5)
-    p = experiment.QUICK_PROTOCOL  # section (d): 3 norms at batch 32, 2 warm-up steps and 1 x 1 timed
-    assert experiment.after_runs_seconds(p) == pytest.approx(experiment.REPORT_S + 3 * 3 * 0.5)
+def test_the_estimate_names_the_work_after_the_runs_and_the_eta_keeps_it(monkeypatch):
     monkeypatch.setattr(estimate, "estimate_minutes", lambda todo, workers: 2.0)
     cells = expand_grid(GridSpec(norms=("bn",), lrs=(0.1,), batch_sizes=(16,), seeds=(0,), epochs=1))
     text, minutes = plan_text(cells, cells, 2, after_s=30.0)

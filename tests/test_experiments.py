@@ -1,4 +1,4 @@
-"""Comparison grids: expansion, running, resuming, results files, report re-rendering, effect judgement."""
+"""Comparison grids: expansion, running, resuming, results files, report re-rendering, judged effects."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import pytest
 
 from normlab.nn import resolve_comparison as resolve_norm
 from normlab.runner.experiments.compare import run_grid
-from normlab.runner.grid.report import markdown_table, render_report
-from normlab.runner.grid.results import load_results
+from normlab.runner.grid.report import Effects, markdown_report, markdown_table, render_report, summary_lines
+from normlab.runner.grid.results import chance_level, format_acc, load_results
 from normlab.runner.grid.spec import GridSpec, expand_grid
-from normlab.runner.grid.verdicts import headline_effects
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -142,7 +141,7 @@ def test_run_grid_writes_results_table_and_plots(tiny_grid):
         assert g["step_time_s"] == pytest.approx(s["step_time_s"])
     md = (out / "results.md").read_text()
     assert "| bn | 0.05 | 16 | 1 |" in md and "| pws | 0.2 | 16 | 1 |" in md
-    assert "Headline effects" in md
+    assert "Headline effects" not in md and "Criteria" not in md  # the paper's verdicts are the lab's
     for png in ("acc_vs_lr.png", "training_curves.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     # a single batch size: no batch-size plot to draw
@@ -249,48 +248,6 @@ def _base_groups(none_hi=0.10, none_collapsed=3, bn_hi=0.95, pws_hi=0.93, bn_sma
     return g
 
 
-def test_effects_appear_when_numbers_show_them():
-    e = headline_effects(_results(_base_groups()))
-    assert e[0]["appeared"] is True and "0.5" in e[0]["text"]
-    assert e[1]["appeared"] is True and "batch size 2" in e[1]["text"]
-
-
-def test_effects_do_not_appear_when_numbers_do_not_show_them():
-    # the unnormalized net trains at the high lr: effect 1 absent
-    e = headline_effects(_results(_base_groups(none_hi=0.9, none_collapsed=0)))
-    assert e[0]["appeared"] is False and "did not fail" in e[0]["text"]
-    # the unnormalized net fails but BN does not train either
-    e = headline_effects(_results(_base_groups(bn_hi=0.3)))
-    assert e[0]["appeared"] is False
-    # the unnormalized net fails at every lr: not a learning-rate effect
-    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
-    groups += [_group("none", 0.05, 64, 0.1), _group("none", 0.5, 64, 0.1, collapsed=3)]
-    e = headline_effects(_results(groups))
-    assert e[0]["appeared"] is False and "every learning rate" in e[0]["text"]
-    # the unnormalized net learns (slowly, 40 %) at the low lr and fails at the high one: a learning-rate effect
-    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
-    groups += [_group("none", 0.05, 64, 0.4), _group("none", 0.5, 64, 0.15)]
-    e = headline_effects(_results(groups))
-    assert e[0]["appeared"] is True and "learns at lr 0.05 and fails at 0.5" in e[0]["text"]
-    # ... but fails at the low lr and learns at the high one: not this effect
-    groups = [g for g in _base_groups() if g["name"] != "none" or g["batch_size"] != 64]
-    groups += [_group("none", 0.05, 64, 0.1), _group("none", 0.5, 64, 0.6)]
-    e = headline_effects(_results(groups))
-    assert e[0]["appeared"] is False and "lowest learning rates" in e[0]["text"]
-    # BN holds at batch size 2: effect 2 absent
-    e = headline_effects(_results(_base_groups(bn_small=0.95)))
-    assert e[1]["appeared"] is False and "BN did not degrade" in e[1]["text"]
-    # BN degrades but so does GN: only partly
-    e = headline_effects(_results(_base_groups(gn_small=0.5)))
-    assert e[1]["appeared"] is False and "GN" in e[1]["text"].split("also degraded:")[1]
-
-
-def test_effects_not_testable_without_the_norms():
-    groups = [g for g in _base_groups() if g["name"] in ("bn", "gn")]
-    e = headline_effects(_results(groups, norms=("bn", "gn")))
-    assert e[0]["appeared"] is None and e[1]["appeared"] is None
-
-
 def test_markdown_table_mean_std_and_collapse_count():
     res = _results([_group("none", 0.5, 64, 0.1, collapsed=2, std=0.0234), _group("bn", 0.5, 64, 0.9512)])
     md = markdown_table(res)
@@ -304,25 +261,35 @@ def test_render_report_on_synthetic_results(tmp_path):
     names = {p.name for p in paths}
     assert {"results.md", "acc_vs_lr.png", "acc_vs_batch_size.png"} <= names
     md = (tmp_path / "results.md").read_text()
-    assert md.count("**yes**") >= 2
+    assert "**yes**" not in md and "## Results" in md  # no claims judged without effects
 
 
-def test_identical_norms_reported():
-    def cell(name, accs, seed=0):
-        return {"name": name, "lr": 0.05, "batch_size": 64, "seed": seed, "history": [{"test_acc": a} for a in accs]}
-
+def test_a_report_judges_the_effects_it_is_given_and_none_by_default(tmp_path):
     res = _results(_base_groups())
-    res["cells"] = [
-        cell("bn", [0.5, 0.9]),
-        cell("brn", [0.5, 0.9]),
-        cell("gn", [0.5, 0.8]),
-        cell("none", [0.1, 0.1]),
-        cell("pws", [0.1, 0.1]),
-    ]
-    text = [e["text"] for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
-    assert len(text) == 1 and text[0].startswith("bn = brn (")  # none/pws both stuck at chance: not listed
-    res["cells"][1] = cell("brn", [0.5, 0.91])
-    assert not [e for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
+    effects = Effects(
+        lambda r: [{"effect": "BN at lr 0.5", "appeared": True, "text": format_acc(_find(r, "bn", 0.5, 64))}],
+        criteria="BN trains above 90 %.",
+        title="The claim",
+    )
+    md = markdown_report(res, effects=effects)
+    assert "## The claim" in md and "- BN at lr 0.5: **yes**. 95.0 ± 1.0 %" in md and "Criteria: BN trains" in md
+    assert md.index("## The claim") < md.index("## Results")
+    assert summary_lines(res, effects) == ["[YES] BN at lr 0.5: 95.0 ± 1.0 %"]
+    plain = markdown_report(res)
+    assert "## The claim" not in plain and "Criteria" not in plain and summary_lines(res) == []
+    render_report(res, tmp_path, effects)
+    assert "## The claim" in (tmp_path / "results.md").read_text()
+
+
+def _find(results, name, lr, bs):
+    return next(g for g in results["groups"] if (g["name"], g["lr"], g["batch_size"]) == (name, lr, bs))
+
+
+def test_chance_level_and_accuracy_text():
+    assert chance_level({"num_classes": 10}) == 0.1 and chance_level({}) == 0.0
+    assert format_acc(None) == "n/a" and format_acc(_group("bn", 0.5, 64, None)) == "n/a"
+    assert format_acc(_group("bn", 0.5, 64, 0.9512, n=1)) == "95.1 %"
+    assert format_acc(_group("none", 0.5, 64, 0.1, collapsed=2, std=0.0234)) == "10.0 ± 2.3 % (collapsed 2/3)"
 
 
 def test_partial_results_written_after_each_cell(tmp_path, monkeypatch):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import subprocess
@@ -13,6 +12,8 @@ import torch
 from torch import nn
 
 timm = pytest.importorskip("timm")
+from conftest import TIMM_TABLES as TABLES  # noqa: E402
+from conftest import timm_tables  # noqa: E402
 from timm.layers import BatchNormAct2d  # noqa: E402
 
 from normlab.convert import convert_norm  # noqa: E402
@@ -23,33 +24,8 @@ from normlab.integrations.timm import (  # noqa: E402
     InstanceNormAct2d,
     SwitchableNormAct2d,
     SyncBatchRenormAct,
-    register,
 )
 from normlab.nn import BatchRenorm2d, SwitchableNorm2d  # noqa: E402
-
-TABLES = ("_NORM_ACT_MAP", "_NORM_TO_NORM_ACT_MAP", "_NORM_ACT_TYPES", "_NORM_ACT_REQUIRES_ARG")
-
-
-def timm_tables() -> dict:
-    """Copies of timm's private NormAct tables (what register() changes)."""
-    import timm.layers.create_norm_act as factory
-
-    return {name: copy.copy(getattr(factory, name)) for name in TABLES}
-
-
-@pytest.fixture
-def registered():
-    """normlab's NormAct classes registered with timm for one test; timm's tables restored after it."""
-    import timm.layers.create_norm_act as factory
-
-    saved = timm_tables()
-    register()
-    yield
-    for name, value in saved.items():
-        table = getattr(factory, name)
-        table.clear()
-        table.update(value)
-
 
 X = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(0))
 
@@ -83,7 +59,7 @@ def train_step(model: nn.Module) -> torch.Tensor:
         ("regnetx_002", GroupNorm1Act2d, GroupNorm1Act2d),
     ],
 )
-def test_create_model_with_normlab_norm_act_layers(name, norm_layer, cls, registered):
+def test_create_model_with_normlab_norm_act_layers(name, norm_layer, cls, timm_registered):
     torch.manual_seed(0)
     ref = timm.create_model(name, pretrained=False, num_classes=4)
     torch.manual_seed(0)
@@ -172,7 +148,7 @@ def test_missing_timm_is_a_one_line_error(monkeypatch):
     assert str(err.value) == "timm is not installed: pip install 'normlab[timm]'" and err.value.name == "timm"
 
 
-def test_docstring_examples_run(registered):
+def test_docstring_examples_run(timm_registered):
     import doctest
 
     import normlab.integrations.timm as module
@@ -181,7 +157,7 @@ def test_docstring_examples_run(registered):
     assert result.failed == 0 and result.attempted >= 4
 
 
-def test_fold_a_model_built_on_batch_renorm_act(registered):
+def test_fold_a_model_built_on_batch_renorm_act(timm_registered):
     from normlab.convert import fold_for_inference
 
     torch.manual_seed(0)

@@ -197,24 +197,6 @@ def test_layer_keys_refuses_an_unknown_key():
         layer_keys("output_variance")
 
 
-def test_the_demo_diagnosis_plots_from_the_reader(tmp_path):
-    pytest.importorskip("matplotlib")
-    from normlab.runner.experiments.demo.diagnosis import load_records, plot_diagnosis
-
-    run = tmp_path / "run"
-    run.mkdir()
-    mon = _monitored_run(spp=False)
-    mon.to_jsonl(run / "monitor.jsonl")
-    (run / "summary.json").write_text(json.dumps({"collapsed": False, "monitor_alarm": None}))
-    (run / "loss_trace.json").write_text(json.dumps({"losses": [2.3, 2.2, None, 2.0], "window": 2}))
-    records, alarm = load_records(run)
-    assert len(records) == len(mon.records) and alarm["layer"] == mon.alarm.layer
-    assert plot_diagnosis([("run", run)], tmp_path / "d.png").is_file()
-    (run / "monitor.jsonl").write_text('{"step": 0, "layer": 1}\n')
-    with pytest.raises(ValueError, match=r"monitor.jsonl:1: expected a string 'layer'"):
-        load_records(run)
-
-
 @pytest.mark.parametrize(
     "text, what",
     [

@@ -150,28 +150,6 @@ def _kill_when_training(cell_dir: Path, cell_id: str, killed: list, stop: thread
         time.sleep(0.02)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc"), reason="finds the Ray worker through /proc")
-def test_the_capsule_grid_runs_on_ray_like_on_processes(ray_cluster, tmp_path):
-    # one engine: the capsule experiment gets the Ray backend of the grid, with the same cells and results
-    from normlab.runner.experiments.capsules.experiment import CapsSpec, run_capsules
-
-    spec = CapsSpec(
-        iterations=(1, 2),
-        grads=("detached",),
-        recons=("off",),
-        seeds=(0,),
-        epochs=1,
-        max_steps_per_epoch=2,
-        test_subset=16,
-    )
-    kw = dict(threads=1, progress=False, render=False, log=lambda s: None)
-    here = run_capsules(spec, tmp_path / "process", workers=1, **kw)
-    there = run_capsules(spec, tmp_path / "ray", backend="ray", **{**kw, "log": logging.info})
-    assert [c["cell"] for c in there["cells"]] == [c["cell"] for c in here["cells"]] and there["complete"]
-    assert [c["final_test_margin"] for c in there["cells"]] == [c["final_test_margin"] for c in here["cells"]]
-    assert _files(tmp_path / "ray") == _files(tmp_path / "process")
-
-
 def test_ray_retries_a_cell_whose_worker_is_killed(ray_cluster, tmp_path):
     spec = _spec(norms=("bn",), epochs=6, max_steps_per_epoch=8)
     (cell,) = expand_grid(spec)
@@ -323,17 +301,3 @@ def test_refusals_before_any_cell_runs(tmp_path, monkeypatch):
         run_grid(_spec(norms=("gn",)), tmp_path / "g", progress=False, backend="ray")
     assert main(["compare", "--backend", "ray", "--norms", "bn", "--out", str(tmp_path / "cli")]) == 2
     assert not (tmp_path / "cli").exists()  # refused before anything was written
-
-
-def test_the_reproduction_runs_on_ray_with_the_process_pools_results(ray_cluster, tmp_path):
-    # normlab reproduce --backend ray: every section's cells as Ray tasks, the same results as the local pool
-    from normlab.runner.experiments.demo.experiment import run_demo
-    from normlab.runner.experiments.reproduce.mnist1d import SMOKE_PROTOCOL
-
-    kw = dict(protocol=SMOKE_PROTOCOL, mode="smoke", threads=1, progress=False)
-    here = run_demo(tmp_path / "process", workers=1, **kw)
-    there = run_demo(tmp_path / "ray", backend="ray", **kw)
-    assert set(there["sections"]) == set(here["sections"])
-    for name, section in here["sections"].items():
-        assert _without_timing(there["sections"][name]["cells"]) == _without_timing(section["cells"]), name
-    assert _files(tmp_path / "ray" / "lr_sweep") == _files(tmp_path / "process" / "lr_sweep")

@@ -124,7 +124,7 @@ def test_min_ratio_is_the_factor_the_shift_term_must_exceed(shift, warned):
 
 
 def test_the_default_rule_is_the_round_3_choice():
-    # docs/research/monitor_calibration.md, round 3: ratio 10 for 2 consecutive steps (a ratio of 3 is the ordinary
+    # lab/docs/monitor_calibration.md, round 3: ratio 10 for 2 consecutive steps (a ratio of 3 is the ordinary
     # healthy plain net)
     det = RegimeRule()
     assert (det.window, det.min_ratio, det.pws_factor) == (2, 10.0, None)

@@ -378,26 +378,19 @@ def test_variant_options_are_the_conv_kinds_own():
         parse_variant("bn:gamma=2")
 
 
-def test_timm_adapter_takes_a_user_norm(rms):
+def test_timm_adapter_takes_a_user_norm(rms, timm_registered):
     timm = pytest.importorskip("timm")
-    import timm.layers.create_norm_act as factory
 
     from normlab.integrations.timm import norm_act_class, register
 
-    saved = {k: dict(v) if isinstance(v, dict) else set(v) for k, v in vars(factory).items() if k.startswith("_NORM")}
     cls = norm_act_class("rms")
-    try:
-        register()
-        model = timm.create_model("regnetx_002", pretrained=False, num_classes=4, norm_layer=cls)
-        ref = timm.create_model("regnetx_002", pretrained=False, num_classes=4)
-        acts = [type(m.act).__name__ for m in model.modules() if isinstance(m, cls)]
-        assert acts and acts == [type(m.act).__name__ for m in ref.modules() if hasattr(m, "act") and m.act]
-        assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-        assert torch.isfinite(model(torch.randn(2, 3, 64, 64))).all()
-    finally:
-        for k, v in saved.items():
-            getattr(factory, k).clear()
-            getattr(factory, k).update(v)
+    register()  # again, now that rms is registered: adds its NormAct class
+    model = timm.create_model("regnetx_002", pretrained=False, num_classes=4, norm_layer=cls)
+    ref = timm.create_model("regnetx_002", pretrained=False, num_classes=4)
+    acts = [type(m.act).__name__ for m in model.modules() if isinstance(m, cls)]
+    assert acts and acts == [type(m.act).__name__ for m in ref.modules() if hasattr(m, "act") and m.act]
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert torch.isfinite(model(torch.randn(2, 3, 64, 64))).all()
 
 
 # --- bad registrations: one line each, nothing registered ---

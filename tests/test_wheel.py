@@ -1,6 +1,7 @@
-"""The package installs: ``python -m build`` makes an sdist and a wheel (from the sdist); the wheel, installed with its
-declared dependencies into a new, isolated venv, runs its main job (``normlab demo --quick``, ``normlab train
---dataset mnist1d``) from a directory outside the checkout.
+"""The package installs: ``python -m build`` makes an sdist and a wheel (from the sdist), neither carrying the lab
+(lab/: the paper's demo, reproduction and benchmark are not the package); the wheel, installed with its declared
+dependencies into a new, isolated venv, runs its commands (``normlab compare``, ``normlab train --dataset mnist1d``)
+from a directory outside the checkout.
 
 The venv sees nothing of this environment (no ``--system-site-packages``, no path lines): pip installs the wheel with
 what its metadata requires and nothing else, torch at the Makefile's pin (the CPU wheel on this machine's disk). The
@@ -92,10 +93,19 @@ def test_the_build_prints_no_deprecation_warning(dist):
     assert not re.search(r"deprecat", dist[2], flags=re.I), dist[2]
 
 
+# What belongs to the lab (lab/normlab_lab, lab/scripts, lab/docs) and not to the package, by the names it had in
+# the package before it moved out: none of them may be in the wheel or the sdist's package.
+LAB_NAMES = ("normlab_lab", "verdicts", "experiments/demo", "experiments/reproduce", "experiments/capsules")
+LAB_NAMES += ("cli/demo.py", "cli/reproduce.py", "cli/capsules.py", "collapse_bench", "demo_record", "reproduce_record")
+
+
 def test_the_wheel_holds_the_package_and_nothing_else(dist):
     names = zipfile.ZipFile(dist[1]).namelist()
     tops = {n.split("/")[0] for n in names}
     assert tops == {"normlab", f"normlab-{normlab.__version__}.dist-info"}, tops  # no tests/, docs/, runs/, build/
+    lab = [n for n in names if any(word in n for word in LAB_NAMES)]
+    assert not lab, lab  # the lab is not the package
+    assert not [n for n in names if n.endswith(".py") and b"normlab_lab" in zipfile.ZipFile(dist[1]).read(n)]
     assert "normlab/py.typed" in names  # type checkers read normlab's annotations
     sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "normlab").rglob("*.py")}
     assert sources <= set(names), sorted(sources - set(names))  # every module, subpackages included
@@ -115,6 +125,9 @@ def test_the_sdist_builds_the_same_package(dist):
     ):
         assert f"{root}/{required}" in names, required
     assert not any(n.startswith((f"{root}/runs", f"{root}/docs/_build", f"{root}/.venv")) for n in names)
+    package = [n for n in names if n.startswith(f"{root}/normlab/")]
+    assert package and not [n for n in package if any(word in n for word in LAB_NAMES)]
+    assert not [n for n in names if n.startswith((f"{root}/lab/normlab_lab", f"{root}/normlab_lab"))]
 
 
 def test_the_version_has_one_source():
@@ -153,37 +166,21 @@ def test_the_installed_command_prints_its_version_and_help(venv, tmp_path):
     version = run([venv / "bin" / "normlab", "--version"], cwd=tmp_path).stdout
     assert version.strip() == f"normlab {normlab.__version__}"
     help_text = run([venv / "bin" / "normlab", "--help"], cwd=tmp_path).stdout
-    assert "usage: normlab" in help_text and "demo" in help_text and "--version" in help_text
+    assert "usage: normlab" in help_text and "compare" in help_text and "--version" in help_text
+    assert "demo" not in help_text and not (venv / "bin" / "normlab-lab").exists()  # the lab is not installed
 
 
-def test_the_installed_quick_demo_writes_its_report(venv, tmp_path):
-    cwd, out = tmp_path / "cwd", tmp_path / "demo"
+def test_the_installed_compare_writes_its_report(venv, tmp_path):
+    cwd, out = tmp_path / "cwd", tmp_path / "grid"
     cwd.mkdir()
-    proc = run(
-        [
-            venv / "bin" / "normlab",
-            "demo",
-            "--quick",
-            "--out",
-            out,
-            "--workers",
-            "1",
-            "--threads",
-            "1",
-            "--no-progress",
-        ],
-        cwd=cwd,
-    )
-    report = (out / "report.md").read_text()
-    first = report[report.index("\n| ") :].split("\n\n")[0].strip().splitlines()[2:]  # the claims table opens it
-    ids = [line.split(" | ")[0].lstrip("| ") for line in first]
-    starts = {line.split()[0] for line in proc.stdout.splitlines() if line.strip()}
-    assert ids and set(ids) <= starts  # the terminal shows every claim of the report's table ...
-    assert "report: " in proc.stdout and "report.md" in proc.stdout  # ... and the report's path
-    summary = json.loads((out / "demo.json").read_text())
-    assert "protocol" in summary
-    for section in ("lr_sweep", "batch_size", "collapse"):
-        assert json.loads((out / section / "results.json").read_text()), section
+    cmd = [venv / "bin" / "normlab", "compare", "--norms", "none,bn,pws", "--lrs", "0.05,0.2", "--seeds", "100"]
+    cmd += ["--epochs", "1", "--width", "0.125", "--max-steps-per-epoch", "3", "--workers", "1", "--threads", "1"]
+    proc = run([*cmd, "--no-progress", "--out", out], cwd=cwd)
+    results = json.loads((out / "results.json").read_text())
+    assert results["complete"] and len(results["cells"]) == 6
+    report = (out / "results.md").read_text()
+    assert "| pws | 0.2 | 64 | 1 |" in report and "Headline effects" not in report  # no paper verdict
+    assert "report: " in proc.stdout and "results.md" in proc.stdout
     pngs = sorted(p.name for p in out.glob("*.png"))
     assert pngs and all(name in report for name in pngs), (pngs, report[:500])  # the report shows every plot
     assert not list(cwd.iterdir())  # nothing written outside --out

@@ -30,6 +30,7 @@ __all__ = [
     "fraction",
     "positive_int",
     "finite_float",
+    "threads_int",
     "number",
     "integer",
     "device",
@@ -348,7 +349,7 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         help="implies --guard; the guard also measures against chance (ln of the number of classes): a monitor "
         "alarm on a network that has not learned is confirmed once the 10-step mean loss sits at chance 40 steps "
         "in, and the loss climb is measured towards chance. It saves dead networks, and it also rolls back slow "
-        "learners that would have learned later (docs/research/monitor_calibration.md, rounds 4 and 5)",
+        "learners that would have learned later",
     )
     p.add_argument(
         "--threads",

@@ -197,8 +197,7 @@ def _announce(args: argparse.Namespace, grid: GridRun) -> None:
     plan = f"{runs} to train{done} ({spec_text(args)}): about {minutes:.0f} min {where}"
     if minutes > CONFIRM_MINUTES and not args.yes:
         raise UsageError(
-            f"--yes: {plan}; pass --yes to start it, or make it smaller (--norms, --seeds, --epochs, "
-            "--width); `normlab demo` is the 5-minute tour"
+            f"--yes: {plan}; pass --yes to start it, or make it smaller (--norms, --seeds, --epochs, --width)"
         )
     print(f"normlab compare: {plan}", file=sys.stderr)
 

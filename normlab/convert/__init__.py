@@ -16,8 +16,9 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
   set under every name that held the old one (norms and convs alike).
 * Every new layer is built before any is set, and an error of its constructor (a ``**kw`` it refuses, e.g.
   ``rmax`` for a BatchNorm without running statistics) names the layer it would replace; nothing is changed then.
-* A new layer keeps the replaced layer's state (``normlab/convert/state.py``): device, dtype, memory format
-  (channels_last kernels), the training flag and each parameter's ``requires_grad`` (a frozen layer stays frozen,
+* A new layer keeps the replaced layer's state (``normlab/convert/state.py``): device, dtype (those of the model's
+  first floating-point tensor for a BatchNorm that has none: ``affine=False, track_running_stats=False``), memory
+  format (channels_last kernels), the training flag and each parameter's ``requires_grad`` (a frozen layer stays frozen,
   parameters it lacked included). Module hooks are not carried over (as by torch's
   ``SyncBatchNorm.convert_sync_batchnorm``): every such layer is named in one ``UserWarning``.
 * Warnings and refusals are one line each: each reason once, with the first few layers and their count. A model

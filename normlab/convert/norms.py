@@ -113,20 +113,27 @@ def _build(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> n
     return create_norm(to, channels, dim=dim, **{**_derived(bn, spec, entry, get_norm_class(to, dim), kw), **kw})
 
 
-def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
+def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict, model_ref: Tensor | None = None):
     """The ``to`` layer computing in place of ``bn`` (reusing its drop/act modules), with the state that carries:
     the values (:mod:`normlab.convert`), device, dtype, ``requires_grad`` and training flag
-    (``normlab/convert/state.py``)."""
+    (``normlab/convert/state.py``). A BatchNorm without tensors (``affine=False, track_running_stats=False``) gives
+    the new layer the device and dtype of ``model_ref`` (a tensor of the model, see :func:`model_tensor`)."""
     new = _build(bn, spec, to, dim, kw)
     if to == "none":
         return keep_state(bn, new, True)
-    ref = next((t for t in (bn.weight, bn.running_mean) if isinstance(t, Tensor)), None)
+    ref = next((t for t in (bn.weight, bn.running_mean, model_ref) if isinstance(t, Tensor)), None)
     if ref is not None:
         new.to(device=ref.device, dtype=ref.dtype)  # first: the values are copied in the final dtype
     _copy_matching(bn, new, ("weight", "bias") + (_RUNNING if norm_entry(to).running_stats else ()))
     if spec.act:
         new.drop, new.act = bn.drop, bn.act
     return keep_state(bn, new, is_frozen(bn, spec.frozen))
+
+
+def model_tensor(model: nn.Module) -> Tensor | None:
+    """The first floating-point parameter or buffer of ``model`` (its device and dtype), or None."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return next((t for t in tensors if t.is_floating_point()), None)
 
 
 def _divisor_refusals(entry: NormEntry, bns: list, names: dict, kw: dict) -> list[tuple[str, str]]:
@@ -232,10 +239,10 @@ def convert_norms(model: nn.Module, to: str, example_input, kw: dict) -> nn.Modu
     if not bns:
         warnings.warn(f"convert_norm(to={to!r}): nothing to convert: {LOOKED_FOR}", UserWarning, stacklevel=3)
         return model
-    dims = _dims(model, bns, example_input)
+    dims, ref = _dims(model, bns, example_input), model_tensor(model)
     new = {
         id(m): build_named(
-            lambda m=m, spec=spec: new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw),
+            lambda m=m, spec=spec: new_norm(m, spec, to, spec.dim or dims.get(id(m), 2), kw, ref),
             f"convert_norm(to={to!r})",
             m,
             names[id(m)],

@@ -28,7 +28,7 @@ from torch import nn
 from normlab.monitor.collapse import CHANCE, LEARNED, MIN_WINDOWS, window_mean
 from normlab.monitor.optim_step import learning_rates, optimizer_step
 
-__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed", "LOSS_WINDOW"]
 
 
 class RunCollapsed(RuntimeError):
@@ -158,7 +158,8 @@ class _Armed:
         return cls(int(d["onset"]), str(d["reason"]), int(d["since"]), snap)
 
 
-LOSS_WINDOW = 10  # loss_climb and the dead-network test: the loss is averaged over this many steps
+#: The steps the guard averages the loss over (the loss climb and the dead-network test).
+LOSS_WINDOW = 10
 # the library's collapse definition (normlab.monitor.collapse): learned below LEARNED x the reference, at chance
 # at CHANCE x chance or above, dead after MIN_WINDOWS windows that never learned
 LEARNED_FRACTION, AT_CHANCE, DEAD_AFTER = LEARNED, CHANCE, MIN_WINDOWS
@@ -251,7 +252,7 @@ class CollapseGuard:
     and waits up to ``confirm`` steps. A non-finite loss or gradient or a loss climb in that time is dated to the
     alarm (or to the start of the loss window, if earlier) and restores the snapshot chosen for that onset (the
     pinned one for the alarm); otherwise the alarm is dismissed (``guard.dismissed``) and the run goes on unchanged.
-    This is what keeps a false alarm from changing a healthy run (docs/research/monitor_calibration.md: measured).
+    This is what keeps a false alarm from changing a healthy run.
 
     A step without trouble is exactly ``optimizer.step()`` (or ``monitor.step(optimizer)``, or
     ``scaler.step(optimizer); scaler.update()``): a healthy run is not changed, only copied every ``every`` steps.
@@ -280,8 +281,7 @@ class CollapseGuard:
             mean below 0.8 x its reference), is back this fraction of the way from its best to its reference, in
             (0, 1]; None: the loss is only checked for non-finite values. Needs the loss passed to :meth:`step`.
         chance_loss: the loss of a constant uniform prediction (``ln C`` for C classes), the reference of
-            ``loss_climb`` (None, the default: the first 10-step mean loss; it also rolls back slow learners,
-            measured in docs/research/monitor_calibration.md). With it, an alarm waiting for
+            ``loss_climb`` (None, the default: the first 10-step mean loss). With it, an alarm waiting for
             confirmation also waits while the run has not learned, and is confirmed when the run is dead by the
             collapse tracker's definition (40 steps seen, never below 0.8 x chance, the mean loss at 0.95 x chance
             or above): a network that died at the alarm is rolled back to before it.

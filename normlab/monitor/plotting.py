@@ -1,5 +1,5 @@
-"""The plotting helpers of monitor logs, shared by ``normlab monitor`` (``normlab.monitor.plots``) and the demo's
-collapse diagnosis. One line per layer in forward order, log axes that mask non-positive values, the alarm line.
+"""The plotting helpers of monitor logs, used by ``normlab monitor`` (``normlab.monitor.plots``) and by any figure
+drawn from a monitor log. One line per layer in forward order, log axes that mask non-positive values, the alarm line.
 
 They draw on matplotlib axes they are given and import pyplot only to close a saved figure.
 """

@@ -2,7 +2,7 @@
 output directories.
 
 Every output goes through :func:`atomic_write` (or :func:`append_lines` for logs that grow), the helper of
-:mod:`normlab._files`: a unique temporary file is created next to the target with ``O_EXCL``, written, fsynced and
+``normlab._files``: a unique temporary file is created next to the target with ``O_EXCL``, written, fsynced and
 moved over the target with ``os.replace``. A crash leaves either the old file or the new one, never a half-written
 file; two writers never share a temporary name; a symbolic link planted at the target is replaced, never followed,
 so nothing outside the output directory is written. The temporary files of a killed writer are removed by
@@ -106,10 +106,10 @@ def _first_existing(path: Path) -> Path:
 def check_dir_option(path: str | os.PathLike | None, option: str = "--out", *, writable: bool = True) -> Path:
     """Refuse a directory option that cannot work, before anything is written; returns it as a Path.
 
-    Refused (:class:`UsageError`, naming ``option``): an empty string, an existing non-directory (a file, or a
-    link to one), a dangling link, a path under a file, and with ``writable`` a directory (or its nearest existing
-    ancestor, when it is still to be created) that this process may not write into. A link to a directory is
-    accepted: the user named it.
+    Refused (:class:`~normlab.runner.errors.UsageError`, naming ``option``): an empty string, an existing
+    non-directory (a file, or a link to one), a dangling link, a path under a file, and with ``writable`` a directory
+    (or its nearest existing ancestor, when it is still to be created) that this process may not write into. A link
+    to a directory is accepted: the user named it.
     """
     if path is None or not str(path).strip():
         raise UsageError(f"{option}: expected a directory path, got an empty string")

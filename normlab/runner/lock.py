@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - not POSIX: no locking
 
 __all__ = ["out_lock", "lock_holder", "LOCK_NAME"]
 
+#: The lock file's name in the output directory.
 LOCK_NAME = ".normlab.lock"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -44,7 +44,9 @@ __all__ = [
     "PWSBottleneck",
 ]
 
-MODEL_DIMS = {"plain": 2, "plain1d": 1, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}  # spatial dims each model takes
+#: The spatial dimensions of the input each model takes (1 for a sequence, 2 for an image).
+MODEL_DIMS = {"plain": 2, "plain1d": 1, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}
+#: The names :func:`build_model` takes.
 MODELS = tuple(MODEL_DIMS)
 _MODEL_KWARGS = {"resnet": {"blocks"}, "resnet_pws": {"blocks"}, "cnn1d": {"channels"}}
 
@@ -326,7 +328,8 @@ def build_model(
 
     Args:
         name: ``plain``, ``plain1d``, ``resnet``, ``resnet_pws`` or ``cnn1d``.
-        norm, conv: layer names of :mod:`normlab.nn.registry` (``resnet_pws`` takes norm ``none`` or ``ln``).
+        norm, conv: layer names of :func:`normlab.nn.create_norm` and :func:`normlab.nn.create_conv` (``resnet_pws``
+            takes norm ``none`` or ``ln``).
         in_channels, num_classes: input channels and classes.
         input_shape: per-sample shape (C, H, W) / (C, L), or only its spatial part.
         width: channel multiplier in (0, 64].

@@ -19,10 +19,8 @@ trained level.
 - :class:`ResidualStreamRule`: growth of the residual stream of a pre-LN transformer (``residual_rms``);
 - :class:`NormGainRule`: growth of LayerNorm/RMSNorm gains (``norm_gain``).
 
-Thresholds were fixed on the collapse benchmark's pilot seed 200 (docs/monitor_benchmark.md): the floors of the
-alarms are one step of the grid above the smallest floor without a false alarm on the pilot; attention-logit and
-residual-stream growth are warnings, because on the pilot the runs where they grew past any floor without a false
-alarm did not collapse by the loss definition (their loss ended 10-30 % worse).
+Attention-logit and residual-stream growth are warnings by default (such growth also appears in runs that train
+on), output-logit divergence and norm-gain growth are alarms.
 """
 
 from __future__ import annotations
@@ -149,10 +147,9 @@ class AttentionLogitRule(ProbeGrowthRule):
 
     Args:
         factor: default 10.
-        floor: default 300 (healthy runs of the benchmark's GPT that trained well stayed below 40).
+        floor: default 300.
         warmup, patience: see :class:`ProbeGrowthRule` (defaults 50, 1).
-        severity: default ``"warning"``: on the benchmark's pilot, runs whose attention logits
-            grew past 1e3-1e6 ended with a worse loss but did not collapse by the loss definition within 300 steps.
+        severity: default ``"warning"``: attention logits that grow this far also appear in runs that train on.
 
     Example:
         >>> AttentionLogitRule().name
@@ -198,7 +195,7 @@ class ResidualStreamRule(ProbeGrowthRule):
 
     Args:
         factor: default 30.
-        floor: default 100 (healthy runs of the benchmark's GPT that trained well stayed below 12).
+        floor: default 100.
         warmup, patience: see :class:`ProbeGrowthRule` (defaults 50, 1).
         severity: default ``"warning"``: as :class:`AttentionLogitRule`.
 

@@ -18,10 +18,9 @@ from normlab.monitor.rules.base import Event, Rule, StepContext
 __all__ = ["FactorRule", "CountdownRule", "alarm_message", "renormalized_alone"]
 
 _NON_FINITE = {"reason": "non-finite", "direction": "non-finite"}
-# under an adaptive optimizer, the steps whose records the variance rules skip (the first-step transient); fixed on
-# the collapse benchmark's pilot seeds (docs/monitor_benchmark.md, round 2)
+# under an adaptive optimizer, the steps whose records the variance rules skip (the first-step transient)
 ADAPTIVE_STEPS = 5
-# under an adaptive optimizer, the consecutive flagged steps the countdown needs (docs/monitor_benchmark.md, round 3)
+# under an adaptive optimizer, the consecutive flagged steps the countdown needs
 ADAPTIVE_CONFIRM = 3
 
 
@@ -317,8 +316,7 @@ class CountdownRule(Rule):
 
     With ``every_step`` (the default) it is checked on every optimizer step: on a step that records nothing the
     monitor keeps only each conv/linear layer's output variance (a light step); False: recorded steps only.
-    ``level`` and ``grad_ratio`` are off by default (None). What the thresholds achieve:
-    docs/research/monitor_calibration.md.
+    ``level`` and ``grad_ratio`` are off by default (None).
 
     Args:
         growth: growth-rate threshold (per step, natural log), > 0, or None.

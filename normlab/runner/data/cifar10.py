@@ -1,7 +1,7 @@
 """CIFAR-10 from its python batches, read with an unpickler that only rebuilds plain arrays.
 
 The python batches (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``) are pickles, and an ordinary
-``pickle.load`` of a crafted file runs arbitrary code. :func:`read_batch` uses :class:`_BatchUnpickler`, which
+``pickle.load`` of a crafted file runs arbitrary code. :func:`read_batch` uses an unpickler, which
 builds only dicts, lists, bytes/str/numbers and numpy arrays and refuses every other global in one line.
 """
 
@@ -19,16 +19,31 @@ import numpy as np
 from normlab.runner.errors import RunError, UsageError, error_line
 from normlab.runner.io import atomic_write
 
-__all__ = ["read_batch", "load_cifar10", "download_cifar10", "CIFAR10_CLASSES", "CIFAR10_MEAN", "CIFAR10_STD"]
+__all__ = [
+    "read_batch",
+    "load_cifar10",
+    "download_cifar10",
+    "CIFAR10_DIRNAME",
+    "CIFAR10_TRAIN_FILES",
+    "CIFAR10_TEST_FILE",
+    "CIFAR10_CLASSES",
+    "CIFAR10_MEAN",
+    "CIFAR10_STD",
+]
 
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 CIFAR10_MD5 = "c58f30108f718f92721af3b95e74349a"
+#: The directory of the python batches inside ``data_dir`` (as the archive unpacks).
 CIFAR10_DIRNAME = "cifar-10-batches-py"
+#: The five training batches' file names in :data:`CIFAR10_DIRNAME`.
 CIFAR10_TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+#: The test batch's file name in :data:`CIFAR10_DIRNAME`.
 CIFAR10_TEST_FILE = "test_batch"
+#: The class names, in label order.
 CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
-# Per-channel statistics of the CIFAR-10 training set (pixels scaled to [0, 1]).
+#: Per-channel mean of the CIFAR-10 training set (pixels scaled to [0, 1]).
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+#: Per-channel standard deviation of the CIFAR-10 training set (pixels scaled to [0, 1]).
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 
 _ALLOWED_GLOBALS = {

@@ -31,9 +31,12 @@ from . import cifar10, mnist1d
 
 __all__ = ["DATASETS", "DATASET_CLASSES", "DATASET_DIMS", "ArrayDataset", "flip_crop", "get_dataset"]
 
-DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}  # number of classes of each data set
-DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}  # spatial dimensions of a sample
+#: The number of classes of each data set.
+DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}
+#: The spatial dimensions of a sample of each data set (1 for a sequence, 2 for an image).
+DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}
 INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
+#: The names :func:`get_dataset` takes.
 DATASETS = tuple(DATASET_CLASSES)
 
 

@@ -1,5 +1,5 @@
 """The normalization comparison as an experiment of the grid engine: a :class:`~normlab.runner.grid.spec.GridSpec`
-and :func:`~normlab.runner.training.train.train` for each of its cells (``normlab compare``, the demo's sections).
+and :func:`~normlab.runner.training.train.train` for each of its cells (``normlab compare``).
 
 :data:`COMPARE` tells :mod:`normlab.runner.grid.execute` how to expand, check, train, collect and report such a
 grid; :func:`run_grid` runs one into an output directory.
@@ -38,6 +38,7 @@ def _describe(summary: dict[str, Any]) -> str:
     return f"test acc {'n/a' if acc is None else f'{100 * acc:.1f} %'}{flag}"  # percent, as the summaries
 
 
+#: The normalization comparison as an experiment of the grid engine (``normlab compare``).
 COMPARE = Experiment(
     name="compare",
     spec_file="grid.json",

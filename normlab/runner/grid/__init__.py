@@ -1,2 +1,2 @@
 """Grids of training runs: the spec, the engine that runs any experiment's cells (process pool or Ray), results,
-report and verdicts."""
+estimate and report."""

@@ -12,8 +12,8 @@ one torch thread (what a pool worker uses), each once per what it depends on: th
 random input, of the train-mode pass (``eval_train_mode``) and of a few steps with a
 :class:`~normlab.monitor.VarianceMonitor` recording, less the plain step, once per model (norm, conv, width, data
 set) and batch size; the eval-mode pass over a test set of the run's size once per model. :data:`RUN_OVERHEAD_S`
-(starting a run, building its data and model, writing its files) was measured once
-(docs/research/estimate_calibration.md).
+(starting a run, building its data and model, writing its files) is a constant (how it was measured: the
+documentation's page on the defaults).
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ __all__ = [
     "plan_text",
 ]
 
-CONFIRM_MINUTES = 15.0  # a grid estimated longer than this starts only with --yes
+#: A grid estimated longer than this many minutes starts only with ``--yes``.
+CONFIRM_MINUTES = 15.0
 TRAIN_SIZES = {"digits": 1437, "cifar10": 50_000}  # training-set sizes; mnist1d: 80 % of num_samples
 TEST_SIZES = {"digits": 360, "cifar10": 10_000}  # test-set sizes; mnist1d: 20 % of num_samples
-RUN_OVERHEAD_S = 0.15  # seconds of a run besides its steps, evaluations and monitor (measured: see the module doc)
+#: Seconds of a run besides its steps, evaluations and monitor (starting it, building its data and model, writing its
+#: files).
+RUN_OVERHEAD_S = 0.15
 
 
 def cell_steps(cfg: TrainConfig) -> int:
@@ -169,7 +172,7 @@ def eval_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
 
 def train_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
     """Seconds of the train-mode pass (``eval_train_mode``): batches of the training batch size over the first
-    :data:`~normlab.runner.training.evaluation.TRAIN_MODE_SAMPLES` test samples (0 for a batch over 512)."""
+    ``TRAIN_MODE_SAMPLES`` (``normlab.runner.training.evaluation``) test samples (0 for a batch over 512)."""
     if cfg.batch_size > 512:
         return 0.0
     batches = min(_test_size(cfg), TRAIN_MODE_SAMPLES) // cfg.batch_size

@@ -2,8 +2,9 @@
 resumable, one output directory per grid.
 
 An experiment is a spec plus a training function (:class:`Experiment`): the normalization comparison
-(:mod:`normlab.runner.experiments.compare`, each cell one :func:`~normlab.runner.training.train.train` call) and the
-capsule routing experiment (:mod:`normlab.runner.experiments.capsules.experiment`) run through the same code.
+(:mod:`normlab.runner.experiments.compare`, each cell one :func:`~normlab.runner.training.train.train` call) is one;
+any other (a spec on :class:`~normlab.runner.grid.spec.DictSpec`, a training function of one cell) runs through the
+same code.
 :func:`plan_grid` reads an output directory (read only): the grid recorded there merged with the new spec, the
 cells, which of them are done (a ``summary.json`` written by the same configuration); :meth:`GridRun.start` writes
 the directory's record; :func:`run_cells` runs the remaining cells of any number of planned grids through one
@@ -59,6 +60,7 @@ __all__ = [
     "BACKENDS",
 ]
 
+#: Where the cells run, ``"process"`` (this process or a pool of worker processes) or ``"ray"`` (Ray tasks).
 BACKENDS = ("process", "ray")
 
 
@@ -73,7 +75,7 @@ class Experiment:
     Args:
         name: the command that runs it (``compare``, ``capsules``): the lock's holder and the log's prefix.
         spec_file: the directory's record of the grid (``grid.json``).
-        spec_type: a :class:`~normlab.runner.io.DictSpec` dataclass whose ``LIST_FIELDS`` a later run may extend.
+        spec_type: a :class:`~normlab.runner.grid.spec.DictSpec` dataclass whose ``LIST_FIELDS`` a later run may extend.
         expand: ``expand(spec, data_cache) -> cells``, each config built and validated once (generated data sets
             are cached in ``data_cache``); a cell has ``cell_id`` and ``config`` (``config.differences(saved)``,
             ``config.device``).
@@ -341,7 +343,7 @@ def run_cells(
     )
     t0, cpu0 = time.perf_counter(), _cpu_times()
 
-    def name(grid: GridRun, cell) -> str:  # several grids (the demo's sections) may share cell ids
+    def name(grid: GridRun, cell) -> str:  # several grids run together may share cell ids
         return f"{grid.out.name}/{cell.cell_id}" if len(grids) > 1 else cell.cell_id
 
     def done(grid: GridRun, cell, summary: dict[str, Any]) -> None:
@@ -379,9 +381,9 @@ def run_experiment(
     Holds the directory's lock throughout (the one place that takes it for a grid). Cells with a matching
     ``summary.json`` are not rerun; a grid already in ``out_dir`` is extended (see the module docstring).
     ``announce(grid)`` is called on the planned grid before anything is written (it may refuse with a
-    :class:`UsageError`); ``extras(grid, ran)`` returns further ``collect`` arguments from what :func:`run_cells`
-    returned; ``option`` names ``out_dir`` in messages; ``run``: the arguments of :func:`run_cells`. Returns the
-    results dict.
+    :class:`~normlab.runner.errors.UsageError`); ``extras(grid, ran)`` returns further ``collect`` arguments from
+    what :func:`run_cells` returned; ``option`` names ``out_dir`` in messages; ``run``: the arguments of
+    :func:`run_cells`. Returns the results dict.
 
     Raises:
         CellsFailed: some cells raised; the report of the others is written first.

@@ -1,5 +1,5 @@
-"""One colour and one place in line per normalization, for every figure that draws norms (the grid report's and the
-demo's), so that a norm reads the same in all of them: ``bn`` is blue in every figure, ``none`` near-black.
+"""One colour and one place in line per normalization, for every figure that draws norms (the grid report's and any
+other), so that a norm reads the same in all of them: ``bn`` is blue in every figure, ``none`` near-black.
 
 :data:`NORM_COLORS` fixes the colour of each norm the runner knows, in :data:`NORM_ORDER`; a variant
 (``"pws:gamma=0.01"``) has its own entry or, if it has none, a colour picked from the norm's name (the same in
@@ -29,12 +29,13 @@ NORM_COLORS: dict[str, str] = {
     "pws": "tab:red",
     "pws:gamma=0.01": "#7f0000",
 }
+#: The order in which figures and tables list the norms (the order of :data:`NORM_COLORS`).
 NORM_ORDER: tuple[str, ...] = tuple(NORM_COLORS)
 _SPARE = ("#e6ab02", "#1b9e77", "#7570b3", "#a6761d", "#666666", "#e7298a")  # names without an entry
 
 
 def norm_color(name: str) -> str:
-    """The colour of norm ``name`` (a grid's or demo's norm name, variants included), the same in every figure.
+    """The colour of norm ``name`` (a grid's norm name, variants included), the same in every figure.
 
     Example::
 

@@ -45,7 +45,7 @@ class GridProgress:
 
         >>> import io
         >>> out = io.StringIO()
-        >>> p = GridProgress([1.0, 1.0], label="normlab demo", stream=out)
+        >>> p = GridProgress([1.0, 1.0], label="normlab compare", stream=out)
         >>> p.update("bn_lr0.1_bs128_s0", "acc 0.912")
         >>> "1 remaining" in out.getvalue()
         True

@@ -34,15 +34,16 @@ import torch
 
 from normlab.runner.errors import RunError, UsageError, error_line
 
-__all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "MAX_RETRIES"]
+__all__ = ["run_on_ray", "ray_session", "require_ray", "check_address", "check_device", "MAX_RETRIES"]
 
-MAX_RETRIES = 3  # Ray reruns a cell whose worker died this many times (it resumes from its checkpoint)
+#: Ray reruns a cell whose worker died this many times (it resumes from its checkpoint).
+MAX_RETRIES = 3
 _OBJECT_STORE = 128 * 2**20  # an embedded Ray only carries cell summaries: keep its shared memory small
 _POLL_S = 0.5  # the driver wakes this often, so that Ctrl-C is handled at once
 
 
 def require_ray(local: bool = False):
-    """The ``ray`` module, or a one-line :class:`UsageError` naming the extra to install.
+    """The ``ray`` module, or a one-line :class:`~normlab.runner.errors.UsageError` naming the extra to install.
 
     ``local``: this process only starts a Ray of its own. Before Ray's first import, that Ray is then kept on the
     loopback: Ray's switch for a local-only Ray (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) makes its node address

@@ -1,19 +1,62 @@
 """Render a grid's ``results.json`` as a markdown report and PNG plots.
 
 Everything is computed from the results dict (:mod:`normlab.runner.grid.results`), so ``normlab report DIR`` re-renders
-the same report without training; the verdicts come from :mod:`normlab.runner.grid.verdicts`.
+the same report without training. The report is the grid's table (mean ± std over seeds per norm, learning rate and
+batch size) and its plots; a caller that judges claims from the numbers passes them as :class:`Effects`, shown
+above the table.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from normlab.runner.grid.palette import norm_color, norm_order
-from normlab.runner.grid.verdicts import COST_CRITERION, CRITERIA, DEGRADE_CRITERION, chance_level, headline_effects
+from normlab.runner.grid.results import chance_level
 from normlab.runner.io import atomic_savefig, atomic_write_text
+
+__all__ = [
+    "Effects",
+    "lr_used",
+    "markdown_table",
+    "status_lines",
+    "markdown_report",
+    "agg_pyplot",
+    "plot_sweep",
+    "plot_curves",
+    "seed_range_bar",
+    "render_plots",
+    "write_report",
+    "render_report",
+    "summary_lines",
+    "print_summary",
+]
+
+
+@dataclass(frozen=True)
+class Effects:
+    """Claims that a grid's report judges from its numbers; the report shows none without them.
+
+    Attributes:
+        judge: ``judge(results)`` returns one dict per claim: ``effect`` (the claim in words), ``appeared``
+            (True, False, or None when it is not testable or only information), ``text`` (the numbers behind the
+            verdict) and, optionally, ``mark`` (``"tie"``).
+        criteria: how the verdicts are reached, printed under them.
+        title: the heading of the report's section.
+
+    Example:
+        >>> effects = Effects(lambda results: [{"effect": "two seeds", "appeared": None, "text": "2 seeds"}], "")
+        >>> effects.judge({})[0]["effect"]
+        'two seeds'
+    """
+
+    judge: Callable[[dict[str, Any]], list[dict[str, Any]]]
+    criteria: str
+    title: str = "Headline effects (computed from the table below)"
+
 
 # --------------------------------------------------------------------------------------------------
 # Markdown
@@ -112,7 +155,9 @@ def status_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
+def markdown_report(results: dict[str, Any], plots: Sequence[str] = (), effects: Effects | None = None) -> str:
+    """The report's markdown: the grid's settings, ``effects`` judged (if any), the table and the ``plots`` (file
+    names beside results.md)."""
     spec = results["spec"]
     chance = chance_level(results)
     lines = [
@@ -127,16 +172,16 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = ()) -> str:
         "Accuracies are percent, mean ± sample std over seeds. A run *collapsed* if its loss became non-finite.",
         *status_lines(results),
         "",
-        "## Headline effects (computed from the table below)",
-        "",
     ]
-    for e in headline_effects(results):
-        mark = "**tie**" if e.get("mark") == "tie" else {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
-        lines.append(f"- {e['effect']}: {mark}. {e['text']}")
+    if effects is not None:
+        lines += [f"## {effects.title}", ""]
+        for e in effects.judge(results):
+            mark = (
+                "**tie**" if e.get("mark") == "tie" else {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
+            )
+            lines.append(f"- {e['effect']}: {mark}. {e['text']}")
+        lines += ["", f"Criteria: {effects.criteria}", ""]
     lines += [
-        "",
-        f"Criteria: {CRITERIA} {DEGRADE_CRITERION} {COST_CRITERION}",
-        "",
         "## Results",
         "",
         markdown_table(results),
@@ -167,7 +212,8 @@ def _style(i: int, name: str) -> dict[str, Any]:
     }
 
 
-def plt():
+def agg_pyplot():
+    """``matplotlib.pyplot`` on the Agg backend: figures are drawn to files, no display is needed."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -187,7 +233,7 @@ def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
     if not panels:
         return None
     chance = chance_level(results)
-    pyplot = plt()
+    pyplot = agg_pyplot()
     keys = sorted(panels)
     fig, axes = pyplot.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
     for ax, o in zip(axes[0], keys):
@@ -273,7 +319,7 @@ def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
         panels.append((base_lr, lo))
     if not panels:
         return None
-    pyplot = plt()
+    pyplot = agg_pyplot()
     fig, axes = pyplot.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
     for ax, (lr, bs) in zip(axes[0], panels):
         for k, name in enumerate(norm_order(spec["norms"])):
@@ -350,25 +396,28 @@ def write_report(
     return [md, *drawn]
 
 
-def render_report(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """Write results.md and the PNG plots into ``out_dir``; returns the paths written."""
-    return write_report(results, out_dir, render_plots, markdown_report)
+def render_report(results: dict[str, Any], out_dir: str | os.PathLike, effects: Effects | None = None) -> list[Path]:
+    """Write results.md (with ``effects`` judged, if given) and the PNG plots into ``out_dir``; returns the paths
+    written."""
+    return write_report(results, out_dir, render_plots, lambda r, plots: markdown_report(r, plots, effects))
 
 
-def summary_lines(results: dict[str, Any]) -> list[str]:
-    """Short console summary: the headline effects, one line each."""
+def summary_lines(results: dict[str, Any], effects: Effects | None = None) -> list[str]:
+    """Short console summary: each of ``effects`` judged, one line each (none without them)."""
     out = []
-    for e in headline_effects(results):
+    for e in effects.judge(results) if effects is not None else []:
         mark = "TIE" if e.get("mark") == "tie" else {True: "YES", False: "NO", None: "info"}[e["appeared"]]
         out.append(f"[{mark}] {e['effect']}: {e['text']}")
     return out
 
 
-def print_summary(results: dict[str, Any], out_dir: str | os.PathLike) -> None:
-    """Print the table, the judged effects and where the report and plots are."""
+def print_summary(results: dict[str, Any], out_dir: str | os.PathLike, effects: Effects | None = None) -> None:
+    """Print the table, ``effects`` judged (if given) and where the report and plots are."""
     out = Path(out_dir)
     print(markdown_table(results))
-    print()
-    for line in summary_lines(results):
+    lines = summary_lines(results, effects)
+    if lines:
+        print()
+    for line in lines:
         print(line)
     print(f"\nreport: {out / 'results.md'}  plots: {', '.join(str(p) for p in sorted(out.glob('*.png')))}")

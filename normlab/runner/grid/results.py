@@ -12,8 +12,17 @@ from typing import Any
 from normlab.runner.data.datasets import DATASET_CLASSES
 from normlab.runner.errors import UsageError
 
-__all__ = ["collect_results", "load_results", "read_summary", "mean_std", "RESULTS_VERSION"]
+__all__ = [
+    "collect_results",
+    "load_results",
+    "read_summary",
+    "mean_std",
+    "chance_level",
+    "format_acc",
+    "RESULTS_VERSION",
+]
 
+#: The version of the ``results.json`` layout (``version`` in the file).
 RESULTS_VERSION = 1
 _HISTORY_KEYS = ("epoch", "step", "train_loss", "train_acc", "test_loss", "test_acc", "test_acc_train_mode")
 
@@ -27,6 +36,36 @@ def mean_std(xs: Sequence[float | None]) -> tuple[float | None, float | None]:
     if len(xs) == 1:
         return m, 0.0
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def chance_level(results: dict[str, Any]) -> float:
+    """The accuracy of a constant guess, ``1 / C`` for the ``num_classes`` C of a results dict (0.0 when unknown).
+
+    Example:
+        >>> chance_level({"num_classes": 10})
+        0.1
+    """
+    n = results.get("num_classes")
+    return 1.0 / n if n else 0.0
+
+
+def format_acc(group: dict[str, Any] | None) -> str:
+    """A group's mean final test accuracy in percent, ``± std`` over seeds when it has several, and how many of
+    its seeds collapsed; ``n/a`` without a group or an accuracy.
+
+    Example:
+        >>> format_acc({"final_mean": 0.912, "final_std": 0.004, "n_seeds": 3, "collapsed_count": 1})
+        '91.2 ± 0.4 % (collapsed 1/3)'
+    """
+    if group is None or group["final_mean"] is None:
+        return "n/a"
+    s = f"{100 * group['final_mean']:.1f}"
+    if group["n_seeds"] > 1:
+        s += f" ± {100 * group['final_std']:.1f}"
+    s += " %"
+    if group["collapsed_count"]:
+        s += f" (collapsed {group['collapsed_count']}/{group['n_seeds']})"
+    return s
 
 
 def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
@@ -214,7 +253,7 @@ def _shape_error(results: Any) -> str | None:
 
 
 def load_results(out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Read ``results.json`` of a compare/demo output directory; a one-line error if missing or malformed
+    """Read ``results.json`` of a grid's output directory; a one-line error if missing or malformed
     (wrong JSON, or keys the report reads missing or of the wrong type)."""
     path = Path(out_dir) / "results.json"
     if not path.is_file():

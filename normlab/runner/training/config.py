@@ -84,8 +84,7 @@ class TrainConfig:
     steps: on a non-finite loss or gradient, or the monitor's alarm, the run goes back to a snapshot from before the
     trouble with half the learning rate; one process only); ``guard_dead`` (with ``guard``: the guard also measures
     against chance, ``CollapseGuard(chance_loss=ln C)``, so an alarm on a network that never learned is confirmed
-    once the net has sat at chance for 40 steps; it rolls back slow learners too,
-    docs/research/monitor_calibration.md, round 4).
+    once the net has sat at chance for 40 steps; it rolls back slow learners too).
     """
 
     dataset: str = "digits"

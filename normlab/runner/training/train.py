@@ -75,10 +75,21 @@ from normlab.runner.io import (
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
 
-__all__ = ["train", "Trainer", "TrainState", "CHECKPOINT_FORMAT", "read_checkpoint", "seed_everything", "eval_marks"]
+__all__ = [
+    "train",
+    "Trainer",
+    "TrainState",
+    "CHECKPOINT_FORMAT",
+    "GUARD_EVERY",
+    "read_checkpoint",
+    "seed_everything",
+    "eval_marks",
+]
 
 CHECKPOINT_FORMAT = 1
-GUARD_EVERY = 20  # --guard: a snapshot every 20 optimizer steps (the rollback lands at least 20 steps before trouble)
+#: ``guard=True``: the guard's snapshot interval in optimizer steps (a rollback lands at least this far before
+#: the trouble).
+GUARD_EVERY = 20
 GUARD_MAX_RESCUES = 3
 
 
