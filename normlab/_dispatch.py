@@ -91,6 +91,26 @@ def fx_tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
+def fx_node(layer: torch.nn.Module, x) -> bool:
+    """True while ``torch.fx.symbolic_trace`` traces a model that holds ``layer`` below its root, with ``x`` a value
+    of that trace: the layer is then recorded as one :func:`layer_step` node. The root of a trace (a layer traced
+    on its own) has no name to read it back from: it is traced through, as torch's own layers are."""
+    if not isinstance(x, torch.fx.Proxy):
+        return False
+    root = getattr(x.tracer, "root", None)
+    return root is not None and root is not layer and any(m is layer for m in root.modules())
+
+
+def layer_step(layer: torch.nn.Module, *args):
+    """``layer._forward_step(*args)``, the layer's own forward: what a torch.fx graph calls for a normlab layer
+    whose forward depends on its mode or settings (those layers ``torch.fx.wrap`` this name and call it when
+    :func:`fx_node`). The graph holds the layer (a ``get_attr`` node) and runs its step when it runs, reading
+    ``training``, ``momentum`` and the rest then, as the ``call_module`` node of a torch BatchNorm does: the
+    GraphModule follows ``.train()``/``.eval()`` and ``update_bn``, and its ``state_dict`` has the model's keys.
+    (The step, not ``forward``: a subclass's forward around it, such as a timm NormAct's activation, is traced.)"""
+    return layer._forward_step(*args)
+
+
 def batched_backward(grad: Tensor) -> bool:
     """True when a backward runs under vmap: batched gradients (``autograd.grad(is_grads_batched=True)``,
     ``torch.autograd.functional.jacobian/hessian(vectorize=True)``: the legacy vmap) or a torch.func transform. Kernels

@@ -51,7 +51,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as NF
 from .._checks import check_number, is_number
-from .._dispatch import param_dtype
+from .._dispatch import fx_node, layer_step, param_dtype
 from .._functions import momentum_update
 from ._bn_tools import BatchNormTools, reestimating
 from ._docs import fill
@@ -61,7 +61,8 @@ from ._recompute import report_misses
 from ._renorm_step import Spec, check_input, factor, renorm_forward, renorm_step
 from ._sync_convert import to_sync_batchrenorm
 
-torch.fx.wrap("renorm_forward")  # one call_function node in a torch.fx graph (the layer's whole forward)
+torch.fx.wrap("layer_step")  # torch.fx.symbolic_trace records the layer as this one call (see forward)
+torch.fx.wrap("renorm_forward")  # ... and traces a layer at the root of the trace as this one call
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
 
@@ -422,8 +423,15 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         The layer evaluates its limits and makes one call, ``normlab.nn._renorm_step.renorm_forward``, with its
         parameters, buffers and settings: eval is BatchNorm's own call; a training step takes the prior (the running
         statistics, or in a checkpoint recomputation the recorded forward's), runs
-        :func:`normlab.functional.batch_renorm_train` and commits the new running statistics. Eager, compiled,
-        recomputed and ``torch.fx``-traced (one ``call_function`` node) steps run this same call."""
+        :func:`normlab.functional.batch_renorm_train` and commits the new running statistics. Eager, compiled and
+        recomputed steps run this same call. ``torch.fx.symbolic_trace`` of a model that holds the layer records
+        one node, ``layer_step(layer, x)``, which runs the step when the graph runs, in the mode and with the
+        settings the layer has then (as the ``call_module`` node of a torch BatchNorm); a layer traced on its own
+        is traced through as one ``renorm_forward`` node."""
+        return layer_step(self, input) if fx_node(self, input) else self._forward_step(input)
+
+    def _forward_step(self, input: Tensor) -> Tensor:
+        """The training or eval step of :meth:`forward` (what a torch.fx graph's ``layer_step`` node runs)."""
         rmax, dmax = self._step_limits(input)
         return renorm_forward(
             input,
@@ -563,11 +571,12 @@ class SyncBatchRenorm(_BatchRenorm):
             return 1
         return dist.get_world_size(self.process_group)
 
-    def forward(self, input: Tensor) -> Tensor:
-        """Input (N, C, *) -> output of the same shape and dtype."""
+    def _forward_step(self, input: Tensor) -> Tensor:
+        """Input (N, C, *) -> output of the same shape and dtype: the single-process step, or the synchronized one
+        (what :meth:`forward` runs, and a torch.fx graph's ``layer_step`` node when the graph runs)."""
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         if not bn_training or self._world_size() == 1:
-            return super().forward(input)
+            return super()._forward_step(input)
         if isinstance(input, torch.fx.Proxy):
             raise TypeError(
                 f"{type(self).__name__}: torch.fx cannot trace the synchronized step ({self._world_size()} ranks); "
