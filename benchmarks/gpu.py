@@ -3,8 +3,8 @@
     python benchmarks/gpu.py --out runs/bench/gpu.json --results benchmarks/RESULTS.md
     python benchmarks/gpu.py --smoke --device cpu --out /tmp/gpu.json    # seconds: the code path on a CPU (make test)
 
-Sections, in this order (each timed side by side in one process, interleaved, the device synchronized around
-every sample; a ratio is candidate / reference within a round, median (min-max) over ``--rounds`` rounds):
+Sections, in the order they run (each timed side by side in one process, interleaved, the device synchronized
+around every sample; a ratio is candidate / reference within a round, median (min-max) over ``--rounds`` rounds):
 
 1. ``readbacks``: device-to-host reads of one training step (forward + backward) and one eval step of every layer
    (BatchRenorm1d/2d/3d, SyncBatchRenorm on one process, SwitchableNorm, InstanceNorm, WSConv/PWSConv, every dim),
@@ -13,17 +13,19 @@ every sample; a ratio is candidate / reference within a round, median (min-max) 
    synchronizations ``torch.cuda.set_sync_debug_mode("warn")`` reports. torch's layers make none.
 2. ``layers``: every layer against the torch layer it stands beside (bench_compiled.py's groups) at (256, 256),
    (32, 64), (32, 64, 32, 32), (8, 256, 56, 56), (32, 64, 4, 16, 16), contiguous and channels_last, forward +
-   backward, eager in float32 and in bfloat16 (bf16 input under ``torch.autocast``); then a subset compiled
-   (``fullgraph=True``) in both dtypes.
+   backward, eager, in float32 and in bfloat16 (bf16 input under ``torch.autocast``).
 3. ``steps``: the CrossQ critic update (Adam; BatchRenorm1d vs BatchNorm1d) eager and ``torch.compile(step)``, and a
-   ResNet-50 training step (torchvision's definition, no weights, SGD) with BatchNorm against the same model
-   converted to BatchRenorm, SwitchableNorm and PWS, eager in float32 and bf16 autocast; compiled if time is left.
+   ResNet-50 training step (torchvision's definition, no weights, 64 x 3 x 224 x 224, channels_last, SGD) with
+   BatchNorm against the same model converted to BatchRenorm, SwitchableNorm and PWS, eager in float32 and bf16
+   autocast; compiled if time is left.
 4. ``monitor``: the default ``VarianceMonitor`` (every=10, the default rules) against the unmonitored step on the
    collapse benchmark's GPT and on ResNet-50.
+5. ``compiled``: a subset of the layer pairs compiled (``fullgraph=True``), both dtypes, with the time left.
 
-Every section after the first checks a time budget (``--budget-s``, default 420 s) before each compiled or long
-case and records what it skipped. ``--smoke``: tiny shapes, one round, ResNet-18 at 64 x 64 instead of ResNet-50,
-compiled cases with the ``aot_eager`` backend (no kernels generated): a test of the script, not a measurement.
+Before each compiled or long case the script checks a time budget (``--budget-s``, default 360 s, so that the run
+with its imports and its last case stays under 8 minutes) and records what it skipped. ``--smoke``: tiny shapes,
+one round, ResNet-18 at 64 x 64 instead of ResNet-50, compiled cases with the ``aot_eager`` backend (no kernels
+generated): a test of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -360,7 +362,7 @@ def _args(argv):
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, one round: a test of the script")
     p.add_argument("--sections", default="readbacks,layers,compiled,steps,monitor")
-    p.add_argument("--budget-s", type=float, default=420.0, help="skip compiled and long cases after this")
+    p.add_argument("--budget-s", type=float, default=360.0, help="skip compiled and long cases after this")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-ms", type=float, default=20.0)
@@ -389,12 +391,12 @@ def main(argv=None) -> dict:
         torch.set_num_threads(1)
     sections, t0, budget = set(args.sections.split(",")), time.perf_counter(), _Budget(args.budget_s)
     data = {"machine": common.machine(device), "smoke": args.smoke, "rounds": args.rounds, "repeats": args.repeats}
-    parts = {
+    parts = {  # in order of priority: the compiled layers take what time is left
         "readbacks": lambda: readback_rows(device),
         "layers": lambda: layer_rows(args, device, budget, False),
-        "compiled": lambda: layer_rows(args, device, budget, True),
         "steps": lambda: step_rows(args, device, budget),
         "monitor": lambda: monitor_rows(args, device, budget),
+        "compiled": lambda: layer_rows(args, device, budget, True),
     }
     data["section_s"] = {}
     for name, run in parts.items():
