@@ -10,14 +10,13 @@ import pytest
 from conftest import load_script
 
 import normlab.nn as L
-from normlab.nn.registry import CONV_CLASSES, NORM_CLASSES
+from normlab.nn.registry import CONV_KINDS, NORM_NAMES, conv_entry, norm_entry
 
 
 def _normlab_layers() -> set[str]:
     """Every layer class normlab defines that the registry names, and SyncBatchRenorm."""
-    names = {
-        cls.__name__ for table in (NORM_CLASSES, CONV_CLASSES) for by_dim in table.values() for cls in by_dim.values()
-    }
+    entries = [norm_entry(n) for n in NORM_NAMES] + [conv_entry(k) for k in CONV_KINDS]
+    names = {cls.__name__ for entry in entries for cls in entry.classes.values()}
     return {n for n in names if hasattr(L, n) and getattr(L, n).__module__.startswith("normlab")} | {"SyncBatchRenorm"}
 
 

@@ -99,9 +99,10 @@ CASES = list(_cases())
 
 
 def test_every_normlab_layer_is_checked():
-    from normlab.nn.registry import CONV_CLASSES, NORM_CLASSES
+    from normlab.nn.registry import CONV_KINDS, NORM_NAMES, conv_entry, norm_entry
 
-    ours = {c for table in (NORM_CLASSES, CONV_CLASSES) for by_dim in table.values() for c in by_dim.values()}
+    entries = [norm_entry(n) for n in NORM_NAMES] + [conv_entry(k) for k in CONV_KINDS]
+    ours = {c for entry in entries for c in entry.classes.values()}
     ours = {c.__name__ for c in ours if c.__module__.startswith("normlab")} | {"SyncBatchRenorm"}
     assert ours <= {case[0].split("-")[0] for case in CASES}
 
