@@ -26,6 +26,7 @@ def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
             if (e.name or "").split(".")[0] not in EXTRAS or os.environ.get("NORMLAB_REQUIRE_EXTRAS") == "1":
                 raise
     assert "None" in capsys.readouterr().out  # the examples print mon.alarm, None on a healthy step
+    assert (tmp_path / "runs" / "resnet10t" / "results.md").is_file()  # the comparison on a timm model wrote its report
     if (tmp_path / "runs" / "tb").is_dir():  # the TensorBoard example wrote its event file
         assert list((tmp_path / "runs" / "tb").glob("events.out.tfevents.*"))
 

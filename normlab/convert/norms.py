@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from normlab._checks import number_problem
 from normlab.convert.dataflow import fixed_shapes, input_producers, seen_shapes
 from normlab.convert.recognize import (
     BatchNormSpec,
@@ -142,8 +143,9 @@ def _divisor_refusals(entry: NormEntry, bns: list, names: dict, kw: dict) -> lis
     g = kw.get("num_groups")
     if entry.statistics != "group" or g is None:
         return []
-    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        return [("any layer", f"num_groups must be a positive int, got {g!r}")]
+    expected = number_problem(g, integer=True, low=1)
+    if expected is not None:
+        return [("any layer", f"num_groups must be {expected}, got {g!r}")]
     out, top = [], max(32, g)
     for m, _ in bns:
         c = num_channels(m)
@@ -163,7 +165,7 @@ def _degenerate(entry: NormEntry, m: nn.Module, shapes: list, kw: dict) -> tuple
     c, kind = num_channels(m), next(iter(entry.classes.values())).__name__
     g = entry.groups(c, kw)
     for s in shapes:
-        if len(s) < 3 or isinstance(g, bool) or not isinstance(g, int) or g < 1:  # a bad num_groups: refused already
+        if len(s) < 3 or number_problem(g, integer=True, low=1) is not None:  # a bad num_groups: refused already
             continue
         positions = s[2:].numel()
         if entry.statistics == "instance" and positions < 2:

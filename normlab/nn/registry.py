@@ -50,6 +50,7 @@ from typing import Any
 import torch  # noqa: F401 - the docstring examples use it
 from torch import nn
 
+from .._checks import check_number
 from ._registration import (
     STATISTICS,
     check_classes,
@@ -377,8 +378,7 @@ def _class(table: dict, what: str, name: str, dim: int) -> tuple[Any, type]:
 
 
 def _check_channels(what: str, arg: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{what}: {arg} must be a positive int, got {value!r}")
+    check_number(what, arg, value, integer=True, low=1)
 
 
 def norm_entry(name: str) -> NormEntry:

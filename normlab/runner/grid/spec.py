@@ -1,9 +1,12 @@
-"""Grids of training runs: comparison name x learning rate x batch size x seed.
+"""Grids of training runs: comparison name x learning rate x batch size x seed, on any model and data.
 
 A :class:`GridSpec` describes the grid and checks it once; :func:`expand_grid` turns it into :class:`Cell` objects,
 each with its validated :class:`~normlab.runner.training.config.TrainConfig`, one
 :func:`~normlab.runner.training.train.train` call each (:mod:`normlab.runner.grid.execute` runs them).
 :class:`DictSpec` is the base of every experiment's spec (its JSON record, the lists a later run may extend).
+
+``dataset`` and ``model`` are names of :func:`normlab.runner.factories.resolve` (a built-in name, ``timm:NAME``,
+``pkg.module:function``); every default of a field a cell's config shares is :class:`TrainConfig`'s.
 
 Comparison names are resolved by :func:`normlab.nn.resolve_comparison` (``bn``, ``pws``, ``ws+gn``, ...) and may
 carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2``,
@@ -26,6 +29,8 @@ from normlab.runner.errors import FieldError
 from normlab.runner.io import from_fields, to_jsonable
 from normlab.runner.training.config import RESUME_FREE, TrainConfig, resolve_name
 
+_DEFAULTS = TrainConfig()
+
 __all__ = [
     "DictSpec",
     "GridSpec",
@@ -34,11 +39,13 @@ __all__ = [
     "parse_variant",
     "unique",
     "DEFAULT_NORMS",
+    "DEFAULT_SEEDS",
     "LAYOUTS",
     "LR_SCALINGS",
 ]
 
 DEFAULT_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")
+DEFAULT_SEEDS = (0, 1, 2)
 LAYOUTS = ("product", "cross")
 LR_SCALINGS = ("none", "linear", "sqrt")
 
@@ -117,13 +124,13 @@ class GridSpec(DictSpec):
     NEWER_FIELDS: ClassVar[tuple[str, ...]] = ("train_kwargs",)  # its RESUME_FREE options: see settings()
 
     norms: Sequence[str] = DEFAULT_NORMS
-    lrs: Sequence[float] = (0.05,)
-    batch_sizes: Sequence[int] = (64,)
-    seeds: Sequence[int] = (0,)
-    epochs: int = 10
-    dataset: str = "digits"
-    model: str = "plain"
-    width: float = 1.0
+    lrs: Sequence[float] = (_DEFAULTS.lr,)
+    batch_sizes: Sequence[int] = (_DEFAULTS.batch_size,)
+    seeds: Sequence[int] = DEFAULT_SEEDS
+    epochs: int = _DEFAULTS.epochs
+    dataset: str = _DEFAULTS.dataset
+    model: str = _DEFAULTS.model
+    width: float = _DEFAULTS.width
     layout: str = "product"
     base_lr: float | None = None
     base_batch_size: int | None = None
