@@ -355,7 +355,7 @@ def test_comparison_runner_resolves_user_names(user_layers):
     assert resolve_comparison("rms") == ("rms", "conv") and resolve_comparison("scaled") == ("none", "scaled")
     assert resolve_comparison("RMS+ws") == ("rms", "ws") and resolve_name("scaled+rms") == ("rms", "scaled")
     assert parse_variant("scaled+rms:scale=2") == ("rms", "scaled", {"scale": 2.0})
-    spec = GridSpec(norms=["rms", "scaled+mbn:scale=0.5", "pgn"], epochs=1)
+    spec = GridSpec(norms=["rms", "scaled+mbn:scale=0.5", "pgn"], seeds=[100], epochs=1)
     cells = expand_grid(spec)
     assert [(c.config.norm, c.config.conv, c.config.conv_kwargs) for c in cells] == [
         ("rms", "conv", {}),
