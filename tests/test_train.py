@@ -421,7 +421,7 @@ def test_ddp_two_processes(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16)
+    cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16, guard=True)  # the guard's checks shared by the ranks
     ctx = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), dataclasses.asdict(cfg)), nprocs=2, join=False)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=1):  # raises if a worker failed
@@ -435,7 +435,7 @@ def test_ddp_two_processes(tmp_path):
     assert s0["left"] and s1["left"] and s0["kept"] and s1["kept"] and s0["again"] == s1["again"] == 2
     # DDP keeps the replicas identical: both evaluate to exactly the same test loss; train metrics are all-reduced
     assert without_time(s0["history"]) == without_time(s1["history"])
-    assert s0["epochs_run"] == 2
+    assert s0["epochs_run"] == 2 and s0["rescues"] == s1["rescues"] == [] and s0["guard_gave_up"] is None
     # only rank 0 writes files
     assert (tmp_path / "rank0" / "metrics.jsonl").exists() and (tmp_path / "rank0" / "checkpoint.pt").exists()
     assert not (tmp_path / "rank1").exists()

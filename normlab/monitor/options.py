@@ -112,7 +112,8 @@ class SnapshotOptions:
         store: where they live: ``"host"`` (host memory: pinned when the model is on a CUDA device, filled with
             asynchronous copies), ``"disk"`` (one ``torch.save`` file per snapshot in ``directory``, written
             atomically), ``"dcp"`` (``torch.distributed.checkpoint`` in ``directory``: under DDP one copy of the
-            replicated model and optimizer state, written by the ranks together), or a
+            replicated model and optimizer state, written by the ranks together; the guard's ``state_dict`` then reads
+            it back on every rank together), or a
             :class:`~normlab.monitor.snapshots.SnapshotStore`. Default: ``"host"``: never a copy on the accelerator.
         directory: the directory of ``"disk"`` and ``"dcp"`` (created if missing; required for them).
         max_bytes: the most bytes the kept snapshots may take (host memory, or disk for ``"disk"``/``"dcp"``),

@@ -25,9 +25,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -251,7 +253,8 @@ class DCPStore(SnapshotStore):
         tensors = {part: state[part] for part in _DCP_PARTS}
         layout = _map(tensors, lambda t: _Slot(tuple(t.shape), t.dtype))
         rest = cpu_copy({k: v for k, v in state.items() if k not in _DCP_PARTS})
-        dcp.save(_map(tensors, lambda t: t.detach()), checkpoint_id=str(path), no_dist=not _distributed())
+        with _alone():
+            dcp.save(_map(tensors, lambda t: t.detach()), checkpoint_id=str(path), no_dist=not _distributed())
         self._held[key] = (path, rest, layout)
 
     def get(self, key: int) -> dict:
@@ -259,7 +262,8 @@ class DCPStore(SnapshotStore):
 
         path, rest, layout = self._held[key]
         empty = _unmap_layout(layout)
-        dcp.load(empty, checkpoint_id=str(path), no_dist=not _distributed())
+        with _alone():
+            dcp.load(empty, checkpoint_id=str(path), no_dist=not _distributed())
         return {**rest, **empty}
 
     def drop(self, key: int) -> None:
@@ -274,6 +278,14 @@ class DCPStore(SnapshotStore):
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _alone():
+    """Without a process group DCP warns on every call that it saves in one process: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class _Slot:
