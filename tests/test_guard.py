@@ -630,3 +630,17 @@ def test_close_detaches_the_guard_and_drops_its_snapshots():
     assert guard.nbytes == 0 and guard._snaps == []
     _train(model, opt, _batches(2), guard, poison=(0,))  # no longer watched
     assert guard.steps == 3 and guard.rescues == []
+
+
+def test_half_gradients_near_the_top_of_their_range_are_not_called_non_finite():
+    """The gradient check takes float32 norms of float16/bfloat16 gradients: 60,000 in each of 64 entries is a norm
+    of 480,000, past float16's range, and still finite; an inf among them is found."""
+    model = nn.Linear(8, 8).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    guard = guard_of(model, opt, every=5)
+    for value in (60000.0, float("inf")):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, value)
+        opt.step()
+    (r,) = guard.rescues
+    assert (r.kind, r.onset, r.reason) == ("non_finite", 1, "non-finite gradient at step 1")

@@ -19,7 +19,6 @@ away with it; the restore undoes the bad step however late it is seen. In exchan
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -151,7 +150,8 @@ class CollapseGuard:
         model: the module being trained (its ``state_dict`` is snapshotted).
         optimizer: its optimizer; the guard attaches to its ``step()``.
         monitor: optional :class:`~normlab.monitor.VarianceMonitor` attached to the same optimizer (its state is
-            snapshotted, its alarms watched).
+            snapshotted, its alarms watched; an alarm is dated by its step, so make the two together: they then count
+            the same steps).
         snapshots: :class:`~normlab.monitor.SnapshotOptions`: interval, how many, where, how large.
         rescue: :class:`~normlab.monitor.RescueOptions`: how often the guard checks, what a rescue does.
         criteria: :class:`~normlab.monitor.collapse.CollapseCriteria`: what counts as a failure (the chance loss,
@@ -220,18 +220,19 @@ class CollapseGuard:
         number the loop has read already); the same as the monitor's ``observe_loss`` (one of them is enough)."""
         step_hooks(self.optimizer).observe_loss(loss)
 
-    @torch.no_grad()
     def _before_step(self) -> None:
         """Before the update: whether every gradient is finite, as a 0-dim tensor on the device (no read-back)."""
         self._grads_finite = None
         if not self.options.check_grads or self.scaler is not None or self.gave_up is not None:
             return
-        grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:
-            peaks = torch._foreach_norm([g.detach() for g in grads], math.inf)  # inf/nan iff a value is
-            device = peaks[0].device
-            self._grads_finite = torch.isfinite(torch.stack([p.to(device=device, dtype=torch.float32) for p in peaks]))
-            self._grads_finite = self._grads_finite.all()
+        grads = [p.grad.detach() for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:  # a norm is non-finite iff a value is (or past 3e38 in float32: trouble too); the fused L2 norm
+            half = {g.dtype for g in grads} <= {torch.float16, torch.bfloat16}  # is the fast one on every device
+            norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if half else torch._foreach_norm(grads)
+            device = norms[0].device
+            if any(n.device != device for n in norms):  # parameters on several devices
+                norms = [n.to(device) for n in norms]
+            self._grads_finite = torch.isfinite(torch.stack(norms)).all()
 
     def _after_step(self, stepped: bool, loss) -> None:
         """After the update (or a step a GradScaler skipped): log the step; check when due; snapshot when due."""
@@ -315,6 +316,8 @@ class CollapseGuard:
 
     def _put(self, snap: _Snap, state: dict) -> None:
         self._next_key += 1
+        expected = self._store.nbytes(self._snaps[-1].key) if self._snaps else 0  # the same model: about as large
+        self._bound(extra=1, extra_bytes=expected)  # room first: the held snapshots never exceed the bounds
         self._store.put(snap.key, state)
         self._snaps.append(snap)
         size, limit = self._store.nbytes(snap.key), self.snapshot_options.max_bytes
@@ -327,12 +330,13 @@ class CollapseGuard:
             )
         self._bound()
 
-    def _bound(self) -> None:
-        """Drop the oldest kept snapshots (never the newest, never one a waiting alarm pinned) beyond ``keep`` and
-        ``max_bytes``."""
+    def _bound(self, extra: int = 0, extra_bytes: int = 0) -> None:
+        """Drop the oldest kept snapshots (never one a waiting alarm pinned; never the newest, unless room is made
+        for ``extra`` more of ``extra_bytes``) beyond ``keep`` and ``max_bytes``."""
         opts, pinned = self.snapshot_options, None if self._armed is None else self._armed.snap
-        while len(self._snaps) > opts.keep or (opts.max_bytes is not None and self.nbytes > opts.max_bytes):
-            victims = [s for s in self._snaps[:-1] if s is not pinned]
+        limit = None if opts.max_bytes is None else opts.max_bytes - extra_bytes
+        while len(self._snaps) + extra > opts.keep or (limit is not None and self.nbytes > limit):
+            victims = [s for s in (self._snaps if extra else self._snaps[:-1]) if s is not pinned]
             if not victims:
                 break
             self._snaps.remove(victims[0])

@@ -30,7 +30,6 @@ __all__ = [
     "StepHooks",
     "step_hooks",
     "scaler_step",
-    "scaler_skipped",
     "learning_rates",
     "is_adaptive",
     "ADAPTIVE_STATE_KEYS",
@@ -41,17 +40,6 @@ __all__ = [
 ADAPTIVE_STATE_KEYS = ("exp_avg_sq", "exp_inf", "square_avg", "sum")
 _ADAPTIVE_CLASSES = (torch.optim.Adam, torch.optim.AdamW, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adamax)
 _ADAPTIVE_CLASSES += (torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.SparseAdam)
-
-
-def scaler_skipped(scale_before: float | None, scale_after: float | None) -> bool:
-    """Whether a GradScaler skipped the step between two reads of its scale: it lowers its scale exactly when it
-    finds inf/nan gradients and skips the optimizer step. Unknown scales (None: no scaler) mean no skip.
-
-    Example:
-        >>> scaler_skipped(65536.0, 32768.0), scaler_skipped(65536.0, 65536.0), scaler_skipped(None, None)
-        (True, False, False)
-    """
-    return scale_before is not None and scale_after is not None and scale_after < scale_before
 
 
 def learning_rates(optimizer: torch.optim.Optimizer | None) -> tuple[float, ...]:

@@ -42,6 +42,9 @@ from normlab._files import atomic_write
 __all__ = ["SnapshotStore", "HostStore", "DiskStore", "DCPStore", "make_store", "tensor_bytes", "rng_state"]
 
 
+_LEAVES = (int, float, bool, str, bytes, type(None))
+
+
 def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``obj`` with every tensor ``t`` replaced by ``fn(t)`` (dicts, lists and tuples walked; other values kept)."""
     if isinstance(obj, torch.Tensor):
@@ -49,6 +52,8 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, dict):
         return {k: _map(v, fn) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
+        if all(isinstance(v, _LEAVES) for v in obj):  # Python's generator state: 625 ints
+            return list(obj) if isinstance(obj, list) else obj
         out = [_map(v, fn) for v in obj]
         return out if isinstance(obj, list) else tuple(out)
     return obj
@@ -136,7 +141,7 @@ class HostStore(SnapshotStore):
 
     def __init__(self, pin: bool | None = None) -> None:
         self.pin = torch.cuda.is_available() if pin is None else bool(pin)
-        self._held: dict[int, tuple[dict, Any]] = {}  # key -> (state, CUDA event or None)
+        self._held: dict[int, tuple[dict, list, int]] = {}  # key -> (state, CUDA events of its copies, bytes)
         self._free: dict[tuple, list[torch.Tensor]] = {}  # buffers of dropped snapshots, by (shape, dtype)
 
     def _buffer(self, t: torch.Tensor) -> torch.Tensor:
@@ -148,10 +153,11 @@ class HostStore(SnapshotStore):
 
     @torch.no_grad()
     def put(self, key: int, state: dict) -> None:
-        async_copies = []
+        async_copies, size = [], [0]
 
         def copy(t: torch.Tensor) -> torch.Tensor:
             out = self._buffer(t)
+            size[0] += out.numel() * out.element_size()
             non_blocking = out.is_pinned() and t.device.type == "cuda"
             out.copy_(t.detach(), non_blocking=non_blocking)
             if non_blocking:
@@ -159,15 +165,15 @@ class HostStore(SnapshotStore):
             return out
 
         kept = _map(state, copy)
-        event = None
-        if async_copies:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(async_copies[0]))
-        self._held[key] = (kept, event)
+        events = []
+        for device in dict.fromkeys(async_copies):  # one event per device, on the stream that queued its copies
+            events.append(torch.cuda.Event())
+            events[-1].record(torch.cuda.current_stream(device))
+        self._held[key] = (kept, events, size[0])
 
     def get(self, key: int) -> dict:
-        state, event = self._held[key]
-        if event is not None:
+        state, events, _ = self._held[key]
+        for event in events:
             event.synchronize()
         return state
 
@@ -175,14 +181,14 @@ class HostStore(SnapshotStore):
         held = self._held.pop(key, None)
         if held is None:
             return
-        state, event = held
-        if event is not None:
+        state, events, _ = held
+        for event in events:  # a buffer is reused only once its copy has landed
             event.synchronize()
         for t in _tensors(state):
             self._free.setdefault((tuple(t.shape), t.dtype), []).append(t)
 
     def nbytes(self, key: int) -> int:
-        return tensor_bytes(self._held[key][0])
+        return self._held[key][2]
 
     def close(self) -> None:
         super().close()
