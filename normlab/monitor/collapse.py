@@ -1,8 +1,8 @@
 """How a training run fails: the one failure taxonomy of normlab, judged from the per-step training losses.
 
-:func:`label_collapse` (a finished run, after the fact) and :class:`~normlab.monitor.CollapseGuard` (a live run,
-which it rolls back) read the same definition: a :class:`CollapseTracker` fed one loss per step, with the
-thresholds of one :class:`CollapseCriteria`. The kinds (:data:`KINDS`), first match in step order:
+:func:`~normlab.monitor.label_collapse` (a finished run, after the fact) and :class:`~normlab.monitor.CollapseGuard`
+(a live run, which it rolls back) read the same definition: a :class:`CollapseTracker` fed one loss per step, with
+the thresholds of one :class:`CollapseCriteria`. The kinds (:data:`KINDS`), first match in step order:
 
 - ``non_finite``: the loss (or, for the guard, a gradient) is NaN or infinite. Step: that step.
 - ``exploded``: the smoothed loss is ``exploded`` (10) times the reference or more, whether or not the run learned
@@ -17,8 +17,8 @@ thresholds of one :class:`CollapseCriteria`. The kinds (:data:`KINDS`), first ma
   windows, only to confirm a monitor alarm that waits for its trouble, and only with a known chance loss (against a
   start standing in for chance, a slow learner would be rolled back too).
 - ``alarm`` (the guard only): a monitor alarm acted on by itself; ``external``: trouble the caller reported
-  (:meth:`~normlab.monitor.CollapseGuard.rescue`). Any kind that follows a monitor alarm within the guard's
-  ``confirm`` steps *confirms* it: the failure is then dated to the alarm (:attr:`Failure.after`).
+  (:meth:`~normlab.monitor.CollapseGuard.report`). Any kind that follows a monitor alarm within the guard's
+  ``confirm`` steps *confirms* it: the failure is then dated to the alarm (``Failure.after``).
 
 The reference is ``chance_loss`` (``ln C`` for C classes: the loss of a constant uniform prediction) when known.
 Without it, chance is estimated by the loss of the run's first step: the loss of the initial weights, before any
@@ -113,7 +113,7 @@ class CollapseCriteria:
 
     @property
     def dead_after(self) -> int:
-        """Steps a run is watched before it can be judged never to have learned: ``min_windows * window``."""
+        """The steps a run is watched before it can be judged never to have learned (``min_windows * window``)."""
         return self.min_windows * self.window
 
     def describe(self, examples: int | None = None) -> str:
@@ -152,7 +152,7 @@ class Failure:
     """One failure of a run: its kind, when it began and what was measured; :attr:`message` says it in one line.
 
     Attributes:
-        kind: one of :data:`KINDS`.
+        kind: one of :data:`~normlab.monitor.collapse.KINDS`.
         step: the step it is dated to (None for ``never_left_chance``, which has no moment).
         value: the smoothed loss that showed it (``non_finite``: the loss, None for a gradient).
         reference: chance, or the starting loss standing in for it (``estimated``).
@@ -196,7 +196,7 @@ class Failure:
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Failure:
-        """The inverse of :meth:`to_dict`."""
+        """The inverse of ``to_dict``."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -274,7 +274,7 @@ class CollapseLabel:
     Attributes:
         collapsed: the run failed.
         step: the step the failure is dated to (None for a healthy run and for ``never_left_chance``).
-        kind: one of :data:`LOSS_KINDS`, or None for a healthy run.
+        kind: one of :data:`~normlab.monitor.collapse.LOSS_KINDS`, or None for a healthy run.
         failure: the :class:`Failure` (its ``message`` says it in words), or None; not compared by ``==``.
 
     Example:

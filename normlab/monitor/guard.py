@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from normlab._dispatch import HALF
 from normlab.monitor.collapse import CollapseCriteria, CollapseTracker, Failure
 from normlab.monitor.optim_step import learning_rates, step_hooks
 from normlab.monitor.options import RescueOptions, SnapshotOptions
@@ -57,7 +58,7 @@ class Rescue:
     Attributes:
         step: the last step the check that saw the trouble covered.
         kind: the trouble's kind (:data:`~normlab.monitor.collapse.KINDS`).
-        reason: the trouble, in words (:attr:`Failure.message <normlab.monitor.collapse.Failure.message>`).
+        reason: the trouble, in words (:attr:`Failure.message <normlab.monitor.Failure.message>`).
         onset: the step the trouble was dated to (a confirmed alarm's step, when earlier).
         restored_step: the step of the snapshot the run went back to.
         steps_lost: the optimizer steps thrown away (``step + 1 - restored_step``), the bad ones included.
@@ -227,7 +228,7 @@ class CollapseGuard:
             return
         grads = [p.grad.detach() for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if grads:  # a norm is non-finite iff a value is (or past 3e38 in float32: trouble too); the fused L2 norm
-            half = {g.dtype for g in grads} <= {torch.float16, torch.bfloat16}  # is the fast one on every device
+            half = all(g.dtype in HALF for g in grads)  # is the fast one on every device
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if half else torch._foreach_norm(grads)
             device = norms[0].device
             if any(n.device != device for n in norms):  # parameters on several devices

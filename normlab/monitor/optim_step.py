@@ -14,7 +14,8 @@ post-hooks, which call the monitor first and the guard after it. So the usual lo
         opt.step()              # records, checks the rules, and the guard watches
 
 A step given a closure (``opt.step(closure)``: LBFGS, Lightning) is seen after the closure's first call (its
-backward), and the closure's loss is the step's loss when none was observed. With a GradScaler, :func:`scaler_step`
+backward), and the closure's loss is the step's loss when none was observed. With a GradScaler,
+:func:`~normlab.monitor.scaler_step`
 replaces ``scaler.step(opt); scaler.update()`` and tells the monitor and the guard about a step the scaler skipped
 (inf/nan gradients: the optimizer's ``step()`` never ran).
 """
@@ -110,7 +111,7 @@ class StepHooks:
         self._handles: list = []
         self._deferred, self._stepped = False, False  # defer(): the step's ``after`` waits for finish()
 
-    def add(self, order: int, before: Callable[[], None], after: Callable[[bool, object], None]) -> _Handle:
+    def add(self, order: int, before: Callable[[], None], after: Callable[[bool, object], None]):
         """Attach a listener; returns a handle whose ``remove()`` detaches it."""
         if not self._handles:
             opt = self.optimizer

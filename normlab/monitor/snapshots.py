@@ -11,7 +11,7 @@ optimizer, which move them where they belong):
   the snapshot is read back. The buffers of a dropped snapshot are reused by the next one (pinned memory is slow to
   allocate). Nothing stays on the accelerator.
 - :class:`DiskStore` (``"disk"``): one ``torch.save`` file per snapshot (and rank), written atomically
-  (:func:`normlab._files.atomic_write`) and read back with ``torch.load(weights_only=True)``.
+  (``normlab._files.atomic_write``) and read back with ``torch.load(weights_only=True)``.
 - :class:`DCPStore` (``"dcp"``): the model's and optimizer's tensors through ``torch.distributed.checkpoint``, one
   directory per snapshot. Under DDP every rank calls it at the same steps and one copy of the replicated state is
   written; the rest of the snapshot (rank-local: random generators, the monitor) stays in host memory.
@@ -109,7 +109,7 @@ def _as_python_state(state):
 
 class SnapshotStore:
     """Keeps snapshots under integer keys. A store implements :meth:`put`, :meth:`get`, :meth:`drop` and
-    :meth:`nbytes`; :meth:`close` releases what it holds."""
+    :meth:`nbytes`; ``close()`` releases what it holds."""
 
     def put(self, key: int, state: dict) -> None:
         """Keep ``state`` (copied: later changes to its tensors do not reach the snapshot) under ``key``."""
@@ -215,8 +215,8 @@ class DiskStore(SnapshotStore):
 
     @torch.no_grad()
     def put(self, key: int, state: dict) -> None:
-        on_cpu = cpu_copy(state)
-        self._held[key] = atomic_write(self._path(key), lambda f: torch.save(on_cpu, f))
+        live = _map(state, lambda t: t.detach())  # serialized as they are now: no copy in memory first
+        self._held[key] = atomic_write(self._path(key), lambda f: torch.save(live, f))
 
     def get(self, key: int) -> dict:
         return torch.load(self._held[key], map_location="cpu", weights_only=True)

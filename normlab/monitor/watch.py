@@ -2,7 +2,7 @@
 
 Each optimizer step leaves one entry: the step, its loss (a tensor kept on its device, or a number the loop already
 read) and its non-finite-gradient flag (a 0-dim tensor computed on the device before the update). Nothing is read back
-until the guard checks: then :meth:`StepLog.read` stacks the entries into one tensor and reads it in one transfer.
+until the guard checks: then ``StepLog.read`` stacks the entries into one tensor and reads it in one transfer.
 Under DDP the ranks exchange their entries and their new monitor alarms in one ``all_gather`` of that tensor, on
 every rank at the same step (the guard's checks follow its step counter, which the shared decisions keep equal), so
 every rank sees the same losses (the mean over the ranks; non-finite if any rank's is), the same flags (any rank's)
