@@ -644,3 +644,22 @@ def test_half_gradients_near_the_top_of_their_range_are_not_called_non_finite():
         opt.step()
     (r,) = guard.rescues
     assert (r.kind, r.onset, r.reason) == ("non_finite", 1, "non-finite gradient at step 1")
+
+
+def test_the_step_hooks_live_on_the_optimizer_and_go_with_it():
+    """The hooks the monitor and the guard share are kept on the optimizer: a copy of the optimizer has none (a copy
+    keeps its defaults, state and groups), and once the loop's objects go, the optimizer is collected."""
+    import gc
+    import weakref
+
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, optimizer=opt)
+    guard = guard_of(model, opt, mon)
+    twin = copy.deepcopy(opt)
+    assert not twin._optimizer_step_pre_hooks and not twin._optimizer_step_post_hooks
+    assert step_hooks(twin) is not step_hooks(opt)
+    alive = weakref.ref(opt)
+    del opt, mon, guard, twin, model
+    gc.collect()
+    assert alive() is None

@@ -15,14 +15,13 @@ post-hooks, which call the monitor first and the guard after it. So the usual lo
 
 A step given a closure (``opt.step(closure)``: LBFGS, Lightning) is seen after the closure's first call (its
 backward), and the closure's loss is the step's loss when none was observed. With a GradScaler,
-:func:`~normlab.monitor.scaler_step`
-replaces ``scaler.step(opt); scaler.update()`` and tells the monitor and the guard about a step the scaler skipped
-(inf/nan gradients: the optimizer's ``step()`` never ran).
+:func:`~normlab.monitor.scaler_step` replaces ``scaler.step(opt); scaler.update()``: the monitor and the guard see
+the step once the scaler has updated its scale, and a step the scaler skipped (inf/nan gradients: the optimizer's
+``step()`` never ran) as a step without an update.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -195,21 +194,23 @@ class _Handle:
         self.hooks._remove(self.key)
 
 
-_HOOKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def step_hooks(optimizer: torch.optim.Optimizer) -> StepHooks:
-    """The :class:`StepHooks` of ``optimizer`` (made on first use; one per optimizer).
+    """The :class:`StepHooks` of ``optimizer`` (made on first use; one per optimizer, kept on it: it goes with the
+    optimizer, and an optimizer's copy or pickle, which keeps only its defaults, state and groups, has none).
 
     Example:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
         >>> step_hooks(opt) is step_hooks(opt)
         True
     """
-    hooks = _HOOKS.get(optimizer)
+    hooks = getattr(optimizer, _ATTRIBUTE, None)
     if hooks is None:
-        hooks = _HOOKS[optimizer] = StepHooks(optimizer)
+        hooks = StepHooks(optimizer)
+        setattr(optimizer, _ATTRIBUTE, hooks)
     return hooks
+
+
+_ATTRIBUTE = "_normlab_step_hooks"
 
 
 def scaler_step(scaler, optimizer: torch.optim.Optimizer) -> bool:
