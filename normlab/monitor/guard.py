@@ -33,7 +33,7 @@ from normlab.monitor.options import RescueOptions, SnapshotOptions
 from normlab.monitor.snapshots import cpu_copy, make_store, rng_state, set_rng_state
 from normlab.monitor.watch import Seen, StepLog
 
-__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed", "LOSS_WINDOW"]
 
 
 class RunCollapsed(RuntimeError):
@@ -597,6 +597,6 @@ def _check_args(model, optimizer, monitor, snapshots, rescue, criteria):
     return snapshots or SnapshotOptions(), rescue or RescueOptions(), criteria or CollapseCriteria()
 
 
-# Read by the paper's lab (lab/normlab_lab/demo/twins.py: its text) until it reads CollapseCriteria itself: derived
-# from the one definition, nothing restated. Remove with that import.
+# Read by the lab's demo (its guarded twins' text) until it reads CollapseCriteria itself: derived from the one
+# definition, nothing restated. Remove with that import.
 LOSS_WINDOW = CollapseCriteria().window

@@ -94,8 +94,8 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = 1
-# read by the paper's lab (lab/normlab_lab/demo/twins.py: its text) until it reads SnapshotOptions itself; the guard's own
-# default, not restated. Remove with that import.
+# read by the lab's demo (its guarded twins' text) until it reads SnapshotOptions itself: the guard's own default,
+# not restated. Remove with that import.
 GUARD_EVERY = SnapshotOptions().every
 
 
