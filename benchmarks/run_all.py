@@ -35,6 +35,7 @@ TAKES_THREADS = {
     "bench_monitor",
     "bench_monitor_fsdp",
     "bench_layers",
+    "bench_guard",
 }
 
 

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 import torch
 
 from normlab.monitor import VarianceMonitor
-from normlab.monitor.optim_step import optimizer_step
 from normlab.monitor.options import RecordSchedule
 from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
 from normlab.runner.grid.spec import Cell
@@ -106,14 +105,16 @@ def _sgd_step(cfg: TrainConfig, monitored: bool):
     dev = resolve_device(cfg.device)
     model = cfg.make_model().to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # as the trainer
-    monitor = VarianceMonitor(model, every=1) if monitored else None
+    monitor = VarianceMonitor(model, every=1, optimizer=opt) if monitored else None
     x, y = _batch(cfg, cfg.batch_size, dev)
 
     def step() -> None:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        optimizer_step(opt, monitor, None, loss=loss.detach() if monitored else None)
+        if monitor is not None:
+            monitor.observe_loss(loss)
+        opt.step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

@@ -80,11 +80,13 @@ class TrainConfig:
     batch statistics at the training batch size, see :func:`~normlab.runner.training.evaluation.evaluate_train_mode`);
     ``monitor_dense_steps`` / ``monitor_dense_every`` (the monitor also records every ``monitor_dense_every``
     steps during the first ``monitor_dense_steps``); ``amp`` (mixed precision: bfloat16 autocast on CPU, float16
-    autocast and a GradScaler on CUDA); ``guard`` (a :class:`normlab.monitor.CollapseGuard` takes the optimizer
-    steps: on a non-finite loss or gradient, or the monitor's alarm, the run goes back to a snapshot from before the
-    trouble with half the learning rate; one process only); ``guard_dead`` (with ``guard``: the guard also measures
-    against chance, ``CollapseGuard(chance_loss=ln C)``, so an alarm on a network that never learned is confirmed
-    once the net has sat at chance for 40 steps; it rolls back slow learners too).
+    autocast and a GradScaler on CUDA); ``guard`` (a :class:`normlab.monitor.CollapseGuard` at the library's
+    defaults watches the optimizer's steps: on a failure of :mod:`normlab.monitor.collapse` in the training losses, a
+    non-finite gradient, or the monitor's alarm once a failure confirms it, the run goes back to a snapshot from
+    before the trouble with a lower learning rate; under DDP every rank rolls back together); ``guard_dead`` (with
+    ``guard``: the guard knows chance, ln C, instead of estimating it by the first loss, so a monitor alarm on a
+    network that never learned waits and is confirmed once the net is judged never to have learned; it rolls back
+    slow learners too).
     """
 
     dataset: str = "digits"
