@@ -49,9 +49,6 @@ __all__ = [
     "label_collapse",
     "window_mean",
     "confirmed",
-    "CHANCE",
-    "LEARNED",
-    "MIN_WINDOWS",
 ]
 
 WINDOW_EXAMPLES = 1024  # CollapseCriteria.over_examples: the smoothed loss averages about this many examples
@@ -460,11 +457,6 @@ def label_collapse(
         tracker.finish()
     f = tracker.failure
     return CollapseLabel(f is not None, None if f is None else f.step, None if f is None else f.kind, f)
-
-
-# Read by the lab's demo (its guarded twins' text) until it reads CollapseCriteria itself: derived from the one
-# definition, nothing restated. Remove with that import.
-CHANCE, LEARNED, MIN_WINDOWS = CollapseCriteria.at_chance, CollapseCriteria.learned, CollapseCriteria.min_windows
 
 
 def confirmed(failure: Failure, alarm: str) -> Failure:

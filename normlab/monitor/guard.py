@@ -33,7 +33,7 @@ from normlab.monitor.options import RescueOptions, SnapshotOptions
 from normlab.monitor.snapshots import cpu_copy, make_store, rng_state, set_rng_state
 from normlab.monitor.watch import Seen, StepLog
 
-__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed", "LOSS_WINDOW"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
 
 class RunCollapsed(RuntimeError):
@@ -595,8 +595,3 @@ def _check_args(model, optimizer, monitor, snapshots, rescue, criteria):
         if value is not None and not isinstance(value, cls):
             raise TypeError(f"{where}: {name} must be None or a {cls.__name__}, got {type(value).__name__}")
     return snapshots or SnapshotOptions(), rescue or RescueOptions(), criteria or CollapseCriteria()
-
-
-# Read by the lab's demo (its guarded twins' text) until it reads CollapseCriteria itself: derived from the one
-# definition, nothing restated. Remove with that import.
-LOSS_WINDOW = CollapseCriteria().window

@@ -61,7 +61,6 @@ from normlab.monitor import (
     RecordSchedule,
     RescueOptions,
     RunCollapsed,
-    SnapshotOptions,
     VarianceMonitor,
     load_log,
     scaler_step,
@@ -87,16 +86,12 @@ __all__ = [
     "Trainer",
     "TrainState",
     "CHECKPOINT_FORMAT",
-    "GUARD_EVERY",
     "read_checkpoint",
     "seed_everything",
     "eval_marks",
 ]
 
 CHECKPOINT_FORMAT = 1
-# read by the lab's demo (its guarded twins' text) until it reads SnapshotOptions itself: the guard's own default,
-# not restated. Remove with that import.
-GUARD_EVERY = SnapshotOptions().every
 
 
 @dataclass
