@@ -10,7 +10,7 @@ and the same earliest alarm, and decides the same. Each rank keeps its own alarm
 
 Example:
     >>> log = StepLog()
-    >>> log.add(0, torch.tensor(2.3), torch.tensor(False))
+    >>> log.add(0, torch.tensor(2.3), torch.tensor(True))  # step 0: loss 2.3, every gradient finite
     >>> log.add(1, float("nan"), None)
     >>> seen = log.read(alarm=None)
     >>> seen.steps, [round(v, 2) for v in seen.losses[:1]], seen.bad_grads, seen.alarm

@@ -67,8 +67,7 @@ def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any], section: str = GU
 
 def ended_healthy(d: dict[str, Any]) -> bool:
     """A run ended healthy: it did not collapse (no failure of the collapse label: finite, not exploded, not back to
-    chance, not dead), has a final
-    accuracy, and its guard (if any) did not give up."""
+    chance, not dead), has a final accuracy, and its guard (if any) did not give up."""
     return not d["collapsed"] and not d.get("guard_gave_up") and d.get("final_test_acc") is not None
 
 
