@@ -40,6 +40,7 @@ TAKES_THREADS = {
     "bench_monitor",
     "bench_monitor_fsdp",
     "bench_layers",
+    "bench_guard",
     "bench_compiled",
 }
 WRITES_RESULTS = {"bench_table", "bench_layers", "bench_compiled", "bench_monitor", "count_ops"}

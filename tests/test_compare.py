@@ -154,18 +154,21 @@ def test_a_user_metric_and_loss_by_function(tmp_path):
 class _AlarmAt4:
     """Stands in for VarianceMonitor: its alarm is raised at step 4 (long before any collapse)."""
 
-    def __init__(self, model, every=10, rules=None):
+    def __init__(self, model, every=10, rules=None, optimizer=None):
         from normlab.monitor.rules import Event
 
         self._event = Event("factor", "alarm", 4, "layer '0' shift grew", "0", "shift", 1e6, {"baseline": 1.0})
         self.current_step, self.records, self.events = 0, [], []
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._stepped())  # as the monitor's own hooks
 
     @property
     def alarm(self):
         return self.events[0] if self.events else None
 
-    def step(self, optimizer, loss=None):
-        optimizer.step()
+    def observe_loss(self, loss):
+        pass
+
+    def _stepped(self):
         if self.current_step == 4:
             self.events.append(self._event)
         self.current_step += 1
@@ -196,7 +199,8 @@ def test_an_alarm_confirmed_by_a_collapse_stops_the_run_and_records_it(tmp_path,
                                 seeds=[100], epochs=5, max_steps_per_epoch=11, loss=uf.scripted_loss, metric="none",
                                 stop_on=stop_on, out=tmp_path / stop_on, workers=1, progress=False)  # fmt: skip
     stopped = _summary(tmp_path / "confirmed", "bn_lr0.05_bs120_s100")
-    assert stopped["collapsed"] and stopped["collapse_reason"] == "diverged" and stopped["collapse_step"] == 16
+    assert stopped["collapsed"] and stopped["collapse_step"] == 16
+    assert stopped["collapse_reason"] == "returned_to_chance"  # chance estimated by the first loss (a user's loss)
     assert stopped["stopped_early"] == "confirmed" and stopped["steps_run"] == 26 and stopped["epochs_run"] == 3
     assert stopped["monitor_alarm"]["step"] == 4 and stopped["final_test_acc"] is None  # metric "none"
     went_on = _summary(tmp_path / "non_finite", "bn_lr0.05_bs120_s100")

@@ -262,10 +262,10 @@ def test_monitor_outputs_never_follow_links(tmp_path):
     outside.write_text("keep")
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Conv2d(2, 2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with VarianceMonitor(model, every=1) as mon:
+    with VarianceMonitor(model, every=1, optimizer=opt) as mon:
         for _ in range(2):
             model(torch.randn(2, 1, 6, 6)).mean().backward()
-            mon.step(opt)
+            opt.step()
     _plant(tmp_path / "o", ["log.jsonl", "log.csv", "fig1a_update_ratio.png"], outside)
     log = mon.to_jsonl(tmp_path / "o" / "log.jsonl")
     mon.to_csv(tmp_path / "o" / "log.csv")
