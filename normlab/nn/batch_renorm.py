@@ -156,8 +156,9 @@ class RenormSchedule:
         the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
         ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
         base, slope, low, high = _ramp_constants(self, step.device)
-        # not addcmul (it rounds once); clamp, not clamp_: torch.func.vmap has no batching rule for clamp_
-        return torch.mul(step, slope).add_(base).clamp(low, high).unbind()
+        # not addcmul (it rounds once); out of place: vmap has no batching rule for clamp_, and a selective-checkpoint
+        # policy that saves mul would see its cached output mutated
+        return torch.add(torch.mul(step, slope), base).clamp(low, high).unbind()
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
@@ -167,7 +168,7 @@ class RenormSchedule:
         if span == 0:
             return torch.where(s >= end_step, end, start)
         slope = (end - start) / span
-        return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
+        return s.mul(slope).add(start - slope * self.warmup_steps).clamp(start, end)  # out of place: see _ramps
 
 
 _RAMP_CONSTANTS: dict = {}
@@ -263,17 +264,19 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
           statistics in float32; after ``.half()`` the running statistics stay float32.
 
     Note:
-        Under ``torch.utils.checkpoint`` (reentrant or not, nested, selective, early stop on or off; timm's
-        ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) a recomputation finds the
-        forward it repeats by a fingerprint of its input (tensor ops only) and repeats that step: the gradients
-        are the un-checkpointed ones and the running statistics and ``num_batches_tracked`` advance once per
-        genuine forward; a recomputation that finds no record (more than 32 forwards of the layer between a
-        forward and its backward, nondeterministic values) updates nothing and is reported at ``.eval()``
-        (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over checkpointed models
-        too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
-        be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd), forward-mode AD and on the
-        meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
-        BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
+        Under ``torch.utils.checkpoint`` (reentrant or not, nested, any selective policy, early stop on or off;
+        timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, torch's composable
+        ``checkpoint(module)``, autograd-Function checkpoints) a recomputation repeats the step of the forward at
+        its position in the region it recomputes (whatever the input values, however many forwards come before the
+        backward): the gradients are the un-checkpointed ones and the running statistics and
+        ``num_batches_tracked`` advance once per genuine forward; a recomputation that finds no record (the layer
+        called more often than in the forward, a training forward inside a backward pass) updates nothing and is
+        reported at ``.eval()`` (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over
+        checkpointed models too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a
+        schedule that cannot be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd),
+        forward-mode AD and on the meta device, each tested against torch's BatchNorm or the plain eager run. An
+        empty batch (N = 0) returns BatchNorm's empty output and leaves the running statistics and
+        ``num_batches_tracked`` unchanged.
 
     Example:
 $example
