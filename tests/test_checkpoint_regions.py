@@ -10,7 +10,10 @@ fix (said per test), which found a recomputation's forward by a fingerprint of 3
    recomputation missed and renormalized against the statistics of the last forward.
 3. A selective-checkpoint policy that saves pointwise ops (or every op): the step's in-place arithmetic mutated a
    cached output and torch raised.
-4. A real model checkpointed whole (timm's resnet10t) trained with R-Drop (the same batch twice, one loss): SGD
+4. A module compiled on its own and run inside an eager checkpoint (``block.compile()`` under Hugging Face's or timm's
+   checkpointing): the recomputation reran the compiled step, which updated the running statistics a second time
+   and renormalized against them.
+5. A real model checkpointed whole (timm's resnet10t) trained with R-Drop (the same batch twice, one loss): SGD
    steps against the plain run.
 """
 
@@ -23,6 +26,7 @@ import pytest
 import torch
 from conftest import needs
 from test_workflows_batch_renorm import CASES, FLAVOURS, LIMITS, SCHEDULE, _assert_same, _batch, _Region, _run
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from normlab.nn import BatchRenorm2d
@@ -210,7 +214,45 @@ def test_any_selective_checkpoint_policy(case, policy, limits):
     _assert_same(plain, ckpt)
 
 
-# ------------------------------------------------------------------------------------------ 4. real models
+# ------------------------------------------------------------------------------------------ 4. compiled inside
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(154)
+        self.region = _region(CASES[2], "repeated", **SCHEDULE)
+
+    def forward(self, x):
+        return self.region(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_module_compiled_inside_an_eager_checkpoint(reentrant, one_thread):
+    """``checkpoint(compiled_block, x)``: the layer's step runs eagerly from the compiled graph, so the recomputation
+    finds its record: the plain run's gradients and one update per forward, over three steps."""
+    torch._dynamo.reset()
+    plain = _Block()
+    ckpt = copy.deepcopy(plain)
+    compiled = torch.compile(ckpt, backend="aot_eager")
+    for step in range(3):
+        x, g = _batch(CASES[2][3], step)
+        gy = torch.randn(CASES[2][3], generator=g, dtype=F64)
+        (plain(x) * gy).sum().backward()
+        (checkpoint(compiled, x.clone().requires_grad_(), use_reentrant=reentrant) * gy).sum().backward()
+    _assert_same(plain, ckpt)
+    assert int(ckpt.region.norm.num_batches_tracked) == 9
+
+
+@pytest.mark.slow
+def test_fullgraph_inside_an_eager_checkpoint_is_refused(one_thread):
+    torch._dynamo.reset()
+    compiled = torch.compile(_Block(), backend="aot_eager", fullgraph=True)
+    x, _ = _batch(CASES[2][3], 0)
+    with pytest.raises(Exception, match="BatchRenorm compiled inside an eager torch.utils.checkpoint region"):
+        checkpoint(compiled, x.requires_grad_(), use_reentrant=False)
+
+
+# ------------------------------------------------------------------------------------------ 5. real models
 def _r_drop_steps(plain, ckpt, run, shape, steps: int = 2):
     """R-Drop: the same batch twice through the model, one loss; SGD steps of both models side by side."""
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (plain, ckpt)]

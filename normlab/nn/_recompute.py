@@ -34,7 +34,9 @@ updates nothing and is counted; :func:`report_misses` turns the count into a ``R
 :func:`normlab.nn.skipped_batches` call it).
 
 Under torch.compile the partitioner, not this module, decides what a compiled backward recomputes (see
-``normlab._dispatch.kept_for_backward``).
+``normlab._dispatch.kept_for_backward``); a module compiled on its own and run inside an eager checkpoint region
+is the one case where a compiled step is recomputed by torch.utils.checkpoint: :func:`eager_checkpoint_active`
+tells the layer, while torch.compile traces it, to run its step outside the compiled graph there.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .._dispatch import outside_selective_checkpoint
 
-__all__ = ["Region", "checkpoint_region", "recorded_step", "report_misses"]
+__all__ = ["Region", "checkpoint_region", "eager_checkpoint_active", "recorded_step", "report_misses"]
 
 _TABLES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # running_mean buffer -> _Records (dies with the buffer)
 
@@ -136,6 +138,14 @@ def checkpoint_region() -> Region | None:
     if region.replay is None and not region.genuine:
         return None
     return region
+
+
+@torch.compiler.assume_constant_result
+def eager_checkpoint_active() -> bool:
+    """Whether the caller runs inside an eager ``torch.utils.checkpoint`` region (or its recomputation), read while
+    torch.compile traces (the real call stack below the traced frame) and kept in the graph as a constant."""
+    region = _walk(sys._getframe(1))
+    return region.replay is not None or bool(region.genuine)
 
 
 class _Records:
