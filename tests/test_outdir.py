@@ -232,7 +232,7 @@ def test_grid_union_links_and_stale_temps(tmp_path):
     with pytest.raises(UsageError, match="grid.json is not a normlab grid"):
         run_grid(_tiny(), out, workers=1, progress=False, threads=1)
     (out / "grid.json").unlink()
-    _plant(out, ["results.json", "results.md", "training_curves.png"], outside)
+    _plant(out, ["results.json", "results.md", "loss_curves.png"], outside)
     stale = out / "runs" / "gn_lr0.05_bs16_s0" / f".checkpoint.pt.abc{TEMP_SUFFIX}"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"left by a killed writer")

@@ -231,6 +231,7 @@ def test_compare_on_a_ray_cluster_stops_on_ctrl_c_and_keeps_finished_cells(ray_c
         "--threads",
         "1",
         "--no-progress",
+        "--yes",  # a long grid on purpose (its runs are monitored: the estimate passes 15 minutes)
         "--out",
         str(out),
     ]

@@ -6,9 +6,11 @@ import os
 import re
 from pathlib import Path
 
+from conftest import timm_tables_kept
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 INTEGRATIONS = README.parent / "docs" / "integrations.md"  # the integrations' examples, moved out of the README
-EXTRAS = ("lightning", "tensorboard", "ray", "onnx", "onnxruntime", "onnxscript")
+EXTRAS = ("lightning", "tensorboard", "ray", "onnx", "onnxruntime", "onnxscript", "timm")
 
 
 def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
@@ -18,11 +20,13 @@ def test_readme_python_examples_run(capsys, tmp_path, monkeypatch):
     blocks += re.findall(r"```python\n(.*?)```", INTEGRATIONS.read_text(), flags=re.S)
     for code in blocks:
         try:
-            exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+            with timm_tables_kept():  # the timm example registers normlab's NormAct classes with timm
+                exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
         except ModuleNotFoundError as e:  # an integration's example without its extra (make test has them all)
             if (e.name or "").split(".")[0] not in EXTRAS or os.environ.get("NORMLAB_REQUIRE_EXTRAS") == "1":
                 raise
     assert "None" in capsys.readouterr().out  # the examples print mon.alarm, None on a healthy step
+    assert (tmp_path / "runs" / "resnet10t" / "results.md").is_file()  # the comparison on a timm model wrote its report
     if (tmp_path / "runs" / "tb").is_dir():  # the TensorBoard example wrote its event file
         assert list((tmp_path / "runs" / "tb").glob("events.out.tfevents.*"))
 

@@ -414,7 +414,7 @@ def test_an_untraceable_schedule_is_refused_in_one_line():
 
 
 @pytest.mark.slow
-def test_fx_tools_on_converted_models(one_thread):
+def test_fx_tools_on_converted_models(one_thread, timm_registered):
     """timm's fx feature extraction (regnetx_002 on BatchRenormAct2d), torchvision's create_feature_extractor and
     fx conv-BN fusion on a converted resnet10t, and fold_for_inference's torch.fx dataflow."""
     timm = needs("timm")

@@ -100,10 +100,20 @@ def test_identical_norms_reported():
     assert not [e for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
 
 
+def _with_cells(res):
+    """``res`` with one cell per seed of each group (its final accuracy the group's mean): the runs the plots draw."""
+    res["cells"] = [
+        {"name": g["name"], "lr": g["lr"], "batch_size": g["batch_size"], "seed": s, "cell": f"{g['name']}{s}",
+         "final_test_acc": g["final_mean"], "collapsed": s < g["collapsed_count"], "history": []}
+        for g in res["groups"] for s in range(g["n_seeds"])
+    ]  # fmt: skip
+    return res
+
+
 def test_the_paper_report_judges_the_headline_effects(tmp_path):
-    res = _results(_base_groups())
+    res = _with_cells(_results(_base_groups()))
     paths = render_paper_report(res, tmp_path)
-    assert {"results.md", "acc_vs_lr.png", "acc_vs_batch_size.png"} <= {p.name for p in paths}
+    assert {"results.md", "metric_vs_lr.png", "metric_vs_batch_size.png"} <= {p.name for p in paths}
     md = (tmp_path / "results.md").read_text()
     assert md.count("**yes**") >= 2 and "## Headline effects (computed from the table below)" in md
     assert "A setting *failed* if most seeds collapsed" in md  # the criteria are printed under the verdicts

@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as NF
+from .._checks import check_number, is_number
 from .._dispatch import fx_node, layer_step, param_dtype
 from .._functions import momentum_update
 from ._bn_tools import BatchNormTools, reestimating
@@ -64,10 +65,6 @@ torch.fx.wrap("layer_step")  # torch.fx.symbolic_trace records the layer as this
 torch.fx.wrap("renorm_forward")  # ... and traces a layer at the root of the trace as this one call
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +105,7 @@ class RenormSchedule:
         where = "RenormSchedule"
         for name in ("warmup_steps", "rmax_steps", "dmax_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+            check_number(where, name, value, integer=True, low=0)
         for name, value in (("rmax_steps", self.rmax_steps), ("dmax_steps", self.dmax_steps)):
             if value < self.warmup_steps:
                 raise ValueError(f"{where}: {name} must be >= warmup_steps={self.warmup_steps}, got {value}")
@@ -127,8 +123,7 @@ class RenormSchedule:
         ``5/8 * end_step`` (25k of 40k), rmax at ``end_step``. ``scaled(40000)`` is the paper's schedule.
         For short runs (the experiment runner uses half the run's steps).
         """
-        if not isinstance(end_step, int) or isinstance(end_step, bool) or end_step < 0:
-            raise ValueError(f"RenormSchedule.scaled: end_step must be a non-negative int, got {end_step!r}")
+        check_number("RenormSchedule.scaled", "end_step", end_step, integer=True, low=0)
         return cls(end_step // 8, rmax, end_step, dmax, (5 * end_step) // 8)
 
     def _fraction(self, step, end: int):
@@ -200,9 +195,9 @@ def _ramp_constants(schedule: RenormSchedule, device: torch.device) -> tuple[Ten
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
-    if not _is_number(rmax) or math.isnan(rmax) or rmax < 1:
+    if not is_number(rmax) or math.isnan(rmax) or rmax < 1:
         raise ValueError(f"{where}: rmax must be a number >= 1, got {rmax!r}")
-    if not _is_number(dmax) or math.isnan(dmax) or dmax < 0:
+    if not is_number(dmax) or math.isnan(dmax) or dmax < 0:
         raise ValueError(f"{where}: dmax must be a number >= 0, got {dmax!r}")
 
 
@@ -330,11 +325,9 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         check_finite: bool = True,
     ) -> None:
         where = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
-            raise ValueError(f"{where}: num_features must be a positive int, got {num_features!r}")
-        if not _is_number(eps) or not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
-        if momentum is not None and (not _is_number(momentum) or not 0 <= momentum <= 1):
+        check_number(where, "num_features", num_features, integer=True, low=1)
+        check_number(where, "eps", eps, low=0, low_open=True)
+        if momentum is not None and (not is_number(momentum) or not 0 <= momentum <= 1):
             raise ValueError(f"{where}: momentum must be in [0, 1] or None, got {momentum!r}")
         explicit = schedule is not None or rmax is not None or dmax is not None
         if schedule is not None:
