@@ -15,6 +15,8 @@ from normlab_lab.demo.terminal import claims_terminal
 __all__ = ["add_parser", "run"]
 
 NAME = "demo"
+#: The output directories of the demo and of its quick version (never the same: each claims its own).
+OUT, QUICK_OUT = "runs/demo", "runs/demo-quick"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -27,7 +29,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "and the unnormalized runs again with --guard and with --guard-dead beside their unguarded twins, (d) the cost "
         "of a training step. Writes OUT/report.md with its plots; rerun to resume.",
     )
-    add_out_arg(p, "runs/demo")
+    add_out_arg(p, OUT, quick=("--quick", QUICK_OUT))
     p.add_argument("--quick", action="store_true", help="tiny version (seconds), only to check the pipeline works")
     p.add_argument(
         "--workers",
@@ -49,8 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_dir_option(args.out, "--out")
-    with out_lock(out, NAME):
+    out = check_dir_option(args.out or (QUICK_OUT if args.quick else OUT), "--out")
+    claim = f"{PROG} {NAME}" + (" --quick" if args.quick else "")
+    with out_lock(out, NAME, claim=claim, record="demo.json"):
         for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
             remove_stale_temps(d)
         demo = run_demo(
