@@ -360,8 +360,9 @@ def _tiny_train(out: Path) -> list[str]:
 
 
 def _tiny_compare(out: Path) -> list[str]:
-    return ["compare", "--norms", "bn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "100", "--epochs", "1",
-            "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--no-progress", "--out", str(out)]  # fmt: skip
+    grid = ["--norms", "bn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "100", "--epochs", "1"]
+    return ["compare", *grid, "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--no-progress",
+            "--out", str(out)]  # fmt: skip
 
 
 def test_train_and_compare_never_share_a_directory_or_take_the_users(tmp_path, capsys):
