@@ -283,6 +283,7 @@ def test_train_cleans_stale_temps_of_a_killed_writer(tmp_path, capsys):
     out.mkdir()
     stale = out / f".checkpoint.pt.dead{TEMP_SUFFIX}"
     stale.write_bytes(b"half a checkpoint")
+    (out / CLAIM_NAME).write_text(json.dumps({"run": "normlab train", "record": "summary.json"}))  # the killed run's
     rc = main(
         [
             "train",

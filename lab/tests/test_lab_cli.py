@@ -3,8 +3,10 @@ and nothing written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -249,3 +251,28 @@ def test_each_command_refuses_another_commands_directory_and_the_users_files(
     assert main([*argv, "--workers", "1", "--no-progress"]) == 2
     assert f"--out {default} holds files" in capsys.readouterr().err
     assert len({c[2] for c in CLAIMING}) == len(CLAIMING)
+
+
+# ------------------------------------------------------------------------------ one time estimate of the demo
+_MINUTES = re.compile(r"(\d+(?:\.\d+)?|one|two|three|four|five|six)\**[- ](?:minutes?\b|min\b)", re.I)
+
+
+def test_the_demos_time_is_the_same_everywhere():
+    """README, the lab's README, the help texts and the demo's docstring say DEMO_MINUTES wherever they say how long
+    the demo takes (they said 3.5, 4.5 and five minutes)."""
+    from normlab_lab import DEMO_MINUTES
+    from normlab_lab.demo import experiment
+
+    parser = build_parser()
+    demo = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["demo"]
+    root = Path(__file__).resolve().parents[2]
+    texts = {
+        "README.md": (root / "README.md").read_text(),
+        "lab/README.md": (root / "lab" / "README.md").read_text(),
+        "normlab-lab --help": parser.description,
+        "normlab-lab demo --help": demo.description,
+        "normlab_lab.demo.experiment": experiment.__doc__,
+    }
+    for where, text in texts.items():
+        said = [m.group(1) for line in text.splitlines() if "demo" in line for m in _MINUTES.finditer(line)]
+        assert said and set(said) == {f"{DEMO_MINUTES:g}"}, (where, said)

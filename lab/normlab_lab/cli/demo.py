@@ -8,7 +8,7 @@ from normlab.cli.args import MAX_WORKERS, add_out_arg, integer, threads_int
 from normlab.cli.plan import announce_grids
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
-from normlab_lab import PROG
+from normlab_lab import DEMO_MINUTES, PROG
 from normlab_lab.demo.experiment import run_demo
 from normlab_lab.demo.terminal import claims_terminal
 
@@ -23,8 +23,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         NAME,
         help="main job: normalization and collapse on MNIST-1D, a report with plots",
-        description="Run the demo (about 3.5 minutes on 2 idle CPU cores): (a) a learning-rate sweep of none, "
-        "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
+        description=f"Run the demo (about {DEMO_MINUTES:g} minutes on 2 idle CPU cores): (a) a learning-rate sweep "
+        "of none, BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
         "learning rate scaled linearly, (c) the monitor's collapse diagnosis (regime warning, countdown alarm) "
         "and the unnormalized runs again with --guard and with --guard-dead beside their unguarded twins, (d) the cost "
         "of a training step. Writes OUT/report.md with its plots; rerun to resume.",
