@@ -94,3 +94,15 @@ def refused(argv, capsys) -> str:
     assert rc == 2, err
     assert len(err.splitlines()) == 1, err
     return err
+
+
+def claimed(out: Path, run: str = "normlab compare") -> Path:
+    """``out`` as an earlier run of the command line ``run`` left it: claimed (:mod:`normlab.runner.lock`), for a
+    test that plants files there (a corrupt checkpoint, a killed writer's temporary) before the run it tests."""
+    import json
+
+    from normlab.runner.lock import CLAIM_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CLAIM_NAME).write_text(json.dumps({"run": run, "record": None}))
+    return out

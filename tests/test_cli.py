@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from conftest import refused
+from conftest import claimed, refused
 
 from normlab.cli import main
-from normlab.runner.lock import CLAIM_NAME
 
 
 def test_python_m_normlab_help():
@@ -158,7 +157,7 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     ck = tmp_path / "runs" / cell.cell_id / "checkpoint.pt"
     ck.parent.mkdir(parents=True)
     ck.write_bytes(b"not a checkpoint")
-    (tmp_path / CLAIM_NAME).write_text(json.dumps({"run": "normlab compare", "record": "grid.json"}))  # its grid's
+    claimed(tmp_path)  # by the grid that wrote the checkpoint
     rc = main(
         [
             "compare",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import claimed
 
 from normlab.cli import main
 from normlab.runner.errors import UsageError
@@ -222,7 +223,7 @@ def _plant(out: Path, names: list[str], outside: Path, run: str = "normlab compa
     """Links at ``names`` in ``out``, a directory claimed by ``run`` (as its first run left it)."""
     out.mkdir(parents=True, exist_ok=True)
     if not (out / CLAIM_NAME).exists():
-        (out / CLAIM_NAME).write_text(json.dumps({"run": run, "record": None}))
+        claimed(out, run)
     for n in names:
         (out / n).symlink_to(outside)
 
@@ -283,7 +284,7 @@ def test_train_cleans_stale_temps_of_a_killed_writer(tmp_path, capsys):
     out.mkdir()
     stale = out / f".checkpoint.pt.dead{TEMP_SUFFIX}"
     stale.write_bytes(b"half a checkpoint")
-    (out / CLAIM_NAME).write_text(json.dumps({"run": "normlab train", "record": "summary.json"}))  # the killed run's
+    claimed(out, "normlab train")  # by the run that was killed
     rc = main(
         [
             "train",

@@ -8,9 +8,9 @@ host, command, start time). A second run on the same directory is refused with a
 lock file, and the directories the lock created if they are still empty, so a refused run leaves nothing behind.
 
 **One command per output directory.** A command that owns its output directory passes ``claim``, the command line
-that made it (``"normlab compare"``, ``"normlab-lab demo --quick"``). Its first run writes ``OUT/.normlab-run.json``
-naming that command and its record file. A later run of the same command resumes; a run of another command, or of
-the same one in another mode, is refused in one line naming what is there, as is a directory already holding files
+that made it (``"normlab compare"``, ``"normlab train"``; a quick mode its own, ``"... --quick"``). Its first run
+writes ``OUT/.normlab-run.json`` naming that command and its record file. A later run of the same command resumes; a
+run of another command, or of the same one in another mode, is refused in one line naming what is there, as is a directory already holding files
 that no command claimed (the user's own). A missing or empty directory is taken. A run that leaves nothing but the
 claim removes it again.
 

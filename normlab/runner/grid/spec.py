@@ -164,7 +164,7 @@ class GridSpec(DictSpec):
         resolve("model", self.model, owner="GridSpec", field="model")
         for kind in ("loss", "metric"):
             if isinstance(self.train_kwargs.get(kind), str):
-                resolve(kind, self.train_kwargs[kind], owner="GridSpec", field="train_kwargs")
+                resolve(kind, self.train_kwargs[kind], owner="GridSpec", field=kind)
 
     def _check_values(self) -> None:
         if any(not (lr > 0 and math.isfinite(lr)) for lr in self.lrs):
