@@ -86,6 +86,11 @@ def check_claim(out_dir: str | os.PathLike, claim: str, option: str = "--out") -
     """Refuse ``out_dir`` for the command line ``claim`` as :func:`out_lock` will (read only: for a command that
     says something before it takes the lock); True if ``out_dir`` is already ``claim``'s.
 
+    Args:
+        out_dir: the output directory (a missing one is anyone's).
+        claim: the command line that would claim it (``"normlab compare"``).
+        option: the option name used in messages.
+
     Raises:
         UsageError: ``out_dir`` is another command's, or holds files no normlab run wrote (one line).
     """
