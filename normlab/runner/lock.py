@@ -10,9 +10,9 @@ lock file, and the directories the lock created if they are still empty, so a re
 **One command per output directory.** A command that owns its output directory passes ``claim``, the command line
 that made it (``"normlab compare"``, ``"normlab train"``; a quick mode its own, ``"... --quick"``). Its first run
 writes ``OUT/.normlab-run.json`` naming that command and its record file. A later run of the same command resumes; a
-run of another command, or of the same one in another mode, is refused in one line naming what is there, as is a directory already holding files
-that no command claimed (the user's own). A missing or empty directory is taken. A run that leaves nothing but the
-claim removes it again.
+run of another command, or of the same one in another mode, is refused in one line naming what is there, as is a
+directory already holding files that no command claimed (the user's own). A missing or empty directory is taken. A
+run that leaves nothing but the claim removes it again.
 
 The lock is re-entrant within one process (a library call inside a command that holds it takes it again for free) and
 is not inherited by worker processes: a grid's workers run under their parent's lock, and die with the parent
