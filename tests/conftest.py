@@ -109,3 +109,15 @@ def step_without_update(mon) -> None:
     hooks = step_hooks(mon.optimizer)
     hooks.defer()
     hooks.finish()
+
+
+def claimed(out: Path, run: str = "normlab compare") -> Path:
+    """``out`` as an earlier run of the command line ``run`` left it: claimed (:mod:`normlab.runner.lock`), for a
+    test that plants files there (a corrupt checkpoint, a killed writer's temporary) before the run it tests."""
+    import json
+
+    from normlab.runner.lock import CLAIM_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CLAIM_NAME).write_text(json.dumps({"run": run, "record": None}))
+    return out

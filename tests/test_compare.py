@@ -380,3 +380,29 @@ def test_a_built_module_is_refused_and_a_redefined_data_function_is_loaded_again
 
     loaded = {v[2]["num_train"] for k, v in setup._MEMORY.items() if k[0].endswith("<locals>.data")}
     assert loaded == {600, 700}  # the second function's data, not the first one's kept under the same name
+
+
+# ------------------------------------------------------------------ a norm registered by the model's own module
+@pytest.fixture
+def user_norm_module():
+    """The user's module (tests/user_norm_module.py) not yet imported; its norm unregistered afterwards."""
+    from normlab.nn import unregister_norm
+
+    sys.modules.pop("user_norm_module", None)
+    yield "user_norm_module"
+    if sys.modules.pop("user_norm_module", None) is not None:
+        unregister_norm("user_frn")
+
+
+def test_a_norm_registered_by_the_models_module_is_a_name_the_grid_takes(user_norm_module, tmp_path, capsys):
+    from normlab.cli import main
+
+    out = tmp_path / "grid"
+    argv = ["compare", "--model", f"{user_norm_module}:small_net", "--dataset", "user_factories:digits16",
+            "--norms", "user_frn,bn", "--lrs", "0.05", "--batch-sizes", "32", "--seeds", "100", "--epochs", "1",
+            "--max-steps-per-epoch", "2", "--workers", "2", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err  # refused before: the names were checked before the import
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results["norms"]] == ["user_frn", "bn"] and results["complete"]
+    summary = _summary(out, "user-frn_lr0.05_bs32_s100")  # the cell id spells it with a dash
+    assert summary["config"]["norm"] == "user_frn" and summary["config"]["model"] == f"{user_norm_module}:small_net"

@@ -211,8 +211,17 @@ def check_name(value: str, valid, option: str, what: str) -> str:
     return value
 
 
-def add_out_arg(p: argparse.ArgumentParser, default: str, what: str = "output directory") -> None:
-    p.add_argument("--out", default=default, help=f"{what} (default {default}); rerun the same command to resume")
+def add_out_arg(
+    p: argparse.ArgumentParser, default: str, what: str = "output directory", quick: tuple[str, str] | None = None
+) -> None:
+    """``--out`` (default ``default``). ``quick``: ``(flag, directory)`` of the command's quick mode, which gets a
+    directory of its own: ``--out`` then defaults to None and the command picks one of the two."""
+    mode = f", with {quick[0]} {quick[1]}" if quick else ""
+    p.add_argument(
+        "--out",
+        default=None if quick else default,
+        help=f"{what} (default {default}{mode}); rerun the same command to resume",
+    )
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor import CollapseCriteria
+from normlab.monitor.plotting import spans_decades
 from normlab.runner.grid.palette import norm_color, norm_order
 from normlab.runner.grid.results import chance_accuracy, metric_name
 from normlab.runner.io import atomic_savefig
@@ -67,12 +68,6 @@ def seed_range_bar(mean: float, values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return 0.0, 0.0
     return max(0.0, mean - min(values)), max(0.0, max(values) - mean)
-
-
-def spans_decades(values: Sequence[float]) -> bool:
-    """The positive ``values`` span a factor of 10 or more (a log axis shows them best); False if any is <= 0."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return bool(vals) and min(vals) > 0 and max(vals) >= 10 * min(vals)
 
 
 def style_figure(fig) -> None:
