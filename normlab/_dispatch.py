@@ -91,6 +91,26 @@ def fx_tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
+def fx_node(layer: torch.nn.Module, x) -> bool:
+    """True while ``torch.fx.symbolic_trace`` traces a model that holds ``layer`` below its root, with ``x`` a value
+    of that trace: the layer is then recorded as one :func:`layer_step` node. The root of a trace (a layer traced
+    on its own) has no name to read it back from: it is traced through, as torch's own layers are."""
+    if not isinstance(x, torch.fx.Proxy):
+        return False
+    root = getattr(x.tracer, "root", None)
+    return root is not None and root is not layer and any(m is layer for m in root.modules())
+
+
+def layer_step(layer: torch.nn.Module, *args):
+    """``layer._forward_step(*args)``, the layer's own forward: what a torch.fx graph calls for a normlab layer
+    whose forward depends on its mode or settings (those layers ``torch.fx.wrap`` this name and call it when
+    :func:`fx_node`). The graph holds the layer (a ``get_attr`` node) and runs its step when it runs, reading
+    ``training``, ``momentum`` and the rest then, as the ``call_module`` node of a torch BatchNorm does: the
+    GraphModule follows ``.train()``/``.eval()`` and ``update_bn``, and its ``state_dict`` has the model's keys.
+    (The step, not ``forward``: a subclass's forward around it, such as a timm NormAct's activation, is traced.)"""
+    return layer._forward_step(*args)
+
+
 def batched_backward(grad: Tensor) -> bool:
     """True when a backward runs under vmap: batched gradients (``autograd.grad(is_grads_batched=True)``,
     ``torch.autograd.functional.jacobian/hessian(vectorize=True)``: the legacy vmap) or a torch.func transform. Kernels
@@ -151,12 +171,9 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
     activation-checkpointed region the clones are traced past the region's selective-checkpoint modes, which would
     mark them for recomputation."""
     import torch.fx.traceback as fx_traceback
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-    from torch.utils.checkpoint import CheckpointPolicy, _CachingTorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    with contextlib.ExitStack() as stack:
-        while isinstance(_get_current_dispatch_mode(), _CachingTorchDispatchMode):
-            stack.enter_context(_pop_mode_temporarily())
+    with outside_selective_checkpoint():
         meta = fx_traceback.current_meta
         before = meta.get("recompute", _MISSING)
         meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -167,6 +184,22 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
                 meta.pop("recompute", None)
             else:
                 meta["recompute"] = before
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """A context without selective activation checkpointing's dispatch modes (``context_fn``), which cache the outputs
+    of the ops a policy saves in the forward and hand them back, in order, to the recomputation: the ops run here
+    are recomputed whatever the policy says. For a BatchRenorm step in a checkpointed region (its records and its
+    update of the running statistics run in the forward only; its in-place per-channel arithmetic would mutate a
+    cached output) and for :func:`kept_for_backward`'s copies."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    with contextlib.ExitStack() as stack:
+        while isinstance(_get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 _MISSING = object()

@@ -15,13 +15,13 @@ from torch import nn
 from normlab.cli import main
 from normlab.monitor import VarianceMonitor
 from normlab.nn import PrimaryCapsules, RoutingCapsules, SyncBatchRenorm
-from normlab.nn.registry import CONV_CLASSES, DIMS, NORM_CLASSES, create_conv, create_norm
+from normlab.nn.registry import CONV_KINDS, DIMS, NORM_NAMES, create_conv, create_norm
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import Trainer, train
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
-NORMS = [(name, dim) for name in NORM_CLASSES if name != "none" for dim in DIMS]
-CONVS = [(kind, dim) for kind in CONV_CLASSES for dim in DIMS]
+NORMS = [(name, dim) for name in NORM_NAMES if name != "none" for dim in DIMS]
+CONVS = [(kind, dim) for kind in CONV_KINDS for dim in DIMS]
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, rtol: float = 2e-2) -> None:
@@ -114,11 +114,11 @@ def _net() -> nn.Module:
 
 def _one_step(model: nn.Module, x, y, amp: bool) -> list[dict]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with VarianceMonitor(model, every=1) as mon:
+    with VarianceMonitor(model, every=1, optimizer=opt) as mon:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        mon.step(opt)
+        opt.step()
     return mon.records
 
 

@@ -43,12 +43,22 @@ def test_quick_table_runs_and_rewrites_its_results_section(tmp_path, one_thread)
 def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
     run_all = _load("run_all")
     args = type("A", (), {"device": "cuda", "quick": False, "results": "benchmarks/RESULTS.md"})()
-    assert run_all._command(BENCH / "bench_batch_renorm.py", args, tmp_path) is None
-    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    assert run_all._commands(BENCH / "bench_batch_renorm.py", args, tmp_path) == []
+    assert run_all._commands(BENCH / "count_ops.py", args, tmp_path) == []  # CPU only
+    [cmd] = run_all._commands(BENCH / "bench_table.py", args, tmp_path)
     assert cmd[cmd.index("--device") + 1] == "cuda" and "--results" in cmd and "--threads" not in cmd
+    [cmd] = run_all._commands(BENCH / "bench_compiled.py", args, tmp_path)
+    assert cmd[cmd.index("--device") + 1] == "cuda" and "--results" in cmd
     args.device, args.quick = "cpu", True
-    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    [cmd] = run_all._commands(BENCH / "bench_table.py", args, tmp_path)
     assert "--quick" in cmd and "--results" not in cmd and cmd[cmd.index("--threads") + 1] == "1"
+    args.quick = False
+    gpt, resnet = run_all._commands(BENCH / "bench_monitor.py", args, tmp_path)  # the monitor on both models
+    assert gpt[gpt.index("--model") + 1] == "gpt" and resnet[resnet.index("--model") + 1] == "resnet50"
+    assert all("--results" in c and c[c.index("--threads") + 1] == "1" for c in (gpt, resnet))
+    assert gpt[gpt.index("--out") + 1] != resnet[resnet.index("--out") + 1]
+    [cmd] = run_all._commands(BENCH / "count_ops.py", args, tmp_path)
+    assert "--timing" in cmd and "--results" in cmd
 
 
 def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thread, capsys):
@@ -71,3 +81,16 @@ def test_bench_monitor_gpt_with_probes(tmp_path, one_thread, capsys):
     printed = capsys.readouterr().out
     assert "CharGPT" in printed and "every=10 + probes" in printed
     assert "every=10 + probes" in json.loads(out.read_text())["ratio_to_unmonitored"]
+
+
+def test_bench_guard_measures_each_store_and_the_step_ratio(tmp_path, one_thread, capsys):
+    bench = _load("bench_guard")
+    out = tmp_path / "snap.json"
+    assert (
+        bench.main(["snapshots", "--models", "tinylm", "--repeats", "1", "--tmp", str(tmp_path), "--out", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text())["result"]
+    assert [r["store"] for r in rows] == ["host", "disk", "dcp"] and all(r["snapshot_bytes"] > 0 for r in rows)
+    assert bench.main(["overhead", "--model", "tinylm", "--steps", "3", "--repeats", "2", "--batch-size", "2"]) == 0
+    assert "guard at its defaults" in capsys.readouterr().out

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from normlab._dispatch import layer_step
 from normlab.convert.recognize import unique_modules
 
 __all__ = [
@@ -176,6 +177,8 @@ def _producer(model: nn.Module, node: torch.fx.Node) -> str:
         return f"a {type(model.get_submodule(node.target)).__name__} output"
     if node.op == "get_attr":
         return "a tensor attribute of the model"
+    if node.target is layer_step and node.args and getattr(node.args[0], "op", None) == "get_attr":
+        return f"a {type(model.get_submodule(node.args[0].target)).__name__} output"  # a normlab layer's one node
     name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"the output of {name}"
 

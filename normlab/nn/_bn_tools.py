@@ -28,9 +28,9 @@ import sys
 from types import CodeType
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["BatchNormTools", "begin_reestimation", "end_reestimation", "reestimating"]
+__all__ = ["BatchNormTools", "begin_reestimation", "end_reestimation", "kept_step", "reestimating"]
 
 _SWA = ("lightning.pytorch.callbacks.stochastic_weight_avg", "pytorch_lightning.callbacks.stochastic_weight_avg")
 _SYNC_ADVICE = "convert with normlab.nn.SyncBatchRenorm.convert_sync_batchrenorm(model, batchnorm=True)"
@@ -87,10 +87,18 @@ def reestimating(module: nn.Module) -> bool:
 
 def begin_reestimation(module: nn.Module) -> None:
     """Start a re-estimation: keep ``num_batches_tracked`` (put back by :func:`end_reestimation`). A second call
-    before the end keeps the first one's step (a re-estimation that stopped half-way, then started again)."""
+    before the end (a re-estimation that stopped half-way, then started again) keeps the first one's step and
+    starts the new tool call's count of ``momentum`` settings from zero (torch's ``update_bn`` ends at its second)."""
     if not reestimating(module):
         step = getattr(module, "num_batches_tracked", None)
         module.__dict__["_reestimation"] = {"step": None if step is None else step.clone(), "sets": 0}
+    module.__dict__["_reestimation"]["sets"] = 0
+
+
+def kept_step(module: nn.Module) -> Tensor | None:
+    """The ``num_batches_tracked`` a running re-estimation will put back, or None (none runs, or no counter)."""
+    state = getattr(module, "_reestimation", None)
+    return None if state is None else state["step"]
 
 
 def end_reestimation(module: nn.Module) -> None:
@@ -149,6 +157,25 @@ class BatchNormTools:
             return False
         self._reestimation["sets"] += 1
         return self._reestimation["sets"] == 2
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        """During a re-estimation ``num_batches_tracked`` counts the loader's batches (the cumulative average's
+        count): the state saved then holds the schedule's step, which the end puts back (a checkpoint written during
+        Lightning's BatchNorm epoch resumes the schedule where it was)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        step, key = kept_step(self), prefix + "num_batches_tracked"
+        if step is not None and key in destination:
+            destination[key] = step if keep_vars else step.detach()
+
+    def __getstate__(self):
+        """pickle, ``torch.save(module)``, ``copy.deepcopy``: a copy made during a re-estimation, which no tool will
+        end, is the layer as the end would leave it (no re-estimation, the step put back)."""
+        state = super().__getstate__()
+        step = kept_step(self)
+        state.pop("_reestimation", None)
+        if step is not None and state["_buffers"].get("num_batches_tracked") is not None:
+            state["_buffers"] = type(state["_buffers"])(state["_buffers"], num_batches_tracked=step.clone())
+        return state
 
     def reset_running_stats(self) -> None:
         caller = _caller(sys._getframe(1), "reset_running_stats")

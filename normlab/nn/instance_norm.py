@@ -3,7 +3,8 @@
 ``InstanceNorm1d/2d/3d`` take the constructor arguments of ``torch.nn.InstanceNorm1d/2d/3d`` (torch 2.13's
 keyword ``bias=`` included) and keep their ``state_dict`` keys (``weight``, ``bias``, ``running_mean``,
 ``running_var``, ``num_batches_tracked``), so a torch checkpoint loads unchanged. The forward is one call of
-``instance_norm_step``, which ``torch.fx.symbolic_trace`` records as one node. Differences from torch:
+``instance_norm_step``; ``torch.fx.symbolic_trace`` records the layer as one node that runs it in the layer's mode
+when the graph runs (as torch's ``call_module``). Differences from torch:
 
 - statistics of float16/bfloat16 inputs are computed in float32 (values around 1e4 stay finite), by
   :func:`normlab.functional.instance_norm`; float32/float64 inputs use torch's fused group-norm kernel with one
@@ -34,13 +35,16 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from .._checks import check_number
 from .._dispatch import (
     HALF,
     all_finite,
     channels_last_format,
     count_into,
     forward_ad_active,
+    fx_node,
     guarded_update,
+    layer_step,
     param_dtype,
     plain_eager,
     recomputing,
@@ -53,6 +57,9 @@ from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
 
 __all__ = ["InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d"]
+
+torch.fx.wrap("layer_step")  # torch.fx.symbolic_trace records the layer as this one call (see forward)
+torch.fx.wrap("instance_norm_step")  # ... and traces a layer at the root of the trace as this one call
 
 _IN_LAYOUT_MIN_SAMPLE = 1 << 16
 """Values per sample (C * spatial) from which a channels_last / channels_last_3d input is normalized in its own
@@ -128,8 +135,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        check_number(name, "num_features", num_features, integer=True, low=1)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:
@@ -185,7 +191,12 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
 
     def forward(self, x: Tensor) -> Tensor:
         """x: (N, C, *spatial) or unbatched (C, *spatial) -> same shape, dtype and memory format: one call of
-        ``instance_norm_step`` (the input checks, the step and the running statistics; one torch.fx node)."""
+        ``instance_norm_step`` (the input checks, the step and the running statistics). ``torch.fx.symbolic_trace``
+        records one node, ``layer_step(layer, x)``, which runs ``_forward_step`` when the graph runs (in the mode the
+        layer is in then, as a BatchNorm's ``call_module``)."""
+        return layer_step(self, x) if fx_node(self, x) else self._forward_step(x)
+
+    def _forward_step(self, x: Tensor) -> Tensor:
         return instance_norm_step(
             x,
             self.weight,
@@ -198,9 +209,6 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
             eps=self.eps,
             layer=(self.num_features, self._spatial_dims, self._layout, type(self).__name__),
         )
-
-
-torch.fx.wrap("instance_norm_step")  # torch.fx.symbolic_trace records the layer's forward as this one call
 
 
 def instance_norm_step(x, weight, bias, running_mean, running_var, counters, *, training, momentum, eps, layer):

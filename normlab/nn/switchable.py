@@ -16,7 +16,8 @@ synchronisation, eager and compiled) and is counted in ``skipped_batches``, repo
 ``.eval()`` or by :func:`normlab.nn.skipped_batches`: the non-finite policy of every normlab layer
 (``docs/design.md``, "Non-finite batches"); an empty batch returns an empty output, leaves them unchanged and gives
 zero gradients. Activation checkpointing updates them once (not again in the recomputation). The forward is one call
-of ``switchable_forward`` (``normlab._functions``), which ``torch.fx.symbolic_trace`` records as one node.
+of ``switchable_forward`` (``normlab._functions``); ``torch.fx.symbolic_trace`` records the layer as one node that
+runs it in the layer's mode when the graph runs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from string import Template
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_number, number_problem
+from .._dispatch import fx_node, layer_step
 from .._functions import switchable_forward
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
@@ -34,7 +37,8 @@ from ._non_finite import SkippedBatches
 
 __all__ = ["SwitchableNorm1d", "SwitchableNorm2d", "SwitchableNorm3d"]
 
-torch.fx.wrap("switchable_forward")  # torch.fx.symbolic_trace records the layer's forward as this one call
+torch.fx.wrap("layer_step")  # torch.fx.symbolic_trace records the layer as this one call (see forward)
+torch.fx.wrap("switchable_forward")  # ... and traces a layer at the root of the trace as this one call
 
 
 # The docstring of the public classes: one text, filled in per dimension ($input, $over, $details, $example).
@@ -107,11 +111,10 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        check_number(name, "num_features", num_features, integer=True, low=1)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
-        if momentum is not None and (isinstance(momentum, bool) or not 0.0 <= momentum <= 1.0):
+        if number_problem(momentum, low=0, high=1, optional=True) is not None:
             raise ValueError(
                 f"{name}: momentum must be in [0, 1] (BatchNorm's convention: the weight of the new value; the "
                 f"official 0.9 of the old value is 0.1) or None (cumulative average), got {momentum!r}"
@@ -175,8 +178,13 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        """x: (N, C, *spatial) -> same shape, dtype and memory format: one call of
-        ``switchable_forward`` (the input checks, the step and the running statistics; one torch.fx node)."""
+        """x: (N, C, *spatial) -> same shape, dtype and memory format: one call of ``switchable_forward`` (the input
+        checks, the step and the running statistics). ``torch.fx.symbolic_trace`` records one node,
+        ``layer_step(layer, x)``, which runs ``_forward_step`` when the graph runs (in the mode the layer is in then,
+        as a BatchNorm's ``call_module``)."""
+        return layer_step(self, x) if fx_node(self, x) else self._forward_step(x)
+
+    def _forward_step(self, x: Tensor) -> Tensor:
         return switchable_forward(
             x,
             self.mean_weight,

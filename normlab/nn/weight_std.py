@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from normlab._checks import check_number
 from normlab.functional import pws_weight, standardize_weight
 
-from .._dispatch import forward_ad_active, fx_tracing
+from .._dispatch import forward_ad_active, fx_node, fx_tracing, layer_step, recomputing
 from ._docs import fill
 from ._non_finite import FiniteState
 
@@ -41,9 +42,7 @@ WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
 
 
 def _check_positive(where: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return float(check_number(where, name, value, low=0, low_open=True))
 
 
 def _check_cache_mode(where: str, mode: str) -> str:
@@ -67,6 +66,7 @@ torch.fx.wrap("standardize_weight")
 torch.fx.wrap("pws_weight")
 torch.fx.wrap("_checked_input")
 torch.fx.wrap("_init_alpha_from")
+torch.fx.wrap("layer_step")  # PWS's alpha init below the root: one node that runs it in the layer's mode then
 
 
 def _checked_input(input: Tensor, in_channels: int, dims: int, name: str) -> Tensor:
@@ -82,12 +82,13 @@ def _checked_input(input: Tensor, in_channels: int, dims: int, name: str) -> Ten
 
 
 @torch.no_grad()
-def _init_alpha_from(y: Tensor, input: Tensor, alpha: Tensor, alpha_initialized: Tensor) -> None:
+def _init_alpha_from(y: Tensor, input: Tensor, alpha: Tensor, alpha_initialized: Tensor, write: bool = True) -> None:
     """Set every alpha to sqrt(2 / Var(y)) (unbiased, ``y = conv(x, W_hat(alpha=1))`` without bias, pooled over the
     ranks) and mark ``alpha_initialized``, unless the layer is initialised already or the batch cannot define it
     (fewer than 2 outputs, a non-finite variance, or a degenerate one: at most 1e-8 of the input's E[x^2], e.g. an
     all-zero or constant batch); then alpha and the flag stay as they are and the next batch initialises alpha. Tensor
-    ops only (no data-dependent branch; one torch.fx node)."""
+    ops only (no data-dependent branch). ``write=False``: the same operations without the two writes (a layer known
+    to be initialised, see ``_PWSConvNd._before_forward``)."""
     y, x_sq = y.detach().double(), input.detach().double().square()
     stats = torch.stack(
         [y.sum(), y.square().sum(), y.new_tensor(float(y.numel())), x_sq.sum(), y.new_tensor(float(x_sq.numel()))]
@@ -100,8 +101,9 @@ def _init_alpha_from(y: Tensor, input: Tensor, alpha: Tensor, alpha_initialized:
     valid = (count >= 2) & torch.isfinite(var) & (var > 0) & (var > 1e-8 * scale)
     new = torch.sqrt(2.0 / torch.where(valid, var, torch.ones_like(var))).to(alpha.dtype)
     valid = valid & ~alpha_initialized  # an initialised alpha is never overwritten
-    alpha.copy_(torch.where(valid, new, alpha))
-    alpha_initialized.copy_(alpha_initialized | valid)
+    if write:
+        alpha.copy_(torch.where(valid, new, alpha))
+        alpha_initialized.copy_(alpha_initialized | valid)
 
 
 # The docstrings of the public classes: one text per family, filled in per dimension ($conv, $input, $output,
@@ -281,11 +283,12 @@ class _StdConvNd(FiniteState):
         parameters are read once (a parametrization of ``weight`` runs once per forward, as in ``nn.Conv2d``)."""
         input = _checked_input(input, self.in_channels, len(self.kernel_size), type(self).__name__)
         tensors = self._cache_tensors()
-        self._before_forward(input, tensors)
+        input = self._before_forward(input, tensors)
         return self._conv_forward(input, self._kernel(tensors), self.bias)
 
-    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> None:
-        pass
+    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
+        """A step before the convolution (PWS: the init of alpha); returns ``input``."""
+        return input
 
 
 class _WSConvNd(_StdConvNd):
@@ -390,30 +393,49 @@ class _PWSConvNd(_StdConvNd):
     def _cache_params(self) -> tuple:
         return (self.gamma, self.relative_gamma, self.fan)
 
-    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> None:
-        """The data-dependent init of alpha while it is pending. Whether it is pending is read from the buffer
-        ``alpha_initialized`` (one host read per training step) only until a read finds it done; from then on the
-        Python flag ``_alpha_done`` answers and a training step reads nothing back. Loading a state or resetting the
-        parameters re-arms the read. Under graph capture (jit, compile, fx) and torch.func the init runs in tensor
-        ops every training step until the flag is set (a no-op on an initialised layer). ``tensors``: the
-        parameters as the forward read them (``weight`` once)."""
+    def _before_forward(self, input: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
+        """The data-dependent init of alpha while it is pending (``tensors``: the parameters as the forward read
+        them, ``weight`` once); returns ``input``. torch.fx records it as one node, ``layer_step(layer, input,
+        weight)``, whose output the convolution takes (so that no dead-code pass drops it) and which runs the init in
+        the layer's mode when the graph runs; under graph capture (jit, compile) and torch.func it runs in tensor ops
+        every training step until the Python flag is set (a no-op on an initialised layer); eagerly see
+        :meth:`_eager_init_alpha`."""
+        if fx_node(self, input) and self.init_alpha:
+            return layer_step(self, input, tensors[0])
         if self.__dict__.get("_alpha_done") or not (self.init_alpha and self.training):
-            return
+            return input
         if _capturing_graph() or torch._C._functorch.peek_interpreter_stack() is not None:
             self._data_init_alpha(input, tensors[0])  # tensor ops only: a no-op once initialised
-        elif self.alpha_initialized.device.type == "meta":
-            return  # on the meta device there is no data to initialise from: the next real batch does it
+        elif self.alpha_initialized.device.type != "meta":  # on meta, no data: the next real batch does it
+            self._eager_init_alpha(input, tensors[0])
+        return input
+
+    def _forward_step(self, input: Tensor, weight: Tensor) -> Tensor:
+        """The step a torch.fx graph runs (:func:`normlab._dispatch.layer_step`): the init of alpha, in the layer's
+        mode when the graph runs; returns ``input``."""
+        return self._before_forward(input, (weight,))
+
+    def _eager_init_alpha(self, input: Tensor, weight: Tensor) -> None:
+        """Whether the init is pending is read from the buffer ``alpha_initialized`` (one host read per training
+        step) only until a read finds it done; from then on the Python flag ``_alpha_done`` answers and a training
+        step reads nothing back. Loading a state or resetting the parameters re-arms the read. A checkpoint
+        recomputation (``torch.utils.checkpoint``, inside a backward pass) of a forward that ran the init runs the
+        init's operations again, reading and writing nothing: a selective-checkpoint policy that saves convolutions
+        then finds the convolutions of the forward it repeats."""
+        if recomputing():
+            self._data_init_alpha(input, weight, write=False)
         elif bool(self.alpha_initialized):
             self._alpha_done = True
         else:
-            self._data_init_alpha(input, tensors[0])
+            self._data_init_alpha(input, weight)
 
-    def _data_init_alpha(self, input: Tensor, weight: Tensor) -> None:
+    def _data_init_alpha(self, input: Tensor, weight: Tensor, write: bool = True) -> None:
         """Set every alpha to sqrt(2 / Var(y)), y = conv(x, W_hat(alpha=1)) without bias, unbiased variance (see
         :func:`_init_alpha_from`); ``weight`` as the forward read it. Detached: no autograd graph, also in a traced
-        one."""
+        one. ``write=False``: the same operations, nothing written."""
         kernel = pws_weight(weight.detach(), None, self.gamma, self.relative_gamma, fan=self.fan)
-        _init_alpha_from(self._conv_forward(input.detach(), kernel, None), input, self.alpha, self.alpha_initialized)
+        y = self._conv_forward(input.detach(), kernel, None)
+        _init_alpha_from(y, input, self.alpha, self.alpha_initialized, write)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
