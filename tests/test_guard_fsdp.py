@@ -1,13 +1,13 @@
 """CollapseGuard under FSDP2 (``fully_shard`` on submodules and the root: DTensor parameters and moments) with 2 gloo
 ranks on CPU.
 
-Trouble seen on one rank only (a non-finite loss, a non-finite gradient in its shard, a loss climb on its share of
-the batch, a monitor alarm), on both, or on none: no rank waits for a collective another never makes (every run
-under a timeout), both ranks roll back to the same step at the same learning rate, in one collective per checked
-step, and end on the same parameters - those of the same run unsharded on one process, on the global batch, where
-that is well defined (an injected NaN). With each snapshot store (host, disk, dcp), each rank's snapshot holds its
-own shards only (about half of the unsharded snapshot's bytes on 2 ranks). A PWS conv and SyncBatchRenorm model runs
-with the monitor too; what the guard cannot support is refused in one line.
+Trouble seen on one rank only (a non-finite loss or a non-finite gradient in its shard, on rank 0 or on rank 1; a
+loss climb on its share of the batch, a monitor alarm), on both, or on none: no rank waits for a collective another
+never makes (every run under a timeout), both ranks roll back to the same step at the same learning rate, in one
+collective per checked step, and end on the same parameters - those of the same run unsharded on one process, on
+the global batch, where that is well defined (an injected NaN). With each snapshot store (host, disk, dcp), each
+rank's snapshot holds its own shards only (about half of the unsharded snapshot's bytes on 2 ranks). A PWS conv and
+SyncBatchRenorm model runs with the monitor too; what the guard cannot support is refused in one line.
 
 Each rank's loss is the mean over its 4 of the 8 samples of a batch, so FSDP2's averaged gradient, and the guard's
 mean of the ranks' losses, are the unsharded model's on the 8.
@@ -140,8 +140,10 @@ class _AlarmOnRank(Rule):
 # ------------------------------------------------------------------------------------------------ one run
 SCENARIOS = {  # name: (model, stores, guard options, the rescues both ranks must record)
     "none": ("mlp", ("host",), {}, []),
+    "nan loss on rank 0": ("mlp", ("host", "dcp"), {}, [(BAD, "non_finite", BAD, 4, 6, 0.005)]),
     "nan loss on rank 1": ("mlp", ("host", "disk", "dcp"), {}, [(BAD, "non_finite", BAD, 4, 6, 0.005)]),
     "nan on both": ("mlp", ("host",), {}, [(BAD, "non_finite", BAD, 4, 6, 0.005)]),
+    "nan grad on rank 0": ("mlp", ("host",), {}, [(BAD, "non_finite", BAD, 4, 6, 0.005)]),
     "nan grad on rank 1": ("mlp", ("host",), {}, [(BAD, "non_finite", BAD, 4, 6, 0.005)]),
     "loss climb on rank 1": ("mlp", ("host",), {"window": 2}, [(BAD, "exploded", BAD, 4, 6, 0.005)]),
     "alarm on rank 1": ("mlp", ("host",), {"monitor": True}, [(5, "alarm", 5, 0, 6, 0.005)]),
@@ -156,7 +158,14 @@ SCENARIOS = {  # name: (model, stores, guard options, the rescues both ranks mus
         [(BAD, "non_finite", BAD, 4, 6, 0.005)],
     ),
 }
-UNSHARDED = ("nan loss on rank 1", "nan on both", "nan grad on rank 1", "pws_brn nan loss on rank 1")
+UNSHARDED = (
+    "nan loss on rank 0",
+    "nan loss on rank 1",
+    "nan on both",
+    "nan grad on rank 0",
+    "nan grad on rank 1",
+    "pws_brn nan loss on rank 1",
+)
 
 
 def _guard(model, opt, scenario: str, store: str, directory: str | None) -> CollapseGuard:
@@ -180,12 +189,13 @@ def _guard(model, opt, scenario: str, store: str, directory: str | None) -> Coll
     )
 
 
-def _poison_grad(model: nn.Module, rank: int | None) -> None:
-    """A NaN in row 2 of the head's gradient: in rank 1's shard (rows 2:3) only, or in the whole gradient."""
+def _poison_grad(model: nn.Module, on: int, rank: int | None) -> None:
+    """A NaN in the head's gradient, in the first row of rank ``on``'s shard (rows 0:2 on rank 0, 2:3 on rank 1):
+    there on rank ``on`` only, or at that global row of the whole gradient (unsharded: ``rank`` None)."""
     grad = model[4].weight.grad
     if rank is None:
-        grad[2, 0] = float("nan")
-    elif rank == 1:
+        grad[2 * on, 0] = float("nan")
+    elif rank == on:
         grad.to_local()[0, 0] = float("nan")
 
 
@@ -200,13 +210,14 @@ def _step(model, opt, guard, scenario: str, t: int, shape, rank: int | None):
     opt.zero_grad()
     loss.backward()
     seen = loss.detach()
-    one_sided = scenario.endswith("nan loss on rank 1") or scenario.startswith("give up")
-    if one_sided and t == BAD and rank in (1, None):
-        seen = seen * float("nan")  # seen by rank 1 only (unsharded: the mean is NaN); its gradients stay finite
+    on = int(scenario[-1]) if scenario[-1].isdigit() else 1  # the rank that sees the trouble (give up: rank 1)
+    one_sided = "nan loss on rank" in scenario or scenario.startswith("give up")
+    if one_sided and t == BAD and rank in (on, None):
+        seen = seen * float("nan")  # seen by that rank only (unsharded: the mean is NaN); its gradients stay finite
     if scenario == "loss climb on rank 1" and t == BAD and rank == 1:
         seen = seen * 1e4  # its share's loss explodes: the ranks' mean does too
-    if scenario == "nan grad on rank 1" and t == BAD:
-        _poison_grad(model, rank)
+    if scenario.startswith("nan grad on rank") and t == BAD:
+        _poison_grad(model, on, rank)
     guard.observe_loss(seen)
 
 
