@@ -12,8 +12,8 @@ torch.compile) and rewrites this device's section of ``--results``.
 the issue's shapes, and a CrossQ critic update against BatchNorm and torchrl's BatchRenorm1d when torchrl imports).
 
 - ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws, bench_layers) on the GPU;
-  the CPU-only ones (bench_batch_renorm, bench_monitor, bench_monitor_fsdp: 2 gloo ranks) are skipped. bench_table
-  alone takes under 5 minutes on a GPU.
+  the CPU-only ones (bench_batch_renorm, bench_monitor, bench_monitor_fsdp and bench_guard_fsdp: 2 gloo ranks) are
+  skipped. bench_table alone takes under 5 minutes on a GPU.
 - ``--quick``: only ``bench_table --quick`` (small shapes, 3 rounds, no torch.compile, seconds), results to
   ``--out`` only: a smoke test, not a measurement.
 """
@@ -36,6 +36,7 @@ TAKES_THREADS = {
     "bench_monitor_fsdp",
     "bench_layers",
     "bench_guard",
+    "bench_guard_fsdp",
 }
 
 
