@@ -32,20 +32,32 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
 
-import normlab.nn as L
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+import normlab.nn as L  # noqa: E402
+
+TORCHRL_MISSING = "torchrl is not installed (pip install 'normlab[bench]' with the torch pin): no torchrl column"
 
 BRN_SHAPES = [(256, 256), (32, 64), (2, 64, 32, 32), (32, 64, 32, 32), (8, 256, 56, 56), (4, 64, 8, 16, 16)]
 NORM_SHAPES = [(2, 64, 32, 32), (32, 64, 32, 32)]
 DIM = {2: 1, 3: 1, 4: 2, 5: 3}
 CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
 PAST_WARMUP = 30_000
+
+
+def _load():
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _torchrl_brn():
@@ -146,7 +158,9 @@ def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
             steps = {name: _layer_step(m, x, g) for name, m in cands.items()}
             if args.compile:
                 steps = {name: _layer_step(torch.compile(m), x, g) for name, m in cands.items()}
+            load = [_load()]
             rounds = [_interleaved(steps, repeats, iters) for _ in range(args.rounds)]
+            load.append(_load())
             for name in cands:
                 ratios = [r[name] / r[reference] for r in rounds]
                 rows.append(
@@ -158,6 +172,7 @@ def _rows(section: str, candidates_for, shapes, args) -> list[dict]:
                         "reference": reference,
                         "median_us": [1e6 * r[name] for r in rounds],
                         "ratio": ratios,
+                        "load": load,
                     }
                 )
                 print(
@@ -278,7 +293,9 @@ def _crossq_rows(args, trl) -> list[dict]:
     for name, norm in norms.items():
         torch.manual_seed(102)
         steps[name] = _crossq_step(_critic(norm).to(args.device), batch)
+    load = [_load()]
     rounds = [_interleaved(steps, 15, 20) for _ in range(args.rounds)]
+    load.append(_load())
     rows = []
     for name in steps:
         ratios = [r[name] / r["nn.BatchNorm1d"] for r in rounds]
@@ -291,6 +308,7 @@ def _crossq_rows(args, trl) -> list[dict]:
                 "reference": "nn.BatchNorm1d",
                 "median_us": [1e6 * r[name] for r in rounds],
                 "ratio": ratios,
+                "load": load,
             }
         )
         print(
@@ -299,6 +317,57 @@ def _crossq_rows(args, trl) -> list[dict]:
             flush=True,
         )
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ report
+LARGE = 32 * 64 * 32 * 32  # from this many values on, eager BatchRenorm's target is <= 1.10x BatchNorm
+
+
+def _target(row: dict) -> float | None:
+    """The eager target of a row: BatchRenorm <= 1.10x BatchNorm at (32, 64, 32, 32) and larger; SwitchableNorm
+    <= 1.50x BatchNorm (issue 10); InstanceNorm <= 1.00x torch's (issue 10); none otherwise (at the small shapes the
+    target is to be ahead of torchrl's BatchRenorm1d)."""
+    name = row["candidate"]
+    if name.startswith("normlab BatchRenorm") and math.prod(row["shape"]) >= LARGE:
+        return 1.10
+    return {"normlab SwitchableNorm2d": 1.50}.get(name, 1.00 if name.startswith("normlab InstanceNorm") else None)
+
+
+def _vs_torchrl(rows: list[dict], row: dict) -> str:
+    """normlab / torchrl in the same rounds, for a normlab BatchRenorm1d row: both ratios are to the same
+    BatchNorm timings, so their quotient is the time quotient."""
+    if row["candidate"] != "normlab BatchRenorm1d":
+        return ""
+    trl = [r for r in rows if r["candidate"].startswith("torchrl") and r["shape"] == row["shape"]]
+    trl = [r for r in trl if r["section"] == row["section"]]
+    if not trl:
+        return "torchrl not installed"
+    q = sorted(a / b for a, b in zip(row["ratio"], trl[0]["ratio"]))
+    return f"{statistics.median(q):.2f} ({q[0]:.2f}-{q[-1]:.2f}): {'ahead' if q[-1] < 1 else '**not ahead**'}"
+
+
+def markdown(data: dict) -> str:
+    meta, rows = data["meta"], [r for r in data["rows"] if r["candidate"] != r["reference"]]
+    lines = [
+        f"### Eager layers beside torch's (bench_layers.py, {meta['device']})",
+        "",
+        f"`{meta['command']}`; torch {meta['torch']}, {meta['threads']} thread(s), {meta['machine']}, clock "
+        f"{meta['clock']}, {meta['rounds']} rounds. Ratio = candidate / reference in the same round: median "
+        f"(min-max) over the rounds. torchrl: {meta['torchrl'] or TORCHRL_MISSING}.",
+        "",
+    ]
+    head = ["section", "shape", "layout", "candidate", "reference", "ratio", "target", "met", "us", "vs torchrl",
+            "load"]  # fmt: skip
+    body = []
+    for r in rows:
+        q = sorted(r["ratio"])
+        target = _target(r)
+        met = "" if target is None else ("yes" if statistics.median(q) <= target else "**no**")
+        body.append([r["section"], tuple(r["shape"]), r["layout"], r["candidate"], r["reference"],
+                     f"{statistics.median(q):.2f} ({q[0]:.2f}-{q[-1]:.2f})", "" if target is None else f"<= {target}",
+                     met, f"{statistics.median(r['median_us']):.0f}", _vs_torchrl(rows, r),
+                     "-".join(str(v) for v in r.get("load", []))])  # fmt: skip
+    return "\n".join(lines + common.table(head, body))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat for more",
     )
     parser.add_argument("--out", default=None, help="JSON file for the rows")
+    parser.add_argument("--results", default="", help="RESULTS.md whose bench_layers section is rewritten")
     parser.add_argument(
         "--clock",
         choices=sorted(CLOCKS),
@@ -333,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     _clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     trl = _torchrl_brn()
+    if trl is None:
+        print(TORCHRL_MISSING, flush=True)
     sections = {s.strip() for s in args.sections.split(",")}
     rows = []
     if "brn" in sections:
@@ -354,10 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "clock": args.clock,
         "machine": platform.processor() or platform.machine(),
+        "command": common.command("bench_layers.py", argv),
     }
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.results:
+        key = f"bench_layers:{args.device}" + ("-compiled" if args.compile else "")
+        common.write_section(Path(args.results), key, markdown({"meta": meta, "rows": rows}))
     return 0
 
 

@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -38,9 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normlab.monitor import VarianceMonitor
-from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule
-from normlab.runner.models import build_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common  # noqa: E402
+
+from normlab.monitor import VarianceMonitor  # noqa: E402
+from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule  # noqa: E402
+from normlab.runner.models import build_model  # noqa: E402
 
 VARIANTS = {  # name: VarianceMonitor arguments, made fresh per model (None: unmonitored)
     "unmonitored": None,
@@ -106,7 +110,25 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("runs/bench_monitor.json"))
     p.add_argument("--probes", action="store_true", help="add the variant every=10 + probes")
+    p.add_argument("--results", default="", help="RESULTS.md: rewrite this model's bench_monitor section")
+    p.add_argument(
+        "--clock",
+        choices=sorted(common.CLOCKS),
+        default="wall",
+        help="wall: elapsed time; cpu: the thread's CPU time (leaves out the time spent waiting for a core on a "
+        "shared machine; one thread only)",
+    )
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="instead of timing: run this many steps of the unmonitored and the default variant under cProfile and "
+        "torch.profiler and print where the default monitor's time goes (its functions, and the aten ops it adds)",
+    )
     args = p.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        p.error("--clock cpu measures the calling thread only: use it with --threads 1")
+    clock = common.CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     base, source, shape = make_model(args.model, args.norm, args.channels, args.size, args.width)
@@ -135,15 +157,19 @@ def main(argv=None) -> int:
         variants[name] = (model, opt, mon)
 
     def run_block(model, opt, mon, batches=data) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         for x, y in batches:
             out = model(x)
             loss = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()  # an attached monitor records through the optimizer's step hooks
-        return (time.perf_counter() - t0) / len(batches)
+        return (clock() - t0) / len(batches)
 
+    if args.profile:
+        steps = (data * (args.profile // len(data) + 1))[: args.profile]
+        profile(lambda v, batches: run_block(*variants[v], batches=batches), steps, source)
+        return 0
     load_before = os.getloadavg()[0]  # the machine may be shared: its load is part of the result
     for v in variants.values():  # warm-up: 2 steps (the first is a recording step of every monitor)
         run_block(*v, batches=data[:2])
@@ -177,6 +203,7 @@ def main(argv=None) -> int:
         "input_shape": [args.batch_size, *shape],
         "variants": {k: None if f is None else {n: repr(v) for n, v in f().items()} for k, f in specs.items()},
         "threads": args.threads,
+        "clock": args.clock,
         "steps_per_block": args.steps,
         "repeats": args.repeats,
         "platform": platform.platform(),
@@ -192,7 +219,77 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out}")
+    if args.results:
+        result["command"] = common.command("bench_monitor.py", argv)
+        common.write_section(Path(args.results), f"bench_monitor:cpu:{args.model}", markdown(result))
     return 0
+
+
+def profile(run, steps: list, source: str) -> None:
+    """Where the default monitor's time goes over ``steps``: the monitor's Python functions by cumulative time
+    (cProfile), and the aten ops the monitored steps dispatch beyond the unmonitored ones (torch.profiler: calls and
+    CPU time per op name, monitored minus unmonitored)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for v in ("unmonitored", "every=10 (default)"):
+        run(v, steps[:2])
+    wall = {}
+    prof = cProfile.Profile()
+    for v in ("unmonitored", "every=10 (default)"):
+        t0 = time.perf_counter()
+        if v != "unmonitored":
+            prof.enable()
+        run(v, steps)
+        prof.disable()
+        wall[v] = (time.perf_counter() - t0) / len(steps)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(r"normlab/monitor", 30)
+    print(f"{source}: {len(steps)} steps; ms/step unmonitored {wall['unmonitored'] * 1e3:.2f}, default (under "
+          f"cProfile) {wall['every=10 (default)'] * 1e3:.2f}")  # fmt: skip
+    print(out.getvalue())
+    ops = {}
+    for v in ("unmonitored", "every=10 (default)"):
+        with torch_profile(activities=[ProfilerActivity.CPU]) as tp:
+            run(v, steps)
+        ops[v] = {e.key: (e.count, e.self_cpu_time_total) for e in tp.key_averages()}
+    extra = {k: (c - ops["unmonitored"].get(k, (0, 0))[0], t - ops["unmonitored"].get(k, (0, 0))[1])
+             for k, (c, t) in ops["every=10 (default)"].items()}  # fmt: skip
+    print(f"aten ops the default monitor adds over {len(steps)} steps (calls, self CPU ms), by added time:")
+    for k, (c, t) in sorted(extra.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"  {k:<40} {c:>8} {t / 1e3:>9.1f}")
+
+
+TARGET = 1.10  # the default monitor (every=10) against the unmonitored step (issue 24)
+
+
+def markdown(result: dict) -> str:
+    """This model's rows: each variant's median step, its ratio to the unmonitored one, the per-round ratios."""
+    shape = "x".join(map(str, result["input_shape"]))
+    load = result["load_average_1min"]
+    lines = [
+        f"#### Monitor cost: {result['model']}, input {shape}, {result['threads']} thread(s)",
+        "",
+        f"`{result['command']}`; clock {result['clock']}; {result['repeats']} interleaved repeats of "
+        f"{result['steps_per_block']} steps; load average {load[0]:.1f} before, {load[1]:.1f} after; torch "
+        f"{result['torch']}. Target: the default "
+        f"(`every=10`) <= {TARGET:.2f}x the unmonitored step.",
+        "",
+        "| variant | median ms/step | ratio of medians | per-round ratio min / median / max | target met |",
+        "|---|---|---|---|---|",
+    ]
+    for k, med in result["median_step_s"].items():
+        r = result["per_round_ratios"][k]
+        ratio = result["ratio_to_unmonitored"][k]
+        met = ("yes" if ratio <= TARGET else "**no**") if k == "every=10 (default)" else ""
+        lines.append(
+            f"| {k} | {med * 1e3:.1f} | {ratio:.3f} | {r[0]:.3f} / {statistics.median(r):.3f} / {r[-1]:.3f} | {met} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

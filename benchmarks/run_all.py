@@ -10,6 +10,11 @@ torch.compile) and rewrites this device's section of ``--results``.
 
 ``bench_layers`` is issue 25's layer-cost table (BatchRenorm/SwitchableNorm/InstanceNorm against torch's layers at
 the issue's shapes, and a CrossQ critic update against BatchNorm and torchrl's BatchRenorm1d when torchrl imports).
+``bench_compiled`` puts every layer and whole training steps (CrossQ, ResNet-18) under torch.compile beside torch's
+(about an hour on one CPU thread); ``count_ops --timing`` counts the dispatched ops per step of every layer and
+measures what one costs; ``bench_monitor`` runs on the collapse benchmark's GPT and on ResNet-50. Each of them,
+``bench_layers`` and ``bench_table`` rewrite their own sections of ``--results``. The GPU run is a separate script,
+``benchmarks/gpu.py`` (under 8 minutes on one GPU).
 
 - ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws, bench_layers) on the GPU;
   the CPU-only ones (bench_batch_renorm, bench_monitor, bench_monitor_fsdp and bench_guard_fsdp: 2 gloo ranks) are
@@ -26,7 +31,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-TAKES_DEVICE = {"bench_table", "bench_norms", "bench_pws", "bench_layers"}
+TAKES_DEVICE = {"bench_table", "bench_norms", "bench_pws", "bench_layers", "bench_compiled"}
 TAKES_THREADS = {
     "bench_table",
     "bench_norms",
@@ -37,21 +42,39 @@ TAKES_THREADS = {
     "bench_layers",
     "bench_guard",
     "bench_guard_fsdp",
+    "bench_compiled",
+}
+WRITES_RESULTS = {"bench_table", "bench_layers", "bench_compiled", "bench_monitor", "count_ops"}
+RUNS = {  # the runs of a script with more than one: (name of its JSON, extra arguments)
+    "bench_monitor": [
+        ("bench_monitor-gpt", ["--model", "gpt", "--batch-size", "8", "--repeats", "5"]),
+        (
+            "bench_monitor-resnet50",
+            ["--model", "resnet50", "--size", "128", "--batch-size", "8", "--steps", "10", "--repeats", "3"],
+        ),
+    ],  # fmt: skip
+    "count_ops": [("count_ops", ["--timing"])],
 }
 
 
-def _command(script: Path, args, out: Path) -> list[str] | None:
+def _commands(script: Path, args, out: Path) -> list[list[str]]:
+    """The command lines that run ``script`` (none: not on this device)."""
     name = script.stem
     if args.device != "cpu" and name not in TAKES_DEVICE:
-        return None
-    cmd = [sys.executable, str(script), "--out", str(out / f"{name}.json")]
-    if name in TAKES_DEVICE:
-        cmd += ["--device", args.device]
-    if name in TAKES_THREADS and args.device == "cpu":
-        cmd += ["--threads", "1"]
-    if name == "bench_table":
-        cmd += ["--quick"] if args.quick else (["--results", args.results] if args.results else [])
-    return cmd
+        return []
+    cmds = []
+    for json_name, extra in RUNS.get(name, [(name, [])]):
+        cmd = [sys.executable, str(script), "--out", str(out / f"{json_name}.json"), *extra]
+        if name in TAKES_DEVICE:
+            cmd += ["--device", args.device]
+        if name in TAKES_THREADS and args.device == "cpu":
+            cmd += ["--threads", "1"]
+        if name == "bench_table" and args.quick:
+            cmd += ["--quick"]
+        elif name in WRITES_RESULTS and args.results:
+            cmd += ["--results", args.results]
+        cmds.append(cmd)
+    return cmds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scripts = sorted(HERE.glob("bench_*.py"))
+    scripts = sorted(HERE.glob("bench_*.py")) + [HERE / "count_ops.py"]
     if args.only:
         wanted = {s.strip() for s in args.only.split(",") if s.strip()}
         unknown = wanted - {s.stem for s in scripts}
@@ -77,13 +100,13 @@ def main(argv: list[str] | None = None) -> int:
         scripts = [s for s in scripts if s.stem == "bench_table"]
     failed = []
     for script in scripts:
-        cmd = _command(script, args, out)
-        if cmd is None:
+        cmds = _commands(script, args, out)
+        if not cmds:
             print(f"== {script.stem}: skipped (CPU only)", flush=True)
-            continue
-        print(f"== {script.stem}", flush=True)
-        if subprocess.call(cmd) != 0:
-            failed.append(script.stem)
+        for cmd in cmds:
+            print(f"== {script.stem} {' '.join(cmd[2:])}", flush=True)
+            if subprocess.call(cmd) != 0:
+                failed.append(script.stem)
     if failed:
         print(f"failed: {', '.join(failed)}", file=sys.stderr)
         return 1

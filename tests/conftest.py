@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -14,6 +15,45 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # torchvision's Python parts (timm imports them) beside the CPU torch: see tests/torchvision_cpu.py
 torchvision_cpu.prepare()
+
+
+TIMM_TABLES = ("_NORM_ACT_MAP", "_NORM_TO_NORM_ACT_MAP", "_NORM_ACT_TYPES", "_NORM_ACT_REQUIRES_ARG")
+
+
+def timm_tables() -> dict:
+    """Copies of timm's private NormAct tables (what normlab.integrations.timm.register() adds to)."""
+    import copy
+
+    import timm.layers.create_norm_act as factory
+
+    return {name: copy.copy(getattr(factory, name)) for name in TIMM_TABLES}
+
+
+@contextlib.contextmanager
+def timm_tables_kept():
+    """timm's NormAct tables as they were before the block, whatever it registers (nothing without timm)."""
+    if importlib.util.find_spec("timm") is None:
+        yield
+        return
+    import timm.layers.create_norm_act as factory
+
+    saved = timm_tables()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            getattr(factory, name).clear()
+            getattr(factory, name).update(value)
+
+
+@pytest.fixture
+def timm_registered():
+    """normlab's NormAct classes registered with timm (``register()``, as a timm NormAct architecture needs) for one
+    test; timm's tables restored after it."""
+    na = needs("normlab.integrations.timm")
+    with timm_tables_kept():
+        na.register()
+        yield
 
 
 @pytest.fixture
@@ -69,3 +109,15 @@ def step_without_update(mon) -> None:
     hooks = step_hooks(mon.optimizer)
     hooks.defer()
     hooks.finish()
+
+
+def claimed(out: Path, run: str = "normlab compare") -> Path:
+    """``out`` as an earlier run of the command line ``run`` left it: claimed (:mod:`normlab.runner.lock`), for a
+    test that plants files there (a corrupt checkpoint, a killed writer's temporary) before the run it tests."""
+    import json
+
+    from normlab.runner.lock import CLAIM_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CLAIM_NAME).write_text(json.dumps({"run": run, "record": None}))
+    return out

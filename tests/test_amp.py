@@ -15,13 +15,13 @@ from torch import nn
 from normlab.cli import main
 from normlab.monitor import VarianceMonitor
 from normlab.nn import PrimaryCapsules, RoutingCapsules, SyncBatchRenorm
-from normlab.nn.registry import CONV_CLASSES, DIMS, NORM_CLASSES, create_conv, create_norm
+from normlab.nn.registry import CONV_KINDS, DIMS, NORM_NAMES, create_conv, create_norm
 from normlab.runner.training.config import TrainConfig
 from normlab.runner.training.train import Trainer, train
 
 AMP_DTYPES = (torch.bfloat16, torch.float16)
-NORMS = [(name, dim) for name in NORM_CLASSES if name != "none" for dim in DIMS]
-CONVS = [(kind, dim) for kind in CONV_CLASSES for dim in DIMS]
+NORMS = [(name, dim) for name in NORM_NAMES if name != "none" for dim in DIMS]
+CONVS = [(kind, dim) for kind in CONV_KINDS for dim in DIMS]
 
 
 def _close(y: torch.Tensor, ref: torch.Tensor, rtol: float = 2e-2) -> None:

@@ -43,12 +43,22 @@ def test_quick_table_runs_and_rewrites_its_results_section(tmp_path, one_thread)
 def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
     run_all = _load("run_all")
     args = type("A", (), {"device": "cuda", "quick": False, "results": "benchmarks/RESULTS.md"})()
-    assert run_all._command(BENCH / "bench_batch_renorm.py", args, tmp_path) is None
-    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    assert run_all._commands(BENCH / "bench_batch_renorm.py", args, tmp_path) == []
+    assert run_all._commands(BENCH / "count_ops.py", args, tmp_path) == []  # CPU only
+    [cmd] = run_all._commands(BENCH / "bench_table.py", args, tmp_path)
     assert cmd[cmd.index("--device") + 1] == "cuda" and "--results" in cmd and "--threads" not in cmd
+    [cmd] = run_all._commands(BENCH / "bench_compiled.py", args, tmp_path)
+    assert cmd[cmd.index("--device") + 1] == "cuda" and "--results" in cmd
     args.device, args.quick = "cpu", True
-    cmd = run_all._command(BENCH / "bench_table.py", args, tmp_path)
+    [cmd] = run_all._commands(BENCH / "bench_table.py", args, tmp_path)
     assert "--quick" in cmd and "--results" not in cmd and cmd[cmd.index("--threads") + 1] == "1"
+    args.quick = False
+    gpt, resnet = run_all._commands(BENCH / "bench_monitor.py", args, tmp_path)  # the monitor on both models
+    assert gpt[gpt.index("--model") + 1] == "gpt" and resnet[resnet.index("--model") + 1] == "resnet50"
+    assert all("--results" in c and c[c.index("--threads") + 1] == "1" for c in (gpt, resnet))
+    assert gpt[gpt.index("--out") + 1] != resnet[resnet.index("--out") + 1]
+    [cmd] = run_all._commands(BENCH / "count_ops.py", args, tmp_path)
+    assert "--timing" in cmd and "--results" in cmd
 
 
 def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thread, capsys):

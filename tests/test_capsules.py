@@ -195,7 +195,7 @@ def test_primary_capsules_gradcheck_float64():
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="RoutingCapsules: iterations must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="RoutingCapsules: iterations must be an int >= 1, got 0"):
         RoutingCapsules(4, 3, 2, 3, iterations=0)
     with pytest.raises(ValueError, match="dynamic_routing: iterations"):
         dynamic_routing(torch.randn(1, 2, 3, 4), iterations=0)

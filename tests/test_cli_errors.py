@@ -175,10 +175,48 @@ BAD = [
         lambda t: {"log": _log(t, [_RECORD])},
     ),
     ("bench-width-absurd", ["bench", "--steps", "--width", "1e9"], ["--width"], None),
+    # a user's factories (tests/user_factories.py), refused before anything is written
+    ("model-not-importable", ["compare", "--model", "no_such_pkg.models:net"], ["--model", "cannot import"], None),
+    ("model-no-function", ["compare", "--model", "user_factories:nope"], ["--model", "has no 'nope'"], None),
+    ("model-not-callable", ["compare", "--model", "user_factories:STEPS"], ["--model", "expected a function"], None),
+    ("model-not-a-module", ["compare", "--model", "user_factories:not_a_model"], ["--model", "nn.Module"], None),
+    ("model-raises", ["train", "--model", "user_factories:raises"], ["--model", "the factory broke"], None),
+    ("model-wrong-classes", ["train", "--model", "user_factories:three_classes"], ["--model", "10 classes"], None),
+    ("model-timm-unknown", ["compare", "--model", "timm:no_such_net"], ["--model", "timm has no model"], None),
+    (
+        "model-no-batchnorm",
+        ["compare", "--model", "user_factories:no_norm_cnn", "--norms", "gn"],
+        ["--model", "no BatchNorm"],
+        None,
+    ),
+    ("model-width", ["compare", "--model", "user_factories:bn_cnn", "--width", "0.5"], ["--width", "built-in"], None),
+    (
+        "dataset-not-pairs",
+        ["compare", "--dataset", "user_factories:one_tensor"],
+        ["--dataset", "(input, target)"],
+        None,
+    ),
+    ("dataset-returns-model", ["train", "--dataset", "user_factories:bn_cnn"], ["--dataset", "factory raised"], None),
+    ("loss-unknown", ["compare", "--loss", "hinge"], ["--loss", "unknown loss"], None),
+    ("loss-does-not-fit", ["compare", "--loss", "mse"], ["--loss", "targets of its own shape"], None),
+    (
+        "loss-user-does-not-fit",
+        ["compare", "--norms", "bn", "--loss", "torch.nn.functional:l1_loss"],
+        ["--loss", "does not take the output", "(2, 10)"],
+        None,
+    ),
+    ("metric-not-importable", ["train", "--metric", "nowhere:f1"], ["--metric", "cannot import"], None),
+    ("compare-ddp-workers", ["compare", "--workers", "2"], ["--workers", "torchrun"], lambda t: _torchrun()),
     ("unknown-command", ["frobnicate"], ["invalid choice", "frobnicate"], None),
 ]
 if NO_CUDA:
     BAD.append(("device-cuda-without-cuda", ["train", "--device", "cuda"], ["--device", "CUDA"], None))
+
+
+def _torchrun() -> dict:
+    """As under torchrun (2 processes): the variables torchrun sets (the test's monkeypatch takes them away)."""
+    os.environ.update(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0")
+    return {}
 
 
 def _demo_dir(tmp: Path) -> Path:
@@ -214,6 +252,8 @@ def _invoke(argv: list[str], capsys) -> tuple[int, str]:
 def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, capsys, monkeypatch):
     _, argv, words, setup = case
     monkeypatch.chdir(tmp_path)
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):  # restored after the test (a case may set them)
+        monkeypatch.setenv(name, os.environ.get(name, "1" if name == "WORLD_SIZE" else "0"))
     work = tmp_path / "w"
     work.mkdir()
     (work / "a_file").write_text("keep")

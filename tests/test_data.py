@@ -86,11 +86,11 @@ def test_mnist1d_generation_is_deterministic_for_its_arguments(tmp_path):
     assert mnist1d.arrays_checksum(first) == mnist1d.arrays_checksum(again)
     assert mnist1d.arrays_checksum(first) != mnist1d.arrays_checksum(mnist1d._generate({**args, "seed": 43}))
     assert first["x"].shape == (1600, 40) and first["x_test"].shape == (400, 40)
-    with pytest.raises(ValueError, match="num_samples must be an integer >= 50"):
+    with pytest.raises(ValueError, match="num_samples must be an int >= 50"):
         mnist1d.generation_args(10)
     with pytest.raises(ValueError, match="num_samples applies to generated data sets"):
         get_dataset("digits", num_samples=100)
-    with pytest.raises(ValueError, match=r"num_train: expected an integer in \[1, 1437\]"):
+    with pytest.raises(ValueError, match=r"num_train: expected an int in \[1, 1437\]"):
         get_dataset("digits", num_train=5000)
 
 

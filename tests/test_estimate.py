@@ -33,7 +33,7 @@ def test_the_evaluations_and_recorded_steps_counted_are_those_a_run_makes(tmp_pa
         evals_per_epoch=evals,
         monitor_every=every,
         monitor_dense_steps=dense,
-        stop_on_collapse=False,
+        stop_on="non_finite",
     )
     train(cfg, tmp_path, progress=False)
     metrics = (tmp_path / "metrics.jsonl").read_text().splitlines()

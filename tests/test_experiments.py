@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from conftest import claimed
 
 from normlab.nn import resolve_comparison as resolve_norm
 from normlab.runner.experiments.compare import run_grid
@@ -141,11 +142,11 @@ def test_run_grid_writes_results_table_and_plots(tiny_grid):
         assert g["step_time_s"] == pytest.approx(s["step_time_s"])
     md = (out / "results.md").read_text()
     assert "| bn | 0.05 | 16 | 1 |" in md and "| pws | 0.2 | 16 | 1 |" in md
-    assert "Headline effects" not in md and "Criteria" not in md  # the paper's verdicts are the lab's
-    for png in ("acc_vs_lr.png", "training_curves.png"):
+    assert "## Per normalization" in md and "Headline effects" not in md and "Criteria" not in md  # the lab's
+    for png in ("metric_vs_lr.png", "loss_curves.png"):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     # a single batch size: no batch-size plot to draw
-    assert not (out / "acc_vs_batch_size.png").exists()
+    assert not (out / "metric_vs_batch_size.png").exists()
 
 
 def test_resume_skips_finished_cells(tiny_grid, tmp_path):
@@ -198,11 +199,11 @@ def test_report_rerenders_from_results_json(tiny_grid, tmp_path):
     out = tmp_path / "grid"
     shutil.copytree(src, out)
     before = (out / "results.md").read_text()
-    for f in ["results.md", "acc_vs_lr.png", "training_curves.png"]:
+    for f in ["results.md", "metric_vs_lr.png", "loss_curves.png"]:
         (out / f).unlink()
     assert main(["report", str(out)]) == 0
     assert (out / "results.md").read_text() == before
-    assert (out / "acc_vs_lr.png").read_bytes()[:8] == PNG_MAGIC
+    assert (out / "metric_vs_lr.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_parallel_workers(tmp_path):
@@ -255,13 +256,26 @@ def test_markdown_table_mean_std_and_collapse_count():
     assert "| bn | 0.5 | 64 | 3 | 95.1 ± 1.0 |" in md and "no (0/3)" in md
 
 
+def _with_cells(res):
+    """``res`` with one cell per seed of each group (its final accuracy the group's mean) and the per-norm records."""
+    from normlab.runner.grid.results import per_norm
+
+    res["cells"] = [
+        {"name": g["name"], "lr": g["lr"], "batch_size": g["batch_size"], "seed": s, "cell": f"{g['name']}{s}",
+         "final_test_acc": g["final_mean"], "collapsed": s < g["collapsed_count"], "history": []}
+        for g in res["groups"] for s in range(g["n_seeds"])
+    ]  # fmt: skip
+    res["norms"] = per_norm(res)
+    return res
+
+
 def test_render_report_on_synthetic_results(tmp_path):
-    res = _results(_base_groups())
+    res = _with_cells(_results(_base_groups()))
     paths = render_report(res, tmp_path)
     names = {p.name for p in paths}
-    assert {"results.md", "acc_vs_lr.png", "acc_vs_batch_size.png"} <= names
+    assert {"results.md", "metric_vs_lr.png", "metric_vs_batch_size.png"} <= names
     md = (tmp_path / "results.md").read_text()
-    assert "**yes**" not in md and "## Results" in md  # no claims judged without effects
+    assert "## Per normalization" in md and "**yes**" not in md  # no claims judged without effects
 
 
 def test_a_report_judges_the_effects_it_is_given_and_none_by_default(tmp_path):
@@ -273,7 +287,7 @@ def test_a_report_judges_the_effects_it_is_given_and_none_by_default(tmp_path):
     )
     md = markdown_report(res, effects=effects)
     assert "## The claim" in md and "- BN at lr 0.5: **yes**. 95.0 ± 1.0 %" in md and "Criteria: BN trains" in md
-    assert md.index("## The claim") < md.index("## Results")
+    assert md.index("## Per normalization") < md.index("## The claim") < md.index("## Every setting")
     assert summary_lines(res, effects) == ["[YES] BN at lr 0.5: 95.0 ± 1.0 %"]
     plain = markdown_report(res)
     assert "## The claim" not in plain and "Criteria" not in plain and summary_lines(res) == []
@@ -324,7 +338,7 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
 
     spec = _tiny_spec(norms=("bn", "gn"), lrs=(0.05,), max_steps_per_epoch=1)
     bad, good = expand_grid(spec)
-    (tmp_path / "runs" / bad.cell_id).mkdir(parents=True)
+    (claimed(tmp_path) / "runs" / bad.cell_id).mkdir(parents=True)  # by the grid that wrote the checkpoint
     (tmp_path / "runs" / bad.cell_id / "checkpoint.pt").write_bytes(b"garbage")
     with pytest.raises(CellsFailed, match=f"first: {bad.cell_id}: RunError: train: checkpoint"):
         run_grid(spec, tmp_path, workers=1, threads=1, progress=False)
@@ -339,14 +353,15 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
 
 def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(tmp_path, monkeypatch):
     # the data path of `normlab compare` (CLI -> GridSpec -> cells -> checks -> workers -> results.json): each
-    # cell's TrainConfig is built once and its names and numbers are checked once, the data set is read once by
-    # the checks (and once by each cell's trainer: workers=1 trains in this process)
+    # cell's TrainConfig is built once and its names and numbers are checked once, the data set is read once in
+    # this process: by the checks, and the estimate and each cell's trainer (workers=1 trains here) take it from there
     from normlab.cli import main
     from normlab.runner.data import datasets
+    from normlab.runner.training import setup
     from normlab.runner.training.config import TrainConfig
 
     counts = {"built": 0, "checked": 0, "loaded": 0}
-    init, check, digits = TrainConfig.__init__, TrainConfig._check_names, datasets._digits
+    init, check, digits = TrainConfig.__init__, TrainConfig._check_data, datasets._digits
 
     def counting(key, fn):
         def wrapper(*a, **kw):
@@ -356,8 +371,9 @@ def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(t
         return wrapper
 
     monkeypatch.setattr(TrainConfig, "__init__", counting("built", init))
-    monkeypatch.setattr(TrainConfig, "_check_names", counting("checked", check))
+    monkeypatch.setattr(TrainConfig, "_check_data", counting("checked", check))
     monkeypatch.setattr(datasets, "_digits", counting("loaded", digits))
+    monkeypatch.setattr(setup, "_MEMORY", {})  # what earlier tests in this process loaded
     argv = [
         "compare",
         "--norms",
@@ -384,7 +400,7 @@ def test_compare_validates_and_builds_each_config_once_and_loads_the_data_once(t
     ]
     assert main(argv) == 0
     assert len(json.loads((tmp_path / "results.json").read_text())["cells"]) == 2
-    assert counts == {"built": 2, "checked": 2, "loaded": 1 + 2}
+    assert counts == {"built": 2, "checked": 2, "loaded": 1}
 
 
 def test_records_refuse_unknown_keys_in_one_line():

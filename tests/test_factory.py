@@ -57,10 +57,10 @@ def test_weight_norm_conv_is_parametrized_per_output_channel():
     "call, message",
     [
         (lambda: create_norm("batchnorm", 4), "expected one of none, bn, brn, gn, ln, in, sn"),
-        (lambda: create_norm("bn", 0), "num_channels must be a positive int"),
+        (lambda: create_norm("bn", 0), "num_channels must be an int >= 1"),
         (lambda: create_norm("bn", 4, dim=4), "dim must be 1, 2 or 3"),
         (lambda: create_conv("deform", 3, 4, 3), "expected one of conv, wn, ws, pws"),
-        (lambda: create_conv("conv", 3, -1, 3), "out_channels must be a positive int"),
+        (lambda: create_conv("conv", 3, -1, 3), "out_channels must be an int >= 1"),
     ],
 )
 def test_bad_names_and_arguments(call, message):

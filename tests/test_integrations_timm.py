@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 timm = pytest.importorskip("timm")
+from conftest import TIMM_TABLES as TABLES  # noqa: E402
+from conftest import timm_tables  # noqa: E402
 from timm.layers import BatchNormAct2d  # noqa: E402
 
 from normlab.convert import convert_norm  # noqa: E402
@@ -56,7 +59,7 @@ def train_step(model: nn.Module) -> torch.Tensor:
         ("regnetx_002", GroupNorm1Act2d, GroupNorm1Act2d),
     ],
 )
-def test_create_model_with_normlab_norm_act_layers(name, norm_layer, cls):
+def test_create_model_with_normlab_norm_act_layers(name, norm_layer, cls, timm_registered):
     torch.manual_seed(0)
     ref = timm.create_model(name, pretrained=False, num_classes=4)
     torch.manual_seed(0)
@@ -145,7 +148,7 @@ def test_missing_timm_is_a_one_line_error(monkeypatch):
     assert str(err.value) == "timm is not installed: pip install 'normlab[timm]'" and err.value.name == "timm"
 
 
-def test_docstring_examples_run():
+def test_docstring_examples_run(timm_registered):
     import doctest
 
     import normlab.integrations.timm as module
@@ -154,7 +157,7 @@ def test_docstring_examples_run():
     assert result.failed == 0 and result.attempted >= 4
 
 
-def test_fold_a_model_built_on_batch_renorm_act():
+def test_fold_a_model_built_on_batch_renorm_act(timm_registered):
     from normlab.convert import fold_for_inference
 
     torch.manual_seed(0)
@@ -168,3 +171,84 @@ def test_fold_a_model_built_on_batch_renorm_act():
     assert acts(folded, nn.Sequential) == acts(model, BatchRenormAct2d)
     with torch.no_grad():
         torch.testing.assert_close(folded(X), model(X), rtol=1e-4, atol=1e-6)
+
+
+UNTOUCHED = """
+import copy, json
+import timm
+import timm.layers.create_norm_act as factory
+tables = lambda: {n: copy.copy(getattr(factory, n)) for n in %r}
+before = tables()
+import normlab.integrations.timm as na
+from normlab.nn import BatchRenorm2d
+out = {"import": tables() == before}
+timm.create_model("resnet10t", pretrained=False, num_classes=4, norm_layer=BatchRenorm2d)  # takes a bare class
+out["build"] = tables() == before
+try:
+    timm.create_model("regnetx_002", pretrained=False, num_classes=4, norm_layer=na.BatchRenormAct2d)
+except AssertionError as e:
+    out["refused"] = str(e)
+na.register()
+once = tables()
+na.register()
+out["register"] = once != before and once["_NORM_ACT_MAP"]["batchrenorm"] is na.BatchRenormAct2d
+out["idempotent"] = tables() == once
+print(json.dumps(out))
+"""
+
+
+def test_timm_is_untouched_until_register_is_called():
+    """In a fresh process: importing the adapter and building a model with a normlab class change none of timm's
+    tables; register() changes them, and calling it again changes nothing more."""
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-c", UNTOUCHED % (TABLES,)], capture_output=True, text=True, timeout=300, check=True
+    )
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out == {
+        "import": True,
+        "build": True,
+        "refused": "No equivalent norm_act layer for batchrenormact2d",  # timm's NormAct nets need register()
+        "register": True,
+        "idempotent": True,
+    }
+
+
+def test_building_with_a_bare_norm_class_changes_no_timm_table():
+    before = timm_tables()
+    model = timm.create_model("resnet10t", pretrained=False, num_classes=4, norm_layer=BatchRenorm2d)
+    assert sum(type(m) is BatchRenorm2d for m in model.modules()) == 14 and timm_tables() == before
+
+
+def test_documented_timm_install_keeps_torch():
+    """docs/integrations.md's commands for the timm extra: torch and the torchvision built for it pinned on the
+    line that installs the extra (the Makefile's pins, the release the tests run on), and the --no-deps line names
+    pyproject's timm requirement and timm's own non-torch requirements."""
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    import tomllib
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "integrations.md").read_text()
+    lines = [ln for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S) for ln in block.splitlines()]
+    pinned = [ln for ln in lines if '"normlab[timm]"' in ln]
+    assert len(pinned) == 1, pinned
+    reqs = {r.name: r for r in map(Requirement, re.findall(r'"([^"]+)"', pinned[0]))}
+    make = (root / "Makefile").read_text()
+    pins = {k: re.search(rf"^{k}_PIN \?= (\S+)$", make, flags=re.M).group(1) for k in ("TORCH", "TORCHVISION")}
+    assert str(reqs["torch"]) == pins["TORCH"] and str(reqs["torchvision"]) == pins["TORCHVISION"]
+    torch_v, vision_v = (str(reqs[n].specifier).removeprefix("==") for n in ("torch", "torchvision"))
+    assert vision_v.split(".")[1] == str(int(torch_v.split(".")[1]) + 15)  # torchvision 0.N+15 for torch 2.N
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert [Requirement(r).name for r in extras["timm"]] == ["timm"]  # the extra itself pins no torch
+    no_deps = next(ln for ln in lines if "--no-deps" in ln)
+    assert f'"{extras["timm"][0]}"' in no_deps
+    timm_reqs = {Requirement(r).name.lower().replace("_", "-") for r in metadata.requires("timm") or []}
+    named = set(no_deps.split("pip install ")[-1].replace("_", "-").split())
+    assert named == timm_reqs - {"torch", "torchvision"}, (named, timm_reqs)
+    if metadata.version("torchvision").split("+")[0] == vision_v:  # the pinned torchvision asks for that torch
+        assert f"torch=={torch_v}" in [str(Requirement(r)).replace(" ", "") for r in metadata.requires("torchvision")]

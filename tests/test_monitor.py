@@ -6,6 +6,7 @@ import copy
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -615,6 +616,30 @@ def test_export_jsonl_csv_and_plots(tmp_path):
         (tmp_path / "empty.jsonl").write_text("")
         render_monitor_plots(tmp_path / "empty.jsonl", tmp_path / "y")
     assert cli_main(["monitor", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("spike, scale", [(1e3, "log"), (1.05, "linear")])
+def test_fig1a_update_ratio_is_on_a_log_axis_where_it_spans_decades(spike, scale, tmp_path, monkeypatch):
+    """Fig. 1(a): ratios near 1 and a collapse's spike to 1e3 on a linear axis left every curve flat until the
+    spike; a log axis shows both. Ratios that stay near 1 keep a linear axis."""
+    from normlab.monitor import plots, write_monitor_log
+
+    records = [
+        {"step": s, "layer": layer, "index": i, "type": "Conv2d", "kind": "conv",
+         "update_ratio_mean": spike if s == 9 else 1.0 + 0.01 * s}
+        for s in range(10) for i, layer in enumerate(("conv1", "conv2"))
+    ]  # fmt: skip
+    write_monitor_log(tmp_path / "log.jsonl", records)
+    scales = {}
+    real = plots.save_figure
+
+    def keep(fig, path, *a, **kw):
+        scales[Path(path).name] = [ax.get_yscale() for ax in fig.axes]
+        return real(fig, path, *a, **kw)
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    plots.render_monitor_plots(tmp_path / "log.jsonl", tmp_path / "plots")
+    assert scales["fig1a_update_ratio.png"] == [scale]
 
 
 # ------------------------------------------------------------------------------------- signal propagation

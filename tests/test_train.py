@@ -213,7 +213,7 @@ def test_divergence_is_recorded_as_collapse(tmp_path):
 
 
 def test_bad_configurations_fail_before_training(tmp_path):
-    with pytest.raises(ValueError, match="batch_size 2000 is larger"):
+    with pytest.raises(ValueError, match="batch_size: batch size 2000 is larger"):
         train(tiny(batch_size=2000), tmp_path / "a", progress=False)
     with pytest.raises(ValueError, match="2-D inputs"):  # the 2-D plain net on 1-D data
         train(tiny(dataset="mnist1d"), tmp_path / "b", progress=False)
@@ -329,10 +329,11 @@ class FakeMonitor:
 def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeypatch):
     monkeypatch.setattr(normlab.runner.training.train, "VarianceMonitor", FakeMonitor)
     out = tmp_path / "run"
-    cfg = tiny(epochs=4, max_steps_per_epoch=3, monitor_every=1, stop_on_collapse=True)
+    cfg = tiny(epochs=4, max_steps_per_epoch=3, monitor_every=1, stop_on="alarm")
     s = train(cfg, out, progress=False)
     # the alarm fires at step 4 = the 2nd step of epoch 2
     assert s["collapsed"] and s["collapse_reason"] == "monitor_alarm" and s["collapse_epoch"] == 2
+    assert s["stopped_early"] == "alarm"
     assert s["monitor_alarm"]["layer"] == "features.0.conv" and s["monitor_alarm"]["step"] == 4
     assert s["monitor_risk"] == {"step": 1, "layer": "features.1.conv", "ratio": 2.5}  # the regime warning, as is
     assert s["epochs_run"] == 2
@@ -350,9 +351,11 @@ def test_monitor_alarm_stops_cleanly_and_keeps_last_checkpoint(tmp_path, monkeyp
         ("factor", "alarm"),
     ]
     assert lines[-1]["event"] == "rule" and lines[-1]["severity"] == "alarm"
-    # without stop_on_collapse the alarm is recorded but training goes on
-    s2 = train(dataclasses.replace(cfg, stop_on_collapse=False), tmp_path / "go", progress=False)
-    assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
+    # without stop_on="alarm" the alarm is recorded but training goes on (no collapse confirms it)
+    for stop_on in ("non_finite", "confirmed"):
+        s2 = train(dataclasses.replace(cfg, stop_on=stop_on), tmp_path / stop_on, progress=False)
+        assert not s2["collapsed"] and s2["epochs_run"] == 4 and s2["monitor_alarm"]["step"] == 4
+        assert s2["stopped_early"] is None
     assert s2["monitor_risk"]["step"] == 1
 
 
@@ -531,7 +534,7 @@ def test_resume_accepts_another_device_spelling(tmp_path):
     # train and the grid: a half-trained cell refused a new --device that a finished one accepted)
     from normlab.runner.training.config import RESUME_FREE
 
-    assert {"device", "data_dir", "num_workers"} <= set(RESUME_FREE)
+    assert {"device", "data_dir"} <= set(RESUME_FREE)
     cfg = tiny(epochs=1, max_steps_per_epoch=1)
     train(cfg, tmp_path / "r", progress=False)
     assert train(dataclasses.replace(cfg, device="auto"), tmp_path / "r", progress=False)["epochs_run"] == 1
@@ -684,3 +687,31 @@ def test_guard_gives_up_as_a_collapse_and_resumes_with_its_rescues(tmp_path):
     train(ok, ck, progress=False)
     state = load_ckpt(ck / "checkpoint.pt")["state"]
     assert state["guard"]["steps"] == state["steps_total"] == 6 and state["rescues"] == []
+
+
+def test_the_train_command_loads_the_data_and_builds_the_model_once(tmp_path, monkeypatch):
+    """`normlab train` checks its run (data, batch size, model, dry run) before it writes anything, and the trainer
+    trains what the check built: MNIST-1D generated once, the model built once (it used to be twice each)."""
+    from normlab.cli import main
+    from normlab.runner.data import datasets, mnist1d
+    from normlab.runner.training import setup
+
+    counts = {"generated": 0, "loaded": 0, "built": 0}
+
+    def counting(key, fn):
+        def wrapper(*a, **kw):
+            counts[key] += 1
+            return fn(*a, **kw)
+
+        return wrapper
+
+    monkeypatch.setattr(mnist1d, "_memory", {})
+    monkeypatch.setattr(setup, "_MEMORY", {})
+    monkeypatch.setattr(mnist1d, "_generate", counting("generated", mnist1d._generate))
+    monkeypatch.setattr(setup, "get_dataset", counting("loaded", datasets.get_dataset))
+    monkeypatch.setattr(setup, "build_builtin", counting("built", setup.build_builtin))
+    argv = ["train", "--dataset", "mnist1d", "--model", "plain1d", "--num-samples", "500", "--width", "0.125"]
+    argv += ["--epochs", "1", "--max-steps-per-epoch", "2", "--batch-size", "16", "--quiet", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    assert counts == {"generated": 1, "loaded": 1, "built": 1}
+    assert json.loads((tmp_path / "summary.json").read_text())["steps_run"] == 2

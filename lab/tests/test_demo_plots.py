@@ -14,14 +14,14 @@ import pytest
 matplotlib.use("Agg")
 from matplotlib.text import Text  # noqa: E402
 
-from normlab.runner.grid import report as grid_report  # noqa: E402
+from normlab.runner.grid import plots as grid_plots  # noqa: E402
 from normlab.runner.grid.palette import NORM_ORDER, norm_color, norm_order  # noqa: E402
 from normlab_lab.demo import diagnosis, plots, twins  # noqa: E402
 from normlab_lab.demo.report import diagnosis_picks  # noqa: E402
 from normlab_lab.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
 
 from .test_demo_report import _demo  # noqa: E402
-from .test_demo_twins import _twin_demo  # noqa: E402
+from .test_demo_twins import ALARM, _records, _twin_demo  # noqa: E402
 
 MIN_POINTS = 9
 
@@ -202,7 +202,7 @@ def _norm_colours(fig, names: list[str]) -> dict[str, str]:
 def test_a_norm_has_one_colour_and_one_place_in_every_figure_that_draws_norms(saved, monkeypatch, tmp_path):
     from matplotlib.colors import to_hex
 
-    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    monkeypatch.setattr(grid_plots, "atomic_savefig", saved_keep(saved))
     a, b = _grids()
     b["spec"]["norms"] = list(reversed(b["spec"]["norms"]))  # a grid may list its norms in any order
     seen: dict[str, set[str]] = {}
@@ -210,8 +210,8 @@ def test_a_norm_has_one_colour_and_one_place_in_every_figure_that_draws_norms(sa
         (plots.lr_plot, (a, tmp_path / "a.png"), a),
         (plots.loss_curves_plot, (a, _traces(tmp_path, a, {}), tmp_path / "l.png"), a),
         (plots.batch_plot, (b, tmp_path / "b.png"), b),
-        (grid_report.plot_sweep, (a, tmp_path / "g.png", "lr"), a),
-        (grid_report.plot_sweep, (b, tmp_path / "h.png", "batch_size"), b),
+        (grid_plots.metric_lr_plot, (a, tmp_path / "g.png"), a),
+        (grid_plots.metric_batch_plot, (b, tmp_path / "h.png"), b),
     ]
     for draw, args, results in figures:
         draw(*args)
@@ -263,7 +263,7 @@ def _bars(fig) -> list[tuple[float, float, float]]:
 
 @pytest.mark.parametrize("high", [False, True])
 def test_accuracy_bars_span_the_seeds_and_stay_between_0_and_100_percent(saved, monkeypatch, tmp_path, high):
-    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    monkeypatch.setattr(grid_plots, "atomic_savefig", saved_keep(saved))
     accs = (0.99, 0.99, 0.05) if high else (0.01, 0.95, 0.96)  # mean +- std above 100 % / below 0 %
     a, b = _grids()
     a = _bimodal(a, "bn", "lr", 0.1, accs)
@@ -271,8 +271,8 @@ def test_accuracy_bars_span_the_seeds_and_stay_between_0_and_100_percent(saved, 
     for draw, args, x in (
         (plots.lr_plot, (a, tmp_path / "a.png"), 0.1),
         (plots.batch_plot, (b, tmp_path / "b.png"), 2),
-        (grid_report.plot_sweep, (a, tmp_path / "g.png", "lr"), 0.1),
-        (grid_report.plot_sweep, (b, tmp_path / "h.png", "batch_size"), 2),
+        (grid_plots.metric_lr_plot, (a, tmp_path / "g.png"), 0.1),
+        (grid_plots.metric_batch_plot, (b, tmp_path / "h.png"), 2),
     ):
         draw(*args)
         bars = _bars(saved[-1])
@@ -332,10 +332,10 @@ def test_seed_bars_of_equal_seeds_are_drawn_although_their_mean_rounds_past_them
     """Three seeds at 99.03 % have a mean of 99.03000000000002 %: the bar's upper length would be negative and
     matplotlib refuses the figure (the full reproduction's report crashed on it). Every figure with seed bars draws."""
     assert sum([99.03] * 3) / 3 > 99.03  # the rounding this test is about
-    assert grid_report.seed_range_bar(sum([99.03] * 3) / 3, [99.03] * 3) == (pytest.approx(0.0), 0.0)
-    assert grid_report.seed_range_bar(50.0, [40.0, 70.0]) == (10.0, 20.0)
-    assert grid_report.seed_range_bar(50.0, []) == (0.0, 0.0)
-    monkeypatch.setattr(grid_report, "atomic_savefig", saved_keep(saved))
+    assert grid_plots.seed_range_bar(sum([99.03] * 3) / 3, [99.03] * 3) == (pytest.approx(0.0), 0.0)
+    assert grid_plots.seed_range_bar(50.0, [40.0, 70.0]) == (10.0, 20.0)
+    assert grid_plots.seed_range_bar(50.0, []) == (0.0, 0.0)
+    monkeypatch.setattr(grid_plots, "atomic_savefig", saved_keep(saved))
     a, b = _grids()
     for section in (a, b):
         for c in section["cells"]:
@@ -344,6 +344,41 @@ def test_seed_bars_of_equal_seeds_are_drawn_although_their_mean_rounds_past_them
             g["final_mean"] = sum([0.9903] * 3) / 3
     plots.lr_plot(a, tmp_path / "a.png")
     plots.batch_plot(b, tmp_path / "b.png")
-    grid_report.plot_sweep(a, tmp_path / "g.png", "lr")
-    grid_report.plot_sweep(b, tmp_path / "h.png", "batch_size")
+    grid_plots.metric_lr_plot(a, tmp_path / "g.png")
+    grid_plots.metric_batch_plot(b, tmp_path / "h.png")
     assert len(saved) == 4
+
+
+SLIDE_PX = 1280  # a figure shown across a slide 1280 pixels wide
+
+
+def _slide_readable(fig, min_px: float = 9.0) -> None:
+    """Every text at least ``min_px`` pixels tall once the figure is scaled to a slide's width, and no strip: a
+    figure at least a fifth as tall as it is wide."""
+    px = SLIDE_PX / fig.get_figwidth() / 72  # pixels per point on the slide
+    small = {t.get_text()[:30]: round(t.get_fontsize() * px, 1) for t in _texts(fig) if t.get_fontsize() * px < min_px}
+    assert not small, small
+    assert fig.get_figheight() >= 0.2 * fig.get_figwidth(), fig.get_size_inches()
+
+
+def test_the_collapse_figure_of_one_run_reads_on_a_slide(saved, tmp_path):
+    """One run's row was a 1680 x 288 strip (21 x 3.6 inches, 9-point notes: 7.6 pixels on the slide)."""
+    demo, out = _twin_demo(tmp_path)
+    diagnosis.plot_diagnosis([("none seed 0", out / "collapse/runs/none_s0")], tmp_path / "c.png")
+    _slide_readable(saved[-1])
+
+
+def test_the_update_ratio_is_drawn_on_a_log_axis_where_it_spans_decades(saved, tmp_path):
+    from normlab.monitor import write_monitor_log
+
+    demo, out = _twin_demo(tmp_path)
+    runs = [("none seed 0", out / "collapse/runs/none_s0"), ("none seed 1", out / "collapse/runs/none_s1")]
+    diagnosis.plot_diagnosis(runs, tmp_path / "c.png")  # ratios near 1: a linear axis shows them
+    assert [ax.get_yscale() for ax in saved[-1].axes[1:10:5]] == ["linear", "linear"]
+    records = _records(40)
+    for r in records:  # the collapse: the ratio climbs by three decades over its last steps
+        r["update_ratio_mean"] = 1.01 if r["step"] < 30 else 1.01 * 10 ** (r["step"] - 29) / 10
+    write_monitor_log(runs[0][1] / "monitor.jsonl", records, ALARM)
+    diagnosis.plot_diagnosis(runs, tmp_path / "c.png")
+    column = saved[-1].axes[1:10:5]  # Fig. 1(a) of both rows: one log scale, the healthy row's too
+    assert [ax.get_yscale() for ax in column] == ["log", "log"] and column[0].get_ylim() == column[1].get_ylim()

@@ -100,12 +100,32 @@ def test_identical_norms_reported():
     assert not [e for e in headline_effects(res) if e["effect"].startswith("Norms with identical")]
 
 
+def _with_cells(res):
+    """``res`` with one cell per seed of each group (its final accuracy the group's mean): the runs the plots draw."""
+    res["cells"] = [
+        {"name": g["name"], "lr": g["lr"], "batch_size": g["batch_size"], "seed": s, "cell": f"{g['name']}{s}",
+         "final_test_acc": g["final_mean"], "collapsed": s < g["collapsed_count"], "history": []}
+        for g in res["groups"] for s in range(g["n_seeds"])
+    ]  # fmt: skip
+    return res
+
+
 def test_the_paper_report_judges_the_headline_effects(tmp_path):
-    res = _results(_base_groups())
+    res = _with_cells(_results(_base_groups()))
     paths = render_paper_report(res, tmp_path)
-    assert {"results.md", "acc_vs_lr.png", "acc_vs_batch_size.png"} <= {p.name for p in paths}
+    assert {"results.md", "metric_vs_lr.png", "metric_vs_batch_size.png"} <= {p.name for p in paths}
     md = (tmp_path / "results.md").read_text()
     assert md.count("**yes**") >= 2 and "## Headline effects (computed from the table below)" in md
     assert "A setting *failed* if most seeds collapsed" in md  # the criteria are printed under the verdicts
     assert md == markdown_report(res, [p.name for p in paths[1:]], PAPER_EFFECTS)
     assert PAPER_COMPARE.render is render_paper_report and PAPER_COMPARE.train.__module__.startswith("normlab.")
+
+
+def test_the_criteria_quote_the_failure_taxonomy_the_runs_were_labelled_by():
+    """A run's *collapsed* is normlab.monitor.collapse's: the criteria quote its own sentence (the trainer's window
+    over examples), so they cannot drift from the label they explain."""
+    from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
+    from normlab_lab.verdicts import CRITERIA
+
+    assert CollapseCriteria().describe(examples=WINDOW_EXAMPLES) in CRITERIA
+    assert CRITERIA in PAPER_EFFECTS.criteria

@@ -13,16 +13,19 @@ import argparse
 import contextlib
 import difflib
 import math
+import os
 import re
+import sys
 
 from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
 from normlab.runner.data.cifar10 import download_cifar10
 from normlab.runner.data.datasets import DATASETS
-from normlab.runner.data.mnist1d import DEFAULT_SAMPLES
+from normlab.runner.data.mnist1d import DEFAULT_SAMPLES, MIN_SAMPLES
 from normlab.runner.errors import FieldError, UsageError
+from normlab.runner.factories import LOSSES, METRICS
 from normlab.runner.io import check_dir_option
-from normlab.runner.models import MODELS
-from normlab.runner.training.config import BRN_SCHEDULES, MAX_THREADS, TrainConfig, resolve_device
+from normlab.runner.models import MAX_WIDTH, MODELS
+from normlab.runner.training.config import BRN_SCHEDULES, GROUPS, MAX_THREADS, STOP_ON, TrainConfig, resolve_device
 
 __all__ = [
     "OneLineParser",
@@ -44,18 +47,16 @@ __all__ = [
     "options_named",
     "check_name",
     "check_paths",
+    "importable_from_here",
     "fetch_data",
     "DEFAULTS",
-    "MAX_WIDTH",
     "MAX_WORKERS",
     "MAX_SEED",
 ]
 
 DEFAULTS = TrainConfig()
-MAX_WIDTH = 16.0  # the plain net at width 16 already has about 2 GB of weights
 MAX_WORKERS = 256
 MAX_SEED = 2**32 - 1
-MIN_SAMPLES = 50  # mnist1d generation needs a few per class
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -210,8 +211,17 @@ def check_name(value: str, valid, option: str, what: str) -> str:
     return value
 
 
-def add_out_arg(p: argparse.ArgumentParser, default: str, what: str = "output directory") -> None:
-    p.add_argument("--out", default=default, help=f"{what} (default {default}); rerun the same command to resume")
+def add_out_arg(
+    p: argparse.ArgumentParser, default: str, what: str = "output directory", quick: tuple[str, str] | None = None
+) -> None:
+    """``--out`` (default ``default``). ``quick``: ``(flag, directory)`` of the command's quick mode, which gets a
+    directory of its own: ``--out`` then defaults to None and the command picks one of the two."""
+    mode = f", with {quick[0]} {quick[1]}" if quick else ""
+    p.add_argument(
+        "--out",
+        default=None if quick else default,
+        help=f"{what} (default {default}{mode}); rerun the same command to resume",
+    )
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -219,9 +229,27 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
         "--dataset",
         default=DEFAULTS.dataset,
         help=f"data set: {', '.join(DATASETS)} (default {DEFAULTS.dataset}; mnist1d is generated locally, "
-        f"cifar10 reads the python batches in --data-dir)",
+        f"cifar10 reads the python batches in --data-dir), or your data factory pkg.module:function returning "
+        "(train, test) datasets or data loaders (docs/compare.md)",
     )
-    p.add_argument("--model", default=DEFAULTS.model, help=f"network: {', '.join(MODELS)} (default {DEFAULTS.model})")
+    p.add_argument(
+        "--model",
+        default=DEFAULTS.model,
+        help=f"network: {', '.join(MODELS)} (default {DEFAULTS.model}), timm:NAME or torchvision:NAME (built "
+        "without weights), or your model factory pkg.module:function; the norm is put in by "
+        "normlab.convert.convert_norm (or passed as norm_layer= where the factory takes one)",
+    )
+    p.add_argument(
+        "--loss",
+        default=DEFAULTS.loss,
+        help=f"loss: {', '.join(LOSSES)} or pkg.module:function(output, target) (default {DEFAULTS.loss})",
+    )
+    p.add_argument(
+        "--metric",
+        default=DEFAULTS.metric,
+        help=f"metric reported: {', '.join(METRICS)} or pkg.module:function(output, target) -> the batch's mean "
+        f"(default {DEFAULTS.metric})",
+    )
     p.add_argument(
         "--width",
         type=width_float,
@@ -268,7 +296,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--monitor-every",
         type=integer(0),
         default=d.monitor_every,
-        help="record variance-monitor statistics every N steps (0: off)",
+        help="record variance-monitor statistics every N steps (0: off; default %(default)s)",
     )
     p.add_argument(
         "--monitor-dense-steps",
@@ -282,7 +310,14 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         default=d.monitor_dense_every,
         help=f"see --monitor-dense-steps (default {d.monitor_dense_every})",
     )
-    p.add_argument("--stop-on-collapse", action="store_true", help="stop a run when the monitor raises its alarm")
+    p.add_argument(
+        "--stop-on",
+        choices=STOP_ON,
+        default=d.stop_on,
+        help="what stops a run early: non_finite (a non-finite loss; always), confirmed (also the monitor's alarm "
+        "once the loss has collapsed: back to chance, or to where it started), alarm (also the monitor's alarm "
+        "alone); default %(default)s",
+    )
 
 
 def add_optim_args(p: argparse.ArgumentParser) -> None:
@@ -325,12 +360,6 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         "--device", type=device, default=d.device, help=f"torch device: cpu, cuda, cuda:N or auto (default {d.device})"
     )
     p.add_argument(
-        "--num-workers",
-        type=integer(0),
-        default=d.num_workers,
-        help="accepted for compatibility (data sets are in-memory tensors)",
-    )
-    p.add_argument(
         "--amp",
         action="store_true",
         help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
@@ -363,35 +392,23 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+# TrainConfig fields that the options of a grid's cells set (compare: its GridSpec fields and --norms; train: its own
+# options); every other field with an option of its own name is shared by the cells (:func:`train_kwargs`)
+CELL_FIELDS = ("dataset", "model", "norm", "conv", "conv_kwargs", "width", "lr", "batch_size", "epochs", "seed")
+CELL_FIELDS += ("target_acc", "max_steps_per_epoch")
+# recorded only when not their default, so that grids and checkpoints written before the option existed stay resumable
+_ONLY_WHEN_SET = ("data_dir", "amp", "guard", "guard_dead", "stop_on", "loss", "metric")
+
+
 def train_kwargs(args: argparse.Namespace) -> dict:
-    """The TrainConfig fields the optimisation and data options set."""
-    kw = dict(
-        momentum=args.momentum,
-        weight_decay=args.weight_decay,
-        nowd_norm_alpha=not args.wd_norm_alpha,
-        milestones=tuple(args.milestones),
-        lr_gamma=args.lr_gamma,
-        device=args.device,
-        num_workers=args.num_workers,
-        brn_schedule=args.brn_schedule,
-        num_samples=args.num_samples,
-        num_train=args.num_train,
-        evals_per_epoch=args.evals_per_epoch,
-        eval_train_mode=args.eval_train_mode,
-        monitor_every=args.monitor_every,
-        monitor_dense_steps=args.monitor_dense_steps,
-        monitor_dense_every=args.monitor_dense_every,
-        stop_on_collapse=args.stop_on_collapse,
-    )
-    if args.data_dir is not None:
-        kw["data_dir"] = args.data_dir
-    asked = {  # only when asked: grids and checkpoints written before a flag existed stay resumable
-        "amp": args.amp,
-        "guard": args.guard or args.guard_dead,  # --guard-dead implies --guard
-        "guard_dead": args.guard_dead,
-    }
-    kw.update({flag: True for flag, on in asked.items() if on})
-    return kw
+    """The TrainConfig fields the options set besides :data:`CELL_FIELDS`: every field with an option of its name
+    (``--weight-decay`` -> ``weight_decay``), and ``nowd_norm_alpha`` (``--wd-norm-alpha`` turns it off); ``guard`` is
+    on with ``--guard-dead`` too."""
+    fields = [f for group in GROUPS.values() for f in group if f not in CELL_FIELDS and hasattr(args, f)]
+    kw = {f: getattr(args, f) for f in fields}
+    kw.update(nowd_norm_alpha=not args.wd_norm_alpha, milestones=tuple(args.milestones))
+    kw["guard"] = args.guard or args.guard_dead
+    return {k: v for k, v in kw.items() if k not in _ONLY_WHEN_SET or v != getattr(DEFAULTS, k)}
 
 
 def option_name(field: str, renames: dict[str, str] | None = None) -> str:
@@ -409,10 +426,20 @@ def options_named(renames: dict[str, str] | None = None):
         raise e.for_options(lambda f: option_name(f, renames)) from None
 
 
+def importable_from_here() -> None:
+    """Put the current directory first on the import path (once), as ``python -m`` does, so that a
+    ``pkg.module:function`` of ``--model``/``--dataset``/``--loss``/``--metric`` is found where the command runs
+    (worker processes inherit the path)."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+
+
 def check_paths(args: argparse.Namespace) -> None:
     """Refuse a bad ``--out`` / ``--data-dir`` and options that do not fit ``--dataset`` before anything is
     written (the names of ``--dataset`` and ``--model`` are the config's to check)."""
     check_dir_option(args.out, "--out")
+    importable_from_here()
     if args.data_dir is not None:
         check_dir_option(args.data_dir, "--data-dir", writable=args.dataset == "mnist1d" or args.download)
     if args.num_samples is not None and args.dataset != "mnist1d":

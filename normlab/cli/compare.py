@@ -1,19 +1,21 @@
-"""``normlab compare``: a grid of normalizations x learning rates x batch sizes x seeds."""
+"""``normlab compare``: a grid of normalizations x learning rates x batch sizes x seeds, on a built-in or your own
+model and data (:func:`normlab.runner.experiments.compare.compare` is the same in Python)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from normlab.runner.errors import UsageError
-from normlab.runner.experiments.compare import run_grid
+from normlab.runner.experiments.compare import COMPARE_DEFAULTS, run_grid
 from normlab.runner.grid.estimate import CONFIRM_MINUTES, estimate_minutes
 from normlab.runner.grid.execute import BACKENDS, GridRun
 from normlab.runner.grid.pool import default_workers
 from normlab.runner.grid.ray_backend import check_address, check_device, require_ray
 from normlab.runner.grid.report import print_summary
-from normlab.runner.grid.spec import DEFAULT_NORMS, LAYOUTS, LR_SCALINGS, GridSpec
+from normlab.runner.grid.spec import DEFAULT_NORMS, DEFAULT_SEEDS, LAYOUTS, LR_SCALINGS, GridSpec
 
 from .args import (
     MAX_SEED,
@@ -42,9 +44,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     g = GridSpec()
     p = sub.add_parser(
         NAME,
-        help="run a grid of normalizations x learning rates x batch sizes x seeds",
-        description="Run (or resume) a comparison grid; each cell is one training run in "
-        "OUT/runs/<cell>. Writes OUT/results.json, OUT/results.md and PNG plots.",
+        help="compare normalizations on a model and data: norms x learning rates x batch sizes x seeds",
+        description="Run (or resume) a comparison grid on a built-in model and data set or your own "
+        "(--model timm:resnet18, --model pkg.module:function, --dataset pkg.module:function); each cell is one "
+        "training run in OUT/runs/<cell>, with the variance monitor. Writes OUT/results.json, OUT/results.md (one "
+        "row per norm: the highest learning rate that trained, loss and metric, cost per step, the monitor's "
+        "alarms) and PNG plots.",
     )
     _add_grid_args(p, g)
     add_data_args(p)
@@ -52,7 +57,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     add_optim_args(p)
     add_out_arg(p, "runs/compare")
     _add_execution_args(p)
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, **COMPARE_DEFAULTS)
     return p
 
 
@@ -70,19 +75,19 @@ def _add_grid_args(p: argparse.ArgumentParser, g: GridSpec) -> None:
         "--lrs",
         type=list_of(_LR, "learning rates"),
         default=list(g.lrs),
-        help="comma-separated learning rates > 0 (default 0.05)",
+        help=f"comma-separated learning rates > 0 (default {','.join(map(str, g.lrs))})",
     )
     p.add_argument(
         "--batch-sizes",
         type=list_of(positive_int, "batch sizes"),
         default=list(g.batch_sizes),
-        help="comma-separated batch sizes (default 64)",
+        help=f"comma-separated batch sizes (default {','.join(map(str, g.batch_sizes))})",
     )
     p.add_argument(
         "--seeds",
         type=list_of(integer(0, MAX_SEED, what="a seed"), "seeds"),
-        default=[0, 1, 2],
-        help="comma-separated seeds (default 0,1,2)",
+        default=list(DEFAULT_SEEDS),
+        help=f"comma-separated seeds (default {','.join(map(str, DEFAULT_SEEDS))})",
     )
     p.add_argument("--epochs", type=positive_int, default=g.epochs, help=f"epochs per run (default {g.epochs})")
     p.add_argument(
@@ -171,6 +176,10 @@ def _spec(args: argparse.Namespace) -> GridSpec:
 
 
 def _check_backend(args: argparse.Namespace) -> None:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (args.workers > 1 or args.backend != "process"):
+        raise UsageError(
+            "--workers: under torchrun every process trains each run together (DDP); drop --workers and --backend"
+        )
     if args.address is not None and args.backend != "ray":
         raise UsageError("--address applies to --backend ray")
     if args.address is not None and not args.address.strip():
@@ -225,5 +234,6 @@ def run(args: argparse.Namespace) -> int:
             announce=lambda grid: _announce(args, grid),
             option="--out",
         )
-    print_summary(results, Path(args.out))
+    if results is not None:  # under torchrun: rank 0's
+        print_summary(results, Path(args.out))
     return 0

@@ -110,17 +110,18 @@ def run(args: argparse.Namespace) -> int:
     check_paths(args)
     _check_tensorboard(args)
     fetch_data(args)
-    with options_named():
+    with options_named():  # the run's data and model, loaded and built once, here (before anything is written)
         cfg = _config(args)
-        check_feasible(cfg)
+        inputs = check_feasible(cfg, world=int(os.environ.get("WORLD_SIZE", "1")))
     if args.threads:
         torch.set_num_threads(args.threads)
+    kw = {"progress": not args.quiet, "tensorboard": args.tensorboard, "inputs": inputs}
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 holds the lock and writes every file
-        summary = train(cfg, args.out, progress=not args.quiet, tensorboard=args.tensorboard)
+        summary = train(cfg, args.out, **kw)
     else:
-        with out_lock(args.out, NAME) as out:
+        with out_lock(args.out, NAME, claim=f"normlab {NAME}", record="summary.json") as out:
             remove_stale_temps(out)  # left by a writer killed in an earlier run; no live writer holds the lock
-            summary = train(cfg, out, progress=not args.quiet, tensorboard=args.tensorboard)
+            summary = train(cfg, out, **kw)
     acc = summary.get("final_test_acc")
     msg = f"final test acc {100 * acc:.2f} %" if acc is not None else "no test accuracy"
     if summary.get("collapsed"):

@@ -27,38 +27,40 @@ Modules are recognized by what they compute (their ``forward``), not by their cl
 :func:`convert_norm` ``(model, to, inplace=True, example_input=None)`` (``to`` has no default, since every target
 replaces layers; ``inplace=False``: a deep copy is converted and the original is left as it is):
 
-- ``to`` a norm name (``none``, ``bn``, ``brn``, ``gn``, ``ln``, ``in``, ``sn``): each BatchNorm becomes
-  :func:`normlab.nn.create_norm` ``(to, C, dim)`` (a synchronized BatchNorm stays synchronized where the target has
-  batch statistics: ``nn.SyncBatchNorm`` -> :class:`~normlab.nn.SyncBatchRenorm` for ``brn``, ``nn.SyncBatchNorm``
-  for ``bn``, and timm's ``SyncBatchNormAct`` -> :class:`~normlab.integrations.timm.SyncBatchRenormAct` /
-  ``SyncBatchNormAct``; ``sn``'s BatchNorm branch uses the local batch); a BatchNorm + activation becomes the
-  NormAct class of the target from :mod:`normlab.integrations.timm` (``bn``: timm's ``BatchNormAct2d``) holding the
-  ORIGINAL ``drop`` and ``act`` modules (``none``: ``nn.Sequential(drop, act)``), so the activation is never lost
-  and ``to="bn"`` computes the same function. A frozen BatchNorm is converted like a BatchNorm (its buffers
-  copied) and stays frozen (``requires_grad=False``; its running statistics update in training mode, so keep it in
-  eval mode to keep them); its eval-mode output is unchanged for ``bn``/``brn``.
-  Copied over: the affine ``weight``/``bias`` whenever the new layer has per-channel ones of the same size; the
-  running statistics (``running_mean``, ``running_var``, ``num_batches_tracked``) for ``brn`` and ``bn`` (whose
-  state is BatchNorm's: ``eps``/``momentum``/``affine``/``track_running_stats`` are kept too) and ``sn`` (its BN
-  branch estimates the same batch moments, with BatchNorm's ``momentum``). ``eps`` (and ``affine`` where the new
-  layer takes it) follow the BatchNorm unless given in ``**kw``, as do ``bias=False`` and ``check_finite`` where
-  the new layer takes them.
+- ``to`` a norm name (``none``, ``bn``, ``brn``, ``gn``, ``ln``, ``in``, ``sn`` or a norm of
+  :func:`normlab.nn.register_norm`; what is copied and what is refused follows its :class:`~normlab.nn.NormEntry`):
+  each BatchNorm becomes :func:`normlab.nn.create_norm` ``(to, C, dim)`` (a synchronized BatchNorm becomes the entry's
+  ``sync`` class where it has one: ``nn.SyncBatchNorm`` -> :class:`~normlab.nn.SyncBatchRenorm` for ``brn``,
+  ``nn.SyncBatchNorm`` for ``bn``, and timm's ``SyncBatchNormAct`` ->
+  :class:`~normlab.integrations.timm.SyncBatchRenormAct` / ``SyncBatchNormAct``; the others are per sample, and
+  ``sn``'s BatchNorm branch uses the local batch); a BatchNorm + activation becomes the NormAct class of the target
+  (:func:`normlab.integrations.timm.norm_act_class`; ``bn``: timm's ``BatchNormAct2d``) holding the ORIGINAL ``drop``
+  and ``act`` modules (``none``: ``nn.Sequential(drop, act)``), so the activation is never lost and ``to="bn"``
+  computes the same function. A frozen BatchNorm is converted like a BatchNorm (its buffers copied) and stays frozen
+  (``requires_grad=False``; its running statistics update in training mode, so keep it in eval mode to keep them); its
+  eval-mode output is unchanged for ``bn``/``brn``. Copied over: the affine ``weight``/``bias`` whenever the new layer
+  has per-channel ones of the same size; the running statistics (``running_mean``, ``running_var``,
+  ``num_batches_tracked``) for the norms that keep BatchNorm's (``running_stats``): ``brn`` and ``bn`` (whose state is
+  BatchNorm's: ``eps``/``momentum``/``affine``/``track_running_stats`` are kept too) and ``sn`` (its BN branch
+  estimates the same batch moments, with BatchNorm's ``momentum``). ``eps`` (and ``affine`` where the new layer takes
+  it) follow the BatchNorm unless given in ``**kw``, as do ``bias=False`` and ``check_finite`` where the new layer
+  takes them.
   **Refused** (``ValueError``, one line giving each reason once with the first few layers and their count, before
-  anything is changed): ``gn``,
-  ``ln``, ``in``, ``sn`` for a ``BatchNorm1d`` unless it is known to see (N, C, L) input, since these norms need a
-  length axis and over (N, C) they would normalize each sample over its features (or fail). Known means: every
-  call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the
+  anything is changed): a norm with per-sample statistics (``gn``, ``ln``, ``in``, ``sn``: ``statistics``
+  ``instance``, ``group`` or ``layer``) for a ``BatchNorm1d`` unless it is known to see (N, C, L) input, since these
+  norms need a length axis and over (N, C) they would normalize each sample over its features (or fail). Known means:
+  every call on ``example_input`` had a 3-D input, or without ``example_input`` (or for a layer it does not reach) the
   ``torch.fx`` dataflow shows its input is a ``Conv1d``/``ConvTranspose1d`` output. Its input coming from
-  ``nn.Linear``, or no way to tell, is refused. Also refused, where the statistics would be of a single value, so
-  that the new layer would output its bias whatever the input: ``in``/``sn`` for a layer that sees a single spatial
-  position, ``gn``/``ln`` for a layer that sees a single value per group (a 1x1 map with one channel per group:
-  the squeeze-excite and attention BatchNorms of rexnet or skresnet). "Sees" means on ``example_input``; without
-  it, on default inputs (batch 2, the first conv's channels) of two sizes, a size and twice that, where a layer
-  sees the same shape at both (fixed by the architecture, e.g. after global pooling; a stride-32 stage that is
-  1x1 only on a small input is not refused). ``gn`` with a ``num_groups`` that does not divide a layer's channels
-  is refused naming the layer, its channels and their divisors (without ``num_groups`` each layer takes the
-  largest divisor of C that is <= 32). ``nn.SyncBatchNorm`` takes any rank: the new layer's dimension is the one
-  it sees on ``example_input`` ((N, C) is refused as above), else 2.
+  ``nn.Linear``, or no way to tell, is refused. Also refused, where the statistics would be of a single value, so that
+  the new layer would output its bias whatever the input: ``in``/``sn`` (instance statistics) for a layer that sees a
+  single spatial position, ``gn``/``ln`` (group, layer) for a layer that sees a single value per group (a 1x1 map with
+  one channel per group: the squeeze-excite and attention BatchNorms of rexnet or skresnet). "Sees" means on
+  ``example_input``; without it, on default inputs (batch 2, the first conv's channels) of two sizes, a size and twice
+  that, where a layer sees the same shape at both (fixed by the architecture, e.g. after global pooling; a stride-32
+  stage that is 1x1 only on a small input is not refused). ``gn`` (a group norm) with a ``num_groups`` that does not
+  divide a layer's channels is refused naming the layer, its channels and their divisors (without ``num_groups`` each
+  layer takes the largest divisor of C that is <= 32). ``nn.SyncBatchNorm`` takes any rank: the new layer's dimension
+  is the one it sees on ``example_input`` ((N, C) is refused as above), else 2.
 - ``to="pws"`` or ``"ws"``: every plain ``nn.Conv{1,2,3}d`` (exact type) becomes the matching
   ``PWSConv``/``WSConv`` with the same arguments, raw weight and bias; ``**kw`` go to the new conv (``gamma``,
   ``relative_gamma``, ``init_alpha``, ``eps`` ...). Left as they are, named in one warning: transposed convs

@@ -11,6 +11,7 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from normlab._checks import number_problem
 from normlab.convert.dataflow import fixed_shapes, input_producers, seen_shapes
 from normlab.convert.recognize import (
     BatchNormSpec,
@@ -26,16 +27,11 @@ from normlab.convert.recognize import (
     warn_unknown_batchnorms,
 )
 from normlab.convert.state import copy_into, is_frozen, keep_state
-from normlab.nn.batch_renorm import SyncBatchRenorm
-from normlab.nn.registry import create_norm, default_groups, get_norm_class
+from normlab.nn.registry import NormEntry, create_norm, get_norm_class, norm_entry
 
 __all__ = ["new_norm", "convert_norms", "LOOKED_FOR"]
 
-# norms that need a length / spatial axis: refused for a BatchNorm1d over (N, C)
-_NEEDS_LENGTH = {"gn": "GroupNorm", "ln": "GroupNorm(1, C)", "in": "InstanceNorm1d", "sn": "SwitchableNorm1d"}
-_INSTANCE_STATS = ("in", "sn")
-# what a synchronized BatchNorm becomes for the targets with batch statistics (the others are per sample)
-_SYNC = {"brn": SyncBatchRenorm, "bn": nn.SyncBatchNorm}
+_RUNNING = ("running_mean", "running_var", "num_batches_tracked")
 
 
 def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> None:
@@ -45,14 +41,10 @@ def _copy_matching(src: nn.Module, dst: nn.Module, names: tuple[str, ...]) -> No
             copy_into(b, a)
 
 
-def _norm_act_class(to: str, spec: BatchNormSpec) -> type:
-    from timm.layers import SyncBatchNormAct  # timm is loaded: the model holds a timm layer
+def _norm_act_class(entry: NormEntry, spec: BatchNormSpec) -> type:
+    from normlab.integrations import timm as normlab_timm  # timm is loaded: the model holds a timm layer
 
-    from normlab.integrations import timm as normlab_timm
-
-    if spec.sync and to in ("brn", "bn"):
-        return normlab_timm.SyncBatchRenormAct if to == "brn" else SyncBatchNormAct
-    return normlab_timm.NORM_ACT_CLASSES[to]
+    return normlab_timm.norm_act_class(entry.name, sync=spec.sync and entry.sync is not None)
 
 
 def _accepted(cls: type) -> set[str]:
@@ -70,32 +62,31 @@ def _accepted(cls: type) -> set[str]:
     return names
 
 
-def _renorm_limits(bn: nn.Module, spec: BatchNormSpec, to: str, kw: dict) -> dict:
-    """A BatchRenorm's schedule or limits for a ``brn`` layer in its place (unless ``**kw`` gives others)."""
-    if not (spec.renorm and to == "brn") or any(k in kw for k in ("rmax", "dmax", "schedule")):
+def _renorm_limits(bn: nn.Module, spec: BatchNormSpec, kw: dict) -> dict:
+    """A BatchRenorm's schedule or limits (unless ``**kw`` gives others)."""
+    if not spec.renorm or any(k in kw for k in ("rmax", "dmax", "schedule")):
         return {}
     return {"schedule": bn.schedule} if bn.schedule is not None else {"rmax": bn.rmax, "dmax": bn.dmax}
 
 
-def _derived(bn: nn.Module, spec: BatchNormSpec, to: str, cls: type, kw: dict) -> dict:
-    """The BatchNorm's settings the new layer ``cls`` takes: eps, affine, no bias (``bias=False``), ``check_finite``;
-    momentum for bn/brn/sn (SwitchableNorm's is BatchNorm's; it is always affine) and the running statistics for
-    bn/brn; a BatchRenorm's schedule or limits for brn."""
+def _derived(bn: nn.Module, spec: BatchNormSpec, entry: NormEntry, cls: type, kw: dict) -> dict:
+    """The BatchNorm's settings the new layer ``cls`` takes: those the entry carries (eps, affine, no bias
+    (``bias=False``), ``check_finite``; momentum and ``track_running_stats`` for a norm with BatchNorm's running
+    statistics; a BatchRenorm's schedule or limits for brn) that ``cls``'s constructor names."""
     affine = getattr(bn, "affine", True)
-    out = {"eps": bn.eps, "affine": affine}
+    out = {
+        "eps": bn.eps,
+        "affine": affine,
+        "momentum": getattr(bn, "momentum", 0.1),
+        "track_running_stats": getattr(bn, "track_running_stats", True),
+    }
     if affine and getattr(bn, "bias", 0) is None:
         out["bias"] = False
     if hasattr(bn, "check_finite"):
         out["check_finite"] = bn.check_finite
-    if to in ("brn", "bn", "sn"):
-        out["momentum"] = getattr(bn, "momentum", 0.1)
-    if to in ("brn", "bn"):
-        out["track_running_stats"] = getattr(bn, "track_running_stats", True)
-    if to == "sn":
-        out.pop("affine")
-    out.update(_renorm_limits(bn, spec, to, kw))
+    out.update(_renorm_limits(bn, spec, kw))
     accepted = _accepted(cls)
-    return {k: v for k, v in out.items() if k in accepted}
+    return {k: v for k, v in out.items() if k in entry.carries and k in accepted}
 
 
 def _out_of_place(m: nn.Module) -> nn.Module:
@@ -109,18 +100,18 @@ def _out_of_place(m: nn.Module) -> nn.Module:
 
 def _build(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict) -> nn.Module:
     """The ``to`` layer for ``bn``'s channels with its settings (and its drop/act modules), freshly initialized."""
-    channels = num_channels(bn)
+    channels, entry = num_channels(bn), norm_entry(to)
     if spec.act and to == "none":
         return nn.Sequential(OrderedDict(drop=_out_of_place(bn.drop), act=_out_of_place(bn.act)))
     if to == "none":
         return nn.Identity()
     if spec.act:  # its drop and act are set by new_norm
-        cls = _norm_act_class(to, spec)
+        cls = _norm_act_class(entry, spec)
         no_act = {"apply_act": False} if "apply_act" in inspect.signature(cls.__init__).parameters else {}
-        return cls(channels, **{**_derived(bn, spec, to, cls, kw), **kw, **no_act})
-    if spec.sync and to in _SYNC:
-        return _SYNC[to](channels, **{**_derived(bn, spec, to, _SYNC[to], kw), **kw})
-    return create_norm(to, channels, dim=dim, **{**_derived(bn, spec, to, get_norm_class(to, dim), kw), **kw})
+        return cls(channels, **{**_derived(bn, spec, entry, cls, kw), **kw, **no_act})
+    if spec.sync and entry.sync is not None:
+        return entry.sync(channels, **{**_derived(bn, spec, entry, entry.sync, kw), **kw})
+    return create_norm(to, channels, dim=dim, **{**_derived(bn, spec, entry, get_norm_class(to, dim), kw), **kw})
 
 
 def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict, model_ref: Tensor | None = None):
@@ -134,10 +125,7 @@ def new_norm(bn: nn.Module, spec: BatchNormSpec, to: str, dim: int, kw: dict, mo
     ref = next((t for t in (bn.weight, bn.running_mean, model_ref) if isinstance(t, Tensor)), None)
     if ref is not None:
         new.to(device=ref.device, dtype=ref.dtype)  # first: the values are copied in the final dtype
-    names = ("weight", "bias")
-    if to in ("brn", "bn", "sn"):
-        names += ("running_mean", "running_var", "num_batches_tracked")
-    _copy_matching(bn, new, names)
+    _copy_matching(bn, new, ("weight", "bias") + (_RUNNING if norm_entry(to).running_stats else ()))
     if spec.act:
         new.drop, new.act = bn.drop, bn.act
     return keep_state(bn, new, is_frozen(bn, spec.frozen))
@@ -149,18 +137,15 @@ def model_tensor(model: nn.Module) -> Tensor | None:
     return next((t for t in tensors if t.is_floating_point()), None)
 
 
-def _groups(to: str, channels: int, kw: dict) -> int:
-    """The groups of the GroupNorm ``to`` (``gn``/``ln``) builds for ``channels``."""
-    return 1 if to == "ln" else kw.get("num_groups") or default_groups(channels)
-
-
-def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[tuple[str, str]]:
-    """For ``gn`` with ``num_groups``: each BatchNorm whose channel count it does not divide, as (label, reason)."""
+def _divisor_refusals(entry: NormEntry, bns: list, names: dict, kw: dict) -> list[tuple[str, str]]:
+    """For a group norm with ``num_groups``: each BatchNorm whose channel count it does not divide, as (label,
+    reason)."""
     g = kw.get("num_groups")
-    if to != "gn" or g is None:
+    if entry.statistics != "group" or g is None:
         return []
-    if not isinstance(g, int) or isinstance(g, bool) or g < 1:
-        return [("any layer", f"num_groups must be a positive int, got {g!r}")]
+    expected = number_problem(g, integer=True, low=1)
+    if expected is not None:
+        return [("any layer", f"num_groups must be {expected}, got {g!r}")]
     out, top = [], max(32, g)
     for m, _ in bns:
         c = num_channels(m)
@@ -172,20 +157,21 @@ def _divisor_refusals(to: str, bns: list, names: dict, kw: dict) -> list[tuple[s
     return out
 
 
-def _degenerate(to: str, m: nn.Module, shapes: list, kw: dict) -> tuple[str, str] | None:
-    """Why ``to`` would compute a constant on an input of one of ``shapes``: a single position per channel
-    (``in``/``sn``) or a single value per group (``gn``/``ln``, e.g. a 1x1 map with one channel per group), as
-    (the input shape and groups for the label, the reason with ``{on}`` to fill in)."""
-    c = num_channels(m)
+def _degenerate(entry: NormEntry, m: nn.Module, shapes: list, kw: dict) -> tuple[str, str] | None:
+    """Why the per-sample norm ``entry`` would compute a constant on an input of one of ``shapes``: a single
+    position per channel (instance statistics: ``in``/``sn``) or a single value per group (``gn``/``ln``, e.g. a
+    1x1 map with one channel per group), as (the input shape and groups for the label, the reason with ``{on}`` to
+    fill in)."""
+    c, kind = num_channels(m), next(iter(entry.classes.values())).__name__
+    g = entry.groups(c, kw)
     for s in shapes:
-        if len(s) < 3:
+        if len(s) < 3 or number_problem(g, integer=True, low=1) is not None:  # a bad num_groups: refused already
             continue
         positions = s[2:].numel()
-        if to in _INSTANCE_STATS and positions < 2:
+        if entry.statistics == "instance" and positions < 2:
             return f"input {tuple(s)}", "a single position per channel {on}, instance statistics need more than one"
-        if to in ("gn", "ln") and c % _groups(to, c, kw) == 0 and c // _groups(to, c, kw) * positions < 2:
-            g = _groups(to, c, kw)
-            return f"input {tuple(s)}, GroupNorm({g}, {c})", "one value per group {on}, GroupNorm would output its bias"
+        if entry.statistics != "instance" and c % g == 0 and c // g * positions < 2:
+            return f"input {tuple(s)}, {kind}({g}, {c})", "one value per group {on}, " + kind + " would output its bias"
     return None
 
 
@@ -194,8 +180,9 @@ def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -
     its input lacks the axis ``to`` normalizes over; or ``to`` would see one value per statistic there (on
     ``example_input``, else on default inputs where the shape is fixed by the architecture:
     :func:`~normlab.convert.dataflow.fixed_shapes`)."""
-    out = _divisor_refusals(to, bns, names, kw)
-    if to not in _NEEDS_LENGTH or not bns:
+    entry = norm_entry(to)
+    out = _divisor_refusals(entry, bns, names, kw)
+    if not entry.per_sample or not bns:
         return out
     mods, bn1d = [m for m, _ in bns], [m for m, spec in bns if spec.dim == 1]
     if example_input is not None:
@@ -203,10 +190,10 @@ def _refusals(model, to: str, bns: list, names: dict, example_input, kw: dict) -
     else:
         seen, on = fixed_shapes(model, mods), "at every input size tried (fixed by the architecture)"
     context = input_producers(model, [m for m in bn1d if not seen.get(id(m))]) if bn1d else {}
-    needs = f"{_NEEDS_LENGTH[to]} needs (N, C, L)"
+    needs = f"{get_norm_class(to, 1).__name__ if 1 in entry.classes else to} needs (N, C, L)"
     for m in mods:
         shapes, name, kind = seen.get(id(m)) or [], names[id(m)], type(m).__name__
-        constant = _degenerate(to, m, shapes, kw)
+        constant = _degenerate(entry, m, shapes, kw)
         if any(len(s) == 2 for s in shapes):
             out.append((f"{name} ({kind})", f"sees (N, C) input {on}, {needs}"))
         elif constant is not None:

@@ -24,7 +24,7 @@ from torch import nn
 
 from normlab.nn._modules import grouped, module_names, name_list, swap_modules, unique_modules, warn_lost_hooks
 from normlab.nn.batch_renorm import BATCH_RENORM_TYPES, BatchRenorm1d, BatchRenorm2d, BatchRenorm3d, SyncBatchRenorm
-from normlab.nn.registry import CONV_CLASSES
+from normlab.nn.registry import conv_entry
 from normlab.nn.weight_std import PWS_CONV_TYPES, WS_CONV_TYPES
 
 __all__ = [
@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 #: torch's plain convolution classes -> their spatial dimensions (exact types: a subclass may compute otherwise).
-PLAIN_CONVS = {cls: d for d, cls in CONV_CLASSES["conv"].items()}
+PLAIN_CONVS = {cls: d for d, cls in conv_entry("conv").classes.items()}
 #: normlab's weight-standardized convolutions, WS and PWS (their kernel folds into a plain conv).
 STD_CONVS = WS_CONV_TYPES + PWS_CONV_TYPES
 

@@ -11,15 +11,15 @@ from torch import Tensor, nn
 from normlab.convert.convs import convert_convs, make_std_conv
 from normlab.convert.norms import convert_norms
 from normlab.convert.recognize import PLAIN_CONVS
-from normlab.nn.registry import NORM_NAMES
+from normlab.nn.registry import NORM_NAMES, NameView
 
 __all__ = ["convert_norm", "CONVERT_TARGETS"]
 
 _CONV_TARGETS = ("pws", "ws")
-#: What :func:`convert_norm` converts to: a norm name of :data:`normlab.nn.NORM_NAMES` (every torch BatchNorm
-#: becomes that layer) or a convolution kind, ``pws`` or ``ws`` (every plain convolution becomes its standardized
-#: version).
-CONVERT_TARGETS = NORM_NAMES + _CONV_TARGETS
+#: What :func:`convert_norm` converts to, live (:class:`~normlab.nn.registry.NameView`): a norm name of
+#: :data:`normlab.nn.NORM_NAMES`, registered norms included (every torch BatchNorm becomes that layer), or a
+#: convolution kind, ``pws`` or ``ws`` (every plain convolution becomes its standardized version).
+CONVERT_TARGETS = NameView(lambda: NORM_NAMES + _CONV_TARGETS)
 
 
 def convert_norm(
@@ -35,8 +35,9 @@ def convert_norm(
 
     Args:
         model: any module.
-        to: required (no default: every target replaces layers): one of ``none, bn, brn, gn, ln, in, sn``
-            (replace BatchNorm layers) or ``pws, ws`` (replace plain convs).
+        to: required (no default: every target replaces layers): one of ``none, bn, brn, gn, ln, in, sn`` or a
+            norm of :func:`~normlab.nn.register_norm` (replace BatchNorm layers) or ``pws, ws`` (replace plain
+            convs).
         remove_norm: for ``pws``/``ws``: remove each BatchNorm that normalizes a converted conv's output.
             Default: True for ``pws`` (it is meant to train without output normalization) and
             False for ``ws`` (WS kernels have unit variance per entry, so without a norm every layer multiplies

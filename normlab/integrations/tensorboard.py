@@ -24,13 +24,13 @@ through normlab's atomic writer); needs ``pip install 'normlab[tensorboard]'``.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 from torch import Tensor
 
+from normlab._checks import is_number
 from normlab.monitor.records import LayerRecord, NormRecord, layer_keys
 
 __all__ = ["MonitorBoard", "SCALARS", "summary_writer", "scalar_tags"]
@@ -60,10 +60,6 @@ def summary_writer(log_dir: str | os.PathLike, **kwargs):
     return SummaryWriter(str(log_dir), **kwargs)
 
 
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _layer(name: str) -> str:
     return name or "model"
 
@@ -74,7 +70,7 @@ def scalar_tags(record: LayerRecord | NormRecord | Mapping[str, Any]) -> dict[st
     out = {}
     for key, (section, _) in SCALARS.items():
         value = record.get(key)
-        if _finite_number(value):
+        if is_number(value, finite=True):
             out[f"{section}/{_layer(record['layer'])}"] = float(value)
     return out
 
@@ -137,7 +133,7 @@ class MonitorBoard:
     def write_scalars(self, values: Mapping[str, float | None], step: int, section: str = "run") -> None:
         """``section/<key>`` for every finite value (the run's loss, accuracy, learning rate, ...)."""
         for key, value in values.items():
-            if _finite_number(value):
+            if is_number(value, finite=True):
                 self.writer.add_scalar(f"{section}/{key}", float(value), step)
 
     def flush(self) -> None:

@@ -17,18 +17,24 @@ drop_layer, device, dtype)`` (plus keyword-only arguments of the norm):
   keyword-only; ``momentum`` and ``track_running_stats`` unused.
 - :class:`GroupNorm1Act2d`: ``nn.GroupNorm`` with one group (``ln``), as :class:`GroupNormAct2d`.
 
-Importing this module registers the classes with ``timm.layers.get_norm_act_layer`` (the factory timm's
-architectures call on their ``norm_layer`` argument), so ``timm.create_model("regnetx_002",
+Importing this module changes nothing in timm. Architectures that take a bare norm class and add their own
+activation (timm's ``resnet``) take normlab's norms as they are: ``timm.create_model("resnet18",
+norm_layer=BatchRenorm2d)``. Architectures built from NormAct layers (regnet, efficientnet, cspnet, byobnet, ...)
+pass their ``norm_layer`` to ``timm.layers.get_norm_act_layer``, which accepts only the classes and strings in
+timm's own tables: call :func:`register` once first, then ``timm.create_model("regnetx_002",
 norm_layer=BatchRenormAct2d)`` builds the network on BatchRenorm with the architecture's own activations;
 ``norm_layer=BatchRenorm2d`` (the bare norm) maps to ``BatchRenormAct2d`` the way ``nn.BatchNorm2d`` maps to
 ``BatchNormAct2d``, and so does ``SwitchableNorm2d``; the strings ``"batchrenorm"`` and ``"switchablenorm"`` work
-too. Architectures that take a bare norm and add their own activation (timm's ``resnet``) take
-``BatchRenorm2d`` itself. :func:`normlab.convert.convert_norm` of a timm model turns each ``BatchNormAct2d`` into
-the class of the target here, reusing its ``drop``/``act`` modules. Needs ``pip install 'normlab[timm]'``.
+too. A norm of :func:`normlab.nn.register_norm` has a NormAct class too (:func:`norm_act_class`), which
+:func:`register` adds as well. :func:`normlab.convert.convert_norm` of a timm model turns each ``BatchNormAct2d``
+into the NormAct class of the target (:func:`norm_act_class`), reusing its ``drop``/``act`` modules, without
+:func:`register`. Needs timm (``pip install 'normlab[timm]'``; keeping your torch: docs/integrations.md).
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from string import Template
 from typing import Any
 
@@ -38,7 +44,7 @@ from torch import Tensor, nn
 from normlab.nn._docs import fill
 from normlab.nn.batch_renorm import BatchRenorm2d, SyncBatchRenorm
 from normlab.nn.instance_norm import InstanceNorm2d
-from normlab.nn.registry import default_groups
+from normlab.nn.registry import NORM_NAMES, default_groups, norm_entry
 from normlab.nn.switchable import SwitchableNorm2d
 
 try:
@@ -55,7 +61,7 @@ __all__ = [
     "InstanceNormAct2d",
     "GroupNormAct2d",
     "GroupNorm1Act2d",
-    "NORM_ACT_CLASSES",
+    "norm_act_class",
     "register",
 ]
 
@@ -315,43 +321,148 @@ _document(
 )
 
 
-#: The NormAct class of each registry name, which :func:`normlab.convert.convert_norm` builds for a timm
-#: ``BatchNormAct2d`` (for ``"bn"`` timm's own ``BatchNormAct2d``).
-NORM_ACT_CLASSES: dict[str, type] = {
-    "bn": _timm_layers.BatchNormAct2d,
-    "brn": BatchRenormAct2d,
-    "sn": SwitchableNormAct2d,
-    "in": InstanceNormAct2d,
-    "gn": GroupNormAct2d,
-    "ln": GroupNorm1Act2d,
-}
+class _RegisteredNormAct(_NormAct):
+    """The NormAct layout on a registered norm class: ``(num_features, *, apply_act, act_layer, act_kwargs, inplace,
+    drop_layer, device, dtype, **norm_kwargs)``, the norm built as ``cls(num_features, **norm_kwargs)`` (with
+    ``device``/``dtype`` where its constructor takes them, else moved there)."""
+
+    _norm_class: type  # the registered norm class, set on each class made from it
+
+    def __init__(
+        self,
+        num_features: int,
+        *,
+        apply_act: bool = True,
+        act_layer: Any = nn.ReLU,
+        act_kwargs: dict | None = None,
+        inplace: bool = True,
+        drop_layer: Any = None,
+        device=None,
+        dtype=None,
+        **norm_kwargs,
+    ) -> None:
+        factory = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        params = inspect.signature(self._norm_class.__init__).parameters
+        takes = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()) or "device" in params
+        super().__init__(num_features, **norm_kwargs, **(factory if takes else {}))
+        if factory and not takes:
+            self.to(**factory)
+        self._init_act(apply_act, act_layer, act_kwargs, inplace, drop_layer)
+
+
+_made: dict[str, type] = {}  # "NormAct_<name>" / "SyncNormAct_<name>" -> the class made for a registered norm
+
+
+def _made_class(name: str, base: type, sync: bool) -> type:
+    """The NormAct class of registered norm ``name`` on ``base``, made once; named in this module as
+    ``NormAct_<name>`` (``SyncNormAct_<name>``) so that pickle finds it again (module ``__getattr__``)."""
+    qualname = f"{'Sync' if sync else ''}NormAct_{name}"
+    cls = _made.get(qualname)
+    if cls is None or cls._norm_class is not base:
+        doc = f"{base.__name__} (registered as {name!r}), then ``drop``, then ``act``; built by norm_act_class."
+        cls = type(
+            f"{base.__name__}Act",
+            (_RegisteredNormAct, base),
+            {"__module__": __name__, "__doc__": doc, "_norm_class": base},
+        )
+        cls.__qualname__ = qualname
+        _made[qualname] = cls
+    return cls
+
+
+def _resolve(ref: type | str) -> type:
+    """A class, or ``"module:attribute"`` imported."""
+    if isinstance(ref, str):
+        module, _, attr = ref.partition(":")
+        return getattr(importlib.import_module(module), attr)
+    return ref
+
+
+def norm_act_class(name: str, sync: bool = False) -> type:
+    """The timm NormAct class of registry norm ``name``: the norm, then ``drop``, then ``act``.
+
+    For the built-in names: ``bn`` timm's ``BatchNormAct2d``, ``brn`` :class:`BatchRenormAct2d`, ``sn``
+    :class:`SwitchableNormAct2d`, ``in`` :class:`InstanceNormAct2d`, ``gn`` :class:`GroupNormAct2d`, ``ln``
+    :class:`GroupNorm1Act2d` (``sync=True``: timm's ``SyncBatchNormAct`` and :class:`SyncBatchRenormAct`); for a
+    norm of :func:`normlab.nn.register_norm`, the ``norm_act`` it was registered with, else a subclass of its 2d
+    class (``sync``: of its ``sync`` class) made here, with the norm's parameters at the top level (its state_dict
+    keys are the norm's) and the constructor ``(num_features, *, apply_act=True, act_layer=nn.ReLU,
+    act_kwargs=None, inplace=True, drop_layer=None, **norm_kwargs)``. This is what
+    :func:`normlab.convert.convert_norm` puts in place of a timm ``BatchNormAct2d``; after :func:`register`
+    ``timm.create_model(..., norm_layer=norm_act_class(name))`` takes it.
+
+    Args:
+        name: a norm name of :data:`normlab.nn.NORM_NAMES` other than ``none``.
+        sync: the class for a synchronized BatchNorm (the norm's ``sync`` class; refused without one).
+
+    Example:
+        >>> norm_act_class("brn") is BatchRenormAct2d, norm_act_class("bn", sync=True).__name__
+        (True, 'SyncBatchNormAct')
+    """
+    entry = norm_entry(name)
+    if entry.name == "none":
+        raise ValueError("norm_act_class: 'none' has no NormAct class (convert_norm puts nn.Sequential(drop, act))")
+    if sync and entry.sync is None:
+        raise ValueError(f"norm_act_class({entry.name!r}, sync=True): {entry.name!r} has no synchronized class")
+    ref = entry.sync_norm_act if sync else entry.norm_act
+    if ref is not None:
+        return _resolve(ref)
+    base = entry.sync if sync else entry.classes.get(2)
+    if base is None:
+        raise ValueError(f"norm_act_class({entry.name!r}): a NormAct layer needs a 2d class; {entry.name!r} has none")
+    return _made_class(entry.name, base, sync)
+
+
+def __getattr__(attr: str) -> type:
+    """``NormAct_<name>`` / ``SyncNormAct_<name>``: the class :func:`norm_act_class` made for a registered norm
+    (how pickle finds it in a process that registered the norm)."""
+    sync, _, name = attr.partition("NormAct_")
+    if sync in ("", "Sync") and name in NORM_NAMES and not norm_entry(name).builtin:
+        return norm_act_class(name, sync=sync == "Sync")
+    raise AttributeError(f"module {__name__!r} has no attribute {attr!r}")
+
+
+def _ours(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "normlab" or cls.__module__ == __name__
 
 
 def register() -> None:
-    """Make timm's ``get_norm_act_layer`` accept the classes here (done once, on import; idempotent).
+    """Make timm's ``get_norm_act_layer`` (what timm's NormAct architectures call on ``norm_layer``) accept the
+    NormAct classes of every norm registered so far. Nothing in timm changes until this is called; calling it again
+    adds the norms registered since (idempotent).
+
+    It adds to timm's tables: normlab's NormAct classes (this module's and those :func:`norm_act_class` makes for
+    registered norms), and, under the lower-cased name of each norm's 2d class with and without its ``2d``
+    (``"batchrenorm2d"``, ``"batchrenorm"``), that NormAct class, where neither torch nor timm uses the name
+    (``InstanceNorm2d`` and ``GroupNorm`` are torch's, so ``in``/``gn``/``ln`` have none).
 
     Example:
+        >>> register()
         >>> timm.layers.get_norm_act_layer(BatchRenorm2d, "silu").func is BatchRenormAct2d
         True
     """
-    classes = (
-        BatchRenormAct2d,
-        SyncBatchRenormAct,
-        SwitchableNormAct2d,
-        InstanceNormAct2d,
-        GroupNormAct2d,
-        GroupNorm1Act2d,
-    )
-    _timm_factory._NORM_ACT_TYPES.update(classes)
-    _timm_factory._NORM_ACT_REQUIRES_ARG.update(classes)
-    names = {
-        "batchrenorm": BatchRenormAct2d,
-        "batchrenorm2d": BatchRenormAct2d,
-        "switchablenorm": SwitchableNormAct2d,
-        "switchablenorm2d": SwitchableNormAct2d,
-    }
+    pairs = []  # (norm class, its NormAct class), normlab's NormAct classes only
+    for name in NORM_NAMES:
+        entry = norm_entry(name)
+        if name != "none" and 2 in entry.classes:
+            pairs.append((entry.classes[2], norm_act_class(name)))
+        if entry.sync is not None:
+            pairs.append((None, norm_act_class(name, sync=True)))  # sync classes have no name of their own
+    pairs = [(norm, act) for norm, act in pairs if _ours(act)]
+    names = {k: act for norm, act in pairs for k in _names(norm, act)}
+    acts = {act for _, act in pairs}
+    _timm_factory._NORM_ACT_TYPES.update(acts)
+    _timm_factory._NORM_ACT_REQUIRES_ARG.update(acts)
     _timm_factory._NORM_ACT_MAP.update(names)
     _timm_factory._NORM_TO_NORM_ACT_MAP.update(names)
 
 
-register()
+def _names(norm: type | None, act: type) -> tuple[str, ...]:
+    """timm's names for ``norm`` (its lower-cased class name, with and without ``2d``), unless torch has a class of
+    that name or timm uses the name for another layer."""
+    if norm is None or hasattr(nn, norm.__name__):
+        return ()
+    key = norm.__name__.lower()
+    keys = (key, key.removesuffix("2d")) if key.endswith("2d") else (key,)
+    maps = (_timm_factory._NORM_ACT_MAP, _timm_factory._NORM_TO_NORM_ACT_MAP)
+    return tuple(k for k in keys if all(m.get(k, act) is act for m in maps))

@@ -49,14 +49,17 @@ __all__ = [
     "label_collapse",
     "window_mean",
     "confirmed",
-    "CHANCE",
-    "LEARNED",
-    "MIN_WINDOWS",
 ]
 
-WINDOW_EXAMPLES = 1024  # CollapseCriteria.over_examples: the smoothed loss averages about this many examples
-LOSS_KINDS = ("non_finite", "exploded", "returned_to_chance", "never_left_chance")  # what the losses alone show
-KINDS = LOSS_KINDS + ("alarm", "external")  # and what only the guard sees
+#: The examples the smoothed loss averages by default with
+#: :meth:`~normlab.monitor.CollapseCriteria.over_examples` (the window of
+#: ``normlab train``): about this many, at least 10 steps.
+WINDOW_EXAMPLES = 1024
+#: The kinds of failure the losses alone show (:func:`~normlab.monitor.label_collapse`), in the order they are tested.
+LOSS_KINDS = ("non_finite", "exploded", "returned_to_chance", "never_left_chance")
+#: Every kind of failure: :data:`LOSS_KINDS` and those only :class:`~normlab.monitor.CollapseGuard` sees (a monitor
+#: alarm acted on by itself, trouble the caller reported).
+KINDS = LOSS_KINDS + ("alarm", "external")
 
 
 @dataclass(frozen=True)
@@ -460,11 +463,6 @@ def label_collapse(
         tracker.finish()
     f = tracker.failure
     return CollapseLabel(f is not None, None if f is None else f.step, None if f is None else f.kind, f)
-
-
-# Read by the lab's demo (its guarded twins' text) until it reads CollapseCriteria itself: derived from the one
-# definition, nothing restated. Remove with that import.
-CHANCE, LEARNED, MIN_WINDOWS = CollapseCriteria.at_chance, CollapseCriteria.learned, CollapseCriteria.min_windows
 
 
 def confirmed(failure: Failure, alarm: str) -> Failure:

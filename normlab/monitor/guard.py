@@ -36,7 +36,7 @@ from normlab.monitor.shards import check_sharding, largest_rank_bytes, rebuild_m
 from normlab.monitor.snapshots import cpu_copy, make_store, rng_state, set_rng_state
 from normlab.monitor.watch import Seen, StepLog, world_size
 
-__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed", "LOSS_WINDOW"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
 
 class RunCollapsed(RuntimeError):
@@ -640,8 +640,3 @@ def _check_args(model, optimizer, monitor, snapshots, rescue, criteria):
 def _local(grad: torch.Tensor) -> torch.Tensor:
     """A gradient as this rank holds it: a DTensor's local shard, a plain tensor as it is."""
     return grad.to_local().detach() if is_dtensor(grad) else grad.detach()
-
-
-# Read by the lab's demo (its guarded twins' text) until it reads CollapseCriteria itself: derived from the one
-# definition, nothing restated. Remove with that import.
-LOSS_WINDOW = CollapseCriteria().window

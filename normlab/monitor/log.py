@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from normlab._checks import is_int, is_number
 from normlab._files import append_bytes, atomic_write
 from normlab.monitor.records import (
     ALARM_EVENT,
@@ -176,37 +177,29 @@ def write_monitor_log(
     return text.count("\n")
 
 
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _check_record(obj: dict) -> str | None:
     """What is wrong with a layer record, or None."""
-    if not isinstance(obj["layer"], str) or not _is_int(obj["step"]):
+    if not isinstance(obj["layer"], str) or not is_int(obj["step"]):
         return f"expected a string 'layer' and an integer 'step', got {obj['layer']!r} and {obj['step']!r}"
-    if not (obj.get("index") is None or _is_number(obj["index"])):
+    if not (obj.get("index") is None or is_number(obj["index"])):
         return f"'index' must be a number, got {obj['index']!r}"
     for key in ("type", "kind"):
         if key in obj and not isinstance(obj[key], str):
             return f"{key!r} must be a string, got {obj[key]!r}"
     for key in NUMBER_KEYS:
-        if key in obj and not (obj[key] is None or _is_number(obj[key])):
+        if key in obj and not (obj[key] is None or is_number(obj[key])):
             return f"{key!r} must be a number or null, got {obj[key]!r}"
     for key in COUNT_KEYS:
-        if key in obj and not (obj[key] is None or _is_int(obj[key])):
+        if key in obj and not (obj[key] is None or is_int(obj[key])):
             return f"{key!r} must be an integer, got {obj[key]!r}"
     return None
 
 
 def _check_alarm(obj: dict) -> str | None:
     """What is wrong with an alarm event, or None; adds ``direction`` to an old one."""
-    if not (isinstance(obj.get("layer"), str) and _is_int(obj.get("step")) and isinstance(obj.get("quantity"), str)):
+    if not (isinstance(obj.get("layer"), str) and is_int(obj.get("step")) and isinstance(obj.get("quantity"), str)):
         return "an alarm event needs a string 'layer', an integer 'step' and a string 'quantity'"
-    if any(not (obj.get(k) is None or _is_number(obj[k])) for k in ("value", "initial", "growth")):
+    if any(not (obj.get(k) is None or is_number(obj[k])) for k in ("value", "initial", "growth")):
         return "'value', 'initial' and 'growth' of an alarm event must be numbers or null"
     flagged = obj.setdefault("flagged", [])
     if not isinstance(flagged, list) or not all(isinstance(f, dict) for f in flagged):
@@ -218,10 +211,10 @@ def _check_alarm(obj: dict) -> str | None:
 
 def _check_event(obj: dict) -> str | None:
     """What is wrong with a rule event, or None."""
-    ok = isinstance(obj.get("rule"), str) and obj.get("severity") in SEVERITIES and _is_int(obj.get("step"))
+    ok = isinstance(obj.get("rule"), str) and obj.get("severity") in SEVERITIES and is_int(obj.get("step"))
     if not ok:
         return f"a rule event needs a string 'rule', a severity in {SEVERITIES} and an integer 'step'"
-    if not (obj.get("value") is None or _is_number(obj["value"])) or not isinstance(obj.get("details", {}), dict):
+    if not (obj.get("value") is None or is_number(obj["value"])) or not isinstance(obj.get("details", {}), dict):
         return "'value' of a rule event must be a number or null and 'details' an object"
     return None
 
@@ -232,7 +225,7 @@ def _check_spp(obj: dict) -> str | None:
     ok = isinstance(entries, list) and all(
         isinstance(e, dict)
         and isinstance(e.get("name"), str)
-        and all(e.get(k) is None or _is_number(e[k]) for k in ("avg_sq_mean", "avg_var", "residual_var"))
+        and all(e.get(k) is None or is_number(e[k]) for k in ("avg_sq_mean", "avg_var", "residual_var"))
         and "avg_sq_mean" in e
         and "avg_var" in e
         for e in entries

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from normlab._checks import check_number
 from normlab._files import atomic_write
 from normlab.monitor import stats
 from normlab.monitor.hooks import (
@@ -611,8 +612,7 @@ class VarianceMonitor:
                 f"VarianceMonitor.load_state_dict: state was recorded with {saved}, this monitor uses {mine}"
             )
         step = state["current_step"]
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"VarianceMonitor.load_state_dict: current_step must be an int >= 0, got {step!r}")
+        check_number("VarianceMonitor.load_state_dict", "current_step", step, integer=True, low=0)
         names = {name for name, _, _ in self.layers}
         order = dict(state.get("order") or {})
         unknown = sorted(set(order) - names)

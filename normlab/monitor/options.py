@@ -16,14 +16,15 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from normlab._checks import check_number, is_int
+
 __all__ = ["RecordSchedule", "RecordOptions", "SnapshotOptions", "RescueOptions", "check_sink", "SNAPSHOT_STORES"]
 
 SNAPSHOT_STORES = ("host", "disk", "dcp")
 
 
 def _int_at_least(owner: str, name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}: {name} must be an int >= {low}, got {value!r}")
+    check_number(owner, name, value, integer=True, low=low)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class RecordSchedule:
         """``every`` as a schedule: an int ``n`` is ``RecordSchedule(every=n)``, a schedule is returned as is."""
         if isinstance(every, cls):
             return every
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        if not is_int(every) or every < 1:
             raise ValueError(f"VarianceMonitor: every must be an int >= 1 or a RecordSchedule, got {every!r}")
         return cls(every)
 

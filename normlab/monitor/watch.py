@@ -11,7 +11,7 @@ rank keeps its own alarm's words; the others name the rank.
 
 Example:
     >>> log = StepLog()
-    >>> log.add(0, torch.tensor(2.3), torch.tensor(False))
+    >>> log.add(0, torch.tensor(2.3), torch.tensor(True))  # step 0: loss 2.3, every gradient finite
     >>> log.add(1, float("nan"), None)
     >>> seen = log.read(alarm=None)
     >>> seen.steps, [round(v, 2) for v in seen.losses[:1]], seen.bad_grads, seen.alarm

@@ -1,7 +1,8 @@
 """normlab layers: modules that hold parameters and buffers and call :mod:`normlab.functional`.
 
 One file per family (``batch_renorm``, ``instance_norm``, ``switchable``, ``weight_std``, ``capsules``);
-``registry`` maps names (``bn``, ``brn``, ``pws``, ...) to classes for every dimension; ``param_groups`` builds
+``registry`` maps names (``bn``, ``brn``, ``pws``, ...) to classes for every dimension and takes a user's norm or
+conv (``register_norm``, ``register_conv``); ``param_groups`` builds
 optimizer groups without weight decay on norm parameters, PWS ``alpha`` and biases; ``running_stats`` re-estimates
 every layer's running statistics (``update_bn``, torch's for every layer that keeps them).
 """
@@ -21,14 +22,22 @@ from .param_groups import param_groups
 from .registry import (
     CONV_KINDS,
     NORM_NAMES,
+    ConvEntry,
+    NormEntry,
     comparison_names,
+    conv_entry,
     create_conv,
     create_norm,
     default_groups,
     get_conv_class,
     get_norm_class,
     is_norm_layer,
+    norm_entry,
+    register_conv,
+    register_norm,
     resolve_comparison,
+    unregister_conv,
+    unregister_norm,
 )
 from .running_stats import has_running_stats, update_bn
 from .switchable import SwitchableNorm1d, SwitchableNorm2d, SwitchableNorm3d
@@ -66,6 +75,14 @@ __all__ = [
     "default_groups",
     "NORM_NAMES",
     "CONV_KINDS",
+    "register_norm",
+    "unregister_norm",
+    "register_conv",
+    "unregister_conv",
+    "norm_entry",
+    "conv_entry",
+    "NormEntry",
+    "ConvEntry",
     "comparison_names",
     "resolve_comparison",
     "param_groups",

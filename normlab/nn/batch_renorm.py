@@ -50,13 +50,14 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .. import functional as NF
+from .._checks import check_number, is_number
 from .._dispatch import fx_node, layer_step, param_dtype
 from .._functions import momentum_update
 from ._bn_tools import BatchNormTools, reestimating
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
-from ._recompute import report_misses
+from ._recompute import eager_checkpoint_active, report_misses
 from ._renorm_step import Spec, check_input, factor, renorm_forward, renorm_step
 from ._sync_convert import to_sync_batchrenorm
 
@@ -64,10 +65,6 @@ torch.fx.wrap("layer_step")  # torch.fx.symbolic_trace records the layer as this
 torch.fx.wrap("renorm_forward")  # ... and traces a layer at the root of the trace as this one call
 
 __all__ = ["RenormSchedule", "BatchRenorm1d", "BatchRenorm2d", "BatchRenorm3d", "SyncBatchRenorm", "BATCH_RENORM_TYPES"]
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +105,7 @@ class RenormSchedule:
         where = "RenormSchedule"
         for name in ("warmup_steps", "rmax_steps", "dmax_steps"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{where}: {name} must be a non-negative int, got {value!r}")
+            check_number(where, name, value, integer=True, low=0)
         for name, value in (("rmax_steps", self.rmax_steps), ("dmax_steps", self.dmax_steps)):
             if value < self.warmup_steps:
                 raise ValueError(f"{where}: {name} must be >= warmup_steps={self.warmup_steps}, got {value}")
@@ -127,8 +123,7 @@ class RenormSchedule:
         ``5/8 * end_step`` (25k of 40k), rmax at ``end_step``. ``scaled(40000)`` is the paper's schedule.
         For short runs (the experiment runner uses half the run's steps).
         """
-        if not isinstance(end_step, int) or isinstance(end_step, bool) or end_step < 0:
-            raise ValueError(f"RenormSchedule.scaled: end_step must be a non-negative int, got {end_step!r}")
+        check_number("RenormSchedule.scaled", "end_step", end_step, integer=True, low=0)
         return cls(end_step // 8, rmax, end_step, dmax, (5 * end_step) // 8)
 
     def _fraction(self, step, end: int):
@@ -156,8 +151,9 @@ class RenormSchedule:
         the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
         ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
         base, slope, low, high = _ramp_constants(self, step.device)
-        # not addcmul (it rounds once); clamp, not clamp_: torch.func.vmap has no batching rule for clamp_
-        return torch.mul(step, slope).add_(base).clamp(low, high).unbind()
+        # not addcmul (it rounds once); out of place: vmap has no batching rule for clamp_, and a selective-checkpoint
+        # policy that saves mul would see its cached output mutated
+        return torch.add(torch.mul(step, slope), base).clamp(low, high).unbind()
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
@@ -167,7 +163,7 @@ class RenormSchedule:
         if span == 0:
             return torch.where(s >= end_step, end, start)
         slope = (end - start) / span
-        return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
+        return s.mul(slope).add(start - slope * self.warmup_steps).clamp(start, end)  # out of place: see _ramps
 
 
 _RAMP_CONSTANTS: dict = {}
@@ -199,9 +195,9 @@ def _ramp_constants(schedule: RenormSchedule, device: torch.device) -> tuple[Ten
 
 
 def _check_limits(where: str, rmax, dmax) -> None:
-    if not _is_number(rmax) or math.isnan(rmax) or rmax < 1:
+    if not is_number(rmax) or math.isnan(rmax) or rmax < 1:
         raise ValueError(f"{where}: rmax must be a number >= 1, got {rmax!r}")
-    if not _is_number(dmax) or math.isnan(dmax) or dmax < 0:
+    if not is_number(dmax) or math.isnan(dmax) or dmax < 0:
         raise ValueError(f"{where}: dmax must be a number >= 0, got {dmax!r}")
 
 
@@ -263,14 +259,16 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
           statistics in float32; after ``.half()`` the running statistics stay float32.
 
     Note:
-        Under ``torch.utils.checkpoint`` (reentrant or not, nested, selective, early stop on or off; timm's
-        ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) a recomputation finds the
-        forward it repeats by a fingerprint of its input (tensor ops only) and repeats that step: the gradients
-        are the un-checkpointed ones and the running statistics and ``num_batches_tracked`` advance once per
-        genuine forward; a recomputation that finds no record (more than 32 forwards of the layer between a
-        forward and its backward, nondeterministic values) updates nothing and is reported at ``.eval()``
-        (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over checkpointed models
-        too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
+        Under ``torch.utils.checkpoint`` (reentrant or not, nested, any selective policy, early stop on or off;
+        timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, torch's composable
+        ``checkpoint(module)``, autograd-Function checkpoints) a recomputation repeats the step of the forward at
+        its position in the region it recomputes (whatever the input values, however many forwards come before the
+        backward): the gradients are the un-checkpointed ones and the running statistics and
+        ``num_batches_tracked`` advance once per genuine forward; a recomputation that finds no record (the layer
+        called more often than in the forward, a training forward inside a backward pass) updates nothing and is
+        reported at ``.eval()`` (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over
+        checkpointed models too; a module compiled on its own inside an eager checkpoint runs the layer's step
+        eagerly), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
         be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd), forward-mode AD and on the
         meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
         BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
@@ -327,11 +325,9 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         check_finite: bool = True,
     ) -> None:
         where = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features <= 0:
-            raise ValueError(f"{where}: num_features must be a positive int, got {num_features!r}")
-        if not _is_number(eps) or not (eps > 0 and math.isfinite(eps)):
-            raise ValueError(f"{where}: eps must be a finite number > 0, got {eps!r}")
-        if momentum is not None and (not _is_number(momentum) or not 0 <= momentum <= 1):
+        check_number(where, "num_features", num_features, integer=True, low=1)
+        check_number(where, "eps", eps, low=0, low_open=True)
+        if momentum is not None and (not is_number(momentum) or not 0 <= momentum <= 1):
             raise ValueError(f"{where}: momentum must be in [0, 1] or None, got {momentum!r}")
         explicit = schedule is not None or rmax is not None or dmax is not None
         if schedule is not None:
@@ -434,8 +430,14 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         recomputed steps run this same call. ``torch.fx.symbolic_trace`` of a model that holds the layer records
         one node, ``layer_step(layer, x)``, which runs the step when the graph runs, in the mode and with the
         settings the layer has then (as the ``call_module`` node of a torch BatchNorm); a layer traced on its own
-        is traced through as one ``renorm_forward`` node."""
-        return layer_step(self, input) if fx_node(self, input) else self._forward_step(input)
+        is traced through as one ``renorm_forward`` node. torch.compile tracing a training layer inside an eager
+        activation checkpoint (a module compiled on its own, checkpointed from outside) leaves the step to eager
+        execution, where the checkpoint's recomputation finds its record."""
+        if fx_node(self, input):
+            return layer_step(self, input)
+        if torch.compiler.is_compiling() and self.training and eager_checkpoint_active():
+            return _step_outside_the_graph(self, input)
+        return self._forward_step(input)
 
     def _forward_step(self, input: Tensor) -> Tensor:
         """The training or eval step of :meth:`forward` (what a torch.fx graph's ``layer_step`` node runs)."""
@@ -465,6 +467,19 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
     def extra_repr(self) -> str:
         limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"
         return f"{super().extra_repr()}, {limits}"
+
+
+@torch.compiler.disable(
+    reason="a BatchRenorm compiled inside an eager torch.utils.checkpoint region runs its training step eagerly, "
+    "where the recomputation can repeat it exactly; compile the model that calls checkpoint instead"
+)
+def _step_outside_the_graph(layer: _BatchRenorm, input: Tensor) -> Tensor:
+    """The layer's step run eagerly from a compiled graph: torch.compile traced the layer inside an eager activation
+    checkpoint (a module compiled on its own, wrapped by ``torch.utils.checkpoint``), whose recomputation reruns the
+    compiled graph, where no record can be found: the step's update would run twice and the recomputation would
+    renormalize against the updated statistics. Run eagerly, the step finds its record (``normlab/nn/_recompute.py``).
+    With ``fullgraph=True`` torch.compile refuses, naming this reason."""
+    return layer._forward_step(input)
 
 
 class BatchRenorm1d(_BatchRenorm):

@@ -15,11 +15,10 @@ default; with one iteration it changes nothing.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor, nn
 
+from normlab._checks import check_number
 from normlab.functional import squash
 
 from ._non_finite import FiniteState
@@ -50,8 +49,7 @@ def dynamic_routing(u_hat: Tensor, iterations: int = 3, detach_inner: bool = Fal
         >>> torch.allclose(c.sum(-1), torch.ones(2, 6))
         True
     """
-    if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-        raise ValueError(f"dynamic_routing: iterations must be an integer >= 1, got {iterations!r}")
+    check_number("dynamic_routing", "iterations", iterations, integer=True, low=1)
     if u_hat.dim() != 4:
         raise ValueError(
             f"dynamic_routing: expected u_hat (N, in_caps, out_caps, out_dim) with 4 dims, got {u_hat.dim()}D"
@@ -104,8 +102,7 @@ class PrimaryCapsules(nn.Module):
     ) -> None:
         super().__init__()
         for arg, val in (("in_channels", in_channels), ("num_capsules", num_capsules), ("capsule_dim", capsule_dim)):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"PrimaryCapsules: {arg} must be a positive integer, got {val!r}")
+            check_number("PrimaryCapsules", arg, val, integer=True, low=1)
         self.in_channels = in_channels
         self.num_capsules = num_capsules
         self.capsule_dim = capsule_dim
@@ -173,17 +170,13 @@ class RoutingCapsules(FiniteState, nn.Module):
             ("out_capsules", out_capsules),
             ("out_dim", out_dim),
         ):
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"RoutingCapsules: {arg} must be a positive integer, got {val!r}")
-        if not isinstance(iterations, int) or isinstance(iterations, bool) or iterations < 1:
-            raise ValueError(f"RoutingCapsules: iterations must be an integer >= 1, got {iterations!r}")
+            check_number("RoutingCapsules", arg, val, integer=True, low=1)
+        check_number("RoutingCapsules", "iterations", iterations, integer=True, low=1)
         self.in_capsules, self.in_dim = in_capsules, in_dim
         self.out_capsules, self.out_dim = out_capsules, out_dim
         self.iterations = iterations
         self.detach_inner = detach_inner
-        if isinstance(init_std, bool) or not isinstance(init_std, (int, float)) or not 0 <= init_std < math.inf:
-            raise ValueError(f"RoutingCapsules: init_std must be a finite number >= 0, got {init_std!r}")
-        self.init_std = float(init_std)
+        self.init_std = float(check_number("RoutingCapsules", "init_std", init_std, low=0))
         self.weight = nn.Parameter(torch.empty(in_capsules, out_capsules, out_dim, in_dim))
         self.reset_parameters()
 

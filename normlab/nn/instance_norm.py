@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from normlab import functional as NF
 
+from .._checks import check_number
 from .._dispatch import (
     HALF,
     all_finite,
@@ -134,8 +135,7 @@ class _InstanceNorm(SkippedBatches, Float32StatsModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        check_number(name, "num_features", num_features, integer=True, low=1)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
         if momentum is not None and not 0.0 <= momentum <= 1.0:

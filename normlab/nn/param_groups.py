@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from .._checks import check_number
 from .registry import is_norm_layer
 from .weight_std import PWS_CONV_TYPES
 
@@ -60,8 +61,7 @@ def param_groups(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"param_groups: model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0:
-        raise ValueError(f"param_groups: weight_decay must be a number >= 0, got {weight_decay!r}")
+    check_number("param_groups", "weight_decay", weight_decay, low=0, finite=False)
     if isinstance(no_decay, str):
         no_decay = (no_decay,)
     no_decay = set(no_decay)

@@ -28,6 +28,7 @@ from string import Template
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_number, number_problem
 from .._dispatch import fx_node, layer_step
 from .._functions import switchable_forward
 from ._docs import fill
@@ -110,11 +111,10 @@ class _SwitchableNorm(SkippedBatches, Float32StatsModule):
     ) -> None:
         super().__init__()
         name = type(self).__name__
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
-            raise ValueError(f"{name}: num_features must be a positive integer, got {num_features!r}")
+        check_number(name, "num_features", num_features, integer=True, low=1)
         if not eps > 0:
             raise ValueError(f"{name}: eps must be > 0, got {eps}")
-        if momentum is not None and (isinstance(momentum, bool) or not 0.0 <= momentum <= 1.0):
+        if number_problem(momentum, low=0, high=1, optional=True) is not None:
             raise ValueError(
                 f"{name}: momentum must be in [0, 1] (BatchNorm's convention: the weight of the new value; the "
                 f"official 0.9 of the old value is 0.1) or None (cumulative average), got {momentum!r}"

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from normlab._checks import check_number
 from normlab.functional import pws_weight, standardize_weight
 
 from .._dispatch import forward_ad_active, fx_node, fx_tracing, layer_step, recomputing
@@ -41,9 +42,7 @@ WEIGHT_CACHE_MODES = ("auto", "verified", "identity", "off")
 
 
 def _check_positive(where: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where}: {name} must be a finite number > 0, got {value!r}")
-    return float(value)
+    return float(check_number(where, name, value, low=0, low_open=True))
 
 
 def _check_cache_mode(where: str, mode: str) -> str:

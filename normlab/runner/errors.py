@@ -35,6 +35,9 @@ class FieldError(UsageError):
         self.owner, self.field, self.problem, self.refs, self.sep = owner, field, problem, refs, sep
         super().__init__(f"{owner} {field}{sep}{self._text(lambda f: f)}")
 
+    def __reduce__(self):  # picklable (a worker process or a Ray task raises it; the parent reads it)
+        return type(self), (self.owner, self.field, self.problem, self.refs, self.sep)
+
     def _text(self, name) -> str:
         text = self.problem
         for ref in self.refs:

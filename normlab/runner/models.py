@@ -27,10 +27,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from normlab._checks import number_problem
 from normlab.nn import CONV_KINDS, NORM_NAMES, create_conv, create_norm
 from normlab.runner.errors import UsageError
 
 __all__ = [
+    "MAX_WIDTH",
     "MODELS",
     "MODEL_DIMS",
     "build_model",
@@ -44,6 +46,8 @@ __all__ = [
     "PWSBottleneck",
 ]
 
+#: The widest channel multiplier of the built-in models (the plain net at width 16 has about 2 GB of weights).
+MAX_WIDTH = 16.0
 #: The spatial dimensions of the input each model takes (1 for a sequence, 2 for an image).
 MODEL_DIMS = {"plain": 2, "plain1d": 1, "resnet": 2, "resnet_pws": 2, "cnn1d": 1}
 #: The names :func:`build_model` takes.
@@ -293,8 +297,9 @@ def _check_args(name, norm, conv, in_channels, num_classes, width, kw) -> None:
         raise UsageError(f"build_model({name!r}): unknown norm {norm!r}; valid names: {', '.join(NORM_NAMES)}")
     if conv not in CONV_KINDS:
         raise UsageError(f"build_model({name!r}): unknown conv {conv!r}; valid kinds: {', '.join(CONV_KINDS)}")
-    if isinstance(width, bool) or not (isinstance(width, (int, float)) and 0 < width <= 64 and math.isfinite(width)):
-        raise UsageError(f"build_model({name!r}): width must be a number in (0, 64], got {width!r}")
+    expected = number_problem(width, low=0, high=MAX_WIDTH, low_open=True)
+    if expected is not None:
+        raise UsageError(f"build_model({name!r}): width must be {expected}, got {width!r}")
     if int(in_channels) < 1 or int(num_classes) < 1:
         raise UsageError(f"build_model({name!r}): in_channels and num_classes must be >= 1")
     unknown = set(kw) - _MODEL_KWARGS.get(name, set())
@@ -332,7 +337,7 @@ def build_model(
             takes norm ``none`` or ``ln``).
         in_channels, num_classes: input channels and classes.
         input_shape: per-sample shape (C, H, W) / (C, L), or only its spatial part.
-        width: channel multiplier in (0, 64].
+        width: channel multiplier in (0, :data:`MAX_WIDTH`].
         norm_kwargs, conv_kwargs: extra constructor arguments for every norm / conv of the chosen kinds (e.g.
             ``{"schedule": RenormSchedule(...)}`` for brn, ``{"gamma": 1e-2}`` for pws).
         **kw: ``blocks`` (resnet, resnet_pws; default 6), ``channels`` (cnn1d; default 25).

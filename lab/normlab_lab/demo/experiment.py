@@ -1,4 +1,4 @@
-"""``normlab-lab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about five minutes on 2 cores.
+"""``normlab-lab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about 4.5 minutes on 2 cores.
 
 Four sections, each a grid under ``<out>/<section>/`` (the training runs of all sections share one process pool):
 
@@ -32,7 +32,7 @@ from typing import Any
 from normlab.runner.bench import step_times
 from normlab.runner.data.datasets import get_dataset
 from normlab.runner.data.mnist1d import load_mnist1d
-from normlab.runner.experiments.compare import COMPARE
+from normlab.runner.experiments.compare import COMPARE, comparison
 from normlab.runner.grid.estimate import step_seconds
 from normlab.runner.grid.execute import GridRun, default_workers, plan_grid, run_cells
 from normlab.runner.grid.spec import GridSpec, expand_grid
@@ -139,37 +139,36 @@ def _schedule(p: DemoProtocol, epochs: int) -> dict[str, Any]:
 
 def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
     """The grids of sections (a), (c), (c)'s two kinds of guarded twins and (b), all on MNIST-1D with the plain net
-    in 1-D."""
+    in 1-D: comparisons as a user asks normlab for one (:func:`normlab.runner.experiments.compare.comparison`), with
+    the demo's protocol. No run stops before its last step but on a non-finite loss (``stop_on="non_finite"``): the
+    claims read what a collapsing run does afterwards (a return to chance, a recovery)."""
     data = {"num_samples": p.num_samples}
-    dense = {"monitor_every": p.monitor_every, "monitor_dense_steps": p.collapse_steps} if p.collapse_epochs > 1 else {}
-    lr_sweep = GridSpec(
+    dense = {"monitor_dense_steps": p.collapse_steps} if p.collapse_epochs > 1 else {}
+    net = {"model": "plain1d", "data": "mnist1d", "seeds": p.seeds, "stop_on": "non_finite", "batch_sizes": (128,)}
+    lr_sweep = comparison(
+        **net,
         norms=p.lr_norms,
         lrs=p.lrs,
-        batch_sizes=(128,),
-        seeds=p.seeds,
         epochs=p.lr_epochs,
-        dataset="mnist1d",
-        model="plain1d",
         width=p.lr_width,
         max_steps_per_epoch=p.lr_steps or None,
-        train_kwargs={
-            **data,
-            "evals_per_epoch": p.lr_evals,
-            "monitor_every": p.monitor_every,
-            **_schedule(p, p.lr_epochs),
-        },
+        monitor_every=p.monitor_every,
+        evals_per_epoch=p.lr_evals,
+        **data,
+        **_schedule(p, p.lr_epochs),
     )
-    collapse = GridSpec(
+    collapse = comparison(
+        **net,
         norms=p.collapse_norms,
         lrs=(p.collapse_lr,),
-        batch_sizes=(128,),
-        seeds=p.seeds,
         epochs=p.collapse_epochs,
-        dataset="mnist1d",
-        model="plain1d",
         width=p.collapse_width,
         max_steps_per_epoch=None if dense else p.collapse_steps,
-        train_kwargs={**data, "evals_per_epoch": 1, "monitor_every": 1, **dense, **_schedule(p, p.collapse_epochs)},
+        monitor_every=p.monitor_every if dense else 1,
+        evals_per_epoch=1,
+        **data,
+        **dense,
+        **_schedule(p, p.collapse_epochs),
     )
     guard = dataclasses.replace(
         collapse,
@@ -178,26 +177,21 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
         train_kwargs={**collapse.train_kwargs, "guard": True},
     )
     guard_dead = dataclasses.replace(guard, train_kwargs={**guard.train_kwargs, "guard_dead": True})
-    batch = GridSpec(
+    batch = comparison(
+        **{**net, "batch_sizes": p.batch_sizes},
         norms=p.batch_norms,
         lrs=(p.base_lr,),
-        batch_sizes=p.batch_sizes,
-        seeds=p.seeds,
         epochs=p.batch_epochs,
-        dataset="mnist1d",
-        model="plain1d",
         width=p.batch_width,
         layout="cross",
         lr_scaling=p.batch_lr_scaling,
         max_steps_per_epoch=p.batch_max_steps or None,
-        train_kwargs={
-            **data,
-            **({"num_train": p.batch_num_train} if p.batch_num_train else {}),
-            "eval_train_mode": True,
-            "evals_per_epoch": p.batch_evals,
-            "monitor_every": p.batch_monitor_every,
-            **_schedule(p, p.batch_epochs),
-        },
+        monitor_every=p.batch_monitor_every,
+        eval_train_mode=True,
+        evals_per_epoch=p.batch_evals,
+        **data,
+        **({"num_train": p.batch_num_train} if p.batch_num_train else {}),
+        **_schedule(p, p.batch_epochs),
     )
     return {"lr_sweep": lr_sweep, "collapse": collapse, "guard": guard, "guard_dead": guard_dead, "batch_size": batch}
 
@@ -232,17 +226,19 @@ def after_runs_seconds(p: DemoProtocol) -> float:
     2 warm-up steps and ``cost_repeats x cost_iters``) and the evidence and report (:data:`REPORT_S`, measured once:
     lab/docs/estimate_calibration.md)."""
     norms = tuple(dict.fromkeys(n.split(":")[0] for n in p.lr_norms))
-    spec = GridSpec(
+    spec = comparison(
+        "plain1d",
+        "mnist1d",
         norms=norms,
         lrs=(0.1,),
         batch_sizes=p.cost_batch_sizes,
         seeds=(p.seeds[0],),
         epochs=1,
-        dataset="mnist1d",
-        model="plain1d",
         width=p.lr_width,
         layout="cross",
-        train_kwargs={"num_samples": p.num_samples},
+        monitor_every=0,
+        stop_on="non_finite",
+        num_samples=p.num_samples,
     )
     steps = 2 + p.cost_repeats * p.cost_iters
     return REPORT_S + sum(steps * step_seconds(c.config) for c in expand_grid(spec))

@@ -11,22 +11,18 @@ import statistics
 from collections import deque
 from collections.abc import Mapping, Sequence
 
+from normlab._checks import check_number
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
 __all__ = ["LossSpikeRule", "GradNormZScoreRule", "NonFiniteRule"]
 
 
 def _positive(owner: str, name: str, value, low: float = 0.0) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and low < value < math.inf
-    if not ok:
-        raise ValueError(f"{owner}: {name} must be a finite number > {low:g}, got {value!r}")
-    return float(value)
+    return float(check_number(owner, name, value, low=low, low_open=True))
 
 
 def _count(owner: str, name: str, value, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{owner}: {name} must be an int >= {low}, got {value!r}")
-    return value
+    return check_number(owner, name, value, integer=True, low=low)
 
 
 class LossSpikeRule(Rule):
@@ -158,9 +154,9 @@ class GradNormZScoreRule(Rule):
 
     def __init__(self, z_threshold: float = 2.5, alpha: float = 0.97, warmup: int = 25, patience: int = 1) -> None:
         self.z_threshold = _positive("GradNormZScoreRule", "z_threshold", z_threshold)
-        if not (isinstance(alpha, int | float) and not isinstance(alpha, bool) and 0 < alpha < 1):
-            raise ValueError(f"GradNormZScoreRule: alpha must be a number in (0, 1), got {alpha!r}")
-        self.alpha = float(alpha)
+        self.alpha = float(
+            check_number("GradNormZScoreRule", "alpha", alpha, low=0, high=1, low_open=True, high_open=True)
+        )
         self.warmup = _count("GradNormZScoreRule", "warmup", warmup, 2)
         self.patience = _count("GradNormZScoreRule", "patience", patience)
         self.reset()

@@ -36,6 +36,7 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 
+from normlab._checks import check_number, is_number
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
 __all__ = ["RegimeRule", "exempt_layers", "layer_learning_rates", "suggested_lr"]
@@ -78,7 +79,7 @@ def suggested_lr(lr: float, shift_term: float, variance_term: float, input_mean_
         True
     """
     values = (lr, shift_term, variance_term, input_mean_sq, first_shift)
-    if not all(isinstance(v, int | float) and math.isfinite(v) for v in values):
+    if not all(is_number(v, finite=True) for v in values):
         return None
     initial = input_mean_sq * first_shift
     if variance_term <= initial or shift_term <= initial:
@@ -157,14 +158,9 @@ class RegimeRule(Rule):
     needs_loss = False
 
     def __init__(self, window: int = 2, min_ratio: float = 10.0, pws_factor: float | None = None) -> None:
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"RegimeRule: window must be an int >= 1, got {window!r}")
-        if isinstance(min_ratio, bool) or not isinstance(min_ratio, int | float) or not 1 <= min_ratio < math.inf:
-            raise ValueError(f"RegimeRule: min_ratio must be a finite number >= 1, got {min_ratio!r}")
-        if pws_factor is not None and (
-            isinstance(pws_factor, bool) or not isinstance(pws_factor, int | float) or not 1 < pws_factor < math.inf
-        ):
-            raise ValueError(f"RegimeRule: pws_factor must be None or a finite number > 1, got {pws_factor!r}")
+        check_number("RegimeRule", "window", window, integer=True, low=1)
+        check_number("RegimeRule", "min_ratio", min_ratio, low=1)
+        check_number("RegimeRule", "pws_factor", pws_factor, low=1, low_open=True, optional=True)
         self.window = window
         self.min_ratio = float(min_ratio)
         self.pws_factor = None if pws_factor is None else float(pws_factor)

@@ -29,6 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
+from normlab._checks import check_number
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
 __all__ = [
@@ -77,8 +78,7 @@ class ProbeGrowthRule(Rule):
         if not factor > 1.0 or not floor >= 0.0:
             raise ValueError(f"{type(self).__name__}: need factor > 1 and floor >= 0, got {factor}, {floor}")
         for arg, value in (("warmup", warmup), ("patience", patience)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{type(self).__name__}: {arg} must be an int >= 1, got {value!r}")
+            check_number(type(self).__name__, arg, value, integer=True, low=1)
         self.factor, self.floor, self.warmup, self.patience = factor, floor, warmup, patience
         self.reset()
 

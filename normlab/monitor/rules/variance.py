@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from normlab._checks import check_number
 from normlab.monitor.records import layer_keys
 from normlab.monitor.rules.base import Event, Rule, StepContext
 
@@ -25,9 +26,7 @@ ADAPTIVE_CONFIRM = 3
 
 
 def _steps(rule: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{rule}: adaptive_steps must be an int >= 0, got {value!r}")
-    return value
+    return check_number(rule, "adaptive_steps", value, integer=True, low=0)
 
 
 def renormalized_alone(records: Sequence[Mapping], rtol: float = 1e-4) -> set[str]:
@@ -90,10 +89,7 @@ def _factors(name: str, factors, quantities: Sequence[str], low: float, default:
     """{quantity: factor} from a number or a mapping, each a finite number > ``low`` (>= for a floor of 0)."""
     per = dict(factors) if isinstance(factors, Mapping) else {q: factors for q in quantities}
     for q, f in per.items():
-        ok = isinstance(f, int | float) and not isinstance(f, bool) and math.isfinite(f)
-        if not ok or not (f > low if low > 0 else f >= low):
-            bound = f"> {low:g}" if low > 0 else f">= {low:g}"
-            raise ValueError(f"FactorRule: {name} for {q!r} must be a finite number {bound}, got {f!r}")
+        check_number("FactorRule", f"{name} for {q!r}", f, low=low, low_open=low > 0)
     return {q: float(per.get(q, default)) for q in quantities} if quantities else {q: float(f) for q, f in per.items()}
 
 
@@ -172,8 +168,7 @@ class FactorRule(Rule):
         self.implode_factor = _factors("implode_factor", implode_factor or {}, (), 1.0, 1.0)
         self.checked = self.watch + tuple(q for q in self.implode_factor if q not in self.watch)
         self.min_initial = _factors("min_initial", min_initial, self.checked, 0.0, 1e-6)
-        if isinstance(baseline_records, bool) or not isinstance(baseline_records, int) or baseline_records < 1:
-            raise ValueError(f"FactorRule: baseline_records must be an int >= 1, got {baseline_records!r}")
+        check_number("FactorRule", "baseline_records", baseline_records, integer=True, low=1)
         self.baseline_records = baseline_records
         self.watch_output_layer = bool(watch_output_layer)
         self.watch_renormalized = bool(watch_renormalized)
@@ -361,13 +356,9 @@ class CountdownRule(Rule):
         adaptive_confirm: int = ADAPTIVE_CONFIRM,
     ) -> None:
         for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int | float) or not low < value < math.inf
-            ):
-                raise ValueError(f"CountdownRule: {name} must be None or a finite number > {low:g}, got {value!r}")
+            check_number("CountdownRule", name, value, low=low, low_open=True, optional=True)
         for name, value, low in (("span", span, 1), ("history", history, 5), ("adaptive_confirm", adaptive_confirm, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"CountdownRule: {name} must be an int >= {low}, got {value!r}")
+            check_number("CountdownRule", name, value, integer=True, low=low)
         self.growth, self.level, self.grad_ratio = growth, level, grad_ratio
         self.span, self.history = span, history
         self.every_step = bool(every_step)

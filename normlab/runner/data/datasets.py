@@ -25,17 +25,30 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from normlab._checks import number_problem
 from normlab.runner.errors import FieldError, UsageError
 
 from . import cifar10, mnist1d
 
-__all__ = ["DATASETS", "DATASET_CLASSES", "DATASET_DIMS", "ArrayDataset", "flip_crop", "get_dataset"]
+__all__ = [
+    "DATASETS",
+    "DATASET_CLASSES",
+    "DATASET_DIMS",
+    "DATASET_SIZES",
+    "INPUT_SHAPES",
+    "ArrayDataset",
+    "flip_crop",
+    "get_dataset",
+]
 
 #: The number of classes of each data set.
 DATASET_CLASSES = {"digits": 10, "mnist1d": 10, "cifar10": 10}
 #: The spatial dimensions of a sample of each data set (1 for a sequence, 2 for an image).
 DATASET_DIMS = {"digits": 2, "mnist1d": 1, "cifar10": 2}
-INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}  # one sample, channels first
+#: The shape of one sample of each data set, channels first.
+INPUT_SHAPES = {"digits": (1, 16, 16), "mnist1d": (1, 40), "cifar10": (3, 32, 32)}
+#: The training and test sizes of the data sets whose size is fixed (mnist1d has ``num_samples``, split 80/20).
+DATASET_SIZES = {"digits": (1437, 360), "cifar10": (50_000, 10_000)}
 #: The names :func:`get_dataset` takes.
 DATASETS = tuple(DATASET_CLASSES)
 
@@ -172,11 +185,10 @@ def get_dataset(
     else:
         train_ds, test_ds, desc = _cifar10(data_dir, download)
     if num_train is not None:
-        if isinstance(num_train, bool) or not isinstance(num_train, int) or not 1 <= num_train <= len(train_ds):
+        expected = number_problem(num_train, integer=True, low=1, high=len(train_ds))
+        if expected is not None:
             raise FieldError(
-                "get_dataset",
-                "num_train",
-                f"expected an integer in [1, {len(train_ds)}] (the {name} training set), got {num_train!r}",
+                "get_dataset", "num_train", f"expected {expected} (the {name} training set), got {num_train!r}"
             )
         train_ds = ArrayDataset(
             train_ds.x[:num_train], train_ds.y[:num_train], train_ds.mean, train_ds.std, train_ds.augment

@@ -8,10 +8,12 @@ The estimate is ``sum over cells of the cell's seconds / workers``, a cell's sec
 
 The steps of a cell are its epochs times its steps per epoch (capped by ``max_steps_per_epoch``), its evaluations
 ``evals_per_epoch`` per epoch, its recorded steps those of its monitor's schedule. The seconds are timed here with
-one torch thread (what a pool worker uses), each once per what it depends on: the median of a few SGD steps on
-random input, of the train-mode pass (``eval_train_mode``) and of a few steps with a
+one torch thread (what a pool worker uses), each once per what it depends on, on the cell's own model and data
+(:func:`~normlab.runner.training.setup.load_data` and :func:`~normlab.runner.training.setup.build_model`, so a
+model or data set from a factory is timed like a built-in one): the median of a few SGD steps on a batch of
+training samples, of the train-mode pass (``eval_train_mode``) and of a few steps with a
 :class:`~normlab.monitor.VarianceMonitor` recording, less the plain step, once per model (norm, conv, width, data
-set) and batch size; the eval-mode pass over a test set of the run's size once per model. :data:`RUN_OVERHEAD_S`
+set) and batch size; the eval-mode pass over the test set once per model. :data:`RUN_OVERHEAD_S`
 (starting a run, building its data and model, writing its files) is a constant (how it was measured: the
 documentation's page on the defaults).
 """
@@ -26,10 +28,13 @@ import torch
 
 from normlab.monitor import VarianceMonitor
 from normlab.monitor.options import RecordSchedule
-from normlab.runner.data.datasets import DATASET_CLASSES, INPUT_SHAPES
+from normlab.runner.data.datasets import DATASET_SIZES
+from normlab.runner.data.mnist1d import DEFAULT_SAMPLES, TRAIN_SPLIT
 from normlab.runner.grid.spec import Cell
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import TRAIN_MODE_SAMPLES
+from normlab.runner.training.setup import build_model, load_data, norm_kwargs, steps_per_epoch
+from normlab.runner.training.task import make_task
 
 __all__ = [
     "CONFIRM_MINUTES",
@@ -50,20 +55,28 @@ __all__ = [
 
 #: A grid estimated longer than this many minutes starts only with ``--yes``.
 CONFIRM_MINUTES = 15.0
-TRAIN_SIZES = {"digits": 1437, "cifar10": 50_000}  # training-set sizes; mnist1d: 80 % of num_samples
-TEST_SIZES = {"digits": 360, "cifar10": 10_000}  # test-set sizes; mnist1d: 20 % of num_samples
 #: Seconds of a run besides its steps, evaluations and monitor (starting it, building its data and model, writing its
 #: files).
 RUN_OVERHEAD_S = 0.15
 
 
+def _sizes(cfg: TrainConfig) -> tuple[int, int]:
+    """(training, test) samples of a cell's data: a built-in set's known sizes (mnist1d: split from its samples),
+    else the loaded data's."""
+    if cfg.dataset == "mnist1d":
+        n = cfg.num_samples or DEFAULT_SAMPLES
+        train, test = int(TRAIN_SPLIT * n), n - int(TRAIN_SPLIT * n)
+    elif cfg.dataset in DATASET_SIZES:
+        train, test = DATASET_SIZES[cfg.dataset]
+    else:
+        train_ds, test_ds, _ = load_data(cfg)
+        train, test = len(train_ds), len(test_ds)
+    return min(train, cfg.num_train or train), test
+
+
 def cell_steps(cfg: TrainConfig) -> int:
     """Optimizer steps of one run: epochs x steps per epoch (``max_steps_per_epoch`` caps the latter)."""
-    n = cfg.num_train or TRAIN_SIZES.get(cfg.dataset, int(0.8 * (cfg.num_samples or 25_000)))
-    per_epoch = max(1, n // cfg.batch_size)
-    if cfg.max_steps_per_epoch:
-        per_epoch = min(per_epoch, cfg.max_steps_per_epoch)
-    return per_epoch * cfg.epochs
+    return max(1, steps_per_epoch(cfg, _sizes(cfg)[0])) * cfg.epochs
 
 
 def cell_evals(cfg: TrainConfig) -> int:
@@ -95,22 +108,28 @@ def _timed(fn, repeats: int) -> float:
         torch.set_num_threads(threads)
 
 
-def _batch(cfg: TrainConfig, n: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(n, *INPUT_SHAPES[cfg.dataset], device=dev)
-    return x, torch.randint(0, DATASET_CLASSES[cfg.dataset], (n,), device=dev)
+def _model_and_batch(cfg: TrainConfig, n: int, train: bool = True):
+    """``cfg``'s model (its run's norm layers and seed) on its device, and ``n`` samples of its data there (the
+    training set's first, repeated if it has fewer; the test set's with ``train=False``)."""
+    dev = resolve_device(cfg.device)
+    train_ds, test_ds, info = load_data(cfg)
+    ds = train_ds if train else test_ds
+    x, y = ds.batch(torch.arange(n) % len(ds))
+    model = build_model(cfg, info, x[:2], norm_kwargs(cfg, steps_per_epoch(cfg, len(train_ds))))
+    return model.to(dev), x.to(dev), y.to(dev), dev
 
 
 def _sgd_step(cfg: TrainConfig, monitored: bool):
-    """A function taking one SGD step of ``cfg``'s model on random input (``monitored``: a monitor records it)."""
-    dev = resolve_device(cfg.device)
-    model = cfg.make_model().to(dev)
+    """A function taking one SGD step of ``cfg``'s model on a batch of its data (``monitored``: a monitor records
+    it)."""
+    model, x, y, dev = _model_and_batch(cfg, cfg.batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # as the trainer
     monitor = VarianceMonitor(model, every=1, optimizer=opt) if monitored else None
-    x, y = _batch(cfg, cfg.batch_size, dev)
+    loss_fn = make_task(cfg.loss, cfg.metric).loss_fn
 
     def step() -> None:
         opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss = loss_fn(model(x), y)
         loss.backward()
         if monitor is not None:
             monitor.observe_loss(loss)
@@ -145,10 +164,9 @@ def eval_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
 
 
 def _forward(cfg: TrainConfig, n: int, train: bool):
-    """A function running ``cfg``'s model forward on ``n`` random samples without gradient (``train``: train mode)."""
-    dev = resolve_device(cfg.device)
-    model = cfg.make_model().to(dev).train(train)
-    x, _ = _batch(cfg, n, dev)
+    """A function running ``cfg``'s model forward on ``n`` test samples without gradient (``train``: train mode)."""
+    model, x, _, dev = _model_and_batch(cfg, n, train=False)
+    model.train(train)
 
     @torch.no_grad()
     def run() -> None:
@@ -160,12 +178,12 @@ def _forward(cfg: TrainConfig, n: int, train: bool):
 
 
 def _test_size(cfg: TrainConfig) -> int:
-    return TEST_SIZES.get(cfg.dataset, int(0.2 * (cfg.num_samples or 25_000)))
+    return _sizes(cfg)[1]
 
 
 def eval_mode_seconds(cfg: TrainConfig, repeats: int = 1) -> float:
     """Seconds of the eval-mode pass over a test set of the run's size (batches of 512; one full batch and the
-    remainder timed, median of random input, and counted). It does not depend on the training batch size."""
+    remainder timed, median, and counted). It does not depend on the training batch size."""
     full, rest = divmod(_test_size(cfg), 512)
     total = full * _timed(_forward(cfg, 512, False), repeats) if full else 0.0
     return total + (_timed(_forward(cfg, rest, False), repeats) if rest else 0.0)

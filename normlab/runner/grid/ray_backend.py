@@ -4,8 +4,10 @@
 Ray task that declares its resources (``num_cpus`` = its torch threads, ``num_gpus`` = 1 on a CUDA device) and calls
 its experiment's training function into ``OUT/runs/<cell id>``: the files of the process backend, in the same
 place, so a grid half-run by one backend is finished by the other. Without an address normlab starts a local Ray
-in this process (and stops it at the end); with one it joins that cluster (``ray start --head`` prints it). A Ray
-session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
+in this process (and stops it at the end), whose workers import from this process's import path (so a model or
+data factory ``pkg.module:function`` found here is found there); with an address it joins that cluster (``ray start
+--head`` prints it), whose nodes must import the factories themselves (an installed package, or Ray's
+``runtime_env``). A Ray session this process already holds (``ray.init`` in a notebook or a test) is used as it is.
 
 **Outputs: a shared filesystem.** Cells write their files from the node that runs them, the driver writes
 ``results.json``. A cluster of several machines therefore needs ``--out`` on a filesystem that every node mounts
@@ -83,6 +85,8 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
             "include_dashboard": False,
             "object_store_memory": _OBJECT_STORE,
             "_node_ip_address": "127.0.0.1",
+            # its workers import what this process imports (a model or data factory of the current directory)
+            "runtime_env": {"env_vars": {"PYTHONPATH": _import_path()}},
         }
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
@@ -95,6 +99,12 @@ def ray_session(address: str | None = None, num_cpus: int | None = None) -> Iter
         yield ray
     finally:
         ray.shutdown()
+
+
+def _import_path() -> str:
+    """This process's import path (``sys.path``, the current directory for ``""``) as a ``PYTHONPATH``."""
+    dirs = [os.getcwd() if not p else p for p in sys.path]
+    return os.pathsep.join(dict.fromkeys(p for p in dirs if os.path.isdir(p)))
 
 
 def check_address(address: str) -> None:

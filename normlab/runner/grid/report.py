@@ -1,9 +1,12 @@
-"""Render a grid's ``results.json`` as a markdown report and PNG plots.
+"""Render a comparison's ``results.json`` as a markdown report (``results.md``) and PNG plots.
 
-Everything is computed from the results dict (:mod:`normlab.runner.grid.results`), so ``normlab report DIR`` re-renders
-the same report without training. The report is the grid's table (mean ± std over seeds per norm, learning rate and
-batch size) and its plots; a caller that judges claims from the numbers passes them as :class:`Effects`, shown
-above the table.
+The report opens with one row per normalization (:func:`~normlab.runner.grid.results.per_norm`): the highest
+learning rate that trained, the setting of the lowest test loss with its loss and metric, the cost of a step, how
+many runs collapsed or stopped early, and the monitor's view (its alarms and the layer they named, the regime
+warning); then every (norm, lr, batch size) over seeds; then the plots (:mod:`normlab.runner.grid.plots`). A caller
+that judges claims from the numbers (the lab's paper verdicts) passes them as :class:`Effects`, shown after the
+per-norm table. Everything is computed from the results dict and the runs' files, so ``normlab report DIR``
+renders the same report without training.
 """
 
 from __future__ import annotations
@@ -14,25 +17,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from normlab.runner.grid.palette import norm_color, norm_order
-from normlab.runner.grid.results import chance_level
-from normlab.runner.io import atomic_savefig, atomic_write_text
+from normlab.runner.grid.plots import agg_pyplot, loss_curves_plot, metric_batch_plot, metric_lr_plot, seed_range_bar
+from normlab.runner.grid.results import chance_accuracy, metric_name
+from normlab.runner.io import atomic_write_text
 
 __all__ = [
     "Effects",
     "lr_used",
+    "norm_table",
     "markdown_table",
-    "status_lines",
     "markdown_report",
-    "agg_pyplot",
-    "plot_sweep",
-    "plot_curves",
-    "seed_range_bar",
+    "status_lines",
     "render_plots",
     "write_report",
     "render_report",
     "summary_lines",
     "print_summary",
+    "agg_pyplot",
+    "seed_range_bar",
 ]
 
 
@@ -58,17 +60,27 @@ class Effects:
     title: str = "Headline effects (computed from the table below)"
 
 
-# --------------------------------------------------------------------------------------------------
-# Markdown
-# --------------------------------------------------------------------------------------------------
+def _effect_mark(e: dict[str, Any], marks: dict) -> str:
+    return marks["tie"] if e.get("mark") == "tie" else marks[e["appeared"]]
 
 
-def _pm(m: float | None, s: float | None, n: int, scale: float = 100.0, fmt: str = ".1f") -> str:
+def _is_accuracy(results: dict[str, Any]) -> bool:
+    return (results.get("metric") or "accuracy") == "accuracy"
+
+
+def _value(results: dict[str, Any], m: float | None, s: float | None = None, n: int = 1) -> str:
+    """A metric value as the report writes it: accuracy in percent with one decimal, others with 4 digits."""
     if m is None:
         return "n/a"
+    acc = _is_accuracy(results)
+    text = f"{100 * m:.1f}" if acc else f"{m:.4g}"
     if n > 1 and s is not None:
-        return f"{scale * m:{fmt}} ± {scale * s:{fmt}}"
-    return f"{scale * m:{fmt}}"
+        text += f" ± {100 * s:.1f}" if acc else f" ± {s:.2g}"
+    return text
+
+
+def _metric_header(results: dict[str, Any], prefix: str) -> str:
+    return f"{prefix} acc %" if _is_accuracy(results) else f"{prefix} {metric_name(results)}"
 
 
 def lr_used(results: dict[str, Any], lr: float, bs: int) -> float:
@@ -88,52 +100,94 @@ def _lr_text(results: dict[str, Any], lr: float, bs: int) -> str:
     return f"{used:g}" if used == float(lr) else f"{used:g} (base {lr:g})"
 
 
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _monitor_text(n: dict[str, Any]) -> tuple[str, str]:
+    """The alarm and regime-warning cells of a norm's row."""
+    if not n["monitored"]:
+        return "not monitored", "-"
+    alarms = f"{n['alarms']}/{n['runs']}"
+    if n["alarm_layers"]:
+        alarms += " (" + ", ".join(f"`{layer}` {k}" for layer, k in n["alarm_layers"][:2]) + ")"
+    regime = f"{n['regime_warnings']}/{n['runs']}"
+    if n["regime"]:
+        regime += f": {n['regime'].get('case') or ''} at `{n['regime'].get('layer')}`".rstrip()
+    return alarms, regime
+
+
+def norm_table(results: dict[str, Any]) -> str:
+    """One row per normalization (the module docstring)."""
+    head = [
+        "norm",
+        "highest lr that trained",
+        "lowest test loss at (lr, batch)",
+        "test loss",
+        _metric_header(results, "test"),
+        "step ms",
+        "collapsed",
+        "stopped early",
+        "monitor alarms (layer)",
+        "regime warnings",
+    ]
+    rows = [_row(head), "|" + "---|" * len(head)]
+    for n in results.get("norms") or []:
+        tried = len(n["lrs_at_base"])
+        highest = "none" if n["highest_lr_trained"] is None else f"{n['highest_lr_trained']:g}"
+        best = n["best"]
+        where = "-" if best is None else f"{_lr_text(results, best['lr'], best['batch_size'])}, {best['batch_size']}"
+        loss = "n/a" if n["best_test_loss"] is None else f"{n['best_test_loss']:.4g}"
+        seeds = best["n_seeds"] if best else 1
+        step = f"{1000 * n['step_time_s']:.1f}" if n["step_time_s"] else "n/a"
+        alarms, regime = _monitor_text(n)
+        rows.append(
+            _row(
+                [
+                    n["name"],
+                    f"{highest} (of {tried})",
+                    where,
+                    loss,
+                    _value(results, n["best_metric_mean"], n["best_metric_std"], seeds),
+                    step,
+                    f"{n['collapsed']}/{n['runs']}",
+                    f"{n['stopped_early']}/{n['runs']}",
+                    alarms,
+                    regime,
+                ]
+            )
+        )
+    return "\n".join(rows)
+
+
 def markdown_table(results: dict[str, Any]) -> str:
-    """One row per (norm, lr, batch size): accuracies as mean ± std over seeds (percent)."""
+    """One row per (norm, lr, batch size): the metric as mean ± std over seeds, the test loss, collapses."""
     spec = results["spec"]
     order = {n: i for i, n in enumerate(spec["norms"])}
     target = spec.get("target_acc")
-    tgt = f"epochs to {100 * target:.0f} %" if target else "epochs to target"
-    head = [
-        "norm",
-        "lr used",
-        "batch",
-        "seeds",
-        "final test acc %",
-        "best test acc %",
-        "collapsed",
-        tgt,
-        "step time ms",
-    ]
-    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    tgt = f"epochs to {_value(results, target)}" if target else "epochs to target"
+    head = ["norm", "lr used", "batch", "seeds", _metric_header(results, "final test")]
+    head += [_metric_header(results, "best test"), "test loss", "collapsed", tgt, "step time ms"]
+    rows = [_row(head), "|" + "---|" * len(head)]
     groups = sorted(results["groups"], key=lambda g: (order.get(g["name"], 99), g["batch_size"], g["lr"]))
     for g in groups:
         n = g["n_seeds"]
-        coll = f"{'yes' if g['collapsed_count'] else 'no'} ({g['collapsed_count']}/{n})"
         if not target:
             ett = "-"
         elif g["target_reached"]:
             ett = f"{g['epochs_to_target_mean']:.1f} ({g['target_reached']}/{n})"
         else:
             ett = f"not reached (0/{n})"
-        step = f"{1000 * g['step_time_s']:.1f}" if g["step_time_s"] else "n/a"
-        rows.append(
-            "| "
-            + " | ".join(
-                [
-                    g["name"],
-                    _lr_text(results, g["lr"], g["batch_size"]),
-                    str(g["batch_size"]),
-                    str(n),
-                    _pm(g["final_mean"], g["final_std"], n),
-                    _pm(g["best_mean"], g["best_std"], n),
-                    coll,
-                    ett,
-                    step,
-                ]
-            )
-            + " |"
-        )
+        loss = g.get("test_loss_mean")
+        cells = [g["name"], _lr_text(results, g["lr"], g["batch_size"]), str(g["batch_size"]), str(n)]
+        cells += [
+            _value(results, g["final_mean"], g["final_std"], n),
+            _value(results, g["best_mean"], g["best_std"], n),
+        ]
+        cells += ["n/a" if loss is None else f"{loss:.4g}"]
+        cells += [f"{'yes' if g['collapsed_count'] else 'no'} ({g['collapsed_count']}/{n})", ett]
+        cells += [f"{1000 * g['step_time_s']:.1f}" if g["step_time_s"] else "n/a"]
+        rows.append(_row(cells))
     return "\n".join(rows)
 
 
@@ -155,34 +209,46 @@ def status_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown_report(results: dict[str, Any], plots: Sequence[str] = (), effects: Effects | None = None) -> str:
-    """The report's markdown: the grid's settings, ``effects`` judged (if any), the table and the ``plots`` (file
-    names beside results.md)."""
+def _setting(results: dict[str, Any]) -> str:
     spec = results["spec"]
-    chance = chance_level(results)
+    width = f" (width {spec['width']:g})" if spec.get("width", 1.0) != 1.0 else ""
+    chance = chance_accuracy(results)
+    return (
+        f"Model `{spec['model']}`{width} on data `{spec['dataset']}`, loss `{results.get('loss', 'cross_entropy')}`, "
+        f"metric `{results.get('metric') or 'accuracy'}`; {spec['epochs']} epochs, seeds "
+        f"{', '.join(str(s) for s in spec['seeds'])}, layout `{spec['layout']}` (base lr {spec['base_lr']:g}, base "
+        f"batch size {spec['base_batch_size']}, lr scaling `{spec.get('lr_scaling', 'none')}`)"
+        + (f", at most {spec['max_steps_per_epoch']} steps per epoch" if spec.get("max_steps_per_epoch") else "")
+        + (f"; chance level {100 * chance:.0f} %." if chance else ".")
+    )
+
+
+def markdown_report(results: dict[str, Any], plots: Sequence[str] = (), effects: Effects | None = None) -> str:
+    """The report's markdown (the module docstring): the settings, the per-norm table, ``effects`` judged (if any),
+    every setting, the ``plots`` (file names beside results.md)."""
     lines = [
         "# normlab comparison report",
         "",
-        f"Dataset `{spec['dataset']}`, model `{spec['model']}` (width {spec['width']:g}), {spec['epochs']} epochs, "
-        f"seeds {', '.join(str(s) for s in spec['seeds'])}, layout `{spec['layout']}` "
-        f"(base lr {spec['base_lr']:g}, base batch size {spec['base_batch_size']}, "
-        f"lr scaling `{spec.get('lr_scaling', 'none')}`)"
-        + (f", at most {spec['max_steps_per_epoch']} steps per epoch" if spec.get("max_steps_per_epoch") else "")
-        + (f"; chance level {100 * chance:.0f} %." if chance else "."),
-        "Accuracies are percent, mean ± sample std over seeds. A run *collapsed* if its loss became non-finite.",
+        _setting(results),
+        "A run *collapsed* if its loss became non-finite, returned to chance (or to where it started) or never left "
+        "it (normlab/monitor/collapse.py); *stopped early*: the run stopped there (a non-finite loss, or with "
+        "`stop_on` confirmed, the monitor's alarm confirmed by a collapse). The *highest lr that trained* is the "
+        "highest learning rate at the base batch size at which every seed trained: none collapsed and each one's "
+        "loss went below 0.8 x its reference (chance, else where it started).",
         *status_lines(results),
+        "",
+        "## Per normalization",
+        "",
+        norm_table(results),
         "",
     ]
     if effects is not None:
+        marks = {"tie": "**tie**", True: "**yes**", False: "**no**", None: "info"}
         lines += [f"## {effects.title}", ""]
-        for e in effects.judge(results):
-            mark = (
-                "**tie**" if e.get("mark") == "tie" else {True: "**yes**", False: "**no**", None: "info"}[e["appeared"]]
-            )
-            lines.append(f"- {e['effect']}: {mark}. {e['text']}")
+        lines += [f"- {e['effect']}: {_effect_mark(e, marks)}. {e['text']}" for e in effects.judge(results)]
         lines += ["", f"Criteria: {effects.criteria}", ""]
     lines += [
-        "## Results",
+        "## Every setting (mean ± sample std over seeds)",
         "",
         markdown_table(results),
         "",
@@ -192,191 +258,14 @@ def markdown_report(results: dict[str, Any], plots: Sequence[str] = (), effects:
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------------------------------
-# Plots
-# --------------------------------------------------------------------------------------------------
-
-_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-_STYLES = ("-", "--", "-.", ":")
-
-
-def _style(i: int, name: str) -> dict[str, Any]:
-    """The ``i``-th norm's look: its colour (the same in every figure, :func:`~normlab.runner.grid.palette.norm_color`)
-    and a distinct marker and line style, so curves that coincide (e.g. BN and BRN) stay visible."""
-    return {
-        "color": norm_color(name),
-        "marker": _MARKERS[i % len(_MARKERS)],
-        "linestyle": _STYLES[i % len(_STYLES)],
-        "markersize": 5,
-        "markerfacecolor": "none" if i % 2 else None,
-    }
-
-
-def agg_pyplot():
-    """``matplotlib.pyplot`` on the Agg backend: figures are drawn to files, no display is needed."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_sweep(results: dict[str, Any], path: Path, axis: str) -> Path | None:
-    """Final test accuracy vs ``axis`` ("lr" or "batch_size"), one line per norm, one panel per other value."""
-    other = "batch_size" if axis == "lr" else "lr"
-    spec = results["spec"]
-    by_other: dict[float, dict[str, list[dict[str, Any]]]] = {}
-    for g in results["groups"]:
-        by_other.setdefault(g[other], {}).setdefault(g["name"], []).append(g)
-    panels = {o: d for o, d in by_other.items() if any(len(v) > 1 for v in d.values())}
-    if not panels:
-        return None
-    chance = chance_level(results)
-    pyplot = agg_pyplot()
-    keys = sorted(panels)
-    fig, axes = pyplot.subplots(1, len(keys), figsize=(5.5 * len(keys) + 1.0, 4.2), squeeze=False)
-    for ax, o in zip(axes[0], keys):
-        for i, name in enumerate(norm_order(spec["norms"])):
-            gs = sorted(panels[o].get(name, []), key=lambda g: g[axis])
-            gs = [g for g in gs if g["final_mean"] is not None]
-            if not gs:
-                continue
-            xs = [g[axis] for g in gs]
-            ys = [100 * g["final_mean"] for g in gs]
-            ax.errorbar(xs, ys, yerr=_seed_range(results, gs, axis, other), capsize=3, label=name, **_style(i, name))
-            for g in gs:  # mark collapsed settings
-                if g["collapsed_count"]:
-                    ax.plot([g[axis]], [100 * g["final_mean"]], "kx", markersize=9)
-        if chance:
-            ax.axhline(100 * chance, color="0.5", linewidth=0.8, linestyle=":")
-        ax.set_xscale("log", base=10 if axis == "lr" else 2)
-        xs_all = sorted({g[axis] for d in (panels[o],) for v in d.values() for g in v})
-        ax.set_xticks(xs_all)
-        ax.set_xticklabels([f"{x:g}" for x in xs_all])
-        ax.minorticks_off()
-        ax.set_xlabel("learning rate" if axis == "lr" else "batch size")
-        ax.set_ylabel("final test accuracy (%)")
-        scaled = spec.get("lr_scaling") == "linear"
-        ax.set_title(
-            f"{other.replace('_', ' ')} = {o:g}"
-            if axis == "lr"
-            else f"base lr {o:g} at batch {spec['base_batch_size']}" + (", scaled linearly" if scaled else "")
-        )
-        ax.set_ylim(0, 100)
-        ax.grid(alpha=0.3)
-    _legend(fig, axes)
-    fig.suptitle(
-        f"{spec['dataset']} / {spec['model']}: final test accuracy vs "
-        f"{'learning rate' if axis == 'lr' else 'batch size'}\n(mean over seeds, bar: lowest to highest seed; "
-        "x: a seed collapsed; "
-        f"dotted: chance)",
-        fontsize=10,
-    )
-    atomic_savefig(fig, path, dpi=100)
-    pyplot.close(fig)
-    return path
-
-
-def _seed_range(results: dict[str, Any], groups: Sequence[dict[str, Any]], axis: str, other: str) -> list[list[float]]:
-    """The error bars of ``groups`` (percent below and above each mean): from the mean to the lowest and the highest
-    seed's final accuracy, so a bar stays within the seeds' values (a mean +- std can pass 0 % or 100 %)."""
-    low, high = [], []
-    for g in groups:
-        accs = [
-            100 * c["final_test_acc"]
-            for c in results["cells"]
-            if c["name"] == g["name"]
-            and float(c[axis]) == float(g[axis])
-            and float(c[other]) == float(g[other])
-            and c.get("final_test_acc") is not None
-        ]
-        below, above = seed_range_bar(100 * g["final_mean"], accs)
-        low.append(below)
-        high.append(above)
-    return [low, high]
-
-
-def seed_range_bar(mean: float, values: Sequence[float]) -> tuple[float, float]:
-    """An error bar from ``mean`` down to the lowest and up to the highest of ``values`` (the seeds' results), as
-    matplotlib's ``yerr`` takes it: two lengths, never negative (the mean of equal values can round past them)."""
-    if not values:
-        return 0.0, 0.0
-    return max(0.0, mean - min(values)), max(0.0, max(values) - mean)
-
-
-def plot_curves(results: dict[str, Any], path: Path) -> Path | None:
-    """Test accuracy per epoch (mean over seeds) per norm at the base point, highest lr and smallest batch."""
-    spec = results["spec"]
-    base_lr, base_bs = float(spec["base_lr"]), int(spec["base_batch_size"])
-    pts = {(float(c["lr"]), int(c["batch_size"])) for c in results["cells"]}
-    panels = [(base_lr, base_bs)] if (base_lr, base_bs) in pts else sorted(pts)[:1]
-    hi = max((lr for lr, bs in pts if bs == base_bs), default=None)
-    lo = min((bs for lr, bs in pts if lr == base_lr), default=None)
-    if hi is not None and (hi, base_bs) not in panels:
-        panels.append((hi, base_bs))
-    if lo is not None and (base_lr, lo) not in panels:
-        panels.append((base_lr, lo))
-    if not panels:
-        return None
-    pyplot = agg_pyplot()
-    fig, axes = pyplot.subplots(1, len(panels), figsize=(5.5 * len(panels) + 1.0, 4.2), squeeze=False)
-    for ax, (lr, bs) in zip(axes[0], panels):
-        for k, name in enumerate(norm_order(spec["norms"])):
-            runs = [
-                c
-                for c in results["cells"]
-                if c["name"] == name and float(c["lr"]) == lr and int(c["batch_size"]) == bs and c["history"]
-            ]
-            if not runs:
-                continue
-            n_ep = max(len(c["history"]) for c in runs)
-            xs, ys = [], []
-            for i in range(n_ep):
-                vals = [
-                    c["history"][i]["test_acc"]
-                    for c in runs
-                    if i < len(c["history"]) and c["history"][i].get("test_acc") is not None
-                ]
-                if vals:
-                    xs.append(runs[0]["history"][min(i, len(runs[0]["history"]) - 1)]["epoch"] or i + 1)
-                    ys.append(100 * sum(vals) / len(vals))
-            ax.plot(xs, ys, label=name, **_style(k, name))
-        if chance_level(results):
-            ax.axhline(100 * chance_level(results), color="0.5", linewidth=0.8, linestyle=":")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy (%)")
-        ax.set_title(f"lr {_lr_text(results, lr, bs)}, batch size {bs}", fontsize=10)
-        ax.set_ylim(0, 100)
-        ax.grid(alpha=0.3)
-    _legend(fig, axes)
-    fig.suptitle("test accuracy per epoch (mean over seeds; a collapsed run stops; dotted: chance)", fontsize=10)
-    atomic_savefig(fig, path, dpi=100)
-    pyplot.close(fig)
-    return path
-
-
-def _legend(fig, axes) -> None:
-    """One legend for the figure, right of the panels (no curve hidden under it)."""
-    handles, labels = [], []
-    for ax in axes[0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.tight_layout(rect=(0, 0, 1 - 0.9 / fig.get_figwidth(), 0.9))
-    fig.legend(handles, labels, loc="center right", fontsize=8, frameon=False)
-
-
 def render_plots(results: dict[str, Any], out_dir: str | os.PathLike) -> list[Path]:
-    """Write acc_vs_lr.png, acc_vs_batch_size.png and training_curves.png (those the grid supports)."""
+    """Write metric_vs_lr.png, loss_curves.png and metric_vs_batch_size.png (those the grid supports)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     made = [
-        plot_sweep(results, out / "acc_vs_lr.png", "lr"),
-        plot_sweep(results, out / "acc_vs_batch_size.png", "batch_size"),
-        plot_curves(results, out / "training_curves.png"),
+        metric_lr_plot(results, out / "metric_vs_lr.png"),
+        loss_curves_plot(results, out, out / "loss_curves.png"),
+        metric_batch_plot(results, out / "metric_vs_batch_size.png"),
     ]
     return [p for p in made if p is not None]
 
@@ -402,20 +291,33 @@ def render_report(results: dict[str, Any], out_dir: str | os.PathLike, effects: 
     return write_report(results, out_dir, render_plots, lambda r, plots: markdown_report(r, plots, effects))
 
 
+def _norm_line(results: dict[str, Any], n: dict[str, Any]) -> str:
+    highest = "none" if n["highest_lr_trained"] is None else f"{n['highest_lr_trained']:g}"
+    best, alarms = n["best"], f"; {n['alarms']} alarm(s)" if n["alarms"] else ""
+    at = ""
+    if best is not None:
+        unit = "test acc %" if _is_accuracy(results) else f"test {metric_name(results)}"
+        at = f"; best at lr {best['lr']:g}, batch {best['batch_size']}: test loss {n['best_test_loss']:.4g}, "
+        at += f"{unit} {_value(results, n['best_metric_mean'])}"
+    return f"{n['name']}: highest lr that trained {highest}{at}; collapsed {n['collapsed']}/{n['runs']}{alarms}"
+
+
+def _effect_lines(results: dict[str, Any], effects: Effects | None) -> list[str]:
+    marks = {"tie": "TIE", True: "YES", False: "NO", None: "info"}
+    judged = effects.judge(results) if effects is not None else []
+    return [f"[{_effect_mark(e, marks)}] {e['effect']}: {e['text']}" for e in judged]
+
+
 def summary_lines(results: dict[str, Any], effects: Effects | None = None) -> list[str]:
-    """Short console summary: each of ``effects`` judged, one line each (none without them)."""
-    out = []
-    for e in effects.judge(results) if effects is not None else []:
-        mark = "TIE" if e.get("mark") == "tie" else {True: "YES", False: "NO", None: "info"}[e["appeared"]]
-        out.append(f"[{mark}] {e['effect']}: {e['text']}")
-    return out
+    """A short console summary: one line per normalization, then each of ``effects`` judged (if given)."""
+    return [_norm_line(results, n) for n in results.get("norms") or []] + _effect_lines(results, effects)
 
 
 def print_summary(results: dict[str, Any], out_dir: str | os.PathLike, effects: Effects | None = None) -> None:
-    """Print the table, ``effects`` judged (if given) and where the report and plots are."""
+    """Print the per-norm table, ``effects`` judged (if given) and where the report and plots are."""
     out = Path(out_dir)
-    print(markdown_table(results))
-    lines = summary_lines(results, effects)
+    print(norm_table(results))
+    lines = _effect_lines(results, effects)
     if lines:
         print()
     for line in lines:

@@ -1,4 +1,12 @@
-"""A grid's results: per-cell summaries aggregated over seeds, written as ``results.json``."""
+"""A grid's results: per-cell summaries aggregated over seeds and per normalization, written as ``results.json``.
+
+``cells``: one record per run; ``groups``: one per (norm, lr, batch size), over seeds; ``norms``: one per norm
+(:func:`per_norm`): the highest learning rate that trained, the point of the lowest test loss and its loss and
+metric, the cost of a step, and the monitor's view (alarms and the layer they named, the regime warning). A
+setting *trained* when no seed collapsed and every seed's loss went below ``LEARNED`` (0.8) x its reference (chance
+for cross-entropy over known classes, else the loss it started from): the collapse module's words for a net that
+learned something.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from normlab._checks import is_int, is_number
 from normlab.runner.data.datasets import DATASET_CLASSES
 from normlab.runner.errors import UsageError
 
@@ -17,8 +26,11 @@ __all__ = [
     "load_results",
     "read_summary",
     "mean_std",
+    "per_norm",
     "chance_level",
+    "chance_accuracy",
     "format_acc",
+    "metric_name",
     "RESULTS_VERSION",
 ]
 
@@ -80,7 +92,12 @@ def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
         "train_lr": cell.config.lr,
         "final_test_acc": summary.get("final_test_acc"),
         "best_test_acc": summary.get("best_test_acc"),
+        "final_test_loss": summary.get("final_test_loss"),
+        "final_train_loss": summary.get("final_train_loss"),
+        "stopped_early": summary.get("stopped_early"),
+        "risk": summary.get("monitor_risk"),
         "collapsed": bool(summary.get("collapsed")),
+        "learned": summary.get("learned"),
         "collapse_epoch": summary.get("collapse_epoch"),
         "collapse_reason": summary.get("collapse_reason"),
         "collapse_step": summary.get("collapse_step"),
@@ -114,9 +131,12 @@ def _group_record(name: str, lr: float, bs: int, recs: list[dict[str, Any]]) -> 
         "n_seeds": len(recs),
         "final_mean": fm,
         "final_std": fs,
+        "test_loss_mean": mean_std([r.get("final_test_loss") for r in recs])[0],
         "best_mean": bm,
         "best_std": bsd,
         "collapsed_count": sum(r["collapsed"] for r in recs),
+        "learned_count": sum(bool(r.get("learned")) for r in recs),
+        "stopped_count": sum(bool(r.get("stopped_early")) for r in recs),
         "collapse_kinds": kinds,
         "alarm_count": sum(r["alarm"] is not None for r in recs),
         "rescued_count": sum(bool(r.get("rescues")) for r in recs),
@@ -141,10 +161,13 @@ def collect_results(
     groups: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
     for rec in cells:
         groups.setdefault((rec["name"], rec["lr"], rec["batch_size"]), []).append(rec)
-    return {
+    classes = next((s["num_classes"] for _, s in pairs if s.get("num_classes")), DATASET_CLASSES.get(spec.dataset))
+    results = {
         "version": RESULTS_VERSION,
         "spec": spec.to_dict(),
-        "num_classes": DATASET_CLASSES.get(spec.dataset),
+        "loss": spec.train_kwargs.get("loss", "cross_entropy"),
+        "metric": spec.train_kwargs.get("metric", "accuracy"),
+        "num_classes": classes,
         "complete": complete,
         "groups": [_group_record(*key, recs) for key, recs in groups.items()],
         "cells": cells,
@@ -153,6 +176,78 @@ def collect_results(
             for c, error in failed
         ],
     }
+    results["norms"] = per_norm(results)
+    return results
+
+
+def metric_name(results: dict[str, Any]) -> str:
+    """The metric's short name: ``accuracy``, or the function's name of a ``pkg.module:function``."""
+    return str(results.get("metric") or "accuracy").rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+
+
+def chance_accuracy(results: dict[str, Any]) -> float | None:
+    """:func:`chance_level` where the metric is the accuracy over known classes (the line the plots draw), else
+    None."""
+    known = results.get("num_classes") and (results.get("metric") or "accuracy") == "accuracy"
+    return chance_level(results) if known else None
+
+
+def _alarm_layers(cells: list[dict[str, Any]]) -> list[list]:
+    """[layer, runs] of the layers the monitor's alarms named, the most named first."""
+    counts: dict[str, int] = {}
+    for c in cells:
+        layer = (c.get("alarm") or {}).get("layer")
+        if layer is not None:
+            counts[layer] = counts.get(layer, 0) + 1
+    return [[k, v] for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+def _trained(group: dict[str, Any]) -> bool:
+    """Every seed of a setting trained: none collapsed and each one's loss went below ``LEARNED`` x its reference
+    (:mod:`normlab.monitor.collapse`: chance, else where it started)."""
+    return not group["collapsed_count"] and group.get("learned_count", group["n_seeds"]) == group["n_seeds"]
+
+
+def _norm_record(results: dict[str, Any], name: str) -> dict[str, Any]:
+    spec = results["spec"]
+    base_bs = spec.get("base_batch_size") or spec["batch_sizes"][0]
+    groups = [g for g in results["groups"] if g["name"] == name]
+    cells = [c for c in results["cells"] if c["name"] == name]
+    trained = [g["lr"] for g in groups if g["batch_size"] == base_bs and _trained(g)]
+    scored = [g for g in groups if g.get("test_loss_mean") is not None and not g["collapsed_count"]]
+    best = min(scored, key=lambda g: g["test_loss_mean"], default=None)
+    risks = [c["risk"] for c in cells if c.get("risk")]
+    steps = [c["step_time_s"] for c in cells if c["batch_size"] == base_bs and c.get("step_time_s")]
+    return {
+        "name": name,
+        "runs": len(cells),
+        "highest_lr_trained": max(trained, default=None),
+        "lrs_at_base": sorted({g["lr"] for g in groups if g["batch_size"] == base_bs}),
+        "best": None if best is None else {k: best[k] for k in ("lr", "batch_size", "n_seeds")},
+        "best_test_loss": None if best is None else best["test_loss_mean"],
+        "best_metric_mean": None if best is None else best["final_mean"],
+        "best_metric_std": None if best is None else best["final_std"],
+        "step_time_s": mean_std(steps)[0],
+        "step_batch_size": base_bs,
+        "collapsed": sum(c["collapsed"] for c in cells),
+        "stopped_early": sum(bool(c.get("stopped_early")) for c in cells),
+        "monitored": sum(bool(c.get("monitored")) for c in cells),
+        "alarms": sum(c.get("alarm") is not None for c in cells),
+        "alarm_layers": _alarm_layers(cells),
+        "regime_warnings": len(risks),
+        "regime": None if not risks else {k: risks[0].get(k) for k in ("case", "suggestion", "layer", "step")},
+    }
+
+
+def per_norm(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One record per norm of the grid, in the grid's order (the module docstring): ``highest_lr_trained`` (at
+    the base batch size, every seed trained; None when none did), ``best`` (the lr and batch size of the lowest
+    mean final test loss among the settings where no seed collapsed) with ``best_test_loss`` and the metric's mean
+    and std there, ``step_time_s`` (mean, at the base batch size), the counts of ``collapsed``, ``stopped_early``,
+    ``alarms`` and ``regime_warnings`` runs, ``alarm_layers`` ([layer, runs], most named first) and the first
+    ``regime`` warning's ``case``, ``suggestion``, ``layer`` and ``step``."""
+    names = [n for n in results["spec"]["norms"] if any(c["name"] == n for c in results["cells"])]
+    return [_norm_record(results, n) for n in names]
 
 
 def read_summary(cell_dir: Path) -> dict[str, Any] | None:
@@ -169,12 +264,7 @@ def read_summary(cell_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+_num, _int = is_number, is_int
 
 
 def _opt(check):

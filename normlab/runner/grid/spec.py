@@ -1,9 +1,14 @@
-"""Grids of training runs: comparison name x learning rate x batch size x seed.
+"""Grids of training runs: comparison name x learning rate x batch size x seed, on any model and data.
 
 A :class:`GridSpec` describes the grid and checks it once; :func:`expand_grid` turns it into :class:`Cell` objects,
 each with its validated :class:`~normlab.runner.training.config.TrainConfig`, one
 :func:`~normlab.runner.training.train.train` call each (:mod:`normlab.runner.grid.execute` runs them).
 :class:`DictSpec` is the base of every experiment's spec (its JSON record, the lists a later run may extend).
+
+``dataset`` and ``model`` are names of :func:`normlab.runner.factories.resolve` (a built-in name, ``timm:NAME``,
+``pkg.module:function``); every default of a field a cell's config shares is :class:`TrainConfig`'s. They are
+resolved (their modules imported) before the comparison names are checked, so a norm that the model's or the
+data's module registers (:func:`normlab.nn.register_norm`) is a name the grid takes.
 
 Comparison names are resolved by :func:`normlab.nn.resolve_comparison` (``bn``, ``pws``, ``ws+gn``, ...) and may
 carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2``,
@@ -21,9 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from normlab.nn import conv_entry
 from normlab.runner.errors import FieldError
+from normlab.runner.factories import resolve
 from normlab.runner.io import from_fields, to_jsonable
 from normlab.runner.training.config import RESUME_FREE, TrainConfig, resolve_name
+
+_DEFAULTS = TrainConfig()
 
 __all__ = [
     "DictSpec",
@@ -33,11 +42,13 @@ __all__ = [
     "parse_variant",
     "unique",
     "DEFAULT_NORMS",
+    "DEFAULT_SEEDS",
     "LAYOUTS",
     "LR_SCALINGS",
 ]
 
 DEFAULT_NORMS = ("none", "bn", "brn", "gn", "sn", "wn", "ws", "pws")
+DEFAULT_SEEDS = (0, 1, 2)
 LAYOUTS = ("product", "cross")
 LR_SCALINGS = ("none", "linear", "sqrt")
 
@@ -116,13 +127,13 @@ class GridSpec(DictSpec):
     NEWER_FIELDS: ClassVar[tuple[str, ...]] = ("train_kwargs",)  # its RESUME_FREE options: see settings()
 
     norms: Sequence[str] = DEFAULT_NORMS
-    lrs: Sequence[float] = (0.05,)
-    batch_sizes: Sequence[int] = (64,)
-    seeds: Sequence[int] = (0,)
-    epochs: int = 10
-    dataset: str = "digits"
-    model: str = "plain"
-    width: float = 1.0
+    lrs: Sequence[float] = (_DEFAULTS.lr,)
+    batch_sizes: Sequence[int] = (_DEFAULTS.batch_size,)
+    seeds: Sequence[int] = DEFAULT_SEEDS
+    epochs: int = _DEFAULTS.epochs
+    dataset: str = _DEFAULTS.dataset
+    model: str = _DEFAULTS.model
+    width: float = _DEFAULTS.width
     layout: str = "product"
     base_lr: float | None = None
     base_batch_size: int | None = None
@@ -136,6 +147,7 @@ class GridSpec(DictSpec):
         self.lrs = unique("GridSpec", "lrs", (float(x) for x in self.lrs))
         self.batch_sizes = unique("GridSpec", "batch_sizes", (int(x) for x in self.batch_sizes))
         self.seeds = unique("GridSpec", "seeds", (int(x) for x in self.seeds))
+        self._import_factories()
         self._variants = {n: parse_variant(n) for n in self.norms}  # each name parsed once, here
         self._check_values()
         self.base_lr = float(self.lrs[0] if self.base_lr is None else self.base_lr)
@@ -144,6 +156,15 @@ class GridSpec(DictSpec):
 
     def _bad(self, name: str, problem: str, refs: tuple[str, ...] = ()) -> None:
         raise FieldError("GridSpec", name, problem, refs)
+
+    def _import_factories(self) -> None:
+        """Resolve the data, model, loss and metric names (importing a ``pkg.module:function``'s module) before
+        the norms are parsed: the module may register a norm the grid names."""
+        resolve("data", self.dataset, owner="GridSpec", field="dataset")
+        resolve("model", self.model, owner="GridSpec", field="model")
+        for kind in ("loss", "metric"):
+            if isinstance(self.train_kwargs.get(kind), str):
+                resolve(kind, self.train_kwargs[kind], owner="GridSpec", field=kind)
 
     def _check_values(self) -> None:
         if any(not (lr > 0 and math.isfinite(lr)) for lr in self.lrs):
@@ -207,9 +228,6 @@ class GridSpec(DictSpec):
         return lr * {"linear": ratio, "sqrt": math.sqrt(ratio)}.get(self.lr_scaling, 1.0)
 
 
-_VARIANT_ARGS = {"gamma": float, "relative_gamma": bool, "init_alpha": bool, "eps": float, "fan_mode": str}
-
-
 def _parse_value(kind: type, text: str):
     if kind is bool:
         if text.lower() not in ("true", "false", "1", "0"):
@@ -221,26 +239,24 @@ def _parse_value(kind: type, text: str):
 def parse_variant(name: str) -> tuple[str, str, dict[str, Any]]:
     """``"pws:gamma=1e-2:relative_gamma=true"`` -> ``("none", "pws", {"gamma": 0.01, "relative_gamma": True})``.
 
-    The part before the first colon is a comparison name; each further part is ``key=value`` for the conv layers
-    (``gamma``, ``relative_gamma``, ``init_alpha``, ``eps``, ``fan_mode``; only for ws/pws convs).
+    The part before the first colon is a comparison name; each further part is ``key=value`` for the conv layers,
+    with a key among the conv kind's options (:attr:`normlab.nn.ConvEntry.options`: ``eps`` for ws; ``gamma``,
+    ``relative_gamma``, ``init_alpha``, ``fan_mode`` for pws; those of a registered conv).
     """
     base, *parts = str(name).strip().lower().split(":")
     norm, conv = resolve_name(base, "norms", "GridSpec")
+    options = conv_entry(conv).options
     kwargs: dict[str, Any] = {}
     for part in parts:
         key, _, text = part.partition("=")
-        if key not in _VARIANT_ARGS or not text or conv not in ("ws", "pws"):
-            raise FieldError(
-                "GridSpec",
-                "norms",
-                f"variant {name!r}: expected <name>:key=value with key in "
-                f"{', '.join(_VARIANT_ARGS)} for a ws/pws conv, got {part!r}",
-            )
+        if key not in options or not text:
+            takes = f"<name>:key=value with key in {', '.join(options)}" if options else "no options"
+            raise FieldError("GridSpec", "norms", f"variant {name!r}: expected {takes} for a {conv} conv, got {part!r}")
         try:
-            kwargs[key] = _parse_value(_VARIANT_ARGS[key], text)
+            kwargs[key] = _parse_value(options[key], text)
         except ValueError:
             raise FieldError(
-                "GridSpec", "norms", f"variant {name!r}: {key} must be a {_VARIANT_ARGS[key].__name__}, got {text!r}"
+                "GridSpec", "norms", f"variant {name!r}: {key} must be a {options[key].__name__}, got {text!r}"
             ) from None
     return norm, conv, kwargs
 

@@ -9,26 +9,22 @@ from typing import Any
 
 import torch
 
+from normlab._checks import is_int, is_number, number_problem
 from normlab.nn import CONV_KINDS, NORM_NAMES, comparison_names, resolve_comparison
-from normlab.runner.data.datasets import DATASET_CLASSES, DATASET_DIMS, DATASETS, INPUT_SHAPES
+from normlab.runner.data.datasets import DATASET_CLASSES, DATASET_DIMS, INPUT_SHAPES
 from normlab.runner.errors import FieldError, UsageError
+from normlab.runner.factories import is_builtin, resolve
 from normlab.runner.io import from_fields, json_line, to_jsonable
-from normlab.runner.models import MODEL_DIMS, MODELS, build_model
+from normlab.runner.models import MAX_WIDTH, MODEL_DIMS, MODELS, build_model
 
-__all__ = ["TrainConfig", "RESUME_FREE", "BRN_SCHEDULES", "resolve_device", "resolve_name"]
+__all__ = ["TrainConfig", "GROUPS", "RESUME_FREE", "BRN_SCHEDULES", "STOP_ON", "resolve_device", "resolve_name"]
 
 BRN_SCHEDULES = ("run", "paper")
+#: The values of ``stop_on``, what stops a run before its last epoch (see :class:`TrainConfig`).
+STOP_ON = ("non_finite", "confirmed", "alarm")
 # Fields that may differ between a run and its resumption: they do not change the results.
-RESUME_FREE = ("num_workers", "data_dir", "device")
+RESUME_FREE = ("data_dir", "device")
 MAX_THREADS = 1024
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -61,39 +57,91 @@ def resolve_name(name: str, field: str = "norm", owner: str = "TrainConfig") -> 
         ) from None
 
 
+#: The fields of a :class:`TrainConfig` by what they decide, each in exactly one group. A config stays one flat
+#: record, so its JSON, a grid's shared options and a resume check compare it field by field.
+GROUPS: dict[str, tuple[str, ...]] = {
+    "data": ("dataset", "data_dir", "num_samples", "num_train"),
+    "model": ("model", "norm", "conv", "width", "model_kwargs", "conv_kwargs", "brn_schedule"),
+    "task": ("loss", "metric"),
+    "optimization": (
+        "lr",
+        "batch_size",
+        "epochs",
+        "momentum",
+        "weight_decay",
+        "nowd_norm_alpha",
+        "milestones",
+        "lr_gamma",
+        "max_steps_per_epoch",
+        "amp",
+        "seed",
+        "device",
+    ),
+    "evaluation": ("evals_per_epoch", "eval_train_mode", "target_acc"),
+    "monitoring": ("monitor_every", "monitor_dense_steps", "monitor_dense_every", "stop_on", "guard", "guard_dead"),
+}
+
+
 @dataclass
 class TrainConfig:
-    """Everything that defines one training run (SGD with momentum, cross-entropy, MultiStepLR).
+    """Everything that defines one training run (SGD with momentum, a MultiStepLR schedule, a loss and a metric).
 
-    Fields: ``dataset``, ``model``, ``norm``/``conv`` (registry names), ``width``; optimisation ``lr``,
-    ``batch_size`` (per process under DDP), ``epochs``, ``momentum``, ``weight_decay`` (not on norm parameters,
-    biases and PWS alpha unless ``nowd_norm_alpha`` is False), ``milestones`` (epochs after which the lr is
-    multiplied by ``lr_gamma``); ``seed``; ``data_dir``; ``device``; ``monitor_every`` (> 0 attaches a
-    :class:`normlab.monitor.VarianceMonitor`) and ``stop_on_collapse``; ``target_acc`` (a test-accuracy fraction
-    for ``epochs_to_target``); ``max_steps_per_epoch`` (quick runs); ``num_workers`` (accepted for compatibility:
-    data sets are in-memory tensors); ``model_kwargs`` (``blocks``, ``channels`` for
-    :func:`~normlab.runner.models.build_model`); ``brn_schedule``: ``"run"`` (the paper's BatchRenorm schedule
-    compressed to reach its final limits halfway through the run) or ``"paper"`` (5k-step warm-up);
-    ``conv_kwargs`` (extra arguments of every conv of kind ``conv``, e.g. ``{"gamma": 1e-2}`` for pws);
-    ``num_samples`` (mnist1d: samples generated, default 25,000) and ``num_train`` (keep the first N training
-    samples); ``evals_per_epoch`` (test evaluations per epoch, for curves); ``eval_train_mode`` (also evaluate with
-    batch statistics at the training batch size, see :func:`~normlab.runner.training.evaluation.evaluate_train_mode`);
-    ``monitor_dense_steps`` / ``monitor_dense_every`` (the monitor also records every ``monitor_dense_every``
-    steps during the first ``monitor_dense_steps``); ``amp`` (mixed precision: bfloat16 autocast on CPU, float16
-    autocast and a GradScaler on CUDA); ``guard`` (a :class:`normlab.monitor.CollapseGuard` at the library's
-    defaults watches the optimizer's steps: on a failure of :mod:`normlab.monitor.collapse` in the training losses, a
-    non-finite gradient, or the monitor's alarm once a failure confirms it, the run goes back to a snapshot from
-    before the trouble with a lower learning rate; under DDP every rank rolls back together); ``guard_dead`` (with
-    ``guard``: the guard knows chance, ln C, instead of estimating it by the first loss, so a monitor alarm on a
-    network that never learned waits and is confirmed once the net is judged never to have learned; it rolls back
-    slow learners too).
+    The fields, by group (:data:`GROUPS`):
+
+    - *data*: ``dataset``, a data set by name (:func:`normlab.runner.factories.resolve`): ``digits``, ``mnist1d``,
+      ``cifar10`` or a data factory ``pkg.module:function`` (:mod:`normlab.runner.data.user`); ``data_dir``
+      (cifar10: the python batches; mnist1d: the cache of the generated arrays); ``num_samples`` (mnist1d: samples
+      generated, default 25,000); ``num_train`` (keep the first N training samples).
+    - *model*: ``model``, a model by name: ``plain``, ``plain1d``, ``resnet``, ``resnet_pws``, ``cnn1d``,
+      ``timm:NAME``, ``torchvision:NAME`` or a model factory ``pkg.module:function``
+      (:mod:`normlab.runner.training.setup`); ``norm``, ``conv`` (names of :func:`normlab.nn.create_norm` and
+      :func:`normlab.nn.create_conv`; a factory's model gets them by :func:`~normlab.runner.training.norms.put_norm`);
+      ``width`` (channel multiplier of the built-in models, in (0, :data:`~normlab.runner.models.MAX_WIDTH`]);
+      ``model_kwargs`` (further arguments of the model: ``blocks``, ``channels`` of the built-in ones, anything a
+      factory takes); ``conv_kwargs`` (arguments of every conv of kind ``conv``, ``{"gamma": 1e-2}`` for pws);
+      ``brn_schedule`` (``"run"``, the paper's BatchRenorm schedule compressed to reach its final limits halfway
+      through the run, or ``"paper"``, a 5k-step warm-up).
+    - *task*: ``loss`` (``cross_entropy``, ``mse`` or ``pkg.module:function``) and ``metric`` (``accuracy``,
+      ``none`` or ``pkg.module:function``; :mod:`normlab.runner.training.task`). The summary's ``*_acc`` values are
+      the metric's (accuracy unless ``metric`` names another).
+    - *optimization*: ``lr``, ``batch_size`` (per process under DDP), ``epochs``, ``momentum``, ``weight_decay``
+      (not on norm parameters, biases and PWS alpha unless ``nowd_norm_alpha`` is False), ``milestones`` (epochs
+      after which the lr is multiplied by ``lr_gamma``), ``max_steps_per_epoch`` (quick runs), ``amp`` (mixed
+      precision: bfloat16 autocast on CPU, float16 autocast and a GradScaler on CUDA), ``seed``, ``device``.
+    - *evaluation*: ``evals_per_epoch`` (test evaluations per epoch, for curves), ``eval_train_mode`` (also
+      evaluate with batch statistics at the training batch size,
+      :func:`~normlab.runner.training.evaluation.evaluate_train_mode`), ``target_acc`` (a metric value for
+      ``epochs_to_target``).
+    - *monitoring*: ``monitor_every`` (> 0 attaches a :class:`normlab.monitor.VarianceMonitor` recording every N
+      steps, and every ``monitor_dense_every`` steps during the first ``monitor_dense_steps``); ``stop_on``, what
+      stops a run before its last epoch (:data:`STOP_ON`): ``"non_finite"`` (a non-finite loss; always),
+      ``"confirmed"`` (also a monitor alarm confirmed by a failure of :mod:`normlab.monitor.collapse` in the
+      training losses: an explosion, a return to chance), ``"alarm"`` (also the monitor's alarm alone); ``guard`` (a
+      :class:`normlab.monitor.CollapseGuard` at the library's defaults watches the optimizer's steps: on a failure
+      of :mod:`normlab.monitor.collapse` in the training losses, a non-finite gradient, or the monitor's alarm once
+      a failure confirms it, the run goes back to a snapshot from before the trouble with a lower learning rate;
+      under DDP every rank rolls back together); ``guard_dead`` (with ``guard``: the guard knows chance, the task's
+      chance loss, instead of estimating it by the first loss, so a monitor alarm on a network that never learned
+      is confirmed once the net is judged never to have learned; it rolls back slow learners too).
     """
 
+    # -- data
     dataset: str = "digits"
+    data_dir: str | None = None
+    num_samples: int | None = None
+    num_train: int | None = None
+    # -- model
     model: str = "plain"
     norm: str = "bn"
     conv: str = "conv"
     width: float = 1.0
+    model_kwargs: dict = field(default_factory=dict)
+    conv_kwargs: dict = field(default_factory=dict)
+    brn_schedule: str = "run"
+    # -- task
+    loss: str = "cross_entropy"
+    metric: str = "accuracy"
+    # -- optimization
     lr: float = 0.05
     batch_size: int = 64
     epochs: int = 10
@@ -102,24 +150,19 @@ class TrainConfig:
     nowd_norm_alpha: bool = True
     milestones: tuple = ()
     lr_gamma: float = 0.1
-    seed: int = 0
-    data_dir: str | None = None
-    device: str = "cpu"
-    monitor_every: int = 0
-    stop_on_collapse: bool = False
-    target_acc: float | None = None
     max_steps_per_epoch: int | None = None
-    num_workers: int = 0
-    model_kwargs: dict = field(default_factory=dict)
-    brn_schedule: str = "run"
-    conv_kwargs: dict = field(default_factory=dict)
-    num_samples: int | None = None
-    num_train: int | None = None
+    amp: bool = False
+    seed: int = 0
+    device: str = "cpu"
+    # -- evaluation
     evals_per_epoch: int = 1
     eval_train_mode: bool = False
+    target_acc: float | None = None
+    # -- monitoring
+    monitor_every: int = 0
     monitor_dense_steps: int = 0
     monitor_dense_every: int = 1
-    amp: bool = False
+    stop_on: str = "non_finite"
     guard: bool = False
     guard_dead: bool = False
 
@@ -131,92 +174,111 @@ class TrainConfig:
 
         The values it accepted are remembered (and travel with the config to worker processes and Ray tasks): a
         second call on the same values returns at once, so a config is checked once however many hands it passes
-        through; a changed field is checked again.
+        through; a changed field is checked again. Names of factories are resolved (imported) here.
         """
         seen = json_line(self.to_dict())
         if self.__dict__.get("_validated") == seen:
             return self
-        self._check_names()
-        self._check_numbers()
-        self._check_options()
+        self._check_data()
+        self._check_model()
+        self._check_task()
+        self._check_optimization()
+        self._check_evaluation()
+        self._check_monitoring()
         self.__dict__["_validated"] = seen
         return self
+
+    @property
+    def builtin_model(self) -> bool:
+        """``model`` is one of normlab's own networks (:data:`~normlab.runner.models.MODELS`)."""
+        return is_builtin("model", self.model)
 
     def _bad(self, name: str, expected: str) -> None:
         raise FieldError("TrainConfig", name, f"must be {expected}, got {getattr(self, name)!r}", sep=" ")
 
-    def _check_names(self) -> None:
-        for name, valid in (
-            ("dataset", DATASETS),
-            ("model", MODELS),
-            ("norm", NORM_NAMES),
-            ("conv", CONV_KINDS),
-            ("brn_schedule", BRN_SCHEDULES),
-        ):
-            if getattr(self, name) not in valid:
-                raise FieldError(
-                    "TrainConfig", name, f"unknown {name} {getattr(self, name)!r}; valid names: {', '.join(valid)}"
-                )
-        if MODEL_DIMS[self.model] != DATASET_DIMS[self.dataset]:
+    def _number(self, name: str, **bounds) -> None:
+        expected = number_problem(getattr(self, name), **bounds)
+        if expected is not None:
+            self._bad(name, expected)
+
+    def _one_of(self, name: str, valid: tuple[str, ...]) -> None:
+        if getattr(self, name) not in valid:
+            raise FieldError(
+                "TrainConfig", name, f"unknown {name} {getattr(self, name)!r}; valid names: {', '.join(valid)}"
+            )
+
+    def _check_data(self) -> None:
+        resolve("data", self.dataset)
+        for name in ("num_samples", "num_train"):
+            self._number(name, integer=True, low=1, optional=True)
+        if self.num_samples is not None and self.dataset != "mnist1d":
+            self._bad("num_samples", "None unless dataset is mnist1d (generated data)")
+
+    def _check_model(self) -> None:
+        resolve("model", self.model)
+        self._one_of("norm", NORM_NAMES)
+        self._one_of("conv", CONV_KINDS)
+        self._one_of("brn_schedule", BRN_SCHEDULES)
+        self._number("width", low=0, high=MAX_WIDTH, low_open=True)
+        for name in ("model_kwargs", "conv_kwargs"):
+            if not isinstance(getattr(self, name), dict):
+                self._bad(name, "a dict")
+        if not self.builtin_model and self.width != 1.0:
+            self._bad("width", f"1 for model {self.model!r} (it applies to the built-in models {', '.join(MODELS)})")
+        data_dims = DATASET_DIMS.get(self.dataset)
+        if self.builtin_model and data_dims is not None and MODEL_DIMS[self.model] != data_dims:
             raise FieldError(
                 "TrainConfig",
                 "model",
                 f"model {self.model!r} takes {MODEL_DIMS[self.model]}-D inputs "
-                f"but dataset {self.dataset!r} has {DATASET_DIMS[self.dataset]}-D samples; 1-D models: "
+                f"but dataset {self.dataset!r} has {data_dims}-D samples; 1-D models: "
                 f"{', '.join(m for m, d in MODEL_DIMS.items() if d == 1)}",
             )
 
-    def _check_numbers(self) -> None:
-        for name in ("batch_size", "epochs"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                self._bad(name, "an integer >= 1")
-        for name in ("lr", "lr_gamma"):
-            if not _is_number(getattr(self, name)) or getattr(self, name) <= 0:
-                self._bad(name, "a finite number > 0")
-        if not _is_number(self.width) or not 0 < self.width <= 64:
-            self._bad("width", "a number in (0, 64]")
-        for name in ("momentum", "weight_decay"):
-            if not _is_number(getattr(self, name)) or getattr(self, name) < 0:
-                self._bad(name, "a finite number >= 0")
-        if self.momentum >= 1:
-            self._bad("momentum", "a number in [0, 1)")
-        if not _is_int(self.seed) or self.seed < 0:
-            self._bad("seed", "an integer >= 0")
+    def _check_task(self) -> None:
+        resolve("loss", self.loss)
+        resolve("metric", self.metric)
 
-    def _check_options(self) -> None:
-        if any(not _is_int(m) or m < 1 for m in self.milestones) or list(self.milestones) != sorted(self.milestones):
+    def _check_optimization(self) -> None:
+        for name in ("batch_size", "epochs"):
+            self._number(name, integer=True, low=1)
+        for name in ("lr", "lr_gamma"):
+            self._number(name, low=0, low_open=True)
+        self._number("momentum", low=0, high=1, high_open=True)
+        self._number("weight_decay", low=0)
+        self._number("seed", integer=True, low=0)
+        self._number("max_steps_per_epoch", integer=True, low=1, optional=True)
+        if any(not is_int(m) or m < 1 for m in self.milestones) or list(self.milestones) != sorted(self.milestones):
             self._bad("milestones", "increasing epoch numbers >= 1")
-        if not _is_int(self.monitor_every) or self.monitor_every < 0:
-            self._bad("monitor_every", "an integer >= 0")
-        if self.max_steps_per_epoch is not None and (
-            not _is_int(self.max_steps_per_epoch) or self.max_steps_per_epoch < 1
-        ):
-            self._bad("max_steps_per_epoch", "None or an integer >= 1")
-        if self.target_acc is not None and not (_is_number(self.target_acc) and 0.0 <= self.target_acc <= 1.0):
-            self._bad("target_acc", "None or a fraction in [0, 1]")
-        if not _is_int(self.num_workers) or self.num_workers < 0:
-            self._bad("num_workers", "an integer >= 0")
-        for name in ("amp", "guard", "guard_dead"):
+        for name in ("amp", "nowd_norm_alpha"):
             if not isinstance(getattr(self, name), bool):
                 self._bad(name, "True or False")
-        if self.guard_dead and not self.guard:
-            self._bad("guard_dead", "False unless guard is True (it changes what the guard counts as trouble)")
-        for name in ("model_kwargs", "conv_kwargs"):
-            if not isinstance(getattr(self, name), dict):
-                self._bad(name, "a dict")
-        for name in ("num_samples", "num_train"):
-            if getattr(self, name) is not None and (not _is_int(getattr(self, name)) or getattr(self, name) < 1):
-                self._bad(name, "None or an integer >= 1")
-        for name, low in (("evals_per_epoch", 1), ("monitor_dense_steps", 0), ("monitor_dense_every", 1)):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < low:
-                self._bad(name, f"an integer >= {low}")
         try:
             resolve_device(self.device)
         except UsageError as e:
             raise FieldError("TrainConfig", "device", str(e)) from None
 
+    def _check_evaluation(self) -> None:
+        self._number("evals_per_epoch", integer=True, low=1)
+        self._number("target_acc", optional=True, finite=True)
+        if not isinstance(self.eval_train_mode, bool):
+            self._bad("eval_train_mode", "True or False")
+
+    def _check_monitoring(self) -> None:
+        self._number("monitor_every", integer=True, low=0)
+        self._number("monitor_dense_steps", integer=True, low=0)
+        self._number("monitor_dense_every", integer=True, low=1)
+        self._one_of("stop_on", STOP_ON)
+        for name in ("guard", "guard_dead"):
+            if not isinstance(getattr(self, name), bool):
+                self._bad(name, "True or False")
+        if self.guard_dead and not self.guard:
+            self._bad("guard_dead", "False unless guard is True (it changes what the guard counts as trouble)")
+
     def make_model(self, norm_kwargs: dict | None = None) -> torch.nn.Module:
-        """The model this config trains, for its data set's input shape and classes (He init from torch's RNG).
+        """The built-in model this config trains, for its built-in data set's input shape and classes (He init from
+        torch's RNG); a model or data set from a factory is built by
+        :func:`~normlab.runner.training.setup.build_model`, which needs the data.
 
         ``norm_kwargs``: further arguments of every normalization layer (the trainer's BatchRenorm schedule).
 
@@ -225,6 +287,11 @@ class TrainConfig:
             ...     torch.randn(2, 1, 40)).shape
             torch.Size([2, 10])
         """
+        if not self.builtin_model or self.dataset not in INPUT_SHAPES:
+            raise UsageError(
+                f"TrainConfig.make_model: builds the built-in models on the built-in data sets; model {self.model!r} "
+                f"on {self.dataset!r} is built by normlab.runner.training.setup.build_model"
+            )
         shape = INPUT_SHAPES[self.dataset]
         return build_model(
             self.model,
@@ -258,7 +325,7 @@ class TrainConfig:
             if k in RESUME_FREE or (k not in saved and now.get(k) == defaults.get(k, dataclasses.MISSING)):
                 continue
             a, b = saved.get(k), now.get(k)
-            same = math.isclose(a, b, rel_tol=1e-9) if _is_number(a) and _is_number(b) else a == b
+            same = math.isclose(a, b, rel_tol=1e-9) if is_number(a, True) and is_number(b, True) else a == b
             if not same:
                 out.append(f"{k}: {a!r} -> {b!r}")
         return out

@@ -1,8 +1,10 @@
 """One training loop: seeds, checkpoint/resume, DDP, the variance monitor, metrics.
 
-``train(config, out_dir, progress=True) -> summary`` trains ``config.model`` on ``config.dataset`` with SGD
-(momentum; weight decay not on norm parameters, biases and PWS alpha), a MultiStepLR schedule and cross-entropy.
-Accuracies are fractions in [0, 1].
+``train(config, out_dir, progress=True, inputs=None) -> summary`` trains ``config.model`` on ``config.dataset``
+with SGD (momentum; weight decay not on norm parameters, biases and PWS alpha), a MultiStepLR schedule and the
+config's loss (cross-entropy by default), and reports its metric (accuracy by default: the ``*_acc`` values are the
+metric's, fractions in [0, 1] for accuracy). ``inputs``: what :func:`~normlab.runner.training.setup.prepare` built
+for this config (its data and model), so that a command loads and builds once; without it the trainer prepares them.
 
 Files in ``out_dir`` (only rank 0 writes, every file atomically):
 
@@ -24,11 +26,12 @@ Mixed precision (``amp``): the forward pass and the loss run under ``torch.autoc
 on CUDA with a ``GradScaler`` (its state is checkpointed); normlab's layers keep float32 statistics and running
 buffers under autocast; evaluation runs in float32.
 
-Collapse (:mod:`normlab.monitor.collapse`, over about 1,024 examples against ln C): a non-finite loss stops the run and
-the checkpoint keeps the last good weights; an exploded loss or a return to chance is recorded and training goes on;
-a net that never left chance is judged at the end. With ``stop_on_collapse`` a monitor alarm stops the run too.
-With ``guard`` a :class:`~normlab.monitor.CollapseGuard` at the library's defaults watches the optimizer's steps
-(checking every step: the loop reads its loss anyway) and rolls failures back.
+Collapse (:mod:`normlab.monitor.collapse`, over about 1,024 examples against the task's chance loss): a non-finite
+loss stops the run and the checkpoint keeps the last good weights; an exploded loss or a return to chance is recorded
+and training goes on, unless ``stop_on="confirmed"`` and the monitor has raised its alarm: then the alarm is
+confirmed and the run stops there (``stopped_early``); with ``stop_on="alarm"`` the alarm alone stops it. A net that
+never left chance is judged at the end. With ``guard`` a :class:`~normlab.monitor.CollapseGuard` at the library's
+defaults watches the optimizer's steps (checking every step: the loop reads its loss anyway) and rolls failures back.
 
 DDP: under ``torchrun`` (``WORLD_SIZE > 1``) the loop joins a gloo (CPU) / nccl (CUDA) process group, shards each
 epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the model in
@@ -42,16 +45,13 @@ import copy
 import dataclasses
 import math
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from normlab.monitor import (
     CollapseCriteria,
@@ -61,15 +61,13 @@ from normlab.monitor import (
     RecordSchedule,
     RescueOptions,
     RunCollapsed,
-    SnapshotOptions,
     VarianceMonitor,
     load_log,
     scaler_step,
     write_monitor_log,
 )
 from normlab.monitor.collapse import CollapseTracker
-from normlab.nn import RenormSchedule, param_groups
-from normlab.runner.data.datasets import get_dataset
+from normlab.nn import param_groups
 from normlab.runner.errors import RunError, UsageError
 from normlab.runner.io import (
     atomic_torch_save,
@@ -81,22 +79,19 @@ from normlab.runner.io import (
 )
 from normlab.runner.training.config import TrainConfig, resolve_device
 from normlab.runner.training.evaluation import evaluate, evaluate_train_mode
+from normlab.runner.training.setup import RunInputs, prepare, seed_everything, steps_per_epoch
 
 __all__ = [
     "train",
     "Trainer",
     "TrainState",
     "CHECKPOINT_FORMAT",
-    "GUARD_EVERY",
     "read_checkpoint",
     "seed_everything",
     "eval_marks",
 ]
 
 CHECKPOINT_FORMAT = 1
-# read by the lab's demo (its guarded twins' text) until it reads SnapshotOptions itself: the guard's own default,
-# not restated. Remove with that import.
-GUARD_EVERY = SnapshotOptions().every
 
 
 @dataclass
@@ -119,6 +114,9 @@ class TrainState:
     rescues: list = dataclasses.field(default_factory=list)  # --guard: CollapseGuard.rescues as dicts
     guard: dict | None = None  # --guard: CollapseGuard.state_dict()
     guard_gave_up: str | None = None
+    stopped_early: str | None = None  # why the run stopped before its last epoch (non_finite, confirmed, ...)
+    num_classes: int | None = None  # of the data (None: not a classification, or not known)
+    learned: bool = False  # the smoothed loss has been below LEARNED x its reference (normlab.monitor.collapse)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -133,7 +131,7 @@ class _Window:
     """Training loss and accuracy since the last evaluation; why the epoch stopped early, if it did."""
 
     loss_sum: float = 0.0
-    correct: float = 0.0
+    correct: float | None = 0.0  # the metric summed over the samples (None: no metric)
     seen: float = 0.0
     collapse: str | None = None
     alarm: dict | None = None
@@ -148,13 +146,6 @@ def eval_marks(n_steps: int, evals_per_epoch: int) -> list[int]:
     """Steps of an epoch (counted from 1) after which the test set is evaluated; the last is ``n_steps``."""
     k = max(1, min(evals_per_epoch, n_steps))
     return sorted({max(1, round(n_steps * j / k)) for j in range(1, k + 1)})
-
-
-def seed_everything(seed: int) -> None:
-    """Seed python's, numpy's and torch's global generators."""
-    random.seed(seed)
-    np.random.seed(seed % (2**32))
-    torch.manual_seed(seed)
 
 
 def _dist_setup(device: torch.device) -> tuple[int, int, torch.device]:
@@ -231,6 +222,7 @@ class Trainer:
         out_dir: str | os.PathLike,
         progress: bool = True,
         tensorboard: str | os.PathLike | None = None,
+        inputs: RunInputs | None = None,
     ) -> None:
         if not isinstance(config, TrainConfig):
             raise TypeError(f"train: config must be a TrainConfig, got {type(config).__name__}")
@@ -240,6 +232,7 @@ class Trainer:
         self.progress = progress
         self.world, self.rank, self.device = _dist_setup(resolve_device(config.device))
         self.is_main = self.rank == 0
+        self.inputs = inputs
         self.state = TrainState(world_size=self.world)
         self.history: list[dict] = []
         self.losses: list[float | None] = []  # training loss of every step (None: not finite)
@@ -316,35 +309,17 @@ class Trainer:
         return ck
 
     # -- set-up --------------------------------------------------------------------------------------------
-    def _load_data(self):
-        cfg = self.config
-        cache = cfg.data_dir if cfg.data_dir is not None or cfg.dataset != "mnist1d" else self.out / "data"
-        self.train_ds, self.test_ds, info = get_dataset(
-            cfg.dataset, cache, num_samples=cfg.num_samples, num_train=cfg.num_train
-        )
-        self.per_rank = len(self.train_ds) // self.world
-        if cfg.batch_size > self.per_rank:
-            where = "training set" if self.world == 1 else f"share of each of {self.world} processes"
-            raise UsageError(
-                f"batch_size {cfg.batch_size} is larger than the {cfg.dataset} {where} ({self.per_rank} samples)"
-            )
-        return info
-
     def steps_per_epoch(self) -> int:
-        steps = self.per_rank // self.config.batch_size
-        cap = self.config.max_steps_per_epoch
-        return steps if cap is None else min(steps, cap)
-
-    def _norm_kwargs(self) -> dict:
-        if self.config.norm == "brn" and self.config.brn_schedule == "run":
-            return {"schedule": RenormSchedule.scaled(self.config.epochs * self.steps_per_epoch() // 2)}
-        return {}
+        return steps_per_epoch(self.config, len(self.train_ds), self.world)
 
     def _build(self, ck: dict | None = None) -> None:
         cfg = self.config
-        info = self._load_data()
-        seed_everything(cfg.seed)
-        self.raw_model = cfg.make_model(norm_kwargs=self._norm_kwargs()).to(self.device)
+        inputs = self.inputs if self.inputs is not None else prepare(cfg, world=self.world)
+        self.inputs = None  # the model is this run's from here on; a second run() prepares again
+        self.train_ds, self.test_ds, self.task = inputs.train, inputs.test, inputs.task
+        self.per_rank = len(self.train_ds) // self.world
+        torch.set_rng_state(inputs.rng)  # as right after the model was built (a resumed run restores its own)
+        self.raw_model = inputs.model.to(self.device)
         self.model = self.raw_model
         if self.world > 1:
             ids = [self.device.index] if self.device.type == "cuda" else None
@@ -355,8 +330,11 @@ class Trainer:
         self.optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        # the failure taxonomy over about 1,024 examples, against chance (ln C): the run's label; the guard reads it too
-        self.criteria = CollapseCriteria.over_examples(cfg.batch_size, chance_loss=math.log(info["num_classes"]))
+        self.state.num_classes = inputs.info["num_classes"]
+        # the failure taxonomy over about 1,024 examples, against the task's chance loss (ln C for cross-entropy over
+        # C classes; estimated from the first loss otherwise): the run's label; the guard reads it too
+        chance = self.task.chance_loss(self.state.num_classes)
+        self.criteria = CollapseCriteria.over_examples(cfg.batch_size, chance_loss=chance)
         self.tracker = CollapseTracker(self.criteria)
         if cfg.amp and self.device.type == "cuda":
             self.scaler = torch.amp.GradScaler("cuda")
@@ -454,7 +432,7 @@ class Trainer:
         amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         with torch.autocast(self.device.type, dtype=amp_dtype, enabled=self.config.amp):
             out = self.model(x)
-            loss = F.cross_entropy(out, y)
+            loss = self.task.loss_fn(out, y)
         value = loss.item()
         if self.world > 1:
             finite = math.isfinite(value)
@@ -527,8 +505,8 @@ class Trainer:
             self.tracker.update(v)
 
     def _alarm_stops(self) -> dict | None:
-        """The alarm that stops training now (``stop_on_collapse``), the same decision on every rank."""
-        if self.monitor is None or not self.config.stop_on_collapse:
+        """The alarm that stops training now (``stop_on="alarm"``), the same decision on every rank."""
+        if self.monitor is None or self.config.stop_on != "alarm":
             return None
         alarmed = self.monitor.alarm is not None
         if self.world > 1:
@@ -536,6 +514,24 @@ class Trainer:
         if not alarmed:
             return None
         return _alarm_dict(self.monitor.alarm) if self.monitor.alarm is not None else {"layer": "another rank"}
+
+    def _confirmed(self) -> bool:
+        """``stop_on="confirmed"``: the monitor has raised its alarm and the loss has collapsed (the tracker found a
+        return to chance, or to the starting loss); the same decision on every rank (the loss is the ranks' mean)."""
+        if self.monitor is None or self.config.stop_on != "confirmed" or self.tracker.kind is None:
+            return False
+        alarmed = self.monitor.alarm is not None
+        if self.world > 1:
+            alarmed = self._all_sum([float(alarmed)])[0] > 0
+        return alarmed
+
+    def _bar_metric(self, win: _Window) -> dict:
+        """The progress bar's metric since the last evaluation (accuracy in percent, as the summary line gives it)."""
+        if win.correct is None:
+            return {}
+        if self.config.metric == "accuracy":
+            return {"train_acc": f"{100 * win.correct / win.seen:.1f} %"}
+        return {self.config.metric.rsplit(":", 1)[-1]: f"{win.correct / win.seen:.4g}"}
 
     def _train_step(self, batch, win: _Window) -> None:
         """One step of training on ``batch``: losses, collapse tracking, the window's sums."""
@@ -566,9 +562,13 @@ class Trainer:
         self.state.step_time_total += elapsed
         self.state.steps_total += 1
         win.loss_sum += value * len(y)
-        win.correct += (out.argmax(1) == y).sum().item()
+        if win.correct is not None:
+            right = self.task.metric_sum(out.detach(), y)
+            win.correct = None if right is None else win.correct + right.item()
         win.seen += len(y)
         win.alarm = self._alarm_stops()
+        if win.alarm is None and self._confirmed():
+            win.collapse = "confirmed"
 
     def _train_epoch(self, epoch: int) -> _Window:
         """Train one epoch, evaluating at :func:`eval_marks`; returns the window since the last evaluation."""
@@ -583,9 +583,7 @@ class Trainer:
             if bar is not None:
                 bar.update(1)
                 if win.seen:
-                    bar.set_postfix(  # accuracy in percent, as the summary line and the reports give it
-                        loss=f"{win.loss_sum / win.seen:.4f}", train_acc=f"{100 * win.correct / win.seen:.1f} %"
-                    )
+                    bar.set_postfix(loss=f"{win.loss_sum / win.seen:.4f}", **self._bar_metric(win))
             if win.stopped:
                 break
             if step + 1 in marks:
@@ -600,16 +598,18 @@ class Trainer:
     # -- evaluation and the end of an epoch ----------------------------------------------------------------
     def _eval_entry(self, epoch: float, win: _Window) -> dict:
         """Evaluate on the test set (eval mode, and train mode when asked) and describe the window."""
-        win.loss_sum, win.correct, win.seen = self._all_sum([win.loss_sum, win.correct, win.seen])
+        has_metric = win.correct is not None
+        win.loss_sum, correct, win.seen = self._all_sum([win.loss_sum, win.correct or 0.0, win.seen])
+        win.correct = correct if has_metric else None
         if self.world > 1:  # running statistics are per process: evaluate and save rank 0's everywhere
             for buf in self.raw_model.buffers():
                 dist.broadcast(buf, 0)
-        test_loss, test_acc = evaluate(self.raw_model, self.test_ds, self.device)
+        test_loss, test_acc = evaluate(self.raw_model, self.test_ds, self.device, self.task)
         entry = {
             "epoch": round(epoch, 4) if epoch != int(epoch) else int(epoch),
             "step": self.state.steps_total,
             "train_loss": win.loss_sum / win.seen if win.seen and win.collapse != "non_finite" else None,
-            "train_acc": win.correct / win.seen if win.seen else None,
+            "train_acc": win.correct / win.seen if win.seen and win.correct is not None else None,
             "test_loss": test_loss if math.isfinite(test_loss) else None,
             "test_acc": test_acc,
             "lr": self.optimizer.param_groups[0]["lr"],
@@ -617,7 +617,7 @@ class Trainer:
         }
         if self.config.eval_train_mode:
             entry["test_acc_train_mode"] = evaluate_train_mode(
-                self.raw_model, self.test_ds, self.device, self.config.batch_size
+                self.raw_model, self.test_ds, self.device, self.config.batch_size, task=self.task
             )
         return entry
 
@@ -664,8 +664,9 @@ class Trainer:
     def _mark_collapse(self, epoch: int, entry: dict, win: _Window, last_epoch: bool) -> bool:
         """Record the first collapse (see :mod:`normlab.monitor.collapse`); True when training must stop.
 
-        A non-finite loss stops the run (and an alarm with ``stop_on_collapse``); a return to chance is recorded and
-        the run goes on (nets at a high learning rate sometimes recover); a dead net is judged at the end.
+        A non-finite loss stops the run (and an alarm with ``stop_on="alarm"``, an alarm and a collapse with
+        ``stop_on="confirmed"``); a return to chance alone is recorded and the run goes on (nets at a high learning
+        rate sometimes recover); a dead net is judged at the end. ``stopped_early`` says why a run stopped.
         """
         st, tracker = self.state, self.tracker
         if tracker.kind is None and entry["test_loss"] is None and not entry.get("rescued"):
@@ -680,7 +681,14 @@ class Trainer:
             st.monitor_alarm = st.monitor_alarm or win.alarm
         if win.collapse == "guard_gave_up" and st.collapse_reason is None:
             st.collapse_epoch, st.collapse_step, st.collapse_reason = epoch + 1, st.steps_total, "guard_gave_up"
-        return tracker.kind == "non_finite" or win.alarm is not None or win.collapse == "guard_gave_up"
+        stop = {
+            "non_finite": tracker.kind == "non_finite",
+            "alarm": win.alarm is not None,
+            "guard_gave_up": win.collapse == "guard_gave_up",
+            "confirmed": win.collapse == "confirmed",
+        }
+        st.stopped_early = st.stopped_early or next((why for why, now in stop.items() if now), None)
+        return any(stop.values())
 
     def _end_epoch(self, epoch: int, win: _Window) -> bool:
         """Evaluate, record, checkpoint; True when training stops here (collapse or alarm)."""
@@ -690,6 +698,7 @@ class Trainer:
         self._board_entry(entry)
         st = self.state
         st.epoch = epoch + 1
+        st.learned = self.tracker.learned
         last = epoch + 1 == self.config.epochs  # after the last epoch a rollback would leave an untrained model
         if entry["test_loss"] is None and self.guard is not None and st.guard_gave_up is None and not last:
             entry["rescued"] = self._rescue_non_finite_test_loss(epoch)
@@ -729,11 +738,17 @@ class Trainer:
         summary = {
             "config": self.cfg,
             "final_test_acc": hist[-1]["test_acc"] if hist else None,
+            "final_test_loss": hist[-1]["test_loss"] if hist else None,
+            "final_train_loss": next(
+                (h["train_loss"] for h in reversed(hist) if h.get("train_loss") is not None), None
+            ),
             "best_test_acc": max(accs) if accs else None,
             "collapsed": st.collapse_epoch is not None,
+            "learned": st.learned,
             "collapse_epoch": st.collapse_epoch,
             "collapse_step": st.collapse_step,
             "collapse_reason": st.collapse_reason,
+            "stopped_early": st.stopped_early,
             "monitor_alarm": st.monitor_alarm,
             "monitor_risk": st.monitor_risk,
             "epochs_to_target": st.epochs_to_target,
@@ -746,6 +761,7 @@ class Trainer:
             "guard_gave_up": st.guard_gave_up,
             "alarms_dismissed": list((st.guard or {}).get("dismissed", [])),
             "world_size": st.world_size,
+            "num_classes": st.num_classes,
             "history": hist,
         }
         if self.is_main:
@@ -764,15 +780,23 @@ def _first_steps(losses: list, steps: int) -> list:
 
 
 def train(
-    config: TrainConfig, out_dir: str | os.PathLike, progress: bool = True, tensorboard: str | os.PathLike | None = None
+    config: TrainConfig,
+    out_dir: str | os.PathLike,
+    progress: bool = True,
+    tensorboard: str | os.PathLike | None = None,
+    inputs: RunInputs | None = None,
 ) -> dict:
     """Train (or resume, or return the finished run in ``out_dir``) and return the summary dict.
 
     ``tensorboard``: a directory for TensorBoard event files of the run and its monitor (rank 0 writes them).
+    ``inputs``: the run's data and model as :func:`~normlab.runner.training.setup.prepare` built them for ``config``
+    (else the trainer prepares them).
 
-    Summary keys: ``config, final_test_acc, best_test_acc, collapsed, collapse_epoch, collapse_reason,
-    monitor_alarm, monitor_risk (the regime rule's warning as a dict, or None), epochs_to_target, step_time_s,
-    epochs_run, world_size, history``, and for ``guard``: ``rescues``
+    Summary keys: ``config, final_test_acc, best_test_acc`` (the metric's), ``final_test_loss, final_train_loss,
+    collapsed, learned`` (the smoothed training loss went below ``LEARNED`` x its reference,
+    :mod:`normlab.monitor.collapse`), ``collapse_epoch, collapse_reason, stopped_early`` (why the run stopped
+    before its last epoch, or None), ``monitor_alarm, monitor_risk`` (the regime rule's warning as a dict, or None),
+    ``epochs_to_target, step_time_s, epochs_run, world_size, num_classes, history``, and for ``guard``: ``rescues``
     (what :class:`~normlab.monitor.CollapseGuard` did, one dict per rescue), ``steps_lost``, ``guard_gave_up``
     (the message when it gave up, else None; a give-up on a loss climb is ``collapse_reason`` "guard_gave_up") and
     ``alarms_dismissed`` (the alarms the guard waited on and no trouble followed).
@@ -788,7 +812,7 @@ def train(
     joined = not dist.is_initialized()  # train() joins the torchrun group itself: then it also leaves it
     finished = False
     try:
-        summary = Trainer(config, out_dir, progress, tensorboard).run()
+        summary = Trainer(config, out_dir, progress, tensorboard, inputs).run()
         finished = True
         return summary
     finally:
