@@ -54,6 +54,10 @@ RUNS = {  # the runs of a script with more than one: (name of its JSON, extra ar
         ),
     ],  # fmt: skip
     "count_ops": [("count_ops", ["--timing"])],
+    "bench_guard_fsdp": [
+        ("bench_guard_fsdp-overhead", ["overhead", "--repeats", "9"]),
+        ("bench_guard_fsdp-snapshots", ["snapshots"]),
+    ],
 }
 
 
