@@ -59,6 +59,11 @@ def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
     assert gpt[gpt.index("--out") + 1] != resnet[resnet.index("--out") + 1]
     [cmd] = run_all._commands(BENCH / "count_ops.py", args, tmp_path)
     assert "--timing" in cmd and "--results" in cmd
+    overhead, snapshots = run_all._commands(BENCH / "bench_guard_fsdp.py", args, tmp_path)  # both measurements
+    assert "overhead" in overhead and "snapshots" in snapshots
+    assert all(c[c.index("--threads") + 1] == "1" for c in (overhead, snapshots))
+    args.device = "cuda"
+    assert run_all._commands(BENCH / "bench_guard_fsdp.py", args, tmp_path) == []  # 2 gloo ranks on the CPU
 
 
 def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thread, capsys):

@@ -1,6 +1,6 @@
-"""CollapseGuard under DDP with 2 gloo ranks: trouble seen on one rank only, on both, or on none; every rank rolls
-back to the same step together, in one collective per checked step, and no rank waits for a collective another rank
-never makes (each run under a timeout)."""
+"""CollapseGuard under DDP with 2 gloo ranks: trouble seen on one rank only (rank 0 or rank 1), on both, or on none;
+every rank rolls back to the same step together, in one collective per checked step, and no rank waits for a
+collective another rank never makes (each run under a timeout)."""
 
 from __future__ import annotations
 
@@ -106,8 +106,8 @@ def _run(rank: int, scenario: str, store: str, out_dir: str, calls: list, curren
         opt.zero_grad()
         loss.backward()
         seen = loss.detach()
-        if scenario == "nan on rank 1" and t == 9 and rank == 1:
-            seen = seen * float("nan")  # a rank-local trouble: only rank 1 sees it, its gradients stay finite
+        if scenario == f"nan on rank {rank}" and t == 9:
+            seen = seen * float("nan")  # a rank-local trouble: only this rank sees it, its gradients stay finite
         guard.observe_loss(seen)
         before = guard.steps
         opt.step()
@@ -125,6 +125,7 @@ def _run(rank: int, scenario: str, store: str, out_dir: str, calls: list, curren
 
 SCENARIOS = {  # scenario: the snapshot stores it runs with
     "none": ("host",),
+    "nan on rank 0": ("host", "dcp"),
     "nan on rank 1": ("host", "dcp"),  # with "dcp" the snapshots are written by the ranks together, too
     "nan on both": ("host",),
     "alarm on rank 1": ("host",),
@@ -177,7 +178,8 @@ def _check(r0: dict, r1: dict, scenario: str, store: str) -> None:
         assert torch.equal(p, q)
     expected = {
         "none": [],
-        "nan on rank 1": [(9, "non_finite", 9, 4, 6, 0.05)],  # seen at the check after step 9: back to 4 (9 - 4 = 5)
+        "nan on rank 0": [(9, "non_finite", 9, 4, 6, 0.05)],  # seen at the check after step 9: back to 4 (9 - 4 = 5)
+        "nan on rank 1": [(9, "non_finite", 9, 4, 6, 0.05)],
         "nan on both": [(9, "non_finite", 9, 4, 6, 0.05)],
         "alarm on rank 1": [(5, "alarm", 5, 0, 6, 0.05)],  # rank 0 had no alarm and rolled back with rank 1
     }[scenario]

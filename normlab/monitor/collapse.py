@@ -57,8 +57,8 @@ __all__ = [
 WINDOW_EXAMPLES = 1024
 #: The kinds of failure the losses alone show (:func:`~normlab.monitor.label_collapse`), in the order they are tested.
 LOSS_KINDS = ("non_finite", "exploded", "returned_to_chance", "never_left_chance")
-#: Every kind of failure: :data:`LOSS_KINDS` and those only :class:`~normlab.monitor.CollapseGuard` sees (a monitor
-#: alarm acted on by itself, trouble the caller reported).
+#: All kinds of failure, :data:`LOSS_KINDS` and then those only :class:`~normlab.monitor.CollapseGuard` sees (a
+#: monitor alarm acted on by itself, trouble the caller reported).
 KINDS = LOSS_KINDS + ("alarm", "external")
 
 

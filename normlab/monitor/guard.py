@@ -3,17 +3,18 @@
 :class:`CollapseGuard` attaches to the optimizer (its step hooks, as the monitor's: :mod:`normlab.monitor.optim_step`),
 so the loop keeps its own ``optimizer.step()``. Every step it keeps the step's loss (``observe_loss``) and, before
 the update, whether a gradient was non-finite, on the device. Every ``check_every`` steps, and at every snapshot, it
-reads them back in one transfer (under DDP: one collective, the same on every rank) and feeds the losses to the
+reads them back in one transfer (on several ranks: one collective, the same on every rank) and feeds the losses to the
 failure taxonomy's tracker (:mod:`normlab.monitor.collapse`: non-finite, exploded, back to chance). Trouble is a
 failure, or the monitor's alarm once a failure confirms it (``confirm``). The guard then restores the newest snapshot
 taken at least ``margin`` steps before the trouble's onset, multiplies the learning rate by ``lr_factor`` and lets
 training go on; after ``max_rescues`` rescues it gives up (:class:`RunCollapsed`, or ``on_give_up="stop"``).
 Snapshots are taken every ``every`` steps after a check found no trouble, in host memory by default, or on disk
-(:mod:`normlab.monitor.snapshots`).
+(:mod:`normlab.monitor.snapshots`). Under FSDP2 (``fully_shard``) each rank snapshots and restores its own shards of
+the model and of the optimizer state, never the whole model (:mod:`normlab.monitor.shards`).
 
 The trade-off of the checks: trouble is seen up to ``check_every - 1`` steps after its step, and those steps are thrown
 away with it; the restore undoes the bad step however late it is seen. In exchange a step makes no host read-back
-(and under DDP no collective) of the guard's: on a GPU the step queue never drains for it.
+(and on several ranks no collective) of the guard's: on a GPU the step queue never drains for it.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from normlab._dispatch import HALF
 from normlab.monitor.collapse import CollapseCriteria, CollapseTracker, Failure
 from normlab.monitor.optim_step import learning_rates, step_hooks
 from normlab.monitor.options import RescueOptions, SnapshotOptions
+from normlab.monitor.ranks import is_dtensor
+from normlab.monitor.shards import check_sharding, largest_rank_bytes, rebuild_model_state, rebuild_optimizer_state
 from normlab.monitor.snapshots import cpu_copy, make_store, rng_state, set_rng_state
-from normlab.monitor.watch import Seen, StepLog
+from normlab.monitor.watch import Seen, StepLog, world_size
 
 __all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
 
@@ -115,11 +118,13 @@ class DismissedAlarm:
 
 @dataclass
 class _Snap:
-    """A snapshot's index entry: its key in the store, its step and the learning-rate factor it was taken at."""
+    """A snapshot's index entry: its key in the store, its step and the learning-rate factor it was taken at; on
+    several ranks also its size as every rank counts it (:func:`~normlab.monitor.shards.largest_rank_bytes`)."""
 
     key: int
     step: int
     lr_scale: float
+    size: int | None = None
 
 
 @dataclass
@@ -144,8 +149,11 @@ class CollapseGuard:
     lasts while the run has not learned, and a run that never learns confirms it.
 
     A step without trouble is exactly the optimizer's step: a healthy run is not changed, only copied every
-    ``every`` steps. Under DDP every rank must have a guard with the same options; trouble on any rank rolls every
-    rank back to the same step.
+    ``every`` steps. On several ranks (DDP, FSDP2 - DTensor parameters sharded ``Shard(d)`` or replicated on a mesh
+    of every rank, tensor parallelism too) every rank must have a guard with the same options; trouble on any rank
+    (its loss, its gradient shards, its monitor's alarm) rolls every rank back to the same step at the same learning
+    rate, decided in one collective per check. FSDP1, ``_StridedShard`` and ``Partial`` parameters and meshes of only
+    some ranks are refused in one line (:func:`~normlab.monitor.shards.check_sharding`).
 
     Args:
         model: the module being trained (its ``state_dict`` is snapshotted).
@@ -226,9 +234,10 @@ class CollapseGuard:
         self._grads_finite = None
         if not self.options.check_grads or self.scaler is not None or self.gave_up is not None:
             return
-        grads = [p.grad.detach() for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if grads:  # a norm is non-finite iff a value is (or past 3e38 in float32: trouble too); the fused L2 norm
-            half = all(g.dtype in HALF for g in grads)  # is the fast one on every device
+        grads = [_local(p.grad) for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:  # each rank its own shards (FSDP2): no collective here, the check shares the flags. A norm is
+            # non-finite iff a value is (or past 3e38 in float32: trouble too); the fused L2 norm is the fast one
+            half = all(g.dtype in HALF for g in grads)
             norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32) if half else torch._foreach_norm(grads)
             device = norms[0].device
             if any(n.device != device for n in norms):  # parameters on several devices
@@ -260,7 +269,7 @@ class CollapseGuard:
         return min(int(getattr(alarm, "step", self.steps)), self.steps - 1), str(alarm)
 
     def _check(self) -> Failure | None:
-        """Read what the steps since the last check left (one read; under DDP one collective) and decide."""
+        """Read what the steps since the last check left (one read; on several ranks one collective) and decide."""
         seen = self._log.read(self._new_alarm())
         return self._decide(seen, self._first_failure(seen))
 
@@ -316,20 +325,37 @@ class CollapseGuard:
         self._put(_Snap(self._next_key, self.steps, self._scale), state)
 
     def _put(self, snap: _Snap, state: dict) -> None:
+        """Keep ``state`` (live: DTensors, not local form) as ``snap`` within the bounds. On several ranks the sizes
+        are :func:`~normlab.monitor.shards.largest_rank_bytes`, the same on every rank, so all keep, drop and refuse
+        the same snapshots; on one process, what the store takes."""
         self._next_key += 1
-        expected = self._store.nbytes(self._snaps[-1].key) if self._snaps else 0  # the same model: about as large
+        limit = self.snapshot_options.max_bytes
+        if world_size() > 1:
+            snap.size = largest_rank_bytes(state)
+            expected = snap.size
+            if limit is not None and snap.size > limit:
+                self._too_large(snap.size, limit)
+        else:  # the same model: about as large as the last one
+            expected = self._bytes(self._snaps[-1]) if self._snaps else 0
         self._bound(extra=1, extra_bytes=expected)  # room first: the held snapshots never exceed the bounds
         self._store.put(snap.key, state)
         self._snaps.append(snap)
-        size, limit = self._store.nbytes(snap.key), self.snapshot_options.max_bytes
+        size = self._bytes(snap)
         if limit is not None and size > limit:
             self._snaps.pop()
             self._store.drop(snap.key)
-            raise ValueError(
-                f"CollapseGuard: one snapshot takes {size} bytes, over snapshots.max_bytes ({limit}); raise it, or "
-                "keep the snapshots on disk (SnapshotOptions(store='disk', directory=...))"
-            )
+            self._too_large(size, limit)
         self._bound()
+
+    @staticmethod
+    def _too_large(size: int, limit: int) -> None:
+        raise ValueError(
+            f"CollapseGuard: one snapshot takes {size} bytes, over snapshots.max_bytes ({limit}); raise it, or "
+            "keep the snapshots on disk (SnapshotOptions(store='disk', directory=...))"
+        )
+
+    def _bytes(self, snap: _Snap) -> int:
+        return self._store.nbytes(snap.key) if snap.size is None else snap.size
 
     def _bound(self, extra: int = 0, extra_bytes: int = 0) -> None:
         """Drop the oldest kept snapshots (never one a waiting alarm pinned; never the newest, unless room is made
@@ -345,8 +371,9 @@ class CollapseGuard:
 
     @property
     def nbytes(self) -> int:
-        """The bytes the kept snapshots take where the store keeps them (a pinned one included)."""
-        return sum(self._store.nbytes(s.key) for s in self._available())
+        """The bytes the kept snapshots take where the store keeps them (a pinned one included); on several ranks the
+        bytes of their tensors on the rank that keeps the most (its shards under FSDP2), the same on every rank."""
+        return sum(self._bytes(s) for s in self._available())
 
     def _available(self) -> list[_Snap]:
         """The snapshots a rollback may use, oldest first: those kept, and the one a waiting alarm pinned."""
@@ -362,9 +389,10 @@ class CollapseGuard:
 
     @torch.no_grad()
     def _restore(self, snap: _Snap) -> None:
-        s = self._store.get(snap.key)
-        self.model.load_state_dict(s["model"])
-        self.optimizer.load_state_dict(cpu_copy(s["optimizer"]))  # a copy: the optimizer never aliases a snapshot
+        s = self._store.get(snap.key)  # DTensors in local form: each rank's shards, put back without a collective
+        self.model.load_state_dict(rebuild_model_state(s["model"], self.model))
+        optimizer = rebuild_optimizer_state(cpu_copy(s["optimizer"]), self.optimizer)  # a copy: never aliased
+        self.optimizer.load_state_dict(optimizer)
         for sched, st in zip(self.schedulers, s["schedulers"]):
             sched.load_state_dict(copy.deepcopy(st))
         if self.scaler is not None:
@@ -423,8 +451,8 @@ class CollapseGuard:
 
     def report(self, reason: str) -> None:
         """Trouble the caller found outside the steps (a non-finite validation loss): roll back and lower the learning
-        rate as for trouble at the last step (dated to an alarm still waiting, if any). Under DDP call it on every
-        rank (it makes no collective call).
+        rate as for trouble at the last step (dated to an alarm still waiting, if any). On several ranks call it on
+        every rank at the same step (it makes no collective call of its own; the ``"dcp"`` store's read is one).
 
         Raises:
             RunCollapsed: after ``max_rescues`` rescues (``on_give_up="raise"``).
@@ -482,7 +510,10 @@ class CollapseGuard:
         dismissed alarms, the learning-rate factor, the failure tracker, the steps not checked yet (read back here:
         no collective), and with ``snapshots.in_checkpoint`` the snapshots (their tensors in host memory) and an
         alarm waiting for confirmation. Tensors and plain Python values: ``torch.save`` and
-        ``torch.load(weights_only=True)``."""
+        ``torch.load(weights_only=True)``. On several ranks it is the rank's own (its losses, its random generators;
+        under FSDP2 its shards, in local form): save one per rank with ``torch.save`` (not through
+        ``torch.distributed.checkpoint``, which would keep one rank's copy of a plain tensor) and call this on every
+        rank together (the ``"dcp"`` store reads its snapshots back in a collective)."""
         pending = [(s, _plain(loss), None if ok is None else bool(ok)) for s, loss, ok in self._log.entries]
         out = {
             "steps": self.steps,
@@ -541,16 +572,23 @@ class CollapseGuard:
             self._take_snapshot()
             return
         for d in saved[-self.snapshot_options.keep :]:
-            self._put(_Snap(self._next_key, int(d["step"]), float(d["lr_scale"])), d["state"])
+            self._put(_Snap(self._next_key, int(d["step"]), float(d["lr_scale"])), self._live(d["state"]))
         if armed is not None:
             if armed.get("pinned") is not None:
                 p = armed["pinned"]
                 snap = _Snap(self._next_key, int(p["step"]), float(p["lr_scale"]))
                 self._next_key += 1
-                self._store.put(snap.key, p["state"])
+                state = self._live(p["state"])
+                snap.size = largest_rank_bytes(state) if world_size() > 1 else None
+                self._store.put(snap.key, state)
             else:
                 snap = next(s for s in self._snaps if s.step == int(armed["step"]))
             self._armed = _Armed(int(armed["onset"]), str(armed["words"]), snap)
+
+    def _live(self, state: dict) -> dict:
+        """A snapshot read from a checkpoint (local form) with its shards as DTensors of the live model's, as taken."""
+        model = rebuild_model_state(state["model"], self.model)
+        return {**state, "model": model, "optimizer": rebuild_optimizer_state(state["optimizer"], self.optimizer)}
 
     def _drop_snapshots(self) -> None:
         for s in self._available():
@@ -594,4 +632,11 @@ def _check_args(model, optimizer, monitor, snapshots, rescue, criteria):
     ):
         if value is not None and not isinstance(value, cls):
             raise TypeError(f"{where}: {name} must be None or a {cls.__name__}, got {type(value).__name__}")
+    params = [*model.parameters(), *(p for g in optimizer.param_groups for p in g["params"])]
+    check_sharding(model, params, where)
     return snapshots or SnapshotOptions(), rescue or RescueOptions(), criteria or CollapseCriteria()
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as this rank holds it: a DTensor's local shard, a plain tensor as it is."""
+    return grad.to_local().detach() if is_dtensor(grad) else grad.detach()

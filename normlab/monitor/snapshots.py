@@ -3,7 +3,8 @@
 A snapshot is a nested dict of tensors and plain values (the model's and optimizer's ``state_dict``, the schedulers',
 the GradScaler's, the monitor's, the random generators' and the failure tracker's state). A store keeps it under an
 integer key and gives back an equal dict whose tensors live on the CPU (the guard loads them into the model and the
-optimizer, which move them where they belong):
+optimizer, which move them where they belong). Sharded state (FSDP2: DTensors) is kept as each rank's own shards and
+given back in local form (:mod:`normlab.monitor.shards`); no store ever gathers a DTensor.
 
 - :class:`HostStore` (``"host"``, the default): host memory. A tensor on a CUDA device is copied into pinned host
   buffers with ``non_blocking=True``: the copies are queued on the current stream behind the step that produced the
@@ -30,7 +31,6 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,30 +38,15 @@ import torch
 import torch.distributed as dist
 
 from normlab._files import atomic_write
+from normlab.monitor.ranks import is_dtensor
+from normlab.monitor.shards import local_form, map_tensors
 
 __all__ = ["SnapshotStore", "HostStore", "DiskStore", "DCPStore", "make_store", "tensor_bytes", "rng_state"]
 
 
-_LEAVES = (int, float, bool, str, bytes, type(None))
-
-
-def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` with every tensor ``t`` replaced by ``fn(t)`` (dicts, lists and tuples walked; other values kept)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: _map(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        if all(isinstance(v, _LEAVES) for v in obj):  # Python's generator state: 625 ints
-            return list(obj) if isinstance(obj, list) else obj
-        out = [_map(v, fn) for v in obj]
-        return out if isinstance(obj, list) else tuple(out)
-    return obj
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
-    _map(obj, found.append)
+    map_tensors(obj, found.append)
     return found
 
 
@@ -77,7 +62,7 @@ def tensor_bytes(obj: Any) -> int:
 
 def cpu_copy(obj: Any) -> Any:
     """A copy of a nested state whose tensors are new CPU tensors (the optimizer then never aliases a snapshot)."""
-    return _map(obj, lambda t: t.detach().to("cpu", copy=True))
+    return map_tensors(obj, lambda t: t.detach().to("cpu", copy=True))
 
 
 def rng_state() -> dict[str, Any]:
@@ -164,7 +149,7 @@ class HostStore(SnapshotStore):
                 async_copies.append(t.device)
             return out
 
-        kept = _map(state, copy)
+        kept = map_tensors(local_form(state), copy)  # a DTensor: its local shard only
         events = []
         for device in dict.fromkeys(async_copies):  # one event per device, on the stream that queued its copies
             events.append(torch.cuda.Event())
@@ -215,7 +200,7 @@ class DiskStore(SnapshotStore):
 
     @torch.no_grad()
     def put(self, key: int, state: dict) -> None:
-        live = _map(state, lambda t: t.detach())  # serialized as they are now: no copy in memory first
+        live = local_form(map_tensors(state, lambda t: t.detach()))  # as they are now, no copy first; shards only
         self._held[key] = atomic_write(self._path(key), lambda f: torch.save(live, f))
 
     def get(self, key: int) -> dict:
@@ -237,9 +222,10 @@ class DCPStore(SnapshotStore):
     """Snapshots whose model and optimizer tensors go through ``torch.distributed.checkpoint``, one directory per
     snapshot (``dcp-<key>``) in ``directory``; the other parts stay in host memory.
 
-    Under DDP every rank must put and get the same keys at the same time (the guard does: its snapshots and rollbacks
-    happen at the same steps on every rank); one copy of the replicated tensors is written. Without a process group
-    it writes and reads alone.
+    On several ranks every rank must put and get the same keys at the same time (the guard does: its snapshots and
+    rollbacks happen at the same steps on every rank); one copy of the replicated tensors is written, and each rank
+    writes its own shards of a DTensor (FSDP2) and reads them back into its local shards (on the mesh's device, then
+    copied to the CPU). Without a process group it writes and reads alone.
 
     Args:
         directory: where the snapshot directories go (created if missing).
@@ -257,10 +243,10 @@ class DCPStore(SnapshotStore):
         if _rank() == 0 and path.exists():
             shutil.rmtree(path)
         tensors = {part: state[part] for part in _DCP_PARTS}
-        layout = _map(tensors, lambda t: _Slot(tuple(t.shape), t.dtype))
+        layout = map_tensors(tensors, _Slot.of)
         rest = cpu_copy({k: v for k, v in state.items() if k not in _DCP_PARTS})
         with _alone():
-            dcp.save(_map(tensors, lambda t: t.detach()), checkpoint_id=str(path), no_dist=not _distributed())
+            dcp.save(map_tensors(tensors, lambda t: t.detach()), checkpoint_id=str(path), no_dist=not _distributed())
         self._held[key] = (path, rest, layout)
 
     def get(self, key: int) -> dict:
@@ -270,7 +256,7 @@ class DCPStore(SnapshotStore):
         empty = _unmap_layout(layout)
         with _alone():
             dcp.load(empty, checkpoint_id=str(path), no_dist=not _distributed())
-        return {**rest, **empty}
+        return {**rest, **map_tensors(local_form(empty), lambda t: t.to("cpu"))}
 
     def drop(self, key: int) -> None:
         held = self._held.pop(key, None)
@@ -295,16 +281,34 @@ def _alone():
 
 
 class _Slot:
-    """Where a tensor was in a snapshot's layout: its shape and dtype."""
+    """Where a tensor was in a snapshot's layout: its shape and dtype; for a DTensor also its local shape, mesh,
+    placements and stride (the mesh object is held in memory, never written)."""
 
-    def __init__(self, shape: tuple, dtype: torch.dtype) -> None:
-        self.shape, self.dtype = shape, dtype
+    def __init__(self, shape: tuple, dtype: torch.dtype, dtensor: tuple | None = None) -> None:
+        self.shape, self.dtype, self.dtensor = shape, dtype, dtensor
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Slot:
+        if not is_dtensor(t):
+            return cls(tuple(t.shape), t.dtype)
+        return cls(tuple(t.shape), t.dtype, (tuple(t.to_local().shape), t.device_mesh, t.placements, t.stride()))
+
+    def empty(self) -> torch.Tensor:
+        """An empty tensor of this slot: on the CPU, or a DTensor of the slot's mesh (its local shard on the mesh's
+        device) for DCP to read this rank's shards into."""
+        if self.dtensor is None:
+            return torch.empty(self.shape, dtype=self.dtype)
+        from torch.distributed.tensor import DTensor
+
+        local, mesh, placements, stride = self.dtensor
+        data = torch.empty(local, dtype=self.dtype, device=mesh.device_type)
+        return DTensor.from_local(data, mesh, placements, run_check=False, shape=self.shape, stride=stride)
 
 
 def _unmap_layout(layout: Any) -> Any:
-    """Empty CPU tensors in the place of the :class:`_Slot` entries of a layout."""
+    """Empty tensors in the place of the :class:`_Slot` entries of a layout (:meth:`_Slot.empty`)."""
     if isinstance(layout, _Slot):
-        return torch.empty(layout.shape, dtype=layout.dtype)
+        return layout.empty()
     if isinstance(layout, dict):
         return {k: _unmap_layout(v) for k, v in layout.items()}
     if isinstance(layout, list | tuple):

@@ -1,12 +1,13 @@
 """What :class:`~normlab.monitor.CollapseGuard` gathers between two checks, and the one read that brings it home.
 
 Each optimizer step leaves one entry: the step, its loss (a tensor kept on its device, or a number the loop already
-read) and its non-finite-gradient flag (a 0-dim tensor computed on the device before the update). Nothing is read back
-until the guard checks: then ``StepLog.read`` stacks the entries into one tensor and reads it in one transfer.
-Under DDP the ranks exchange their entries and their new monitor alarms in one ``all_gather`` of that tensor, on
-every rank at the same step (the guard's checks follow its step counter, which the shared decisions keep equal), so
-every rank sees the same losses (the mean over the ranks; non-finite if any rank's is), the same flags (any rank's)
-and the same earliest alarm, and decides the same. Each rank keeps its own alarm's words; the others name the rank.
+read) and its non-finite-gradient flag (a 0-dim tensor computed on the device before the update; under FSDP2 over the
+rank's own gradient shards). Nothing is read back until the guard checks: then ``StepLog.read`` stacks the entries
+into one tensor and reads it in one transfer. On several ranks (DDP, FSDP2) the ranks exchange their entries and their
+new monitor alarms in one ``all_gather`` of that tensor, on every rank at the same step (the guard's checks follow its
+step counter, which the shared decisions keep equal), so every rank sees the same losses (the mean over the ranks;
+non-finite if any rank's is), the same flags (any rank's) and the same earliest alarm, and decides the same. Each
+rank keeps its own alarm's words; the others name the rank.
 
 Example:
     >>> log = StepLog()
@@ -85,8 +86,7 @@ class StepLog:
         vec = self._local(None if alarm is None else alarm[0])
         world = world_size()
         if world > 1:
-            if dist.get_backend() == "gloo" and vec.device.type != "cpu":
-                vec = vec.cpu()
+            vec = vec.to(_collective_device())  # the same device on every rank, whatever its entries hold
             out = torch.empty(world * vec.numel(), dtype=vec.dtype, device=vec.device)
             dist.all_gather_single(out, vec)
             rows = out.reshape(world, -1).tolist()
@@ -95,6 +95,16 @@ class StepLog:
         steps = [e[0] for e in self.entries]
         self.clear()
         return _combine(steps, rows, alarm)
+
+
+def _collective_device() -> torch.device:
+    """Where the check's ``all_gather`` runs: the CPU under a gloo backend (alone or beside another), else this
+    rank's current accelerator (NCCL and its kin). Never chosen from the entries: a rank whose log holds only numbers
+    must gather on the same device, with the same backend, as one whose log holds device tensors."""
+    if "gloo" in str(dist.get_backend()) or not torch.accelerator.is_available():
+        return torch.device("cpu")
+    accelerator = torch.accelerator.current_accelerator()
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())
 
 
 def _scalar(value, device: torch.device) -> torch.Tensor:
