@@ -120,13 +120,15 @@ def test_the_monitor_tells_the_rules_whether_the_optimizer_is_adaptive():
 def test_adaptive_confirm_waits_for_a_persisting_rate_under_an_adaptive_optimizer_only():
     # after the skipped steps: one 20x jump that then levels off (flagged on the two steps whose span holds it), and
     # a runaway at 1.5 per step
+    # (new_high=False: the plateau after the jump is no new high, so new_high alone would flag it once; the
+    # confirmation is tested on its own here, new_high in tests/test_rules_scaled.py)
     surge = [1.0] * 11 + [20.0] * 10
     runaway = [1.0] * 10 + [math.exp(1.5 * s) for s in range(15)]
     for k in (2, 3):
-        assert run(CountdownRule(adaptive_confirm=k), surge, adaptive=False), "under SGD the surge still alarms"
-    assert run(CountdownRule(adaptive_confirm=1), surge, adaptive=True), "k=1: no confirmation"
-    assert run(CountdownRule(adaptive_confirm=2), surge, adaptive=True)
-    assert run(CountdownRule(adaptive_confirm=3), surge, adaptive=True) == []
+        assert run(CountdownRule(adaptive_confirm=k, new_high=False), surge, adaptive=False), "SGD: still alarms"
+    assert run(CountdownRule(adaptive_confirm=1, new_high=False), surge, adaptive=True), "k=1: no confirmation"
+    assert run(CountdownRule(adaptive_confirm=2, new_high=False), surge, adaptive=True)
+    assert run(CountdownRule(adaptive_confirm=3, new_high=False), surge, adaptive=True) == []
     first = {k: run(CountdownRule(adaptive_confirm=k), runaway, adaptive=True)[0].step for k in (1, 2, 3)}
     assert first[2] == first[1] + 1 and first[3] == first[1] + 2, first
     # a non-finite value alarms at once

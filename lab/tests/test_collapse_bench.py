@@ -123,3 +123,51 @@ def test_the_report_setups_include_the_slow_onset_gpt_and_not_the_pilot_only_one
     assert "gpt_slow" in SETUPS and SETUPS["gpt_slow"]["warmup"] >= 200
     assert not set(PILOT_SETUPS) & set(SETUPS) and set(ALL_SETUPS) == set(SETUPS) | set(PILOT_SETUPS)
     assert protocol.configs([320], ["gpt_long"])[0]["setup"] == "gpt_long"  # pilot set-ups run by name
+
+
+# ------------------------------------------------------------------------------------------ round 4: families
+def test_round4_families_build_train_and_have_their_chance_loss():
+    import math
+
+    import torch
+
+    from normlab_lab.collapse_bench import families
+    from normlab_lab.collapse_bench.setups import FAMILY, HELD_OUT, batches, build, loss_fn
+
+    held = [s for s in SETUPS if FAMILY[s] in HELD_OUT]
+    assert {FAMILY[s] for s in held} == set(HELD_OUT) and len(held) == 2 * len(HELD_OUT)  # SGD and AdamW each
+    assert {SETUPS[s]["opt"] for s in held} == {"sgd", "adamw_torch"}
+    assert FAMILY["mlp_sgd"] == FAMILY["mlp_adamw"] == "mlp" and FAMILY["gpt_slow"] == "gpt"
+    for name in [*held, "mlp_reg"]:
+        cfg = SETUPS[name]
+        model, opt, lr_at, chance = build(name, cfg["lrs"][0], 100)
+        x, y = next(batches(cfg["model"], 4, 101))
+        loss = loss_fn(name)(model(x), y)
+        assert math.isfinite(loss.item()) and chance > 0, name
+        loss.backward()
+        opt.step()
+        assert lr_at(0) == cfg["lrs"][0]
+    # a regression's chance loss is the error of the best constant prediction: the targets' variance
+    x, y = families.diabetes()
+    assert build("mlp_reg", 1e-3, 100)[3] == pytest.approx(float(y.var(unbiased=False)))
+    noisy, clean = next(batches("unet", 8, 100))
+    assert noisy.shape == clean.shape == (8, 1, 16, 16) and not torch.equal(noisy, clean)
+    assert loss_fn("unet_sgd") is loss_fn("unet_adamw") is families.mse and loss_fn("vit_sgd") is not families.mse
+
+
+def test_collect_takes_a_pilots_rates_and_evaluate_prints_each_family(tmp_path, capsys):
+    out = tmp_path / "runs"
+    args = ["--out", str(out), "--seeds", "100", "--setups", "mlp_reg,unet_sgd,unet_adamw", "--steps", "4"]
+    assert bench("collect", *args, "--workers", "1", "--lrs", "0.001,0.002") == 0
+    assert sorted(p.stem for p in out.glob("unet_sgd*.jsonl")) == ["unet_sgd_lr0.001_s100", "unet_sgd_lr0.002_s100"]
+    assert len(protocol.configs([100], ["mlp_reg"], [0.5])) == 1
+    capsys.readouterr()
+    # evaluate reads the set-ups' own grids: collect them too (4 steps each) and print the table per family
+    assert bench("collect", *args, "--workers", "1") == 0
+    capsys.readouterr()
+    assert bench("evaluate", *args) == 0
+    text = capsys.readouterr().out
+    assert "**family unet**" in text and "**family mlp_reg**" in text and "**unet_sgd**" in text
+    assert bench("collect", *args, "--lrs", "0.1,-1") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("normlab-lab collapse-bench: error: --lrs") and len(err.splitlines()) == 1, err

@@ -146,8 +146,8 @@ class VarianceMonitor:
         every: record on steps 0, every, 2*every, ... (int >= 1), or a :class:`~normlab.monitor.RecordSchedule`
             (e.g. ``RecordSchedule(every=10, dense_steps=200)``: also every step of the first 200). Default: 10.
         rules: the rules to check (:mod:`normlab.monitor.rules`), in the order their events are wanted; None (the
-            default) for :func:`~normlab.monitor.DEFAULT_RULES` (the growth/implosion factors, the regime
-            warning, the countdown), ``[]`` to record only. Rule names must be unique.
+            default) for :func:`~normlab.monitor.DEFAULT_RULES` (the growth factors, the countdown), ``[]`` to
+            record only. Rule names must be unique.
         probes: per-step scalars no layer record shows (:mod:`normlab.monitor.probes`: attention logits, residual
             stream, norm gains, output logits), measured on recorded steps only and passed to the rules as
             ``ctx.probes``: True for :func:`~normlab.monitor.probes.DEFAULT_PROBES`, a list of
@@ -185,7 +185,7 @@ class VarianceMonitor:
         >>> model(torch.randn(16, 4)).square().mean().backward()
         >>> opt.step()                       # records step 0 through the optimizer's hooks
         >>> mon.current_step, sorted({r["layer"] for r in mon.records}), [r.name for r in mon.rules]
-        (1, ['0', '2'], ['factor', 'regime', 'countdown'])
+        (1, ['0', '2'], ['factor', 'countdown'])
     """
 
     def __init__(

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from normlab.cli.args import integer, positive_int
+from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option
 from normlab_lab.collapse_bench.collect import collect
 from normlab_lab.collapse_bench.evaluate import evaluate_dir
@@ -41,6 +42,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=positive_int, default=2, help="worker processes (default 2)")
     p.add_argument("--steps", type=positive_int, default=None, help="override every set-up's step count (tests)")
     p.add_argument(
+        "--lrs",
+        default=None,
+        help="collect: these learning rates instead of each set-up's grid, e.g. 0.01,0.1 (a pilot's candidates)",
+    )
+    p.add_argument(
         "--every",
         type=positive_int,
         default=10,
@@ -57,6 +63,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _rates(text: str | None) -> list[float] | None:
+    """ "0.01,0.1" -> [0.01, 0.1]: positive finite learning rates (None: each set-up's grid)."""
+    if text is None:
+        return None
+    try:
+        rates = [float(v) for v in text.split(",") if v]
+    except ValueError:
+        rates = []
+    if not rates or not all(0 < r < float("inf") for r in rates):
+        raise UsageError(f"--lrs: expected positive finite learning rates such as 0.01,0.1, got {text!r}")
+    return rates
+
+
 def _guard(args: argparse.Namespace, out: Path, seeds: list[int], setups: list[str], json_path: str | None) -> None:
     """Guard re-runs of every collapsing run and of up to ``--guard-healthy`` healthy runs per set-up."""
     runs = runs_to_guard(out, seeds, setups, args.guard_healthy)
@@ -69,9 +88,9 @@ def _guard(args: argparse.Namespace, out: Path, seeds: list[int], setups: list[s
 
 def run(args: argparse.Namespace) -> int:
     out = check_dir_option(args.out, "--out")
-    seeds, setups = parse_seeds(args.seeds), parse_setups(args.setups)
+    seeds, setups, lrs = parse_seeds(args.seeds), parse_setups(args.setups), _rates(args.lrs)
     if args.stage in ("collect", "all"):
-        collect(out, seeds, setups, args.workers, args.steps)
+        collect(out, seeds, setups, args.workers, args.steps, lrs=lrs)
     if args.stage in ("evaluate", "all"):
         table = evaluate_dir(out, seeds, setups, every=args.every)
         print(table["markdown"])

@@ -23,7 +23,7 @@ from normlab.monitor.collapse import CollapseTracker
 from normlab.monitor.optim_step import is_adaptive
 from normlab.monitor.probes import ProbeSet
 from normlab_lab.collapse_bench.protocol import configs, criteria, run_path
-from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build
+from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build, loss_fn
 from normlab_lab.steps import train_steps
 
 __all__ = ["train_run", "collect"]
@@ -84,7 +84,7 @@ def train_run(cfg: dict, path: Path, steps: int | None = None) -> dict:
             f.write(json.dumps(line) + "\n")
             return tracker.update(line["loss"]) is None
 
-        taken = train_steps(model, opt, data, steps, step, before=before, after=after)
+        taken = train_steps(model, opt, data, steps, step, loss_fn=loss_fn(cfg["setup"]), before=before, after=after)
     mon.close()
     os.replace(tmp, path)
     return dict(name=path.stem, steps=taken, seconds=round(time.time() - start, 1))
@@ -105,10 +105,12 @@ def collect(
     workers: int = 1,
     steps: int | None = None,
     log: Callable[[str], None] = lambda s: print(s, flush=True),
+    lrs: Sequence[float] | None = None,
 ) -> list[dict]:
-    """Train every run not on disk yet (``workers`` processes), printing one progress line per run."""
+    """Train every run not on disk yet (``workers`` processes), printing one progress line per run; ``lrs``: these
+    learning rates instead of each set-up's grid (a pilot's candidates)."""
     out.mkdir(parents=True, exist_ok=True)
-    cfgs = configs(seeds, setups)
+    cfgs = configs(seeds, setups, lrs)
     t0, results = time.time(), []
 
     def report(r: dict) -> None:

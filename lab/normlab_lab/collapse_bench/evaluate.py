@@ -21,7 +21,7 @@ from normlab.monitor.collapse import label_collapse, window_mean
 from normlab.monitor.rules import StepContext, replay
 from normlab.monitor.rules import transformer as T
 from normlab_lab.collapse_bench.protocol import LEAD, WINDOW, configs, criteria, load_run, run_path
-from normlab_lab.collapse_bench.setups import ALL_SETUPS, SETUPS
+from normlab_lab.collapse_bench.setups import ALL_SETUPS, FAMILY, SETUPS
 
 __all__ = [
     "SETUPS",
@@ -217,7 +217,8 @@ def _fmt(s: dict) -> str:
 
 
 def markdown(runs: list[dict], alarms: dict[str, list], setups: Sequence[str]) -> str:
-    """The benchmark's tables: runs per set-up, then per detector over all set-ups and per set-up."""
+    """The benchmark's tables: runs per set-up, then per detector over all set-ups, per family (the set-ups of one
+    model under any optimizer, :data:`~normlab_lab.collapse_bench.setups.FAMILY`) and per set-up."""
     lines = [
         "| set-up | runs | healthy | collapsed | warnable | no step (never learned) |",
         "|---|---|---|---|---|---|",
@@ -231,9 +232,12 @@ def markdown(runs: list[dict], alarms: dict[str, list], setups: Sequence[str]) -
         )
     lines += _warnings_table(runs, alarms)
     lines += _degraded_table(runs, alarms)
-    for title, idx in [("all set-ups", range(len(runs)))] + [
-        (s, [i for i, r in enumerate(runs) if r["setup"] == s]) for s in setups
-    ]:
+    families = sorted({FAMILY[s] for s in setups})
+    groups = [("all set-ups", range(len(runs)))]
+    if len(families) > 1:
+        groups += [(f"family {f}", [i for i, r in enumerate(runs) if FAMILY[r["setup"]] == f]) for f in families]
+    groups += [(s, [i for i, r in enumerate(runs) if r["setup"] == s]) for s in setups]
+    for title, idx in groups:
         idx = list(idx)
         sub = score([runs[i] for i in idx], {n: [a[i] for i in idx] for n, a in alarms.items()})
         head = f"| detector | warned >= {LEAD} ahead | median lead | false alarms / 10 healthy |"

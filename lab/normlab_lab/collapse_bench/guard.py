@@ -24,7 +24,7 @@ from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
 from normlab.monitor.collapse import label_collapse
 from normlab_lab.collapse_bench.evaluate import label
 from normlab_lab.collapse_bench.protocol import configs, criteria, load_run, run_path
-from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build
+from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build, loss_fn
 from normlab_lab.steps import train_steps
 
 __all__ = ["guard_run", "guard_all", "guard_table", "runs_to_guard"]
@@ -64,7 +64,16 @@ def guard_run(cfg: dict, steps: int | None = None) -> dict:
         return True
 
     # a rolled-back step is taken again: at most 3 x steps calls for ``steps`` kept steps
-    train_steps(model, opt, data, 3 * steps, step, before=lambda t: guard.steps < steps, after=lambda t, _, go: go)
+    train_steps(
+        model,
+        opt,
+        data,
+        3 * steps,
+        step,
+        loss_fn=loss_fn(cfg["setup"]),
+        before=lambda t: guard.steps < steps,
+        after=lambda t, _, go: go,
+    )
     kept = [float(losses[s]) for s in range(guard.steps)]  # the trajectory the model is on
     lab = label_collapse(kept, criteria(chance), finished=not gave_up)
     guard.close()

@@ -40,9 +40,11 @@ def run_name(cfg: dict) -> str:
     return f"{cfg['setup']}_lr{cfg['lr']:g}_s{cfg['seed']}"
 
 
-def configs(seeds: Iterable[int], setups: Sequence[str] = tuple(SETUPS)) -> list[dict]:
-    """Every run of the protocol: set-up x lr x seed."""
-    return [dict(setup=s, lr=lr, seed=seed) for seed in seeds for s in setups for lr in ALL_SETUPS[s]["lrs"]]
+def configs(
+    seeds: Iterable[int], setups: Sequence[str] = tuple(SETUPS), lrs: Sequence[float] | None = None
+) -> list[dict]:
+    """Every run of the protocol: set-up x lr x seed (``lrs``: these rates instead of each set-up's grid)."""
+    return [dict(setup=s, lr=lr, seed=seed) for seed in seeds for s in setups for lr in (lrs or ALL_SETUPS[s]["lrs"])]
 
 
 def run_path(out: Path, cfg: dict) -> Path:

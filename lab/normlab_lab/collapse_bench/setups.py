@@ -13,6 +13,10 @@ Set-ups (each a learning-rate sweep that gives healthy and collapsing runs):
 - ``gpt_slow`` (round 3): the GPT with a 600-step linear warm-up to its peak rate, then constant, 800 steps: the
   learning rate climbs through the unstable range over hundreds of steps, so attention logits grow for hundreds of
   steps and, at high peaks, the loss diverges after step 200.
+- round 4 (:mod:`~normlab_lab.collapse_bench.families`): ``mlp_reg``, the MLP regressing sklearn's diabetes target
+  under SGD (a calibration family), and the held-out families ``vit``, ``gru``, ``unet``, ``resmlp_ln``, each under
+  SGD (``<family>_sgd``) and AdamW (``<family>_adamw``: torch's defaults, betas 0.9/0.999, weight decay 0.01).
+  :data:`FAMILY` names each set-up's family, :data:`HELD_OUT` the held-out ones.
 """
 
 from __future__ import annotations
@@ -26,11 +30,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from normlab.runner.data.datasets import get_dataset
+from normlab_lab.collapse_bench import families as fam
 
 __all__ = [
     "SETUPS",
     "PILOT_SETUPS",
     "ALL_SETUPS",
+    "FAMILY",
+    "HELD_OUT",
+    "loss_fn",
     "CONTEXT",
     "char_text",
     "digits",
@@ -52,13 +60,30 @@ SETUPS = {  # fixed on pilot seeds (lab/docs/monitor_benchmark.md) before the re
     "cnn_plain": dict(model="cnn_plain", opt="sgd", lrs=(0.002, 0.005, 0.01, 0.05), steps=150, warmup=0, batch=64),
     "mlp_sgd": dict(model="mlp", opt="sgd", lrs=(0.01, 0.1, 0.3, 1.0), steps=200, warmup=0, batch=64),
     "mlp_adamw": dict(model="mlp", opt="adamw", lrs=(1e-3, 1e-2, 3e-2, 0.1), steps=200, warmup=0, batch=64),
+    # round 4 (lab/docs/monitor_benchmark.md): grids fixed on pilot seed 450 by the losses alone
+    "mlp_reg": dict(model="mlp_reg", opt="sgd", lrs=(1e-3, 1e-2, 1.5e-2, 2e-2, 3e-2), steps=200, warmup=0, batch=64),
+    "vit_sgd": dict(model="vit", opt="sgd", lrs=(0.03, 0.3, 1.0, 3.0), steps=150, warmup=0, batch=64),
+    "vit_adamw": dict(model="vit", opt="adamw_torch", lrs=(1e-3, 2e-2, 3e-2, 0.1), steps=150, warmup=0, batch=64),
+    "gru_sgd": dict(model="gru", opt="sgd", lrs=(0.1, 1.0, 3.0, 10.0), steps=200, warmup=0, batch=16),
+    "gru_adamw": dict(model="gru", opt="adamw_torch", lrs=(1e-3, 0.3, 1.0, 3.0), steps=200, warmup=0, batch=16),
+    "unet_sgd": dict(model="unet", opt="sgd", lrs=(1e-3, 2e-2, 3e-2, 0.1), steps=120, warmup=0, batch=64),
+    "unet_adamw": dict(model="unet", opt="adamw_torch", lrs=(1e-3, 2e-2, 3e-2, 0.1), steps=120, warmup=0, batch=64),
+    "resmlp_ln_sgd": dict(model="resmlp_ln", opt="sgd", lrs=(0.01, 0.3, 1.0, 3.0), steps=150, warmup=0, batch=64),
+    "resmlp_ln_adamw": dict(
+        model="resmlp_ln", opt="adamw_torch", lrs=(1e-3, 0.3, 1.0, 3.0), steps=150, warmup=0, batch=64
+    ),
 }
+REGRESSION = ("mlp_reg", "unet")  # models trained with the mean squared error
 # set-ups tried on the pilot seeds of round 3 and not kept (lab/docs/monitor_calibration.md); runnable by name
 PILOT_SETUPS = {
     "gpt_long": dict(model="gpt", opt="adamw", lrs=(0.1, 0.2, 0.3, 0.45), steps=1000, warmup=100, batch=16),
     "gpt_longwarm": dict(model="gpt", opt="adamw", lrs=(0.3, 0.6, 1.0), steps=1000, warmup=600, batch=16),
 }
 ALL_SETUPS = {**SETUPS, **PILOT_SETUPS}
+# each set-up's family (the unit the round-4 targets are judged on); the held-out families were never calibrated on
+FAMILY = {name: ("gpt" if cfg["model"] == "gpt" else cfg["model"]) for name, cfg in ALL_SETUPS.items()}
+FAMILY.update(cnn_bn="cnn_bn", cnn_plain="cnn_plain", mlp_sgd="mlp", mlp_adamw="mlp")
+HELD_OUT = ("vit", "gru", "unet", "resmlp_ln")
 CONTEXT = 64
 
 
@@ -85,24 +110,40 @@ def digits() -> tuple[torch.Tensor, torch.Tensor]:
 def batches(model: str, batch: int, seed: int):
     """An endless stream of ``(x, y)`` training batches drawn with the run's seed."""
     g = torch.Generator().manual_seed(seed)
-    if model == "gpt":
+    if model in ("gpt", "gru"):
         ids, _ = char_text()
+        context = CONTEXT if model == "gpt" else fam.GRU_CONTEXT
         while True:
-            i = torch.randint(0, len(ids) - CONTEXT - 1, (batch,), generator=g)
-            idx = i[:, None] + torch.arange(CONTEXT + 1)
+            i = torch.randint(0, len(ids) - context - 1, (batch,), generator=g)
+            idx = i[:, None] + torch.arange(context + 1)
             seq = ids[idx]
             yield seq[:, :-1], seq[:, 1:]
-    x, y = digits()
-    if model == "mlp":
+    x, y = fam.diabetes() if model == "mlp_reg" else digits()
+    if model in ("mlp", "resmlp_ln"):
         x = x.flatten(1)
     while True:
         i = torch.randint(0, len(x), (batch,), generator=g)
-        yield x[i], y[i]
+        if model == "unet":  # denoising: the noisy image in, the clean one out
+            yield x[i] + fam.NOISE * torch.randn(x[i].shape, generator=g), x[i]
+        else:
+            yield x[i], y[i]
 
 
 def chance_loss(model: str) -> float:
-    """ln(C): the loss of a uniform prediction over the classes (characters or digits)."""
-    return math.log(char_text()[1] if model == "gpt" else 10)
+    """ln(C): the loss of a uniform prediction over the classes (characters or digits); for a regression the mean
+    squared error of the best constant prediction (:func:`~normlab_lab.collapse_bench.families.regression_chance`)."""
+    if model == "mlp_reg":
+        return fam.regression_chance(fam.diabetes()[1])
+    if model == "unet":
+        return fam.regression_chance(digits()[0])
+    return math.log(char_text()[1] if model in ("gpt", "gru") else 10)
+
+
+def loss_fn(setup: str):
+    """The training loss of a set-up: the mean squared error for a regression, else the cross-entropy."""
+    from normlab_lab.steps import flat_cross_entropy
+
+    return fam.mse if ALL_SETUPS[setup]["model"] in REGRESSION else flat_cross_entropy
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -168,13 +209,13 @@ def res_cnn(norm: bool) -> nn.Module:
     )  # fmt: skip
 
 
-def mlp() -> nn.Module:
-    """A 5-layer ReLU MLP 256-128-128-128-128-10."""
-    dims = (256, 128, 128, 128, 128)
+def mlp(d_in: int = 256, d_out: int = 10) -> nn.Module:
+    """A 5-layer ReLU MLP d_in-128-128-128-128-d_out (256 in, 10 out for the digits)."""
+    dims = (d_in, 128, 128, 128, 128)
     layers: list[nn.Module] = []
     for a, b in zip(dims, dims[1:]):
         layers += [nn.Linear(a, b), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(dims[-1], 10))
+    return nn.Sequential(*layers, nn.Linear(dims[-1], d_out))
 
 
 def _he(model: nn.Module) -> nn.Module:
@@ -186,19 +227,32 @@ def _he(model: nn.Module) -> nn.Module:
     return model
 
 
+def _model(kind: str) -> nn.Module:
+    """A fresh model of a set-up's kind (the caller seeds torch first)."""
+    makers = {
+        "gpt": lambda: CharGPT(char_text()[1]),
+        "mlp": lambda: _he(mlp()),
+        "mlp_reg": lambda: _he(mlp(10, 1)),
+        "cnn_bn": lambda: _he(res_cnn(norm=True)),
+        "cnn_plain": lambda: _he(res_cnn(norm=False)),
+        "vit": fam.TinyViT,
+        "gru": lambda: fam.GRULM(char_text()[1]),
+        "unet": fam.TinyUNet,
+        "resmlp_ln": fam.res_mlp_ln,
+    }
+    return makers[kind]()
+
+
 def build(setup: str, lr: float, seed: int):
     """``(model, optimizer, lr_at(step), chance_loss)`` of one run."""
     cfg = ALL_SETUPS[setup]
     torch.manual_seed(seed)
     kind = cfg["model"]
-    if kind == "gpt":
-        model = CharGPT(char_text()[1])
-    elif kind == "mlp":
-        model = _he(mlp())
-    else:
-        model = _he(res_cnn(norm=kind == "cnn_bn"))
+    model = _model(kind)
     if cfg["opt"] == "adamw":
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=1e-4)
+    elif cfg["opt"] == "adamw_torch":
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     warm = cfg["warmup"]

@@ -32,14 +32,15 @@ from normlab.monitor.rules.variance import CountdownRule, FactorRule
 
 
 def DEFAULT_RULES() -> list[Rule]:  # noqa: N802 - a constant-like factory, named as the contract fixes it
-    """Fresh instances of the monitor's default rules, in the order their events are kept: the growth/implosion
-    factors, the regime warning, the countdown.
+    """Fresh instances of the monitor's default rules, in the order their events are kept: the growth factors, the
+    countdown. The regime warning (:class:`~normlab.monitor.rules.RegimeRule`) is not among them: on the collapse
+    benchmark it warned no collapse and flagged healthy runs (docs/defaults.md); add it to ``rules`` to have it.
 
     Example:
         >>> [type(rule).__name__ for rule in DEFAULT_RULES()]
-        ['FactorRule', 'RegimeRule', 'CountdownRule']
+        ['FactorRule', 'CountdownRule']
     """
-    return [FactorRule(), RegimeRule(), CountdownRule()]
+    return [FactorRule(), CountdownRule()]
 
 
 __all__ = [

@@ -108,19 +108,26 @@ class FactorRule(Rule):
     Exemptions (from the step's context): the output layer (``ctx.output_layer``, the classifier: its logit
     variance and per-class offsets grow as the net becomes confident) gets no growth test unless
     ``watch_output_layer``; a layer whose output a normalization layer renormalizes (``ctx.feeds_norm``) gets no
-    growth test of ``shift``; a layer whose output a normalization layer reads alone
+    growth test of ``shift`` or ``shift_scale_free``; a layer whose output a normalization layer reads alone
     (:func:`~normlab.monitor.rules.variance.renormalized_alone` at the layer's first recorded step: a conv before its
     BatchNorm) gets no growth test of ``output_var`` unless
     ``watch_renormalized``: the norm removes its scale, and the weights before a normalization grow in norm in
     healthy training (their gradient is orthogonal to them); this is judged once, at the first record, so that a
     residual branch that comes to dominate the sum a norm reads is not taken for a lone input later. The implosion
-    test runs on the output layer only (its input's second moment falling 10,000x is a net whose last ReLUs died).
+    test, when asked for, runs on the output layer only (``implode_factor={"input_sq": 1e4}``: its input's second
+    moment falling 10,000x is a net whose last ReLUs died, or one deflating from an over-scaled start).
+
+    The defaults watch the output variance (1,000x) and the scale-free shift (``shift_scale_free`` = shift /
+    (n Var[W]), 100x: the filter means drifting apart relative to the weights' own spread, so that weights growing
+    as a whole, which the output variance already shows, do not count twice), with no implosion test: on the
+    collapse benchmark's calibration runs the raw ``shift`` and the implosion test raised false alarms on healthy
+    unnormalized nets and warned no collapse the other tests missed (docs/defaults.md).
 
     Args:
         explode_factor: growth factor over the baseline (> 1); a float for every watched quantity or a mapping
             {quantity: factor} (quantities missing from it use 100).
         implode_factor: {quantity: factor} of the implosion test (> 1); the quantity need not be watched. None or
-            {} for no implosion test.
+            {} (the default) for no implosion test.
         watch: record keys of the growth and non-finite tests.
         min_initial: floor of the baselines (>= 0), a float or {quantity: floor} (missing ones use 1e-6): a
             quantity with floor f and factor k is flagged only above k * f.
@@ -133,7 +140,7 @@ class FactorRule(Rule):
             variances of a small-init net by orders of magnitude in healthy runs. No effect under SGD (int >= 0).
 
     Example:
-        >>> rule = FactorRule(explode_factor=100.0, implode_factor=None, min_initial=1e-6)
+        >>> rule = FactorRule(explode_factor=100.0, min_initial=1e-6)
         >>> rec = lambda v: [{"layer": "conv1", "index": 0, "output_var": v, "shift": 0.01}]
         >>> rule.check(StepContext(step=0), rec(1.0)) is None      # the baseline
         True
@@ -149,7 +156,7 @@ class FactorRule(Rule):
         self,
         explode_factor: float | Mapping[str, float] | None = None,
         implode_factor: Mapping[str, float] | None = None,
-        watch: Sequence[str] = ("output_var", "shift"),
+        watch: Sequence[str] = ("output_var", "shift_scale_free"),
         min_initial: float | Mapping[str, float] | None = None,
         baseline_records: int = 1,
         watch_output_layer: bool = False,
@@ -158,9 +165,8 @@ class FactorRule(Rule):
     ) -> None:
         # defaults: the classifier's logit variance grows ~100-200x in healthy training, so output_var needs 1e3;
         # output variance is compared with at least unit variance (the scale He init keeps); a PWS shift is 0
-        explode_factor = {"output_var": 1e3, "shift": 100.0} if explode_factor is None else explode_factor
-        implode_factor = {"input_sq": 1e4} if implode_factor is None else implode_factor
-        min_initial = {"output_var": 1.0, "shift": 1e-6} if min_initial is None else min_initial
+        explode_factor = {"output_var": 1e3, "shift_scale_free": 100.0} if explode_factor is None else explode_factor
+        min_initial = {"output_var": 1.0, "shift_scale_free": 1e-6} if min_initial is None else min_initial
         if isinstance(watch, str) or not watch:
             raise ValueError(f"FactorRule: watch must be a sequence of record keys, got {watch!r}")
         self.watch = tuple(watch)
@@ -273,7 +279,7 @@ class FactorRule(Rule):
                 if q not in self.explode_factor and not shrink:
                     continue
                 grow = q in self.explode_factor and rec["layer"] not in growth_exempt
-                grow = grow and not (q == "shift" and rec["layer"] in shift_exempt)
+                grow = grow and not (q in ("shift", "shift_scale_free") and rec["layer"] in shift_exempt)
                 grow = grow and not (q == "output_var" and rec["layer"] in var_exempt)
                 flag = self._judge(rec, q, grow, shrink, settling)
                 if flag is not None:
@@ -300,7 +306,9 @@ class CountdownRule(Rule):
     (every conv/linear layer but the output layer and those a normalization layer renormalizes),
 
     - ``growth``: the growth rate of the output variance, ``[ln V_l(t) - ln V_l(t')] / (t - t')`` with ``t'`` the
-      newest earlier value at least ``span`` steps back, exceeds ``growth``, or
+      newest earlier value at least ``span`` steps back, exceeds the layer's threshold (``growth``; with ``spread``,
+      scaled by the layer's own recent rates) while, with ``new_high``, ``V_l(t)`` is above every earlier value
+      the rule kept for the layer, or
     - ``level``: the output variance over its first value, ``V_l(t) / V_l(t_0)``, exceeds ``level`` (not tested on
       standardized kernels, WS/PWS: ``shift_scale_free`` = 0), or
     - ``grad_ratio``: the gradient norm over the median of its last ``history`` values (at least 5) exceeds it, or
@@ -329,6 +337,18 @@ class CountdownRule(Rule):
             adaptive optimizer moves each weight by at most about the learning rate per step, so a surge of the
             output variance after a few large updates decays (its rate falls like 1/t), while a runaway persists.
             No effect under SGD (int >= 1; 1: no confirmation).
+        confirm: the same confirmation under any other optimizer (int >= 1; 1: none, the default).
+        new_high: a growth flag needs the output variance above the layer's running maximum (every value kept since
+            its first): a runaway makes new highs, while a layer recovering from a dip (its variance fallen 1,000x
+            after an over-scaled start, then growing back fast) does not until it passes its old level.
+        spread: None, or scale each layer's threshold by its own recent rates: ``max(growth, spread * m_l)`` with
+            ``m_l`` the median absolute growth rate of the layer's last ``spread_window`` checked steps (once it
+            has 5): a layer whose variance swings by e per step in healthy training (small batches) needs a larger
+            rate to alarm. Off by default: it changed no alarm on the collapse benchmark's calibration runs.
+        spread_window: the rates the spread's median reads (int >= 5).
+
+    The defaults (``growth`` 1.0, ``new_high``) were calibrated on the collapse study and the collapse benchmark
+    (docs/defaults.md).
 
     Example:
         >>> rule = CountdownRule(growth=1.0, level=15.0)
@@ -354,10 +374,22 @@ class CountdownRule(Rule):
         every_step: bool = True,
         adaptive_steps: int = ADAPTIVE_STEPS,
         adaptive_confirm: int = ADAPTIVE_CONFIRM,
+        confirm: int = 1,
+        new_high: bool = True,
+        spread: float | None = None,
+        spread_window: int = 50,
     ) -> None:
-        for name, value, low in (("growth", growth, 0.0), ("level", level, 1.0), ("grad_ratio", grad_ratio, 1.0)):
+        reals = (
+            ("growth", growth, 0.0),
+            ("level", level, 1.0),
+            ("grad_ratio", grad_ratio, 1.0),
+            ("spread", spread, 0.0),
+        )
+        for name, value, low in reals:
             check_number("CountdownRule", name, value, low=low, low_open=True, optional=True)
-        for name, value, low in (("span", span, 1), ("history", history, 5), ("adaptive_confirm", adaptive_confirm, 1)):
+        ints = (("span", span, 1), ("history", history, 5), ("adaptive_confirm", adaptive_confirm, 1),
+                ("confirm", confirm, 1), ("spread_window", spread_window, 5))  # fmt: skip
+        for name, value, low in ints:
             check_number("CountdownRule", name, value, integer=True, low=low)
         self.growth, self.level, self.grad_ratio = growth, level, grad_ratio
         self.span, self.history = span, history
@@ -366,13 +398,32 @@ class CountdownRule(Rule):
         self.needs_grad_norm = grad_ratio is not None
         self.adaptive_steps = _steps("CountdownRule", adaptive_steps)
         self.adaptive_confirm = adaptive_confirm
+        self.confirm, self.spread, self.spread_window = confirm, spread, spread_window
+        self.new_high = bool(new_high)
         self.reset()
 
     def reset(self) -> None:
         self.first: dict[str, float] = {}  # V_l at its first value
         self.recent: dict[str, list[list[float]]] = {}  # [[step, V_l], ...], newest last, enough for the span
         self.grad_norms: list[float] = []
-        self.streak: dict[str, int] = {}  # layer -> consecutive checked steps flagged (adaptive confirmation)
+        self.streak: dict[str, int] = {}  # layer -> consecutive checked steps flagged (confirmation)
+        self.rates: dict[str, list[float]] = {}  # layer -> its last `spread_window` growth rates (the spread)
+        self.high: dict[str, float] = {}  # layer -> the largest V_l kept before this step
+
+    def threshold(self, layer: str) -> float | None:
+        """The growth-rate threshold of ``layer`` now: ``growth``, or with ``spread`` the larger of ``growth`` and
+        ``spread`` times the median absolute growth rate of the layer's last ``spread_window`` checked steps (once
+        it has 5).
+
+        .. math::
+            a_l = \\max\\big(\\text{growth},\\ \\text{spread} \\cdot \\mathrm{median}_{s}\\,|r_l(s)|\\big)
+        """
+        if self.growth is None or self.spread is None or len(self.rates.get(layer, ())) < 5:
+            return self.growth
+        mags = sorted(abs(r) for r in self.rates[layer])
+        n = len(mags)
+        med = mags[n // 2] if n % 2 else (mags[n // 2 - 1] + mags[n // 2]) / 2
+        return max(self.growth, self.spread * med)
 
     def _layer_flag(self, step: int, rec: Mapping, tested: bool, settling: bool = False) -> dict | None:
         name, v = rec["layer"], rec.get("output_var")
@@ -385,6 +436,8 @@ class CountdownRule(Rule):
             return None
         v = float(v)
         self.first.setdefault(name, v)
+        high = self.high.get(name, -math.inf)
+        self.high[name] = max(high, v)
         past = [p for p in self.recent.get(name, []) if step - p[0] >= self.span]
         self.recent[name] = [p for p in self.recent.get(name, []) if step - p[0] < self.span] + [[step, v]]
         if past:  # keep the newest value at least `span` back, for the next steps' rates
@@ -405,13 +458,15 @@ class CountdownRule(Rule):
         if self.growth is not None and past and past[-1][1] > 0 and v > 0:
             t0, p = past[-1]
             rate = (math.log(v) - math.log(p)) / (step - t0)
-            if rate > self.growth:
+            limit = self.threshold(name)
+            self.rates[name] = (self.rates.get(name, []) + [rate])[-self.spread_window :]
+            if rate > limit and not (self.new_high and v <= high):
                 return {
                     **flag,
                     "quantity": "output_var_growth",
                     "value": v,
                     "growth": v / v0 if v0 > 0 else math.inf,
-                    "reason": f"output variance growing at {rate:.3g}/step > growth {self.growth:g}",
+                    "reason": f"output variance growing at {rate:.3g}/step > growth {limit:.3g}",
                     "direction": "grew",
                 }
         return None
@@ -448,13 +503,14 @@ class CountdownRule(Rule):
         gradient counts as before every layer), or None."""
         exempt = set(ctx.feeds_norm) | ({ctx.output_layer} if ctx.output_layer is not None else set())
         settling = ctx.adaptive and ctx.step < self.adaptive_steps
+        need = self.adaptive_confirm if ctx.adaptive else self.confirm
         flagged = []
         for rec in sorted(records, key=lambda r: r.get("index", 0)):
             if rec.get("kind") in ("conv", "linear"):
                 flag = self._layer_flag(ctx.step, rec, rec["layer"] not in exempt, settling)
-                if ctx.adaptive and flag is not None and flag["direction"] != "non-finite":
+                if need > 1 and flag is not None and flag["direction"] != "non-finite":
                     self.streak[rec["layer"]] = self.streak.get(rec["layer"], 0) + 1
-                    if self.streak[rec["layer"]] < self.adaptive_confirm:
+                    if self.streak[rec["layer"]] < need:
                         flag = None  # not confirmed yet
                 else:
                     self.streak.pop(rec["layer"], None)
@@ -481,13 +537,15 @@ class CountdownRule(Rule):
         return _event(self.name, ctx.step, top, flagged)
 
     def state_dict(self) -> dict:
-        """``{"span", "first", "recent", "grad_norms", "streak"}`` as plain Python types."""
+        """``{"span", "first", "recent", "grad_norms", "streak", "high", "rates"}`` as plain Python types."""
         return {
             "span": self.span,
             "first": dict(self.first),
             "recent": {k: [list(p) for p in v] for k, v in self.recent.items()},
             "grad_norms": list(self.grad_norms),
             "streak": dict(self.streak),
+            "high": dict(self.high),
+            "rates": {k: list(v) for k, v in self.rates.items()},
         }
 
     def load_state_dict(self, state: Mapping) -> None:
@@ -502,12 +560,15 @@ class CountdownRule(Rule):
         self.recent = {str(k): [[int(a), float(b)] for a, b in v] for k, v in state["recent"].items()}
         self.grad_norms = [float(g) for g in state["grad_norms"]]
         self.streak = {str(k): int(v) for k, v in (state.get("streak") or {}).items()}  # older states: none
+        self.high = {str(k): float(v) for k, v in state["high"].items()}
+        self.rates = {str(k): [float(r) for r in v] for k, v in state["rates"].items()}
 
     def __repr__(self) -> str:
         return (
             f"CountdownRule(growth={self.growth}, level={self.level}, grad_ratio={self.grad_ratio}, span={self.span}, "
             f"history={self.history}, every_step={self.every_step}, adaptive_steps={self.adaptive_steps}, "
-            f"adaptive_confirm={self.adaptive_confirm})"
+            f"adaptive_confirm={self.adaptive_confirm}, confirm={self.confirm}, new_high={self.new_high}, "
+            f"spread={self.spread}, spread_window={self.spread_window})"
         )
 
 
