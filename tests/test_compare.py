@@ -214,10 +214,12 @@ def test_an_alarm_confirmed_by_a_collapse_stops_the_run_and_records_it(tmp_path,
 # ------------------------------------------------------------------ the per-norm table, from hand-made results
 
 
-def _cell(name, lr, seed, acc, loss, collapsed=False, learned=True, alarm=None, risk=None, step=0.01, bs=64):
+def _cell(name, lr, seed, acc, loss, collapsed=False, learned=True, alarm=None, risk=None, step=0.01, bs=64,
+          regime=True):  # fmt: skip
     return {"name": name, "lr": lr, "batch_size": bs, "seed": seed, "cell": f"{name}_{lr}_{seed}", "history": [],
             "final_test_acc": acc, "final_test_loss": loss, "collapsed": collapsed, "learned": learned,
             "alarm": alarm, "risk": risk, "step_time_s": step, "monitored": True, "stopped_early": None,
+            "regime_watched": regime,
             "collapse_reason": "non_finite_loss" if collapsed else None}  # fmt: skip
 
 
@@ -261,6 +263,24 @@ def test_per_norm_highest_lr_best_point_and_monitor_view_follow_their_definition
     table = norm_table(_hand_results(cells))
     assert "| bn | 0.1 (of 3) | 0.1, 64 | 0.225 | 94.0 ± 1.4 | 10.0 | 1/6 | 0/6 | 1/6 (`features.3` 1) | 0/6 |" in table
     assert "| pws | 0.01 (of 3) | 0.1, 64 | 0.445 | 85.5 ± 0.7 |" in table and "1/6: shift at `features.0`" in table
+    off = norm_table(_hand_results([{**c, "regime_watched": False} for c in cells]))  # the default: no regime rule
+    assert "| 1/6 (`features.3` 1) | off |" in off and "shift at" not in off
+
+
+@pytest.mark.parametrize("regime", [False, True])
+def test_the_regime_warning_runs_only_when_asked(regime, tmp_path):
+    """The library's default rules have no regime warning (it flags many healthy runs); ``regime=True`` (``--regime``)
+    adds it to the run's monitor as a diagnosis."""
+    from normlab.runner.training.config import TrainConfig
+    from normlab.runner.training.train import Trainer
+
+    cfg = TrainConfig(dataset="digits", conv="pws", epochs=1, max_steps_per_epoch=2, monitor_every=1, regime=regime)
+    trainer = Trainer(cfg, out_dir=tmp_path)
+    trainer._build()  # the run's model, optimizer and monitor
+    names = [r.name for r in trainer.monitor.rules]
+    assert names == (["factor", "countdown", "regime"] if regime else ["factor", "countdown"])
+    with pytest.raises(ValueError, match="regime"):
+        TrainConfig(regime="yes").validate()
 
 
 def test_the_plots_use_log_axes_where_values_span_decades(tmp_path):

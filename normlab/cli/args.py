@@ -365,6 +365,13 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
         "layers keep float32 statistics; evaluation runs in float32)",
     )
+    p.add_argument(
+        "--regime",
+        action="store_true",
+        help="with --monitor-every: also run the regime warning (normlab.monitor.rules.RegimeRule), a diagnosis of "
+        "which layer's unnormalized output drives the run towards the unstable regime, in the summary and the "
+        "report; it never stops or rolls back a run, and it flags many healthy runs too (off by default)",
+    )
     guard = CollapseCriteria()
     p.add_argument(
         "--guard",
@@ -397,7 +404,7 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
 CELL_FIELDS = ("dataset", "model", "norm", "conv", "conv_kwargs", "width", "lr", "batch_size", "epochs", "seed")
 CELL_FIELDS += ("target_acc", "max_steps_per_epoch")
 # recorded only when not their default, so that grids and checkpoints written before the option existed stay resumable
-_ONLY_WHEN_SET = ("data_dir", "amp", "guard", "guard_dead", "stop_on", "loss", "metric")
+_ONLY_WHEN_SET = ("data_dir", "amp", "guard", "guard_dead", "regime", "stop_on", "loss", "metric")
 
 
 def train_kwargs(args: argparse.Namespace) -> dict:

@@ -145,6 +145,7 @@ def demo_sections(p: DemoProtocol = PROTOCOL) -> dict[str, GridSpec]:
     data = {"num_samples": p.num_samples}
     dense = {"monitor_dense_steps": p.collapse_steps} if p.collapse_epochs > 1 else {}
     net = {"model": "plain1d", "data": "mnist1d", "seeds": p.seeds, "stop_on": "non_finite", "batch_sizes": (128,)}
+    net["regime"] = True  # the paper's diagnosis: the regime warning beside the alarms (off in the library's defaults)
     lr_sweep = comparison(
         **net,
         norms=p.lr_norms,

@@ -111,7 +111,9 @@ def _monitor_text(n: dict[str, Any]) -> tuple[str, str]:
     alarms = f"{n['alarms']}/{n['runs']}"
     if n["alarm_layers"]:
         alarms += " (" + ", ".join(f"`{layer}` {k}" for layer, k in n["alarm_layers"][:2]) + ")"
-    regime = f"{n['regime_warnings']}/{n['runs']}"
+    if not n.get("regime_watched"):
+        return alarms, "off"
+    regime = f"{n['regime_warnings']}/{n['regime_watched']}"
     if n["regime"]:
         regime += f": {n['regime'].get('case') or ''} at `{n['regime'].get('layer')}`".rstrip()
     return alarms, regime

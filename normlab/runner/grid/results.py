@@ -103,6 +103,7 @@ def _cell_record(cell, summary: dict[str, Any]) -> dict[str, Any]:
         "collapse_step": summary.get("collapse_step"),
         "alarm": summary.get("monitor_alarm"),
         "monitored": bool(cell.config.monitor_every),
+        "regime_watched": bool(cell.config.monitor_every) and cell.config.regime,
         "final_test_acc_train_mode": summary.get("final_test_acc_train_mode"),
         "epochs_to_target": summary.get("epochs_to_target"),
         "step_time_s": summary.get("step_time_s"),
@@ -234,6 +235,7 @@ def _norm_record(results: dict[str, Any], name: str) -> dict[str, Any]:
         "monitored": sum(bool(c.get("monitored")) for c in cells),
         "alarms": sum(c.get("alarm") is not None for c in cells),
         "alarm_layers": _alarm_layers(cells),
+        "regime_watched": sum(bool(c.get("regime_watched")) for c in cells),
         "regime_warnings": len(risks),
         "regime": None if not risks else {k: risks[0].get(k) for k in ("case", "suggestion", "layer", "step")},
     }

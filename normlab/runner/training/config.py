@@ -78,7 +78,15 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "device",
     ),
     "evaluation": ("evals_per_epoch", "eval_train_mode", "target_acc"),
-    "monitoring": ("monitor_every", "monitor_dense_steps", "monitor_dense_every", "stop_on", "guard", "guard_dead"),
+    "monitoring": (
+        "monitor_every",
+        "monitor_dense_steps",
+        "monitor_dense_every",
+        "regime",
+        "stop_on",
+        "guard",
+        "guard_dead",
+    ),
 }
 
 
@@ -113,7 +121,10 @@ class TrainConfig:
       :func:`~normlab.runner.training.evaluation.evaluate_train_mode`), ``target_acc`` (a metric value for
       ``epochs_to_target``).
     - *monitoring*: ``monitor_every`` (> 0 attaches a :class:`normlab.monitor.VarianceMonitor` recording every N
-      steps, and every ``monitor_dense_every`` steps during the first ``monitor_dense_steps``); ``stop_on``, what
+      steps, and every ``monitor_dense_every`` steps during the first ``monitor_dense_steps``); ``regime`` (the
+      monitor also runs :class:`~normlab.monitor.rules.RegimeRule`, the regime warning, a diagnosis in the summary's
+      ``monitor_risk`` that never stops or rolls back a run; off by default: it flags many healthy runs, see
+      docs/defaults.md); ``stop_on``, what
       stops a run before its last epoch (:data:`STOP_ON`): ``"non_finite"`` (a non-finite loss; always),
       ``"confirmed"`` (also a monitor alarm confirmed by a failure of :mod:`normlab.monitor.collapse` in the
       training losses: an explosion, a return to chance), ``"alarm"`` (also the monitor's alarm alone); ``guard`` (a
@@ -165,6 +176,7 @@ class TrainConfig:
     stop_on: str = "non_finite"
     guard: bool = False
     guard_dead: bool = False
+    regime: bool = False
 
     def __post_init__(self) -> None:
         self.milestones = tuple(self.milestones)
@@ -269,7 +281,7 @@ class TrainConfig:
         self._number("monitor_dense_steps", integer=True, low=0)
         self._number("monitor_dense_every", integer=True, low=1)
         self._one_of("stop_on", STOP_ON)
-        for name in ("guard", "guard_dead"):
+        for name in ("guard", "guard_dead", "regime"):
             if not isinstance(getattr(self, name), bool):
                 self._bad(name, "True or False")
         if self.guard_dead and not self.guard:

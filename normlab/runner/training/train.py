@@ -67,6 +67,7 @@ from normlab.monitor import (
     write_monitor_log,
 )
 from normlab.monitor.collapse import CollapseTracker
+from normlab.monitor.rules import DEFAULT_RULES, RegimeRule
 from normlab.nn import param_groups
 from normlab.runner.errors import RunError, UsageError
 from normlab.runner.io import (
@@ -345,7 +346,8 @@ class Trainer:
             self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
         if cfg.monitor_every > 0:
             schedule = RecordSchedule(cfg.monitor_every, cfg.monitor_dense_steps, cfg.monitor_dense_every)
-            self.monitor = VarianceMonitor(self.raw_model, every=schedule, optimizer=self.optimizer)
+            rules = [*DEFAULT_RULES(), RegimeRule()] if cfg.regime else None  # the regime warning: a diagnosis
+            self.monitor = VarianceMonitor(self.raw_model, every=schedule, rules=rules, optimizer=self.optimizer)
             if self.board is not None:  # the run's board: the monitor's records and events beside the run's scalars
                 self.monitor.add_sink(MonitorBoard(self.board.writer))
 
