@@ -181,7 +181,7 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
         before = meta.get("recompute", _MISSING)
         meta["recompute"] = CheckpointPolicy.MUST_SAVE
         try:
-            return [v.clone() for v in values]
+            return [_copy(v) for v in values]
         finally:
             if before is _MISSING:
                 meta.pop("recompute", None)
@@ -190,6 +190,15 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
 
 
 _MISSING = object()
+
+
+def _copy(v: Tensor) -> Tensor:
+    """A copy of ``v`` that survives inductor's joint-graph passes: they drop ``clone`` (a no-op to them) and with it
+    the ``MUST_SAVE`` mark, and the backward then read the buffer after its update. ``v * 1`` is exact for every
+    floating-point value (signed zeros, infinities and NaN included) and is not one of their no-ops."""
+    return v.mul(1) if v.is_floating_point() else v.clone()
+
+
 _LIBRARY.impl("kept_copy", _kept_copy, "CompositeImplicitAutograd")
 
 

@@ -267,6 +267,7 @@ def _compile_step(m, x, g, backend):
         (BatchRenorm1d, (4, C), "aot_eager"),
         (BatchRenorm2d, (4, C, 5, 5), "aot_eager"),
         (BatchRenorm3d, (2, C, 2, 3, 3), "aot_eager"),
+        (BatchRenorm1d, (4, C), "inductor"),
         (BatchRenorm2d, (4, C, 5, 5), "inductor"),
     ],
 )
@@ -292,6 +293,29 @@ def test_compiled_training_matches_eager(cls, shape, backend):
         torch.testing.assert_close(m.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(m.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-6)
         assert int(m.num_batches_tracked) == 2
+
+
+def test_values_kept_for_backward_survive_inductor():
+    """The values a compiled step keeps for its backward (``kept_for_backward``: the prior statistics, the schedule's
+    limits) are the forward's also under inductor, whose joint-graph passes drop a ``clone`` as a no-op (and with it
+    the mark that makes the partitioner save it): the backward would read the buffer after its in-place update.
+    Here d/dx of ``x * exp(prior)`` must be ``exp(0) = 1``, not ``exp(1)`` (the buffer after the update)."""
+    from normlab._dispatch import kept_for_backward
+
+    def step(x, buf):
+        (prior,) = kept_for_backward((buf,))
+        y = x * prior.exp()  # cheap to recompute from buf: the partitioner would, unless the copy is saved
+        with torch.no_grad():
+            buf.copy_(buf + 1.0)
+        return y
+
+    torch._dynamo.reset()
+    buf, x = torch.zeros(4), torch.ones(4, requires_grad=True)
+    # no on-disk cache: its key is Dynamo's graph, where the copy is one opaque op whatever it decomposes to
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(step, backend="inductor", fullgraph=True)(x, buf).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(4))
+    torch.testing.assert_close(buf, torch.ones(4))
 
 
 def test_compiled_nan_batch_keeps_running_stats():
