@@ -17,8 +17,8 @@ measures what one costs; ``bench_monitor`` runs on the collapse benchmark's GPT 
 ``benchmarks/gpu.py`` (under 8 minutes on one GPU).
 
 - ``--device cuda``: the scripts that take a device (bench_table, bench_norms, bench_pws, bench_layers) on the GPU;
-  the CPU-only ones (bench_batch_renorm, bench_monitor, bench_monitor_fsdp: 2 gloo ranks) are skipped. bench_table
-  alone takes under 5 minutes on a GPU.
+  the CPU-only ones (bench_batch_renorm, bench_monitor, bench_monitor_fsdp and bench_guard_fsdp: 2 gloo ranks) are
+  skipped. bench_table alone takes under 5 minutes on a GPU.
 - ``--quick``: only ``bench_table --quick`` (small shapes, 3 rounds, no torch.compile, seconds), results to
   ``--out`` only: a smoke test, not a measurement.
 """
@@ -40,6 +40,8 @@ TAKES_THREADS = {
     "bench_monitor",
     "bench_monitor_fsdp",
     "bench_layers",
+    "bench_guard",
+    "bench_guard_fsdp",
     "bench_compiled",
 }
 WRITES_RESULTS = {"bench_table", "bench_layers", "bench_compiled", "bench_monitor", "count_ops"}
@@ -52,6 +54,10 @@ RUNS = {  # the runs of a script with more than one: (name of its JSON, extra ar
         ),
     ],  # fmt: skip
     "count_ops": [("count_ops", ["--timing"])],
+    "bench_guard_fsdp": [
+        ("bench_guard_fsdp-overhead", ["overhead", "--repeats", "9"]),
+        ("bench_guard_fsdp-snapshots", ["snapshots"]),
+    ],
 }
 
 

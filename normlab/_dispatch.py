@@ -166,17 +166,14 @@ _LIBRARY.define("kept_copy(Tensor[] values) -> Tensor[]")
 
 
 def _kept_copy(values: list[Tensor]) -> list[Tensor]:
-    """Clones of ``values`` whose graph nodes are marked ``MUST_SAVE`` (the partitioner saves them, never recomputes
-    them): an op that decomposes while AOTAutograd traces (CompositeImplicitAutograd), so this runs then. Inside an
-    activation-checkpointed region the clones are traced past the region's selective-checkpoint modes, which would
-    mark them for recomputation."""
+    """Copies of ``values`` (:func:`_copy`) whose graph nodes are marked ``MUST_SAVE`` (the partitioner saves them,
+    never recomputes them): an op that decomposes while AOTAutograd traces (CompositeImplicitAutograd), so this runs
+    then. Inside an activation-checkpointed region the copies are traced past the region's selective-checkpoint
+    modes, which would mark them for recomputation."""
     import torch.fx.traceback as fx_traceback
-    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-    from torch.utils.checkpoint import CheckpointPolicy, _CachingTorchDispatchMode
+    from torch.utils.checkpoint import CheckpointPolicy
 
-    with contextlib.ExitStack() as stack:
-        while isinstance(_get_current_dispatch_mode(), _CachingTorchDispatchMode):
-            stack.enter_context(_pop_mode_temporarily())
+    with outside_selective_checkpoint():
         meta = fx_traceback.current_meta
         before = meta.get("recompute", _MISSING)
         meta["recompute"] = CheckpointPolicy.MUST_SAVE
@@ -187,6 +184,22 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
                 meta.pop("recompute", None)
             else:
                 meta["recompute"] = before
+
+
+@contextlib.contextmanager
+def outside_selective_checkpoint():
+    """A context without selective activation checkpointing's dispatch modes (``context_fn``), which cache the outputs
+    of the ops a policy saves in the forward and hand them back, in order, to the recomputation: the ops run here
+    are recomputed whatever the policy says. For a BatchRenorm step in a checkpointed region (its records and its
+    update of the running statistics run in the forward only; its in-place per-channel arithmetic would mutate a
+    cached output) and for :func:`kept_for_backward`'s copies."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+
+    with contextlib.ExitStack() as stack:
+        while isinstance(_get_current_dispatch_mode(), (_CachingTorchDispatchMode, _CachedTorchDispatchMode)):
+            stack.enter_context(_pop_mode_temporarily())
+        yield
 
 
 _MISSING = object()

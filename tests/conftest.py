@@ -94,3 +94,30 @@ def refused(argv, capsys) -> str:
     assert rc == 2, err
     assert len(err.splitlines()) == 1, err
     return err
+
+
+def idle(model):
+    """An optimizer that leaves ``model`` unchanged (lr 0): what a monitor follows in tests that step it by hand."""
+    return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+def step_without_update(mon) -> None:
+    """One monitor step in which the optimizer did not update (as when a GradScaler skips it): the monitor records
+    and checks its rules without update ratios (the public way: a deferred step of its optimizer that never came)."""
+    from normlab.monitor.optim_step import step_hooks
+
+    hooks = step_hooks(mon.optimizer)
+    hooks.defer()
+    hooks.finish()
+
+
+def claimed(out: Path, run: str = "normlab compare") -> Path:
+    """``out`` as an earlier run of the command line ``run`` left it: claimed (:mod:`normlab.runner.lock`), for a
+    test that plants files there (a corrupt checkpoint, a killed writer's temporary) before the run it tests."""
+    import json
+
+    from normlab.runner.lock import CLAIM_NAME
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / CLAIM_NAME).write_text(json.dumps({"run": run, "record": None}))
+    return out

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import idle, step_without_update
 from torch import nn
 
 from normlab.monitor import VarianceMonitor
@@ -134,10 +135,11 @@ def test_monitor_countdown_alarm_in_a_real_loop_and_resume():
     twin = Chain()  # the same run from the state saved after step 3: step 4 raises the same alarm
     with torch.no_grad():
         twin.b.weight.mul_(5.0)
-    resumed = VarianceMonitor(twin, every=1, rules=[CountdownRule(level=15.0)])
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=0.0)
+    resumed = VarianceMonitor(twin, every=1, rules=[CountdownRule(level=15.0)], optimizer=twin_opt)
     resumed.load_state_dict(state)
     twin(x).square().mean().backward()
-    resumed.step(torch.optim.SGD(twin.parameters(), lr=0.0))
+    twin_opt.step()
     assert resumed.alarm == mon.alarm
 
 
@@ -154,15 +156,15 @@ def test_shift_of_a_conv_followed_by_a_norm_raises_no_alarm():
     """The SwitchableNorm U-Net false alarm: the shift of a conv before a normalization grew 116x."""
     torch.manual_seed(0)
     model = ConvBN()
-    mon = VarianceMonitor(model, every=1, rules=[FactorRule(), RegimeRule()])
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(), RegimeRule()], optimizer=idle(model))
     x = torch.randn(16, 2, 12)
     model(x)
-    mon.step()
+    step_without_update(mon)
     with torch.no_grad():  # spread the filter means of `conv` apart: shift x >100, BN renormalizes it
         model.conv.weight += torch.linspace(-3, 3, 8).view(8, 1, 1)
     for _ in range(3):
         model(x)
-        mon.step()
+        step_without_update(mon)
     assert mon.records[-3]["shift"] > 100 * mon.records[0]["shift"]
     assert mon.alarm is None
 
@@ -178,14 +180,14 @@ def test_no_level_test_on_a_standardized_kernel_but_growth_still_fires():
 def test_monitor_countdown_skips_a_layer_renormalized_downstream():
     torch.manual_seed(0)
     model = ConvBN()
-    mon = VarianceMonitor(model, every=1, rules=[CountdownRule()])
+    mon = VarianceMonitor(model, every=1, rules=[CountdownRule()], optimizer=idle(model))
     x = torch.randn(16, 2, 12)
     for t in range(4):
         if t == 2:
             with torch.no_grad():
                 model.conv.weight.mul_(100.0)  # conv output x1e4, BN output unchanged
         model(x)
-        mon.step()
+        step_without_update(mon)
     conv = [r["output_var"] for r in mon.records if r["layer"] == "conv"]
     assert conv[-1] > 1e3 * conv[0]
     assert mon.alarm is None
@@ -196,14 +198,14 @@ def test_output_variance_growth_of_a_conv_its_norm_reads_alone_alarms_only_when_
     # round 3: BatchNorm removes the conv's scale, so FactorRule no longer growth-tests it unless asked to
     torch.manual_seed(0)
     model = ConvBN()
-    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=watch)])
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=watch)], optimizer=idle(model))
     x = torch.randn(16, 2, 12)
     for t in range(3):
         if t == 1:
             with torch.no_grad():
                 model.conv.weight.mul_(1e3)
         model(x)
-        mon.step()
+        step_without_update(mon)
     if not watch:
         assert mon.alarm is None
     else:

@@ -114,11 +114,11 @@ def _net() -> nn.Module:
 
 def _one_step(model: nn.Module, x, y, amp: bool) -> list[dict]:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with VarianceMonitor(model, every=1) as mon:
+    with VarianceMonitor(model, every=1, optimizer=opt) as mon:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
-        mon.step(opt)
+        opt.step()
     return mon.records
 
 

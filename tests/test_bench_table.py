@@ -59,6 +59,11 @@ def test_run_all_passes_the_device_and_skips_cpu_only_scripts(tmp_path):
     assert gpt[gpt.index("--out") + 1] != resnet[resnet.index("--out") + 1]
     [cmd] = run_all._commands(BENCH / "count_ops.py", args, tmp_path)
     assert "--timing" in cmd and "--results" in cmd
+    overhead, snapshots = run_all._commands(BENCH / "bench_guard_fsdp.py", args, tmp_path)  # both measurements
+    assert "overhead" in overhead and "snapshots" in snapshots
+    assert all(c[c.index("--threads") + 1] == "1" for c in (overhead, snapshots))
+    args.device = "cuda"
+    assert run_all._commands(BENCH / "bench_guard_fsdp.py", args, tmp_path) == []  # 2 gloo ranks on the CPU
 
 
 def test_bench_monitor_runs_a_timm_model_and_names_a_bad_model(tmp_path, one_thread, capsys):
@@ -81,3 +86,16 @@ def test_bench_monitor_gpt_with_probes(tmp_path, one_thread, capsys):
     printed = capsys.readouterr().out
     assert "CharGPT" in printed and "every=10 + probes" in printed
     assert "every=10 + probes" in json.loads(out.read_text())["ratio_to_unmonitored"]
+
+
+def test_bench_guard_measures_each_store_and_the_step_ratio(tmp_path, one_thread, capsys):
+    bench = _load("bench_guard")
+    out = tmp_path / "snap.json"
+    assert (
+        bench.main(["snapshots", "--models", "tinylm", "--repeats", "1", "--tmp", str(tmp_path), "--out", str(out)])
+        == 0
+    )
+    rows = json.loads(out.read_text())["result"]
+    assert [r["store"] for r in rows] == ["host", "disk", "dcp"] and all(r["snapshot_bytes"] > 0 for r in rows)
+    assert bench.main(["overhead", "--model", "tinylm", "--steps", "3", "--repeats", "2", "--batch-size", "2"]) == 0
+    assert "guard at its defaults" in capsys.readouterr().out

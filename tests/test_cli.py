@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import refused
+from conftest import claimed, refused
 
 from normlab.cli import main
 
@@ -157,6 +157,7 @@ def test_corrupt_checkpoint_is_an_error_not_a_restart(tmp_path, capsys):
     ck = tmp_path / "runs" / cell.cell_id / "checkpoint.pt"
     ck.parent.mkdir(parents=True)
     ck.write_bytes(b"not a checkpoint")
+    claimed(tmp_path)  # by the grid that wrote the checkpoint
     rc = main(
         [
             "compare",

@@ -154,18 +154,21 @@ def test_a_user_metric_and_loss_by_function(tmp_path):
 class _AlarmAt4:
     """Stands in for VarianceMonitor: its alarm is raised at step 4 (long before any collapse)."""
 
-    def __init__(self, model, every=10, rules=None):
+    def __init__(self, model, every=10, rules=None, optimizer=None):
         from normlab.monitor.rules import Event
 
         self._event = Event("factor", "alarm", 4, "layer '0' shift grew", "0", "shift", 1e6, {"baseline": 1.0})
         self.current_step, self.records, self.events = 0, [], []
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._stepped())  # as the monitor's own hooks
 
     @property
     def alarm(self):
         return self.events[0] if self.events else None
 
-    def step(self, optimizer, loss=None):
-        optimizer.step()
+    def observe_loss(self, loss):
+        pass
+
+    def _stepped(self):
         if self.current_step == 4:
             self.events.append(self._event)
         self.current_step += 1
@@ -196,7 +199,8 @@ def test_an_alarm_confirmed_by_a_collapse_stops_the_run_and_records_it(tmp_path,
                                 seeds=[100], epochs=5, max_steps_per_epoch=11, loss=uf.scripted_loss, metric="none",
                                 stop_on=stop_on, out=tmp_path / stop_on, workers=1, progress=False)  # fmt: skip
     stopped = _summary(tmp_path / "confirmed", "bn_lr0.05_bs120_s100")
-    assert stopped["collapsed"] and stopped["collapse_reason"] == "diverged" and stopped["collapse_step"] == 16
+    assert stopped["collapsed"] and stopped["collapse_step"] == 16
+    assert stopped["collapse_reason"] == "returned_to_chance"  # chance estimated by the first loss (a user's loss)
     assert stopped["stopped_early"] == "confirmed" and stopped["steps_run"] == 26 and stopped["epochs_run"] == 3
     assert stopped["monitor_alarm"]["step"] == 4 and stopped["final_test_acc"] is None  # metric "none"
     went_on = _summary(tmp_path / "non_finite", "bn_lr0.05_bs120_s100")
@@ -376,3 +380,29 @@ def test_a_built_module_is_refused_and_a_redefined_data_function_is_loaded_again
 
     loaded = {v[2]["num_train"] for k, v in setup._MEMORY.items() if k[0].endswith("<locals>.data")}
     assert loaded == {600, 700}  # the second function's data, not the first one's kept under the same name
+
+
+# ------------------------------------------------------------------ a norm registered by the model's own module
+@pytest.fixture
+def user_norm_module():
+    """The user's module (tests/user_norm_module.py) not yet imported; its norm unregistered afterwards."""
+    from normlab.nn import unregister_norm
+
+    sys.modules.pop("user_norm_module", None)
+    yield "user_norm_module"
+    if sys.modules.pop("user_norm_module", None) is not None:
+        unregister_norm("user_frn")
+
+
+def test_a_norm_registered_by_the_models_module_is_a_name_the_grid_takes(user_norm_module, tmp_path, capsys):
+    from normlab.cli import main
+
+    out = tmp_path / "grid"
+    argv = ["compare", "--model", f"{user_norm_module}:small_net", "--dataset", "user_factories:digits16",
+            "--norms", "user_frn,bn", "--lrs", "0.05", "--batch-sizes", "32", "--seeds", "100", "--epochs", "1",
+            "--max-steps-per-epoch", "2", "--workers", "2", "--no-progress", "--out", str(out)]  # fmt: skip
+    assert main(argv) == 0, capsys.readouterr().err  # refused before: the names were checked before the import
+    results = json.loads((out / "results.json").read_text())
+    assert [r["name"] for r in results["norms"]] == ["user_frn", "bn"] and results["complete"]
+    summary = _summary(out, "user-frn_lr0.05_bs32_s100")  # the cell id spells it with a dash
+    assert summary["config"]["norm"] == "user_frn" and summary["config"]["model"] == f"{user_norm_module}:small_net"

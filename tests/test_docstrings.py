@@ -30,6 +30,7 @@ MODULES = [
     "normlab.monitor.rules.variance",
     "normlab.monitor.rules.regime",
     "normlab.monitor.guard",
+    "normlab.monitor.shards",
     "normlab.monitor.layers",
     "normlab.monitor.spp",
     "normlab.monitor.collapse",

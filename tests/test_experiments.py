@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+from conftest import claimed
 
 from normlab.nn import resolve_comparison as resolve_norm
 from normlab.runner.experiments.compare import run_grid
@@ -337,7 +338,7 @@ def test_a_cell_that_raises_is_recorded_as_failed_and_the_others_finish(tmp_path
 
     spec = _tiny_spec(norms=("bn", "gn"), lrs=(0.05,), max_steps_per_epoch=1)
     bad, good = expand_grid(spec)
-    (tmp_path / "runs" / bad.cell_id).mkdir(parents=True)
+    (claimed(tmp_path) / "runs" / bad.cell_id).mkdir(parents=True)  # by the grid that wrote the checkpoint
     (tmp_path / "runs" / bad.cell_id / "checkpoint.pt").write_bytes(b"garbage")
     with pytest.raises(CellsFailed, match=f"first: {bad.cell_id}: RunError: train: checkpoint"):
         run_grid(spec, tmp_path, workers=1, threads=1, progress=False)

@@ -1,6 +1,6 @@
-"""The Lightning callback, for real on CPU: records after optimizer steps through Lightning's hooks (gradient
-accumulation, two optimizers), logs through the module's logger, stops the trainer on an alarm, refuses sharded
-strategies."""
+"""The Lightning callback, for real on CPU: records Lightning's own optimizer steps through the optimizer's step hooks
+(gradient accumulation, two optimizers, a GradScaler that skips), logs through the module's logger, stops the trainer
+on an alarm, refuses sharded strategies; its guard rescues."""
 
 from __future__ import annotations
 
@@ -20,6 +20,12 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from normlab.integrations.lightning import VarianceMonitorCallback  # noqa: E402
+from normlab.monitor import RescueOptions, SnapshotOptions  # noqa: E402
+
+
+def guard(every, check_every=1, **rescue):
+    """The callback's ``guard`` argument: snapshots every ``every`` steps, a check every step unless told."""
+    return {"snapshots": SnapshotOptions(every=every), "rescue": RescueOptions(check_every=check_every, **rescue)}
 
 
 class Tiny(pl.LightningModule):
@@ -115,13 +121,13 @@ def test_gradient_accumulation_records_once_per_optimizer_step(one_thread):
     assert sorted({r["step"] for r in cb.monitor.records}) == [0, 1, 2]
 
 
-def test_two_optimizers_one_record_per_batch_covering_both(one_thread):
+def test_two_optimizers_the_monitor_follows_the_first(one_thread):
     cb = VarianceMonitorCallback(every=1, log=False)
-    _fit(Tiny(two_optimizers=True), cb, max_epochs=1, limit_train_batches=3)
-    assert cb.monitor.current_step == 3
+    trainer = _fit(Tiny(two_optimizers=True), cb, max_epochs=1, limit_train_batches=3)
+    assert cb.monitor.current_step == 3 and cb.monitor.optimizer is trainer.optimizers[0]
     first = {r["layer"]: r for r in cb.monitor.records if r["step"] == 0}
-    for layer in ("net.0", "net.4"):  # each stepped by its own optimizer: the record sees both steps
-        assert first[layer]["mean_update_absmax"] > 0
+    assert first["net.0"]["mean_update_absmax"] > 0  # stepped by the first optimizer: its update is the record's
+    assert first["net.4"]["mean_update_absmax"] == 0  # the second steps after the monitor's step ended
 
 
 def test_alarm_stops_the_trainer(one_thread):
@@ -243,7 +249,7 @@ def test_guard_leaves_a_healthy_run_untouched(one_thread):
     torch.manual_seed(100)
     guarded = Tiny()
     _fit(plain, VarianceMonitorCallback(every=1, log=False), max_steps=12)
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 3})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(3, check_every=5))
     _fit(guarded, cb, max_steps=12)
     assert cb.guard.rescues == [] and cb.guard.steps == 12 and cb.gave_up is None
     for p, q in zip(_params(plain), _params(guarded)):
@@ -252,11 +258,11 @@ def test_guard_leaves_a_healthy_run_untouched(one_thread):
 
 def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
     module = Tiny(blow_up_at=5)
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "confirm": None})  # act on the alarm
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(2, confirm=None))  # act on the alarm
     with pytest.warns(UserWarning, match=r"rescue 1: monitor alarm: collapse warning at step 5.*0.05 -> 0.025"):
         trainer = _fit(module, cb, max_steps=16)
     (r,) = cb.guard.rescues
-    assert r.step == 6 and r.onset == 5 and r.restored_step == 2 and r.steps_lost == 4  # 2 <= 5 - margin 2
+    assert r.step == 5 and r.onset == 5 and r.restored_step == 2 and r.steps_lost == 4  # 2 <= 5 - margin 2
     assert trainer.global_step == 16 and cb.guard.steps == 16 - 4  # the trainer counts the lost steps too
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.025)
     assert cb.monitor.alarm is None and all(torch.isfinite(p).all() for p in module.parameters())
@@ -265,7 +271,7 @@ def test_guard_rescues_a_blow_up_lowers_the_lr_and_trains_on(one_thread):
 
 def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_before_it(one_thread):
     module = NanLoss(blow_up_at=5, nan_at={8})  # the alarm at step 5, the NaN it foretold at step 8
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(2))
     with pytest.warns(UserWarning, match=r"rescue 1: non-finite loss.*after the monitor alarm: collapse warning"):
         _fit(module, cb, max_steps=16)
     (r,) = cb.guard.rescues
@@ -276,13 +282,13 @@ def test_guard_by_default_waits_for_the_alarm_to_be_confirmed_and_restores_from_
 
 def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread):
     module = NanLoss(nan_at={7}, scheduler=True)
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(2, margin=0))
     with pytest.warns(UserWarning, match="rescue 1: non-finite loss"):
         trainer = _fit(module, cb, max_steps=14)
     (r,) = cb.guard.rescues
-    # Lightning steps a step-interval scheduler before on_train_batch_end: the rates are those of the next step
-    assert r.step == 7 and r.restored_step == 6 and r.lr_before == pytest.approx(0.05 * 0.5**2)  # epoch 8
-    assert r.lr_after == pytest.approx(0.05 * 0.5 * 0.5)  # epoch 6 (StepLR: x0.5 at 4), x0.5 from the guard
+    # the guard acts inside the optimizer's step, before Lightning steps a step-interval scheduler: the rate of step 7
+    assert r.step == 7 and r.restored_step == 6 and r.lr_before == pytest.approx(0.05 * 0.5)  # epoch 7
+    assert r.lr_after == pytest.approx(0.05 * 0.5 * 0.5)  # the snapshot's (StepLR: x0.5 at 4), x0.5 from the guard
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert sched.base_lrs == [pytest.approx(0.025)]  # the schedule goes on from the lowered rate
     # 14 scheduler steps, rolled back from epoch 8 to 6: epoch 12; lr = 0.025 * 0.5 ** (12 // 4)
@@ -292,12 +298,12 @@ def test_guard_rescues_a_nan_loss_and_the_lr_scheduler_keeps_working(one_thread)
 
 def test_guard_gives_up_rolls_back_and_stops_the_trainer(one_thread):
     module = NanLoss(nan_at=range(4, 100))
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "max_rescues": 2})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(2, max_rescues=2))
     with pytest.warns(UserWarning) as caught:  # each rescue, then the surrender: all said, none left over
         trainer = _fit(module, cb, max_steps=30)
     said = [str(w.message) for w in caught]
     assert [n for n in (1, 2, 3) if any(f"rescue {n}: non-finite loss" in m for m in said)] == [1, 2], said
-    assert any(re.search(r"gave up after 2 rescue\(s\).*back on its state of guard step", m) for m in said), said
+    assert any(re.search(r"gave up after 2 rescue\(s\).*back on the state of step", m) for m in said), said
     assert len(cb.guard.rescues) == 2 and cb.gave_up.startswith("CollapseGuard: gave up after 2 rescue(s)")
     assert trainer.should_stop and trainer.global_step < 30
     assert all(torch.isfinite(p).all() for p in module.parameters())  # ends on a snapshot, not on NaN
@@ -305,11 +311,11 @@ def test_guard_gives_up_rolls_back_and_stops_the_trainer(one_thread):
 
 @pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before the epoch ended")  # on purpose
 def test_guard_state_travels_with_lightning_checkpoints(tmp_path, one_thread):
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(2, margin=0))
     with pytest.warns(UserWarning, match="rescue 1"):
         trainer = _fit(NanLoss(nan_at={3}), cb, max_steps=6)
     trainer.save_checkpoint(tmp_path / "g.ckpt")
-    resumed = VarianceMonitorCallback(every=1, log=False, guard={"every": 2, "margin": 0})
+    resumed = VarianceMonitorCallback(every=1, log=False, guard=guard(2, margin=0))
     _fit(NanLoss(), resumed, ckpt_path=tmp_path / "g.ckpt", max_steps=8)
     assert resumed.guard.rescues == cb.guard.rescues and resumed.guard.lr_scale == 0.5
     assert resumed.guard.steps == cb.guard.steps + 2
@@ -335,7 +341,7 @@ def test_guard_leaves_steps_the_grad_scaler_skips_to_the_scaler(one_thread):
 
     module = Tiny()
     module.net[0].weight.register_hook(lambda g: g * float("inf"))
-    cb = VarianceMonitorCallback(every=1, log=False, guard={"every": 1})
+    cb = VarianceMonitorCallback(every=1, log=False, guard=guard(1))
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     _fit(module, cb, max_steps=3, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
     assert cb.guard.scaler is scaler and cb.guard.rescues == [] and cb.guard.steps == 3

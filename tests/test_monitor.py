@@ -6,14 +6,17 @@ import copy
 import csv
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import idle, step_without_update
 from torch import nn
 
 from normlab.monitor import RecordOptions, VarianceMonitor, signal_propagation, stats
 from normlab.monitor.rules import CountdownRule, FactorRule, RegimeRule, StepContext
+from normlab.monitor.rules import Rule as StepRule
 from normlab.monitor.spp import channel_signal_stats
 
 
@@ -30,18 +33,21 @@ def small_cnn(seed: int = 0) -> nn.Sequential:
     )
 
 
-def train_steps(model, mon, n_steps, lr=0.1, momentum=0.9, wd=5e-4, seed=1):
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+def sgd(model, lr=0.1, momentum=0.9, wd=5e-4):
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=wd)
+
+
+def train_steps(model, mon, n_steps, seed=1):
+    """Train ``n_steps`` on random input with the monitor's optimizer (attached: its step records), or a new
+    :func:`sgd` without a monitor."""
+    opt = sgd(model) if mon is None else mon.optimizer
     gen = torch.Generator().manual_seed(seed)
     for _ in range(n_steps):
         x = torch.randn(8, 2, 4, 4, generator=gen)
         loss = model(x).square().mean()
         opt.zero_grad()
         loss.backward()
-        if mon is None:
-            opt.step()
-        else:
-            mon.step(opt)
+        opt.step()
     return opt
 
 
@@ -105,9 +111,9 @@ def test_variance_decomposition_on_iid_input(layer):
         mod = nn.Conv2d(n, out, 1, bias=False)
         mod.weight.data.copy_(w.view(out, n, 1, 1))
         x = 1.0 + torch.randn(samples // 16, n, 4, 4)
-    with VarianceMonitor(mod, every=1) as mon:
+    with VarianceMonitor(mod, every=1, optimizer=idle(mod)) as mon:
         mod(x)
-        mon.step()
+        step_without_update(mon)
     (rec,) = mon.records
     e2x = rec["input_mean_sq"] / rec["input_ratio"]
     var_x = e2x - rec["input_mean_sq"]
@@ -127,10 +133,10 @@ def test_update_ratio_matches_hand_made_sgd_step():
     x = torch.randn(10, 6)
     opt = torch.optim.SGD(lin.parameters(), lr=0.3)
     w0 = lin.weight.detach().clone()
-    with VarianceMonitor(lin, every=1) as mon:
+    with VarianceMonitor(lin, every=1, optimizer=opt) as mon:
         lin(x).pow(2).sum().backward()
         g = lin.weight.grad.clone()
-        mon.step(opt)
+        opt.step()
     (rec,) = mon.records
     w1 = w0 - 0.3 * g
     ratio = w1.var(dim=1, unbiased=False) / w0.var(dim=1, unbiased=False)
@@ -150,7 +156,7 @@ def test_update_includes_momentum_and_weight_decay():
     xs = [torch.randn(7, 5) for _ in range(2)]
     lr, m, wd = 0.1, 0.9, 0.01
     opt = torch.optim.SGD(lin.parameters(), lr=lr, momentum=m, weight_decay=wd)
-    mon = VarianceMonitor(lin, every=2)
+    mon = VarianceMonitor(lin, every=2, optimizer=opt)
     w = lin.weight.detach().clone()
     buf = None
     for x in xs:
@@ -160,7 +166,7 @@ def test_update_includes_momentum_and_weight_decay():
         buf = d if buf is None else m * buf + d
         w_before = w
         w = w - lr * buf
-        mon.step(opt)
+        opt.step()
     assert [r["step"] for r in mon.records] == [0]  # step 1 is not a recording step with every=2
     # record the third step (step 2) and compare with the hand-made momentum update
     opt.zero_grad()
@@ -168,7 +174,7 @@ def test_update_includes_momentum_and_weight_decay():
     d = lin.weight.grad + wd * lin.weight.detach()
     buf = m * buf + d
     w_before, w = w, w - lr * buf
-    mon.step(opt)
+    opt.step()
     rec = mon.records[-1]
     assert rec["step"] == 2
     expected = (w_before - w).mean(dim=1)
@@ -180,7 +186,7 @@ def test_update_includes_momentum_and_weight_decay():
 def test_records_only_on_recording_steps_and_hooks_detached_between():
     model = small_cnn()
     mon = VarianceMonitor(
-        model, every=3, rules=[FactorRule(), RegimeRule(), CountdownRule(every_step=False)]
+        model, every=3, rules=[FactorRule(), RegimeRule(), CountdownRule(every_step=False)], optimizer=sgd(model)
     )  # full records only
     conv = model[0]
     counts = []
@@ -202,9 +208,9 @@ def test_hooks_removed_leave_outputs_bit_identical():
     x = torch.randn(4, 2, 4, 4)
     model.eval()
     ref = model(x)
-    with VarianceMonitor(model, every=1, recording=RecordOptions(record_eval=True)) as mon:
+    with VarianceMonitor(model, every=1, recording=RecordOptions(record_eval=True), optimizer=idle(model)) as mon:
         during = model(x)
-        mon.step()
+        step_without_update(mon)
     after = model(x)
     assert len(mon.records) == 4
     assert torch.equal(ref, during) and torch.equal(ref, after)
@@ -216,7 +222,7 @@ def test_gradients_and_parameters_identical_with_and_without_monitor():
     x = torch.randn(8, 2, 4, 4)
     for mod in (a, b):
         mod(x).square().mean().backward()
-    mon = VarianceMonitor(b, every=1)
+    mon = VarianceMonitor(b, every=1, optimizer=sgd(b))
     a.zero_grad()
     b.zero_grad()
     a(x).square().mean().backward()
@@ -233,10 +239,10 @@ def test_gradients_and_parameters_identical_with_and_without_monitor():
 
 def test_eval_forward_not_recorded_by_default():
     model = small_cnn()
-    mon = VarianceMonitor(model, every=1)
+    mon = VarianceMonitor(model, every=1, optimizer=idle(model))
     model.eval()
     model(torch.randn(2, 2, 4, 4))
-    mon.step()
+    step_without_update(mon)
     assert all("output_var" not in r for r in mon.records)
     assert all("shift" in r for r in mon.records if r["kind"] != "norm")
 
@@ -258,9 +264,9 @@ def test_effective_weight_is_used_for_shift():
     with torch.no_grad():
         lin.weight += torch.arange(6.0).view(6, 1)  # raw filters far apart
     assert stats.shift_of_average(lin.weight).item() > 100
-    with VarianceMonitor(lin, every=1) as mon:
+    with VarianceMonitor(lin, every=1, optimizer=idle(lin)) as mon:
         lin(torch.randn(4, 8))
-        mon.step()
+        step_without_update(mon)
     assert mon.records[0]["shift"] == pytest.approx(0.0, abs=1e-9)
     assert mon.records[0]["shift_scale_free"] == pytest.approx(0.0, abs=1e-9)
 
@@ -270,9 +276,9 @@ def test_pws_conv_shift_is_zero():
     conv = nlnn.PWSConv2d(3, 8, 3, padding=1)
     with torch.no_grad():
         conv.weight += torch.linspace(-1, 1, 8).view(8, 1, 1, 1)
-    with VarianceMonitor(conv, every=1) as mon:
+    with VarianceMonitor(conv, every=1, optimizer=idle(conv)) as mon:
         conv(torch.randn(2, 3, 5, 5))
-        mon.step()
+        step_without_update(mon)
     assert mon.records[0]["shift"] == pytest.approx(0.0, abs=1e-6)
 
 
@@ -281,9 +287,9 @@ def test_weight_norm_parametrization_uses_effective_weight():
     lin = nn.utils.parametrizations.weight_norm(nn.Linear(5, 4))
     with torch.no_grad():
         lin.parametrizations.weight.original0.mul_(3.0)
-    with VarianceMonitor(lin, every=1) as mon:
+    with VarianceMonitor(lin, every=1, optimizer=idle(lin)) as mon:
         lin(torch.randn(3, 5))
-        mon.step()
+        step_without_update(mon)
     assert mon.records[0]["shift"] == pytest.approx(stats.shift_of_average(lin.weight).item(), rel=1e-5)
 
 
@@ -306,7 +312,7 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
     fired = []
     # the countdown on recorded steps only: on every step it would fire at step 3; this test is the factor rules'
     rules = [FactorRule(explode_factor=50.0, watch_output_layer=True), RegimeRule(), CountdownRule(every_step=False)]
-    mon = VarianceMonitor(model, every=2, rules=rules)
+    mon = VarianceMonitor(model, every=2, rules=rules, optimizer=idle(model))
     mon.add_sink(fired.append)
     x = torch.randn(32, 8)
     for step in range(6):
@@ -314,7 +320,7 @@ def test_alarm_names_first_exploding_layer_in_forward_order():
             with torch.no_grad():
                 model.early.weight.mul_(100.0)
         model(x)
-        mon.step()
+        step_without_update(mon)
         if step == 2:
             assert mon.alarm is None and not mon.should_stop
     assert mon.alarm is not None and mon.should_stop
@@ -330,25 +336,28 @@ def test_alarm_on_shift_growth_and_non_finite():
     torch.manual_seed(0)
     model = TwoLayers()
     mon = VarianceMonitor(
-        model, every=1, rules=[FactorRule(explode_factor=10.0, watch=("shift",), watch_output_layer=True)]
+        model,
+        every=1,
+        rules=[FactorRule(explode_factor=10.0, watch=("shift",), watch_output_layer=True)],
+        optimizer=idle(model),
     )
     x = torch.randn(16, 8)
     model(x)
-    mon.step()
+    step_without_update(mon)
     with torch.no_grad():  # spread the filter means of `late` apart: shift grows, no other change
         model.late.weight += torch.linspace(-3, 3, 8).view(8, 1)
     model(x)
-    mon.step()
+    step_without_update(mon)
     assert mon.alarm.layer == "late" and mon.alarm.quantity == "shift" and mon.alarm.step == 1
 
     model2 = TwoLayers()
-    mon2 = VarianceMonitor(model2, every=1)
+    mon2 = VarianceMonitor(model2, every=1, optimizer=idle(model2))
     model2(x)
-    mon2.step()
+    step_without_update(mon2)
     with torch.no_grad():
         model2.early.weight[0, 0] = float("inf")
     model2(x)
-    mon2.step()
+    step_without_update(mon2)
     assert mon2.alarm.layer == "early" and mon2.alarm.details["reason"] == "non-finite"
 
 
@@ -358,19 +367,22 @@ def test_output_layer_growth_not_flagged_by_default_but_non_finite_is():
     for watch_output, expected in ((False, None), (True, "late")):
         model = TwoLayers()  # `late` is the output layer (last in forward order)
         mon = VarianceMonitor(
-            model, every=1, rules=[FactorRule(explode_factor=10.0, watch_output_layer=watch_output), CountdownRule()]
+            model,
+            every=1,
+            rules=[FactorRule(explode_factor=10.0, watch_output_layer=watch_output), CountdownRule()],
+            optimizer=idle(model),
         )
         model(x)
-        mon.step()
+        step_without_update(mon)
         with torch.no_grad():  # the classifier's logits and class offsets grow: confident, not collapsing
             model.late.weight.mul_(10.0).add_(torch.linspace(-3, 3, 8).view(8, 1))
         model(x)
-        mon.step()
+        step_without_update(mon)
         assert (mon.alarm.layer if mon.alarm else None) == expected
         with torch.no_grad():
             model.late.weight[0, 0] = float("nan")
         model(x)
-        mon.step()
+        step_without_update(mon)
         assert mon.alarm.layer == "late" and (watch_output or mon.alarm.details["reason"] == "non-finite")
 
 
@@ -442,7 +454,7 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
                 with torch.no_grad():
                     model.late.weight += torch.linspace(-2, 2, 8).view(8, 1)  # shift of `late` grows
             model(x)
-            mon.step()
+            step_without_update(mon)
 
     torch.manual_seed(0)
     x = torch.randn(16, 8)
@@ -451,7 +463,7 @@ def test_monitor_state_dict_round_trip_gives_the_same_alarm(tmp_path):
 
     def kw():
         factor = FactorRule(explode_factor=10.0, watch=("shift",), baseline_records=2, watch_output_layer=True)
-        return dict(every=2, rules=[factor, RegimeRule(), CountdownRule()])
+        return dict(every=2, rules=[factor, RegimeRule(), CountdownRule()], optimizer=idle(model))
 
     ref = VarianceMonitor(ref_model, **kw())
     run(ref_model, ref, range(10), x)
@@ -535,7 +547,7 @@ def test_ddp_wrapped_model(tmp_path):
         model = small_cnn()
         ref = small_cnn()
         ddp = nn.parallel.DistributedDataParallel(model)
-        mon = VarianceMonitor(ddp, every=1)
+        mon = VarianceMonitor(ddp, every=1, optimizer=sgd(ddp))
         assert mon.model is model
         train_steps(ddp, mon, 2)
         train_steps(ref, None, 2)
@@ -551,14 +563,14 @@ def test_compiled_model_records_same_values():
     model = small_cnn()
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(4, 2, 4, 4)
-    ref = VarianceMonitor(small_cnn(), every=1)
+    ref = VarianceMonitor(small_cnn(), every=1, optimizer=idle(small_cnn()))
     ref.model(x)
-    ref.step()
+    step_without_update(ref)
     ref.close()
-    mon = VarianceMonitor(compiled, every=1)
+    mon = VarianceMonitor(compiled, every=1, optimizer=idle(compiled))
     assert mon.model is model and mon.compiled
     compiled(x)
-    mon.step()
+    step_without_update(mon)
     mon.close()
     assert len(mon.records) == len(ref.records) == 4
     for a, b in zip(mon.records, ref.records):
@@ -572,7 +584,7 @@ def test_export_jsonl_csv_and_plots(tmp_path):
     from normlab.monitor.plots import load_log, render_monitor_plots
 
     model = small_cnn()
-    mon = VarianceMonitor(model, every=2)
+    mon = VarianceMonitor(model, every=2, optimizer=sgd(model))
     train_steps(model, mon, 5)
     mon.records[0]["output_var"] = float("nan")  # exported as null
     mon.add_signal_propagation((4, 2, 4, 4))
@@ -604,6 +616,30 @@ def test_export_jsonl_csv_and_plots(tmp_path):
         (tmp_path / "empty.jsonl").write_text("")
         render_monitor_plots(tmp_path / "empty.jsonl", tmp_path / "y")
     assert cli_main(["monitor", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")]) == 2
+
+
+@pytest.mark.parametrize("spike, scale", [(1e3, "log"), (1.05, "linear")])
+def test_fig1a_update_ratio_is_on_a_log_axis_where_it_spans_decades(spike, scale, tmp_path, monkeypatch):
+    """Fig. 1(a): ratios near 1 and a collapse's spike to 1e3 on a linear axis left every curve flat until the
+    spike; a log axis shows both. Ratios that stay near 1 keep a linear axis."""
+    from normlab.monitor import plots, write_monitor_log
+
+    records = [
+        {"step": s, "layer": layer, "index": i, "type": "Conv2d", "kind": "conv",
+         "update_ratio_mean": spike if s == 9 else 1.0 + 0.01 * s}
+        for s in range(10) for i, layer in enumerate(("conv1", "conv2"))
+    ]  # fmt: skip
+    write_monitor_log(tmp_path / "log.jsonl", records)
+    scales = {}
+    real = plots.save_figure
+
+    def keep(fig, path, *a, **kw):
+        scales[Path(path).name] = [ax.get_yscale() for ax in fig.axes]
+        return real(fig, path, *a, **kw)
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    plots.render_monitor_plots(tmp_path / "log.jsonl", tmp_path / "plots")
+    assert scales["fig1a_update_ratio.png"] == [scale]
 
 
 # ------------------------------------------------------------------------------------- signal propagation
@@ -648,23 +684,23 @@ def test_compiled_model_attached_late_warns_and_keeps_weight_stats():
     compiled = torch.compile(model, backend="eager")
     x = torch.randn(5, 3)
     compiled(x)  # compiled before the hooks exist: compiled code will not run them
-    mon = VarianceMonitor(compiled, every=1)
+    mon = VarianceMonitor(compiled, every=1, optimizer=idle(compiled))
     compiled(x)
     with pytest.warns(UserWarning, match="before calling the compiled model"):
-        mon.step()
+        step_without_update(mon)
     assert all("output_var" not in r and "shift" in r for r in mon.records)
     mon.close()
 
 
 def test_copies_of_monitored_model_do_not_record():
     model = small_cnn()
-    mon = VarianceMonitor(model, every=1)
+    mon = VarianceMonitor(model, every=1, optimizer=idle(model))
     twin = copy.deepcopy(model)  # carries the hooks (EMA copies, signal_propagation's copy)
     twin(torch.randn(4, 2, 4, 4) * 100)
     mon.add_signal_propagation((4, 2, 4, 4))
     x = torch.randn(4, 2, 4, 4)
     model(x)
-    mon.step()
+    step_without_update(mon)
     with torch.no_grad():
         expected = stats.output_variance(model[0](x)).item()
     assert mon.records[0]["output_var"] == pytest.approx(expected, rel=1e-6)
@@ -690,10 +726,10 @@ def test_every_layer_is_norm_layer_counts_is_recorded_as_a_norm():
     model = nn.Sequential(nn.Linear(4, 6), nn.RMSNorm(6), nn.ReLU(), nn.Linear(6, 3), nn.LayerNorm(3))
     norms = [n for n, m in model.named_modules() if is_norm_layer(m)]
     assert norms == ["1", "4"]
-    mon = VarianceMonitor(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     model(torch.randn(8, 4)).sum().backward()
-    mon.step(opt)
+    opt.step()
     recorded = {r["layer"]: r for r in mon.records}
     assert set(recorded) == {"0", "1", "3", "4"}
     assert recorded["1"]["kind"] == "norm" and recorded["1"]["output_var"] > 0
@@ -705,9 +741,11 @@ def test_records_carry_the_two_terms_of_the_output_variance():
     conv = nn.Conv2d(64, 32, 1, bias=False)
     with torch.no_grad():
         conv.weight.normal_(0, (2 / 64) ** 0.5).add_(torch.randn(32, 1, 1, 1) * 0.05)
-    mon = VarianceMonitor(nn.Sequential(conv), every=1, recording=RecordOptions(include_norm=False))
+    mon = VarianceMonitor(
+        nn.Sequential(conv), every=1, recording=RecordOptions(include_norm=False), optimizer=idle(nn.Sequential(conv))
+    )
     conv(torch.relu(torch.randn(64, 64, 8, 8)))
-    mon.step()
+    step_without_update(mon)
     (rec,) = mon.records
     assert rec["shift_term"] > 0.3 * rec["variance_term"]
     assert (rec["variance_term"] + rec["shift_term"]) == pytest.approx(rec["output_var"], rel=0.05)
@@ -728,17 +766,17 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
         nn.Flatten(),
         nn.Linear(8, 4),
     )
-    mon = VarianceMonitor(model, every=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     x = torch.randn(16, 1, 20)
     for _ in range(2):
         model(x).sum().backward()
-        mon.step(opt)
+        opt.step()
     assert mon.alarm is None  # healthy: no growth, no implosion
     with torch.no_grad():
         model[2].bias.fill_(-100.0)  # the last ReLUs die: the classifier's input is 0
     model(x).sum().backward()
-    mon.step(opt)
+    opt.step()
     assert mon.alarm is not None and mon.alarm.layer == "6" and mon.alarm.quantity == "input_sq"
     assert (
         "fell to" in mon.alarm.details["reason"]
@@ -753,10 +791,10 @@ def test_dead_relus_before_the_classifier_raise_the_implosion_alarm():
 def _record(module, x, steps=1, **kw):
     """The step-0 record of ``module`` (wrapped alone) after one forward on ``x`` and an SGD step."""
     opt = torch.optim.SGD(module.parameters(), lr=0.1)
-    mon = VarianceMonitor(module, every=1, **kw)
+    mon = VarianceMonitor(module, every=1, **kw, optimizer=opt)
     for _ in range(steps):
         module(x).float().square().mean().backward()
-        mon.step(opt)
+        opt.step()
         opt.zero_grad()
     mon.close()
     return mon.records[0]
@@ -814,10 +852,11 @@ class TinyUNet(nn.Module):
 def test_unet_up_convolutions_are_monitored():
     torch.manual_seed(0)
     model = TinyUNet()
-    mon = VarianceMonitor(model, every=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     assert {n: k for n, _, k in mon.layers} == {"down.0": "conv", "down.2": "conv", "up": "conv", "out": "conv"}
     model(torch.randn(2, 3, 8, 8)).sum().backward()
-    mon.step(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.step()
     up = next(r for r in mon.records if r["layer"] == "up")
     assert up["index"] == 2 and (up["fan_in"], up["out_channels"]) == (16 * 4, 8) and "update_ratio_mean" in up
 
@@ -1019,29 +1058,19 @@ def _attached(seed=100):
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
 
-def test_attached_to_the_optimizer_its_own_step_records_and_mon_step_does_not_step_twice():
+def test_the_optimizers_own_step_records_and_changes_nothing():
     x = torch.randn(16, 4)
     ref, ref_opt = _attached()
-    detached = VarianceMonitor(ref, every=1)
     a, opt_a = _attached()
     mon_a = VarianceMonitor(a, every=1, optimizer=opt_a)
-    b, opt_b = _attached()
-    mon_b = VarianceMonitor(b, every=1, optimizer=opt_b)
     for _ in range(3):
-        for model, opt in ((ref, ref_opt), (a, opt_a), (b, opt_b)):
+        for model, opt in ((ref, ref_opt), (a, opt_a)):
             opt.zero_grad()
             model(x).square().mean().backward()
-        detached.step(ref_opt)
-        opt_a.step()  # the usual habit
-        mon_b.step(opt_b)  # the monitor's own call: the same single step
-    for p, q, r in zip(ref.parameters(), a.parameters(), b.parameters()):
-        assert torch.equal(p, q) and torch.equal(p, r)
-    assert mon_a.current_step == mon_b.current_step == detached.current_step == 3
-
-    def strip(records):
-        return [{k: v for k, v in rec.items()} for rec in records]
-
-    assert strip(mon_a.records) == strip(detached.records) == strip(mon_b.records)
+            opt.step()  # the usual loop: nothing else
+    for p, q in zip(ref.parameters(), a.parameters()):
+        assert torch.equal(p, q)
+    assert mon_a.current_step == 3
     assert {r["step"] for r in mon_a.records} == {0, 1, 2} and "update_ratio_mean" in mon_a.records[0]
 
 
@@ -1054,9 +1083,17 @@ def test_an_attached_monitor_detaches_on_close_and_refuses_a_non_optimizer():
     assert mon.current_step == 0 and mon.records == []
     with pytest.raises(TypeError, match="VarianceMonitor: optimizer must be a torch.optim.Optimizer, got list"):
         VarianceMonitor(model, optimizer=[])
+    with pytest.raises(RuntimeError, match="VarianceMonitor.observe_loss: the monitor follows no optimizer"):
+        VarianceMonitor(model).observe_loss(1.0)
 
 
-def test_a_step_the_grad_scaler_skips_is_not_counted_by_an_attached_monitor():
+@pytest.mark.parametrize("helper", [False, True])
+def test_a_step_the_grad_scaler_skips(helper):
+    """Through scaler_step the skipped step counts as a step without an update (the records of steps 0-2, the
+    second without update ratios); a bare ``scaler.step(opt)`` never calls the optimizer, so the monitor does not
+    see that step at all."""
+    from normlab.monitor import scaler_step
+
     model, opt = _attached()
     mon = VarianceMonitor(model, every=1, optimizer=opt)
     scaler = torch.amp.GradScaler("cpu")
@@ -1064,69 +1101,63 @@ def test_a_step_the_grad_scaler_skips_is_not_counted_by_an_attached_monitor():
         opt.zero_grad()
         loss = model(torch.randn(16, 4)).square().mean() * (float("inf") if poison else 1.0)
         scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-    assert mon.current_step == 2 and {r["step"] for r in mon.records} == {0, 1}
+        if helper:
+            assert scaler_step(scaler, opt) is not poison
+        else:
+            scaler.step(opt)
+            scaler.update()
+    if helper:
+        assert mon.current_step == 3 and {r["step"] for r in mon.records} == {0, 1, 2}
+        assert not any("update_ratio_mean" in r for r in mon.records if r["step"] == 1)
+    else:
+        assert mon.current_step == 2 and {r["step"] for r in mon.records} == {0, 1}
 
 
-@pytest.mark.parametrize("every", [1, 3])
-@pytest.mark.parametrize("attached", [False, True])
-def test_opt_step_then_mon_step_is_refused_before_a_second_update(attached, every):
-    # the habit `opt.step(); mon.step(opt)` would apply the same gradients twice: it must raise, and the
-    # parameters must hold exactly one update when it does (first iteration: step 0 is always recorded)
-    model, opt = _attached()
-    mon = VarianceMonitor(model, every=every, optimizer=opt if attached else None)
-    x = torch.randn(16, 4)
-    opt.zero_grad()
-    model(x).square().mean().backward()
-    once = copy.deepcopy(model)
-    once_opt = torch.optim.SGD(once.parameters(), lr=0.1, momentum=0.9)
-    once_opt.load_state_dict(opt.state_dict())
-    for p, q in zip(model.parameters(), once.parameters()):
-        q.grad = p.grad.clone()
-    once_opt.step()
-    opt.step()
-    with pytest.raises(RuntimeError, match=r"VarianceMonitor.step: .*call either opt.step\(\) or mon.step\(opt\)"):
-        mon.step(opt)
-    for p, q in zip(model.parameters(), once.parameters()):
-        assert torch.equal(p, q)
+class _LossSeen(StepRule):
+    """Keeps the loss the monitor hands the rules on every step."""
 
+    name, every_step = "seen", True
 
-@pytest.mark.parametrize("attached", [False, True])
-def test_mon_step_twice_on_the_same_gradients_is_refused_on_unrecorded_steps_too(attached):
-    model, opt = _attached()
-    mon = VarianceMonitor(model, every=4, optimizer=opt if attached else None)
-    x = torch.randn(16, 4)
-    for _ in range(2):  # steps 0 (recorded) and 1 (not recorded)
-        opt.zero_grad()
-        model(x).square().mean().backward()
-        mon.step(opt)
-    with pytest.raises(RuntimeError, match="no backward ran since the last optimizer step"):
-        mon.step(opt)
-    assert mon.current_step == 2
+    def __init__(self):
+        self.losses = []
+
+    def check(self, ctx, records):
+        self.losses.append(ctx.loss)
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-@pytest.mark.parametrize("attached", [False, True])
-def test_the_usual_loops_are_not_refused(attached, set_to_none):
-    # zero_grad either way, gradient accumulation over micro-batches, an eval forward in between, a closure
+def test_the_usual_loops_count_one_step_per_optimizer_step(set_to_none):
+    # zero_grad either way, gradient accumulation over micro-batches (their losses observed add up), an eval forward
+    # in between, no zero_grad at all, a closure (LBFGS-style: seen after its backward, its loss the step's)
     model, opt = _attached()
-    mon = VarianceMonitor(model, every=2, optimizer=opt if attached else None)
+    seen = _LossSeen()
+    mon = VarianceMonitor(model, every=2, optimizer=opt, rules=[seen])
     x = torch.randn(16, 4)
     for _ in range(6):
         opt.zero_grad(set_to_none=set_to_none)
+        expected = 0.0
         for half in x.chunk(2):
-            model(half).square().mean().backward()
+            loss = model(half).square().mean() / 2
+            loss.backward()
+            mon.observe_loss(loss)
+            expected += loss.item()
         with torch.no_grad():
             model.eval()
             model(x)
             model.train()
-        mon.step(opt)
+        opt.step()
+        assert seen.losses[-1] == pytest.approx(expected)  # the micro-batches' losses add up
     no_reset, no_reset_opt = _attached()
-    mon2 = VarianceMonitor(no_reset, every=1)
-    for _ in range(3):  # no zero_grad at all: gradients accumulate in place, each backward is a new version
+    mon2 = VarianceMonitor(no_reset, every=1, optimizer=no_reset_opt)
+    for _ in range(3):  # no zero_grad at all: gradients accumulate in place
         no_reset(x).square().mean().backward()
-        mon2.step(no_reset_opt)
+        no_reset_opt.step()
 
     def closure():
         opt.zero_grad()
@@ -1134,5 +1165,10 @@ def test_the_usual_loops_are_not_refused(attached, set_to_none):
         loss.backward()
         return loss
 
-    mon.step(opt, closure)
-    assert mon.current_step == 7 and mon2.current_step == 3
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model_loss_before = model(x).square().mean().item()
+    opt.step(closure)
+    assert mon.current_step == 7 and mon2.current_step == 3 and len(seen.losses) == 7
+    assert seen.losses[-1] == pytest.approx(model_loss_before)
+    assert not all(torch.equal(p, q) for p, q in zip(before, model.parameters()))  # the closure's gradients stepped

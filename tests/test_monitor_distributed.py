@@ -114,7 +114,8 @@ def _train(model, core: nn.Module, lo: int, hi: int) -> dict:
         loss = F.mse_loss(model(x[lo:hi]), y[lo:hi], reduction="sum") * (WORLD if hi - lo < 8 else 1) / 8
         opt.zero_grad()
         loss.backward()
-        mon.step(opt, loss=loss)
+        mon.observe_loss(loss)
+        opt.step()
     return {
         "records": list(mon.records),
         "events": [e.to_dict() for e in mon.events],
@@ -188,14 +189,13 @@ def _refusals() -> dict:
         except ValueError as e:
             said[key] = str(e)
     late = _model(sync=False)
-    mon = VarianceMonitor(late, every=1, rules=[])  # made before fully_shard: refused at its first record
+    opt = torch.optim.SGD(late.parameters(), lr=0.05)
+    VarianceMonitor(late, every=1, rules=[], optimizer=opt)  # made before fully_shard: refused at its first record
     _shard(late)
     x, y = _batch(0)
     F.mse_loss(late(x), y).backward()
     try:
-        mon.before_update()
-        torch.optim.SGD(late.parameters(), lr=0.05).step()
-        mon.after_update()
+        opt.step()  # the monitor's step: out of the optimizer's step hooks
         said["late"] = None
     except RuntimeError as e:
         said["late"] = str(e)
@@ -329,12 +329,15 @@ def test_placements_that_split_a_filter_are_refused_in_one_line(ranks):
 
 @pytest.mark.timeout(240)
 def test_the_fsdp_example_runs_under_torchrun():
-    """docs/examples/monitor_fsdp.py, as docs/monitor.md runs it: torchrun --nproc_per_node 2 on CPU."""
+    """docs/examples/monitor_fsdp.py, as docs/monitor.md runs it: torchrun --nproc_per_node 2 on CPU, the monitor and
+    the guard; rank 1 alone sees a NaN loss at step 5 and both ranks roll back to the snapshot of step 2."""
     script = os.path.join(ROOT, "docs", "examples", "monitor_fsdp.py")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    done = subprocess.run([*cmd, script, "--steps", "6"], env=env, capture_output=True, text=True, timeout=200)
+    args = ["--steps", "8", "--nan-at", "5", "--snapshot-every", "2", "--check-every", "2"]
+    done = subprocess.run([*cmd, script, *args], env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1], done.stdout
     assert math.isfinite(float(lines[0].rsplit("output_var ", 1)[1].split()[0]))
+    assert "rescues [(5, 'non_finite', 2, 0.0005)]" in lines[0], lines[0]

@@ -6,6 +6,7 @@ import inspect
 
 import pytest
 import torch
+from conftest import idle, step_without_update
 from torch import nn
 
 from normlab.monitor import RecordOptions, RecordSchedule, VarianceMonitor
@@ -17,13 +18,18 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
 
 
+def _sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 def _train(mon: VarianceMonitor, model: nn.Module, steps: int) -> None:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    """Train with the monitor's optimizer: its own step records."""
+    opt = mon.optimizer
     x = torch.randn(16, 4, generator=torch.Generator().manual_seed(101))
     for _ in range(steps):
         opt.zero_grad()
         model(x).square().mean().backward()
-        mon.step(opt)
+        opt.step()
 
 
 class EveryStep(Rule):
@@ -53,7 +59,7 @@ def test_the_constructor_has_a_handful_of_arguments_with_the_names_callers_use()
 def test_a_schedule_records_exactly_its_due_steps(schedule, steps):
     assert [s for s in range(16) if schedule.is_due(s)] == steps
     model = _net()
-    mon = VarianceMonitor(model, every=schedule, rules=[])
+    mon = VarianceMonitor(model, every=schedule, rules=[], optimizer=_sgd(model))
     _train(mon, model, 16)
     assert sorted({r["step"] for r in mon.records}) == steps
     assert mon.every == schedule.every and mon.state_dict()["dense"] == [schedule.dense_steps, schedule.dense_every]
@@ -61,7 +67,7 @@ def test_a_schedule_records_exactly_its_due_steps(schedule, steps):
 
 def test_an_int_every_is_the_plain_schedule_and_its_state_loads_in_a_schedule_monitor():
     model = _net()
-    plain = VarianceMonitor(model, every=3, rules=[])
+    plain = VarianceMonitor(model, every=3, rules=[], optimizer=_sgd(model))
     assert plain.schedule == RecordSchedule(3)
     _train(plain, model, 4)
     twin = VarianceMonitor(_net(), every=RecordSchedule(3, 0, 1), rules=[])
@@ -99,9 +105,11 @@ def test_recording_options_choose_the_layers_and_the_forwards():
     no_norm.close()
     model.eval()
     for record_eval, expected in ((False, set()), (True, {"0", "1", "3"})):
-        mon = VarianceMonitor(model, every=1, rules=[], recording=RecordOptions(record_eval=record_eval))
+        mon = VarianceMonitor(
+            model, every=1, rules=[], recording=RecordOptions(record_eval=record_eval), optimizer=idle(model)
+        )
         model(torch.randn(4, 4))
-        mon.step()
+        step_without_update(mon)
         mon.close()
         assert {r["layer"] for r in mon.records if "output_var" in r} == expected
 
@@ -125,7 +133,7 @@ class Board:
 
 def test_sinks_get_every_recorded_step_and_every_kept_event_until_removed():
     model = _net()
-    mon = VarianceMonitor(model, every=2, rules=[EveryStep()])
+    mon = VarianceMonitor(model, every=2, rules=[EveryStep()], optimizer=_sgd(model))
     board, called = Board(), []
     mon.add_sink(board)
     handle = mon.add_sink(called.append)
@@ -142,7 +150,7 @@ def test_sinks_get_every_recorded_step_and_every_kept_event_until_removed():
 
 def test_a_sink_added_after_an_event_gets_only_later_ones_and_a_restored_event_is_not_resent():
     model = _net()
-    mon = VarianceMonitor(model, every=1, rules=[EveryStep()])
+    mon = VarianceMonitor(model, every=1, rules=[EveryStep()], optimizer=_sgd(model))
     _train(mon, model, 2)
     late = []
     mon.add_sink(late.append)

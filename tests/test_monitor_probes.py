@@ -44,16 +44,17 @@ def train(model, mon, opt, steps: int, before_step=None):
         loss = model(ids, labels=ids).loss
         opt.zero_grad()
         loss.backward()
-        mon.step(opt, loss=loss)
+        mon.observe_loss(loss)
+        opt.step()
 
 
 @pytest.mark.parametrize("impl", ["eager", "sdpa"])
 def test_monitored_gpt2_gets_probe_values_on_recorded_steps_only(impl):
     model = tiny_gpt2(impl)
     spy = Spy(needs_probes=True)
-    mon = VarianceMonitor(model, every=3, rules=[spy])
-    assert mon.probes is not None  # a rule that reads probes switches them on
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    mon = VarianceMonitor(model, every=3, rules=[spy], optimizer=opt)
+    assert mon.probes is not None  # a rule that reads probes switches them on
     train(model, mon, opt, 7)
     by_step = {c.step: c for c in spy.seen}
     assert sorted(by_step) == [0, 3, 6]  # a recorded-steps rule
@@ -74,11 +75,11 @@ def test_probes_are_off_for_the_default_rules_and_can_be_forced():
     assert VarianceMonitor(model, rules=[*DEFAULT_RULES(), AttentionLogitRule()]).probes is not None
     assert VarianceMonitor(model, rules=[AttentionLogitRule()], probes=False).probes is None
     spy = Spy()
-    mon = VarianceMonitor(model, every=1, rules=[spy], probes=[NormGainProbe()])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    VarianceMonitor(model, every=1, rules=[spy], probes=[NormGainProbe()], optimizer=opt)  # attached: it records
     for _ in range(2):
         model(torch.randn(3, 4)).square().mean().backward()
-        mon.step(opt)
+        opt.step()
     assert [sorted(c.probes) for c in spy.seen] == [["norm_gain/1"], ["norm_gain/1"]]
     assert not spy.seen[0].adaptive  # SGD
     with pytest.raises(ValueError, match="VarianceMonitor: probes must be None, True, False or a list of Probe"):
@@ -88,8 +89,8 @@ def test_probes_are_off_for_the_default_rules_and_can_be_forced():
 def test_attention_logit_rule_fires_through_the_live_monitor_on_crafted_growth():
     model = tiny_gpt2("sdpa")
     rule = AttentionLogitRule(factor=10.0, floor=1.0, warmup=4, patience=1, severity="alarm")
-    mon = VarianceMonitor(model, every=2, rules=[rule])
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the weights change only where the test changes them
+    mon = VarianceMonitor(model, every=2, rules=[rule], optimizer=opt)
 
     def grow(step):
         if step == 6:  # q and k scaled 10x each: the logits grow 100x
@@ -102,6 +103,9 @@ def test_attention_logit_rule_fires_through_the_live_monitor_on_crafted_growth()
     assert mon.alarm.step == 6 and mon.alarm.layer.startswith("transformer.h.")
     # without the growth: silent
     model2 = tiny_gpt2("sdpa")
-    mon2 = VarianceMonitor(model2, every=2, rules=[AttentionLogitRule(factor=10.0, floor=1.0, warmup=4)])
-    train(model2, mon2, torch.optim.SGD(model2.parameters(), lr=0.0), 10)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.0)
+    mon2 = VarianceMonitor(
+        model2, every=2, rules=[AttentionLogitRule(factor=10.0, floor=1.0, warmup=4)], optimizer=opt2
+    )
+    train(model2, mon2, opt2, 10)
     assert mon2.events == []

@@ -16,6 +16,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import idle, step_without_update
 from torch import nn
 
 from normlab.monitor import RecordOptions, VarianceMonitor, stats
@@ -145,11 +146,11 @@ def run_monitored(name: str, steps: int = 2):
 
     handles = [m.register_forward_hook(capture(n)) for n, m in model.named_modules() if expected_kind(m)]
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = VarianceMonitor(model, every=1)
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
     x = make_input()
     for _ in range(steps):
         _output_tensor(model(x)).float().square().mean().backward()
-        mon.step(opt)
+        opt.step()
         opt.zero_grad()
     for h in handles:
         h.remove()
@@ -308,9 +309,9 @@ def test_every_timm_standardized_conv_class_has_its_applied_kernel(cls, training
         if hasattr(conv, "gain"):
             conv.gain.uniform_(0.5, 2.0)
     x = torch.randn(2, 3, 9, 9)
-    mon = VarianceMonitor(conv, every=1, recording=RecordOptions(record_eval=not training))
+    mon = VarianceMonitor(conv, every=1, recording=RecordOptions(record_eval=not training), optimizer=idle(conv))
     y = conv(x)
-    mon.step()
+    step_without_update(mon)
     xin = pad_same(x, conv.kernel_size, conv.stride, conv.dilation) if getattr(conv, "same_pad", False) else x
     w = effective_weight(conv)
     torch.testing.assert_close(F.conv2d(xin, w, conv.bias, conv.stride, conv.padding, conv.dilation), y)

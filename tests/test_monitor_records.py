@@ -30,14 +30,14 @@ def _monitored_run(steps=6, blow_up_at=3, spp=True):
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     # the conv feeds its BatchNorm alone: FactorRule tests its output variance only when asked (watch_renormalized)
-    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=True)])
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=True)], optimizer=opt)
     x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 5, (8,))
     for step in range(steps):
         if step == blow_up_at:  # the first conv's kernel x 1e3: its output variance grows 1e6x
             with torch.no_grad():
                 model[0].weight.mul_(1e3)
         nn.functional.cross_entropy(model(x), y).backward()
-        mon.step(opt)
+        opt.step()
         opt.zero_grad()
     if spp:
         mon.add_signal_propagation((2, 3, 4, 4))

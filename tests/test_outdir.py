@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import claimed
 
 from normlab.cli import main
 from normlab.runner.errors import UsageError
@@ -19,7 +20,7 @@ from normlab.runner.experiments.compare import COMPARE, run_grid
 from normlab.runner.grid.execute import plan_grid
 from normlab.runner.grid.spec import GridSpec, expand_grid
 from normlab.runner.io import TEMP_SUFFIX, check_dir_option
-from normlab.runner.lock import LOCK_NAME, lock_holder, out_lock
+from normlab.runner.lock import CLAIM_NAME, LOCK_NAME, dir_claim, lock_holder, out_lock
 
 LINUX = sys.platform.startswith("linux") and os.path.isdir("/proc")
 
@@ -218,8 +219,11 @@ def test_sigterm_stops_workers_and_exits_130(tmp_path):
 
 
 # --------------------------------------------------------------------------- files: links, temps, the union
-def _plant(out: Path, names: list[str], outside: Path) -> None:
+def _plant(out: Path, names: list[str], outside: Path, run: str = "normlab compare") -> None:
+    """Links at ``names`` in ``out``, a directory claimed by ``run`` (as its first run left it)."""
     out.mkdir(parents=True, exist_ok=True)
+    if not (out / CLAIM_NAME).exists():
+        claimed(out, run)
     for n in names:
         (out / n).symlink_to(outside)
 
@@ -262,10 +266,10 @@ def test_monitor_outputs_never_follow_links(tmp_path):
     outside.write_text("keep")
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.ReLU(), torch.nn.Conv2d(2, 2, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with VarianceMonitor(model, every=1) as mon:
+    with VarianceMonitor(model, every=1, optimizer=opt) as mon:
         for _ in range(2):
             model(torch.randn(2, 1, 6, 6)).mean().backward()
-            mon.step(opt)
+            opt.step()
     _plant(tmp_path / "o", ["log.jsonl", "log.csv", "fig1a_update_ratio.png"], outside)
     log = mon.to_jsonl(tmp_path / "o" / "log.jsonl")
     mon.to_csv(tmp_path / "o" / "log.csv")
@@ -280,6 +284,7 @@ def test_train_cleans_stale_temps_of_a_killed_writer(tmp_path, capsys):
     out.mkdir()
     stale = out / f".checkpoint.pt.dead{TEMP_SUFFIX}"
     stale.write_bytes(b"half a checkpoint")
+    claimed(out, "normlab train")  # by the run that was killed
     rc = main(
         [
             "train",
@@ -302,3 +307,87 @@ def test_train_cleans_stale_temps_of_a_killed_writer(tmp_path, capsys):
     )
     assert rc == 0 and not stale.exists() and (out / "summary.json").is_file()
     assert not (out / LOCK_NAME).exists()
+
+
+# ------------------------------------------------------------------- one command per output directory (the claim)
+def test_claim_takes_a_new_or_empty_directory_resumes_its_own_and_refuses_the_rest(tmp_path):
+    new = tmp_path / "new" / "out"
+    with out_lock(new, "demo", claim="normlab-lab demo --quick", record="demo.json") as d:
+        assert dir_claim(d) == {"run": "normlab-lab demo --quick", "record": "demo.json"}
+        (d / "demo.json").write_text("{}")
+    with out_lock(new, "demo", claim="normlab-lab demo --quick"):  # the same command resumes
+        pass
+    # another command, or the same one in another mode: one line naming the command and its record
+    for other in ("normlab-lab demo", "normlab compare", "normlab train"):
+        with pytest.raises(UsageError) as e, out_lock(new, "x", claim=other):
+            pass
+        msg = str(e.value)
+        assert "\n" not in msg and "holds a `normlab-lab demo --quick` run (demo.json)" in msg, msg
+        assert "pass another --out" in msg
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with out_lock(empty, "train", claim="normlab train"):
+        (empty / "summary.json").write_text("{}")
+    assert dir_claim(empty)["run"] == "normlab train"
+    # the user's own files: refused, named, left as they were, nothing written
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match=r"holds files no normlab run wrote \(notes.txt\); pass an empty"):
+        with out_lock(mine, "compare", claim="normlab compare"):
+            pass
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    # a claim file that is no claim, or a link, is refused rather than trusted
+    (mine / CLAIM_NAME).write_text("[1]")
+    with pytest.raises(UsageError, match="not a normlab claim file"), out_lock(mine, "x", claim="normlab train"):
+        pass
+
+
+def test_a_run_that_writes_nothing_leaves_nothing_and_a_lock_alone_claims_nothing(tmp_path):
+    out = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError), out_lock(out, "compare", claim="normlab compare"):
+        raise RuntimeError  # e.g. a grid refused after the claim: the claim goes with the empty directory
+    assert not (tmp_path / "a").exists()
+    claimed = tmp_path / "c"
+    with out_lock(claimed, "compare", claim="normlab compare"):
+        (claimed / "grid.json").write_text("{}")
+    with out_lock(claimed, "report", option="DIR"):  # `normlab report DIR` reads any run's directory
+        pass
+    assert dir_claim(claimed)["run"] == "normlab compare"
+
+
+def _tiny_train(out: Path) -> list[str]:
+    return ["train", "--norm", "bn", "--width", "0.125", "--epochs", "1", "--max-steps-per-epoch", "1",
+            "--batch-size", "16", "--out", str(out), "--quiet", "--threads", "1"]  # fmt: skip
+
+
+def _tiny_compare(out: Path) -> list[str]:
+    grid = ["--norms", "bn", "--lrs", "0.05", "--batch-sizes", "16", "--seeds", "100", "--epochs", "1"]
+    return ["compare", *grid, "--width", "0.125", "--max-steps-per-epoch", "1", "--workers", "1", "--no-progress",
+            "--out", str(out)]  # fmt: skip
+
+
+def test_train_and_compare_never_share_a_directory_or_take_the_users(tmp_path, capsys):
+    train_dir, grid_dir = tmp_path / "train", tmp_path / "grid"
+    assert main(_tiny_train(train_dir)) == 0
+    assert main(_tiny_train(train_dir)) == 0  # rerun: resumes (the run is finished)
+    assert main(_tiny_compare(grid_dir)) == 0
+    capsys.readouterr()
+    for argv, holder, record in (
+        (_tiny_compare(train_dir), "normlab train", "summary.json"),
+        (_tiny_train(grid_dir), "normlab compare", "grid.json"),
+    ):
+        d = Path(argv[argv.index("--out") + 1])
+        before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {d} holds a `{holder}` run ({record})" in err[0], err
+        assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for argv in (_tiny_train(mine), _tiny_compare(mine)):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "holds files no normlab run wrote (notes.txt)" in err[0], err
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]

@@ -18,7 +18,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from conftest import needs
+from conftest import claimed, needs
 
 from normlab.runner.experiments.compare import run_grid
 from normlab.runner.grid.execute import CellsFailed
@@ -114,7 +114,7 @@ def test_ray_matches_process_backend_and_resumes_its_grid(ray_cluster, tmp_path,
 def test_ray_records_a_cell_that_raises_and_finishes_the_others(ray_cluster, tmp_path):
     spec = _spec(norms=("bn", "gn"), epochs=1)
     bad, good = expand_grid(spec)
-    (tmp_path / "runs" / bad.cell_id).mkdir(parents=True)
+    (claimed(tmp_path) / "runs" / bad.cell_id).mkdir(parents=True)  # by the grid that wrote the checkpoint
     (tmp_path / "runs" / bad.cell_id / "checkpoint.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(CellsFailed, match=f"1 run\\(s\\) failed \\(first: {bad.cell_id}: RunError: .*corrupt"):
         run_grid(spec, tmp_path, threads=1, progress=False, backend="ray")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import idle, step_without_update
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from normlab.nn import (
@@ -268,7 +269,8 @@ def test_the_monitor_reads_back_once_per_monitored_step_and_never_in_the_forward
         torch.nn.Linear(3 * 5 * 6, 2),
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    quiet = VarianceMonitor(torch.nn.Linear(2, 2), every=3, rules=[])  # no rule: nothing due between its records
+    lin = torch.nn.Linear(2, 2)
+    quiet = VarianceMonitor(lin, every=3, rules=[], optimizer=idle(lin))  # no rule: nothing due between its records
     mons = [VarianceMonitor(model, every=3, optimizer=opt), quiet]
     calls: list[str] = []
     for name in ("tolist", "numpy"):
@@ -290,10 +292,64 @@ def test_the_monitor_reads_back_once_per_monitored_step_and_never_in_the_forward
         quiet_calls = list(calls)
         calls.clear()
         with ReadBacks() as quiet_reads:
-            quiet.step()
+            step_without_update(quiet)
         per_step.append((forward, step_reads.ops + quiet_calls, quiet_reads.ops + calls))
         calls.clear()
     assert [f for f, _, _ in per_step] == [[]] * 4
     assert [s for _, s, _ in per_step] == [["tolist"]] * 4  # recorded, light, light, recorded
     assert [q for _, _, q in per_step] == [["tolist"], [], [], ["tolist"]]  # its records, nothing between them
     assert {r["step"] for r in mons[0].records} == {0, 3}
+
+
+# ------------------------------------------------------------------------------------------------ the guard's steps
+def _count_reads(monkeypatch):
+    """A function running one call under the read-back counters: (dispatch reads, tolist/numpy/item calls)."""
+    calls: list[str] = []
+    for name in ("tolist", "numpy", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            calls.append(_name)
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+
+    def run(fn) -> int:
+        calls.clear()
+        with ReadBacks() as reads:
+            fn()
+        return len(reads.ops) + len(calls)
+
+    return run
+
+
+@pytest.mark.parametrize("loss_kind", ["tensor", "number"])
+def test_the_guard_reads_back_only_on_the_steps_it_checks(loss_kind, monkeypatch):
+    """A step through CollapseGuard keeps its loss and its non-finite-gradient flag on the device; every
+    ``check_every`` steps (and at a snapshot) one transfer reads what the steps left. Steps 0-11 with checks every 5
+    and snapshots every 10 read back exactly after steps 4 and 9: one read each."""
+    from torch import nn
+
+    from normlab.monitor import CollapseGuard, RescueOptions, SnapshotOptions
+
+    torch.manual_seed(100)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    guard = CollapseGuard(model, opt, snapshots=SnapshotOptions(every=10), rescue=RescueOptions(check_every=5))
+    g = torch.Generator().manual_seed(101)
+    run = _count_reads(monkeypatch)
+    per_step = []
+    for _ in range(12):
+        x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        value = loss.detach() if loss_kind == "tensor" else 2.0  # a number: the loop read its loss already
+
+        def step(value=value):
+            guard.observe_loss(value)
+            opt.step()
+
+        per_step.append(run(step))
+    assert per_step == [0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0]
+    assert guard.rescues == [] and [s.step for s in guard._snaps] == [0, 10]

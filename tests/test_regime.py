@@ -246,7 +246,7 @@ def test_first_shift_travels_with_the_state_dict():
     assert check(b, 2, rec, lr=0.2) == check(a, 2, rec, lr=0.2) and a.first_shift == {"c1": 0.3}
 
 
-def _plain_run(lr, steps, attach=True):
+def _plain_run(lr, steps):
     """The unnormalized plain1d net (width 0.25) on a synthetic 10-class task, SGD momentum 0.9, window-5 regime."""
     from normlab.runner.models import build_model
 
@@ -256,24 +256,19 @@ def _plain_run(lr, steps, attach=True):
     x = torch.randn(512, 1, 40, generator=g)
     y = (x[:, 0, :20].mean(1) * 10).long().clamp(-5, 4) + 5
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    kw = dict(every=1, rules=[RegimeRule(window=5, min_ratio=1.0)])
-    mon = VarianceMonitor(model, optimizer=opt if attach else None, **kw)
+    mon = VarianceMonitor(model, optimizer=opt, every=1, rules=[RegimeRule(window=5, min_ratio=1.0)])
     for _ in range(steps):
         idx = torch.randint(0, 512, (64,), generator=g)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
-        if attach:
-            opt.step()
-        else:
-            mon.step(opt)
+        opt.step()
     return mon
 
 
-@pytest.mark.parametrize("attach", [True, False])
-def test_a_real_run_suggests_the_formula_and_the_restart_enters_the_regime_later(attach, one_thread):
+def test_a_real_run_suggests_the_formula_and_the_restart_enters_the_regime_later(one_thread):
     from normlab.monitor.rules.regime import suggested_lr
 
-    mon = _plain_run(0.1, 12, attach)
+    mon = _plain_run(0.1, 12)
     risk = mon.warning
     assert risk is not None and risk.details["case"] == "shift"
     first = next(r for r in mon.records if r["layer"] == risk.layer)
@@ -284,26 +279,32 @@ def test_a_real_run_suggests_the_formula_and_the_restart_enters_the_regime_later
     assert again.warning is None  # not (yet) in the regime at the original warning step
 
 
-@pytest.mark.parametrize("tell", [False, True])
-def test_the_monitor_suggests_an_lr_only_when_it_knows_the_optimizer(tell):
+class _Drift(torch.optim.SGD):
+    """An optimizer whose step moves the filter means of one conv apart (the drift the regime rule reads)."""
+
+    def __init__(self, params, conv, lr):
+        super().__init__(params, lr=lr)
+        self.conv = conv
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.conv.weight += 0.5 * torch.linspace(-1, 1, 8).view(8, 1, 1)
+
+
+def test_the_monitor_suggests_an_lr_from_the_optimizer_it_follows():
     net = _net(False)
     with torch.no_grad():  # no initial spread of the filter means: the shift comes from the drift
         net[2].weight -= net[2].weight.mean((1, 2), keepdim=True)
-    mon = VarianceMonitor(net, every=1, rules=[RegimeRule(window=1, min_ratio=1.0)])
-    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    opt = _Drift(net.parameters(), net[2], lr=0.1)
+    mon = VarianceMonitor(net, every=1, rules=[RegimeRule(window=1, min_ratio=1.0)], optimizer=opt)
     for _ in range(2):
         opt.zero_grad()
         net(torch.randn(32, 1, 16)).square().mean().backward()
-        mon.before_update(opt if tell else None)
-        with torch.no_grad():
-            net[2].weight += 0.5 * torch.linspace(-1, 1, 8).view(8, 1, 1)  # the loop's own "step": filter means drift
-        mon.after_update()
+        opt.step()  # the optimizer's own step (hooks included): filter means drift
     assert mon.warning is not None and mon.warning.step == 1
-    assert (mon.warning.details["suggested_lr"] is not None) == tell
-    if tell:  # no initial shift: lr sqrt(V / S)
-        assert mon.warning.details["suggested_lr"] == pytest.approx(
-            0.1 * (mon.warning.details["variance_term"] / mon.warning.details["shift_term"]) ** 0.5
-        )
+    assert mon.warning.details["suggested_lr"] == pytest.approx(  # no initial shift: lr sqrt(V / S)
+        0.1 * (mon.warning.details["variance_term"] / mon.warning.details["shift_term"]) ** 0.5
+    )
 
 
 def test_layer_learning_rates_finds_a_parametrized_kernel_and_skips_frozen_layers():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from normlab.monitor import CollapseGuard, VarianceMonitor, load_log
+from normlab.monitor import CollapseGuard, RescueOptions, SnapshotOptions, VarianceMonitor, load_log
 from normlab.monitor.rules import (
     DEFAULT_RULES,
     CountdownRule,
@@ -221,8 +221,9 @@ def _net():
 def test_a_user_rule_works_with_the_monitor_and_the_guard_untouched():
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = VarianceMonitor(model, every=1, rules=[HeadVarianceAbove(limit=50.0)])
-    guard = CollapseGuard(model, opt, mon, every=1, confirm=None, max_rescues=1)
+    mon = VarianceMonitor(model, every=1, rules=[HeadVarianceAbove(limit=50.0)], optimizer=opt)
+    rescue = RescueOptions(check_every=1, confirm=None, max_rescues=1)
+    guard = CollapseGuard(model, opt, mon, snapshots=SnapshotOptions(every=1), rescue=rescue)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     taken = []
     for t in range(4):
@@ -232,7 +233,9 @@ def test_a_user_rule_works_with_the_monitor_and_the_guard_untouched():
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        taken.append(guard.step(loss))
+        guard.observe_loss(loss)
+        opt.step()
+        taken.append(not guard.rolled_back)
     assert taken[2] is False  # the user's alarm at step 2 made the guard roll back
     (rescue,) = guard.rescues
     assert "head variance" in rescue.reason and "[head_variance]" in rescue.reason and rescue.onset == 2
@@ -248,14 +251,17 @@ def test_a_warning_is_not_acted_on_by_the_guard():
 
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = VarianceMonitor(model, every=5, rules=[AlwaysWarn()])
-    guard = CollapseGuard(model, opt, mon, every=1, confirm=None)
+    mon = VarianceMonitor(model, every=5, rules=[AlwaysWarn()], optimizer=opt)
+    rescue = RescueOptions(check_every=1, confirm=None)
+    guard = CollapseGuard(model, opt, mon, snapshots=SnapshotOptions(every=1), rescue=rescue)
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
     for _ in range(3):
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        assert guard.step(loss)
+        guard.observe_loss(loss)
+        opt.step()
+        assert not guard.rolled_back
     assert mon.warning.rule == "always" and mon.alarm is None and not mon.should_stop and guard.rescues == []
 
 
@@ -286,13 +292,14 @@ def test_replay_gives_the_live_monitors_events_on_the_same_run():
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.2)
     tape = _Tape()
-    mon = VarianceMonitor(model, every=4, rules=[tape, *_all_rules()])
+    mon = VarianceMonitor(model, every=4, rules=[tape, *_all_rules()], optimizer=opt)
     for _ in range(40):
         x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        mon.step(opt, loss=loss)
+        mon.observe_loss(loss)
+        opt.step()
         for group in opt.param_groups:
             group["lr"] *= 1.2  # the run becomes unstable and collapses
     assert {e.rule for e in mon.events} >= {"countdown", "loss_spike", "grad_norm_zscore", "non_finite"}
@@ -327,7 +334,7 @@ def test_a_log_written_before_the_rules_loads_as_the_alarm_the_rules_raise_today
     torch.manual_seed(100)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = VarianceMonitor(model, every=2)
+    mon = VarianceMonitor(model, every=2, optimizer=opt)
     x, y = torch.randn(32, 8), torch.randint(0, 4, (32,))
     for t in range(8):
         if t == 5:
@@ -336,7 +343,7 @@ def test_a_log_written_before_the_rules_loads_as_the_alarm_the_rules_raise_today
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
-        mon.step(opt)
+        opt.step()
     # float32 statistics: the same run on another CPU rounds differently (vector widths), so numbers are compared
     # to float32 precision and everything else exactly
     assert [_approx_floats(r) for r in log.records] == [dict(r) for r in mon.records]

@@ -108,10 +108,10 @@ def test_the_monitor_tells_the_rules_whether_the_optimizer_is_adaptive():
         seen.clear()
         net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU(), torch.nn.Linear(3, 1))
         opt = opt_cls(net.parameters(), lr=0.01)
-        mon = VarianceMonitor(net, every=2, rules=[Spy()])
+        VarianceMonitor(net, every=2, rules=[Spy()], optimizer=opt)  # attached: the optimizer steps record
         for _ in range(3):
             net(torch.randn(4, 3)).square().mean().backward()
-            mon.step(opt)
+            opt.step()
         assert seen == [want] * 3
     assert StepContext.from_dict(StepContext(step=1, adaptive=True).to_dict()).adaptive
     assert not StepContext.from_dict({"step": 1}).adaptive  # older contexts: not adaptive

@@ -75,11 +75,11 @@ def test_renormalized_alone_on_a_live_monitor_bn_and_pre_ln_residual():
 
     for model, x, expected in ((cnn, torch.randn(16, 1, 8, 8), {"0"}), (PreLN(), torch.randn(16, 8), set())):
         tape = _Tape()
-        mon = VarianceMonitor(model, every=1, rules=[tape])
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        mon = VarianceMonitor(model, every=1, rules=[tape], optimizer=opt)
         loss = model(x).square().mean()
         loss.backward()
-        mon.step(opt)
+        opt.step()
         mon.close()
         assert tape.tape and tape.tape[-1] == expected, (type(model).__name__, tape.tape)
 

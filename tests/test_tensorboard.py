@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import needs
+from conftest import idle, needs, step_without_update
 from torch import nn
 
 from normlab.cli import main
@@ -63,7 +63,7 @@ def test_monitor_events_equal_its_jsonl_records_histograms_and_alarm(tmp_path, o
     model = _net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     x, y = torch.randn(16, 3, 8, 8), torch.randint(0, 5, (16,))
-    mon = VarianceMonitor(model, every=2)
+    mon = VarianceMonitor(model, every=2, optimizer=opt)
     mon.add_sink(MonitorBoard(tmp_path / "tb"))  # closed by mon.close()
     for step in range(8):
         if step == 5:  # blow up the first conv: the alarm fires at the next recorded step
@@ -71,7 +71,7 @@ def test_monitor_events_equal_its_jsonl_records_histograms_and_alarm(tmp_path, o
                 model[0].weight.mul_(1e3)
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        mon.step(opt)
+        opt.step()
     mon.close()
     mon.to_jsonl(tmp_path / "mon.jsonl")
     records, alarms = _records(tmp_path / "mon.jsonl")
@@ -95,10 +95,10 @@ def test_monitor_writes_to_a_given_writer_and_leaves_it_open(tmp_path):
 
     writer = SummaryWriter(str(tmp_path))
     model = _net()
-    with VarianceMonitor(model, every=1) as mon:
+    with VarianceMonitor(model, every=1, optimizer=idle(model)) as mon:
         mon.add_sink(MonitorBoard(writer))
         model(torch.randn(4, 3, 8, 8)).sum().backward()
-        mon.step()
+        step_without_update(mon)
     writer.add_scalar("mine", 1.0, 0)  # still open
     writer.close()
     acc = _events(tmp_path)

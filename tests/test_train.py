@@ -18,6 +18,7 @@ import torch.multiprocessing as mp
 
 import normlab.monitor
 import normlab.runner.training.train
+from normlab.monitor.optim_step import step_hooks
 from normlab.monitor.rules import Event
 from normlab.nn import param_groups
 from normlab.runner.models import build_model
@@ -298,15 +299,19 @@ class FakeMonitor:
     fire_at = 4
     risk_at = 1
 
-    def __init__(self, model, every=10, rules=None):
+    def __init__(self, model, every=10, rules=None, optimizer=None):
         self.model, self.every, self.current_step, self.records, self.events = model, every, 0, [], []
+        self.optimizer = optimizer
+        step_hooks(optimizer).add(0, lambda: None, self._after)  # attached as VarianceMonitor is
 
     @property
     def alarm(self):
         return next((e for e in self.events if e.severity == "alarm"), None)
 
-    def step(self, optimizer, loss=None):
-        optimizer.step()
+    def observe_loss(self, loss):
+        pass
+
+    def _after(self, stepped, loss):
         self.records.append({"step": self.current_step, "layer": "x", "output_var": 1.0})
         if self.current_step == self.risk_at:
             self.events.append(fake_risk(self.current_step))
@@ -419,7 +424,7 @@ def test_ddp_two_processes(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16)
+    cfg = tiny(epochs=2, max_steps_per_epoch=3, batch_size=16, guard=True)  # the guard's checks shared by the ranks
     ctx = mp.spawn(_ddp_worker, args=(2, port, str(tmp_path), dataclasses.asdict(cfg)), nprocs=2, join=False)
     deadline = time.monotonic() + 240
     while not ctx.join(timeout=1):  # raises if a worker failed
@@ -433,7 +438,7 @@ def test_ddp_two_processes(tmp_path):
     assert s0["left"] and s1["left"] and s0["kept"] and s1["kept"] and s0["again"] == s1["again"] == 2
     # DDP keeps the replicas identical: both evaluate to exactly the same test loss; train metrics are all-reduced
     assert without_time(s0["history"]) == without_time(s1["history"])
-    assert s0["epochs_run"] == 2
+    assert s0["epochs_run"] == 2 and s0["rescues"] == s1["rescues"] == [] and s0["guard_gave_up"] is None
     # only rank 0 writes files
     assert (tmp_path / "rank0" / "metrics.jsonl").exists() and (tmp_path / "rank0" / "checkpoint.pt").exists()
     assert not (tmp_path / "rank1").exists()
@@ -596,10 +601,10 @@ def test_guard_rolls_a_diverging_run_back_with_half_the_rate(tmp_path):
     s = train(dataclasses.replace(cfg, guard=True), tmp_path / "guarded", progress=False)
     assert s["collapse_reason"] != "non_finite_loss" and s["epochs_run"] == 2 and s["guard_gave_up"] is None
     (r,) = s["rescues"]
-    assert r["reason"].startswith("non-finite") and r["restored_step"] == 0 and r["steps_lost"] == r["step"]
+    assert r["reason"].startswith("non-finite") and r["restored_step"] == 0 and r["steps_lost"] == r["step"] + 1
     assert r["lr_before"] == 0.3 and r["lr_after"] == pytest.approx(0.15)
     assert [h["lr"] for h in s["history"]] == pytest.approx([0.15, 0.15])
-    assert s["steps_run"] == 2 * 40 - r["steps_lost"] - 1  # the batch that found the NaN trained nothing
+    assert s["steps_run"] == 2 * 40 - r["steps_lost"]  # the lost steps count the one that found the NaN
     losses = json.loads((tmp_path / "guarded" / "loss_trace.json").read_text())["losses"]
     assert len(losses) == s["steps_run"] and all(v is not None for v in losses)
 
@@ -639,7 +644,8 @@ def test_a_non_finite_test_loss_is_trouble_for_the_guard_dated_to_the_waiting_al
 def test_guard_dead_rolls_back_a_net_that_never_learned_after_its_alarm(tmp_path):
     # seed 100, lr 0.2: the unnormalized net alarms at step 16 and never leaves chance. The default guard dismisses
     # the alarm (nothing it counts as trouble follows); guard_dead (chance_loss = ln 10) keeps it waiting while the
-    # net has not learned and confirms it once the 10-step mean sits at chance 40 steps in: back to before the alarm
+    # net has not learned and confirms it once the net is judged never to have learned (4 windows of 16 steps at
+    # batch 64, over about 1,024 examples each): back to before the alarm
     base = dict(dataset="mnist1d", model="plain1d", norm="none", width=0.25, lr=0.2, batch_size=64, epochs=3)
     base.update(max_steps_per_epoch=25, seed=100, num_samples=2000, monitor_every=1, guard=True)
     plain = train(TrainConfig(**base), tmp_path / "guard", progress=False)
@@ -647,7 +653,8 @@ def test_guard_dead_rolls_back_a_net_that_never_learned_after_its_alarm(tmp_path
     assert [d["step"] for d in plain["alarms_dismissed"]] == [16]
     dead = train(TrainConfig(**base, guard_dead=True), tmp_path / "dead", progress=False)
     (r,) = dead["rescues"]
-    assert r["reason"].startswith("no learning since the alarm: 10-step mean") and "at chance (2.303)" in r["reason"]
+    assert r["reason"].startswith("never learned: its 16-step mean") and "at chance (2.303)" in r["reason"]
+    assert r["kind"] == "never_left_chance" and r["step"] == 4 * 16 - 1  # judged after 4 windows
     assert (r["onset"], r["restored_step"], r["lr_after"]) == (16, 0, 0.1) and dead["alarms_dismissed"] == []
     assert dead["config"]["guard_dead"] is True
 

@@ -18,3 +18,6 @@ __version__ = "0.1.0"
 
 #: The lab's command, the prefix of every line it prints.
 PROG = "normlab-lab"
+#: How long the demo (``make demo``) takes on 2 idle CPU cores once ``.venv`` is set up, in minutes: what the
+#: README, the lab's README and every help text say (lab/tests/test_lab_cli.py compares them; 266 s measured).
+DEMO_MINUTES = 4.5

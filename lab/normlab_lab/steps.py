@@ -3,9 +3,10 @@ collapse study's (``lab/scripts/collapse_study.py``) all train through :func:`tr
 
 Why not normlab's own loop (:func:`normlab.runner.training.train.train`)? It trains epochs of a data set with
 evaluations, checkpoints and its own optimizer; these studies need every step's loss, gradient norm and monitor
-records, each under its own optimizer, learning-rate schedule and stopping rule, with the step taken by a bare
-optimizer, a :class:`~normlab.monitor.VarianceMonitor` or a :class:`~normlab.monitor.CollapseGuard`. What differs
-between them is passed in; the order of the work in a step is the same for all:
+records, each under its own optimizer, learning-rate schedule and stopping rule, the optimizer watched by a
+:class:`~normlab.monitor.VarianceMonitor` and perhaps a :class:`~normlab.monitor.CollapseGuard` (both attach to it:
+its own ``optimizer.step()`` is their step). What differs between them is passed in; the order of the work in a step
+is the same for all:
 
     for t in range(steps):
         before(t)                                  # False stops the run (before this step)
@@ -52,14 +53,15 @@ def train_steps(
         optimizer: its gradients are zeroed (set to None) before each backward pass.
         batches: an endless iterator of ``(x, y)`` training batches.
         steps: the most steps to run.
-        step: ``step(t, loss)`` after the backward pass: takes the optimizer step (``optimizer.step()``,
-            ``monitor.step(optimizer)``, ``guard.step(loss)``) and returns what the caller's ``after`` reads.
+        step: ``step(t, loss)`` after the backward pass: takes the optimizer step (``optimizer.step()``; under a
+            guard ``guard.observe_loss(loss)`` first, and ``guard.rolled_back`` after it says whether the step was
+            thrown away) and returns what the caller's ``after`` reads.
         loss_fn: ``loss_fn(output, y)``, default :func:`flat_cross_entropy`.
         before: ``before(t)`` before the batch is drawn; False ends the run without step ``t``.
         after: ``after(t, loss, result)`` with ``step``'s result; False ends the run after step ``t``.
 
-    An exception raised by a callback (e.g. :class:`~normlab.monitor.RunCollapsed` from ``guard.step``) ends the
-    run and reaches the caller.
+    An exception raised by a callback (e.g. :class:`~normlab.monitor.RunCollapsed` out of a guarded
+    ``optimizer.step()``) ends the run and reaches the caller.
     """
     taken = 0
     for t in range(steps):

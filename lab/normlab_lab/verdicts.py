@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
 from normlab.runner.experiments.compare import COMPARE
 from normlab.runner.grid.report import Effects, render_report
 from normlab.runner.grid.results import chance_level, format_acc
@@ -42,8 +43,8 @@ CRITERIA = (
     f"A setting *failed* if most seeds collapsed or its mean final test accuracy is at most chance + "
     f"{FAIL_MARGIN:.2f}; otherwise it *learns*. It *trains* if no seed collapsed and its mean final accuracy is at "
     f"least chance + {TRAIN_FRACTION:.2f} x (best mean final accuracy in the grid - chance). A run has *collapsed* "
-    f"when its training loss became non-finite, returned to within 5 % of ln(C) after having been below 80 % of "
-    f"it, or never left ln(C) (a dead network; normlab.monitor.collapse)."
+    f"by normlab.monitor.collapse's failure taxonomy, chance being ln(C): "
+    f"{CollapseCriteria().describe(examples=WINDOW_EXAMPLES)}."
 )
 DEGRADE_CRITERION = (
     f"A norm *degrades* at a small batch if it failed there or its mean final accuracy is >= "

@@ -18,7 +18,10 @@ input_sq). A finished run is not rerun. ``analyze`` fits every candidate rule's 
 seeds (seed parity) and reports it on the other, then swaps.
 ``evaluate`` fits nothing: it scores the rules the library ships, with their default thresholds, on every complete
 seed (the held-out width 1.0: lab/docs/monitor_calibration.md), replaying the detector classes on the records.
-``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard`.
+``guard`` trains runs again under :class:`normlab.monitor.CollapseGuard` (today's: the failure taxonomy, with the
+study's snapshots, :data:`GUARD_SNAPSHOTS`, and rescue options, :data:`GUARD_RESCUE`). ``round3`` and ``round4``
+choose the guard's settings of their time by replaying that guard (its loss climb) on unguarded runs
+(:func:`guard_replay`): they reproduce the record, not today's guard.
 ``suggest`` trains the plain (norm none) runs with the monitor's defaults and, where the regime warning suggested a
 learning rate (the regime warning's ``details["suggested_lr"]``), the same run restarted at that rate.
 
@@ -35,13 +38,21 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
-from normlab.monitor.collapse import CollapseTracker
+from normlab.monitor import (
+    CollapseCriteria,
+    CollapseGuard,
+    RescueOptions,
+    RunCollapsed,
+    SnapshotOptions,
+    VarianceMonitor,
+)
+from normlab.monitor.collapse import CollapseTracker, label_collapse
 from normlab.monitor.rules import DEFAULT_RULES, CountdownRule, FactorRule, StepContext, context_from_records
 from normlab.monitor.rules import replay as replay_rules
 from normlab.runner.data.datasets import get_dataset
@@ -58,6 +69,8 @@ NUM_SAMPLES = 8000
 LEAD = 5  # a warning counts when it comes >= LEAD steps before the collapse
 WARNABLE = 7  # collapses at step <= WARNABLE cannot be warned LEAD steps ahead
 FIRST_SEED = 100
+# the runs' labels: the failure taxonomy against chance (10 classes)
+CRITERIA = CollapseCriteria(chance_loss=math.log(10))
 
 
 # ---------------------------------------------------------------------------------------------- collection
@@ -158,8 +171,8 @@ def _batches(x, y, seed: int):
 def train_run(cfg, steps=None, guard_kwargs=None):
     """Train one run; returns (header, step lines, summary). The monitor has the shipped defaults (factor rules,
     countdown alarm, regime warning): ``summary["alarm"]`` and ``summary["risk"]`` are what it raised (they do not
-    change the run). ``guard_kwargs``: train under a CollapseGuard; else the old alarm (:func:`_old_detector`) is
-    replayed on the records."""
+    change the run). ``guard_kwargs``: train under a CollapseGuard (its keyword arguments); else the old alarm
+    (:func:`_old_detector`) is replayed on the records."""
     steps = STEPS if steps is None else steps
     torch.manual_seed(cfg["seed"])
     x, y, xt, yt = _data()
@@ -168,8 +181,8 @@ def train_run(cfg, steps=None, guard_kwargs=None):
     study = guard_kwargs is None
     mon = VarianceMonitor(model, every=1, rules=rules(), optimizer=opt)
     old, old_alarm = _old_detector(), None
-    guard = None if guard_kwargs is None else CollapseGuard(model, opt, monitor=mon, **guard_kwargs)
-    tracker = CollapseTracker(math.log(10))
+    guard = None if guard_kwargs is None else CollapseGuard(model, opt, mon, **guard_kwargs)
+    tracker = CollapseTracker(CRITERIA)
     lines, gave_up = [], None
     kept = []  # guard: the losses of the trajectory the model is on (a rolled-back episode's losses are dropped)
 
@@ -177,8 +190,10 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         gnorm = _grad_norm(model)
         n_rec = len(mon.records)
         lv = float(loss.detach())
-        took = guard.step(loss) if guard is not None else opt.step()
-        return gnorm, n_rec, lv, took
+        if guard is not None:
+            guard.observe_loss(lv)
+        opt.step()  # the monitor records it; the guard checks it (and may roll the run back)
+        return gnorm, n_rec, lv, guard is None or not guard.rolled_back
 
     def after(t, loss, result):
         nonlocal kept, old_alarm
@@ -204,7 +219,8 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         train_steps(model, opt, _batches(x, y, cfg["seed"]), steps, step, loss_fn=nn.CrossEntropyLoss(), after=after)
     except RunCollapsed as e:
         gave_up = str(e)
-    kind = tracker.finish()
+    tracker.finish()
+    kind = tracker.kind
     layers = [[n, k] for n, _, k in mon.layers]
     forward = mon.state_dict()["order"]  # each layer's place in the forward pass
     order = sorted(forward, key=forward.get)
@@ -223,10 +239,8 @@ def train_run(cfg, steps=None, guard_kwargs=None):
         summary["dismissed"] = [d.to_dict() for d in guard.dismissed]
         summary["gave_up"] = gave_up
         summary["kept_losses"] = kept
-        kept_tracker = CollapseTracker(math.log(10))
-        for value in kept:
-            kept_tracker.update(value)
-        summary["kept_kind"] = kept_tracker.finish()
+        summary["kept_kind"] = label_collapse(kept, CRITERIA).kind
+        guard.close()
     mon.close()
     return header, lines, summary
 
@@ -306,16 +320,18 @@ INF = math.inf
 
 
 def _collapse_step(run) -> int | None:
+    """The run's collapse step; a run that never left chance (no step of its own) is dated to the first step after
+    the last window whose mean loss was below the taxonomy's at-chance level (where it stays at chance)."""
     s = run["summary"]
     if s["kind"] is None:
         return None
     if s["collapse_step"] is not None:
         return s["collapse_step"]
-    losses = [x["loss"] for x in run["steps"]]
-    thr, start = 0.95 * math.log(10), 0
-    for t in range(9, len(losses)):
-        if statistics.fmean(losses[t - 9 : t + 1]) < thr:
-            start = t - 9 + 1
+    losses, w = [x["loss"] for x in run["steps"]], CRITERIA.window
+    thr, start = CRITERIA.at_chance * CRITERIA.chance_loss, 0
+    for t in range(w - 1, len(losses)):
+        if statistics.fmean(losses[t - w + 1 : t + 1]) < thr:
+            start = t - w + 2
     return start
 
 
@@ -564,7 +580,17 @@ def analyze(raw_runs) -> str:
 RATIO_GRID = (1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 CONFIRM_GRID = (None, 10, 25, 50, 100)
 CLIMB_GRID = (None, 0.9, 0.75, 0.5)
-GUARD_EVERY, GUARD_KEEP, GUARD_MARGIN = 10, 3, 5
+# The study's guard (``guard``), whose rollbacks round3/round4 also replay: a snapshot every 10 of the 300 steps, the
+# last 3 kept, the one restored at least 5 steps before the trouble's onset, every step checked (the study
+# reads each loss anyway).
+GUARD_SNAPSHOTS = SnapshotOptions(every=10, keep=3)
+GUARD_RESCUE = RescueOptions(check_every=1, margin=5)
+# The trouble test of the guard of rounds 3-5, replayed by guard_replay so that round3 and round4 reproduce the record:
+# its loss trend over 10-step means, "learned" below 0.8 x the reference, the loss climb (``loss_climb``), a dead net
+# (``chance_loss``) at 0.95 x chance after 40 steps. That guard has since been replaced by one that reads the failure
+# taxonomy (normlab.monitor.collapse: no loss climb); these are its values then, and the replay is checked against its
+# recorded rollbacks (lab/tests/test_collapse_study_script.py), not against today's guard.
+ROUND3_WINDOW, ROUND3_LEARNED, ROUND3_AT_CHANCE, ROUND3_DEAD_AFTER = 10, 0.8, 0.95, 40
 
 
 def regime3_step(r, ratio, w) -> float:
@@ -592,15 +618,16 @@ def choose_regime3(runs) -> tuple[float, int] | None:
 
 
 def _trend(losses, t, state, chance=None) -> float | None:
-    """The guard's loss trend at step t (normlab.monitor.guard._LossTrend, replayed): updates ``state`` (first and
-    best 10-step means, learned) and returns the 10-step mean (None before 10 losses)."""
-    if t + 1 < 10:
+    """The loss trend of the guard of rounds 3-5 at step t, replayed: updates ``state`` (first and best window means,
+    learned) and returns the mean of the last ROUND3_WINDOW losses (None before that many)."""
+    w = ROUND3_WINDOW
+    if t + 1 < w:
         return None
-    mean = statistics.fmean(losses[t - 9 : t + 1])
+    mean = statistics.fmean(losses[t - w + 1 : t + 1])
     state["first"] = mean if state.get("first") is None else state["first"]
     state["best"] = mean if state.get("best") is None else min(state["best"], mean)
     state["ref"] = state["first"] if chance is None else chance
-    state["learned"] = state["best"] < 0.8 * state["ref"]
+    state["learned"] = state["best"] < ROUND3_LEARNED * state["ref"]
     return mean
 
 
@@ -611,14 +638,15 @@ def _climbed(mean, fraction, state) -> bool:
 
 
 def guard_replay(r, confirm, climb, chance=None) -> tuple[int, int] | None:
-    """(trouble step, restored snapshot step) of the first rollback CollapseGuard(every=10, keep=3, margin=5,
-    confirm, loss_climb=climb, chance_loss=chance) would make on an unguarded run, or None. Snapshots: steps 0, 10,
-    20, ... (the last GUARD_KEEP kept), plus the one pinned by a waiting alarm."""
+    """(trouble step, restored snapshot step) of the first rollback the guard of rounds 3-5 (``CollapseGuard(every=10,
+    keep=3, margin=5, confirm, loss_climb=climb, chance_loss=chance)`` as it was then) would make on an unguarded run,
+    or None. Snapshots: every GUARD_SNAPSHOTS.every steps from step 0 (the last GUARD_SNAPSHOTS.keep kept), plus the
+    one pinned by a waiting alarm."""
 
     def choose(onset, t):
-        kept = [s for s in range(0, t + 1, GUARD_EVERY)][-GUARD_KEEP:]
+        kept = [s for s in range(0, t + 1, GUARD_SNAPSHOTS.every)][-GUARD_SNAPSHOTS.keep :]
         snaps = sorted(set(kept) | ({pinned} if pinned is not None else set()))
-        before = [s for s in snaps if s <= onset - GUARD_MARGIN]
+        before = [s for s in snaps if s <= onset - GUARD_RESCUE.margin]
         return before[-1] if before else snaps[0]
 
     losses, gnorms, alarm = r["losses"], r["gnorms"], r["alarm"]
@@ -629,9 +657,9 @@ def guard_replay(r, confirm, climb, chance=None) -> tuple[int, int] | None:
         if losses[t] is None or gnorms[t] is None:
             onset = t
         elif _climbed(mean, climb, state):
-            onset = t - 9
-        elif armed is not None and chance is not None and t + 1 >= 40 and not state["learned"]:
-            onset = t if mean >= 0.95 * chance else None  # dead by the tracker's definition
+            onset = t - ROUND3_WINDOW + 1
+        elif armed is not None and chance is not None and t + 1 >= ROUND3_DEAD_AFTER and not state["learned"]:
+            onset = t if mean >= ROUND3_AT_CHANCE * chance else None  # a dead net, as that guard judged it
         if onset is not None:
             if armed is not None:
                 onset = min(onset, armed)
@@ -812,23 +840,30 @@ def evaluate(raw_runs, widths=WIDTHS) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- guard
-GUARD_VARIANTS = {  # guard --variant: CollapseGuard arguments besides every=10, keep=3, margin=5; the result folder
+GUARD_VARIANTS = {  # guard --variant: CollapseGuard arguments besides the study's GUARD_SNAPSHOTS and GUARD_RESCUE;
+    # the result folder
     "defaults": ({}, "guard"),
-    "immediate": ({"confirm": None, "loss_climb": None}, "guard_immediate"),  # the guard before round 3
-    "chance": ({"chance_loss": math.log(10)}, "guard_chance"),  # round 4: the reference and dead nets at chance
+    "immediate": ({"rescue": replace(GUARD_RESCUE, confirm=None)}, "guard_immediate"),  # an alarm acted on at once
+    "chance": ({"criteria": CRITERIA}, "guard_chance"),  # round 4: chance known (--guard-dead), dead nets confirm
 }
+
+
+def guard_kwargs(variant: str) -> dict:
+    """The CollapseGuard keyword arguments of a ``guard --variant``."""
+    return {"snapshots": GUARD_SNAPSHOTS, "rescue": GUARD_RESCUE, **GUARD_VARIANTS[variant][0]}
 
 
 def _guard_one(args):
     cfg, out_dir, steps, variant = args
     torch.set_num_threads(1)
-    extra, folder = GUARD_VARIANTS[variant]
+    folder = GUARD_VARIANTS[variant][1]
     path = Path(out_dir) / folder / f"{run_name(cfg)}.json"
     if path.is_file():
         return json.loads(path.read_text())
-    _, lines, summary = train_run(cfg, steps, guard_kwargs=dict(every=10, keep=3, margin=5, **extra))
+    kwargs = guard_kwargs(variant)
+    _, lines, summary = train_run(cfg, steps, guard_kwargs=kwargs)
     summary["losses"] = [x["loss"] for x in lines]
-    lr_end = cfg["lr"] * 0.5 ** len(summary["rescues"])
+    lr_end = cfg["lr"] * kwargs["rescue"].lr_factor ** len(summary["rescues"])
     if summary["rescues"]:  # the same run started at the reduced learning rate, unguarded
         _, _, twin = train_run({**cfg, "lr": lr_end}, steps)
         summary["twin"] = {"lr": lr_end, "kind": twin["kind"], "test_acc": twin["test_acc"]}

@@ -25,9 +25,9 @@ crash or a hang costs one row, not the table):
   layers, FrozenBatchNorm2d included), ``WRONG 0.6`` (the folded model's outputs differ and fold did not notice),
   ``caught 0.6`` (fold's own output check raised), ``MUTATED`` (the original's outputs changed), ``refused``,
   ``crash: Type``. A trailing ``w2``: two warnings (texts in the JSON).
-* ``monitor``: :class:`normlab.monitor.VarianceMonitor` ``(model, every=1)`` over one training step: weight-applying
-  modules that ran (nn.Linear, nn.ConvNd, nn.ConvTransposeNd, transformers' Conv1D) against those with a record of
-  their forward: ``ok 40/40`` or ``MISS 2/50``; ``nonfinite 3``: record values that are NaN/inf.
+* ``monitor``: :class:`normlab.monitor.VarianceMonitor` ``(model, every=1, optimizer=opt)`` over one training
+  step: weight-applying modules that ran (nn.Linear, nn.ConvNd, nn.ConvTransposeNd, transformers' Conv1D) against
+  those with a record of their forward: ``ok 40/40`` or ``MISS 2/50``; ``nonfinite 3``: record values that are NaN/inf.
 
 The functions take the converter, folder and monitor as arguments (lab/tests/test_real_models_script.py feeds broken
 ones to check that a wrong result shows as such).
@@ -374,7 +374,8 @@ def weight_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def monitor_cell(base: nn.Module, x: Tensor, monitor_cls=VarianceMonitor) -> dict:
-    """One training step under ``monitor_cls(model, every=1)``: weight modules that ran vs those recorded."""
+    """One training step under ``monitor_cls(model, every=1, optimizer=opt)``: weight modules that ran vs those
+    recorded."""
     model = copy.deepcopy(base).train()
     mods = weight_modules(model)
     ran: set[str] = set()
@@ -382,10 +383,10 @@ def monitor_cell(base: nn.Module, x: Tensor, monitor_cls=VarianceMonitor) -> dic
     cell: dict = {"weight_modules": len(mods)}
     with _captured() as cell["warnings"]:
         try:
-            mon = monitor_cls(model, every=1)
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            mon = monitor_cls(model, every=1, optimizer=opt)
             _loss(model(x)).backward()
-            mon.step(opt)
+            opt.step()  # the monitor records the step
             mon.close()
         except Exception as e:  # noqa: BLE001
             cell.update(_error(e, "monitor"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from normlab.runner.errors import UsageError
+from normlab.runner.lock import CLAIM_NAME
 from normlab_lab.capsules.experiment import CapsSpec, coupling_entropy, expand_cells, run_capsules
 from normlab_lab.capsules.stats import paired, t_quantile, verdicts
 from normlab_lab.cli import main
@@ -193,6 +194,7 @@ def test_the_capsule_grid_runs_on_the_grid_engine_failed_cells_and_merging(tmp_p
     spec = _tiny()
     bad = expand_cells(spec)[1]
     (out / "runs" / bad.cell_id / "summary.json").mkdir(parents=True)  # its summary cannot be written
+    (out / CLAIM_NAME).write_text(json.dumps({"run": "normlab-lab capsules", "record": None}))  # by an earlier run
     with pytest.raises(CellsFailed, match=f"first: {bad.cell_id}"):
         run_capsules(spec, out, workers=1, progress=False, render=False, log=lambda s: None)
     res = json.loads((out / "results.json").read_text())

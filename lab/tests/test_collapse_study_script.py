@@ -201,42 +201,6 @@ def test_replay_exempts_convs_followed_by_batchnorm_like_the_monitor(tiny, monke
     assert any(a is not None for a in fired)
 
 
-class _AlarmAt:
-    """A monitor raising its alarm at one step (for the guard replay check)."""
-
-    def __init__(self, step):
-        self.at, self.current_step, self.alarm = step, 0, None
-
-    def step(self, opt, loss=None):
-        opt.step()
-        if self.current_step == self.at and self.alarm is None:
-            self.alarm = type("Alarm", (), {"step": self.at})()
-        self.current_step += 1
-
-    def state_dict(self):
-        return {"current_step": self.current_step, "alarm": self.alarm}
-
-    def load_state_dict(self, state):
-        self.current_step, self.alarm = state["current_step"], state["alarm"]
-
-
-def _real_first_rollback(losses, alarm, confirm, climb, chance=None):
-    import torch
-
-    from normlab.monitor import CollapseGuard
-
-    model = torch.nn.Linear(2, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    guard = CollapseGuard(
-        model, opt, _AlarmAt(alarm), every=10, keep=3, margin=5, confirm=confirm, loss_climb=climb, chance_loss=chance
-    )
-    for v in losses:
-        guard.step(math.nan if v is None else v)
-        if guard.rescues:
-            return guard.rescues[0].restored_step
-    return None
-
-
 LOSS_SCENARIOS = {
     "alarm, no trouble": ([2.3] * 10 + [0.4] * 90, 37),
     "alarm, then non-finite": ([2.3] * 10 + [0.4] * 35 + [None], 37),
@@ -249,17 +213,59 @@ LOSS_SCENARIOS = {
     "high first loss, back to chance": ([3.1] * 10 + [1.0] * 40 + [2.3] * 30, 10**6),
 }
 
+# The snapshot step the first rollback of the guard of rounds 3-5 restored on each scenario, measured with that guard
+# itself (normlab at commit d5e347c, the last with it: CollapseGuard(model, opt, monitor, every=10, keep=3, margin=5,
+# confirm, loss_climb, chance_loss) stepped with guard.step(loss) under a monitor raising its alarm at the scenario's
+# step), "-" where it made none. One group per confirm of CONFIRM_GRID; in a group, loss_climb of CLIMB_GRID in
+# order, each with chance_loss None then ln 10.
+ROUND3_GUARD_ROLLBACKS = {
+    "alarm, no trouble": "30 30 30 30 30 30 30 30|- - - - - - - -|- - - - - - - -|- - - - - - - -|- - - - - - - -",
+    "alarm, then non-finite": "30 30 30 30 30 30 30 30|30 30 30 30 30 30 30 30|30 30 30 30 30 30 30 30|"
+    "30 30 30 30 30 30 30 30|30 30 30 30 30 30 30 30",
+    "alarm, non-finite much later": "30 30 30 30 30 30 30 30|80 80 80 80 80 80 80 80|80 80 80 80 80 80 80 80|"
+    "30 30 30 30 30 30 30 30|30 30 30 30 30 30 30 30",
+    "alarm, then back to chance": "30 30 30 30 30 30 30 30|- - 30 30 30 30 30 30|- - 30 30 30 30 30 30|"
+    "- - 30 30 30 30 30 30|- - 30 30 30 30 30 30",
+    "no alarm, back to chance": "- - 50 50 50 50 50 50|- - 50 50 50 50 50 50|- - 50 50 50 50 50 50|"
+    "- - 50 50 50 50 50 50|- - 50 50 50 50 50 50",
+    "alarm at step 3": "0 0 0 0 0 0 0 0|0 0 0 0 0 0 0 0|0 0 0 0 0 0 0 0|0 0 0 0 0 0 0 0|0 0 0 0 0 0 0 0",
+    "alarm at step 3, dead net": "0 0 0 0 0 0 0 0|- 0 - 0 - 0 - 0|- 0 - 0 - 0 - 0|- 0 - 0 - 0 - 0|- 0 - 0 - 0 - 0",
+    "alarm at step 3, learns late": "0 0 0 0 0 0 0 0|- - - - - - - -|- - - - - - - -|- - - - - - - -|- - - - - - - -",
+    "high first loss, back to chance": "- - - 40 - 40 40 40|- - - 40 - 40 40 40|- - - 40 - 40 40 40|"
+    "- - - 40 - 40 40 40|- - - 40 - 40 40 40",
+}
+
 
 @pytest.mark.parametrize("scenario", list(LOSS_SCENARIOS))
-def test_the_guard_replay_matches_the_real_guard(study, scenario):
+def test_the_guard_replay_reproduces_the_guard_of_rounds_3_to_5(study, scenario):
+    """round3/round4 replay the guard of their time (its loss climb; today's guard reads the failure taxonomy
+    instead), so that they reproduce the record: the replay must restore what that guard restored."""
     losses, alarm = LOSS_SCENARIOS[scenario]
     run = {"losses": losses, "gnorms": [1.0 if v is not None else None for v in losses], "alarm": alarm}
-    for confirm in study.CONFIRM_GRID:
-        for climb in study.CLIMB_GRID:
-            for chance in (None, math.log(10)):
-                hit = study.guard_replay(run, confirm, climb, chance)
-                real = _real_first_rollback(losses, alarm, confirm, climb, chance)
-                assert (hit and hit[1]) == real, (confirm, climb, chance)
+    recorded = [
+        None if v == "-" else int(v) for group in ROUND3_GUARD_ROLLBACKS[scenario].split("|") for v in group.split()
+    ]
+    grid = [(c, m, k) for c in study.CONFIRM_GRID for m in study.CLIMB_GRID for k in (None, math.log(10))]
+    assert len(recorded) == len(grid)
+    for (confirm, climb, chance), restored in zip(grid, recorded):
+        hit = study.guard_replay(run, confirm, climb, chance)
+        assert (hit and hit[1]) == restored, (confirm, climb, chance)
+
+
+@pytest.mark.parametrize("variant", ["defaults", "immediate", "chance"])
+def test_the_guard_command_trains_under_todays_guard(tiny, variant, one_thread):
+    """``guard`` trains under CollapseGuard with the study's snapshot and rescue options: the run at lr 0.5 fails
+    (its loss explodes) and is rolled back; the kept trajectory is the steps taken less the steps each rescue threw
+    away, and the summary is written as JSON."""
+    kwargs = tiny.guard_kwargs(variant)
+    assert kwargs["snapshots"].every == 10 and kwargs["rescue"].margin == 5
+    _, lines, summary = tiny.train_run(dict(norm="none", width=0.25, lr=0.5, seed=100), 40, guard_kwargs=kwargs)
+    rescues = summary["rescues"]
+    assert rescues and all(r["restored_step"] % 10 == 0 for r in rescues)
+    assert all(r["kind"] == "alarm" for r in rescues) == (variant == "immediate")
+    lost = sum(r["steps_lost"] for r in rescues)
+    assert len(lines) == 40 and len(summary["kept_losses"]) == 40 - lost
+    assert json.loads(json.dumps(summary)) == summary
 
 
 def test_the_round3_regime_rule_matches_the_regime_rule(tiny, one_thread):

@@ -17,14 +17,14 @@ def _monitored_run(steps=6, blow_up_at=3):
     torch.manual_seed(100)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 5))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=True)])
+    mon = VarianceMonitor(model, every=1, rules=[FactorRule(watch_renormalized=True)], optimizer=opt)
     x, y = torch.randn(8, 3, 4, 4), torch.randint(0, 5, (8,))
     for step in range(steps):
         if step == blow_up_at:
             with torch.no_grad():
                 model[0].weight.mul_(1e3)
         nn.functional.cross_entropy(model(x), y).backward()
-        mon.step(opt)
+        opt.step()  # the monitor records the step
         opt.zero_grad()
     return mon
 

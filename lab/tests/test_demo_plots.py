@@ -21,7 +21,7 @@ from normlab_lab.demo.report import diagnosis_picks  # noqa: E402
 from normlab_lab.demo.twins import plot_twins, step_axis, twin_pairs  # noqa: E402
 
 from .test_demo_report import _demo  # noqa: E402
-from .test_demo_twins import _twin_demo  # noqa: E402
+from .test_demo_twins import ALARM, _records, _twin_demo  # noqa: E402
 
 MIN_POINTS = 9
 
@@ -347,3 +347,38 @@ def test_seed_bars_of_equal_seeds_are_drawn_although_their_mean_rounds_past_them
     grid_plots.metric_lr_plot(a, tmp_path / "g.png")
     grid_plots.metric_batch_plot(b, tmp_path / "h.png")
     assert len(saved) == 4
+
+
+SLIDE_PX = 1280  # a figure shown across a slide 1280 pixels wide
+
+
+def _slide_readable(fig, min_px: float = 9.0) -> None:
+    """Every text at least ``min_px`` pixels tall once the figure is scaled to a slide's width, and no strip: a
+    figure at least a fifth as tall as it is wide."""
+    px = SLIDE_PX / fig.get_figwidth() / 72  # pixels per point on the slide
+    small = {t.get_text()[:30]: round(t.get_fontsize() * px, 1) for t in _texts(fig) if t.get_fontsize() * px < min_px}
+    assert not small, small
+    assert fig.get_figheight() >= 0.2 * fig.get_figwidth(), fig.get_size_inches()
+
+
+def test_the_collapse_figure_of_one_run_reads_on_a_slide(saved, tmp_path):
+    """One run's row was a 1680 x 288 strip (21 x 3.6 inches, 9-point notes: 7.6 pixels on the slide)."""
+    demo, out = _twin_demo(tmp_path)
+    diagnosis.plot_diagnosis([("none seed 0", out / "collapse/runs/none_s0")], tmp_path / "c.png")
+    _slide_readable(saved[-1])
+
+
+def test_the_update_ratio_is_drawn_on_a_log_axis_where_it_spans_decades(saved, tmp_path):
+    from normlab.monitor import write_monitor_log
+
+    demo, out = _twin_demo(tmp_path)
+    runs = [("none seed 0", out / "collapse/runs/none_s0"), ("none seed 1", out / "collapse/runs/none_s1")]
+    diagnosis.plot_diagnosis(runs, tmp_path / "c.png")  # ratios near 1: a linear axis shows them
+    assert [ax.get_yscale() for ax in saved[-1].axes[1:10:5]] == ["linear", "linear"]
+    records = _records(40)
+    for r in records:  # the collapse: the ratio climbs by three decades over its last steps
+        r["update_ratio_mean"] = 1.01 if r["step"] < 30 else 1.01 * 10 ** (r["step"] - 29) / 10
+    write_monitor_log(runs[0][1] / "monitor.jsonl", records, ALARM)
+    diagnosis.plot_diagnosis(runs, tmp_path / "c.png")
+    column = saved[-1].axes[1:10:5]  # Fig. 1(a) of both rows: one log scale, the healthy row's too
+    assert [ax.get_yscale() for ax in column] == ["log", "log"] and column[0].get_ylim() == column[1].get_ylim()

@@ -43,8 +43,9 @@ RISK = {
     "suggested_lr": 0.0435,
 }
 ALARM = {"layer": "features.6.conv", "step": 30, "quantity": "output_var_growth", "value": 13.6, "initial": 3.1}
-RESCUE = {
+RESCUE = {  # a rescue of a guard acting on the alarm at once (confirm=None)
     "step": 31,
+    "kind": "alarm",
     "reason": "monitor alarm: collapse warning at step 30: layer 'features.6.conv' output_var_growth = 13.65 "
     "(baseline 3.121, output variance growing at 1.01/step > growth 1)",
     "onset": 30,
@@ -240,16 +241,19 @@ def test_the_report_renders_section_c_with_both_figures(tmp_path):
     assert "No guarded twins in this record" in (out / "report.md").read_text()
 
 
-DEAD_RESCUE = {
+DEAD_RESCUE = {  # --guard-dead: the alarm at step 30 confirmed by a net judged never to have learned
     **RESCUE,
     "step": 40,
-    "reason": "no learning since the alarm: 10-step mean 2.3 at chance (2.303)",
+    "kind": "never_left_chance",
+    "reason": "never learned: its 10-step mean 2.3 is at chance (2.303), its best 2.3, after the monitor alarm: "
+    "collapse warning at step 30: layer 'features.6.conv' output_var_growth = 13.65 (baseline 3.121, output variance "
+    "growing at 1.01/step > growth 1)",
     "steps_lost": 40,
 }
 
 
 def _with_dead_twins(demo: dict, out: Path) -> dict:
-    """``demo`` with the --guard-dead twins: seed 0 rolled back at step 40 (no learning since the alarm) and ending at
+    """``demo`` with the --guard-dead twins: seed 0 rolled back at step 40 (never learned since the alarm) and ending at
     60 %, seed 1 (healthy unguarded) rolled back too and ending at 70 %."""
     _run(out / "guard_dead/runs/none_s0", steps=60, rescues=[DEAD_RESCUE], steps_lost=40, final_test_acc=0.6)
     _run(out / "guard_dead/runs/none_s1", steps=60, rescues=[DEAD_RESCUE], steps_lost=40, final_test_acc=0.7)
@@ -269,7 +273,10 @@ def test_the_guard_dead_twins_are_paired_counted_and_named_in_the_monitor_row(tm
     assert twin_summary(pairs) == {"pairs": 2, "collapsing": 1, "saved": 1, "healthy": 1, "changed": 1}
     assert twin_pairs(demo, demo["evidence"])[0]["guarded"]["final_test_acc"] == 0.8  # the --guard twins unchanged
     text = "\n".join(twins_markdown(pairs, None, dead=True))
-    assert "step 40 (no learning since the alarm: 10-step mean 2.3 at chance (2.303)): back to step 0" in text
+    assert (
+        "step 40 (never learned: its 10-step mean 2.3 is at chance (2.303), its best 2.3, after the monitor alarm: "
+        "collapse warning at step 30: layer 'features.6.conv' output_var_growth = 13.65): back to step 0" in text
+    )
     assert "With --guard-dead a waiting alarm on a net that has not learned" in text
     assert "--guard-dead" not in "\n".join(twins_markdown(pairs, None))
     row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]
@@ -340,7 +347,7 @@ def test_a_monitor_row_that_is_not_met_says_which_runs_which_rule_and_what_the_l
     why = row["numbers"].split(". ", 1)[1].split("; guard (")[0]
     assert why == (
         "Not met because of 1 false alarm: alarms in runs the collapse label (normlab.monitor.collapse) calls healthy "
-        "(no non-finite loss, no return to chance; they ended at 28 % test accuracy): 1 by the factor rule "
+        "(no non-finite or exploded loss, no return to chance; they ended at 28 % test accuracy): 1 by the factor rule "
         f"(input_sq) in (a) none lr 0.1 seed {cell['seed']}. Also only 1 of 3 seeds was warned (2 needed): "
         "(c) none lr 0.1 seed 1 did not collapse (nothing to warn of); (c) none lr 0.1 seed 2 collapsed at step 50 "
         "(a non-finite loss): the countdown rule (output_var_growth) alarmed at step 55, not before"
@@ -350,3 +357,33 @@ def test_a_monitor_row_that_is_not_met_says_which_runs_which_rule_and_what_the_l
     demo["evidence"]["diagnoses"]["collapse"]["none_s2"]["lead_steps"] = 5
     row = {r["id"]: r for r in claims_table(claims_record(demo))}["mon"]
     assert row["verdict"] == "reproduced" and "Not met" not in row["numbers"]
+
+
+def test_the_twins_text_says_the_guard_by_the_librarys_own_values(tmp_path):
+    """The guard's rules in the report come from the library (the snapshot interval, the margin, the factor, the
+    confirmation wait, the taxonomy's own sentence): nothing restated that could drift from what the guard does."""
+    from normlab.monitor import CollapseCriteria, RescueOptions, SnapshotOptions
+    from normlab.monitor.collapse import WINDOW_EXAMPLES
+
+    demo, _ = _twin_demo(tmp_path)
+    text = "\n".join(twins_markdown(twin_pairs(demo, demo["evidence"]), None))
+    every, rescue = SnapshotOptions().every, RescueOptions()
+    assert f"(one every {every} steps) taken at least {every} steps before the trouble" in text
+    assert f"multiplies the learning rate by {rescue.lr_factor:g}" in text
+    assert f"follows within {rescue.confirm} steps" in text
+    assert f"({CollapseCriteria().describe(examples=WINDOW_EXAMPLES)})" in text
+
+
+def test_every_failure_kind_of_the_trainer_has_its_words_in_the_demo():
+    """A collapsed run's ``collapse_reason`` is the taxonomy's kind (``non_finite_loss`` for ``non_finite``): the
+    report's tables and the claims' explanations name each one in words (not the key, the fallback)."""
+    from normlab.monitor.collapse import LOSS_KINDS
+    from normlab_lab.demo import claims, report, twins
+
+    for kind in LOSS_KINDS:
+        reason = "non_finite_loss" if kind == "non_finite" else kind
+        run = {"collapsed": True, "collapse_reason": reason, "collapse_step": 7}
+        assert reason in twins.ENDED  # the twins' table and the report's (a) table (collapse kinds)
+        assert report._outcome(run) != reason  # section (c)'s table
+        if kind != "never_left_chance":  # the claims explain runs with a collapse step
+            assert reason in claims._ENDED

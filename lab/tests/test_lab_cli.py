@@ -3,8 +3,10 @@ and nothing written."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +97,11 @@ def test_demo_quick_writes_report(tmp_path, capsys):
     assert all(c["monitored"] for sec in demo["sections"].values() for c in sec["cells"])
     (tmp_path / "report.md").unlink()
     assert main(["report", str(tmp_path)]) == 0 and (tmp_path / "report.md").is_file()
+    # the README's order, quick demo then demo, in one directory: refused in one line naming the quick demo's run
+    capsys.readouterr()
+    assert main(["demo", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds a `normlab-lab demo --quick` run (demo.json)" in err[0], err
 
 
 def _parse_error(argv, capsys) -> str:
@@ -200,3 +207,72 @@ def test_bad_invocation_is_one_line_exit_2_and_writes_nothing(case, tmp_path, ca
     for w in words:
         assert w in lines[0], (w, lines[0])
     assert _snapshot([work, tmp_path]) == before  # nothing created, changed or removed
+
+
+# ------------------------------------------------------------------- one command per output directory (the claim)
+CLAIMING = [  # (argv, the command line that claims its directory, its default directory)
+    (["demo"], "normlab-lab demo", "runs/demo"),
+    (["demo", "--quick"], "normlab-lab demo --quick", "runs/demo-quick"),
+    (["capsules"], "normlab-lab capsules", "runs/capsules"),
+    (["capsules", "--quick"], "normlab-lab capsules --quick", "runs/capsules-quick"),
+    (["reproduce"], "normlab-lab reproduce", "runs/reproduce"),
+    (["reproduce", "--smoke"], "normlab-lab reproduce --smoke", "runs/reproduce-smoke"),
+    (
+        ["reproduce", "--preset", "cifar10-pws", "--smoke"],
+        "normlab-lab reproduce --preset cifar10-pws --smoke",
+        "runs/cifar10_pws-smoke",
+    ),
+]
+
+
+@pytest.mark.parametrize("argv, claim, default", CLAIMING, ids=[" ".join(c[0]) for c in CLAIMING])
+def test_each_command_refuses_another_commands_directory_and_the_users_files(
+    argv, claim, default, tmp_path, capsys, monkeypatch
+):
+    from normlab.runner.lock import CLAIM_NAME
+
+    other = "normlab-lab demo" if claim == "normlab-lab demo --quick" else "normlab-lab demo --quick"
+    theirs, mine = tmp_path / "theirs", tmp_path / "mine"
+    theirs.mkdir()
+    (theirs / CLAIM_NAME).write_text(json.dumps({"run": other, "record": "demo.json"}))
+    (theirs / "demo.json").write_text("{}")
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    before = _snapshot([tmp_path])
+    for d, words in ((theirs, f"holds a `{other}` run (demo.json)"), (mine, "holds files no normlab run wrote")):
+        assert main([*argv, "--out", str(d), "--workers", "1", "--no-progress"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"--out {d} {words}" in err[0], err
+    assert _snapshot([tmp_path]) == before
+    # without --out, each mode writes a directory of its own (the quick demo and the demo never collide)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / default).mkdir(parents=True)
+    (tmp_path / default / "notes.txt").write_text("mine")
+    assert main([*argv, "--workers", "1", "--no-progress"]) == 2
+    assert f"--out {default} holds files" in capsys.readouterr().err
+    assert len({c[2] for c in CLAIMING}) == len(CLAIMING)
+
+
+# ------------------------------------------------------------------------------ one time estimate of the demo
+_MINUTES = re.compile(r"(\d+(?:\.\d+)?|one|two|three|four|five|six)\**[- ](?:minutes?\b|min\b)", re.I)
+
+
+def test_the_demos_time_is_the_same_everywhere():
+    """README, the lab's README, the help texts and the demo's docstring say DEMO_MINUTES wherever they say how long
+    the demo takes (they said 3.5, 4.5 and five minutes)."""
+    from normlab_lab import DEMO_MINUTES
+    from normlab_lab.demo import experiment
+
+    parser = build_parser()
+    demo = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["demo"]
+    root = Path(__file__).resolve().parents[2]
+    texts = {
+        "README.md": (root / "README.md").read_text(),
+        "lab/README.md": (root / "lab" / "README.md").read_text(),
+        "normlab-lab --help": parser.description,
+        "normlab-lab demo --help": demo.description,
+        "normlab_lab.demo.experiment": experiment.__doc__,
+    }
+    for where, text in texts.items():
+        said = [m.group(1) for line in text.splitlines() if "demo" in line for m in _MINUTES.finditer(line)]
+        assert said and set(said) == {f"{DEMO_MINUTES:g}"}, (where, said)

@@ -119,3 +119,13 @@ def test_the_paper_report_judges_the_headline_effects(tmp_path):
     assert "A setting *failed* if most seeds collapsed" in md  # the criteria are printed under the verdicts
     assert md == markdown_report(res, [p.name for p in paths[1:]], PAPER_EFFECTS)
     assert PAPER_COMPARE.render is render_paper_report and PAPER_COMPARE.train.__module__.startswith("normlab.")
+
+
+def test_the_criteria_quote_the_failure_taxonomy_the_runs_were_labelled_by():
+    """A run's *collapsed* is normlab.monitor.collapse's: the criteria quote its own sentence (the trainer's window
+    over examples), so they cannot drift from the label they explain."""
+    from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
+    from normlab_lab.verdicts import CRITERIA
+
+    assert CollapseCriteria().describe(examples=WINDOW_EXAMPLES) in CRITERIA
+    assert CRITERIA in PAPER_EFFECTS.criteria

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 
+from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
 from normlab.runner.data.cifar10 import download_cifar10
 from normlab.runner.data.datasets import DATASETS
 from normlab.runner.data.mnist1d import DEFAULT_SAMPLES, MIN_SAMPLES
@@ -210,8 +211,17 @@ def check_name(value: str, valid, option: str, what: str) -> str:
     return value
 
 
-def add_out_arg(p: argparse.ArgumentParser, default: str, what: str = "output directory") -> None:
-    p.add_argument("--out", default=default, help=f"{what} (default {default}); rerun the same command to resume")
+def add_out_arg(
+    p: argparse.ArgumentParser, default: str, what: str = "output directory", quick: tuple[str, str] | None = None
+) -> None:
+    """``--out`` (default ``default``). ``quick``: ``(flag, directory)`` of the command's quick mode, which gets a
+    directory of its own: ``--out`` then defaults to None and the command picks one of the two."""
+    mode = f", with {quick[0]} {quick[1]}" if quick else ""
+    p.add_argument(
+        "--out",
+        default=None if quick else default,
+        help=f"{what} (default {default}{mode}); rerun the same command to resume",
+    )
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -355,21 +365,22 @@ def add_optim_args(p: argparse.ArgumentParser) -> None:
         help="mixed precision: bfloat16 autocast on CPU, float16 autocast + GradScaler on CUDA (normlab's "
         "layers keep float32 statistics; evaluation runs in float32)",
     )
+    guard = CollapseCriteria()
     p.add_argument(
         "--guard",
         action="store_true",
-        help="rescue a collapsing run: on a non-finite loss, gradient or test loss, or a training loss climbing "
-        "back towards its start, go back to a snapshot from before the trouble (and before the monitor's alarm, "
-        "with --monitor-every, when one came within the 10 steps before) with half the learning rate "
-        "(normlab.monitor.CollapseGuard; at most 3 rescues; one process only)",
+        help="rescue a failing run (normlab.monitor.CollapseGuard at its defaults): on a non-finite loss, gradient or "
+        "test loss, an exploded loss or a return to chance, or a monitor alarm (with --monitor-every) that such a "
+        "failure confirms, go back to a snapshot from before the trouble with a lower learning rate; the failures: "
+        f"{guard.describe(examples=WINDOW_EXAMPLES)}",
     )
     p.add_argument(
         "--guard-dead",
         action="store_true",
-        help="implies --guard; the guard also measures against chance (ln of the number of classes): a monitor "
-        "alarm on a network that has not learned is confirmed once the 10-step mean loss sits at chance 40 steps "
-        "in, and the loss climb is measured towards chance. It saves dead networks, and it also rolls back slow "
-        "learners that would have learned later",
+        help="implies --guard; the guard knows chance (ln of the number of classes) instead of estimating it by the "
+        "first loss: a monitor alarm on a network that has not learned waits, and is confirmed once the net is "
+        "judged never to have learned. It saves dead networks, and it also rolls back slow learners that would "
+        "have learned later",
     )
     p.add_argument(
         "--threads",

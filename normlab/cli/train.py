@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if int(os.environ.get("RANK", "0")) != 0:  # torchrun: rank 0 holds the lock and writes every file
         summary = train(cfg, args.out, **kw)
     else:
-        with out_lock(args.out, NAME) as out:
+        with out_lock(args.out, NAME, claim=f"normlab {NAME}", record="summary.json") as out:
             remove_stale_temps(out)  # left by a writer killed in an earlier run; no live writer holds the lock
             summary = train(cfg, out, **kw)
     acc = summary.get("final_test_acc")

@@ -1,13 +1,15 @@
 """Variance-transmission monitor (docs/design.md section 2): hooks, pure statistics, SPPs, rules that warn of a
-collapse (:mod:`normlab.monitor.rules`), rescue (:class:`CollapseGuard`), plots::
+collapse (:mod:`normlab.monitor.rules`), the failure taxonomy (:mod:`normlab.monitor.collapse`), rescue
+(:class:`CollapseGuard`), plots::
 
     from normlab.monitor import VarianceMonitor
-    with VarianceMonitor(model, every=10) as mon:
+    with VarianceMonitor(model, every=10, optimizer=optimizer) as mon:
         for x, y in loader:
             loss = loss_fn(model(x), y)
-            loss.backward()
-            mon.step(optimizer, loss=loss)  # performs optimizer.step(), records every 10th step, checks the rules
             optimizer.zero_grad()
+            loss.backward()
+            mon.observe_loss(loss)          # optional: for the rules that read the loss
+            optimizer.step()                # records every 10th step, checks the rules
             if mon.warning is not None: ... # e.g. the unstable regime: mon.warning.layer / .step / .message
             if mon.should_stop:             # an alarm: mon.alarm.rule / .layer / .step / .quantity
                 break
@@ -15,13 +17,13 @@ collapse (:mod:`normlab.monitor.rules`), rescue (:class:`CollapseGuard`), plots:
 """
 
 from normlab.monitor import stats
-from normlab.monitor.collapse import CollapseLabel, label_collapse
+from normlab.monitor.collapse import CollapseCriteria, CollapseLabel, Failure, label_collapse
 from normlab.monitor.guard import CollapseGuard, DismissedAlarm, Rescue, RunCollapsed
 from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
 from normlab.monitor.log import load_log, write_monitor_log
 from normlab.monitor.monitor import VarianceMonitor
-from normlab.monitor.optim_step import optimizer_step
-from normlab.monitor.options import RecordOptions, RecordSchedule
+from normlab.monitor.optim_step import scaler_step
+from normlab.monitor.options import RecordOptions, RecordSchedule, RescueOptions, SnapshotOptions
 from normlab.monitor.rules import DEFAULT_RULES, Event, Rule, StepContext, replay
 from normlab.monitor.spp import signal_propagation
 
@@ -63,8 +65,12 @@ __all__ = [
     "replay",
     "label_collapse",
     "CollapseLabel",
-    "optimizer_step",
+    "CollapseCriteria",
+    "Failure",
+    "scaler_step",
     "CollapseGuard",
+    "SnapshotOptions",
+    "RescueOptions",
     "DismissedAlarm",
     "Rescue",
     "RunCollapsed",

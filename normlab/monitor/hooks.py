@@ -31,7 +31,6 @@ __all__ = [
     "StepStats",
     "activation_stats",
     "weight_stats",
-    "param_versions",
     "grad_norm",
     "grad_norm_tensor",
 ]
@@ -308,11 +307,6 @@ def activation_stats(module: nn.Module, kind: str, args, output) -> dict:
     step = StepStats()
     step.add_activation("", activation_moments(module, kind, args, output))
     return step.finish()[0][""]
-
-
-def param_versions(module: nn.Module) -> tuple[int, ...]:
-    """The version counters of ``module``'s parameters (an in-place update, e.g. an optimizer step, bumps them)."""
-    return tuple(p._version for p in module.parameters())
 
 
 @torch.no_grad()

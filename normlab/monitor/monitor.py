@@ -1,19 +1,23 @@
 """VarianceMonitor: records how variance travels through a network (docs/design.md section 2) and checks rules.
 
-Two lines in a training loop::
+Attached to the optimizer, it needs nothing else in a training loop::
 
-    mon = VarianceMonitor(model, every=10)
+    mon = VarianceMonitor(model, every=10, optimizer=opt)
     ...
     loss.backward()
-    mon.step(optimizer, loss=loss)   # instead of optimizer.step()
+    mon.observe_loss(loss)           # optional: for the rules that read the loss
+    opt.step()                       # records (every 10th step) and checks the rules
     if mon.should_stop: ...          # an alarm fired (mon.alarm: which rule, layer, step and quantity)
 
-Steps are counted by ``mon.step``; step s is a recording step when ``s % every == 0`` (step 0 = initial values). On
+Steps are counted by the optimizer's ``step()`` (:mod:`normlab.monitor.optim_step`: its step hooks; with a GradScaler,
+:func:`~normlab.monitor.scaler_step` also counts the steps the scaler skips); step s is a recording step when
+``s % every == 0`` (step 0 = initial values). On
 every recorded step the monitor builds a :class:`~normlab.monitor.StepContext` and checks its rules
 (:mod:`normlab.monitor.rules`, default :func:`~normlab.monitor.DEFAULT_RULES`); rules with ``every_step`` are
 checked on every step, and when one of them needs a record key between recordings (the countdown: ``output_var``) a
 *light* step keeps only each conv/linear layer's output variance, read back once per step. The events the rules raise
-are in ``mon.events`` (each rule's first), the first alarm in ``mon.alarm``.
+are in ``mon.events`` (each rule's first), the first alarm in ``mon.alarm``; ``mon.history`` keeps every event ever
+raised, those of steps a :class:`~normlab.monitor.CollapseGuard` rolled back marked ``rolled_back``.
 
 Hooks are attached only while a recording or light step is pending and only read detached tensors under
 ``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
@@ -24,9 +28,6 @@ key is documented there (:mod:`normlab.monitor.records`). :meth:`VarianceMonitor
 events and spp data (:func:`normlab.monitor.log.write_monitor_log`); :func:`normlab.monitor.log.load_log` reads them
 back.
 
-Loops that step the optimizer themselves (a GradScaler, Lightning) call ``mon.before_update()`` right before the
-optimizer step and ``mon.after_update()`` right after it: together they are ``mon.step(optimizer)``
-(:func:`normlab.monitor.optimizer_step` does this for a GradScaler).
 ``mon.add_sink(MonitorBoard(DIR or SummaryWriter))`` also writes every recorded step to TensorBoard
 (:mod:`normlab.integrations.tensorboard`: per-layer scalars grouped as the paper's figures, per-filter mean-update
 histograms, the events as text); ``mon.add_sink(callback)`` calls ``callback(event)`` for every event kept.
@@ -49,6 +50,7 @@ import io
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,7 +67,6 @@ from normlab.monitor.hooks import (
     activation_moments,
     grad_norm,
     grad_norm_tensor,
-    param_versions,
 )
 from normlab.monitor.layers import (
     check_sharding,
@@ -77,7 +78,7 @@ from normlab.monitor.layers import (
     unwrap_model,
 )
 from normlab.monitor.log import write_monitor_log
-from normlab.monitor.optim_step import is_adaptive, learning_rates
+from normlab.monitor.optim_step import is_adaptive, learning_rates, step_hooks
 from normlab.monitor.options import RecordOptions, RecordSchedule, check_sink
 from normlab.monitor.probes import Probe, ProbeSet
 from normlab.monitor.ranks import Ranks, is_dtensor
@@ -153,12 +154,12 @@ class VarianceMonitor:
             :class:`~normlab.monitor.probes.Probe` s, False for none; None (the default): the default probes when
             a rule reads them (``Rule.needs_probes``: the transformer rules), else none, so that the default
             rules pay nothing for them.
-        optimizer: attach to this optimizer: its own ``optimizer.step()`` then records (step hooks call
-            :meth:`before_update` and :meth:`after_update`), so the usual loop ``loss.backward(); opt.step()``
-            needs nothing else, and ``mon.step(opt)`` is the same single step. A step that a GradScaler skips
-            (inf gradients) is not taken, so it is not counted. Without it, call ``mon.step(opt)`` (which takes the
-            optimizer step itself) or ``before_update``/``after_update``. ``opt.step(); mon.step(opt)`` (either
-            way) raises RuntimeError instead of applying the same gradients twice.
+        optimizer: the optimizer the monitor follows: its own ``optimizer.step()`` is a monitor step (its step
+            hooks record around the update: :mod:`normlab.monitor.optim_step`), so the usual loop
+            ``loss.backward(); opt.step()`` needs nothing else; with a GradScaler, step through
+            :func:`~normlab.monitor.scaler_step` so that a step the scaler skips is counted as a step without an
+            update. Without an optimizer the monitor sees no training step (it can still compute
+            :meth:`add_signal_propagation`).
         recording: which layers and forwards are recorded, a :class:`~normlab.monitor.RecordOptions`
             (``include_norm``, ``record_eval``); None for the defaults (conv/linear and normalization layers,
             training forwards only).
@@ -170,6 +171,9 @@ class VarianceMonitor:
         records: the per-layer records of the recorded steps.
         events: the :class:`~normlab.monitor.Event` s raised so far, in order (each rule's first);
             :attr:`alarm` is the first of severity ``"alarm"``, :attr:`warning` the first ``"warning"``.
+        history: every event ever raised, in order: those of the steps a rollback threw away (a
+            :class:`~normlab.monitor.CollapseGuard` restored the monitor's state from before them) stay here,
+            marked ``rolled_back``, while :attr:`events` follows the run's current trajectory.
         schedule: the :class:`~normlab.monitor.RecordSchedule` (``every`` as given, or made from the int).
         recording: the :class:`~normlab.monitor.RecordOptions`.
         sinks: the sinks of :meth:`add_sink`, by handle id, in the order they were added.
@@ -203,6 +207,7 @@ class VarianceMonitor:
         self.sinks: OrderedDict[int, object] = OrderedDict()  # add_sink's, by handle id
         self._probe_cache: dict[str, float] = {}
         self.events: list[Event] = []
+        self.history: list[Event] = []
         self._fired: set[str] = set()
         self._grad_norm: float | None = None
         self._loss = None  # this step's loss (a float or a tensor, read back only when a rule is checked)
@@ -214,7 +219,7 @@ class VarianceMonitor:
                 "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
         self._record_eval = self.recording.record_eval  # read by every hook call
-        self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # for _grad_mark
+        self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # the ranks, the device
         for name, mod, kind in self.layers:
             if kind != "norm":
                 check_sharding(mod, f"VarianceMonitor: layer '{name}' ({type(mod).__name__})")
@@ -227,19 +232,14 @@ class VarianceMonitor:
         self.closed = False
         self._order: dict[str, int] = {}
         self._pending: dict[str, ActivationMoments] = {}  # this recorded forward's moments, per layer
-        self._light: dict[str, tuple] = {}  # output moments of a light step, merged and read back in after_update
+        self._light: dict[str, tuple] = {}  # output moments of a light step, merged and read back in _after_step
         self._light_grad: Tensor | None = None
         self._scale_free: dict[str, float] = {}  # shift_scale_free of the last full record (the level rule reads it)
-        # against a second optimizer step on the same gradients (see _refuse_second_step)
-        self._versions: dict[str, tuple[int, ...]] = {}  # parameter versions at this step's recorded forward
-        self._versions_step = -1
-        self._stepped_grad: tuple[Tensor, int] | None = None  # a gradient and its version at the last step
         self._handles: list = []
         self._warned_compiled = False
         self._before: dict[str, Tensor] | None = None
         self.optimizer = None
-        self._lr_optimizer = None  # where the regime warning reads the learning rate (attached or last stepped)
-        self._optimizer_handles: list = []
+        self._step_handle = None
         if optimizer is not None:
             self._attach(optimizer)
         self._sync_hooks()
@@ -281,11 +281,30 @@ class VarianceMonitor:
             raise TypeError(
                 f"VarianceMonitor: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
             )
-        self.optimizer = self._lr_optimizer = optimizer
-        self._optimizer_handles = [
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.before_update()),
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_attached_step()),
-        ]
+        self.optimizer = optimizer
+        self._step_handle = step_hooks(optimizer).add(0, self._before_step, self._after_step)
+
+    def observe_loss(self, loss) -> None:
+        """The training loss of the coming optimizer step (a tensor, read back only on a step where a rule that reads
+        it is checked, or a number), for the loss rules (``ctx.loss``) and the guard attached to the same optimizer.
+        Several calls before one step add up (gradient accumulation: each micro-batch's loss as it enters
+        backward).
+
+        Example:
+            >>> model = nn.Linear(4, 2)
+            >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            >>> mon = VarianceMonitor(model, every=1, optimizer=opt)
+            >>> loss = model(torch.randn(8, 4)).square().mean()
+            >>> loss.backward(); mon.observe_loss(loss); opt.step()
+            >>> mon.current_step
+            1
+        """
+        if self.optimizer is None:
+            raise RuntimeError(
+                "VarianceMonitor.observe_loss: the monitor follows no optimizer; make it with "
+                "VarianceMonitor(model, optimizer=opt)"
+            )
+        step_hooks(self.optimizer).observe_loss(loss)
 
     # ----------------------------------------------------------------- hooks
     @property
@@ -370,12 +389,6 @@ class VarianceMonitor:
             if mode == "record":
                 with torch.no_grad():
                     self._pending[name] = activation_moments(module, kind, args, output)
-                if self._versions_step != self.current_step:
-                    self._versions, self._versions_step = {}, self.current_step
-                if not self._sharded or all(is_dtensor(p) for p in module.parameters()):
-                    # FSDP2 swaps sharded parameters for unsharded ones around a forward: the versions of those
-                    # say nothing about an optimizer step (the sharded ones do)
-                    self._versions[name] = param_versions(module)
             elif kind != "norm" and mode == "light":  # the countdown tests conv/linear outputs only
                 if isinstance(output, Tensor) and output.numel() > 0:
                     with torch.no_grad():
@@ -388,75 +401,9 @@ class VarianceMonitor:
         return hook
 
     # ------------------------------------------------------------------ step
-    def step(self, optimizer: torch.optim.Optimizer | None = None, closure=None, loss=None):
-        """Perform ``optimizer.step(closure)`` (if given) and advance the step counter.
-
-        On a recording step, also snapshots the effective kernels before and after the optimizer step and writes
-        this step's records; then the rules due at this step are checked. ``loss``: the step's training loss (a
-        float or a tensor; read back only when a rule is checked), which the loss rules read (``ctx.loss``).
-        Returns what ``optimizer.step`` returned. For the optimizer the monitor is attached to (``optimizer=``),
-        this is exactly ``optimizer.step(closure)``: its hooks record.
-        """
-        if optimizer is not None and closure is None and not self.closed:
-            self._refuse_second_step()
-        self._loss = loss
-        if optimizer is not None and optimizer is self.optimizer and not self.closed:
-            return optimizer.step(closure)
-        self.before_update(optimizer)
-        result = optimizer.step(closure) if optimizer is not None else None
-        self._stepped_grad = self._grad_mark() if optimizer is not None else None
-        self.after_update(stepped=optimizer is not None, skipped=False)
-        return result
-
-    def _after_attached_step(self) -> None:
-        self._stepped_grad = self._grad_mark()
-        self.after_update(stepped=True)
-
-    def _grad_mark(self) -> tuple[Tensor, int] | None:
-        """The first monitored parameter's gradient and its version counter (None: no gradient yet).
-
-        A backward either makes a new gradient tensor (after ``zero_grad()``) or accumulates into the old one in
-        place (a new version), so an unchanged mark means no backward ran since it was taken."""
-        for p in self._params:
-            if p.grad is not None:
-                return p.grad, p.grad._version
-        return None
-
-    def _refuse_second_step(self) -> None:
-        """Raise when ``step(optimizer)`` would apply gradients that an optimizer step already used.
-
-        Two signs, both cheap: a monitored layer's parameters changed in place since this step's recorded forward
-        (the loop called ``optimizer.step()`` before ``mon.step(optimizer)``), or no backward ran since the last
-        step this monitor saw (``opt.step()`` of an attached optimizer, or ``mon.step(opt)`` twice)."""
-        changed = None
-        if self._versions_step == self.current_step:
-            changed = next(
-                (n for n, m, _k in self.layers if self._versions.get(n, ()) not in ((), param_versions(m))), None
-            )
-        mark, last = self._grad_mark(), self._stepped_grad
-        if changed is None and not (
-            mark is not None and last is not None and mark[0] is last[0] and mark[1] == last[1]
-        ):
-            return
-        why = (
-            f"the parameters of layer '{changed}' changed since this step's forward"
-            if changed
-            else ("no backward ran since the last optimizer step")
-        )
-        raise RuntimeError(
-            f"VarianceMonitor.step: {why}, so optimizer.step() was already called for these gradients and "
-            f"step(optimizer) would apply them a second time (it takes the optimizer step itself): call either "
-            f"opt.step() or mon.step(opt), not both; attached with VarianceMonitor(model, optimizer=opt), call only "
-            f"opt.step()"
-        )
-
-    def before_update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Call right before an optimizer step that the training loop takes itself (``scaler.step(opt)``, Lightning):
-        on a recording step it snapshots the effective kernels, and it measures the gradient norm when a due rule
-        reads it. :meth:`after_update` completes the step. Given the ``optimizer`` about to step, the context of
-        the rules holds its learning rates."""
-        if optimizer is not None:
-            self._lr_optimizer = optimizer
+    def _before_step(self) -> None:
+        """Right before the optimizer's update (its step pre-hook, after the backward): on a recording step snapshot
+        the effective kernels, and measure the gradient norm when a due rule reads it."""
         self._before = None
         if self._needs_grad_norm():
             if self.is_recording:
@@ -467,19 +414,13 @@ class VarianceMonitor:
         if self.is_recording:
             self._before = {name: filter_kernel(m).clone() for name, m, kind in self.layers if kind != "norm"}
 
-    def after_update(self, stepped: bool = True, loss=None, skipped: bool | None = None) -> None:
-        """Call right after that optimizer step: on a recording step it writes the step's records (update ratios
-        against the :meth:`before_update` snapshot); then it checks the rules due at this step and advances the step
-        counter.
-
-        Args:
-            stepped: the optimizer step was taken (False: no step, e.g. a GradScaler skipped it).
-            loss: the step's training loss, if not given to :meth:`step` already.
-            skipped: the optimizer skipped the step (``ctx.skipped``); default ``not stepped``.
-        """
-        if loss is not None:
-            self._loss = loss
-        skipped = (not stepped) if skipped is None else skipped
+    def _after_step(self, stepped: bool, loss=None) -> None:
+        """Right after the optimizer's update (its step post-hook), or for a step a GradScaler skipped (``stepped``
+        False): on a recording step write the step's records (update ratios against the :meth:`_before_step`
+        snapshot); then check the rules due at this step and advance the step counter. ``loss``: the step's observed
+        loss."""
+        self._loss = loss
+        skipped = not stepped
         if self.is_recording:
             self._probe_cache = self.probes.stop() if self.probes is not None else {}
             before, self._before = self._before, None
@@ -507,7 +448,7 @@ class VarianceMonitor:
         loss = self._loss if any(r.needs_loss and (r.every_step or recorded) for r in self.rules) else None
         if isinstance(loss, Tensor):
             loss = float(loss.detach())
-        opt = self._lr_optimizer
+        opt = self.optimizer
         return context_from_records(
             self.current_step,
             step_records,
@@ -531,6 +472,7 @@ class VarianceMonitor:
         """Check the rules due at this step; keep each rule's first event and send it to the sinks."""
         for event in check_rules(self.rules, ctx, step_records, self._fired):
             self.events.append(event)
+            self.history.append(event)
             self._to_sinks("write_event", event)
 
     def _step_stats(self, recorded: bool) -> StepStats:
@@ -633,8 +575,8 @@ class VarianceMonitor:
     # ------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """What decides future records and events, as plain Python types (safe for
-        ``torch.load(weights_only=True)``): ``{"every", "dense", "current_step", "order", "rules", "events"}``
-        (``rules``: each rule's ``state_dict`` by name). ``records`` are not included (export them with
+        ``torch.load(weights_only=True)``): ``{"every", "dense", "current_step", "order", "rules", "events",
+        "history"}`` (``rules``: each rule's ``state_dict`` by name). ``records`` are not included (export them with
         :meth:`to_jsonl`); the state is small and constant in the length of training."""
         return {
             "every": self.every,
@@ -643,13 +585,15 @@ class VarianceMonitor:
             "order": dict(self._order),
             "rules": {rule.name: rule.state_dict() for rule in self.rules},
             "events": [e.to_dict() for e in self.events],
+            "history": [e.to_dict() for e in self.history],
             "fired": sorted(self._fired),
         }
 
     def load_state_dict(self, state: Mapping) -> None:
-        """Restore :meth:`state_dict` (e.g. when resuming training): step counter, forward order, each rule's state
-        (a rule missing from the state starts fresh) and the events already raised (the sinks are not sent
-        again for them).
+        """Restore :meth:`state_dict` (e.g. when resuming training, or a rollback of the guard): step counter, forward
+        order, each rule's state (a rule missing from the state starts fresh) and the events already raised (the sinks
+        are not sent again for them). The history is never shortened: the events this monitor raised that the state
+        does not hold (a rollback's) stay in :attr:`history`, marked ``rolled_back``.
 
         Raises ValueError when ``state`` is malformed, was made with another ``every``, names layers this model
         does not have, or a rule refuses its state."""
@@ -682,11 +626,22 @@ class VarianceMonitor:
                 rule.load_state_dict(saved_rules[rule.name])
             else:
                 rule.reset()
-        self.events = [Event.from_dict(e) for e in state.get("events", [])]
+        events = [Event.from_dict(e) for e in state.get("events", [])]
+        self._keep_history([Event.from_dict(e) for e in state.get("history", [])], events)
+        self.events = events
         self._fired = set(state.get("fired", [e.rule for e in self.events]))
         self._order = {str(k): int(v) for k, v in order.items()}
         self._pending, self._light, self._light_grad, self._grad_norm, self._loss = {}, {}, None, None, None
         self.current_step = step  # syncs the hooks
+
+    def _keep_history(self, saved: list[Event], events: list[Event]) -> None:
+        """The history after loading a state with ``saved`` history and ``events``: the longer of the saved one (a
+        resume) and this monitor's own (a rollback to a state from before some of its events), with the events no
+        longer in ``events`` marked rolled back."""
+        if len(saved) > len(self.history):
+            self.history = saved
+        dropped = [e for e in self.events if e not in events]
+        self.history = [replace(e, rolled_back=True) if e in dropped else e for e in self.history]
 
     # ---------------------------------------------------------------- extras
     def add_signal_propagation(self, input_shape: Sequence[int], **kwargs) -> dict:
@@ -720,13 +675,13 @@ class VarianceMonitor:
     def close(self) -> None:
         """Remove every hook. Later ``step`` calls still step the optimizer but record nothing."""
         self.closed, self._mode = True, None
-        self._pending, self._light, self._light_grad, self._stepped_grad = {}, {}, None, None
+        self._pending, self._light, self._light_grad = {}, {}, None
         self._remove_hooks()
         if self.probes is not None:
             self.probes.stop()
-        for h in self._optimizer_handles:
-            h.remove()
-        self._optimizer_handles = []
+        if self._step_handle is not None:
+            self._step_handle.remove()
+            self._step_handle = None
         for sink in list(self.sinks.values()):
             if callable(getattr(sink, "close", None)):
                 sink.close()

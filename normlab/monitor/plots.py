@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib
 
 from normlab.monitor.log import MonitorLog, load_log
-from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure
+from normlab.monitor.plotting import draw_series, layer_series, log_scale, mark_alarm, save_figure, spans_decades
 from normlab.monitor.records import layer_keys
 
 matplotlib.use("Agg")
@@ -22,8 +22,9 @@ __all__ = ["load_log", "render_monitor_plots"]  # load_log: normlab.monitor.log'
 def _panel(ax, records, key, ylabel, title, log=False, alarm=None, hline=None):
     series = layer_series(records, key)
     draw_series(ax, series)
-    if log:
-        log_scale(ax, [v for _, vals in series.values() for v in vals])
+    values = [v for _, vals in series.values() for v in vals]
+    if log is True or (log == "decades" and spans_decades(values)):
+        log_scale(ax, values)
     if hline is not None:
         ax.axhline(hline[0], color="k", linestyle=":", linewidth=1, label=hline[1])
     mark_alarm(ax, alarm, f"collapse warning ({alarm.get('layer')})" if alarm else None)
@@ -59,14 +60,15 @@ def _spp_figure(spp: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-# The figures of render_monitor_plots: file name -> its panels (record key, y label, title, options of _panel).
+# The figures of render_monitor_plots: file name -> its panels (record key, y label, title, options of _panel; "log":
+# True for a log y axis, "decades" for one where the values span a factor of 10 or more).
 FIGURES = {
     "fig1a_update_ratio.png": [
         (
             "update_ratio_mean",
             r"mean$_o$ Var[$W_o - \Delta W_o$] / Var[$W_o$]",
             "Fig. 1(a): update ratio per layer",
-            {"hline": (1.0, "no change")},
+            {"hline": (1.0, "no change"), "log": "decades"},
         )
     ],
     "fig1b_mean_update.png": [

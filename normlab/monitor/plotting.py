@@ -14,7 +14,7 @@ from typing import Any
 
 from normlab._files import atomic_savefig
 
-__all__ = ["layer_series", "draw_series", "log_scale", "mark_alarm", "save_figure"]
+__all__ = ["layer_series", "draw_series", "log_scale", "spans_decades", "mark_alarm", "save_figure"]
 
 Series = dict[str, tuple[list[int], list[float]]]
 
@@ -85,6 +85,18 @@ def log_scale(ax, values: Iterable[float | None]) -> bool:
         ax.set_yscale("log", nonpositive="mask")
         return True
     return False
+
+
+def spans_decades(values: Iterable[float | None]) -> bool:
+    """The finite ``values`` are positive and span a factor of 10 or more (a log axis shows them best; on a linear
+    one every value but the largest lies flat); False if any is <= 0 or none is finite.
+
+    Example:
+        >>> spans_decades([1.0, 1.02, 350.0]), spans_decades([0.98, 1.05]), spans_decades([0.0, 1.0])
+        (True, False, False)
+    """
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    return bool(vals) and min(vals) > 0 and max(vals) >= 10 * min(vals)
 
 
 def mark_alarm(ax, alarm: Mapping[str, Any] | None, label: str | None = None) -> None:

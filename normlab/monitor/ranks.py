@@ -33,7 +33,15 @@ from torch import Tensor, nn
 
 from normlab.monitor.stats import merge_moments
 
-__all__ = ["Ranks", "Reduction", "is_dtensor", "check_filter_placements", "local_rows", "owned_square_sum"]
+__all__ = [
+    "Ranks",
+    "Reduction",
+    "is_dtensor",
+    "uses_fsdp1",
+    "check_filter_placements",
+    "local_rows",
+    "owned_square_sum",
+]
 
 
 def _dtensor_types():
@@ -162,12 +170,22 @@ def _find_ddp(model: nn.Module) -> nn.parallel.DistributedDataParallel | None:
     return None
 
 
-def _refuse_fsdp1(model: nn.Module) -> None:
+def uses_fsdp1(model: nn.Module) -> bool:
+    """Whether ``model`` holds a ``FullyShardedDataParallel`` (FSDP1) module, which flattens the weights it shards.
+
+    Example:
+        >>> uses_fsdp1(nn.Linear(2, 2))
+        False
+    """
     if not dist.is_available():
-        return
+        return False
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    if uses_fsdp1(model):
         raise ValueError(
             "VarianceMonitor: FullyShardedDataParallel (FSDP1) flattens the weights it shards, so the monitor cannot "
             "read their filters; shard with torch.distributed.fsdp.fully_shard (FSDP2)"

@@ -11,7 +11,9 @@ reported once.
 A stored state can be non-finite too (a checkpoint saved after a run diverged): every output that reads it is then
 NaN, whatever the input. :class:`FiniteState`, a base of every normlab layer with parameters or buffers, names such a
 state where it comes in, at ``load_state_dict`` (one host read per layer there, none in a step), in one
-``RuntimeWarning`` line: the layer's class, its name in the loaded model and each non-finite tensor. When batches were
+``RuntimeWarning`` line: the layer's class, its name in the loaded model and each non-finite tensor. A sharded
+parameter (a DTensor: FSDP2's ``fully_shard``) is checked on the rank's own shard, without a collective: the rank
+that holds a non-finite value names it. When batches were
 skipped because of the stored state, the skipped-batch warning says so instead of blaming the input.
 """
 
@@ -78,14 +80,38 @@ class FiniteState:
         parts = []
         with torch.no_grad():
             for group in by_device.values():
-                counts = torch.stack([t.detach().isfinite().logical_not().sum() for _, t in group]).tolist()
-                parts += [f"{n} ({k} of {t.numel()} values NaN/inf)" for (n, t), k in zip(group, counts) if k]
+                local = [(n, _local_shard(t)) for n, t in group]
+                counts = torch.stack([t.detach().isfinite().logical_not().sum() for _, t in local]).tolist()
+                for (n, t), (_, own), k in zip(group, local, counts):
+                    shard = " in this rank's shard" if own is not t else ""
+                    parts += [f"{n} ({k} of {own.numel()} values NaN/inf{shard})"] if k else []
         return ", ".join(parts)
 
     def _layer_name(self, name: str | None = None) -> str:
         """``Class 'name'`` (the name given, else the one from the last load), or the class alone."""
         name = self.__dict__.get("_state_name") if name is None else name
-        return f"{type(self).__name__} {name!r}" if name else type(self).__name__
+        cls = _own_class(self).__name__
+        return f"{cls} {name!r}" if name else cls
+
+
+def _own_class(module: nn.Module) -> type:
+    """The layer's own class, also under FSDP2, which swaps the class of a module it shards for ``FSDP<name>``."""
+    cls = type(module)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FSDPModule
+
+        if issubclass(cls, FSDPModule):
+            return next((c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule)), cls)
+    return cls
+
+
+def _local_shard(t: Tensor) -> Tensor:
+    """A DTensor's local tensor (under FSDP2 this rank's shard: read without a collective), any other tensor as is."""
+    if not torch.distributed.is_available():
+        return t
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class SkippedBatches(FiniteState):

@@ -7,7 +7,7 @@ torch.compile's trace, a checkpoint recomputation and a ``torch.fx`` graph (wher
 
 1. the layer decides the prior (the running statistics r and d are computed from) and the limits: its buffers and
    the schedule's values, or, when a checkpoint recomputation repeats an earlier forward, that forward's
-   (:func:`normlab.nn._recompute.recorded_prior`);
+   (:func:`normlab.nn._recompute.recorded_step`);
 2. :func:`normlab.functional.batch_renorm_train` computes the output and the new running statistics (pure);
 3. the layer commits them (:func:`commit`): the guarded write of the non-finite policy, the step counter and the
    ``skipped_batches`` count, and nothing for a recomputation.
@@ -24,8 +24,16 @@ import torch
 from torch import Tensor
 
 from .. import functional as NF
-from .._dispatch import all_finite, count_into, guarded_update, kept_for_backward, static_numel, stats_value
-from ._recompute import checkpoint_region, recorded_prior
+from .._dispatch import (
+    all_finite,
+    count_into,
+    guarded_update,
+    kept_for_backward,
+    outside_selective_checkpoint,
+    static_numel,
+    stats_value,
+)
+from ._recompute import checkpoint_region, recorded_step
 
 __all__ = ["Spec", "check_input", "commit", "factor", "renorm_forward", "renorm_step"]
 
@@ -108,17 +116,23 @@ def factor(spec: Spec, state):
 def renorm_step(input: Tensor, state, limits, spec: Spec, compute: Callable):
     """One training step of a layer: the prior and limits (the buffers and ``limits``, or a recorded forward's in a
     checkpoint recomputation), ``compute(prior, limits) -> (result, new running statistics)``, then :func:`commit`
-    (nothing for a recomputation) and the record. ``state``: running mean, running var, ``num_batches_tracked``,
+    (nothing for a recomputation). ``state``: running mean, running var, ``num_batches_tracked``,
     ``skipped_batches``. Returns ``result``."""
     running = state[:2]
     limits = kept_for_backward(limits)  # under torch.compile: the schedule's values at this step, for the backward
     region = checkpoint_region()
-    prior, recorded = running, None
+    prior, replayed = running, False
     if region is not None:
-        prior, limits, recorded = recorded_prior(input, running, limits, region)
+        prior, limits, replayed = recorded_step(running, limits, region)
     try:
-        result, new = compute(prior, limits)
-        commit(state, new, spec, None if recorded is None else recorded.hit)
+        if region is None:
+            result, new = compute(prior, limits)
+            commit(state, new, spec)
+        else:  # a selective-checkpoint policy does not apply to the step: recomputed, its update not repeated
+            with outside_selective_checkpoint():
+                result, new = compute(prior, limits)
+                if not replayed:
+                    commit(state, new, spec)
     except RuntimeError as e:
         if torch._C._functorch.peek_interpreter_stack() is None:
             raise
@@ -127,17 +141,13 @@ def renorm_step(input: Tensor, state, limits, spec: Spec, compute: Callable):
             "place, so under vmap they must be batched like the input (torch.func.stack_module_state, "
             f"functional_call), as for nn.BatchNorm; or use eval mode or track_running_stats=False ({e})"
         ) from e
-    if recorded is not None:
-        recorded.write()
     return result
 
 
 @torch.no_grad()
-def commit(state, new, spec: Spec, replayed: Tensor | None = None) -> None:
+def commit(state, new, spec: Spec) -> None:
     """The non-finite policy in tensor ops: the running statistics become ``new`` if it is finite, else stay;
-    ``num_batches_tracked`` advances by one only for a finite batch, ``skipped_batches`` only for a non-finite one.
-    ``replayed`` (a 0-dim bool tensor, inside checkpointed regions): True for a recomputation of a recorded forward,
-    which changes nothing."""
+    ``num_batches_tracked`` advances by one only for a finite batch, ``skipped_batches`` only for a non-finite one."""
     running_mean, running_var, num_batches_tracked, skipped_batches = state
     if torch._C._are_functorch_transforms_active():  # torch.func.grad: the values below its wrappers
         new = tuple(stats_value(t, b, spec.name) for t, b in zip(new, (running_mean, running_var)))
@@ -145,10 +155,6 @@ def commit(state, new, spec: Spec, replayed: Tensor | None = None) -> None:
         finite = all_finite(new[0], new[1])
     else:  # no check: the batch enters the running statistics, as in nn.BatchNorm
         finite = torch.ones((), dtype=torch.bool, device=running_mean.device)
-    skipped = ~finite
-    if replayed is not None:
-        fresh = replayed.logical_not()
-        finite, skipped = finite.logical_and(fresh), skipped.logical_and_(fresh)
     guarded_update((running_mean, running_var), new, finite)
     count_into(num_batches_tracked, finite)
-    count_into(skipped_batches, skipped)
+    count_into(skipped_batches, ~finite)

@@ -57,7 +57,7 @@ from ._bn_tools import BatchNormTools, reestimating
 from ._docs import fill
 from ._float32_stats import Float32StatsModule
 from ._non_finite import SkippedBatches
-from ._recompute import report_misses
+from ._recompute import eager_checkpoint_active, report_misses
 from ._renorm_step import Spec, check_input, factor, renorm_forward, renorm_step
 from ._sync_convert import to_sync_batchrenorm
 
@@ -151,8 +151,9 @@ class RenormSchedule:
         the stacked pair (rmax, dmax): four tensor ops for both (the arithmetic of :meth:`_ramp`, bit for bit:
         ``step * slope`` then ``+ base`` in float64), no host read. Both spans must be > 0."""
         base, slope, low, high = _ramp_constants(self, step.device)
-        # not addcmul (it rounds once); clamp, not clamp_: torch.func.vmap has no batching rule for clamp_
-        return torch.mul(step, slope).add_(base).clamp(low, high).unbind()
+        # not addcmul (it rounds once); out of place: vmap has no batching rule for clamp_, and a selective-checkpoint
+        # policy that saves mul would see its cached output mutated
+        return torch.add(torch.mul(step, slope), base).clamp(low, high).unbind()
 
     def _ramp(self, s: Tensor, start: float, end: float, end_step: int) -> Tensor:
         """``start -> end`` linearly over (warmup_steps, end_step] at the float64 step tensor ``s``, as
@@ -162,7 +163,7 @@ class RenormSchedule:
         if span == 0:
             return torch.where(s >= end_step, end, start)
         slope = (end - start) / span
-        return s.mul(slope).add_(start - slope * self.warmup_steps).clamp_(start, end)
+        return s.mul(slope).add(start - slope * self.warmup_steps).clamp(start, end)  # out of place: see _ramps
 
 
 _RAMP_CONSTANTS: dict = {}
@@ -258,14 +259,16 @@ _DOC = Template(r"""Batch Renormalization (Ioffe 2017) over $input input; a drop
           statistics in float32; after ``.half()`` the running statistics stay float32.
 
     Note:
-        Under ``torch.utils.checkpoint`` (reentrant or not, nested, selective, early stop on or off; timm's
-        ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``) a recomputation finds the
-        forward it repeats by a fingerprint of its input (tensor ops only) and repeats that step: the gradients
-        are the un-checkpointed ones and the running statistics and ``num_batches_tracked`` advance once per
-        genuine forward; a recomputation that finds no record (more than 32 forwards of the layer between a
-        forward and its backward, nondeterministic values) updates nothing and is reported at ``.eval()``
-        (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over checkpointed models
-        too), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
+        Under ``torch.utils.checkpoint`` (reentrant or not, nested, any selective policy, early stop on or off;
+        timm's ``set_grad_checkpointing``, Hugging Face's ``gradient_checkpointing_enable``, torch's composable
+        ``checkpoint(module)``, autograd-Function checkpoints) a recomputation repeats the step of the forward at
+        its position in the region it recomputes (whatever the input values, however many forwards come before the
+        backward): the gradients are the un-checkpointed ones and the running statistics and
+        ``num_batches_tracked`` advance once per genuine forward; a recomputation that finds no record (the layer
+        called more often than in the forward, a training forward inside a backward pass) updates nothing and is
+        reported at ``.eval()`` (``docs/design.md``, 5c). Also exact under torch.compile (``fullgraph=True``, over
+        checkpointed models too; a module compiled on its own inside an eager checkpoint runs the layer's step
+        eagerly), torch.export, torch.jit.trace, ``torch.fx.symbolic_trace`` (one call node; a schedule that cannot
         be traced is refused), torch.func (grad, vmap, functional_call, jvp, jacfwd), forward-mode AD and on the
         meta device, each tested against torch's BatchNorm or the plain eager run. An empty batch (N = 0) returns
         BatchNorm's empty output and leaves the running statistics and ``num_batches_tracked`` unchanged.
@@ -427,8 +430,14 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
         recomputed steps run this same call. ``torch.fx.symbolic_trace`` of a model that holds the layer records
         one node, ``layer_step(layer, x)``, which runs the step when the graph runs, in the mode and with the
         settings the layer has then (as the ``call_module`` node of a torch BatchNorm); a layer traced on its own
-        is traced through as one ``renorm_forward`` node."""
-        return layer_step(self, input) if fx_node(self, input) else self._forward_step(input)
+        is traced through as one ``renorm_forward`` node. torch.compile tracing a training layer inside an eager
+        activation checkpoint (a module compiled on its own, checkpointed from outside) leaves the step to eager
+        execution, where the checkpoint's recomputation finds its record."""
+        if fx_node(self, input):
+            return layer_step(self, input)
+        if torch.compiler.is_compiling() and self.training and eager_checkpoint_active():
+            return _step_outside_the_graph(self, input)
+        return self._forward_step(input)
 
     def _forward_step(self, input: Tensor) -> Tensor:
         """The training or eval step of :meth:`forward` (what a torch.fx graph's ``layer_step`` node runs)."""
@@ -458,6 +467,19 @@ class _BatchRenorm(BatchNormTools, SkippedBatches, Float32StatsModule, _BatchNor
     def extra_repr(self) -> str:
         limits = f"schedule={self.schedule!r}" if self.schedule is not None else f"rmax={self.rmax}, dmax={self.dmax}"
         return f"{super().extra_repr()}, {limits}"
+
+
+@torch.compiler.disable(
+    reason="a BatchRenorm compiled inside an eager torch.utils.checkpoint region runs its training step eagerly, "
+    "where the recomputation can repeat it exactly; compile the model that calls checkpoint instead"
+)
+def _step_outside_the_graph(layer: _BatchRenorm, input: Tensor) -> Tensor:
+    """The layer's step run eagerly from a compiled graph: torch.compile traced the layer inside an eager activation
+    checkpoint (a module compiled on its own, wrapped by ``torch.utils.checkpoint``), whose recomputation reruns the
+    compiled graph, where no record can be found: the step's update would run twice and the recomputation would
+    renormalize against the updated statistics. Run eagerly, the step finds its record (``normlab/nn/_recompute.py``).
+    With ``fullgraph=True`` torch.compile refuses, naming this reason."""
+    return layer._forward_step(input)
 
 
 class BatchRenorm1d(_BatchRenorm):

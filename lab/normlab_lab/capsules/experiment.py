@@ -221,6 +221,7 @@ CAPSULES = Experiment(
     describe=_describe,
     noun="cells",
     label=f"{PROG} capsules",
+    command=f"{PROG} capsules",
 )
 
 
@@ -236,6 +237,7 @@ def run_capsules(
     backend: str = "process",
     address: str | None = None,
     option: str = "out_dir",
+    command: str | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
 
@@ -243,7 +245,8 @@ def run_capsules(
     extended. ``workers`` processes (default: one per usable core) with ``threads`` torch threads each, or Ray
     (``backend``, ``address``: :func:`~normlab.runner.grid.execute.run_cells`). Returns the results dict
     (:func:`normlab_lab.capsules.stats.collect`) with ``timings`` (every invocation that ran cells,
-    kept across resumes) and ``step_bench`` (:func:`step_benchmark`, measured once).
+    kept across resumes) and ``step_bench`` (:func:`step_benchmark`, measured once). ``command`` claims
+    ``out_dir`` (default ``normlab-lab capsules``; the CLI's ``--quick`` claims its own).
     """
     say = log or (lambda s: print(s, file=sys.stderr))
 
@@ -267,6 +270,7 @@ def run_capsules(
         announce=before,
         extras=timings,
         option=option,
+        command=command,
         workers=workers,
         threads=threads,
         progress=progress,

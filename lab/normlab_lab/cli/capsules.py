@@ -9,6 +9,7 @@ import sys
 from normlab.cli.args import MAX_WORKERS, add_out_arg, finite_float, integer, options_named, positive_int
 from normlab.runner.errors import UsageError
 from normlab.runner.io import check_dir_option
+from normlab.runner.lock import check_claim
 from normlab_lab import PROG
 from normlab_lab.capsules.experiment import (
     DATASETS,
@@ -22,6 +23,7 @@ from normlab_lab.capsules.report import summary_lines, variant_table
 __all__ = ["add_parser", "run"]
 
 NAME = "capsules"
+OUT, QUICK_OUT = "runs/capsules", "runs/capsules-quick"
 
 
 def _ints(option: str, text: str) -> list[int]:
@@ -77,7 +79,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="tiny grid (iterations 1,3, 2 seeds, 2 short epochs; well under a minute): a pipeline check "
         "whose numbers mean nothing; ignores the grid options",
     )
-    add_out_arg(p, "runs/capsules")
+    add_out_arg(p, OUT, quick=("--quick", QUICK_OUT))
     p.add_argument(
         "--workers",
         type=integer(0, MAX_WORKERS, what="a number of workers"),
@@ -109,7 +111,9 @@ def _spec(args: argparse.Namespace) -> CapsSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_dir_option(args.out, "--out")
+    out = check_dir_option(args.out or (QUICK_OUT if args.quick else OUT), "--out")
+    claim = f"{PROG} {NAME}" + (" --quick" if args.quick else "")
+    check_claim(out, claim)  # before the plan is printed (run_capsules claims it)
     with options_named(_RENAMES):
         spec = _spec(args)
         cells = expand_cells(spec)
@@ -119,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         results = run_capsules(
-            spec, out, workers=args.workers, threads=args.threads, progress=not args.no_progress, option="--out"
+            spec,
+            out,
+            workers=args.workers,
+            threads=args.threads,
+            progress=not args.no_progress,
+            option="--out",
+            command=claim,
         )
     print(variant_table(results))
     print()

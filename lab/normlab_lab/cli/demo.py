@@ -8,26 +8,28 @@ from normlab.cli.args import MAX_WORKERS, add_out_arg, integer, threads_int
 from normlab.cli.plan import announce_grids
 from normlab.runner.io import check_dir_option, remove_stale_temps
 from normlab.runner.lock import out_lock
-from normlab_lab import PROG
+from normlab_lab import DEMO_MINUTES, PROG
 from normlab_lab.demo.experiment import run_demo
 from normlab_lab.demo.terminal import claims_terminal
 
 __all__ = ["add_parser", "run"]
 
 NAME = "demo"
+#: The output directories of the demo and of its quick version (never the same: each claims its own).
+OUT, QUICK_OUT = "runs/demo", "runs/demo-quick"
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         NAME,
         help="main job: normalization and collapse on MNIST-1D, a report with plots",
-        description="Run the demo (about 3.5 minutes on 2 idle CPU cores): (a) a learning-rate sweep of none, "
-        "BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
+        description=f"Run the demo (about {DEMO_MINUTES:g} minutes on 2 idle CPU cores): (a) a learning-rate sweep "
+        "of none, BN, BRN, GN, SN, WN, WS+GN and PWS, (b) batch sizes 128, 4 and 2 with the "
         "learning rate scaled linearly, (c) the monitor's collapse diagnosis (regime warning, countdown alarm) "
         "and the unnormalized runs again with --guard and with --guard-dead beside their unguarded twins, (d) the cost "
         "of a training step. Writes OUT/report.md with its plots; rerun to resume.",
     )
-    add_out_arg(p, "runs/demo")
+    add_out_arg(p, OUT, quick=("--quick", QUICK_OUT))
     p.add_argument("--quick", action="store_true", help="tiny version (seconds), only to check the pipeline works")
     p.add_argument(
         "--workers",
@@ -49,8 +51,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = check_dir_option(args.out, "--out")
-    with out_lock(out, NAME):
+    out = check_dir_option(args.out or (QUICK_OUT if args.quick else OUT), "--out")
+    claim = f"{PROG} {NAME}" + (" --quick" if args.quick else "")
+    with out_lock(out, NAME, claim=claim, record="demo.json"):
         for d in (out, out / "data"):  # temporaries of a writer killed in an earlier run (the grids clean their own)
             remove_stale_temps(d)
         demo = run_demo(

@@ -24,6 +24,18 @@ from normlab_lab.verdicts import PAPER_COMPARE, PAPER_EFFECTS
 
 NAME = "reproduce"
 PRESETS = ("mnist1d", "cifar10-pws")
+#: Each preset's output directory; its --smoke version writes beside it (``-smoke``): each claims its own.
+OUTS = {"mnist1d": "runs/reproduce", "cifar10-pws": "runs/cifar10_pws"}
+
+
+def _smoke(outs: dict[str, str]) -> dict[str, str]:
+    return {k: f"{v}-smoke" for k, v in outs.items()}
+
+
+def _claim(args: argparse.Namespace) -> str:
+    """The command line that claims the output directory: the preset and --smoke each have their own."""
+    preset = "" if args.preset == "mnist1d" else f" --preset {args.preset}"
+    return f"{PROG} {NAME}{preset}" + (" --smoke" if args.smoke else "")
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -45,7 +57,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="seconds-long version of the same pipeline (cifar10-pws: one 2-step epoch on 256 images, random "
         "CIFAR-shaped images where --data-dir holds no CIFAR-10); checks the pipeline, proves nothing",
     )
-    p.add_argument("--out", default=None, help="output directory (default runs/reproduce or runs/cifar10_pws)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"output directory (default {', '.join(OUTS.values())}, with --smoke {', '.join(_smoke(OUTS).values())})",
+    )
     p.add_argument("--data-dir", default=None, help="cifar10-pws: the directory holding cifar-10-batches-py")
     p.add_argument("--download", action="store_true", help="cifar10-pws: fetch CIFAR-10 (170 MB) into --data-dir")
     p.add_argument("--device", type=device, default="auto", help="cifar10-pws: cpu, cuda[:N] or auto (default)")
@@ -88,7 +104,7 @@ def _check(args: argparse.Namespace) -> Path:
         check_device(args.device)
         if args.address is not None:
             check_address(args.address)
-    out = check_dir_option(args.out or ("runs/cifar10_pws" if cifar else "runs/reproduce"), "--out")
+    out = check_dir_option(args.out or (_smoke(OUTS) if args.smoke else OUTS)[args.preset], "--out")
     if args.data_dir is not None:
         check_dir_option(args.data_dir, "--data-dir", writable=args.download)
     if cifar and not args.smoke and not args.download and not has_cifar10(args.data_dir):
@@ -101,7 +117,7 @@ def _check(args: argparse.Namespace) -> Path:
 
 
 def _run_mnist1d(args: argparse.Namespace, out: Path) -> int:
-    with out_lock(out, NAME):
+    with out_lock(out, NAME, claim=_claim(args), record="demo.json"):
         for d in (out, out / "data"):
             remove_stale_temps(d)
         demo = run_demo(
@@ -134,7 +150,7 @@ def _cifar_data(args: argparse.Namespace, out: Path) -> str:
 
 
 def _run_cifar10(args: argparse.Namespace, out: Path) -> int:
-    with out_lock(out, NAME):
+    with out_lock(out, NAME, claim=_claim(args)):
         remove_stale_temps(out)
         data_dir = _cifar_data(args, out)
         specs = cifar10_grids(tuple(args.seeds or (300,)), data_dir, smoke=args.smoke, device=args.device)

@@ -22,16 +22,16 @@ from normlab.monitor import VarianceMonitor
 from normlab.monitor.collapse import CollapseTracker
 from normlab.monitor.optim_step import is_adaptive
 from normlab.monitor.probes import ProbeSet
-from normlab_lab.collapse_bench.protocol import WINDOW, configs, run_path
+from normlab_lab.collapse_bench.protocol import configs, criteria, run_path
 from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build
 from normlab_lab.steps import train_steps
 
 __all__ = ["train_run", "collect"]
 
 
-def _monitor(model) -> VarianceMonitor:
-    """A VarianceMonitor that records every step and checks nothing (the rules run offline)."""
-    return VarianceMonitor(model, every=1, rules=[])
+def _monitor(model, opt) -> VarianceMonitor:
+    """A VarianceMonitor on ``opt``'s steps that records every step and checks nothing (the rules run offline)."""
+    return VarianceMonitor(model, every=1, rules=[], optimizer=opt)
 
 
 def _num(v):
@@ -50,9 +50,9 @@ def train_run(cfg: dict, path: Path, steps: int | None = None) -> dict:
     setup = ALL_SETUPS[cfg["setup"]]
     steps = steps or setup["steps"]
     model, opt, lr_at, chance = build(cfg["setup"], cfg["lr"], cfg["seed"])
-    mon, probes = _monitor(model), ProbeSet(model)
+    mon, probes = _monitor(model, opt), ProbeSet(model)
     data = batches(setup["model"], setup["batch"], cfg["seed"] + 1)
-    tracker = CollapseTracker(chance, window=WINDOW)  # stops the run at its collapse (the label needs no more)
+    tracker = CollapseTracker(criteria(chance))  # stops the run at its collapse (the label needs no more)
     start, tmp = time.time(), path.with_suffix(".tmp")
 
     def before(t: int) -> bool:
@@ -65,7 +65,7 @@ def train_run(cfg: dict, path: Path, steps: int | None = None) -> dict:
         grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
         gnorm = float(torch.stack(grads).norm()) if grads else 0.0
         n = len(mon.records)
-        mon.step(opt)
+        opt.step()  # the monitor records it
         pv = probes.stop()
         return dict(
             step=t,

@@ -20,7 +20,7 @@ from normlab.monitor import rules as R
 from normlab.monitor.collapse import label_collapse, window_mean
 from normlab.monitor.rules import StepContext, replay
 from normlab.monitor.rules import transformer as T
-from normlab_lab.collapse_bench.protocol import LEAD, WINDOW, configs, load_run, run_path
+from normlab_lab.collapse_bench.protocol import LEAD, WINDOW, configs, criteria, load_run, run_path
 from normlab_lab.collapse_bench.setups import ALL_SETUPS, SETUPS
 
 __all__ = [
@@ -123,7 +123,7 @@ def adaptive_run(header: dict) -> bool:
 # ---------------------------------------------------------------------------------------------- scoring
 def label(header: dict, steps: Sequence[dict]):
     """The run's collapse label from its losses alone (the library's definition)."""
-    return label_collapse([s["loss"] for s in steps], chance_loss=header["chance_loss"], window=WINDOW)
+    return label_collapse([s["loss"] for s in steps], criteria(header["chance_loss"]))
 
 
 def score(runs: list[dict], alarms: dict[str, list]) -> dict:

@@ -2,7 +2,8 @@
 
 Each run of the protocol (same set-up, learning rate, seed, data order) is trained again with
 :class:`normlab.monitor.CollapseGuard` at its defaults around a :class:`normlab.monitor.VarianceMonitor` at its
-defaults (its default rules; probes when the monitor takes them), with the run's chance loss. The warm-up, if any,
+defaults (its default rules; probes when the monitor takes them), both on the run's optimizer, with the run's chance
+loss in the failure taxonomy's criteria (:func:`~normlab_lab.collapse_bench.protocol.criteria`). The warm-up, if any,
 is a ``LambdaLR`` schedule the guard lowers with the optimizer. Reported per run: the label of the kept trajectory
 (:func:`normlab.monitor.collapse.label_collapse` on the losses of the steps the guard kept), the rescues, and whether
 the guard gave up (:class:`normlab.monitor.RunCollapsed`). A collapsing run is *saved* when its guarded trajectory
@@ -22,7 +23,7 @@ import torch
 from normlab.monitor import CollapseGuard, RunCollapsed, VarianceMonitor
 from normlab.monitor.collapse import label_collapse
 from normlab_lab.collapse_bench.evaluate import label
-from normlab_lab.collapse_bench.protocol import WINDOW, configs, load_run, run_path
+from normlab_lab.collapse_bench.protocol import configs, criteria, load_run, run_path
 from normlab_lab.collapse_bench.setups import ALL_SETUPS, batches, build
 from normlab_lab.steps import train_steps
 
@@ -30,11 +31,11 @@ __all__ = ["guard_run", "guard_all", "guard_table", "runs_to_guard"]
 
 
 def _guarded(model, opt, chance: float, warmup: int):
-    mon = VarianceMonitor(model, probes=True)
+    mon = VarianceMonitor(model, probes=True, optimizer=opt)
     scheds = []
     if warmup:
         scheds = [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))]
-    return mon, scheds, CollapseGuard(model, opt, monitor=mon, schedulers=scheds, chance_loss=chance)
+    return mon, scheds, CollapseGuard(model, opt, mon, schedulers=scheds, criteria=criteria(chance))
 
 
 def guard_run(cfg: dict, steps: int | None = None) -> dict:
@@ -44,29 +45,29 @@ def guard_run(cfg: dict, steps: int | None = None) -> dict:
     model, opt, _lr_at, chance = build(cfg["setup"], cfg["lr"], cfg["seed"])
     mon, scheds, guard = _guarded(model, opt, chance, setup["warmup"])
     data = batches(setup["model"], setup["batch"], cfg["seed"] + 1)
-    losses: dict[int, float] = {}
+    losses: dict[int, torch.Tensor] = {}  # by the guard's step: a rollback's steps are taken again, overwritten
     gave_up, start = False, time.time()
     steps = steps or setup["steps"]
 
     def step(t: int, loss: torch.Tensor) -> bool:
         nonlocal gave_up
-        at = guard.steps
+        losses[guard.steps] = loss.detach()
+        guard.observe_loss(loss)
         try:
-            took = guard.step(loss)
+            opt.step()  # the guard checks (and rolls back) inside
         except RunCollapsed:
             gave_up = True
-            losses[at] = loss.item()
             return False
-        if took and guard.steps == at + 1:
-            losses[at] = loss.item()
+        if not guard.rolled_back:  # after a rollback the schedulers are the snapshot's
             for s in scheds:
                 s.step()
         return True
 
     # a rolled-back step is taken again: at most 3 x steps calls for ``steps`` kept steps
     train_steps(model, opt, data, 3 * steps, step, before=lambda t: guard.steps < steps, after=lambda t, _, go: go)
-    kept = [losses[s] for s in sorted(losses) if s < guard.steps or gave_up]
-    lab = label_collapse(kept, chance_loss=chance, window=WINDOW, finished=not gave_up)
+    kept = [float(losses[s]) for s in range(guard.steps)]  # the trajectory the model is on
+    lab = label_collapse(kept, criteria(chance), finished=not gave_up)
+    guard.close()
     mon.close()
     return dict(**cfg, rescues=len(guard.rescues), gave_up=gave_up, steps=guard.steps, collapsed=lab.collapsed,
                 kind=lab.kind, seconds=round(time.time() - start, 1))  # fmt: skip

@@ -1,5 +1,5 @@
 """The collapse benchmark's protocol, shared by its stages: the runs (set-up x learning rate x seed), their file
-names and records, the seeds it may use and the two definitions every stage reads (:data:`LEAD`, :data:`WINDOW`)."""
+names and records, the seeds it may use and the definitions every stage reads (:data:`LEAD`, :func:`criteria`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,32 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from normlab.monitor.collapse import CollapseCriteria
 from normlab.runner.errors import UsageError
 from normlab_lab.collapse_bench.setups import ALL_SETUPS, SETUPS
 
-__all__ = ["LEAD", "WINDOW", "MIN_SEED", "run_name", "configs", "run_path", "load_run", "parse_seeds", "parse_setups"]
+__all__ = [
+    "LEAD",
+    "WINDOW",
+    "MIN_SEED",
+    "criteria",
+    "run_name",
+    "configs",
+    "run_path",
+    "load_run",
+    "parse_seeds",
+    "parse_setups",
+]
 
 LEAD = 5  # a warning counts when it comes >= LEAD steps before the collapse step
-WINDOW = 10  # steps of the smoothed loss of the collapse label (label_collapse's default)
+WINDOW = CollapseCriteria().window  # steps of the smoothed loss of the collapse label: the taxonomy's default
 MIN_SEED = 100  # seeds 0-99 are reserved for outside checks
+
+
+def criteria(chance_loss: float) -> CollapseCriteria:
+    """The failure taxonomy's criteria of one run (the label, the collection's stop and the guard read them): the
+    library's defaults (a :data:`WINDOW`-step window), with the run's chance loss."""
+    return CollapseCriteria(chance_loss=chance_loss, window=WINDOW)
 
 
 def run_name(cfg: dict) -> str:

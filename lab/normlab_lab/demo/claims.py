@@ -402,7 +402,12 @@ def _monitor_row(demo: dict, evidence: dict) -> dict[str, str]:
 
 
 SECTION_LETTERS = {"lr_sweep": "(a)", "batch_size": "(b)", "collapse": "(c)"}  # a section key as the report says it
-_ENDED = {"non_finite_loss": "a non-finite loss", "returned_to_chance": "a return to chance"}
+# why a run with a collapse step collapsed (its collapse_reason), in words
+_ENDED = {
+    "non_finite_loss": "a non-finite loss",
+    "exploded": "an exploded loss",
+    "returned_to_chance": "a return to chance",
+}
 # the rule behind an alarm's quantity, for records made before summaries named the rule
 _RULE_OF = {"output_var_growth": "countdown", "output_var_level": "countdown", "input_sq": "factor", "shift": "factor"}
 
@@ -451,7 +456,8 @@ def _why_not(demo: dict, diag: dict, collapse: dict, warned: int) -> str:
         n = len(false)
         out.append(
             f"Not met because of {n} false alarm{'' if n == 1 else 's'}: alarms in runs the collapse label "
-            f"(normlab.monitor.collapse) calls healthy (no non-finite loss, no return to chance{ended}): {groups}"
+            f"(normlab.monitor.collapse) calls healthy (no non-finite or exploded loss, no return to chance{ended}): "
+            f"{groups}"
         )
     if warned < ALARM_SEEDS:
         seeds, plain = [], [x for x in collapse["cells"] if x["name"] == "none"]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from normlab.monitor.log import load_log
-from normlab.monitor.plotting import layer_series, log_scale, mark_alarm
+from normlab.monitor.plotting import layer_series, log_scale, mark_alarm, spans_decades
 from normlab.monitor.records import layer_keys
 from normlab.monitor.rules import RegimeRule
 from normlab.runner.io import atomic_savefig
@@ -171,7 +171,8 @@ def _series(records: list[dict], key: str, max_step: int | None) -> tuple[dict[s
 
 
 RISK_STYLE = {"color": "darkorange", "linestyle": "-.", "linewidth": 1.5}  # the regime warning's mark
-FONT = 10  # points: the smallest type of the figure, readable on a slide
+FONT = 12  # points: the body type of the figure (notes one point smaller), readable on a slide (ROW_INCHES tall rows)
+ROW_INCHES = 4.6  # the height of one run's row: a one-run figure is no strip (at 21 inches wide)
 
 
 def layer_colors(records: list[dict]) -> dict[str, Any]:
@@ -189,7 +190,7 @@ def _panel(
     series: tuple[dict, int],
     title: str,
     ylabel: str,
-    log: bool,
+    log: bool | str,
     marks: tuple[dict | None, dict | None],
     key: str | None = None,
     colors: dict | None = None,
@@ -213,8 +214,10 @@ def _panel(
             transform=ax.transAxes,
         )
         return
+    values = [v for _, vals in layers.values() for v in vals]
+    log = log is True or (log == "decades" and spans_decades(values))
     if log:
-        log_scale(ax, [v for _, vals in layers.values() for v in vals])
+        log_scale(ax, values)
     if hidden and key in NOISE_FLOORS:
         _, level, of = NOISE_FLOORS[key]
         ax.text(
@@ -238,17 +241,23 @@ def _panel(
     ax.grid(alpha=0.3)
 
 
+# (record key, title, y label, log: True, or "decades" where the values span a factor of 10 or more)
 _COLUMNS = (
-    ("update_ratio_mean", "Fig. 1(a): Var[W - dW] / Var[W]", "ratio", False),
-    ("mean_update_std", "Fig. 1(b): spread of mean(dW_o) over filters", "std (log)", True),
-    ("shift", "shift of the average: Var_o[n mean(W_o)]", "shift (log)", True),
-    ("output_var", "output variance per layer", "Var[Y] (log)", True),
+    ("update_ratio_mean", "Fig. 1(a): update ratio\nVar[W - dW] / Var[W]", "ratio", "decades"),
+    ("mean_update_std", "Fig. 1(b): spread of\nmean(dW_o) over filters", "std (log)", True),
+    ("shift", "shift of the average\nVar_o[n mean(W_o)]", "shift (log)", True),
+    ("output_var", "output variance\nper layer", "Var[Y] (log)", True),
 )
 layer_keys(*NOISE_FLOORS, "shift_scale_free", "weight_var", *(column[0] for column in _COLUMNS))  # record keys
 
 
 def _share_log_limits(axes, col: int) -> None:
-    """The same y range for a log column in every row, so rows compare at a glance."""
+    """One y scale for a column in every row (log if any row's is: a collapse's decades beside a healthy run) and,
+    when log, the same range, so rows compare at a glance."""
+    if any(ax.get_yscale() == "log" for ax in axes[:, col]):
+        for ax in axes[:, col]:
+            if ax.axison and ax.get_yscale() != "log":
+                ax.set_yscale("log", nonpositive="mask")
     lims = [ax.get_ylim() for ax in axes[:, col] if ax.get_yscale() == "log" and ax.lines]
     if lims:
         lo, hi = min(a for a, _ in lims), max(b for _, b in lims)
@@ -289,7 +298,9 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
 
-    fig, axes = plt.subplots(len(runs), 5, figsize=(21, 3.3 * len(runs) + 0.3), squeeze=False, layout="constrained")
+    fig, axes = plt.subplots(
+        len(runs), 5, figsize=(21, ROW_INCHES * len(runs) + 0.5), squeeze=False, layout="constrained"
+    )
     colors: dict[str, Any] = {}
     drawn = {"alarm": False, "risk": False}
     for row, (label, run_dir) in zip(axes, runs):
@@ -337,6 +348,6 @@ def plot_diagnosis(runs: Sequence[tuple[str, Path]], path: Path, max_step: int |
         "(c) what the monitor saw in runs that collapsed (one run that did not, for reference)", fontsize=FONT + 3
     )
     try:
-        return atomic_savefig(fig, path, dpi=80)
+        return atomic_savefig(fig, path, dpi=100)
     finally:
         plt.close(fig)

@@ -1,4 +1,4 @@
-"""``normlab-lab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about five minutes on 2 cores.
+"""``normlab-lab demo`` (what ``make demo`` runs): the seeds' phenomena on MNIST-1D in about 4.5 minutes on 2 cores.
 
 Four sections, each a grid under ``<out>/<section>/`` (the training runs of all sections share one process pool):
 

@@ -26,7 +26,7 @@ from normlab_lab.demo.claims import (
 )
 from normlab_lab.demo.diagnosis import GUARDED, GUARDED_DEAD, alarm_audit, audited_runs, plot_diagnosis
 from normlab_lab.demo.plots import batch_plot, loss_curves_plot, lr_plot
-from normlab_lab.demo.twins import FIGURES, plot_twins, twin_pairs, twins_markdown
+from normlab_lab.demo.twins import ENDED, FIGURES, plot_twins, twin_pairs, twins_markdown
 from normlab_lab.verdicts import CRITERIA
 
 __all__ = ["render_demo_report", "first_table", "risk_sentence", "alarm_sentence"]
@@ -49,15 +49,12 @@ def _pts(x: float | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------- (a) learning rate
-_KIND_WORDS = {"non_finite_loss": "non-finite", "returned_to_chance": "back to chance", "never_left_chance": "dead"}
-
-
 def _acc_kinds(grp: dict | None) -> str:
     """Accuracy with the kinds of collapse: ``35.5 ± 44.0 % (collapsed 2/3: 1 non-finite, 1 dead)``."""
     text = format_acc(grp)
     kinds = (grp or {}).get("collapse_kinds") or {}
     if kinds:
-        text = text[:-1] + ": " + ", ".join(f"{n} {_KIND_WORDS.get(k, k)}" for k, n in sorted(kinds.items())) + ")"
+        text = text[:-1] + ": " + ", ".join(f"{n} {ENDED.get(k, k)}" for k, n in sorted(kinds.items())) + ")"
     return text
 
 
@@ -141,6 +138,7 @@ def _outcome(d: dict) -> str:
         return "did not collapse"
     return {
         "non_finite_loss": f"non-finite loss at step {d['collapse_step']}",
+        "exploded": f"exploded from step {d['collapse_step']}",
         "returned_to_chance": f"back to chance at step {d['collapse_step']}",
         "never_left_chance": "dead (never learned)",
     }.get(d["collapse_reason"], str(d["collapse_reason"]))

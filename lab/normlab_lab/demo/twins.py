@@ -2,12 +2,13 @@
 with ``guard=True, guard_dead=True`` (section :data:`GUARDED_DEAD`), beside their unguarded runs.
 
 A twin is the same configuration and seed (same width, learning rate, steps, monitor), trained through a
-:class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``): on a non-finite loss or a loss climbing back
-towards its start (dated to a countdown alarm that came within the 10 steps before) it restores the last snapshot
-from before the trouble and halves the learning rate; with ``guard_dead`` (``--guard-dead``) a waiting alarm on a net
-that has not learned is also confirmed once its 10-step mean loss sits at chance 40 steps in. Both runs take the same
-batches; the steps thrown away at a rollback are not taken again, so the guarded twin ends after
-``steps - steps_lost`` kept steps.
+:class:`~normlab.monitor.CollapseGuard` (``normlab train --guard``, at the library's defaults): on a failure of the
+failure taxonomy (:mod:`normlab.monitor.collapse`), or a countdown alarm that such a failure confirms, it restores a
+snapshot from before the trouble and lowers the learning rate; with ``guard_dead`` (``--guard-dead``) the guard knows
+chance (ln 10), and a waiting alarm on a net that has not learned is also confirmed once the net is judged never to
+have learned. :func:`guard_rules` says it in words, from the library's own values. Both runs take the same batches;
+the steps thrown away at a rollback are not taken again, so the guarded twin ends after ``steps - steps_lost`` kept
+steps.
 
 :func:`twin_pairs` pairs the runs from a demo record's diagnoses, :func:`twins_markdown` writes the report's lines,
 :func:`guard_clause` the clause of the claims table's monitor row and :func:`plot_twins` the figure (loss curves of
@@ -22,23 +23,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from normlab.monitor.collapse import CHANCE as AT_CHANCE
-from normlab.monitor.collapse import LEARNED as LEARNED_FRACTION
-from normlab.monitor.collapse import MIN_WINDOWS as DEAD_AFTER
-from normlab.monitor.guard import LOSS_WINDOW
+from normlab.monitor import RescueOptions, SnapshotOptions
+from normlab.monitor.collapse import WINDOW_EXAMPLES, CollapseCriteria
 from normlab.runner.grid.palette import norm_color
 from normlab.runner.io import atomic_savefig
-from normlab.runner.training.train import GUARD_EVERY
 from normlab_lab.demo.diagnosis import GUARDED, GUARDED_DEAD
 
 __all__ = [
     "FLAGS",
     "FIGURES",
+    "ENDED",
     "twin_pairs",
     "ended_healthy",
     "twin_summary",
     "rescue_text",
     "twins_markdown",
+    "guard_rules",
     "guard_clause",
     "step_axis",
     "plot_twins",
@@ -66,8 +66,8 @@ def twin_pairs(demo: dict[str, Any], evidence: dict[str, Any], section: str = GU
 
 
 def ended_healthy(d: dict[str, Any]) -> bool:
-    """A run ended healthy: it did not collapse (not dead, not back to chance, no non-finite loss), has a final
-    accuracy, and its guard (if any) did not give up."""
+    """A run ended healthy: it did not collapse (no failure of the collapse label: finite, not exploded, not back to
+    chance, not dead), has a final accuracy, and its guard (if any) did not give up."""
     return not d["collapsed"] and not d.get("guard_gave_up") and d.get("final_test_acc") is not None
 
 
@@ -94,6 +94,16 @@ def rescue_text(r: dict[str, Any]) -> str:
     )
 
 
+# how a collapsed run ended, in words, by its ``collapse_reason`` (the trainer's: the failure taxonomy's kind, with
+# ``non_finite_loss`` for ``non_finite``)
+ENDED = {
+    "non_finite_loss": "non-finite",
+    "exploded": "exploded",
+    "returned_to_chance": "back to chance",
+    "never_left_chance": "dead",
+}
+
+
 def _acc(d: dict[str, Any]) -> str:
     a = d.get("final_test_acc")
     return "n/a" if a is None else f"{100 * a:.1f} %"
@@ -104,9 +114,31 @@ def _ended(d: dict[str, Any]) -> str:
         return "guard gave up"
     if not d["collapsed"]:
         return "did not collapse"
-    return {"non_finite_loss": "non-finite", "returned_to_chance": "back to chance", "never_left_chance": "dead"}.get(
-        d["collapse_reason"], str(d["collapse_reason"])
+    return ENDED.get(d["collapse_reason"], str(d["collapse_reason"]))
+
+
+def guard_rules(dead: bool = False) -> str:
+    """What the twins' guard does, in words, from the library's values (the guard's options and the failure
+    taxonomy's :meth:`~normlab.monitor.collapse.CollapseCriteria.describe`, as ``normlab train --guard`` says it);
+    ``dead``: the ``--guard-dead`` twins."""
+    snaps, rescue = SnapshotOptions(), RescueOptions()
+    margin = snaps.every if rescue.margin is None else rescue.margin
+    text = (
+        f"A rescue restores the newest snapshot (one every {snaps.every} steps) taken at least {margin} steps before "
+        f"the trouble, or the first one (step 0), and multiplies the learning rate by {rescue.lr_factor:g}; the "
+        "batches of the lost steps are not replayed. Trouble is a non-finite loss or gradient, an "
+        "exploded loss or a return to chance, by normlab.monitor.collapse's failure taxonomy "
+        f"({CollapseCriteria().describe(examples=WINDOW_EXAMPLES)}); a countdown alarm is acted on only when such a "
+        f"failure follows within {rescue.confirm} steps (the rollback then goes back to before the alarm), else it is "
+        "dismissed (lab/docs/monitor_calibration.md, round 3)."
     )
+    if dead:
+        text += (
+            " With --guard-dead a waiting alarm on a net that has not learned keeps waiting, and is confirmed once the "
+            "net is judged never to have learned; the guard knows chance (ln 10) instead of estimating it by the "
+            "first loss (lab/docs/monitor_calibration.md, rounds 4 and 5)."
+        )
+    return text
 
 
 def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bool = False) -> list[str]:
@@ -133,22 +165,9 @@ def twins_markdown(pairs: Sequence[dict[str, Any]], figure: str | None, dead: bo
     lines += [
         "",
         f"Of the {s['collapsing']} unguarded run{'' if s['collapsing'] == 1 else 's'} that collapsed, **{s['saved']} "
-        f"ended healthy with the guard** (not dead, not back to chance, finite); of the {s['healthy']} that did not "
-        f"collapse, the guard rescued {s['changed']} anyway (a rescue on a healthy run changes it: it counts against "
-        f"the guard). A rescue restores the newest snapshot (one every {GUARD_EVERY} steps) taken at least "
-        f"{GUARD_EVERY} steps before the trouble, or the first one (step 0), and lowers the learning rate; the batches "
-        "of the lost steps are not replayed. Trouble is a non-finite loss or gradient, or a loss climbing back "
-        "towards its start; a countdown alarm is acted on only when such trouble follows within 10 steps (the "
-        "rollback then goes back to before the alarm), else it is dismissed "
-        "(lab/docs/monitor_calibration.md, round 3)."
-        + (
-            f" With --guard-dead a waiting alarm on a net that has not learned (its best {LOSS_WINDOW}-step mean loss"
-            f" never below {LEARNED_FRACTION:g} ln 10) keeps waiting, and is confirmed once the net has seen"
-            f" {DEAD_AFTER * LOSS_WINDOW} steps and its {LOSS_WINDOW}-step mean is at {AT_CHANCE:g} ln 10 or above;"
-            " the loss climb is measured towards ln 10 (lab/docs/monitor_calibration.md, rounds 4 and 5)."
-            if dead
-            else ""
-        ),
+        f"ended healthy with the guard** (finite, not exploded, not back to chance, not dead); of the {s['healthy']} "
+        f"that did not collapse, the guard rescued {s['changed']} anyway (a rescue on a healthy run changes it: it "
+        f"counts against the guard). {guard_rules(dead)}",
     ]
     if figure:
         lines += ["", f"![]({figure})"]
@@ -301,8 +320,8 @@ def plot_twins(pairs: Sequence[dict[str, Any]], out: Path, path: Path, section: 
     handles = [Line2D([], [], **UNGUARDED), Line2D([], [], color=norm_color(pairs[0]["name"]), **GUARDED_LINE)]
     labels = ["unguarded run", f"the same run with {FLAGS[section]}"]
     if any(rescued):
-        trouble = "non-finite loss/gradient\nor loss climb" + (
-            ",\nor no learning\nsince the alarm" if section == GUARDED_DEAD else ""
+        trouble = "non-finite, exploded\nor back to chance" + (
+            ",\nor never learned\nsince the alarm" if section == GUARDED_DEAD else ""
         )
         handles += [Line2D([], [], color="r", linestyle=":"), Line2D([], [], color="tab:green", linestyle="--")]
         labels += [f"guard saw trouble\n({trouble})", "rolled back to this step,\nlearning rate lowered"]

@@ -50,6 +50,8 @@ class Event:
         quantity: the record key or scalar that fired, if any.
         value: its value at ``step``, if any.
         details: anything else the rule wants to keep (JSON-serialisable).
+        rolled_back: the event was raised on steps a :class:`~normlab.monitor.CollapseGuard` rolled back (it is then
+            only in the monitor's ``history``, not in its ``events``).
 
     Example:
         >>> e = Event("countdown", "alarm", 12, "layer 'c1' output variance growing", layer="c1", value=3.0)
@@ -65,6 +67,7 @@ class Event:
     quantity: str | None = None
     value: float | None = None
     details: Mapping[str, Any] = field(default_factory=dict)
+    rolled_back: bool = False
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -78,8 +81,9 @@ class Event:
         return self.severity == "alarm"
 
     def to_dict(self) -> dict:
-        """The event as plain types (the log's ``{"event": "rule", ...}`` entry without ``event``)."""
-        return {
+        """The event as plain types (the log's ``{"event": "rule", ...}`` entry without ``event``; ``rolled_back``
+        only when True)."""
+        out = {
             "rule": self.rule,
             "severity": self.severity,
             "step": int(self.step),
@@ -89,6 +93,7 @@ class Event:
             "value": None if self.value is None else float(self.value),
             "details": _plain(dict(self.details)),
         }
+        return {**out, "rolled_back": True} if self.rolled_back else out
 
     @classmethod
     def from_dict(cls, d: Mapping) -> Event:
@@ -103,11 +108,13 @@ class Event:
             quantity=d.get("quantity"),
             value=None if value is None else float(value),
             details=dict(d.get("details") or {}),
+            rolled_back=bool(d.get("rolled_back", False)),
         )
 
     def __str__(self) -> str:
         what = "collapse warning" if self.severity == "alarm" else "warning"
-        return f"{what} at step {self.step}: {self.message} [{self.rule}]"
+        gone = " (rolled back)" if self.rolled_back else ""
+        return f"{what} at step {self.step}: {self.message} [{self.rule}]{gone}"
 
 
 @dataclass
@@ -116,7 +123,7 @@ class StepContext:
 
     Attributes:
         step: the optimizer step (the monitor's ``current_step``; step 0 is the first).
-        loss: the training loss of the step, if the loop passed it (``mon.step(opt, loss=loss)``).
+        loss: the training loss of the step, if the loop passed it (``mon.observe_loss(loss)`` before ``opt.step()``).
         grad_norm: the global gradient norm before the step, if measured (a rule with ``needs_grad_norm``).
         lrs: the learning rate of each parameter group at this step (a tuple of floats).
         skipped: the optimizer step was skipped (a GradScaler found inf/nan gradients).

@@ -1,7 +1,7 @@
 """The detectors practitioners use today, as rules: a loss spike, a gradient-norm z-score, a non-finite check.
 
 They read scalars of the step (``ctx.loss``, ``ctx.grad_norm``, ``ctx.skipped``), so they are checked on every step
-and need the loss passed to the monitor: ``mon.step(optimizer, loss=loss)``.
+and need the loss passed to the monitor: ``mon.observe_loss(loss)`` before ``optimizer.step()``.
 """
 
 from __future__ import annotations

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 import torch
 
 from normlab.monitor import VarianceMonitor
-from normlab.monitor.optim_step import optimizer_step
 from normlab.monitor.options import RecordSchedule
 from normlab.runner.data.datasets import DATASET_SIZES
 from normlab.runner.data.mnist1d import DEFAULT_SAMPLES, TRAIN_SPLIT
@@ -125,14 +124,16 @@ def _sgd_step(cfg: TrainConfig, monitored: bool):
     it)."""
     model, x, y, dev = _model_and_batch(cfg, cfg.batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)  # as the trainer
-    monitor = VarianceMonitor(model, every=1) if monitored else None
+    monitor = VarianceMonitor(model, every=1, optimizer=opt) if monitored else None
     loss_fn = make_task(cfg.loss, cfg.metric).loss_fn
 
     def step() -> None:
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
-        optimizer_step(opt, monitor, None, loss=loss.detach() if monitored else None)
+        if monitor is not None:
+            monitor.observe_loss(loss)
+        opt.step()
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 

@@ -87,6 +87,8 @@ class Experiment:
         cost: a cell's relative cost: the most expensive start first.
         describe: the progress bar's text for a finished cell's summary.
         noun, label: what the log calls a cell, and how its lines begin.
+        command: the command line that runs it, which claims its output directory
+            (:func:`~normlab.runner.lock.out_lock`; default ``normlab <name>``).
     """
 
     name: str
@@ -101,6 +103,11 @@ class Experiment:
     describe: Callable[[dict[str, Any]], str]
     noun: str = "runs"
     label: str = "normlab"
+    command: str | None = None
+
+    def claim(self) -> str:
+        """The command line that claims the experiment's output directories."""
+        return self.command or f"normlab {self.name}"
 
 
 def _cell_done(cell_dir: Path, cell) -> dict[str, Any] | None:
@@ -374,6 +381,7 @@ def run_experiment(
     announce: Callable[[GridRun], None] | None = None,
     extras: Callable[[GridRun, dict[str, Any]], dict[str, Any]] | None = None,
     option: str = "out_dir",
+    command: str | None = None,
     **run: Any,
 ) -> dict[str, Any]:
     """Run (or resume) every cell of ``spec`` under ``out_dir/runs``; write results.json and the report.
@@ -382,13 +390,15 @@ def run_experiment(
     ``summary.json`` are not rerun; a grid already in ``out_dir`` is extended (see the module docstring).
     ``announce(grid)`` is called on the planned grid before anything is written (it may refuse with a
     :class:`~normlab.runner.errors.UsageError`); ``extras(grid, ran)`` returns further ``collect`` arguments from
-    what :func:`run_cells` returned; ``option`` names ``out_dir`` in messages; ``run``: the arguments of
-    :func:`run_cells`. Returns the results dict.
+    what :func:`run_cells` returned; ``option`` names ``out_dir`` in messages; ``command`` claims ``out_dir``
+    (default ``experiment.claim()``: a directory of another command, or with files of the user's, is refused);
+    ``run``: the arguments of :func:`run_cells`. Returns the results dict.
 
     Raises:
         CellsFailed: some cells raised; the report of the others is written first.
     """
-    with out_lock(out_dir, experiment.name, option=option):
+    claim = command or experiment.claim()
+    with out_lock(out_dir, experiment.name, option=option, claim=claim, record=experiment.spec_file):
         grid = plan_grid(experiment, spec, out_dir)
         if announce is not None:
             announce(grid)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from normlab.monitor import CollapseCriteria
+from normlab.monitor.plotting import spans_decades
 from normlab.runner.grid.palette import norm_color, norm_order
 from normlab.runner.grid.results import chance_accuracy, metric_name
 from normlab.runner.io import atomic_savefig
@@ -45,7 +47,9 @@ __all__ = [
 FONT = 10
 #: The type of a figure's title in points.
 TITLE = 12
-DIVERGED = 9.0  # a run whose smoothed loss passes 9 x its reference (chance, else where the runs started) diverged
+#: The loss axis ends at this many times the reference (chance, else where the runs started): the failure taxonomy's
+#: explosion (:class:`~normlab.monitor.CollapseCriteria`); a run above it is marked as exploded.
+EXPLODED = CollapseCriteria().exploded
 
 
 def agg_pyplot():
@@ -64,12 +68,6 @@ def seed_range_bar(mean: float, values: Sequence[float]) -> tuple[float, float]:
     if not values:
         return 0.0, 0.0
     return max(0.0, mean - min(values)), max(0.0, max(values) - mean)
-
-
-def spans_decades(values: Sequence[float]) -> bool:
-    """The positive ``values`` span a factor of 10 or more (a log axis shows them best); False if any is <= 0."""
-    vals = [v for v in values if v is not None and math.isfinite(v)]
-    return bool(vals) and min(vals) > 0 and max(vals) >= 10 * min(vals)
 
 
 def style_figure(fig) -> None:
@@ -289,7 +287,7 @@ def _loss_legend(lrs: list[float], drawn: set[str], top: float, chance: float | 
         Line2D([], [], color="0.3", linewidth=0.7, alpha=0.5, label="one seed"),
     ]
     if "^" in drawn:
-        label = f"loss above {top:.3g}: diverged"
+        label = f"loss above {top:.3g}: exploded"
         handles.append(Line2D([], [], color="0.5", marker="^", markeredgecolor="k", linestyle="", label=label))
     if "X" in drawn:
         handles.append(Line2D([], [], color="0.5", marker="X", markeredgecolor="k", linestyle="", label="non-finite"))
@@ -301,14 +299,14 @@ def _loss_legend(lrs: list[float], drawn: set[str], top: float, chance: float | 
 def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
     """The smoothed training loss per step at the base batch size: one panel per norm in the norm's colour, the
     learning rate by shade and line style (light and solid: the lowest), each seed a faint line around the bold
-    mean; a log loss axis (shared) unless a loss is <= 0; a run that diverged or went non-finite is marked."""
+    mean; a log loss axis (shared) unless a loss is <= 0; a run that exploded or went non-finite is marked."""
     traces = _traces(results, grid_dir)
     if not traces:
         return None
     names = norm_order(results["spec"]["norms"])
     lrs = sorted({lr for _, lr in traces})
     chance, ref = _loss_reference(results, traces)
-    top = DIVERGED * ref
+    top = EXPLODED * ref
     values = [v for curves in traces.values() for c in curves for v in c if math.isfinite(v)]
     log = bool(values) and min(values) > 0
     cols = min(3, len(names))

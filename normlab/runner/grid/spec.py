@@ -6,7 +6,9 @@ each with its validated :class:`~normlab.runner.training.config.TrainConfig`, on
 :class:`DictSpec` is the base of every experiment's spec (its JSON record, the lists a later run may extend).
 
 ``dataset`` and ``model`` are names of :func:`normlab.runner.factories.resolve` (a built-in name, ``timm:NAME``,
-``pkg.module:function``); every default of a field a cell's config shares is :class:`TrainConfig`'s.
+``pkg.module:function``); every default of a field a cell's config shares is :class:`TrainConfig`'s. They are
+resolved (their modules imported) before the comparison names are checked, so a norm that the model's or the
+data's module registers (:func:`normlab.nn.register_norm`) is a name the grid takes.
 
 Comparison names are resolved by :func:`normlab.nn.resolve_comparison` (``bn``, ``pws``, ``ws+gn``, ...) and may
 carry constructor arguments of their conv layers after colons: ``pws:gamma=1e-2``,
@@ -26,6 +28,7 @@ from typing import Any, ClassVar
 
 from normlab.nn import conv_entry
 from normlab.runner.errors import FieldError
+from normlab.runner.factories import resolve
 from normlab.runner.io import from_fields, to_jsonable
 from normlab.runner.training.config import RESUME_FREE, TrainConfig, resolve_name
 
@@ -144,6 +147,7 @@ class GridSpec(DictSpec):
         self.lrs = unique("GridSpec", "lrs", (float(x) for x in self.lrs))
         self.batch_sizes = unique("GridSpec", "batch_sizes", (int(x) for x in self.batch_sizes))
         self.seeds = unique("GridSpec", "seeds", (int(x) for x in self.seeds))
+        self._import_factories()
         self._variants = {n: parse_variant(n) for n in self.norms}  # each name parsed once, here
         self._check_values()
         self.base_lr = float(self.lrs[0] if self.base_lr is None else self.base_lr)
@@ -152,6 +156,15 @@ class GridSpec(DictSpec):
 
     def _bad(self, name: str, problem: str, refs: tuple[str, ...] = ()) -> None:
         raise FieldError("GridSpec", name, problem, refs)
+
+    def _import_factories(self) -> None:
+        """Resolve the data, model, loss and metric names (importing a ``pkg.module:function``'s module) before
+        the norms are parsed: the module may register a norm the grid names."""
+        resolve("data", self.dataset, owner="GridSpec", field="dataset")
+        resolve("model", self.model, owner="GridSpec", field="model")
+        for kind in ("loss", "metric"):
+            if isinstance(self.train_kwargs.get(kind), str):
+                resolve(kind, self.train_kwargs[kind], owner="GridSpec", field=kind)
 
     def _check_values(self) -> None:
         if any(not (lr > 0 and math.isfinite(lr)) for lr in self.lrs):

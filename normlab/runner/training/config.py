@@ -115,13 +115,14 @@ class TrainConfig:
     - *monitoring*: ``monitor_every`` (> 0 attaches a :class:`normlab.monitor.VarianceMonitor` recording every N
       steps, and every ``monitor_dense_every`` steps during the first ``monitor_dense_steps``); ``stop_on``, what
       stops a run before its last epoch (:data:`STOP_ON`): ``"non_finite"`` (a non-finite loss; always),
-      ``"confirmed"`` (also a monitor alarm confirmed by a collapse of the loss: a return to chance or to the loss
-      it started from), ``"alarm"`` (also the monitor's alarm alone); ``guard`` (a
-      :class:`normlab.monitor.CollapseGuard` takes the optimizer steps: on a non-finite loss or gradient, or the
-      monitor's alarm, the run goes back to a snapshot from before the trouble with half the learning rate; one
-      process only); ``guard_dead`` (the guard also measures against chance, ``CollapseGuard(chance_loss=ln C)``,
-      so an alarm on a network that never learned is confirmed once the net has sat at chance for 40 steps; it
-      rolls back slow learners too).
+      ``"confirmed"`` (also a monitor alarm confirmed by a failure of :mod:`normlab.monitor.collapse` in the
+      training losses: an explosion, a return to chance), ``"alarm"`` (also the monitor's alarm alone); ``guard`` (a
+      :class:`normlab.monitor.CollapseGuard` at the library's defaults watches the optimizer's steps: on a failure
+      of :mod:`normlab.monitor.collapse` in the training losses, a non-finite gradient, or the monitor's alarm once
+      a failure confirms it, the run goes back to a snapshot from before the trouble with a lower learning rate;
+      under DDP every rank rolls back together); ``guard_dead`` (with ``guard``: the guard knows chance, the task's
+      chance loss, instead of estimating it by the first loss, so a monitor alarm on a network that never learned
+      is confirmed once the net is judged never to have learned; it rolls back slow learners too).
     """
 
     # -- data

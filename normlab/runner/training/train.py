@@ -26,15 +26,17 @@ Mixed precision (``amp``): the forward pass and the loss run under ``torch.autoc
 on CUDA with a ``GradScaler`` (its state is checkpointed); normlab's layers keep float32 statistics and running
 buffers under autocast; evaluation runs in float32.
 
-Collapse (:mod:`normlab.monitor.collapse`): a non-finite loss stops the run and the checkpoint keeps the last
-good weights; a return of the loss to chance level (to the loss it started from, without a chance level) is
-recorded and training goes on, unless ``stop_on="confirmed"`` and the monitor has raised its alarm: then the alarm is
+Collapse (:mod:`normlab.monitor.collapse`, over about 1,024 examples against the task's chance loss): a non-finite
+loss stops the run and the checkpoint keeps the last good weights; an exploded loss or a return to chance is recorded
+and training goes on, unless ``stop_on="confirmed"`` and the monitor has raised its alarm: then the alarm is
 confirmed and the run stops there (``stopped_early``); with ``stop_on="alarm"`` the alarm alone stops it. A net that
-never left chance is judged at the end.
+never left chance is judged at the end. With ``guard`` a :class:`~normlab.monitor.CollapseGuard` at the library's
+defaults watches the optimizer's steps (checking every step: the loop reads its loss anyway) and rolls failures back.
 
 DDP: under ``torchrun`` (``WORLD_SIZE > 1``) the loop joins a gloo (CPU) / nccl (CUDA) process group, shards each
 epoch with ``DistributedSampler`` (``batch_size`` is per process), wraps the model in
-``DistributedDataParallel`` and averages the train metrics over ranks.
+``DistributedDataParallel`` and averages the train metrics over ranks; the guard's rollbacks happen on every rank
+at the same step.
 """
 
 from __future__ import annotations
@@ -52,16 +54,19 @@ import torch
 import torch.distributed as dist
 
 from normlab.monitor import (
+    CollapseCriteria,
     CollapseGuard,
     Event,
+    Failure,
     RecordSchedule,
+    RescueOptions,
     RunCollapsed,
     VarianceMonitor,
     load_log,
+    scaler_step,
     write_monitor_log,
 )
-from normlab.monitor.collapse import CollapseTracker, loss_window
-from normlab.monitor.optim_step import optimizer_step
+from normlab.monitor.collapse import CollapseTracker
 from normlab.nn import param_groups
 from normlab.runner.errors import RunError, UsageError
 from normlab.runner.io import (
@@ -81,17 +86,12 @@ __all__ = [
     "Trainer",
     "TrainState",
     "CHECKPOINT_FORMAT",
-    "GUARD_EVERY",
     "read_checkpoint",
     "seed_everything",
     "eval_marks",
 ]
 
 CHECKPOINT_FORMAT = 1
-#: ``guard=True``: the guard's snapshot interval in optimizer steps (a rollback lands at least this far before
-#: the trouble).
-GUARD_EVERY = 20
-GUARD_MAX_RESCUES = 3
 
 
 @dataclass
@@ -242,11 +242,6 @@ class Trainer:
         self.board = None
         self.scaler = None
         self.guard: CollapseGuard | None = None
-        if config.guard and self.world > 1:
-            raise UsageError(
-                "train: guard: the CollapseGuard runs in one process only (its rollbacks are not "
-                "synchronised across DDP ranks); drop --guard/--guard-dead or train in one process"
-            )
 
     # -- paths ---------------------------------------------------------------------------------------------
     @property
@@ -336,7 +331,11 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.MultiStepLR(self.optimizer, list(cfg.milestones), cfg.lr_gamma)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.state.num_classes = inputs.info["num_classes"]
-        self.tracker = CollapseTracker(self.task.chance_loss(self.state.num_classes), loss_window(cfg.batch_size))
+        # the failure taxonomy over about 1,024 examples, against the task's chance loss (ln C for cross-entropy over
+        # C classes; estimated from the first loss otherwise): the run's label; the guard reads it too
+        chance = self.task.chance_loss(self.state.num_classes)
+        self.criteria = CollapseCriteria.over_examples(cfg.batch_size, chance_loss=chance)
+        self.tracker = CollapseTracker(self.criteria)
         if cfg.amp and self.device.type == "cuda":
             self.scaler = torch.amp.GradScaler("cuda")
         if self.tensorboard is not None and self.is_main:
@@ -346,7 +345,7 @@ class Trainer:
             self.board = MonitorBoard(self.tensorboard, purge_step=ck["state"]["steps_total"] if ck else None)
         if cfg.monitor_every > 0:
             schedule = RecordSchedule(cfg.monitor_every, cfg.monitor_dense_steps, cfg.monitor_dense_every)
-            self.monitor = VarianceMonitor(self.raw_model, every=schedule)
+            self.monitor = VarianceMonitor(self.raw_model, every=schedule, optimizer=self.optimizer)
             if self.board is not None:  # the run's board: the monitor's records and events beside the run's scalars
                 self.monitor.add_sink(MonitorBoard(self.board.writer))
 
@@ -444,40 +443,51 @@ class Trainer:
         if not math.isfinite(value):
             return None, None
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self._scaled_step(loss, value)
-        elif self.monitor is not None:
-            loss.backward()
-            self.monitor.step(self.optimizer, loss=value)
-        else:
+        if self.monitor is not None:
+            self.monitor.observe_loss(value)  # the value read above: no second host read
+        self._backward_and_step(loss)
+        return out, value
+
+    def _backward_and_step(self, loss: torch.Tensor) -> None:
+        """Backward and the optimizer step, through the GradScaler (float16 on CUDA) when there is one; the monitor
+        and the guard attached to the optimizer see the step."""
+        if self.scaler is None:
             loss.backward()
             self.optimizer.step()
-        return out, value
+        else:
+            self.scaler.scale(loss).backward()
+            scaler_step(self.scaler, self.optimizer)
 
     # -- the guard (--guard) -------------------------------------------------------------------------------
     def _make_guard(self) -> None:
-        """A CollapseGuard over the model, optimizer, monitor and scaler, counting the run's optimizer steps; with
-        ``guard_dead`` it measures against chance (ln of the number of classes)."""
+        """A CollapseGuard over the model, optimizer, monitor and scaler at the library's defaults, counting the
+        run's optimizer steps and checking every step (the loop reads its loss every step anyway); the failure
+        taxonomy's window is the run's; with ``guard_dead`` it knows chance (ln of the number of classes), else it
+        estimates it by the first loss. Under DDP every rank has one and they roll back together."""
         if not self.config.guard:
             return
+        chance = self.criteria.chance_loss if self.config.guard_dead else None
         self.guard = CollapseGuard(
             self.raw_model,
             self.optimizer,
             self.monitor,
-            every=GUARD_EVERY,
-            max_rescues=GUARD_MAX_RESCUES,
+            rescue=RescueOptions(check_every=1),
+            criteria=dataclasses.replace(self.criteria, chance_loss=chance),
             scaler=self.scaler,
-            chance_loss=self.tracker.chance_loss if self.config.guard_dead else None,
         )
         saved = self.state.guard or {"rescues": self.state.rescues}
         self.guard.load_state_dict({**saved, "steps": self.state.steps_total})
 
     def _guarded_step(self, out, loss: torch.Tensor, value: float):
-        """The step through the guard: (outputs, loss) when it was taken, (None, "rescued") after a rollback."""
+        """The step through the guard: (outputs, loss) when it was kept, (None, "rescued") after a rollback. A
+        non-finite loss takes no backward: the step changes nothing, and the guard, seeing the loss, rolls back."""
         self.optimizer.zero_grad(set_to_none=True)
+        self.guard.observe_loss(value)  # the value read above: no second host read
         if math.isfinite(value):
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-        if self.guard.step(value):  # the loss value read above (no second host synchronisation)
+            self._backward_and_step(loss)
+        else:
+            self.optimizer.step()
+        if not self.guard.rolled_back:
             return out, value
         self._after_rescue()
         return None, "rescued"
@@ -490,14 +500,9 @@ class Trainer:
         st.steps_total = self.guard.steps
         st.rescues = [r.to_dict() for r in self.guard.rescues]
         self.losses = _first_steps(self.losses, st.steps_total)
-        self.tracker = CollapseTracker(self.tracker.chance_loss, self.tracker.window)
+        self.tracker = CollapseTracker(self.criteria)
         for v in self.losses:  # the collapse tracker is a function of the (rolled back) loss trace
             self.tracker.update(v)
-
-    def _scaled_step(self, loss: torch.Tensor, value: float) -> None:
-        """Backward and optimizer step through the GradScaler (float16 on CUDA); the monitor records around it."""
-        self.scaler.scale(loss).backward()
-        optimizer_step(self.optimizer, self.monitor, self.scaler, loss=value)
 
     def _alarm_stops(self) -> dict | None:
         """The alarm that stops training now (``stop_on="alarm"``), the same decision on every rank."""
@@ -537,11 +542,11 @@ class Trainer:
         except RunCollapsed as e:  # --guard gave up: a collapse the rescues did not save; the run stops here
             self.state.guard_gave_up = str(e)
             if e.kind == "non_finite":
-                win.collapse = self.tracker.kind = "non_finite"
-                self.tracker.step = self.state.steps_total
+                win.collapse = "non_finite"
+                self.tracker.failure = Failure("non_finite", self.state.steps_total)
             elif self.monitor is not None and self.monitor.alarm is not None:
                 win.alarm = _alarm_dict(self.monitor.alarm)
-            else:  # a loss climb: recorded as the guard's, the run stops
+            else:  # another failure: recorded as the guard's, the run stops
                 win.collapse = "guard_gave_up"
             return
         if value == "rescued":
@@ -550,7 +555,7 @@ class Trainer:
         self.losses.append(value)
         if self.board is not None:
             self.board.write_scalars({"step_loss": value}, self.state.steps_total)
-        if self.tracker.update(value) == "non_finite":
+        if self.tracker.update(value) is not None and self.tracker.kind == "non_finite":
             win.collapse = "non_finite"
         if out is None:
             return
@@ -649,7 +654,7 @@ class Trainer:
         """--guard: a non-finite test loss is trouble the guard did not see in the training losses (a model that
         overflows on other inputs); True when it rolled the run back, False when it gave up."""
         try:
-            self.guard.rescue(f"non-finite test loss after epoch {epoch + 1}")
+            self.guard.report(f"non-finite test loss after epoch {epoch + 1}")
         except RunCollapsed as e:
             self.state.guard_gave_up = str(e)
             return False
@@ -665,7 +670,7 @@ class Trainer:
         """
         st, tracker = self.state, self.tracker
         if tracker.kind is None and entry["test_loss"] is None and not entry.get("rescued"):
-            tracker.kind, tracker.step = "non_finite", st.steps_total
+            tracker.failure = Failure("non_finite", st.steps_total)
         if tracker.kind is None and last_epoch:
             tracker.finish()
         if tracker.kind is not None and st.collapse_reason is None:
@@ -722,7 +727,7 @@ class Trainer:
     def _write_metrics(self) -> None:
         atomic_write_text(self.metrics_path, "".join(json_line(h) + "\n" for h in self.history))
         atomic_write_json(
-            self.out / "loss_trace.json", {"window": self.tracker.window, "losses": self.losses}, indent=None
+            self.out / "loss_trace.json", {"window": self.criteria.window, "losses": self.losses}, indent=None
         )
 
     def _write_summary(self) -> dict:
