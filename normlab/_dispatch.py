@@ -166,10 +166,10 @@ _LIBRARY.define("kept_copy(Tensor[] values) -> Tensor[]")
 
 
 def _kept_copy(values: list[Tensor]) -> list[Tensor]:
-    """Clones of ``values`` whose graph nodes are marked ``MUST_SAVE`` (the partitioner saves them, never recomputes
-    them): an op that decomposes while AOTAutograd traces (CompositeImplicitAutograd), so this runs then. Inside an
-    activation-checkpointed region the clones are traced past the region's selective-checkpoint modes, which would
-    mark them for recomputation."""
+    """Copies of ``values`` (:func:`_copy`) whose graph nodes are marked ``MUST_SAVE`` (the partitioner saves them,
+    never recomputes them): an op that decomposes while AOTAutograd traces (CompositeImplicitAutograd), so this runs
+    then. Inside an activation-checkpointed region the copies are traced past the region's selective-checkpoint
+    modes, which would mark them for recomputation."""
     import torch.fx.traceback as fx_traceback
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -178,7 +178,7 @@ def _kept_copy(values: list[Tensor]) -> list[Tensor]:
         before = meta.get("recompute", _MISSING)
         meta["recompute"] = CheckpointPolicy.MUST_SAVE
         try:
-            return [v.clone() for v in values]
+            return [_copy(v) for v in values]
         finally:
             if before is _MISSING:
                 meta.pop("recompute", None)
@@ -203,6 +203,15 @@ def outside_selective_checkpoint():
 
 
 _MISSING = object()
+
+
+def _copy(v: Tensor) -> Tensor:
+    """A copy of ``v`` that survives inductor's joint-graph passes: they drop ``clone`` (a no-op to them) and with it
+    the ``MUST_SAVE`` mark, and the backward then read the buffer after its update. ``v * 1`` is exact for every
+    floating-point value (signed zeros, infinities and NaN included) and is not one of their no-ops."""
+    return v.mul(1) if v.is_floating_point() else v.clone()
+
+
 _LIBRARY.impl("kept_copy", _kept_copy, "CompositeImplicitAutograd")
 
 

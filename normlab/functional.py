@@ -143,8 +143,11 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
 
     Uses the statistics kernel behind BatchNorm (one fused pass, any memory format), which is several times faster
     on CPU than a generic reduction; under torch.compile, torch.jit.trace and torch.func transforms (that kernel has
-    no fake-tensor implementation nor batching rule) the two-pass :func:`moments`, which the compiler fuses. Half
-    inputs are reduced in float32; results are float32 (or float64) (C,).
+    no fake-tensor implementation nor batching rule) ``torch.var_mean`` over the same dims with ``keepdim=True``: the
+    exact call of BatchNorm's decomposition, so that when the step then calls ``torch.batch_norm`` on the same input
+    the compiler computes the statistics once (the common-subexpression pass merges the two nodes; a different
+    expression of the same statistics would cost one more pass over the input). Half inputs are reduced in float32;
+    results are float32 (or float64) (C,).
 
     Args:
         x: the input (N, C, *).
@@ -161,7 +164,8 @@ def batch_moments(x: Tensor) -> tuple[Tensor, Tensor]:
         xs = stats_dtype(x.detach())
         if plain_eager(x):
             return torch.batch_norm_update_stats(xs, None, None, 0.0)
-        return moments(xs, (0,) + tuple(range(2, x.dim())))
+        var, mean = torch.var_mean(xs, [0] + list(range(2, x.dim())), correction=0, keepdim=True)
+        return mean.flatten(), var.flatten()
 
 
 def renorm_correction(

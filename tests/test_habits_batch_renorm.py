@@ -267,6 +267,7 @@ def _compile_step(m, x, g, backend):
         (BatchRenorm1d, (4, C), "aot_eager"),
         (BatchRenorm2d, (4, C, 5, 5), "aot_eager"),
         (BatchRenorm3d, (2, C, 2, 3, 3), "aot_eager"),
+        (BatchRenorm1d, (4, C), "inductor"),
         (BatchRenorm2d, (4, C, 5, 5), "inductor"),
     ],
 )
@@ -292,6 +293,64 @@ def test_compiled_training_matches_eager(cls, shape, backend):
         torch.testing.assert_close(m.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(m.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-6)
         assert int(m.num_batches_tracked) == 2
+
+
+def test_values_kept_for_backward_survive_inductor():
+    """The values a compiled step keeps for its backward (``kept_for_backward``: the prior statistics, the schedule's
+    limits) are the forward's also under inductor, whose joint-graph passes drop a ``clone`` as a no-op (and with it
+    the mark that makes the partitioner save it): the backward would read the buffer after its in-place update.
+    Here d/dx of ``x * exp(prior)`` must be ``exp(0) = 1``, not ``exp(1)`` (the buffer after the update)."""
+    from normlab._dispatch import kept_for_backward
+
+    def step(x, buf):
+        (prior,) = kept_for_backward((buf,))
+        y = x * prior.exp()  # cheap to recompute from buf: the partitioner would, unless the copy is saved
+        with torch.no_grad():
+            buf.copy_(buf + 1.0)
+        return y
+
+    torch._dynamo.reset()
+    buf, x = torch.zeros(4), torch.ones(4, requires_grad=True)
+    # no on-disk cache: its key is Dynamo's graph, where the copy is one opaque op whatever it decomposes to
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(step, backend="inductor", fullgraph=True)(x, buf).sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(4))
+    torch.testing.assert_close(buf, torch.ones(4))
+
+
+def _reductions_over_input(module, x) -> list[str]:
+    """The reductions over the whole input in the forward graph inductor compiles for a training step of ``module``
+    (its post-grad graph, after the common-subexpression pass): one per pass that takes statistics of the input."""
+    graphs = []
+
+    def capture(graph):
+        nodes = [n for n in graph.nodes if n.op == "call_function" and n.args and isinstance(n.args[0], torch.fx.Node)]
+        vals = [(str(n.target), n.args[0].meta.get("val")) for n in nodes]
+        graphs.append([t for t, v in vals if isinstance(v, torch.Tensor) and v.shape == x.shape])
+
+    torch._dynamo.reset()
+    patch = torch._inductor.config.patch(post_grad_custom_pre_pass=capture, fx_graph_cache=False)
+    with patch, torch._functorch.config.patch(enable_autograd_cache=False):
+        torch.compile(module, fullgraph=True)(x.clone().requires_grad_()).sum().backward()
+    return sorted(t for t in graphs[0] if any(k in t for k in ("var_mean", "sum", "mean")))
+
+
+@pytest.mark.parametrize(
+    "cls,ref,shape,fmt",
+    [
+        (BatchRenorm1d, nn.BatchNorm1d, (6, C), None),
+        (BatchRenorm2d, nn.BatchNorm2d, (3, C, 4, 5), torch.channels_last),
+        (BatchRenorm3d, nn.BatchNorm3d, (2, C, 2, 3, 4), None),
+    ],
+)
+def test_compiled_step_takes_batchnorms_statistics_pass_only(cls, ref, shape, fmt):
+    """Compiled, a training step takes the batch statistics once, in BatchNorm's own reduction: the step's
+    ``batch_moments`` is the exact ``var_mean`` call of ``torch.batch_norm``'s decomposition, which the compiler
+    merges with it (a different expression of the same statistics cost one more pass over the input, 10-20 %)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(100))
+    x = x if fmt is None else x.contiguous(memory_format=fmt)
+    ours = _reductions_over_input(_layer(cls), x)
+    assert ours == _reductions_over_input(ref(C), x) == ["aten.var_mean.correction"]
 
 
 def test_compiled_nan_batch_keeps_running_stats():

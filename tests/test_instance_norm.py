@@ -254,6 +254,43 @@ def test_torch_compile_same_output():
     torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dim, layout", [(1, None), (2, None), (2, torch.channels_last), (3, torch.channels_last_3d)])
+def test_compiled_route_equals_eager_in_every_layout(dim, layout):
+    """The compiled route (torch.compile: F.instance_norm's arithmetic, on contiguous input F.instance_norm itself,
+    on channels_last the same arithmetic in the input's layout, the running statistics from the same var_mean) gives
+    eager's output, memory format, gradients and running statistics: training with running statistics, then eval."""
+    cls = {1: InstanceNorm1d, 2: InstanceNorm2d, 3: InstanceNorm3d}[dim]
+    gen = torch.Generator().manual_seed(100)
+    m = cls(4, affine=True, track_running_stats=True)
+    with torch.no_grad():
+        m.weight.normal_(generator=gen)
+        m.bias.normal_(generator=gen)
+    eager = copy.deepcopy(m)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    shape = (3, 4) + (5, 6, 7)[:dim]
+    for _ in range(2):
+        x = torch.randn(shape, generator=gen) * 3 + 2
+        g = torch.randn(shape, generator=gen)
+        if layout is not None:
+            x = x.contiguous(memory_format=layout)
+        xc, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y, ye = compiled(xc), eager(xe)
+        (y * g).sum().backward()
+        (ye * g).sum().backward()
+        torch.testing.assert_close(y, ye, rtol=1e-5, atol=1e-5)
+        assert y.stride() == ye.stride()
+        torch.testing.assert_close(xc.grad, xe.grad, rtol=1e-5, atol=1e-5)
+        for name in ("running_mean", "running_var"):
+            torch.testing.assert_close(getattr(m, name), getattr(eager, name), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(m.weight.grad, eager.weight.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(m.bias.grad, eager.bias.grad, rtol=1e-5, atol=1e-5)
+    assert int(m.num_batches_tracked) == int(eager.num_batches_tracked) == 2
+    m.eval(), eager.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), eager(x), rtol=1e-5, atol=1e-5)
+
+
 def test_input_errors():
     m = InstanceNorm2d(4)
     with pytest.raises(ValueError, match=r"InstanceNorm2d: expected 4D input \(N, C, H, W\).*got 2D"):

@@ -268,11 +268,14 @@ def _normalize_with_instance_stats(x: Tensor, weight, bias, eps: float, track: b
     inverse std give the running statistics (a smaller channels_last sample, see ``_IN_LAYOUT_MIN_SAMPLE``: on a
     contiguous copy, the output returned in the input's layout); eager channels_last / channels_last_3d with at least
     ``_IN_LAYOUT_MIN_SAMPLE`` values per sample: :func:`normlab._functions.instance_norm_in_layout` in the input's
-    layout (no layout copy); torch.compile, torch.export, jit.trace, torch.func, forward-mode AD, the meta device and
-    empty inputs: group norm on a contiguous copy (torch's CPU channels_last group norm computes the variance as
-    E[x^2] - E[x]^2 and loses all precision for large means), the output returned in the input's memory format."""
+    layout (no layout copy); torch.compile (non-empty input): :func:`_compiled_instance_norm`; torch.export,
+    jit.trace, torch.func, forward-mode AD, the meta device and empty inputs: group norm on a contiguous copy (torch's
+    CPU channels_last group norm computes the variance as E[x^2] - E[x]^2 and loses all precision for large means),
+    the output returned in the input's memory format."""
     if x.dtype in HALF:
         return NF.instance_norm(x, weight, bias, eps), None
+    if torch.compiler.is_compiling() and static_numel(x) > 0:
+        return _compiled_instance_norm(x, weight, bias, eps, track)
     fmt, c = channels_last_format(x), x.shape[1]
     gn_weight = group_norm_weight(weight, bias, x)
     if not plain_eager(x) or static_numel(x) == 0 or forward_ad_active():
@@ -291,6 +294,34 @@ def _normalize_with_instance_stats(x: Tensor, weight, bias, eps: float, track: b
     with torch.no_grad():  # the unbiased variance from group norm's 1 / sqrt(var + eps)
         var = rstd.detach().pow(-2).sub_(eps).mul_(count / (count - 1))
     return y, (mean.detach(), var)
+
+
+def _compiled_instance_norm(x: Tensor, weight, bias, eps: float, track: bool) -> tuple[Tensor, tuple | None]:
+    """The route under torch.compile, in the arithmetic torch's ``F.instance_norm`` compiles to (BatchNorm's
+    decomposition on the (1, N*C, *) view: ``torch.var_mean``, then ``(x - mean) * rsqrt(var + eps)`` and the
+    affine). Contiguous input: ``F.instance_norm`` itself, so the compiled kernels are torch's, and the running
+    statistics' update takes the same ``var_mean`` call on the same view, which the compiler merges with the one
+    inside (no pass of its own). channels_last: the same arithmetic written on ``x`` as it is, with no layout copy
+    (torch's copies the input to contiguous and returns a contiguous output). (Group norm's decomposition, the
+    eager route's kernel, takes one more pass over the input and recomputes its statistics in the backward.)"""
+    n, c, count = x.shape[0], x.shape[1], static_numel(x, 2)
+    if channels_last_format(x) is None:
+        y = F.instance_norm(x.contiguous(), None, None, weight, bias, True, 0.0, eps)
+        view = x.contiguous().view(1, n * c, *x.shape[2:])
+        dims = [0] + list(range(2, x.dim()))
+    else:
+        y, view, dims = None, x, list(range(2, x.dim()))
+    if y is None or track:
+        var, mean = torch.var_mean(view, dims, correction=0, keepdim=True)
+    if y is None:
+        y = (x - mean) * torch.rsqrt(var + eps)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = y if weight is None else y * weight.reshape(shape)
+        y = y if bias is None else y + bias.reshape(shape)
+    if not track:
+        return y, None
+    with torch.no_grad():  # the per-(n, c) mean and unbiased variance for the running statistics
+        return y, (mean.detach().reshape(n, c), var.detach().reshape(n, c) * (count / (count - 1)))
 
 
 @torch.no_grad()
