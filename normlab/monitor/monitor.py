@@ -19,8 +19,9 @@ checked on every step, and when one of them needs a record key between recording
 are in ``mon.events`` (each rule's first), the first alarm in ``mon.alarm``; ``mon.history`` keeps every event ever
 raised, those of steps a :class:`~normlab.monitor.CollapseGuard` rolled back marked ``rolled_back``.
 
-Hooks are attached only while a recording or light step is pending and only read detached tensors under
-``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
+Hooks are attached only while a recording or light step is pending (a light step hooks only the conv/linear layers)
+and only read detached tensors under ``torch.no_grad``: outputs and gradients are never changed, and unmonitored
+steps run with no hooks at all.
 
 Per layer and recorded step the monitor keeps one dict in ``mon.records``: a
 :class:`~normlab.monitor.records.LayerRecord` (conv / linear) or :class:`~normlab.monitor.records.NormRecord`; every
