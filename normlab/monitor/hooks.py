@@ -33,6 +33,7 @@ __all__ = [
     "weight_stats",
     "grad_norm",
     "grad_norm_tensor",
+    "read_back",
 ]
 
 
@@ -62,9 +63,14 @@ def grad_norm(model: nn.Module) -> float:
     return 0.0 if norm is None else float(norm)
 
 
-def _read_back(values: list) -> list[float]:
+def read_back(values: list) -> list[float]:
     """Scalar tensors (and Python numbers, passed through) as Python floats in ONE read-back: the tensors stacked,
-    then widened to float64 once (the same values as widening each one first: float32 -> float64 is exact)."""
+    then widened to float64 once (the same values as widening each one first: float32 -> float64 is exact).
+
+    Example:
+        >>> read_back([torch.tensor(0.5), 2, torch.tensor(0.25, dtype=torch.float64)])
+        [0.5, 2.0, 0.25]
+    """
     tensors = [v for v in values if isinstance(v, Tensor)]
     if not tensors:
         return [float(v) for v in values]
@@ -128,7 +134,7 @@ def activation_moments(module: nn.Module, kind: str, args, output) -> Activation
     x = args[0] if args and isinstance(args[0], Tensor) else None
     if x is None or x.numel() == 0 or not x.is_floating_point():
         return ActivationMoments(out, None, None)
-    xf = x.detach().float() if x.dtype != torch.float64 else x.detach()
+    xf = x.detach() if x.dtype in (torch.float32, torch.float64) else x.detach().float()
     dims = input_channel_dims(module, kind, x)
     if dims is None:
         return ActivationMoments(out, (x.numel(), xf.mean(), xf.square().mean()), None)
@@ -223,7 +229,7 @@ class StepStats:
             mean, count = self._red.get(handle)
             keys += [(None, key), (None, "_n_" + key)]
             values += [mean if mean is None else mean.reshape(()), count]
-        read = _read_back([v for v in values if v is not None])
+        read = read_back([v for v in values if v is not None])
         return self._assemble(keys, values, read, updates)
 
     def _activation_values(self, out_h: int, in_h: int | None, ch_h: int | None) -> list[tuple[str, object]]:

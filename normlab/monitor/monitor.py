@@ -19,8 +19,9 @@ checked on every step, and when one of them needs a record key between recording
 are in ``mon.events`` (each rule's first), the first alarm in ``mon.alarm``; ``mon.history`` keeps every event ever
 raised, those of steps a :class:`~normlab.monitor.CollapseGuard` rolled back marked ``rolled_back``.
 
-Hooks are attached only while a recording or light step is pending and only read detached tensors under
-``torch.no_grad``: outputs and gradients are never changed, and unmonitored steps run with no hooks at all.
+Hooks are attached only while a recording or light step is pending (a light step hooks only the conv/linear layers)
+and only read detached tensors under ``torch.no_grad``: outputs and gradients are never changed, and unmonitored
+steps run with no hooks at all.
 
 Per layer and recorded step the monitor keeps one dict in ``mon.records``: a
 :class:`~normlab.monitor.records.LayerRecord` (conv / linear) or :class:`~normlab.monitor.records.NormRecord`; every
@@ -67,6 +68,7 @@ from normlab.monitor.hooks import (
     activation_moments,
     grad_norm,
     grad_norm_tensor,
+    read_back,
 )
 from normlab.monitor.layers import (
     check_sharding,
@@ -236,6 +238,7 @@ class VarianceMonitor:
         self._light_grad: Tensor | None = None
         self._scale_free: dict[str, float] = {}  # shift_scale_free of the last full record (the level rule reads it)
         self._handles: list = []
+        self._hooked: str | None = None  # the layers hooked now: "all", "maps" (conv/linear) or None
         self._warned_compiled = False
         self._before: dict[str, Tensor] | None = None
         self.optimizer = None
@@ -366,17 +369,25 @@ class VarianceMonitor:
                 self.probes.start()
             else:
                 self.probes.stop()
-        want = not self.closed and (self.compiled or self._mode is not None)
-        if want and not self._handles:
-            for name, mod, kind in self.layers:
-                self._handles.append(mod.register_forward_hook(self._make_hook(name, mod, kind)))
-        elif not want and self._handles:
+        # which layers are hooked: all of them on a recording step (and always on a compiled model), the
+        # conv/linear layers on a light step (the norm layers' hooks would keep nothing there), none otherwise
+        if self.closed:
+            want = None
+        elif self.compiled or self._mode == "record":
+            want = "all"
+        else:
+            want = "maps" if self._mode == "light" else None
+        if want != self._hooked:
             self._remove_hooks()
+            for name, mod, kind in self.layers:
+                if want == "all" or (want == "maps" and kind != "norm"):
+                    self._handles.append(mod.register_forward_hook(self._make_hook(name, mod, kind)))
+            self._hooked = want
 
     def _remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
-        self._handles = []
+        self._handles, self._hooked = [], None
 
     def _make_hook(self, name: str, target: nn.Module, kind: str):
         def hook(module: nn.Module, args, output) -> None:
@@ -507,28 +518,45 @@ class VarianceMonitor:
         """A step that records nothing: the rules checked on every step see its light records (each conv/linear
         layer's output variance, when one of them needs it; merged over the ranks) and its scalars; nothing is added
         to ``records``."""
-        step = self._step_stats(recorded=False)
-        for name, _mod, kind in self.layers:
-            if kind != "norm" and self._light_rules:
-                step.add_output(name, self._light.get(name))
-        if self._light_grad is not None:  # measured on every rank alike (a rule due now reads it)
-            step.add_mean("grad_norm", self._light_grad)
-        values, _, scalars = step.finish()
-        self._merged_loss(scalars)
-        norm = scalars.get("grad_norm")
+        values, norm = self._light_merged() if self.ranks.size > 1 else self._light_local()
         self._light, self._light_grad = {}, None
         step_records = []
         if self._light_rules:
             indices = self._indices()
             for name, _mod, kind in self.layers:
                 rec: dict = {"step": self.current_step, "layer": name, "index": indices[name], "kind": kind}
-                if "output_var" in values.get(name, {}):
-                    rec["output_var"] = values[name]["output_var"]
+                if name in values:
+                    rec["output_var"] = values[name]
                 if name in self._scale_free:
                     rec["shift_scale_free"] = self._scale_free[name]
                 step_records.append(rec)
             step_records.sort(key=lambda r: r["index"])
         self._check(self._context(step_records, False, norm, skipped), step_records)
+
+    def _light_local(self) -> tuple[dict[str, float], float | None]:
+        """One process: each measured layer's ``output_var`` (``M2 / count``) and the gradient norm, read back in one
+        transfer: the values :class:`~normlab.monitor.hooks.StepStats` gives, without its merge and assembly."""
+        light = self._light if self._light_rules else {}
+        names = [name for name, _mod, kind in self.layers if kind != "norm" and name in light]
+        values = [light[name][2] / light[name][0] for name in names]
+        if self._light_grad is not None:  # measured on every rank alike (a rule due now reads it)
+            values.append(self._light_grad)
+        read = read_back(values)
+        norm = read.pop() if self._light_grad is not None else None
+        return dict(zip(names, read)), norm
+
+    def _light_merged(self) -> tuple[dict[str, float], float | None]:
+        """Several ranks: the light values merged over them in one collective (:class:`~normlab.monitor.hooks.
+        StepStats`), with the loss when a rule due now reads it."""
+        step = self._step_stats(recorded=False)
+        for name, _mod, kind in self.layers:
+            if kind != "norm" and self._light_rules:
+                step.add_output(name, self._light.get(name))
+        if self._light_grad is not None:
+            step.add_mean("grad_norm", self._light_grad)
+        values, _, scalars = step.finish()
+        self._merged_loss(scalars)
+        return {n: v["output_var"] for n, v in values.items() if "output_var" in v}, scalars.get("grad_norm")
 
     @torch.no_grad()
     def _finalize(self, before: dict[str, Tensor], stepped: bool, skipped: bool) -> None:

@@ -59,7 +59,7 @@ def _check_weight(weight: Tensor, fn: str) -> None:
 
 def _as_float(t: Tensor) -> Tensor:
     t = t.detach()
-    return t if t.dtype == torch.float64 else t.float()
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
 
 
 def fan_in(weight: Tensor) -> int:
@@ -130,7 +130,7 @@ def shift_scale_free(weight: Tensor) -> Tensor:
     n = w.shape[1]
     denom = n * _flat_variance(w)
     shift = (n * w.mean(dim=1)).var(unbiased=False)
-    return torch.where(denom == 0, torch.zeros_like(shift), shift / denom)
+    return torch.where(denom == 0, 0.0, shift / denom)
 
 
 def update_ratio(before: Tensor, after: Tensor) -> Tensor:
@@ -251,12 +251,10 @@ def masked_summary(values: Tensor, keep: Tensor) -> Tensor:
     and read them in one transfer. values, keep (K,) -> (3,).
     """
     n = keep.sum()
-    nan = torch.full_like(values[0], float("nan"))
-    inf = torch.full_like(values[0], float("inf"))
     avg = torch.where(keep, values, 0.0).sum() / n.clamp(min=1)
-    low = torch.where(keep, values, inf).min()
-    high = torch.where(keep, values, -inf).max()
-    return torch.where(n > 0, torch.stack([avg, low, high]), nan)
+    low = torch.where(keep, values, math.inf).min()
+    high = torch.where(keep, values, -math.inf).max()
+    return torch.where(n > 0, torch.stack([avg, low, high]), math.nan)
 
 
 def channel_ratio_summary(x: Tensor, channel_dim: int | Sequence[int] = 1) -> Tensor:
@@ -278,7 +276,7 @@ def moments_ratio_summary(mean: Tensor, sq: Tensor) -> Tensor:
         [0.75, 0.5, 1.0, 1.0, 3.0]
     """
     live = sq != 0
-    r = mean.square() / torch.where(live, sq, torch.ones_like(sq))
+    r = mean.square() / torch.where(live, sq, 1.0)
     counts = torch.stack([(~live).sum().to(r.dtype), torch.full_like(r[0], r.numel())])
     return torch.cat([masked_summary(r, live), counts])
 
@@ -367,7 +365,7 @@ def weight_summary(filter_mean: Tensor, filter_var: Tensor, fan_in: int) -> Tens
             sq_mean,
             (sq_mean * (filter_var.numel() * fan_in)).sqrt(),
             shift,
-            torch.where(denom == 0, torch.zeros_like(shift), shift / denom),
+            torch.where(denom == 0, 0.0, shift / denom),
             (filter_var == 0).sum().to(filter_var.dtype),
         ]
     )
@@ -389,7 +387,7 @@ def update_summary(filter_var: Tensor, after_var: Tensor, mean_update: Tensor) -
         [0.25, 0.25, 0.25, 0.0, 0.0, 0.0]
     """
     varies = filter_var != 0
-    ratio = after_var / torch.where(varies, filter_var, torch.ones_like(filter_var))
+    ratio = after_var / torch.where(varies, filter_var, 1.0)
     return torch.cat(
         [
             masked_summary(ratio, varies),
