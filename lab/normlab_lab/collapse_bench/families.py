@@ -34,6 +34,7 @@ __all__ = [
     "GRU_CONTEXT",
     "NOISE",
     "diabetes",
+    "Block",
     "TinyViT",
     "GRULM",
     "TinyUNet",
@@ -61,12 +62,13 @@ def mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y)
 
 
-class _Block(nn.Module):
-    """A pre-LN transformer block without a causal mask: x + attn(LN(x)), then x + MLP(LN(x))."""
+class Block(nn.Module):
+    """A pre-LN transformer block: x + attn(LN(x)), then x + MLP(LN(x)); attention through SDPA, causal (a language
+    model's, the default) or not (a ViT's)."""
 
-    def __init__(self, d: int, heads: int) -> None:
+    def __init__(self, d: int, heads: int, causal: bool = True) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.causal = heads, causal
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -74,7 +76,7 @@ class _Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, D = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
@@ -86,7 +88,7 @@ class TinyViT(nn.Module):
         super().__init__()
         self.embed = nn.Conv2d(1, d, patch, stride=patch)
         self.pos = nn.Parameter(torch.zeros(1, (16 // patch) ** 2, d))
-        self.blocks = nn.Sequential(*[_Block(d, heads) for _ in range(layers)])
+        self.blocks = nn.Sequential(*[Block(d, heads, causal=False) for _ in range(layers)])
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, classes)
         nn.init.normal_(self.pos, std=0.02)
         for m in self.modules():

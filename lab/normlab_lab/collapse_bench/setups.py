@@ -31,6 +31,7 @@ from torch import nn
 
 from normlab.runner.data.datasets import get_dataset
 from normlab_lab.collapse_bench import families as fam
+from normlab_lab.collapse_bench.families import Block
 
 __all__ = [
     "SETUPS",
@@ -147,24 +148,6 @@ def loss_fn(setup: str):
 
 
 # ---------------------------------------------------------------------------------------------- models
-class Block(nn.Module):
-    """A pre-LN transformer block: x + attn(LN(x)), then x + MLP(LN(x)); attention through SDPA (causal)."""
-
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc, self.out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, D // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(B, T, D))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
-
-
 class CharGPT(nn.Module):
     """A small pre-LN GPT: token + position embeddings, ``layers`` blocks, final LayerNorm, linear head."""
 
