@@ -28,7 +28,7 @@ SECTIONS = ("collapse", "guard", "guard_dead")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="the seconds-long protocol (checks the pipeline)")
