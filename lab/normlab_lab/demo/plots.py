@@ -11,33 +11,24 @@ from pathlib import Path
 from typing import Any
 
 from normlab.runner.grid.palette import norm_color, norm_order
+from normlab.runner.grid.plots import FONT, TITLE, finish_grid, lr_shade, mean_curve, smoothed, style_figure
 from normlab.runner.grid.report import agg_pyplot, seed_range_bar
 from normlab.runner.grid.results import chance_level
 from normlab.runner.io import atomic_savefig
 
-__all__ = ["lr_plot", "loss_curves_plot", "batch_plot", "smoothed", "lr_shade"]
+__all__ = ["lr_plot", "loss_curves_plot", "batch_plot"]
 
 _LABELS = {"pws": "pws (gamma 1e-3)", "pws:gamma=0.01": "pws (gamma 1e-2)"}
-FONT = 10  # points: the smallest type of every figure (ticks, legends, notes), readable on a slide
-TITLE = 12
 
 
 def _label(name: str) -> str:
     return _LABELS.get(name, name)
 
 
-def _style(fig) -> None:
-    """Every text of ``fig`` at least :data:`FONT` points (tick labels included)."""
-    for ax in fig.axes:
-        ax.tick_params(labelsize=FONT)
-        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
-            text.set_fontsize(max(text.get_fontsize(), FONT + 1))
-
-
 def _save(fig, path: Path, legend_handles=None, legend_title: str | None = None, note: str | None = None) -> Path:
     """Save ``fig`` (made with ``layout="constrained"``) with the legend outside the panels on the right and
     ``note`` as a caption under them."""
-    _style(fig)
+    style_figure(fig)
     if legend_handles:
         fig.legend(
             handles=legend_handles,
@@ -131,7 +122,7 @@ def lr_plot(results: dict, path: Path) -> Path | None:
         ax.set(ylim=(0, 100), xlim=(lrs[0] / 1.4, lrs[-1] * 1.4))
         ax.set_title(_label(name), color=norm_color(name), fontweight="bold")
         ax.grid(alpha=0.3)
-    _finish_grid(axes, len(names), "learning rate", "test acc. (%)")
+    finish_grid(axes, len(names), "learning rate", "test acc. (%)")
     fig.suptitle(
         f"(a) final test accuracy vs learning rate (log scale), batch {results['spec']['base_batch_size']}",
         fontsize=TITLE,
@@ -142,15 +133,6 @@ def lr_plot(results: dict, path: Path) -> Path | None:
     return _save(fig, path, _marks_legend(results, extra))
 
 
-def smoothed(losses: list, window: int) -> list[float]:
-    """Running mean over ``window`` steps (non-finite losses are NaN and end the curve)."""
-    out, recent = [], []
-    for v in losses:
-        recent = (recent + [math.nan if v is None else v])[-window:]
-        out.append(sum(recent) / len(recent))
-    return out
-
-
 def _traces(results: dict, grid_dir: Path) -> dict[tuple[str, float], list[list[float]]]:
     out: dict[tuple[str, float], list[list[float]]] = {}
     for c in results["cells"]:
@@ -159,12 +141,6 @@ def _traces(results: dict, grid_dir: Path) -> dict[tuple[str, float], list[list[
             t = json.loads(trace.read_text())
             out.setdefault((c["name"], float(c["lr"])), []).append(smoothed(t["losses"], t["window"]))
     return out
-
-
-def _mean_curve(curves: list[list[float]]) -> list[float]:
-    n = max(len(c) for c in curves)
-    cols = [[c[i] for c in curves if i < len(c) and math.isfinite(c[i])] for i in range(n)]
-    return [sum(v) / len(v) if len(v) == len(curves) else math.nan for v in cols]
 
 
 LOSS_TOP = 20.0  # the loss axis shows the loss up to here (about 9 x ln 10); a run above it diverged
@@ -188,15 +164,6 @@ def _end_mark(ax, curve: list[float], color: str) -> set[str]:
 
 
 _LR_STYLES = ("-", "--", "-.", (0, (5, 1, 1, 1, 1, 1)))  # the mean line of the 1st, 2nd, ... learning rate
-
-
-def lr_shade(color: str, i: int, n: int) -> tuple[float, float, float]:
-    """``color`` for the ``i``-th of ``n`` learning rates: mixed with white, the more the lower the rate (the lowest
-    55 % white, the highest the colour itself), so a norm keeps its colour in every panel."""
-    from matplotlib.colors import to_rgb
-
-    white = 0.55 * (n - 1 - i) / max(1, n - 1)
-    return tuple(c + (1 - c) * white for c in to_rgb(color))
 
 
 def _loss_marks_legend(drawn: set[str]) -> list:
@@ -247,13 +214,13 @@ def loss_curves_plot(results: dict, grid_dir: Path, path: Path) -> Path | None:
                 ax.plot(c, color=color, linewidth=0.7, alpha=0.35)
                 drawn |= _end_mark(ax, c, color)
             if curves:
-                ax.plot(_mean_curve(curves), color=color, linewidth=2.0, linestyle=dashes)
+                ax.plot(mean_curve(curves), color=color, linewidth=2.0, linestyle=dashes)
         ax.axhline(math.log(10), color="0.3", linestyle=":", linewidth=1)
         ax.set_title(_label(name), color=norm_color(name), fontweight="bold")
         ax.set_yscale("log")
         ax.set_ylim(0.05, AXIS_TOP)
         ax.grid(alpha=0.3, which="both")
-    _finish_grid(axes, len(names), "step", "training loss")
+    finish_grid(axes, len(names), "step", "training loss")
     handles = [
         Line2D(
             [],
@@ -365,13 +332,3 @@ def batch_plot(results: dict, path: Path, plateau: dict | None = None) -> Path |
         )
     note = "\n".join(notes) or None
     return _save(fig, path, handles + _marks_legend(results, extra), "norm", note)
-
-
-def _finish_grid(axes, used: int, xlabel: str, ylabel: str) -> None:
-    """Hide the panels of a grid of axes past the first ``used``; label the bottom row's x and the left column's y."""
-    for ax in axes.flat[used:]:
-        ax.set_visible(False)
-    for ax in axes[-1]:
-        ax.set_xlabel(xlabel)
-    for ax in axes[:, 0]:
-        ax.set_ylabel(ylabel)
