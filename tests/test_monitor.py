@@ -1179,3 +1179,42 @@ def test_the_usual_loops_count_one_step_per_optimizer_step(set_to_none):
     assert mon.current_step == 7 and mon2.current_step == 3 and len(seen.losses) == 7
     assert seen.losses[-1] == pytest.approx(model_loss_before)
     assert not all(torch.equal(p, q) for p, q in zip(before, model.parameters()))  # the closure's gradients stepped
+
+
+class _RecurrentLM(nn.Module):
+    def __init__(self, cell: type[nn.RNNBase]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.rnn = cell(4, 8, num_layers=2, batch_first=True)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.head(self.rnn(self.emb(x))[0])
+
+
+@pytest.mark.parametrize("cell", [nn.RNN, nn.LSTM, nn.GRU])
+def test_recurrent_layers_are_listed_unwatched_and_warned_once(cell):
+    model = _RecurrentLM(cell)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=rf"recurrent layers are not watched: 'rnn' \({cell.__name__}\)"):
+        mon = VarianceMonitor(model, every=1, optimizer=opt)
+    assert [(name, type(mod)) for name, mod in mon.unwatched] == [("emb", nn.Embedding), ("rnn", cell)]
+    assert [name for name, _, _ in mon.layers] == ["head"]
+    F.cross_entropy(model(torch.randint(0, 10, (3, 5))).flatten(0, 1), torch.randint(0, 10, (15,))).backward()
+    opt.step()  # the run goes on: the head is recorded
+    assert {r["layer"] for r in mon.records} == {"head"}
+    mon.close()
+
+
+def test_unwatched_lists_what_no_record_reads_and_nothing_else(recwarn):
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 8), nn.LayerNorm(8), nn.Bilinear(8, 8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = VarianceMonitor(model, every=1, optimizer=opt)
+    assert [name for name, _ in mon.unwatched] == ["0", "3"]  # a lookup and a bilinear form: no warning
+    without_norms = VarianceMonitor(model, every=1, recording=RecordOptions(include_norm=False))
+    assert [name for name, _ in without_norms.unwatched] == ["0", "2", "3"]
+    watched = VarianceMonitor(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)), every=1)
+    assert watched.unwatched == []
+    assert not [w for w in recwarn if "not watched" in str(w.message)]
+    for m in (mon, without_norms, watched):
+        m.close()

@@ -34,7 +34,10 @@ Transformers' ``Conv1D`` is recognized without importing transformers: a class n
 ``transformers`` module (in its MRO) whose weight is (nx, nf). timm's standardized convs likewise: a class of that
 name from a ``timm`` module. Modules that hold a weight but apply no linear map of their input are not watched:
 ``nn.Embedding`` (a lookup), ``nn.MultiheadAttention``'s packed ``in_proj_weight`` (its ``out_proj`` is an
-``nn.Linear`` and is watched), ``nn.Bilinear``.
+``nn.Linear`` and is watched), ``nn.Bilinear``. Recurrent layers (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) apply
+their weights as linear maps inside the recurrence, on inputs no module hook sees (the hidden state of every time
+step, the layers below the top one), so they are not watched either: :func:`unwatched_layers` lists every module
+whose own parameters no rule reads, and the monitor warns once when a recurrent layer is among them.
 
 Normalization layers (:func:`normlab.nn.is_norm_layer`) are watched as ``"norm"``. Their per-channel statistics are
 taken over the dims they normalize (:func:`input_channel_dims`).
@@ -59,6 +62,7 @@ __all__ = [
     "is_compiled",
     "layer_kind",
     "supported_layers",
+    "unwatched_layers",
     "effective_weight",
     "filter_kernel",
     "input_channel_dims",
@@ -261,6 +265,27 @@ def supported_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[
         if kind is None or (kind == "norm" and not include_norm):
             continue
         out.append((name or type(mod).__name__, mod, kind))
+    return out
+
+
+def unwatched_layers(model: nn.Module, include_norm: bool = True) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every module of ``model`` that holds parameters of its own (not only its children's)
+    and that :func:`supported_layers` does not list: what the monitor's records and rules never read.
+
+    Args:
+        model: any module (wrappers are stripped by :func:`unwrap_model`).
+        include_norm: as in :func:`supported_layers` (False also lists the normalization layers).
+
+    Example:
+        >>> model = nn.Sequential(nn.Embedding(10, 4), nn.GRU(4, 8, batch_first=True))
+        >>> [(name, type(mod).__name__) for name, mod in unwatched_layers(model)]
+        [('0', 'Embedding'), ('1', 'GRU')]
+    """
+    watched = {id(mod) for _, mod, _ in supported_layers(model, include_norm=include_norm)}
+    out = []
+    for name, mod in unwrap_model(model).named_modules():
+        if id(mod) not in watched and next(mod.parameters(recurse=False), None) is not None:
+            out.append((name or type(mod).__name__, mod))
     return out
 
 

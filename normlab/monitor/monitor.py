@@ -77,6 +77,7 @@ from normlab.monitor.layers import (
     is_compiled,
     layer_type,
     supported_layers,
+    unwatched_layers,
     unwrap_model,
 )
 from normlab.monitor.log import write_monitor_log
@@ -139,6 +140,18 @@ def _probe_set(model: nn.Module, probes, rules: Sequence[Rule]) -> ProbeSet | No
     return ProbeSet(model, probes) if probes else None
 
 
+def _warn_recurrent(unwatched: list[tuple[str, nn.Module]]) -> None:
+    """Warn once, in one line naming them, when recurrent layers are among the modules no record reads."""
+    recurrent = [f"'{name}' ({type(mod).__name__})" for name, mod in unwatched if isinstance(mod, nn.RNNBase)]
+    if recurrent:
+        warnings.warn(
+            f"VarianceMonitor: recurrent layers are not watched: {', '.join(recurrent)}; the records and rules read "
+            "only the conv/linear and normalization layers around them (mon.unwatched lists every module no "
+            "record reads)",
+            stacklevel=3,
+        )
+
+
 class VarianceMonitor:
     """Record variance-transmission statistics of every conv/linear (and norm) layer every ``every`` steps, and
     check rules on them.
@@ -179,6 +192,10 @@ class VarianceMonitor:
         schedule: the :class:`~normlab.monitor.RecordSchedule` (``every`` as given, or made from the int).
         recording: the :class:`~normlab.monitor.RecordOptions`.
         sinks: the sinks of :meth:`add_sink`, by handle id, in the order they were added.
+        layers: ``(name, module, kind)`` of every watched layer (:func:`~normlab.monitor.layers.supported_layers`).
+        unwatched: ``(name, module)`` of every module with parameters of its own that no record reads
+            (:func:`~normlab.monitor.layers.unwatched_layers`: embeddings, recurrent layers, ...); the monitor warns
+            once, naming them, when a recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) is among them.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -220,6 +237,8 @@ class VarianceMonitor:
                 "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES - nn.Conv*d, "
                 "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
+        self.unwatched = unwatched_layers(self.model, include_norm=self.recording.include_norm)
+        _warn_recurrent(self.unwatched)
         self._record_eval = self.recording.record_eval  # read by every hook call
         self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # the ranks, the device
         for name, mod, kind in self.layers:
