@@ -289,6 +289,8 @@ class CollapseGuard:
             if new is not None and (failure is None or failure.step is None or new[0] <= failure.step):
                 return Failure("alarm", new[0], what=new[1])
             return failure
+        if new is not None and failure is not None and failure.step is not None and failure.step < new[0]:
+            return failure  # the failure came first: the alarm, in the steps thrown away with it, confirms nothing
         if new is not None and self._armed is None:
             self._armed = _Armed(new[0], new[1], self._choose(new[0]))
         armed = self._armed
