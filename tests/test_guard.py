@@ -437,6 +437,20 @@ def test_a_failure_before_an_alarm_in_the_same_check_is_not_said_to_follow_it(co
     assert all(d.step != 7 or d.dismissed_at > 10 for d in guard.dismissed)
 
 
+def test_a_failure_dated_before_a_waiting_alarm_is_not_said_to_follow_it():
+    # the alarm of step 2 waits from the check of step 3; the explosion, seen once the window is full (step 9), is
+    # dated to step 1: before the alarm, so it is its own trouble (it used to end "after the monitor alarm")
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = guard_of(model, opt, _ScriptedMonitor({2}, opt), every=5, margin=0, confirm=10)
+    for v in [3.0, 1290.0, 1.04e4] + [2.0e4] * 7:
+        guard.observe_loss(v)
+        opt.step()
+    (r,) = guard.rescues
+    assert (r.kind, r.step, r.onset, r.restored_step) == ("exploded", 9, 1, 0)
+    assert r.reason.startswith("loss exploded from step 1:") and "monitor alarm" not in r.reason
+
+
 def _loss_guard(losses, window=10, chance=None, **kw):
     """A guard fed the given losses one step at a time (an optimizer without gradients: the steps change nothing)."""
     model = _net()
