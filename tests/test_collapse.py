@@ -222,6 +222,25 @@ def test_a_finite_explosion_that_never_learned_is_labelled_without_a_chance_loss
     assert label_collapse(high_start, crit(math.log(16))).kind != "exploded"
 
 
+@pytest.mark.parametrize(
+    "chance, words",
+    [
+        (None, "x its starting loss (3, standing in for chance)"),
+        (2.0, "x its starting loss (3, above chance 2)"),
+        (4.0, "x chance (4)"),
+    ],
+)
+def test_an_explosion_names_the_reference_it_was_measured_against(chance, words):
+    """The reference of an explosion is the larger of chance and the start: a run that starts above a known chance is
+    measured from its start, and the message says so, with chance's own value (it used to call the start chance)."""
+    trace = [3.0] + [100.0] * 12
+    label = label_collapse(trace, crit(chance))
+    assert (label.kind, label.step) == ("exploded", 1)
+    assert label.failure.message.endswith(words), label.failure.message
+    assert label.failure.reference == max(3.0, chance or 0.0) and label.failure.chance == chance
+    assert Failure.from_dict(label.failure.to_dict()) == label.failure
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kind_has_its_own_one_line_message(kind):
     f = Failure(kind, 7, value=3.0, reference=2.0, best=0.5, window=10, what="loss")

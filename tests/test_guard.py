@@ -426,6 +426,31 @@ def test_confirm_trouble_within_the_wait_restores_the_snapshot_pinned_for_the_al
         assert (r.onset, r.restored_step) == (trouble_at, 16)  # kept {16, 18}: none <= 15, the oldest
 
 
+@pytest.mark.parametrize("confirm", [10, None])
+def test_a_failure_before_an_alarm_in_the_same_check_is_not_said_to_follow_it(confirm):
+    # the NaN of step 5 and the alarm of step 7 are read by the same check (step 10): the failure came first, so it
+    # is acted on alone, dated to itself, and its message does not claim the alarm (it used to, with confirm)
+    model, guard, taken = _guarded(_batches(20), alarm_at={7}, poison={5}, every=5, check_every=5, confirm=confirm)
+    r = guard.rescues[0]
+    assert (r.kind, r.onset, r.step, r.restored_step) == ("non_finite", 5, 9, 0)
+    assert r.reason == "non-finite loss (nan) at step 5"
+    assert all(d.step != 7 or d.dismissed_at > 10 for d in guard.dismissed)
+
+
+def test_a_failure_dated_before_a_waiting_alarm_is_not_said_to_follow_it():
+    # the alarm of step 2 waits from the check of step 3; the explosion, seen once the window is full (step 9), is
+    # dated to step 1: before the alarm, so it is its own trouble (it used to end "after the monitor alarm")
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = guard_of(model, opt, _ScriptedMonitor({2}, opt), every=5, margin=0, confirm=10)
+    for v in [3.0, 1290.0, 1.04e4] + [2.0e4] * 7:
+        guard.observe_loss(v)
+        opt.step()
+    (r,) = guard.rescues
+    assert (r.kind, r.step, r.onset, r.restored_step) == ("exploded", 9, 1, 0)
+    assert r.reason.startswith("loss exploded from step 1:") and "monitor alarm" not in r.reason
+
+
 def _loss_guard(losses, window=10, chance=None, **kw):
     """A guard fed the given losses one step at a time (an optimizer without gradients: the steps change nothing)."""
     model = _net()

@@ -23,8 +23,9 @@ the thresholds of one :class:`CollapseCriteria`. The kinds (:data:`KINDS`), firs
 The reference is ``chance_loss`` (``ln C`` for C classes: the loss of a constant uniform prediction) when known.
 Without it, chance is estimated by the loss of the run's first step: the loss of the initial weights, before any
 update, which for a classifier at a standard initialisation is about ``ln C``. A run that starts near its best (a
-fine-tune) should pass its chance loss, or its start would count as chance. A reference <= 0 (a loss that can be
-negative) leaves only the ``non_finite`` test.
+fine-tune) should pass its chance loss, or its start would count as chance; so should a run whose first batch is too
+small to show its start (a batch of one under a mean squared error: pass the targets' variance). A reference <= 0
+(a loss that can be negative) leaves only the ``non_finite`` test.
 
 The smoothed loss is the mean of the last ``window`` losses, in steps (``CollapseCriteria(window=10)``) or in
 examples (``CollapseCriteria.over_examples(batch_size)``: about 1,024 examples, at least 10 steps), so that one
@@ -161,13 +162,15 @@ class Failure:
         kind: one of :data:`~normlab.monitor.collapse.KINDS`.
         step: the step it is dated to (None for ``never_left_chance``, which has no moment).
         value: the smoothed loss that showed it (``non_finite``: the loss, None for a gradient).
-        reference: chance, or the starting loss standing in for it (``estimated``).
+        reference: chance, or the starting loss (``estimated``): standing in for an unknown chance, or, for
+            ``exploded``, a start above the known chance.
         estimated: the reference is the first step's loss, not a known chance loss.
         best: the lowest smoothed loss before it.
         window: steps of the smoothed loss.
         what: ``"loss"`` or ``"gradient"`` (``non_finite``); the alarm or the caller's reason (``alarm``,
             ``external``).
         after: the monitor alarm this failure confirms (it came within the guard's ``confirm`` steps), or None.
+        chance: the known chance loss, or None (unknown, or not a failure of the losses).
 
     Example:
         >>> f = Failure("exploded", 15, value=7.3e5, reference=2.773, window=10)
@@ -186,6 +189,7 @@ class Failure:
     window: int | None = None
     what: str = "loss"
     after: str | None = None
+    chance: float | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -211,11 +215,11 @@ class Failure:
 
 
 def _ref(f: Failure) -> str:
-    return (
-        f"its starting loss ({f.reference:.4g}, standing in for chance)"
-        if f.estimated
-        else f"chance ({f.reference:.4g})"
-    )
+    if not f.estimated:
+        return f"chance ({f.reference:.4g})"
+    if f.chance is None:
+        return f"its starting loss ({f.reference:.4g}, standing in for chance)"
+    return f"its starting loss ({f.reference:.4g}, above chance {f.chance:.4g})"
 
 
 def _exploded(f: Failure) -> str:
@@ -374,12 +378,15 @@ class CollapseTracker:
         c, ref, high = self.criteria, self.reference, self._explosion_reference()
         if ref is None or ref <= 0 or high <= 0:
             return None
-        common = dict(value=mean, estimated=c.chance_loss is None, best=self.best, window=c.window)
+        common = dict(value=mean, best=self.best, window=c.window, chance=c.chance_loss)
         if mean >= c.exploded * high:
             first = next(s for s, v in self._recent if v >= c.exploded * high)
-            return Failure("exploded", first, reference=high, **common)
+            from_start = c.chance_loss is None or high > c.chance_loss  # the start, unknown chance or above it
+            return Failure("exploded", first, reference=high, estimated=from_start, **common)
         if self.learned and mean >= c.at_chance * ref:
-            return Failure("returned_to_chance", self._recent[0][0], reference=ref, **common)
+            return Failure(
+                "returned_to_chance", self._recent[0][0], reference=ref, estimated=c.chance_loss is None, **common
+            )
         self.best = mean if self.best is None else min(self.best, mean)
         self.learned = self.learned or mean < c.learned * ref
         return None
@@ -398,7 +405,14 @@ class CollapseTracker:
         mean = self.smoothed()
         best = mean if self.best is None else self.best
         return Failure(
-            "never_left_chance", None, mean, self.reference, c.chance_loss is None, best=best, window=c.window
+            "never_left_chance",
+            None,
+            mean,
+            self.reference,
+            c.chance_loss is None,
+            best=best,
+            window=c.window,
+            chance=c.chance_loss,
         )
 
     def finish(self) -> Failure | None:

@@ -292,8 +292,8 @@ class CollapseGuard:
         if new is not None and self._armed is None:
             self._armed = _Armed(new[0], new[1], self._choose(new[0]))
         armed = self._armed
-        if armed is None:
-            return failure
+        if armed is None or (failure is not None and not _follows(failure, armed)):
+            return failure  # a failure dated before the alarm is its own trouble (the alarm goes with its steps)
         within = armed.onset + confirm
         if failure is None and self.criteria.chance_loss is not None:  # a net that died at the alarm (chance known:
             failure = self.tracker.never_learned()  # against a start standing in for it, slow learners would go too)
@@ -473,7 +473,7 @@ class CollapseGuard:
     def _rescue(self, failure: Failure) -> None:
         armed = self._armed
         onset = self.steps - 1 if failure.step is None else failure.step
-        if armed is not None:  # the trouble a waiting alarm foretold: dated to the alarm
+        if armed is not None and _follows(failure, armed):  # the trouble a waiting alarm foretold: dated to the alarm
             onset = min(onset, armed.onset)
             failure = failure if failure.after is not None else replace(failure, after=f"monitor alarm: {armed.words}")
         if len(self.rescues) >= self.options.max_rescues:
@@ -606,6 +606,11 @@ class CollapseGuard:
             f"CollapseGuard(steps={self.steps}, every={self.snapshot_options.every}, rescues={len(self.rescues)}, "
             f"lr_factor={self.options.lr_factor})"
         )
+
+
+def _follows(failure: Failure, armed: _Armed) -> bool:
+    """``failure`` confirms the waiting alarm: it has no moment (never learned) or is dated to the alarm or later."""
+    return failure.step is None or failure.step >= armed.onset
 
 
 def _plain(loss):
