@@ -19,7 +19,14 @@ collapse (:mod:`normlab.monitor.rules`), the failure taxonomy (:mod:`normlab.mon
 from normlab.monitor import stats
 from normlab.monitor.collapse import CollapseCriteria, CollapseLabel, Failure, label_collapse
 from normlab.monitor.guard import CollapseGuard, DismissedAlarm, Rescue, RunCollapsed
-from normlab.monitor.layers import LINEAR_MAP_RULES, effective_weight, filter_kernel, supported_layers, unwrap_model
+from normlab.monitor.layers import (
+    LINEAR_MAP_RULES,
+    effective_weight,
+    filter_kernel,
+    supported_layers,
+    unwatched_layers,
+    unwrap_model,
+)
 from normlab.monitor.log import load_log, write_monitor_log
 from normlab.monitor.monitor import VarianceMonitor
 from normlab.monitor.optim_step import scaler_step
@@ -82,6 +89,7 @@ __all__ = [
     "filter_kernel",
     "LINEAR_MAP_RULES",
     "supported_layers",
+    "unwatched_layers",
     "unwrap_model",
     "stats",
 ]

@@ -192,9 +192,9 @@ class VarianceMonitor:
         schedule: the :class:`~normlab.monitor.RecordSchedule` (``every`` as given, or made from the int).
         recording: the :class:`~normlab.monitor.RecordOptions`.
         sinks: the sinks of :meth:`add_sink`, by handle id, in the order they were added.
-        layers: ``(name, module, kind)`` of every watched layer (:func:`~normlab.monitor.layers.supported_layers`).
+        layers: ``(name, module, kind)`` of every watched layer (:func:`~normlab.monitor.supported_layers`).
         unwatched: ``(name, module)`` of every module with parameters of its own that no record reads
-            (:func:`~normlab.monitor.layers.unwatched_layers`: embeddings, recurrent layers, ...); the monitor warns
+            (:func:`~normlab.monitor.unwatched_layers`: embeddings, recurrent layers, ...); the monitor warns
             once, naming them, when a recurrent layer (``nn.RNN``, ``nn.LSTM``, ``nn.GRU``) is among them.
 
     Example:
