@@ -31,8 +31,13 @@ def _batches(n, seed=101):
     return [(torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)) for _ in range(n)]
 
 
-def guard_of(model, opt, monitor=None, *, every=50, keep=3, check_every=1, chance=None, window=10, **kw):
-    """A guard whose options are given flat (the tests' shorthand); checks every step unless told."""
+def guard_of(model, opt, monitor=None, *, every=50, keep=None, check_every=1, chance=None, window=10, **kw):
+    """A guard whose options are given flat (the tests' shorthand); checks every step unless told. ``keep`` None:
+    at least 3, and enough that snapshots ``every`` steps apart reach a window and the margin back (the guard then
+    takes them ``every`` steps apart: ``snapshot_interval``)."""
+    if keep is None:
+        margin = kw.get("margin")
+        keep = max(3, 1 + math.ceil((window + (every if margin is None else margin)) / every))
     snap = {k: kw.pop(k) for k in ("store", "directory", "max_bytes", "in_checkpoint") if k in kw}
     rescue_keys = ("margin", "lr_factor", "max_rescues", "confirm", "check_grads", "on_give_up")
     rescue = {k: kw.pop(k) for k in rescue_keys if k in kw}
@@ -411,19 +416,21 @@ def test_without_confirm_the_same_alarm_rolls_back_at_once():
 
 @pytest.mark.parametrize("trouble_at, rescued", [(12, True), (17, True), (18, False)])
 def test_confirm_trouble_within_the_wait_restores_the_snapshot_pinned_for_the_alarm(trouble_at, rescued):
-    # snapshots every 2 steps, two kept: by the trouble the kept ones are all after the alarm; the pinned one
-    # (newest <= alarm - margin = 4) must be the one restored, and the rescue is dated to the alarm
+    # snapshots every 3 steps, two kept (a window of 2 and a margin of 1: they reach back far enough at 3): by the
+    # trouble the kept ones are all after the alarm; the pinned one (newest <= alarm - margin = 6) must be the one
+    # restored, and the rescue is dated to the alarm
     model, guard, taken = _guarded(
-        _batches(20), alarm_at={7}, poison={trouble_at}, every=2, keep=2, margin=3, confirm=10, max_rescues=1
+        _batches(20), alarm_at={7}, poison={trouble_at}, every=3, keep=2, margin=1, window=2, confirm=10, max_rescues=1
     )
+    assert guard.snapshot_every == 3
     r = guard.rescues[0]
     if rescued:
-        assert (r.step, r.onset, r.restored_step) == (trouble_at, 7, 4)
+        assert (r.step, r.onset, r.restored_step) == (trouble_at, 7, 6)
         assert r.reason.startswith("non-finite loss") and r.reason.endswith("after the monitor alarm: scripted")
         assert guard.dismissed == []
     else:  # the wait was over after step 17: the trouble is new, dated to itself, restored from those kept
         assert guard.dismissed[0].dismissed_at == 18
-        assert (r.onset, r.restored_step) == (trouble_at, 16)  # kept {16, 18}: none <= 15, the oldest
+        assert (r.onset, r.restored_step) == (trouble_at, 15)  # kept {15, 18}: the newest <= 17
 
 
 @pytest.mark.parametrize("confirm", [10, None])
@@ -574,19 +581,21 @@ def test_giving_up_names_the_kind_of_trouble_and_roll_back_keeps_the_waiting_ala
 def test_a_rollback_drops_the_dismissed_alarms_of_the_steps_it_throws_away():
     # the alarm at 12 is dismissed at 23; the NaN at 27 (no alarm waiting) goes back to step 10 (margin 15): the
     # dismissed alarm was on the steps thrown away, so it goes; with margin 5 the rollback to 20 keeps it
-    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, every=10, keep=3, margin=15, confirm=10)
+    kw = dict(every=10, keep=3, window=2, confirm=10)  # two snapshots 10 apart reach a window of 2 and 15 steps back
+    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, margin=15, **kw)
+    assert guard.snapshot_every == 10
     (r,) = guard.rescues
     assert r.restored_step == 10 and guard.dismissed == []
-    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, every=10, keep=3, margin=5, confirm=10)
+    model, guard, _ = _guarded(_batches(30), alarm_at={12}, poison={27}, margin=5, **kw)
     assert guard.rescues[0].restored_step == 20 and [d.step for d in guard.dismissed] == [12]
 
 
 def test_a_guard_resumed_while_an_alarm_waits_rolls_back_as_if_never_interrupted():
     # alarm at step 5, NaN loss at step 9 (within confirm=10): the uninterrupted guard goes back to before the alarm.
     # Interrupted after step 7 (the alarm waiting), the state carried over, the resumed guard does the same.
-    batches, kw = _batches(14), dict(every=2, keep=2, margin=2, confirm=10)
+    batches, kw = _batches(14), dict(every=3, keep=2, margin=1, window=2, confirm=10)
     model, guard, _ = _guarded(batches, {5}, poison=(9,), **kw)
-    assert [(r.step, r.onset, r.restored_step) for r in guard.rescues] == [(9, 5, 2)]
+    assert [(r.step, r.onset, r.restored_step) for r in guard.rescues] == [(9, 5, 3)]
 
     first = _net()
     opt = torch.optim.SGD(first.parameters(), lr=0.1, momentum=0.9)
@@ -688,3 +697,26 @@ def test_the_step_hooks_live_on_the_optimizer_and_go_with_it():
     del opt, mon, guard, twin, model
     gc.collect()
     assert alive() is None
+
+
+@pytest.mark.parametrize("window", [10, 100, 300])
+@pytest.mark.parametrize("keep", [2, 3, 5])
+def test_a_failure_a_whole_window_back_still_has_a_snapshot_before_it(window, keep):
+    """A loss window longer than ``keep`` snapshots at ``every`` reach (a window over ~1,000 examples at a small
+    batch): an explosion that starts before the first window has filled, or grows through a window, is judged when the
+    window's mean has grown and dated to its first exploded step, up to a window back; the guard spaces its snapshots
+    so that one still lies ``margin`` steps before that, and rolls back there once."""
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    guard = guard_of(model, opt, every=10, keep=keep, window=window, check_every=10)
+    assert guard.snapshot_every == max(10, math.ceil((window + guard.margin) / (keep - 1)))
+    start = window // 2 + 23  # the loss grows from here on the first pass, e-fold every window / 10 steps
+    while guard.steps < start + 3 * window and not guard.rescues:
+        opt.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        guard.observe_loss(math.exp(10 * max(0, guard.steps - start) / window))
+        opt.step()
+    assert len(guard.rescues) == 1 and guard.rescues[0].kind == "exploded"
+    rescue = guard.rescues[0]
+    assert start <= rescue.onset and rescue.restored_step <= rescue.onset - guard.margin, rescue
+    assert guard.steps == rescue.restored_step and guard.gave_up is None

@@ -79,7 +79,7 @@ def _count_collectives(calls: list, current: dict) -> None:
 
 
 def _run(rank: int, scenario: str, store: str, out_dir: str, calls: list, current: dict) -> dict:
-    from normlab.monitor import CollapseGuard, RescueOptions, SnapshotOptions
+    from normlab.monitor import CollapseCriteria, CollapseGuard, RescueOptions, SnapshotOptions
 
     torch.manual_seed(100)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
@@ -93,6 +93,7 @@ def _run(rank: int, scenario: str, store: str, out_dir: str, calls: list, curren
         monitor,
         snapshots=SnapshotOptions(every=4, store=store, directory=directory),
         rescue=RescueOptions(check_every=2, confirm=None),
+        criteria=CollapseCriteria(window=4),  # snapshots 4 apart reach a window and the margin back
     )
     calls.clear()
     current["guard"] = guard

@@ -185,7 +185,7 @@ def _guard(model, opt, scenario: str, store: str, directory: str | None) -> Coll
             max_rescues=extra.get("max_rescues", 3),
             on_give_up=extra.get("on_give_up", "raise"),
         ),
-        criteria=CollapseCriteria(window=extra.get("window", 10)),
+        criteria=CollapseCriteria(window=extra.get("window", EVERY)),  # snapshots EVERY apart reach a window back
     )
 
 

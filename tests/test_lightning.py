@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import re
 import types
 
@@ -20,12 +21,19 @@ from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import FSDPStrategy  # noqa: E402
 
 from normlab.integrations.lightning import VarianceMonitorCallback  # noqa: E402
-from normlab.monitor import RescueOptions, SnapshotOptions  # noqa: E402
+from normlab.monitor import CollapseCriteria, RescueOptions, SnapshotOptions  # noqa: E402
 
 
 def guard(every, check_every=1, **rescue):
-    """The callback's ``guard`` argument: snapshots every ``every`` steps, a check every step unless told."""
-    return {"snapshots": SnapshotOptions(every=every), "rescue": RescueOptions(check_every=check_every, **rescue)}
+    """The callback's ``guard`` argument: snapshots every ``every`` steps, a check every step unless told; enough of
+    them kept to reach the default window (10) and the margin back, so that the guard takes them ``every`` steps
+    apart (``snapshot_interval``)."""
+    margin = rescue.get("margin")
+    keep = max(3, 1 + math.ceil((CollapseCriteria().window + (every if margin is None else margin)) / every))
+    return {
+        "snapshots": SnapshotOptions(every=every, keep=keep),
+        "rescue": RescueOptions(check_every=check_every, **rescue),
+    }
 
 
 class Tiny(pl.LightningModule):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from normlab.monitor import CollapseGuard, RescueOptions, SnapshotOptions
+from normlab.monitor import CollapseCriteria, CollapseGuard, RescueOptions, SnapshotOptions
 from normlab.monitor.snapshots import DCPStore, DiskStore, HostStore, make_store, tensor_bytes
 
 
@@ -39,6 +39,7 @@ def _guarded(store, tmp_path, **snap):
         opt,
         snapshots=SnapshotOptions(every=4, store=store, directory=directory, **snap),
         rescue=RescueOptions(check_every=2),
+        criteria=CollapseCriteria(window=4),  # snapshots 4 apart reach a window and the margin back
     )
     return model, opt, guard
 
@@ -61,9 +62,10 @@ def test_every_store_gives_the_same_rescue_and_the_same_weights(store, tmp_path)
 
 def test_the_disk_store_writes_one_file_per_snapshot_atomically_and_removes_what_it_drops(tmp_path):
     model, opt, guard = _guarded("disk", tmp_path, keep=2)
-    _train(model, opt, 9, guard=guard)
+    assert guard.snapshot_every == 8  # two kept snapshots reach a window (4) and the margin (4) back
+    _train(model, opt, 17, guard=guard)
     names = sorted(p.name for p in (tmp_path / "disk").iterdir())
-    assert names == ["snapshot-1-rank0.pt", "snapshot-2-rank0.pt"]  # steps 4 and 8; step 0's file went with it
+    assert names == ["snapshot-1-rank0.pt", "snapshot-2-rank0.pt"]  # steps 8 and 16; step 0's file went with it
     state = torch.load(tmp_path / "disk" / names[-1], weights_only=True)  # plain tensors and values
     assert set(state) >= {"model", "optimizer", "rng", "tracker"}
     assert guard.nbytes == sum(p.stat().st_size for p in (tmp_path / "disk").iterdir())

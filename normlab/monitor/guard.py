@@ -20,6 +20,7 @@ away with it; the restore undoes the bad step however late it is seen. In exchan
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -36,7 +37,7 @@ from normlab.monitor.shards import check_sharding, largest_rank_bytes, rebuild_m
 from normlab.monitor.snapshots import cpu_copy, make_store, rng_state, set_rng_state
 from normlab.monitor.watch import Seen, StepLog, world_size
 
-__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed"]
+__all__ = ["CollapseGuard", "DismissedAlarm", "Rescue", "RunCollapsed", "snapshot_interval"]
 
 
 class RunCollapsed(RuntimeError):
@@ -77,8 +78,8 @@ class Rescue:
         ...     loss = model(torch.randn(8, 4)).square().mean() * scale
         ...     loss.backward(); guard.observe_loss(loss); opt.step()
         >>> rescue = guard.rescues[0]
-        >>> rescue.reason, rescue.restored_step, rescue.lr_after
-        ('non-finite loss (nan) at step 2', 1, 0.05)
+        >>> rescue.reason, rescue.restored_step, rescue.lr_after  # the snapshots reach a window back: 6 apart
+        ('non-finite loss (nan) at step 2', 0, 0.05)
     """
 
     step: int
@@ -175,6 +176,9 @@ class CollapseGuard:
         rescues: the :class:`Rescue` records, in order.
         dismissed: the :class:`DismissedAlarm` records on the trajectory kept.
         steps: optimizer steps taken so far on the current trajectory (rolled back with the snapshots).
+        snapshot_every: the steps between snapshots (:func:`~normlab.monitor.guard.snapshot_interval`):
+            ``snapshots.every``, or more when the ``keep`` snapshots taken that often would not reach a whole loss
+            window and the margin back.
         rolled_back: the last optimizer step ended in a rollback (the loop may then drop its per-step records).
         gave_up: the message when the guard gave up with ``on_give_up="stop"``, else None.
 
@@ -208,6 +212,7 @@ class CollapseGuard:
         self.model, self.optimizer, self.monitor = model, optimizer, monitor
         self.schedulers, self.scaler = list(schedulers), scaler
         self.margin = self.snapshot_options.every if self.options.margin is None else self.options.margin
+        self.snapshot_every = snapshot_interval(self.snapshot_options, self.criteria.window + self.margin)
         self.steps = 0
         self.rescues: list[Rescue] = []
         self.dismissed: list[DismissedAlarm] = []
@@ -252,7 +257,7 @@ class CollapseGuard:
         self._log.add(self.steps, loss, self._grads_finite)
         self._grads_finite = None
         self.steps += 1
-        every, check = self.snapshot_options.every, self.options.check_every
+        every, check = self.snapshot_every, self.options.check_every
         if self.steps % check == 0 or self.steps % every == 0:
             trouble = self._check()
             if trouble is not None:
@@ -464,8 +469,8 @@ class CollapseGuard:
             >>> for _ in range(5):
             ...     opt.zero_grad(); model(torch.randn(8, 4)).square().mean().backward(); opt.step()
             >>> guard.report("non-finite validation loss")
-            >>> guard.rescues[0].restored_step, guard.steps, guard.rescues[0].reason
-            (2, 2, 'non-finite validation loss')
+            >>> guard.rescues[0].restored_step, guard.steps, guard.rescues[0].reason  # snapshots 6 apart: step 0
+            (0, 0, 'non-finite validation loss')
         """
         if self.gave_up is None:
             self._rescue(Failure("external", self.steps - 1, what=str(reason)))
@@ -603,9 +608,33 @@ class CollapseGuard:
 
     def __repr__(self) -> str:
         return (
-            f"CollapseGuard(steps={self.steps}, every={self.snapshot_options.every}, rescues={len(self.rescues)}, "
+            f"CollapseGuard(steps={self.steps}, every={self.snapshot_every}, rescues={len(self.rescues)}, "
             f"lr_factor={self.options.lr_factor})"
         )
+
+
+def snapshot_interval(options: SnapshotOptions, reach: int) -> int:
+    r"""The steps between a guard's snapshots: ``options.every``, or more when the ``options.keep`` snapshots taken that
+    often would not reach ``reach`` steps back.
+
+    A failure of the loss is judged when its window of ``criteria.window`` steps has filled and dated to the window's
+    first step, and a rollback lands ``margin`` steps before that: the oldest snapshot kept must lie ``reach`` =
+    window + margin steps back. ``keep`` snapshots ``e`` steps apart reach at least ``(keep - 1) * e`` back, so
+
+    .. math::
+        e = \max\left(\text{every}, \left\lceil \frac{\text{reach}}{\text{keep} - 1} \right\rceil\right)
+
+    (``keep`` = 1: ``every``; one snapshot cannot reach back). The defaults (window 10, margin 50, every 50, keep 3)
+    keep ``every``; a window over about 1,000 examples at batch 1 (:meth:`CollapseCriteria.over_examples
+    <normlab.monitor.CollapseCriteria.over_examples>`) spaces them 537 steps apart.
+
+    Example:
+        >>> snapshot_interval(SnapshotOptions(), reach=60), snapshot_interval(SnapshotOptions(), reach=1074)
+        (50, 537)
+    """
+    if options.keep < 2:
+        return options.every
+    return max(options.every, math.ceil(reach / (options.keep - 1)))
 
 
 def _follows(failure: Failure, armed: _Armed) -> bool:

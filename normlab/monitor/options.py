@@ -108,7 +108,9 @@ class SnapshotOptions:
 
     Attributes:
         every: the snapshot interval in optimizer steps (int >= 1; a snapshot is also taken when the guard is made).
-            Default: 50, the library's one value of it.
+            Default: 50, the library's one value of it. A guard whose loss window is longer than the ``keep``
+            snapshots would reach takes them further apart
+            (:func:`~normlab.monitor.guard.snapshot_interval`, ``CollapseGuard.snapshot_every``).
         keep: how many snapshots to keep, the oldest dropped first (int >= 1). Default: 3.
         store: where they live: ``"host"`` (host memory: pinned when the model is on a CUDA device, filled with
             asynchronous copies), ``"disk"`` (one ``torch.save`` file per snapshot in ``directory``, written
