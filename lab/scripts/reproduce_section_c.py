@@ -4,8 +4,8 @@ the monitor's rules of today, and its alarm audit.
 ``normlab-lab reproduce`` runs every section (about an hour on 2 cores); this runs the grids ``collapse``, ``guard``
 and ``guard_dead`` of :data:`normlab_lab.reproduce.mnist1d.FULL_PROTOCOL` exactly as it does (the same specs, data
 and seeds, planned and run the same way) and prints, per run, how it ended and what the monitor said, then the
-audit of the 12 unguarded runs (:func:`normlab_lab.demo.diagnosis.alarm_audit`). Used for issue 34's item 5
-(lab/docs/reproduction.md, "Section (c) with the round-4 rules").
+audit of the 12 unguarded runs (:func:`normlab_lab.demo.diagnosis.alarm_audit`): the quick way to see what new
+monitor rules or a new guard say of section (c) (lab/docs/reproduction.md, "Command and expected time").
 
     OMP_NUM_THREADS=1 python lab/scripts/reproduce_section_c.py runs/reproduce_c --workers 2
 """
