@@ -332,14 +332,15 @@ def test_placements_that_split_a_filter_are_refused_in_one_line(ranks):
 @pytest.mark.timeout(240)
 def test_the_fsdp_example_runs_under_torchrun():
     """docs/examples/monitor_fsdp.py, as docs/monitor.md runs it: torchrun --nproc_per_node 2 on CPU, the monitor and
-    the guard; rank 1 alone sees a NaN loss at step 5 and both ranks roll back to the snapshot of step 2."""
+    the guard; rank 1 alone sees a NaN loss at step 9 and both ranks roll back to the snapshot of step 6 (snapshots
+    asked every 2 steps are taken 6 apart, so that three reach the loss window of 10 and the margin of 2 back)."""
     script = os.path.join(ROOT, "docs", "examples", "monitor_fsdp.py")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
-    args = ["--steps", "8", "--nan-at", "5", "--snapshot-every", "2", "--check-every", "2"]
+    args = ["--steps", "12", "--nan-at", "9", "--snapshot-every", "2", "--check-every", "2"]
     done = subprocess.run([*cmd, script, *args], env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1], done.stdout
     assert math.isfinite(float(lines[0].rsplit("output_var ", 1)[1].split()[0]))
-    assert "rescues [(5, 'non_finite', 2, 0.0005)]" in lines[0], lines[0]
+    assert "rescues [(9, 'non_finite', 6, 0.0005)]" in lines[0], lines[0]

@@ -237,14 +237,14 @@ class VarianceMonitor:
                 "(expected a module matched by normlab.monitor.layers.LINEAR_MAP_RULES - nn.Conv*d, "
                 "nn.ConvTranspose*d, nn.Linear, transformers' Conv1D - or a normalization layer)"
             )
-        self.unwatched = unwatched_layers(self.model, include_norm=self.recording.include_norm)
-        _warn_recurrent(self.unwatched)
         self._record_eval = self.recording.record_eval  # read by every hook call
         self._params = [p for _name, mod, _kind in self.layers for p in mod.parameters()]  # the ranks, the device
         for name, mod, kind in self.layers:
             if kind != "norm":
                 check_sharding(mod, f"VarianceMonitor: layer '{name}' ({type(mod).__name__})")
         self.ranks = Ranks.of(model, self._params)  # the ranks each record is merged over (normlab.monitor.ranks)
+        self.unwatched = unwatched_layers(self.model, include_norm=self.recording.include_norm)  # after FSDP1's refusal
+        _warn_recurrent(self.unwatched)
         self._sharded = any(is_dtensor(p) for p in self._params)
         self._step = 0
         self._mode: str | None = None  # the current step's hooks: "record", "light" or None (set by _sync_hooks)
