@@ -329,7 +329,17 @@ def test_placements_that_split_a_filter_are_refused_in_one_line(ranks):
         assert "layer '0' was sharded" in said["late"] and "after fully_shard" in said["late"]
 
 
-@pytest.mark.timeout(240)
+def _aborted_at_exit(done: subprocess.CompletedProcess) -> bool:
+    """Both ranks printed their line and a rank then aborted outside Python ("terminate called without an active
+    exception", SIGABRT, no Python frame in the fault handler's dump: after the script had returned). Seen in 1-3 of
+    16 runs of this example on a 2-core machine loaded with three busy processes, and once in a CI run; a plain FSDP2
+    loop without the monitor showed none in 20 runs, so whether the monitor raises its odds is not known (docs/
+    monitor.md, "Distributed training"). A run that fails in any other way, or aborts three times, fails the test."""
+    printed = sum(line.startswith("rank ") for line in done.stdout.splitlines()) == 2
+    return printed and "terminate called without an active exception" in done.stderr and "exitcode: -6" in done.stderr
+
+
+@pytest.mark.timeout(600)
 def test_the_fsdp_example_runs_under_torchrun():
     """docs/examples/monitor_fsdp.py, as docs/monitor.md runs it: torchrun --nproc_per_node 2 on CPU, the monitor and
     the guard; rank 1 alone sees a NaN loss at step 9 and both ranks roll back to the snapshot of step 6 (snapshots
@@ -338,7 +348,10 @@ def test_the_fsdp_example_runs_under_torchrun():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port())]
     args = ["--steps", "12", "--nan-at", "9", "--snapshot-every", "2", "--check-every", "2"]
-    done = subprocess.run([*cmd, script, *args], env=env, capture_output=True, text=True, timeout=200)
+    for _ in range(3):  # gloo's C++ teardown can abort a finished rank at interpreter exit (below): run it again
+        done = subprocess.run([*cmd, script, *args], env=env, capture_output=True, text=True, timeout=200)
+        if done.returncode == 0 or not _aborted_at_exit(done):
+            break
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert len(lines) == 2 and lines[0].split(":", 1)[1] == lines[1].split(":", 1)[1], done.stdout
